@@ -1,0 +1,101 @@
+"""Model configuration shared by every layout: one dataclass for GPT-2 and Llama families."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ARCH_DEFAULTS = {
+    # arch: (norm, activation, position, bias)
+    "gpt2": ("layernorm", "gelu", "learned", True),
+    "llama": ("rmsnorm", "swiglu", "rope", False),
+}
+
+
+@dataclass
+class GPTConfig:
+    """Shape and flavour of a GPT model.
+
+    `arch` picks the family defaults (GPT-2: LayerNorm, GeLU, learned positions, biases;
+    Llama: RMSNorm, SwiGLU, RoPE, no biases); `norm`, `activation`, `position` and `bias`
+    override them one by one. `num_kv_heads` < `num_heads` gives grouped-query attention.
+    MoE fields are parsed now and used by the MoE layers (see `moe/`).
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 256
+    seq_len: int = 64
+    dropout: float = 0.0
+    arch: str = "gpt2"
+    norm: str | None = None
+    activation: str | None = None
+    position: str | None = None
+    bias: bool | None = None
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Mixture of Experts (0 experts = dense model).
+    num_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    moe_ffn_hidden_size: int | None = None
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    router_score: str = "softmax"
+    shared_experts: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCH_DEFAULTS:
+            raise ValueError(f"model.arch={self.arch!r} is unknown; use one of {sorted(ARCH_DEFAULTS)}")
+        norm, act, pos, bias = ARCH_DEFAULTS[self.arch]
+        self.norm = self.norm or norm
+        self.activation = self.activation or act
+        self.position = self.position or pos
+        self.bias = bias if self.bias is None else self.bias
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and what to change for an inconsistent shape."""
+        checks = [
+            (self.norm in ("layernorm", "rmsnorm"), f"model.norm={self.norm!r} must be layernorm or rmsnorm"),
+            (self.activation in ("gelu", "swiglu"), f"model.activation={self.activation!r} must be gelu or swiglu"),
+            (self.position in ("learned", "rope"), f"model.position={self.position!r} must be learned or rope"),
+            (self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1"),
+            (self.hidden_size % self.num_heads == 0,
+             f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"),
+            (self.num_heads % self.num_kv_heads == 0,
+             f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}"),
+            (self.position != "rope" or self.head_dim % 2 == 0,
+             f"RoPE needs an even head dim; hidden_size/num_heads={self.head_dim}"),
+            (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
+            (self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2"),
+            (self.seq_len >= 1, f"model.seq_len={self.seq_len} must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary rounded up to a multiple of 128*tp (padded logits never enter the loss)."""
+        multiple = 128 * tp
+        return -(-self.vocab_size // multiple) * multiple

@@ -1,0 +1,220 @@
+"""GPT built from tensor/sequence-parallel layers; both GPT-2 and Llama families.
+
+Activations inside the model are [s, b, h] (sequence-sharded [s/tp, b, h] between TP
+regions under SP). Per layer at tp > 1 there is exactly one fused QKV column-parallel
+projection and one row-parallel output projection in attention, and one column/row pair in
+the MLP, so two all-reduces forward and two backward (or the SP all-gather/reduce-scatter
+pairs). All communication goes through `mpu` over the mesh's TP group.
+
+Fused QKV weight layout (full, layout-independent): rows are grouped per KV head,
+[kv_group 0: q heads of the group, k, v | kv_group 1: ... ], each head_dim rows, so a
+contiguous TP chunk holds whole query groups with their k and v (tp must divide num_kv_heads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from models.config import GPTConfig
+from mpu.cross_entropy import vocab_parallel_cross_entropy
+from mpu.init import constant_init, normal_init, tag
+from mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
+from mpu.mappings import gather_from_region
+from mpu.mesh import Mesh
+from mpu.random import get_rng_tracker
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the last dim; replicated over TP (sequence-parallel under SP)."""
+
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+        super().__init__()
+        h, sp = cfg.hidden_size, mesh.sequence_parallel
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.weight = tag(nn.Parameter(torch.empty(h, device=device, dtype=dtype)),
+                          constant_init((h,), 1.0), sequence_parallel=sp)
+        self.bias = None
+        if cfg.norm == "layernorm" and cfg.bias:
+            self.bias = tag(nn.Parameter(torch.empty(h, device=device, dtype=dtype)),
+                            constant_init((h,), 0.0), sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
+        return F.rms_norm(x, shape, self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq_len, head_dim] for rotate-half RoPE (the Hugging Face Llama convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [b, heads, s, d] by position: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, mesh: Mesh) -> torch.Tensor:
+    """Dropout on [s, b, h]; sequence shards (SP) draw from the per-TP-rank stream."""
+    if p == 0.0 or not training:
+        return x
+    if mesh.sequence_parallel:
+        with get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads split over TP; grouped-query when num_kv_heads < num_heads."""
+
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.mesh = cfg, mesh
+        self.head_dim = cfg.head_dim
+        self.q_per_group = cfg.num_heads // cfg.num_kv_heads
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, mesh, bias=cfg.bias,
+                                        init_std=cfg.init_std, device=device, dtype=dtype)
+        self.proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, mesh, bias=cfg.bias,
+                                      init_std=out_std, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
+        qkv = rearrange(qkv, "s b (g r d) -> b g r s d", r=self.q_per_group + 2, d=self.head_dim)
+        q = rearrange(qkv[:, :, : self.q_per_group], "b g r s d -> b (g r) s d")
+        k, v = qkv[:, :, self.q_per_group], qkv[:, :, self.q_per_group + 1]
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.cfg.dropout if self.training else 0.0
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                 enable_gqa=self.q_per_group > 1)
+        return self.proj(rearrange(out, "b h s d -> s b (h d)"))
+
+
+class MLP(nn.Module):
+    """GeLU MLP (h -> ffn -> h) or SwiGLU (gate and up column-parallel, down row-parallel)."""
+
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.mesh = cfg, mesh
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        kw = dict(bias=cfg.bias, init_std=cfg.init_std, device=device, dtype=dtype)
+        self.up = ColumnParallelLinear(h, f, mesh, **kw)
+        self.gate = ColumnParallelLinear(h, f, mesh, **kw) if cfg.activation == "swiglu" else None
+        self.down = RowParallelLinear(f, h, mesh, bias=cfg.bias, init_std=out_std, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
+        if self.gate is None:
+            hidden = F.gelu(F.linear(x, self.up.weight, self.up.bias), approximate="tanh")
+        else:
+            hidden = F.silu(F.linear(x, self.gate.weight, self.gate.bias)) * F.linear(x, self.up.weight, self.up.bias)
+        return self.down(hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.mesh = cfg, mesh
+        self.norm1 = Norm(cfg, mesh, device, dtype)
+        self.attn = Attention(cfg, mesh, device, dtype)
+        self.norm2 = Norm(cfg, mesh, device, dtype)
+        self.mlp = MLP(cfg, mesh, device, dtype)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        p = self.cfg.dropout
+        x = x + _dropout(self.attn(self.norm1(x), rope), p, self.training, self.mesh)
+        return x + _dropout(self.mlp(self.norm2(x)), p, self.training, self.mesh)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer, built already sharded for `mesh` (TP/SP over `mesh.tp`).
+
+    forward(input_ids [b, s]) returns this rank's vocabulary slice of the logits
+    [b, s, V_pad / tp]; `loss_per_token` gives the unreduced cross-entropy [b, s].
+    """
+
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+        super().__init__()
+        if cfg.is_moe:
+            raise NotImplementedError(
+                f"model.num_experts={cfg.num_experts}: MoE layers are not built yet (see the MoE issue); "
+                "use a dense model (model.num_experts=0) or trainer.dry_run=true to plan the layout"
+            )
+        self.cfg, self.mesh = cfg, mesh
+        self.padded_vocab_size = cfg.padded_vocab_size(mesh.tp_size)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, mesh,
+                                            init_std=cfg.init_std, device=device, dtype=dtype)
+        self.pos_embed = None
+        if cfg.position == "learned":
+            self.pos_embed = tag(
+                nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, device=device, dtype=dtype)),
+                normal_init((cfg.seq_len, cfg.hidden_size), cfg.init_std),
+                sequence_parallel=mesh.sequence_parallel,
+            )
+        self.layers = nn.ModuleList(Block(cfg, mesh, device, dtype) for _ in range(cfg.num_layers))
+        self.final_norm = Norm(cfg, mesh, device, dtype)
+        self.head = None
+        if not cfg.tie_embeddings:
+            self.head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, mesh, bias=False,
+                                             init_std=cfg.init_std, device=device, dtype=dtype)
+            self.head.weight.init_fn = normal_init((self.padded_vocab_size, cfg.hidden_size), cfg.init_std,
+                                                   valid_rows=cfg.vocab_size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.embed.vocab_start
+
+    def _positions_slice(self, seq: int) -> slice:
+        if not self.mesh.sequence_parallel:
+            return slice(0, seq)
+        local = seq // self.mesh.tp_size
+        return slice(self.mesh.tp_rank * local, (self.mesh.tp_rank + 1) * local)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Local-vocabulary logits [b, s, V_pad/tp] for token ids [b, s]."""
+        b, s = input_ids.shape
+        if s > self.cfg.seq_len:
+            raise ValueError(f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}")
+        if self.mesh.sequence_parallel and s % self.mesh.tp_size:
+            raise ValueError(f"sequence parallelism needs tp={self.mesh.tp_size} to divide the sequence length {s}")
+        x = self.embed(input_ids.t())  # [s(/tp), b, h]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[self._positions_slice(s)].unsqueeze(1)
+        x = _dropout(x, self.cfg.dropout, self.training, self.mesh)
+        rope = None
+        if self.cfg.position == "rope":
+            rope = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta, x.device)
+        for layer in self.layers:
+            x = layer(x, rope)
+        x = self.final_norm(x)
+        weight = self.embed.weight if self.head is None else self.head.weight
+        logits = F.linear(enter_tp_region(x, self.mesh), weight)  # [s, b, V_pad/tp]
+        return logits.transpose(0, 1)
+
+    def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded."""
+        return vocab_parallel_cross_entropy(logits, targets, vocab_start=self.vocab_start,
+                                            vocab_size=self.cfg.vocab_size, group=self.mesh.tp)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """All-gather local logits over TP and drop the padded vocabulary: [b, s, vocab_size]."""
+        return gather_from_region(logits, -1, self.mesh.tp)[..., : self.cfg.vocab_size]

@@ -1,0 +1,76 @@
+"""Layout-independent parameter initialization.
+
+Every parameter carries an `init_fn(generator) -> full tensor` describing its *full*
+(unsharded) value, and a `tp_shard_dim` (None when replicated). `initialize_parameters`
+seeds one generator per parameter from (seed, parameter name), builds the full value and
+keeps this rank's shard, so a parameter's full value depends only on the seed and its name,
+never on the layout. The cost is generating each full tensor once per rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+InitFn = Callable[[torch.Generator], torch.Tensor]
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A 63-bit seed derived from (seed, name) that is the same in every process and run."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def normal_init(shape: tuple[int, ...], std: float, valid_rows: int | None = None) -> InitFn:
+    """N(0, std) over `shape`; rows at or past `valid_rows` (vocabulary padding) are zero."""
+
+    def fn(gen: torch.Generator) -> torch.Tensor:
+        rows = shape[0] if valid_rows is None else valid_rows
+        full = torch.zeros(shape)
+        full[:rows] = torch.randn((rows,) + tuple(shape[1:]), generator=gen) * std
+        return full
+
+    return fn
+
+
+def constant_init(shape: tuple[int, ...], value: float) -> InitFn:
+    """A tensor of `shape` filled with `value`."""
+    return lambda gen: torch.full(shape, float(value))
+
+
+def tag(param: nn.Parameter, init_fn: InitFn, tp_shard_dim: int | None = None,
+        sequence_parallel: bool = False) -> nn.Parameter:
+    """Attach sharding metadata to `param` and return it.
+
+    tp_shard_dim: the dim split in equal contiguous chunks over the TP group (None = replicated).
+    sequence_parallel: replicated over TP but fed by sequence shards, so its gradient must be
+    summed over the TP group.
+    """
+    param.init_fn = init_fn
+    param.tp_shard_dim = tp_shard_dim
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+def shard_of(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+    """This rank's contiguous chunk of `full` along `dim` (the whole tensor when dim is None)."""
+    if dim is None or size == 1:
+        return full
+    return full.chunk(size, dim=dim)[rank]
+
+
+@torch.no_grad()
+def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+    """Fill every tagged parameter of `model` with its shard of the layout-independent value."""
+    for name, param in model.named_parameters():
+        init_fn = getattr(param, "init_fn", None)
+        if init_fn is None:
+            raise RuntimeError(f"parameter {name} has no init_fn; create it with mpu.init.tag")
+        gen = torch.Generator().manual_seed(stable_seed(seed, name))
+        local = shard_of(init_fn(gen), param.tp_shard_dim, tp_rank, tp_size)
+        if local.shape != param.shape:
+            raise RuntimeError(f"init of {name}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
+        param.copy_(local.to(param.dtype))

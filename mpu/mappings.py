@@ -1,0 +1,158 @@
+"""Autograd collectives over a tensor-parallel group, each with its conjugate backward.
+
+    copy_to_region          fwd: identity            bwd: all-reduce
+    reduce_from_region      fwd: all-reduce          bwd: identity
+    scatter_to_region       fwd: keep own chunk      bwd: all-gather
+    gather_from_region      fwd: all-gather          bwd: keep own chunk
+    gather_from_sequence    fwd: all-gather (dim 0)  bwd: reduce-scatter (dim 0)
+    reduce_scatter_to_sequence fwd: reduce-scatter   bwd: all-gather (dim 0)
+
+Sequence-parallel tensors are laid out [s, b, h] so a sequence shard is a contiguous chunk
+of dim 0. Every function is the identity when the group has one member (or is None).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mpu.mesh import group_rank, group_size
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over {world} ranks")
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} ranks")
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 0, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient over `group` backward."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce (sum) over `group` forward; identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Keep this rank's chunk of `dim` forward; all-gather the gradient over `group` backward."""
+    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, dim, group)
+
+
+def gather_from_region(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather chunks along `dim` over `group` forward; keep own gradient chunk backward."""
+    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, dim, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """SP: all-gather sequence shards ([s/tp, b, h] -> [s, b, h]); reduce-scatter backward."""
+    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """SP: sum partial [s, b, h] over `group` and keep own sequence shard; all-gather backward."""
+    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """SP: keep own sequence shard of a replicated [s, b, h]; all-gather backward."""
+    return scatter_to_region(x, 0, group)

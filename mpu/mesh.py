@@ -1,0 +1,224 @@
+"""The device mesh: dense dims pp x dp x tp and expert dims pp x edp x ep x etp over the same ranks.
+
+Ranks are laid out with tp fastest-varying (a TP group sits inside one node). Expert layers
+fold the same ranks into pp x edp x ep x etp (etp fastest), independently of the dense layout,
+so 8 ranks can run attention at tp=4, dp=2 and experts at ep=8 ("parallel folding").
+
+`ParallelConfig.validate` checks every size before any process group exists and raises
+`ParallelConfigError` with a message that names the numbers and what to change.
+A `Mesh` with world size 1 needs no process group at all: every group is `None` and every
+collective in `mpu` is skipped for groups of size 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work; the message says what to change."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes. `dp=None` means world // (tp * pp); `ep`/`etp` describe the expert mesh."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    vpp: int = 1
+    schedule: str = "1f1b"
+
+    def resolved(self, world_size: int) -> "ParallelConfig":
+        """Return a copy with dp filled in and every size checked against `world_size`."""
+        out = ParallelConfig(**self.__dict__)
+        for name in ("tp", "pp", "ep", "etp", "vpp"):
+            value = getattr(out, name)
+            if not isinstance(value, int) or value < 1:
+                raise ParallelConfigError(f"parallel.{name}={value} must be a positive integer")
+        if world_size % (out.tp * out.pp) != 0:
+            raise ParallelConfigError(
+                f"world size {world_size} is not divisible by tp*pp={out.tp * out.pp} "
+                f"(tp={out.tp}, pp={out.pp}); change parallel.tp/parallel.pp or the number of processes"
+            )
+        if out.dp is None:
+            out.dp = world_size // (out.tp * out.pp)
+        if out.dp < 1 or out.tp * out.pp * out.dp != world_size:
+            raise ParallelConfigError(
+                f"tp*pp*dp={out.tp}*{out.pp}*{out.dp}={out.tp * out.pp * out.dp} does not equal "
+                f"world size {world_size}; set parallel.dp={world_size // (out.tp * out.pp)} or leave it unset"
+            )
+        if (world_size // out.pp) % (out.ep * out.etp) != 0:
+            raise ParallelConfigError(
+                f"ep*etp={out.ep}*{out.etp}={out.ep * out.etp} does not divide the {world_size // out.pp} "
+                f"ranks of a pipeline stage (world size {world_size} / pp={out.pp}); "
+                f"change parallel.ep/parallel.etp"
+            )
+        if out.sp and out.tp == 1:
+            # SP with tp=1 is the identity; allow it but it changes nothing.
+            pass
+        return out
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: ranks per stage not used by ep*etp."""
+        assert self.dp is not None, "call resolved() first"
+        return self.dp * self.tp // (self.ep * self.etp)
+
+
+def check_model_fits(par: ParallelConfig, cfg) -> None:
+    """Raise ParallelConfigError when the model's shape cannot be split by the layout."""
+    if cfg.num_heads % par.tp:
+        raise ParallelConfigError(
+            f"tp={par.tp} does not divide num_heads={cfg.num_heads}; choose parallel.tp dividing it"
+        )
+    if cfg.num_kv_heads % par.tp:
+        raise ParallelConfigError(
+            f"tp={par.tp} does not divide num_kv_heads={cfg.num_kv_heads}; choose parallel.tp dividing it "
+            f"(or raise model.num_kv_heads)"
+        )
+    if cfg.ffn_hidden_size % par.tp:
+        raise ParallelConfigError(
+            f"tp={par.tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}; choose parallel.tp dividing it"
+        )
+    if par.sp and par.tp > 1 and cfg.seq_len % par.tp:
+        raise ParallelConfigError(
+            f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"
+        )
+    if par.pp > 1 and cfg.num_layers % par.pp:
+        raise ParallelConfigError(
+            f"pp={par.pp} does not divide num_layers={cfg.num_layers}; choose parallel.pp dividing it"
+        )
+    if cfg.num_experts:
+        if cfg.num_experts % par.ep:
+            raise ParallelConfigError(
+                f"ep={par.ep} does not divide num_experts={cfg.num_experts}; choose parallel.ep dividing it"
+            )
+        if cfg.top_k > cfg.num_experts:
+            raise ParallelConfigError(f"top_k={cfg.top_k} is larger than num_experts={cfg.num_experts}")
+        if cfg.moe_ffn_hidden_size % par.etp:
+            raise ParallelConfigError(
+                f"etp={par.etp} does not divide moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"
+            )
+    elif par.ep > 1 or par.etp > 1:
+        raise ParallelConfigError(
+            f"parallel.ep={par.ep}/etp={par.etp} need an MoE model (model.num_experts > 0); set them to 1"
+        )
+
+
+def group_size(group) -> int:
+    """Size of a process group; `None` stands for a group of one (no distributed setup)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This process's rank in `group`; 0 for the trivial group `None`."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+class Mesh:
+    """Process groups of one parallel layout.
+
+    Attributes are torch process groups (or None when the dim has size 1 and no
+    communication is needed): `tp`, `dp`, `pp`, `ep`, `etp`, `edp`, and `tp_dp` (the
+    flattened dp x tp group, used to reduce gradients of sequence-parallel replicated
+    parameters in one collective). Coordinates: `tp_rank`, `dp_rank`, `pp_rank`, ...
+    """
+
+    def __init__(self, par: ParallelConfig, world_size: int, rank: int, device_type: str = "cpu",
+                 create_groups: bool = True):
+        self.par = par
+        self.world_size = world_size
+        self.rank = rank
+        self.device_type = device_type
+        pp, dp, tp = par.pp, par.dp, par.tp
+        ep, etp, edp = par.ep, par.etp, par.edp
+        self.pp_rank, rem = divmod(rank, dp * tp)
+        self.dp_rank, self.tp_rank = divmod(rem, tp)
+        _, rem = divmod(rank, edp * ep * etp)
+        self.edp_rank, rem = divmod(rem, ep * etp)
+        self.ep_rank, self.etp_rank = divmod(rem, etp)
+        self.dense_mesh: DeviceMesh | None = None
+        self.expert_mesh: DeviceMesh | None = None
+        self.tp = self.dp = self.pp = self.ep = self.etp = self.edp = self.tp_dp = None
+        if world_size == 1 or not create_groups:
+            return
+        ranks = torch.arange(world_size)
+        self.dense_mesh = DeviceMesh(device_type, ranks.view(pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.expert_mesh = DeviceMesh(
+            device_type, ranks.view(pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp")
+        )
+        dense, expert = self.dense_mesh, self.expert_mesh
+        self.tp = dense.get_group("tp") if tp > 1 else None
+        self.dp = dense.get_group("dp") if dp > 1 else None
+        self.pp = dense.get_group("pp") if pp > 1 else None
+        self.ep = expert.get_group("ep") if ep > 1 else None
+        self.etp = expert.get_group("etp") if etp > 1 else None
+        self.edp = expert.get_group("edp") if edp > 1 else None
+        # dp x tp flattened: every rank of a pipeline stage.
+        self.tp_dp = None
+        if tp * dp > 1:
+            for stage in range(pp):
+                members = ranks.view(pp, dp * tp)[stage].tolist()
+                group = dist.new_group(members)
+                if stage == self.pp_rank:
+                    self.tp_dp = group
+
+    @property
+    def tp_size(self) -> int:
+        return self.par.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.par.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.par.pp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return bool(self.par.sp and self.par.tp > 1)
+
+    def describe(self) -> str:
+        p = self.par
+        return (
+            f"rank {self.rank}/{self.world_size}: dense pp={p.pp} dp={p.dp} tp={p.tp} "
+            f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} tp_rank={self.tp_rank}); "
+            f"expert edp={p.edp} ep={p.ep} etp={p.etp}; sp={self.sequence_parallel}"
+        )
+
+
+def build_mesh(par: ParallelConfig, model_cfg=None, device_type: str = "cpu") -> Mesh:
+    """Validate `par` (and the model shape) against the current world, then build the groups.
+
+    Requires `torch.distributed` to be initialized when the world has more than one process.
+    Validation happens identically on every rank before any group is created, so a bad
+    layout raises everywhere instead of hanging.
+    """
+    if dist.is_available() and dist.is_initialized():
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world_size, rank = 1, 0
+    resolved = par.resolved(world_size)
+    if model_cfg is not None:
+        check_model_fits(resolved, model_cfg)
+    return Mesh(resolved, world_size, rank, device_type)
+
+
+def virtual_mesh(par: ParallelConfig, world_size: int, rank: int) -> Mesh:
+    """Coordinates of `rank` in a layout without any process group: for planning on the meta
+    device (building a rank's shards without running collectives)."""
+    return Mesh(par.resolved(world_size), world_size, rank, create_groups=False)
+
+
+def single_process_mesh(par: ParallelConfig | None = None) -> Mesh:
+    """A world-of-one mesh (no process groups); `par` may only hold size-1 dims."""
+    return Mesh((par or ParallelConfig()).resolved(1), 1, 0)

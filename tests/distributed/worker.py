@@ -1,0 +1,48 @@
+"""Worker process of `harness.run_world`: join the gloo world, run the cases, write results."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--module", required=True)
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--collective-timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
+                            world_size=args.world_size,
+                            timeout=datetime.timedelta(seconds=args.collective_timeout))
+    module = importlib.import_module(args.module)
+    results: dict[str, str] = {}
+    out = Path(args.out) / f"result{args.rank}.json"
+    for case in args.cases.split(","):
+        try:
+            getattr(module, case)()
+            results[case] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[case] = traceback.format_exc()
+        out.write_text(json.dumps(results))
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001
+            break
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

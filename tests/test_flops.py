@@ -1,0 +1,249 @@
+"""Hand-checked FLOP, parameter and activation-memory counts (training/flops.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.config import GPTConfig
+from training.flops import (
+    activation_bytes_per_microbatch,
+    model_flops_per_token,
+    model_state_bytes,
+    param_count,
+    params_per_rank,
+)
+
+
+def gpt2_tiny(**kw) -> GPTConfig:
+    # h=64, a=4, f=256, V=256 (already a multiple of 128), s=32, LayerNorm with bias, tied.
+    args = dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=32,
+                arch="gpt2")
+    return GPTConfig(**{**args, **kw})
+
+
+def llama_gqa_tiny(**kw) -> GPTConfig:
+    # h=64, a=4, g=2 kv heads, d=16, f=160, V=300 -> padded 384, s=16, RMSNorm, no bias, untied.
+    args = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, vocab_size=300,
+                seq_len=16, arch="llama", tie_embeddings=False)
+    return GPTConfig(**{**args, **kw})
+
+
+def moe_tiny(**kw) -> GPTConfig:
+    # Llama flavour, h=32, a=4, f=64, V=128, s=8; layer 1 (of 0, 1) is MoE (moe_every=2):
+    # 4 experts of F=48, top_k=2, 1 shared expert; tied embeddings.
+    args = dict(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=128, seq_len=8,
+                arch="llama", num_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=48, shared_experts=1)
+    return GPTConfig(**{**args, **kw})
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def test_param_count_gpt2():
+    wte = 256 * 64
+    wpe = 32 * 64
+    ln = 64 + 64  # weight + bias
+    qkv = 64 * 192 + 192  # (4 + 2*4) heads * 16
+    proj = 64 * 64 + 64
+    fc1 = 64 * 256 + 256
+    fc2 = 256 * 64 + 64
+    layer = ln + qkv + proj + ln + fc1 + fc2
+    assert layer == 49984
+    total = wte + wpe + 2 * layer + ln  # tied head counted once, final LayerNorm
+    assert total == 118528
+    pc = param_count(gpt2_tiny())
+    assert pc["total"] == total
+    assert pc["active_per_token"] == total
+    assert pc["embedding"] == wte + wpe
+
+
+def test_param_count_llama_gqa_untied():
+    vocab = 384  # 300 padded to a multiple of 128
+    emb = vocab * 64
+    norm = 64  # RMSNorm: weight only
+    qkv = 64 * (4 + 2 * 2) * 16  # no bias
+    proj = 64 * 64
+    mlp = 3 * 64 * 160  # gate, up, down
+    layer = 2 * norm + qkv + proj + mlp
+    total = emb + 2 * layer + norm + emb  # untied LM head
+    assert total == 135488
+    assert param_count(llama_gqa_tiny())["total"] == total
+
+
+def test_param_count_llama_with_bias_and_layernorm():
+    cfg = llama_gqa_tiny(bias=True, norm="layernorm")
+    base = param_count(llama_gqa_tiny())["total"]
+    # Every norm (5) gains a bias of h; QKV bias 128, proj bias 64, gate+up bias 2*160, down bias 64.
+    extra = 5 * 64 + 2 * (128 + 64 + 2 * 160 + 64)
+    assert param_count(cfg)["total"] == base + extra
+
+
+def test_param_count_moe():
+    emb = 128 * 32
+    attn = 2 * 32 + 32 * 96 + 32 * 32  # two RMSNorms, QKV, proj
+    dense = attn + 3 * 32 * 64
+    expert = 3 * 32 * 48
+    moe = attn + 4 * 32 + 4 * expert + 1 * expert  # router [4, 32], 4 experts, 1 shared
+    total = emb + dense + moe + 32
+    assert total == 41760
+    pc = param_count(moe_tiny())
+    assert pc["total"] == total
+    assert pc["active_per_token"] == total - (4 - 2) * expert == 32544
+
+
+# ----------------------------------------------------------------------------- flops
+
+
+def test_flops_gpt2():
+    h, s, f, v = 64, 32, 256, 256
+    qkv = 2 * h * 3 * h
+    attn = 2 * s * h + 2 * s * h  # QK^T and AV over the full s x s square
+    proj = 2 * h * h
+    mlp = 2 * (h * f + f * h)
+    head = 2 * h * v
+    expected = 3 * (2 * (qkv + attn + proj + mlp) + head)
+    assert expected == 737280
+    assert model_flops_per_token(gpt2_tiny()) == expected
+
+
+def test_flops_llama_gqa():
+    h, s, f, v, d = 64, 16, 160, 384, 16
+    qkv = 2 * h * (4 + 2 * 2) * d
+    attn = 4 * s * h
+    proj = 2 * h * h
+    mlp = 2 * 3 * h * f
+    head = 2 * h * v  # padded vocab
+    expected = 3 * (2 * (qkv + attn + proj + mlp) + head)
+    assert expected == 688128
+    assert model_flops_per_token(llama_gqa_tiny()) == expected
+
+
+def test_flops_moe():
+    h, s, f, fm, v, e = 32, 8, 64, 48, 128, 4
+    attn = 2 * h * 3 * h + 4 * s * h + 2 * h * h
+    dense = attn + 2 * 3 * h * f
+    moe = attn + 2 * h * e + (2 + 1) * 2 * 3 * h * fm  # router + top_k routed + 1 shared
+    expected = 3 * (dense + moe + 2 * h * v)
+    assert expected == 200448
+    assert model_flops_per_token(moe_tiny()) == expected
+    assert model_flops_per_token(moe_tiny(top_k=1)) == expected - 3 * 2 * 3 * h * fm
+
+
+def test_flops_close_to_6n_plus_attention():
+    # Dense, untied: 6 * matmul params + 3 * 2 * (2*s*h) per layer (attention), exactly.
+    cfg = llama_gqa_tiny()
+    matmul_params = param_count(cfg)["total"] - 5 * 64 - 384 * 64  # minus norms and embedding lookup
+    assert model_flops_per_token(cfg) == 6 * matmul_params + 3 * 2 * 4 * 16 * 64
+
+
+# ----------------------------------------------------------------------------- sharded state
+
+
+def test_params_per_rank_tp_pp():
+    # tp=2: embedding rows, QKV, fc1 (weight+bias), proj/fc2 weights halve; norms, wpe, row biases don't.
+    layer = 2 * 128 + (12480 // 2) + (4096 // 2 + 64) + (16640 // 2) + (16384 // 2 + 64)
+    assert params_per_rank(gpt2_tiny(), tp=2) == 256 // 2 * 64 + 32 * 64 + 2 * layer + 128 == 60736
+    # pp=2: first stage embeddings + layer 0; last stage layer 1 + final norm + tied head copy.
+    first = 256 * 64 + 32 * 64 + 49984
+    last = 49984 + 128 + 256 * 64
+    assert params_per_rank(gpt2_tiny(), pp=2) == max(first, last) == 68416
+    assert params_per_rank(gpt2_tiny()) == param_count(gpt2_tiny())["total"]
+    with pytest.raises(ValueError, match="num_heads"):
+        params_per_rank(gpt2_tiny(), tp=3)
+
+
+def test_params_per_rank_moe_ep():
+    expert = 3 * 32 * 48
+    total = param_count(moe_tiny())["total"]
+    assert params_per_rank(moe_tiny(), ep=2) == total - 2 * expert
+    assert params_per_rank(moe_tiny(), ep=4, etp=2) == total - 3 * expert - expert // 2
+    with pytest.raises(ValueError, match="num_experts"):
+        params_per_rank(moe_tiny(), ep=3)
+
+
+def test_model_state_bytes():
+    n = param_count(gpt2_tiny())["total"]
+    fp32 = model_state_bytes(gpt2_tiny())
+    assert fp32 == {"params": n, "weights": 4 * n, "grads": 4 * n, "main_params": 0, "optimizer": 8 * n,
+                    "total": 16 * n}
+    bf16 = model_state_bytes(gpt2_tiny(), precision="bf16")
+    assert (bf16["weights"], bf16["grads"], bf16["main_params"], bf16["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
+    assert model_state_bytes(gpt2_tiny(), zero_dp=2)["total"] == 4 * n + 4 * n + 4 * n
+    with pytest.raises(ValueError, match="precision"):
+        model_state_bytes(gpt2_tiny(), precision="fp8")
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def test_activations_match_korthikanti_16bit():
+    # GPT-2 block with f = 4h, MHA and dropout: the paper's per-layer bytes, 16-bit.
+    cfg = gpt2_tiny(dropout=0.1)
+    s, b, h, a, L, v = 32, 2, 64, 4, 2, 256
+    sbh = s * b * h
+    outside_rep = s * b * (h + 2 * h * 2)  # embedding dropout mask; final-norm + LM-head inputs
+    logits = s * b * 4 * v  # fp32 softmax of the local vocab shard
+
+    layer = sbh * (34 + 5 * a * s // h)
+    assert activation_bytes_per_microbatch(cfg, b, tp=1, sp=False, bytes_per_elem=2) == (
+        L * layer + outside_rep + logits
+    )
+
+    t = 2  # tensor parallel, no SP: sbh * (10 + 24/t + 5as/(ht))
+    layer_tp = sbh * 10 + sbh * 24 // t + sbh * 5 * a * s // (h * t)
+    assert activation_bytes_per_microbatch(cfg, b, tp=t, sp=False, bytes_per_elem=2) == (
+        L * layer_tp + outside_rep + logits // t
+    )
+
+    # tensor + sequence parallel: everything / t
+    assert activation_bytes_per_microbatch(cfg, b, tp=t, sp=True, bytes_per_elem=2) == (
+        (L * layer + outside_rep) // t + logits // t
+    )
+
+
+def test_activations_fp32_llama_terms():
+    cfg = llama_gqa_tiny()  # no dropout, swiglu, GQA
+    s, b, h, a, g, d, f, v = 16, 3, 64, 4, 2, 16, 160, 384
+    e = 4
+    per_layer = (4 * h) * e + (2 * h + 2 * g * d) * e + a * s * e + 3 * f * e
+    expected = s * b * (2 * per_layer + 2 * h * e + 4 * v)
+    assert activation_bytes_per_microbatch(cfg, b, tp=1, sp=False) == expected
+    flash = (4 * h) * e + (2 * h + 2 * g * d) * e + 4 * a + 3 * f * e
+    assert activation_bytes_per_microbatch(cfg, b, tp=1, sp=False, flash_attention=True) == (
+        s * b * (2 * flash + 2 * h * e + 4 * v)
+    )
+
+
+def test_activations_scale_with_tp_sp_and_batch():
+    cfg = llama_gqa_tiny(vocab_size=512)  # 512 = multiple of 128*4: no extra padding at tp<=4
+    base = activation_bytes_per_microbatch(cfg, 4, tp=1, sp=False)
+    for t in (2, 4):
+        with_sp = activation_bytes_per_microbatch(cfg, 4, tp=t, sp=True)
+        without = activation_bytes_per_microbatch(cfg, 4, tp=t, sp=False)
+        assert with_sp * t == base
+        assert with_sp < without < base
+    for b in (1, 2, 8):
+        assert activation_bytes_per_microbatch(cfg, b, tp=2, sp=True) * 4 == (
+            activation_bytes_per_microbatch(cfg, 4, tp=2, sp=True) * b
+        )
+    # Monotone in model size and in dropout; fp16 halves the tensors but not the fp32 loss.
+    assert activation_bytes_per_microbatch(llama_gqa_tiny(num_kv_heads=4), 4, 1, False) > (
+        activation_bytes_per_microbatch(llama_gqa_tiny(), 4, 1, False)
+    )
+    assert activation_bytes_per_microbatch(gpt2_tiny(dropout=0.1), 1, 1, False) > (
+        activation_bytes_per_microbatch(gpt2_tiny(), 1, 1, False)
+    )
+    half = activation_bytes_per_microbatch(cfg, 4, 1, False, bytes_per_elem=2)
+    assert base // 2 < half < base
+
+
+def test_activations_moe():
+    b, e = 2, 4
+    s, h, fm, n_exp, k = 8, 32, 48, 4, 2
+    dense = activation_bytes_per_microbatch(moe_tiny(num_experts=0), b, 1, False)
+    moe = activation_bytes_per_microbatch(moe_tiny(), b, 1, False)
+    # Layer 1 swaps the dense MLP hidden (3*64) for router probs, top_k (input, hidden, output)
+    # and one shared expert's hidden.
+    delta = s * b * e * (n_exp + k * (2 * h + 3 * fm) + 3 * fm - 3 * 64)
+    assert moe - dense == delta
+    assert activation_bytes_per_microbatch(moe_tiny(top_k=1), b, 1, False) < moe

@@ -1,0 +1,1 @@
+"""Training loop, optimizer and LR schedule, checkpoints, data, metrics and logging."""
