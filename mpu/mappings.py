@@ -19,6 +19,11 @@ import torch.distributed as dist
 from mpu.mesh import group_rank, group_size
 
 
+# torch >= 2.13 renames the tensor collectives; keep working on older releases.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
@@ -42,7 +47,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_into(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -54,7 +59,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} ranks")
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_into(out, x, group=group)
     return out.movedim(0, dim)
 
 

@@ -1,8 +1,8 @@
 """Run many test cases inside one multi-process gloo world.
 
-`run_world(world_size, module, cases)` starts `world_size` worker processes once (each with
-OMP_NUM_THREADS=1), rendezvous through a temporary FileStore, runs every named case function
-of `module` in order on every rank, and returns per-case results. The whole world has a
+`run_world(world_size, cases)` starts `world_size` worker processes once (each with
+OMP_NUM_THREADS=1), rendezvous through a temporary FileStore, runs every case
+("package.module:function") in order on every rank, and returns per-case results. The whole world has a
 wall-clock timeout and every collective a gloo timeout, so a hang fails in seconds.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_world(world_size: int, module: str, cases: list[str], timeout: float = 600.0,
+def run_world(world_size: int, cases: list[str], timeout: float = 600.0,
               collective_timeout: float = 60.0) -> dict[str, dict]:
     """Return {case: {"ok": bool, "errors": {rank: traceback}}} after running all cases."""
     with tempfile.TemporaryDirectory(prefix=f"meshtron-w{world_size}-") as tmp:
@@ -29,7 +29,7 @@ def run_world(world_size: int, module: str, cases: list[str], timeout: float = 6
         procs = []
         for rank in range(world_size):
             cmd = [sys.executable, "-m", "tests.distributed.worker", "--world-size", str(world_size),
-                   "--rank", str(rank), "--store", store, "--module", module, "--out", tmp,
+                   "--rank", str(rank), "--store", store, "--out", tmp,
                    "--collective-timeout", str(collective_timeout), "--cases", ",".join(cases)]
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))

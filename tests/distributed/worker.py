@@ -18,7 +18,6 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store", required=True)
-    parser.add_argument("--module", required=True)
     parser.add_argument("--cases", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--collective-timeout", type=float, default=60.0)
@@ -27,12 +26,12 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                             world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=args.collective_timeout))
-    module = importlib.import_module(args.module)
     results: dict[str, str] = {}
     out = Path(args.out) / f"result{args.rank}.json"
     for case in args.cases.split(","):
         try:
-            getattr(module, case)()
+            module_name, func = case.split(":")
+            getattr(importlib.import_module(module_name), func)()
             results[case] = "ok"
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[case] = traceback.format_exc()

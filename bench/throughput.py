@@ -1,0 +1,305 @@
+"""Training throughput of meshtron's real training step for one shape and layout.
+
+Runs the same pieces a training run uses (`GPT` built sharded on the mesh,
+`initialize_parameters`, `seed_parallel_rng`, `DataParallelGradReducer`, `build_optimizer`,
+`training.step.train_step`) on random token batches from a fixed seed, times each step and
+prints ONE JSON object on stdout (global rank 0 only).
+
+    python bench/throughput.py                                   # reference shape, 1 process
+    torchrun --standalone --nproc_per_node=2 bench/throughput.py --tp 2
+
+Defaults are the DESIGN.md reference shape (GPT-2 style, 4 layers, hidden 256, 4 heads,
+seq 128, global batch 8, vocab 8192, fp32, AdamW). On CPU each step ends with `.item()` of
+the loss (the wall time per step needs a host sync); on CUDA with a device synchronize.
+
+`--profile` runs one more step under torch.profiler after the timed steps and prints the
+top operators (and a coarse per-phase breakdown) to stderr on rank 0; stdout stays JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from models.config import GPTConfig  # noqa: E402
+from models.gpt import GPT  # noqa: E402
+from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
+from mpu.init import initialize_parameters  # noqa: E402
+from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+from mpu.random import seed_parallel_rng  # noqa: E402
+from training.flops import model_flops_per_token  # noqa: E402
+from training.optim import build_optimizer  # noqa: E402
+from training.peak import peak_flops  # noqa: E402
+from training.step import train_step  # noqa: E402
+
+SEED = 1234
+DATA_SEED = 4321
+LR = 3e-4
+WEIGHT_DECAY = 0.1
+MAX_GRAD_NORM = 1.0
+
+# DESIGN.md "Performance principles": measured side by side on the 2-core CPU, fp32, AdamW,
+# tokens/s per step, 1 process x 2 threads (tp=1) vs 2 processes x 1 thread (tp=2).
+REFERENCE_SHAPE = dict(arch="gpt2", layers=4, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=8192,
+                       seq=128, batch=8)
+REFERENCE = {
+    "source": "DESIGN.md, Performance principles (2-core CPU, fp32, AdamW; 1 process x 2 threads "
+              "vs 2 processes x 1 thread)",
+    "tokens_per_s": {
+        "megatron_core_0.19_tp1": 2600,
+        "megatron_core_0.19_tp2": 2100,
+        "hf_gpt2": 2500,
+        "dtensor_tp2": 1300,
+    },
+    "megatron_core_tp1_mfu": 0.88,
+    "cpu_peak_flops": 98e9,
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--ffn", type=int, default=None, help="default: 4 * hidden")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="global batch size (sequences per step)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per microbatch on one dp rank (default: batch // dp, one microbatch)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1 to matter)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (default: torch's current count; under torchrun "
+                        "on CPU without OMP_NUM_THREADS: max(1, cores // local processes))")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--profile", action="store_true",
+                   help="profile one extra step with torch.profiler; table to stderr on rank 0")
+    args = p.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        p.error(f"--warmup={args.warmup} must be >= 0 and --steps={args.steps} >= 1")
+    return args
+
+
+def fail(msg: str) -> None:
+    print(f"bench/throughput.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def choose_threads(args: argparse.Namespace, device: torch.device) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            fail(f"--threads={args.threads} must be >= 1")
+        return args.threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device.type == "cpu" and local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // local)
+    return torch.get_num_threads()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        fail("--device=cuda but torch.cuda.is_available() is False; use --device cpu or auto")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def global_batches(cfg: GPTConfig, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` random global batches (inputs, targets) [batch, seq], identical on every rank."""
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def rank_microbatches(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int, dp: int, micro: int,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This dp rank's contiguous slice of the global batch, cut into microbatches of `micro`."""
+    per_rank = inputs.shape[0] // dp
+    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    x, y = inputs[rows].to(device), targets[rows].to(device)
+    return [(x[i: i + micro], y[i: i + micro]) for i in range(0, per_rank, micro)]
+
+
+def sync_step(out: dict, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return float(out["loss"].item())
+
+
+def profile_step(model, reducer, optimizer, micro, mesh, device, rank: int) -> None:
+    """One train_step under torch.profiler; rank 0 prints op table and a phase breakdown to stderr."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        with record_function("bench::train_step"):
+            out = train_step(model, reducer, optimizer, micro, mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM)
+            sync_step(out, device)
+    if rank != 0:
+        return
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=30), file=sys.stderr)
+    # Phase breakdown from profiler events: autograd engine (backward), optimizer, forward.
+    events = prof.key_averages()
+    wanted = ["bench::train_step", "Optimizer.step#AdamW.step", "autograd::engine::evaluate_function",
+              "_VocabParallelCrossEntropyBackward", "_VocabParallelCrossEntropy",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+              "aten::addmm", "aten::mm", "aten::linear", "gloo:all_reduce", "c10d::allreduce_"]
+    rows = {e.key: e for e in events}
+    print("phase/op cpu totals (ms):", file=sys.stderr)
+    for key in wanted:
+        for name, e in rows.items():
+            if name.startswith(key):
+                print(f"  {name:70s} total {e.cpu_time_total / 1e3:8.2f}  self {e.self_cpu_time_total / 1e3:8.2f}"
+                      f"  calls {e.count}", file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(args.device)
+    threads = choose_threads(args, device)
+    torch.set_num_threads(threads)
+
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
+    rank = dist.get_rank() if world > 1 else 0
+
+    try:
+        cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                        num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
+                        seq_len=args.seq, dropout=0.0)
+        mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp), cfg, device_type=device.type)
+    except ValueError as exc:  # ParallelConfigError is a ValueError
+        fail(str(exc))
+    dp = mesh.dp_size
+    if args.batch % dp:
+        fail(f"--batch={args.batch} is not divisible by dp={dp} (world {world} / tp={args.tp})")
+    per_rank = args.batch // dp
+    micro = per_rank if args.micro_batch is None else args.micro_batch
+    if micro < 1 or per_rank % micro:
+        fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
+
+    seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank, device_type=device.type)
+    model = GPT(cfg, mesh, device=device)
+    initialize_parameters(model, SEED, mesh.tp_rank, mesh.tp_size)
+    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
+    optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
+
+    total = args.warmup + args.steps + (1 if args.profile else 0)
+    batches = [rank_microbatches(x, y, mesh.dp_rank, dp, micro, device)
+               for x, y in global_batches(cfg, args.batch, total)]
+
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        if world > 1:
+            dist.barrier()  # every rank starts the step together; the barrier is outside the timing
+        t0 = time.perf_counter()
+        out = train_step(model, reducer, optimizer, batches[i], mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM)
+        loss = sync_step(out, device)
+        dt = time.perf_counter() - t0
+        if i >= args.warmup:
+            times.append(dt)
+            losses.append(loss)
+    if world > 1:
+        # A step lasts as long as its slowest rank.
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = t.tolist()
+
+    if args.profile:
+        profile_step(model, reducer, optimizer, batches[-1], mesh, device, rank)
+
+    # Peak: each process measures its own (CPU: matmul on its threads, all ranks at once so
+    # they compete for cores as in training; CUDA: datasheet), summed over the world.
+    if world > 1:
+        dist.barrier()
+    per_proc, source = peak_flops(device, torch.float32)
+    if world > 1:
+        pk = torch.tensor([per_proc], dtype=torch.float64, device=device)
+        dist.all_reduce(pk)
+        total_peak = float(pk.item())
+        peak_source = (f"sum over {world} processes of training.peak.peak_flops per process, measured "
+                       f"concurrently ({source}; rank 0: {per_proc / 1e9:.1f} GFLOP/s)"
+                       if device.type == "cpu" else f"{world} x {source}")
+    else:
+        total_peak = per_proc
+        peak_source = source
+
+    tokens_per_step = args.batch * cfg.seq_len
+    step_med = statistics.median(times)
+    tokens_per_s = tokens_per_step / step_med
+    fpt = model_flops_per_token(cfg)
+    achieved = fpt * tokens_per_s
+
+    shape = dict(arch=cfg.arch, layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
+                 kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size, seq=cfg.seq_len,
+                 batch=args.batch)
+    reference = None
+    if shape == REFERENCE_SHAPE:
+        reference = dict(REFERENCE)
+        same = "megatron_core_0.19_tp1" if args.tp == 1 else ("megatron_core_0.19_tp2" if args.tp == 2 else None)
+        if same is not None and device.type == "cpu" and not args.sp:
+            reference["same_layout"] = same
+            reference["ratio_to_same_layout"] = round(tokens_per_s / REFERENCE["tokens_per_s"][same], 3)
+
+    result = {
+        "bench": "throughput",
+        "config": {**shape, "micro_batch": micro, "dtype": "fp32", "optimizer": "AdamW",
+                   "tie_embeddings": cfg.tie_embeddings, "padded_vocab": cfg.padded_vocab_size(args.tp)},
+        "layout": {"world": world, "tp": args.tp, "dp": dp, "sp": bool(args.sp), "pp": 1,
+                   "microbatches_per_rank": per_rank // micro, "threads_per_process": threads},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        # Other work on the host skews CPU timings: compare load_avg_1m with cpus (ours included).
+        "host": {"cpus": os.cpu_count(), "load_avg_1m_start": load_start,
+                 "load_avg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
+        "steps": {"warmup": args.warmup, "timed": args.steps},
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": {"median": step_med, "min": min(times), "max": max(times)},
+        "flops_per_token": fpt,
+        "achieved_flops": achieved,
+        "peak_flops": total_peak,
+        "peak_source": peak_source,
+        "mfu": achieved / total_peak,
+        "loss": {"first": losses[0], "last": losses[-1]},
+        "reference": reference,
+        "torch": torch.__version__,
+    }
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+    reducer.remove_hooks()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Multi-process checks of the mpu building blocks: mesh groups, autograd collectives,
+vocab-parallel cross-entropy, RNG streams and bucketed gradient reduction."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from mpu.grad_reduce import DataParallelGradReducer
+from mpu.mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_region,
+)
+from mpu.mesh import ParallelConfig, build_mesh, group_size
+from mpu.random import get_rng_tracker, seed_parallel_rng
+
+
+def _ranks(group) -> list[int]:
+    return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(msg)
+
+
+def mesh_groups() -> None:
+    """Groups hold exactly the ranks the layout formula says (dense tp fastest, expert etp fastest)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layouts = [ParallelConfig(tp=2), ParallelConfig(tp=1)]
+    if world >= 4:
+        layouts += [ParallelConfig(tp=2, ep=2, etp=1), ParallelConfig(tp=2, ep=1, etp=2)]
+    if world == 8:
+        layouts += [ParallelConfig(tp=4, ep=8), ParallelConfig(tp=4, ep=2, etp=2), ParallelConfig(tp=2, pp=2, ep=2)]
+    for par in layouts:
+        mesh = build_mesh(par)
+        p = mesh.par
+        stage, rem = divmod(rank, p.dp * p.tp)
+        dp_rank, tp_rank = divmod(rem, p.tp)
+        want_tp = [stage * p.dp * p.tp + dp_rank * p.tp + t for t in range(p.tp)]
+        want_dp = [stage * p.dp * p.tp + d * p.tp + tp_rank for d in range(p.dp)]
+        want_pp = [s * p.dp * p.tp + rem for s in range(p.pp)]
+        _check(_ranks(mesh.tp) == want_tp, f"{par}: tp group {_ranks(mesh.tp)} != {want_tp}")
+        _check(_ranks(mesh.dp) == want_dp, f"{par}: dp group {_ranks(mesh.dp)} != {want_dp}")
+        _check(_ranks(mesh.pp) == want_pp, f"{par}: pp group {_ranks(mesh.pp)} != {want_pp}")
+        base = stage * p.dp * p.tp
+        edp_rank, r2 = divmod(rem, p.ep * p.etp)
+        ep_rank, etp_rank = divmod(r2, p.etp)
+        want_ep = [base + edp_rank * p.ep * p.etp + e * p.etp + etp_rank for e in range(p.ep)]
+        want_etp = [base + edp_rank * p.ep * p.etp + ep_rank * p.etp + t for t in range(p.etp)]
+        want_edp = [base + d * p.ep * p.etp + ep_rank * p.etp + etp_rank for d in range(p.edp)]
+        _check(_ranks(mesh.ep) == want_ep, f"{par}: ep group {_ranks(mesh.ep)} != {want_ep}")
+        _check(_ranks(mesh.etp) == want_etp, f"{par}: etp group {_ranks(mesh.etp)} != {want_etp}")
+        _check(_ranks(mesh.edp) == want_edp, f"{par}: edp group {_ranks(mesh.edp)} != {want_edp}")
+        _check(sorted(_ranks(mesh.tp_dp)) == sorted(range(base, base + p.dp * p.tp)), f"{par}: tp_dp group")
+        _check((mesh.tp_rank, mesh.dp_rank, mesh.pp_rank) == (tp_rank, dp_rank, stage), f"{par}: coordinates")
+
+
+def mappings_forward_backward() -> None:
+    """Each autograd collective and its conjugate backward give the closed-form values."""
+    mesh = build_mesh(ParallelConfig(tp=dist.get_world_size()))
+    g, n, r = mesh.tp, mesh.tp_size, mesh.tp_rank
+    base = torch.arange(6.0).reshape(2, 3)
+
+    x = (base + r).requires_grad_()
+    y = reduce_from_region(x, g)
+    _check(torch.equal(y, base * n + sum(range(n))), "reduce_from_region forward")
+    y.backward(torch.full_like(y, float(r + 1)))
+    _check(torch.equal(x.grad, torch.full_like(x, float(r + 1))), "reduce_from_region backward is identity")
+
+    x = base.clone().requires_grad_()
+    copy_to_region(x, g).backward(torch.full((2, 3), float(r + 1)))
+    _check(torch.equal(x.grad, torch.full((2, 3), float(sum(range(1, n + 1))))), "copy_to_region backward all-reduces")
+
+    full = torch.arange(4.0 * n).reshape(2, 2 * n)
+    x = full.clone().requires_grad_()
+    part = scatter_to_region(x, 1, g)
+    _check(torch.equal(part, full.chunk(n, 1)[r]), "scatter_to_region forward")
+    part.backward(torch.ones_like(part) * (r + 1))
+    want = torch.cat([torch.ones(2, 2) * (k + 1) for k in range(n)], dim=1)
+    _check(torch.equal(x.grad, want), "scatter_to_region backward all-gathers")
+
+    x = full.chunk(n, 1)[r].clone().requires_grad_()
+    gathered = gather_from_region(x, 1, g)
+    _check(torch.equal(gathered, full), "gather_from_region forward")
+    gathered.backward(full * 10)
+    _check(torch.equal(x.grad, (full * 10).chunk(n, 1)[r]), "gather_from_region backward keeps own chunk")
+
+    seq = torch.arange(2.0 * n * 3).reshape(2 * n, 1, 3)
+    x = seq.chunk(n, 0)[r].clone().requires_grad_()
+    out = gather_from_sequence(x, g)
+    _check(torch.equal(out, seq), "gather_from_sequence forward")
+    out.backward(seq * (r + 1))
+    _check(torch.equal(x.grad, seq.chunk(n, 0)[r] * sum(range(1, n + 1))), "gather_from_sequence backward reduce-scatters")
+
+    x = (seq * (r + 1)).requires_grad_()
+    out = reduce_scatter_to_sequence(x, g)
+    _check(torch.equal(out, seq.chunk(n, 0)[r] * sum(range(1, n + 1))), "reduce_scatter_to_sequence forward")
+    out.backward(torch.ones_like(out) * (r + 1))
+    want = torch.cat([torch.ones(2, 1, 3) * (k + 1) for k in range(n)], dim=0)
+    _check(torch.equal(x.grad, want), "reduce_scatter_to_sequence backward all-gathers")
+
+
+def vocab_parallel_cross_entropy_matches_torch() -> None:
+    """Loss and logit gradients over a vocab split on TP equal F.cross_entropy on full logits,
+    with a padded vocabulary (real 200 of 256 columns) and ignored targets."""
+    world = dist.get_world_size()
+    for tp in sorted({2, world} & {2, 4, 8}):
+        if world % tp:
+            continue
+        mesh = build_mesh(ParallelConfig(tp=tp))
+        vocab, padded = 200, 256
+        gen = torch.Generator().manual_seed(7)
+        logits = torch.randn(3, 5, padded, generator=gen) * 3
+        target = torch.randint(0, vocab, (3, 5), generator=gen)
+        target[0, 0] = IGNORE_INDEX
+        target[1, 2] = vocab - 1
+        target[2, 4] = 0
+        weights = torch.rand(3, 5, generator=gen)
+        local = logits.chunk(mesh.tp_size, -1)[mesh.tp_rank].clone().requires_grad_()
+        start = mesh.tp_rank * padded // mesh.tp_size
+        loss = vocab_parallel_cross_entropy(local, target, vocab_start=start, vocab_size=vocab, group=mesh.tp)
+        (loss * weights).sum().backward()
+        ref_logits = logits[..., :vocab].clone().requires_grad_()
+        ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
+                              ignore_index=IGNORE_INDEX).reshape(3, 5)
+        (ref * weights).sum().backward()
+        _check(torch.allclose(loss, ref, rtol=1e-6, atol=1e-6), f"tp={tp}: loss {loss} != {ref}")
+        full_grad = gather_from_region(local.grad, -1, mesh.tp)
+        _check(torch.allclose(full_grad[..., :vocab], ref_logits.grad, rtol=1e-6, atol=1e-6), f"tp={tp}: grad")
+        _check(torch.equal(full_grad[..., vocab:], torch.zeros_like(full_grad[..., vocab:])),
+               f"tp={tp}: padded columns got gradient")
+
+
+def rng_streams() -> None:
+    """Default-stream dropout is identical across TP ranks; the tensor-parallel stream differs."""
+    mesh = build_mesh(ParallelConfig(tp=dist.get_world_size()))
+    seed_parallel_rng(99, mesh.tp_rank)
+    outside = F.dropout(torch.ones(64), 0.5, True)
+    with get_rng_tracker().fork():
+        inside = F.dropout(torch.ones(64), 0.5, True)
+    after = F.dropout(torch.ones(64), 0.5, True)
+    outs = [torch.empty(64) for _ in range(mesh.tp_size)]
+    for tensor, label, same in ((outside, "outside", True), (inside, "inside", False), (after, "after fork", True)):
+        dist.all_gather(outs, tensor, group=mesh.tp)
+        identical = all(torch.equal(o, outs[0]) for o in outs)
+        _check(identical == same, f"dropout {label} TP region: identical across ranks = {identical}, want {same}")
+    seed_parallel_rng(99, mesh.tp_rank)
+    _check(torch.equal(F.dropout(torch.ones(64), 0.5, True), outside), "reseeding reproduces the default stream")
+
+
+def grad_reducer_overlaps_and_sums() -> None:
+    """Buckets launch during backward (before finish) on the last microbatch only, and the
+    result is the sum over dp of the accumulated microbatch gradients."""
+    mesh = build_mesh(ParallelConfig(tp=1))
+    r, n = mesh.dp_rank, mesh.dp_size
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    for p in layers.parameters():
+        p.tp_shard_dim, p.sequence_parallel = None, False
+    reducer = DataParallelGradReducer(list(layers.named_parameters()), mesh, bucket_mb=8 * 9 * 4 / 2**20)
+    _check(len(reducer.buckets) >= 4, f"expected one bucket per layer, got {len(reducer.buckets)}")
+    reducer.zero_grad()
+    inputs = [torch.full((2, 8), float(r + 1 + k)) for k in range(2)]
+    with reducer.sync(False):
+        layers(inputs[0]).sum().backward()
+    _check(not any(b.launched for b in reducer.buckets), "no reduction may start before the last microbatch")
+    with reducer.sync(True):
+        layers(inputs[1]).sum().backward()
+    _check(all(b.launched for b in reducer.buckets), "every bucket should be launched by its backward hook")
+    reducer.finish()
+    # Reference: the same two microbatches of every dp rank, accumulated in one process.
+    ref = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    ref.load_state_dict(layers.state_dict())
+    for rank in range(n):
+        for k in range(2):
+            ref(torch.full((2, 8), float(rank + 1 + k))).sum().backward()
+    for (name, p), q in zip(layers.named_parameters(), ref.parameters()):
+        _check(torch.allclose(p.grad, q.grad, rtol=1e-6), f"{name}: reduced grad != sum over dp")
+    reducer.remove_hooks()
+
+
+def cases_for_world(world_size: int) -> list[str]:
+    names = ["mappings_forward_backward", "vocab_parallel_cross_entropy_matches_torch", "rng_streams",
+             "grad_reducer_overlaps_and_sums"]
+    if world_size in (4, 8):
+        names.insert(0, "mesh_groups")
+    return names

@@ -1,0 +1,148 @@
+"""Typed run configuration: the Hydra/OmegaConf tree converted into dataclasses at the edge.
+
+`RunConfig.from_omegaconf(cfg)` checks types and unknown keys and raises `ConfigError` with
+one line naming the key and what to change. Everything below `train.py` only sees these
+dataclasses (plus `GPTConfig` and `ParallelConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.config import GPTConfig
+from mpu.mesh import ParallelConfig, ParallelConfigError
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and what to change."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    seed: int = 1234
+    device: str = "auto"
+    global_batch_size: int = 16
+    micro_batch_size: int | None = None
+    dry_run: bool = False
+    log_every: int = 10
+    max_grad_norm: float = 1.0
+    precision: str = "fp32"
+    num_threads: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    decay: str = "cosine"
+    zero: int = 0
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] | None = None
+    max_bytes: int = 16_000_000
+    val_fraction: float = 0.01
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 0
+    resume: str | None = None
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+    @staticmethod
+    def from_dict(tree: dict[str, Any]) -> "RunConfig":
+        """Build from a plain nested dict (e.g. `OmegaConf.to_container(cfg, resolve=True)`)."""
+        sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+        kinds = {"model": GPTConfig, "parallel": ParallelConfig, "trainer": TrainerConfig,
+                 "optim": OptimConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+                 "kernels": KernelsConfig}
+        built = {}
+        for key, value in tree.items():
+            if key == "hydra":
+                continue
+            if key not in sections:
+                raise ConfigError(f"unknown config section {key!r}; known: {', '.join(sections)}")
+            built[key] = _build_section(key, kinds[key], value or {})
+        run = RunConfig(**built)
+        run.validate()
+        return run
+
+    def validate(self) -> None:
+        t, o = self.trainer, self.optim
+        if t.max_steps < 1:
+            raise ConfigError(f"trainer.max_steps={t.max_steps} must be >= 1")
+        if t.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"trainer.device={t.device!r} must be auto, cpu or cuda")
+        if t.precision != "fp32":
+            raise ConfigError(f"trainer.precision={t.precision!r}: only fp32 is implemented so far (mixed precision is a planned issue)")
+        if t.global_batch_size < 1:
+            raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
+        if t.micro_batch_size is not None and t.micro_batch_size < 1:
+            raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1 (or null)")
+        if t.log_every < 1:
+            raise ConfigError(f"trainer.log_every={t.log_every} must be >= 1")
+        if o.lr <= 0:
+            raise ConfigError(f"optim.lr={o.lr} must be > 0")
+        if o.zero != 0:
+            raise ConfigError(f"optim.zero={o.zero}: the distributed optimizer is not implemented yet; use optim.zero=0")
+        if o.warmup_steps is not None and o.warmup_steps > t.max_steps:
+            raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}")
+        if self.checkpoint.every or self.checkpoint.resume:
+            raise ConfigError("checkpoint.every/checkpoint.resume: checkpointing is not implemented yet; leave them at 0/null")
+        if self.kernels.backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"kernels.backend={self.kernels.backend!r} must be auto, torch or triton")
+        if self.kernels.backend == "triton":
+            raise ConfigError("kernels.backend=triton: no Triton kernels exist yet; use auto or torch")
+        if (self.parallel.pp > 1 or self.parallel.vpp > 1) and not t.dry_run:
+            raise ConfigError(
+                f"parallel.pp={self.parallel.pp}, parallel.vpp={self.parallel.vpp}: pipeline parallelism is not "
+                "implemented yet; use pp=1 vpp=1 (trainer.dry_run=true can still plan it)"
+            )
+
+    @property
+    def warmup_steps(self) -> int:
+        """Warm-up length: optim.warmup_steps, or 10% of trainer.max_steps when unset."""
+        if self.optim.warmup_steps is not None:
+            return self.optim.warmup_steps
+        return max(1, self.trainer.max_steps // 10)
+
+
+def _build_section(section: str, kind: type, values: dict[str, Any]):
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"unknown key {section}.{unknown[0]}; known keys: {', '.join(sorted(names))}")
+    if kind is ParallelConfig and not isinstance(values.get("sp", False), bool):
+        raise ConfigError(f"parallel.sp={values['sp']!r} must be true or false")
+    try:
+        if kind is OptimConfig and "betas" in values:
+            values = dict(values, betas=tuple(values["betas"]))
+        return kind(**values)
+    except (ValueError, TypeError, ParallelConfigError) as err:
+        raise ConfigError(f"{section}: {err}") from err

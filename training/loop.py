@@ -1,0 +1,174 @@
+"""The training run: validated config -> process groups -> mesh -> sharded model -> steps.
+
+Everything that can be checked (config, layout against the world size, model shape, batch
+sizes) is checked before any process group is created, so a bad configuration fails on
+every rank with the same one-line message instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from models.gpt import GPT
+from mpu.grad_reduce import DataParallelGradReducer
+from mpu.init import initialize_parameters
+from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
+from mpu.random import seed_parallel_rng
+from training.config import ConfigError, RunConfig
+from training.data import ByteTokenizer, TokenDataset, load_corpus
+from training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
+from training.flops import model_flops_per_token
+from training.metrics import MetricsWriter, ProgressBar, format_step_line
+from training.optim import build_optimizer
+from training.peak import peak_flops
+from training.schedule import lr_at
+from training.step import train_step
+
+
+def check_run_config(run: RunConfig, world_size: int) -> tuple:
+    """Validate layout, model shape and batch sizes for `world_size`; return (parallel, micro, n_micro).
+
+    Raises ConfigError (one line, names the numbers and what to change).
+    """
+    try:
+        par = run.parallel.resolved(world_size)
+        check_model_fits(par, run.model)
+    except ParallelConfigError as err:
+        raise ConfigError(str(err)) from err
+    t = run.trainer
+    if t.global_batch_size % par.dp:
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} is not divisible by dp={par.dp}; "
+            f"use a multiple of {par.dp}"
+        )
+    per_rank = t.global_batch_size // par.dp
+    micro = t.micro_batch_size or per_rank
+    if per_rank % micro:
+        raise ConfigError(
+            f"trainer.micro_batch_size={micro} does not divide the per-rank batch {per_rank} "
+            f"(global_batch_size={t.global_batch_size} / dp={par.dp})"
+        )
+    if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
+                          f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}")
+    if run.model.is_moe and not t.dry_run:
+        raise ConfigError(
+            f"model.num_experts={run.model.num_experts}: MoE layers are not implemented yet; "
+            "set model.num_experts=0, or trainer.dry_run=true to plan the layout"
+        )
+    return par, micro, per_rank // micro
+
+
+def run_training(run: RunConfig, run_dir: str | Path) -> dict:
+    """Train (or plan, with trainer.dry_run) as configured; returns a summary dict.
+
+    Talks over the default process group when launched by torchrun (WORLD_SIZE > 1).
+    """
+    world_size, _, _, _ = launcher_env()
+    par, micro, n_micro = check_run_config(run, world_size)
+    dataset = None
+    if not run.trainer.dry_run:
+        try:
+            tokens = load_corpus(run.data.paths, run.data.max_bytes)
+            dataset = TokenDataset(tokens, run.model.seq_len, run.trainer.seed, run.data.val_fraction)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"data: {err}") from err
+    env = init_distributed(run.trainer.device, num_threads=run.trainer.num_threads)
+    try:
+        run_dir = agree_on_run_dir(run_dir)
+        if run.trainer.dry_run:
+            return _dry_run(run, par, env, run_dir, micro)
+        return _train(run, par, env, run_dir, dataset, micro, n_micro)
+    finally:
+        teardown_distributed()
+
+
+def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
+    from training.plan import format_rank_line, plan_all_ranks, write_plan
+
+    plan = plan_all_ranks(run.model, par, env.world_size, micro_batch_size=micro,
+                          global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision)
+    mine = plan["ranks"][env.rank]
+    print(f"[dry run] rank {env.rank}: {format_rank_line(mine)}", flush=True)
+    if env.is_main:
+        write_plan(run_dir / "plan.json", plan)
+        print(f"[dry run] plan for {env.world_size} rank(s) written to {run_dir / 'plan.json'}", flush=True)
+    return {"dry_run": True, "plan": plan, "run_dir": str(run_dir)}
+
+
+def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro: int, n_micro: int) -> dict:
+    cfg, t = run.model, run.trainer
+    tokens = dataset.split_tokens("train")
+
+    mesh = build_mesh(par, cfg, device_type=env.device.type)
+    seed_parallel_rng(t.seed, mesh.tp_rank, mesh.pp_rank, env.device.type)
+    model = GPT(cfg, mesh, device=env.device)
+    initialize_parameters(model, t.seed, mesh.tp_rank, mesh.tp_size)
+    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
+    optimizer = build_optimizer(model, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
+                                betas=run.optim.betas, eps=run.optim.eps)
+
+    flops_per_token = model_flops_per_token(cfg)
+    peak_per_process, peak_source = peak_flops(env.device, torch.float32)
+    peak_total = peak_per_process * env.world_size
+    tokens_per_step = t.global_batch_size * cfg.seq_len
+    if env.is_main:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"meshtron: {mesh.describe()}", flush=True)
+        print(f"meshtron: {cfg.arch} {cfg.num_layers}L h={cfg.hidden_size} heads={cfg.num_heads} "
+              f"seq={cfg.seq_len} vocab={cfg.vocab_size}; {n_params:,} parameters on rank 0; "
+              f"{len(tokens):,} tokens of text; global batch {t.global_batch_size} = dp {par.dp} x "
+              f"{n_micro} microbatches x {micro}; peak {peak_total / 1e9:.1f} GFLOP/s ({peak_source}) "
+              f"x{env.world_size}; run dir {run_dir}", flush=True)
+
+    writer = MetricsWriter(run_dir, enabled=env.is_main)
+    bar = ProgressBar(t.max_steps, enabled=env.is_main and t.progress)
+    history: list[dict] = []
+    window_start, window_steps = time.perf_counter(), 0
+    try:
+        for step in range(t.max_steps):
+            lr = lr_at(step, lr=run.optim.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
+                       min_lr_ratio=run.optim.min_lr_ratio, decay=run.optim.decay)
+            inputs, targets = dataset.local_batch(step, t.global_batch_size, mesh.dp_rank, mesh.dp_size)
+            inputs, targets = inputs.to(env.device), targets.to(env.device)
+            microbatches = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+            out = train_step(model, reducer, optimizer, microbatches, mesh, lr=lr, max_grad_norm=t.max_grad_norm)
+            window_steps += 1
+            if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+                loss, grad_norm = out["loss"].item(), out["grad_norm"].item()  # host sync only when logging
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak_total,
+                          "step_time_s": elapsed / window_steps}
+                history.append(record)
+                writer.log(record)
+                if env.is_main:
+                    print(format_step_line(record, total=t.max_steps), flush=True)
+                window_start, window_steps = time.perf_counter(), 0
+            bar.update(step + 1)
+    finally:
+        bar.close()
+        writer.close()
+        reducer.remove_hooks()
+    summary = {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"], "steps": t.max_steps,
+               "run_dir": str(run_dir), "history": history}
+    if env.is_main:
+        print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+              f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    return summary
+
+
+def main_entry(tree: dict, run_dir: str) -> dict:
+    """Entry for train.py: turn a config error into one clear line and exit code 2."""
+    try:
+        run = RunConfig.from_dict(tree)
+        return run_training(run, run_dir)
+    except ConfigError as err:
+        print(f"meshtron: configuration error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
