@@ -138,7 +138,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
             microbatches = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
             out = train_step(model, reducer, optimizer, microbatches, mesh, lr=lr, max_grad_norm=t.max_grad_norm)
             window_steps += 1
-            if (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+            if step == 0 or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 loss, grad_norm = out["loss"].item(), out["grad_norm"].item()  # host sync only when logging
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed

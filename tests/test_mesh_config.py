@@ -1,0 +1,63 @@
+"""Layout validation (before any process group exists) and rank coordinates."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.config import GPTConfig
+from mpu.mesh import ParallelConfig, ParallelConfigError, check_model_fits, virtual_mesh
+
+
+@pytest.mark.parametrize("par,world,message", [
+    (ParallelConfig(tp=4), 6, r"world size 6 is not divisible by tp\*pp=4"),
+    (ParallelConfig(tp=2, pp=2), 6, r"world size 6 is not divisible by tp\*pp=4"),
+    (ParallelConfig(tp=2, dp=3), 4, r"tp\*pp\*dp=2\*1\*3=6 does not equal world size 4; set parallel.dp=2"),
+    (ParallelConfig(tp=0), 4, r"parallel.tp=0 must be a positive integer"),
+    (ParallelConfig(tp=2, ep=4, etp=2), 4, r"ep\*etp=4\*2=8 does not divide the 4 ranks"),
+])
+def test_bad_layouts_name_the_numbers(par, world, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        par.resolved(world)
+
+
+@pytest.mark.parametrize("par,cfg,message", [
+    (ParallelConfig(tp=3), GPTConfig(num_heads=4, hidden_size=64), r"tp=3 does not divide num_heads=4"),
+    (ParallelConfig(tp=4), GPTConfig(arch="llama", num_heads=8, num_kv_heads=2, hidden_size=64),
+     r"tp=4 does not divide num_kv_heads=2"),
+    (ParallelConfig(tp=2, sp=True), GPTConfig(seq_len=33), r"tp=2 to divide seq_len=33"),
+    (ParallelConfig(ep=2), GPTConfig(), r"need an MoE model"),
+    (ParallelConfig(ep=3), GPTConfig(num_experts=8), r"ep=3 does not divide num_experts=8"),
+    (ParallelConfig(), GPTConfig(num_experts=2, top_k=3), r"top_k=3 is larger than num_experts=2"),
+])
+def test_model_shape_checks(par, cfg, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        check_model_fits(par.resolved(par.tp * par.pp * max(par.ep, 1)), cfg)
+
+
+def test_dp_defaults_to_world_over_tp_pp():
+    assert ParallelConfig(tp=2, pp=2).resolved(16).dp == 4
+    assert ParallelConfig(tp=4).resolved(8).edp == 8 // 1  # experts replicated over all 8 ranks (ep=1)
+    assert ParallelConfig(tp=4, ep=8).resolved(8).edp == 1
+
+
+def test_rank_coordinates_tp_fastest_and_expert_folding():
+    par = ParallelConfig(tp=4, ep=8)
+    coords = [(m.pp_rank, m.dp_rank, m.tp_rank, m.edp_rank, m.ep_rank, m.etp_rank)
+              for m in (virtual_mesh(par, 8, r) for r in range(8))]
+    assert [c[2] for c in coords] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [c[1] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [c[4] for c in coords] == list(range(8))
+    assert all(c[3] == 0 and c[5] == 0 for c in coords)
+    par = ParallelConfig(tp=2, pp=2, ep=2, etp=1)
+    m = virtual_mesh(par, 8, 7)
+    assert (m.pp_rank, m.dp_rank, m.tp_rank) == (1, 1, 1)
+    assert (m.edp_rank, m.ep_rank, m.etp_rank) == (1, 1, 0)
+
+
+def test_model_config_errors():
+    with pytest.raises(ValueError, match="hidden_size=65 is not divisible by model.num_heads=4"):
+        GPTConfig(hidden_size=65, num_heads=4)
+    with pytest.raises(ValueError, match="model.arch='bert' is unknown"):
+        GPTConfig(arch="bert")
+    assert GPTConfig(vocab_size=50257).padded_vocab_size(4) == 50688
+    assert GPTConfig(vocab_size=256).padded_vocab_size(1) == 256

@@ -1,0 +1,119 @@
+"""End-to-end runs of train.py in subprocesses: learning on real text, the output contract,
+fail-fast configuration errors, torchrun layouts, Hydra sweeps and the dry run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+CONTRACT_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
+
+
+def run(args: list[str], timeout: float, env: dict | None = None, threads: int = 2) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, OMP_NUM_THREADS=str(threads), HYDRA_FULL_ERROR="1")
+    full_env.update(env or {})
+    return subprocess.run(args, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_default_training_learns_on_real_text(tmp_path):
+    out = run([sys.executable, "train.py", "trainer.max_steps=40", "trainer.log_every=10",
+               "trainer.progress=false", f"hydra.run.dir={tmp_path}"], timeout=220)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 10, 20, 30, 40]
+    for r in records:
+        assert CONTRACT_KEYS <= r.keys()
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1.5
+    first, last = records[0]["loss"], records[-1]["loss"]
+    assert first > 5.0, f"an untrained byte model starts near ln(256)=5.55, got {first}"
+    assert last < first - 1.5, f"loss did not fall clearly: {first} -> {last}"
+    assert "step   40/40 | loss" in out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.tp=4"], 6, "world size 6 is not divisible by tp*pp=4"),
+    (["parallel.tp=3"], 3, "tp=3 does not divide num_heads=4"),
+    (["trainer.global_batch_size=6"], 4, "trainer.global_batch_size=6 is not divisible by dp=4"),
+    (["+model=gpt_1b", "parallel.tp=4", "parallel.ep=8"], 8, "MoE layers are not implemented yet"),
+    (["model.num_heads=5"], 1, "hidden_size=128 is not divisible by model.num_heads=5"),
+    (["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus"),
+])
+def test_bad_config_fails_before_any_process_group(tmp_path, overrides, world, message):
+    """Validation runs before init_process_group: a lone rank of a world that never forms
+    exits with one clear line instead of waiting for its peers."""
+    env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    out = run([sys.executable, "train.py", *overrides, f"hydra.run.dir={tmp_path}"], timeout=100, env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("meshtron: configuration error")]
+    assert len(lines) == 1 and message in lines[0], out.stderr[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_bad_layout_under_torchrun_exits_without_hanging(tmp_path):
+    out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", "parallel.tp=4", f"hydra.run.dir={tmp_path}"],
+              timeout=150, threads=1)
+    assert out.returncode != 0
+    assert out.stderr.count("world size 2 is not divisible by tp*pp=4") == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_torchrun_tp_sp_dp_matches_single_process_and_agrees_on_run_dir(tmp_path):
+    """4 ranks (tp=2, sp, dp=2, microbatches) log the single-process losses; each rank's own
+    clock-based run dir collapses into rank 0's."""
+    common = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.progress=false", "model.num_layers=2",
+              "model.seq_len=64", "trainer.global_batch_size=8"]
+    serial_dir = tmp_path / "serial"
+    out = run([sys.executable, "train.py", *common, f"hydra.run.dir={serial_dir}"], timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parallel_root = tmp_path / "parallel"
+    out = run([*TORCHRUN, "--nproc_per_node=4", "train.py", *common, "parallel.tp=2", "parallel.sp=true",
+               "trainer.micro_batch_size=2",
+               f"hydra.run.dir={parallel_root}/" + "${now:%H-%M-%S-%f}"], timeout=250, threads=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    dirs = [d for d in parallel_root.iterdir() if d.is_dir()]
+    assert len(dirs) == 1, f"ranks did not agree on one run dir: {dirs}"
+    got, want = metrics(dirs[0]), metrics(serial_dir)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"]), (g, w)
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-4 * abs(w["grad_norm"]), (g, w)
+
+
+@pytest.mark.timeout(180)
+def test_hydra_sweep_gives_each_run_its_own_dir(tmp_path):
+    out = run([sys.executable, "train.py", "-m", "trainer.seed=1,2", "trainer.max_steps=2", "trainer.progress=false",
+               "model.num_layers=1", f"hydra.sweep.dir={tmp_path}"], timeout=160)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = {d.name: metrics(d) for d in tmp_path.iterdir() if (d / "metrics.jsonl").exists()}
+    assert sorted(runs) == ["0", "1"]
+    assert runs["0"][0]["loss"] != runs["1"][0]["loss"], "different seeds must give different runs"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_card_command_dry_run_on_8_processes(tmp_path):
+    """torchrun --nproc_per_node=8 train.py +model=gpt_1b parallel.tp=4 parallel.ep=8, dry run."""
+    out = run([*TORCHRUN, "--nproc_per_node=8", "train.py", "+model=gpt_1b", "parallel.tp=4", "parallel.ep=8",
+               "trainer.dry_run=true", f"hydra.run.dir={tmp_path}"], timeout=220, threads=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert len(plan["ranks"]) == 8
+    assert plan["layout"]["tp"] == 4 and plan["layout"]["ep"] == 8 and plan["layout"]["dp"] == 2
+    assert all(f"[dry run] rank {r}:" in out.stdout for r in range(8))
+    assert plan["model"]["total_params"] > 1.5e9
