@@ -141,6 +141,25 @@ def rank_microbatches(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int,
     return [(x[i: i + micro], y[i: i + micro]) for i in range(0, per_rank, micro)]
 
 
+def _host_cpu_seconds() -> tuple[float, float] | None:
+    """(busy, steal) CPU-seconds of the whole host so far, from /proc/stat; None elsewhere.
+    Steal is time the hypervisor gave our virtual CPUs to someone else."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in (fields + ["0"] * 8)[:8])
+    hz = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def _own_cpu_seconds() -> float:
+    """CPU-seconds this process (all its threads) has used so far."""
+    t = os.times()
+    return t.user + t.system
+
+
 def sync_step(out: dict, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -208,7 +227,7 @@ def main(argv=None) -> None:
 
     seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank, device_type=device.type)
     model = GPT(cfg, mesh, device=device)
-    initialize_parameters(model, SEED, mesh.tp_rank, mesh.tp_size)
+    initialize_parameters(model, SEED, mesh)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
 
@@ -216,7 +235,9 @@ def main(argv=None) -> None:
     batches = [rank_microbatches(x, y, mesh.dp_rank, dp, micro, device)
                for x, y in global_batches(cfg, args.batch, total)]
 
-    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    host_start = _host_cpu_seconds()
+    own_start = _own_cpu_seconds()
+    wall_start = time.perf_counter()
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         if world > 1:
@@ -228,6 +249,18 @@ def main(argv=None) -> None:
         if i >= args.warmup:
             times.append(dt)
             losses.append(loss)
+    wall = time.perf_counter() - wall_start
+    own = torch.tensor([_own_cpu_seconds() - own_start], dtype=torch.float64)
+    if world > 1:
+        own = own.to(device)
+        dist.all_reduce(own)
+    host_end = _host_cpu_seconds()
+    other_busy = steal = None
+    if host_start is not None and host_end is not None:
+        # CPUs kept busy by other processes while the steps ran (ours subtracted), and CPUs
+        # stolen by the hypervisor: > ~0.1 means the timings are pessimistic.
+        other_busy = max(0.0, (host_end[0] - host_start[0] - float(own.sum())) / wall)
+        steal = (host_end[1] - host_start[1]) / wall
     if world > 1:
         # A step lasts as long as its slowest rank.
         t = torch.tensor(times, dtype=torch.float64, device=device)
@@ -237,21 +270,14 @@ def main(argv=None) -> None:
     if args.profile:
         profile_step(model, reducer, optimizer, batches[-1], mesh, device, rank)
 
-    # Peak: each process measures its own (CPU: matmul on its threads, all ranks at once so
-    # they compete for cores as in training; CUDA: datasheet), summed over the world.
+    # Peak as the training loop computes it: this process's peak (CPU: measured matmul on its
+    # threads, every rank measuring at once as they do at the start of a run; CUDA: datasheet)
+    # times the world size.
     if world > 1:
         dist.barrier()
     per_proc, source = peak_flops(device, torch.float32)
-    if world > 1:
-        pk = torch.tensor([per_proc], dtype=torch.float64, device=device)
-        dist.all_reduce(pk)
-        total_peak = float(pk.item())
-        peak_source = (f"sum over {world} processes of training.peak.peak_flops per process, measured "
-                       f"concurrently ({source}; rank 0: {per_proc / 1e9:.1f} GFLOP/s)"
-                       if device.type == "cpu" else f"{world} x {source}")
-    else:
-        total_peak = per_proc
-        peak_source = source
+    total_peak = per_proc * world
+    peak_source = source if world == 1 else f"{world} x rank 0's {source} ({per_proc / 1e9:.1f} GFLOP/s each)"
 
     tokens_per_step = args.batch * cfg.seq_len
     step_med = statistics.median(times)
@@ -277,9 +303,12 @@ def main(argv=None) -> None:
         "layout": {"world": world, "tp": args.tp, "dp": dp, "sp": bool(args.sp), "pp": 1,
                    "microbatches_per_rank": per_rank // micro, "threads_per_process": threads},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        # Other work on the host skews CPU timings: compare load_avg_1m with cpus (ours included).
-        "host": {"cpus": os.cpu_count(), "load_avg_1m_start": load_start,
-                 "load_avg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
+        # Other work on the host skews CPU timings: other_busy_cpus is the average number of
+        # CPUs other processes kept busy during the timed steps, steal_cpus the average number
+        # taken by the hypervisor (both from /proc/stat; null elsewhere).
+        "host": {"cpus": os.cpu_count(),
+                 "other_busy_cpus": None if other_busy is None else round(other_busy, 3),
+                 "steal_cpus": None if steal is None else round(steal, 3)},
         "steps": {"warmup": args.warmup, "timed": args.steps},
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
@@ -287,6 +316,7 @@ def main(argv=None) -> None:
         "flops_per_token": fpt,
         "achieved_flops": achieved,
         "peak_flops": total_peak,
+        "peak_flops_per_process": per_proc,
         "peak_source": peak_source,
         "mfu": achieved / total_peak,
         "loss": {"first": losses[0], "last": losses[-1]},

@@ -47,6 +47,8 @@ class GPTConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     router_score: str = "softmax"
+    router_renormalize: bool = True
+    router_bias_update_rate: float = 0.0
     shared_experts: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -82,6 +84,14 @@ class GPTConfig:
             (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
             (self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2"),
             (self.seq_len >= 1, f"model.seq_len={self.seq_len} must be >= 1"),
+            (self.router_score in ("softmax", "sigmoid"),
+             f"model.router_score={self.router_score!r} must be softmax or sigmoid"),
+            (self.num_experts >= 0 and self.shared_experts >= 0, "model.num_experts and model.shared_experts must be >= 0"),
+            (not self.num_experts or 1 <= self.top_k <= self.num_experts,
+             f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}"),
+            (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
+            (self.capacity_factor is None or self.capacity_factor > 0,
+             f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -94,6 +104,10 @@ class GPTConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer `index` (0-based) has an MoE MLP: every `moe_every`-th layer, counting from 1."""
+        return self.is_moe and (index + 1) % self.moe_every == 0
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of 128*tp (padded logits never enter the loss)."""

@@ -22,6 +22,7 @@ from einops import rearrange
 from torch import nn
 
 from models.config import GPTConfig
+from moe.layer import MoELayer
 from mpu.cross_entropy import vocab_parallel_cross_entropy
 from mpu.init import constant_init, normal_init, tag
 from mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
@@ -129,15 +130,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)));
+    the MLP is an MoE layer for the layers `cfg.is_moe_layer` selects."""
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, index: int, device=None, dtype=None):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.norm1 = Norm(cfg, mesh, device, dtype)
         self.attn = Attention(cfg, mesh, device, dtype)
         self.norm2 = Norm(cfg, mesh, device, dtype)
-        self.mlp = MLP(cfg, mesh, device, dtype)
+        self.mlp = MoELayer(cfg, mesh, device, dtype) if cfg.is_moe_layer(index) else MLP(cfg, mesh, device, dtype)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         p = self.cfg.dropout
@@ -154,11 +156,6 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
         super().__init__()
-        if cfg.is_moe:
-            raise NotImplementedError(
-                f"model.num_experts={cfg.num_experts}: MoE layers are not built yet (see the MoE issue); "
-                "use a dense model (model.num_experts=0) or trainer.dry_run=true to plan the layout"
-            )
         self.cfg, self.mesh = cfg, mesh
         self.padded_vocab_size = cfg.padded_vocab_size(mesh.tp_size)
         self.embed = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, mesh,
@@ -170,7 +167,7 @@ class GPT(nn.Module):
                 normal_init((cfg.seq_len, cfg.hidden_size), cfg.init_std),
                 sequence_parallel=mesh.sequence_parallel,
             )
-        self.layers = nn.ModuleList(Block(cfg, mesh, device, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, mesh, i, device, dtype) for i in range(cfg.num_layers))
         self.final_norm = Norm(cfg, mesh, device, dtype)
         self.head = None
         if not cfg.tie_embeddings:
@@ -218,3 +215,25 @@ class GPT(nn.Module):
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All-gather local logits over TP and drop the padded vocabulary: [b, s, vocab_size]."""
         return gather_from_region(logits, -1, self.mesh.tp)[..., : self.cfg.vocab_size]
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """This rank's differentiable share of the routers' auxiliary terms (coefficients
+        applied) from the last forward, summed over MoE layers; None for a dense model."""
+        layers = self.moe_layers()
+        if not layers:
+            return None
+        return sum(m.last_router.aux_loss + m.last_router.z_loss for m in layers)
+
+    def moe_stats(self) -> list[dict]:
+        """Per MoE layer, global routing statistics of the last forward (no gradient)."""
+        return [{"aux_loss": m.last_router.aux_value, "z_loss": m.last_router.z_value,
+                 "tokens_per_expert": m.last_router.tokens_per_expert, "dropped_fraction": m.last_dropped}
+                for m in self.moe_layers()]
+
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free balancing: adjust each router's expert bias from the step's load."""
+        for m in self.moe_layers():
+            m.router.update_expert_bias()

@@ -1,9 +1,10 @@
-"""Global gradient norm and clipping across the tensor-parallel group, each parameter once.
+"""Global gradient norm and clipping, each parameter of the full model counted once.
 
-Gradients are already reduced over data-parallel replicas (identical on every dp rank), so
-only TP needs a reduction: TP-sharded parameters contribute their local squares, summed over
-the TP group; TP-replicated parameters (norms, row-parallel biases) are counted once, from
-the local copy. No host synchronization: the norm stays a tensor.
+Gradients are already reduced over data-parallel replicas (identical on every dp / edp
+rank), so: TP-sharded parameters contribute their local squares summed over the TP group;
+expert shards their squares summed over one replica's ep x etp group; TP-replicated
+parameters (norms, row-parallel biases, routers) are counted once, from the local copy.
+No host synchronization: the norm stays a tensor.
 """
 
 from __future__ import annotations
@@ -23,14 +24,22 @@ def _sum_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
 
 
 def global_grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor:
-    """L2 norm of all gradients of the full (unsharded) model; one all-reduce over `mesh.tp`."""
+    """L2 norm of all gradients of the full (unsharded) model; all-reduces over `mesh.tp`
+    (and `mesh.ep_etp` when there are experts)."""
     with_grad = [p for p in params if p.grad is not None]
     device = with_grad[0].grad.device if with_grad else torch.device("cpu")
-    sharded = [p.grad for p in with_grad if getattr(p, "tp_shard_dim", None) is not None]
-    replicated = [p.grad for p in with_grad if getattr(p, "tp_shard_dim", None) is None]
+    expert = [p.grad for p in with_grad if getattr(p, "expert", False)]
+    dense = [p for p in with_grad if not getattr(p, "expert", False)]
+    sharded = [p.grad for p in dense if getattr(p, "tp_shard_dim", None) is not None]
+    replicated = [p.grad for p in dense if getattr(p, "tp_shard_dim", None) is None]
     total = _sum_squares(sharded, device)
     if group_size(mesh.tp) > 1:
         dist.all_reduce(total, group=mesh.tp)
+    if expert:
+        expert_total = _sum_squares(expert, device)
+        if group_size(mesh.ep_etp) > 1:
+            dist.all_reduce(expert_total, group=mesh.ep_etp)
+        total = total + expert_total
     total = total + _sum_squares(replicated, device)
     return total.sqrt()
 

@@ -13,8 +13,11 @@ microbatches) gives exactly the single-process gradient.
 Groups:
   * ordinary parameters: the data-parallel group `mesh.dp`;
   * sequence-parallel replicated parameters (norms, row-parallel biases, position
-    embeddings under SP), whose gradient on each TP rank covers only its sequence shard:
-    the flattened `mesh.tp_dp` group, summing over TP and DP in one collective.
+    embeddings under SP; MoE routers and shared experts at tp > 1), whose gradient on each
+    TP rank covers only its tokens: the flattened `mesh.tp_dp` group, summing over TP and DP
+    in one collective;
+  * expert parameters: the expert-data-parallel group `mesh.edp` (replicas of the same
+    expert shard that saw different tokens).
 """
 
 from __future__ import annotations
@@ -56,15 +59,18 @@ class DataParallelGradReducer:
         self._sync_enabled = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        by_group: dict[str, list[tuple[str, nn.Parameter]]] = {"dp": [], "tp_dp": []}
+        by_group: dict[str, list[tuple[str, nn.Parameter]]] = {"dp": [], "tp_dp": [], "edp": []}
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            key = "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
+            if getattr(p, "expert", False):
+                key = "edp"
+            else:
+                key = "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
             by_group[key].append((name, p))
         limit = int(bucket_mb * 2**20)
         for key, items in by_group.items():
-            group = mesh.tp_dp if key == "tp_dp" else mesh.dp
+            group = getattr(mesh, key)
             current: list[tuple[str, nn.Parameter]] = []
             size = 0
             for name, p in reversed(items):

@@ -1,10 +1,16 @@
 """Layout-independent parameter initialization.
 
 Every parameter carries an `init_fn(generator) -> full tensor` describing its *full*
-(unsharded) value, and a `tp_shard_dim` (None when replicated). `initialize_parameters`
-seeds one generator per parameter from (seed, parameter name), builds the full value and
-keeps this rank's shard, so a parameter's full value depends only on the seed and its name,
-never on the layout. The cost is generating each full tensor once per rank.
+(unsharded) value and `shards`: the (dim, mesh axis) pairs it is split along, in equal
+contiguous chunks ("tp" for dense tensor parallelism, "ep" and "etp" for experts).
+`initialize_parameters` seeds one generator per parameter from (seed, parameter name),
+builds the full value and keeps this rank's shard, so a parameter's full value depends only
+on the seed and its name, never on the layout. The cost is generating each full tensor once
+per rank.
+
+Other tags read by the gradient code: `sequence_parallel` (replicated over TP but fed by
+distinct tokens on each TP rank: gradient summed over tp x dp) and `expert` (lives on the
+expert mesh: gradient summed over the expert-data-parallel group).
 """
 
 from __future__ import annotations
@@ -42,16 +48,20 @@ def constant_init(shape: tuple[int, ...], value: float) -> InitFn:
 
 
 def tag(param: nn.Parameter, init_fn: InitFn, tp_shard_dim: int | None = None,
-        sequence_parallel: bool = False) -> nn.Parameter:
+        sequence_parallel: bool = False, expert_shards: tuple[tuple[int, str], ...] | None = None) -> nn.Parameter:
     """Attach sharding metadata to `param` and return it.
 
     tp_shard_dim: the dim split in equal contiguous chunks over the TP group (None = replicated).
-    sequence_parallel: replicated over TP but fed by sequence shards, so its gradient must be
-    summed over the TP group.
+    sequence_parallel: replicated over TP but fed by distinct tokens per TP rank (sequence
+    shards), so its gradient must be summed over the TP group.
+    expert_shards: for expert weights, ((dim, "ep"), (dim, "etp")) splits on the expert mesh.
     """
     param.init_fn = init_fn
     param.tp_shard_dim = tp_shard_dim
     param.sequence_parallel = sequence_parallel
+    param.expert = expert_shards is not None
+    param.shards = tuple(expert_shards) if expert_shards is not None else (
+        ((tp_shard_dim, "tp"),) if tp_shard_dim is not None else ())
     return param
 
 
@@ -62,15 +72,23 @@ def shard_of(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch
     return full.chunk(size, dim=dim)[rank]
 
 
+def local_shard(full: torch.Tensor, shards, mesh) -> torch.Tensor:
+    """This rank's piece of `full` for the (dim, axis) splits in `shards` on `mesh`."""
+    for dim, axis in shards:
+        full = shard_of(full, dim, getattr(mesh, f"{axis}_rank"), getattr(mesh.par, axis))
+    return full
+
+
 @torch.no_grad()
-def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
-    """Fill every tagged parameter of `model` with its shard of the layout-independent value."""
+def initialize_parameters(model: nn.Module, seed: int, mesh) -> None:
+    """Fill every tagged parameter of `model` with this rank's shard (on `mesh`) of its
+    layout-independent value."""
     for name, param in model.named_parameters():
         init_fn = getattr(param, "init_fn", None)
         if init_fn is None:
             raise RuntimeError(f"parameter {name} has no init_fn; create it with mpu.init.tag")
         gen = torch.Generator().manual_seed(stable_seed(seed, name))
-        local = shard_of(init_fn(gen), param.tp_shard_dim, tp_rank, tp_size)
+        local = local_shard(init_fn(gen), param.shards, mesh)
         if local.shape != param.shape:
             raise RuntimeError(f"init of {name}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
         param.copy_(local.to(param.dtype))

@@ -161,3 +161,113 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
 def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """SP: keep own sequence shard of a replicated [s, b, h]; all-gather backward."""
     return scatter_to_region(x, 0, group)
+
+
+@torch.no_grad()
+def all_reduce_stats(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """Non-differentiable all-reduce of statistics (counts, maxima) over `group`; returns a new tensor."""
+    out = x.detach().clone()
+    if group_size(group) > 1:
+        dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+    return out
+
+
+@torch.no_grad()
+def all_gather_stats(x: torch.Tensor, group) -> torch.Tensor:
+    """Non-differentiable all-gather of equal-shape statistics: [group_size, *x.shape], in rank order."""
+    x = x.detach().contiguous()
+    world = group_size(group)
+    if world == 1:
+        return x.unsqueeze(0).clone()
+    out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+    _all_gather_into(out, x.reshape(-1), group=group)
+    return out.view((world,) + tuple(x.shape))
+
+
+@torch.no_grad()
+def all_to_all_stats(x: torch.Tensor, group) -> torch.Tensor:
+    """Non-differentiable all-to-all of equal chunks along dim 0 (e.g. token counts per expert):
+    chunk i goes to rank i of `group`; returns the chunks received, in source-rank order."""
+    world = group_size(group)
+    if world == 1:
+        return x.clone()
+    out = torch.empty_like(x.contiguous())
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty((sum(output_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows of `x` in chunks of `input_splits` go to the ranks of `group` in order; returns the
+    rows received (`output_splits` from each rank). Backward: the reverse all-to-all."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """All-gather row blocks of different lengths (padded to the longest for the collective)."""
+    longest = max(sizes)
+    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = torch.empty((len(sizes) * longest,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_into(out, padded.contiguous(), group=group)
+    blocks = out.split(longest)
+    return torch.cat([block[:n] for block, n in zip(blocks, sizes)])
+
+
+def _own_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    start = sum(sizes[: group_rank(group)])
+    return x[start: start + sizes[group_rank(group)]].contiguous()
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_rows(_all_reduce(grad.contiguous().clone(), ctx.group), ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _own_rows(_all_reduce(x.contiguous().clone(), group), sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+def gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """All-gather row blocks of uneven lengths (`sizes[r]` rows from rank r) over `group`;
+    backward: sum the gradient over `group` and keep own rows (a reduce-scatter)."""
+    return x if group_size(group) == 1 else _GatherRows.apply(x, sizes, group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Sum partial results over `group` and keep own block of `sizes[rank]` rows;
+    backward: all-gather the row blocks."""
+    return x if group_size(group) == 1 else _ReduceScatterRows.apply(x, sizes, group)

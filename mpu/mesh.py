@@ -127,9 +127,10 @@ class Mesh:
     """Process groups of one parallel layout.
 
     Attributes are torch process groups (or None when the dim has size 1 and no
-    communication is needed): `tp`, `dp`, `pp`, `ep`, `etp`, `edp`, and `tp_dp` (the
-    flattened dp x tp group, used to reduce gradients of sequence-parallel replicated
-    parameters in one collective). Coordinates: `tp_rank`, `dp_rank`, `pp_rank`, ...
+    communication is needed): `tp`, `dp`, `pp`, `ep`, `etp`, `edp`, `tp_dp` (the
+    flattened dp x tp group of a stage: gradients of sequence-parallel replicated parameters,
+    MoE routing statistics) and `ep_etp` (one replica's expert shards: expert gradient norm).
+    Coordinates: `tp_rank`, `dp_rank`, `pp_rank`, `edp_rank`, `ep_rank`, `etp_rank`.
     """
 
     def __init__(self, par: ParallelConfig, world_size: int, rank: int, device_type: str = "cpu",
@@ -147,7 +148,7 @@ class Mesh:
         self.ep_rank, self.etp_rank = divmod(rem, etp)
         self.dense_mesh: DeviceMesh | None = None
         self.expert_mesh: DeviceMesh | None = None
-        self.tp = self.dp = self.pp = self.ep = self.etp = self.edp = self.tp_dp = None
+        self.tp = self.dp = self.pp = self.ep = self.etp = self.edp = self.tp_dp = self.ep_etp = None
         if world_size == 1 or not create_groups:
             return
         ranks = torch.arange(world_size)
@@ -170,6 +171,13 @@ class Mesh:
                 group = dist.new_group(members)
                 if stage == self.pp_rank:
                     self.tp_dp = group
+        # ep x etp flattened: the ranks holding distinct expert shards (one edp replica).
+        if ep * etp > 1:
+            blocks = ranks.view(pp * edp, ep * etp)
+            for index in range(pp * edp):
+                group = dist.new_group(blocks[index].tolist())
+                if rank in blocks[index].tolist():
+                    self.ep_etp = group
 
     @property
     def tp_size(self) -> int:

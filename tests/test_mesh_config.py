@@ -27,11 +27,12 @@ def test_bad_layouts_name_the_numbers(par, world, message):
     (ParallelConfig(tp=2, sp=True), GPTConfig(seq_len=33), r"tp=2 to divide seq_len=33"),
     (ParallelConfig(ep=2), GPTConfig(), r"need an MoE model"),
     (ParallelConfig(ep=3), GPTConfig(num_experts=8), r"ep=3 does not divide num_experts=8"),
-    (ParallelConfig(), GPTConfig(num_experts=2, top_k=3), r"top_k=3 is larger than num_experts=2"),
+    (ParallelConfig(ep=2, etp=2), GPTConfig(num_experts=4, moe_ffn_hidden_size=33, hidden_size=64),
+     r"etp=2 does not divide moe_ffn_hidden_size=33"),
 ])
 def test_model_shape_checks(par, cfg, message):
     with pytest.raises(ParallelConfigError, match=message):
-        check_model_fits(par.resolved(par.tp * par.pp * max(par.ep, 1)), cfg)
+        check_model_fits(par.resolved(par.tp * par.pp * par.ep * par.etp), cfg)
 
 
 def test_dp_defaults_to_world_over_tp_pp():
@@ -57,6 +58,10 @@ def test_rank_coordinates_tp_fastest_and_expert_folding():
 def test_model_config_errors():
     with pytest.raises(ValueError, match="hidden_size=65 is not divisible by model.num_heads=4"):
         GPTConfig(hidden_size=65, num_heads=4)
+    with pytest.raises(ValueError, match="model.top_k=3 must be between 1 and model.num_experts=2"):
+        GPTConfig(num_experts=2, top_k=3)
+    with pytest.raises(ValueError, match="model.router_score='relu' must be softmax or sigmoid"):
+        GPTConfig(num_experts=2, router_score="relu")
     with pytest.raises(ValueError, match="model.arch='bert' is unknown"):
         GPTConfig(arch="bert")
     assert GPTConfig(vocab_size=50257).padded_vocab_size(4) == 50688

@@ -22,7 +22,7 @@ CONFIGS = {
 
 def _built(cfg, mesh, seed=3):
     model = GPT(cfg, mesh)
-    initialize_parameters(model, seed, mesh.tp_rank, mesh.tp_size)
+    initialize_parameters(model, seed, mesh)
     return model
 
 

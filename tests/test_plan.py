@@ -149,21 +149,17 @@ def test_meta_mismatch_is_a_runtime_error(monkeypatch):
         plan_mod.plan_rank(gpt2_tiny(), ParallelConfig(tp=2), 4, 0, **BATCH)
 
 
-def test_moe_plans_without_building_experts(monkeypatch):
-    import models.gpt
-
-    def no_build(*a, **k):
-        raise AssertionError("GPT must not be built for an MoE plan")
-
-    monkeypatch.setattr(models.gpt, "GPT", no_build)
-    cfg = llama_tiny(num_experts=8, top_k=2, num_kv_heads=4, ffn_hidden_size=128)
+@pytest.mark.parametrize("shared", [0, 1])
+def test_moe_meta_build_matches_analytic(shared):
+    """MoE ranks are built on meta (experts split over ep, routers and shared experts
+    replicated) and the count equals the analytic one."""
+    cfg = llama_tiny(num_experts=8, top_k=2, num_kv_heads=4, ffn_hidden_size=128, shared_experts=shared)
     plan = plan_all_ranks(cfg, ParallelConfig(tp=4, ep=8), 8, micro_batch_size=1, global_batch_size=4)
     assert plan["layout"] == plan["ranks"][0]["layout"]
     assert (plan["layout"]["dp"], plan["layout"]["edp"]) == (2, 1)
     for r, p in enumerate(plan["ranks"]):
-        assert p["param_source"] == "analytic (MoE layers are not built yet)"
-        assert p["params"]["meta"] is None
-        assert p["params"]["count"] == params_per_rank(cfg, tp=4, ep=8)
+        assert p["param_source"].startswith("meta")
+        assert p["params"]["meta"] == p["params"]["count"] == params_per_rank(cfg, tp=4, ep=8)
         assert p["coords"]["ep_rank"] == r and p["coords"]["tp_rank"] == r % 4
     pc = param_count(cfg)
     assert plan["model"]["total_params"] == pc["total"]

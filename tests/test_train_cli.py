@@ -47,7 +47,9 @@ def test_default_training_learns_on_real_text(tmp_path):
     (["parallel.tp=4"], 6, "world size 6 is not divisible by tp*pp=4"),
     (["parallel.tp=3"], 3, "tp=3 does not divide num_heads=4"),
     (["trainer.global_batch_size=6"], 4, "trainer.global_batch_size=6 is not divisible by dp=4"),
-    (["+model=gpt_1b", "parallel.tp=4", "parallel.ep=8"], 8, "MoE layers are not implemented yet"),
+    (["+model=gpt_1b", "parallel.tp=4", "parallel.ep=3"], 12, "ep=3 does not divide num_experts=8"),
+    (["model.num_experts=4", "model.top_k=5"], 1, "model.top_k=5 must be between 1 and model.num_experts=4"),
+    (["model.num_experts=4", "parallel.ep=2", "parallel.etp=2"], 2, "ep*etp=2*2=4 does not divide the 2 ranks"),
     (["model.num_heads=5"], 1, "hidden_size=128 is not divisible by model.num_heads=5"),
     (["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus"),
 ])

@@ -132,7 +132,7 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     fm = cfg.moe_ffn_hidden_size
     n += cfg.num_experts * h  # router, replicated
     n += (cfg.num_experts // ep) * _mlp_matrices(cfg, fm) // etp  # routed experts, no biases
-    n += cfg.shared_experts * _mlp_matrices(cfg, fm) // tp  # shared experts: tp-split like the dense MLP
+    n += cfg.shared_experts * _mlp_matrices(cfg, fm)  # shared experts: replicated on every rank (moe/layer.py)
     return n
 
 
@@ -198,9 +198,6 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
             (cfg.num_experts % ep == 0, f"model.num_experts={cfg.num_experts} is not divisible by parallel.ep={ep}"),
             (cfg.moe_ffn_hidden_size % etp == 0,
              f"model.moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} is not divisible by parallel.etp={etp}"),
-            (cfg.moe_ffn_hidden_size % tp == 0 or cfg.shared_experts == 0,
-             f"model.moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} (shared experts) is not divisible by "
-             f"parallel.tp={tp}"),
         ]
     for ok, msg in checks:
         if not ok:
@@ -296,9 +293,10 @@ def activation_bytes_per_microbatch(
       (a fused swiglu; the unfused torch path also keeps silu(gate), one more f).
     MoE layer (replaces the MLP; input still counted above): router probabilities E, and
       per routed expert (top_k per token) its permuted input h, hidden (2 or 3)*F and output
-      h kept for the probability-weighted combine, all on the tokens this rank holds
-      (s*b/tp with sp, s*b without; balanced routing makes the count independent of ep;
-      etp is not modelled); shared experts add (2 or 3)*F each, split over tp.
+      h kept for the probability-weighted combine, all on the tokens this rank holds: the
+      MoE layer always works on distinct tokens per TP rank (s*b/tp, with or without sp;
+      balanced routing makes the count independent of ep; etp is not modelled); shared
+      experts add (2 or 3)*F each on the same tokens.
     Outside the layers: embedding dropout mask h bytes (dropout > 0); final-norm input h and
       LM-head input h (sp-split); logits/softmax of the local vocab shard
       padded_vocab_size(tp)/tp, kept once in fp32 (4 B) for the vocab-parallel
@@ -329,8 +327,9 @@ def activation_bytes_per_microbatch(
         split_attn += a * s * e + ((a * s + a * s * e) if drop else 0)
     split_dense_mlp = _act_hidden(cfg, cfg.ffn_hidden_size) * e
     fm = cfg.moe_ffn_hidden_size
-    rep_moe = (cfg.num_experts + cfg.top_k * (2 * h + _act_hidden(cfg, fm))) * e
-    split_moe = cfg.shared_experts * _act_hidden(cfg, fm) * e
+    rep_moe = 0  # MoE tokens are split over tp inside the layer (moe/layer.py), with or without sp
+    split_moe = (cfg.num_experts + cfg.top_k * (2 * h + _act_hidden(cfg, fm))) * e
+    split_moe += cfg.shared_experts * _act_hidden(cfg, fm) * e
 
     rep = Fraction(0)
     split = Fraction(0)

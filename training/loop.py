@@ -55,11 +55,6 @@ def check_run_config(run: RunConfig, world_size: int) -> tuple:
     if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
                           f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}")
-    if run.model.is_moe and not t.dry_run:
-        raise ConfigError(
-            f"model.num_experts={run.model.num_experts}: MoE layers are not implemented yet; "
-            "set model.num_experts=0, or trainer.dry_run=true to plan the layout"
-        )
     return par, micro, per_rank // micro
 
 
@@ -107,7 +102,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     mesh = build_mesh(par, cfg, device_type=env.device.type)
     seed_parallel_rng(t.seed, mesh.tp_rank, mesh.pp_rank, env.device.type)
     model = GPT(cfg, mesh, device=env.device)
-    initialize_parameters(model, t.seed, mesh.tp_rank, mesh.tp_size)
+    initialize_parameters(model, t.seed, mesh)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
                                 betas=run.optim.betas, eps=run.optim.eps)

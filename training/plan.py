@@ -8,7 +8,7 @@ plan a 64-GPU layout).
   ``meta`` device (shapes only; `mpu.init.initialize_parameters` is never called) over a
   `virtual_mesh`, its parameters are counted (a tied embedding once) and cross-checked against
   the analytic `training.flops.params_per_rank`; a disagreement raises RuntimeError, because
-  it means the planner or the model is wrong. MoE models and pp > 1 cannot be built yet, so
+  it means the planner or the model is wrong. Pipeline stages (pp > 1) cannot be built yet, so
   their counts come from the analytic formula and `param_source` says so.
 * Memory: weights, gradients, fp32 main params (bf16 only) and AdamW state from
   `training.flops.model_state_bytes`, plus activations from
@@ -133,11 +133,7 @@ def plan_rank(
     # ---- parameters
     analytic = params_per_rank(model_cfg, tp=tp, ep=ep, etp=etp, pp=pp)
     meta: dict[str, int] | None = None
-    if model_cfg.is_moe:
-        source = "analytic (MoE layers are not built yet)"
-        if pp > 1:
-            source += "; pipeline stages are not built yet: the most loaded stage's count"
-    elif pp > 1:
+    if pp > 1:
         source = "analytic (pipeline stages are not built yet; the most loaded stage's count)"
     else:
         meta = meta_param_counts(model_cfg, res, world_size, rank)

@@ -57,11 +57,12 @@ def microbatches(cfg: GPTConfig, step: int, dp_rank: int, dp: int, micro: int):
     return [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, per_rank, micro)]
 
 
-def full_tensor(param: torch.Tensor, shard_dim, mesh: Mesh) -> torch.Tensor:
-    """All-gather a TP shard to the full tensor (replicated tensors are returned as is)."""
-    if shard_dim is None or mesh.tp_size == 1:
-        return param.detach()
-    return _gather(param.detach(), shard_dim, mesh.tp)
+def full_tensor(tensor: torch.Tensor, shards, mesh: Mesh) -> torch.Tensor:
+    """All-gather a shard ((dim, axis) splits, as tagged by mpu.init) to the full tensor."""
+    tensor = tensor.detach()
+    for dim, axis in reversed(shards):
+        tensor = _gather(tensor, dim, getattr(mesh, axis))
+    return tensor
 
 
 def trim_vocab(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
@@ -87,7 +88,7 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float =
 def build(cfg: GPTConfig, mesh: Mesh):
     seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
     model = GPT(cfg, mesh)
-    initialize_parameters(model, SEED, mesh.tp_rank, mesh.tp_size)
+    initialize_parameters(model, SEED, mesh)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01)
     optimizer = build_optimizer(model, lr=LR, weight_decay=0.1, eps=1e-6)
     return model, reducer, optimizer
@@ -122,10 +123,10 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1) -> None:
         if step == 0:
             # Gradients are post-clipping on both sides; same coefficient since norms match.
             for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                grad = trim_vocab(name, full_tensor(p.grad, p.tp_shard_dim, mesh), cfg)
+                grad = trim_vocab(name, full_tensor(p.grad, p.shards, mesh), cfg)
                 assert_close(f"grad {name}", grad, trim_vocab(name, q.grad, cfg))
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        weight = trim_vocab(name, full_tensor(p, p.tp_shard_dim, mesh), cfg)
+        weight = trim_vocab(name, full_tensor(p, p.shards, mesh), cfg)
         assert_close(f"weight {name} after {STEPS} steps", weight, trim_vocab(name, q, cfg))
     reducer.remove_hooks()
     dist.barrier()
@@ -149,7 +150,7 @@ def cases_for_world(world_size: int) -> list[str]:
             for sp in ((False, True) if tp > 1 else (False,)):
                 names.append(f"{arch}_tp{tp}_{'sp' if sp else 'nosp'}_mb1")
     if world_size == 2:
-        names += ["gpt2_tp1_nosp_mb2", "llama_tp2_sp_mb2"]
+        names += ["gpt2_tp1_nosp_mb2", "llama_tp2_sp_mb2", "collectives_per_layer"]
     return names
 
 
@@ -159,3 +160,50 @@ for _arch in ("gpt2", "llama"):
             for _micro in (1, 2):
                 _case = _make_case(_arch, _tp, _sp, _micro)
                 globals()[_case.__name__] = _case
+
+
+def _count_collectives(cfg: GPTConfig, mesh: Mesh) -> dict[str, int]:
+    """Collectives issued by one forward + backward of the loss, by kind."""
+    counts = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    import mpu.cross_entropy as ce_mod
+    import mpu.mappings as mappings_mod
+
+    originals = (mappings_mod.dist.all_reduce, mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into)
+
+    def counted(kind, fn):
+        def wrapper(*args, **kwargs):
+            counts[kind] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    model = GPT(cfg, mesh)
+    initialize_parameters(model, SEED, mesh)
+    inputs, targets = global_batch(cfg, 0)
+    dist.all_reduce = counted("all_reduce", originals[0])
+    mappings_mod._all_gather_into = counted("all_gather", originals[1])
+    mappings_mod._reduce_scatter_into = counted("reduce_scatter", originals[2])
+    try:
+        model.loss_per_token(model(inputs), targets).sum().backward()
+    finally:
+        dist.all_reduce = originals[0]
+        mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into = originals[1], originals[2]
+    assert ce_mod.dist is dist
+    return counts
+
+
+def collectives_per_layer() -> None:
+    """Per transformer layer at tp>1: 2 all-reduces forward + 2 backward without SP; with SP
+    2 all-gathers + 2 reduce-scatters forward and the same backward, nothing else (both
+    families: SwiGLU's gate and up share one input collective)."""
+    tp = dist.get_world_size()
+    for arch in ("gpt2", "llama"):
+        for sp in (False, True):
+            mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), model_config(arch))
+            base = model_config(arch)
+            small = _count_collectives(GPTConfig(**{**base.__dict__, "num_layers": 2}), mesh)
+            big = _count_collectives(GPTConfig(**{**base.__dict__, "num_layers": 3}), mesh)
+            per_layer = {k: big[k] - small[k] for k in big}
+            want = ({"all_reduce": 0, "all_gather": 4, "reduce_scatter": 4} if sp
+                    else {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0})
+            if per_layer != want:
+                raise AssertionError(f"{arch} sp={sp}: collectives per layer {per_layer}, want {want}")

@@ -1,0 +1,71 @@
+"""Expert capacity with deterministic, layout-independent token dropping (GShard/Switch).
+
+The keep/drop decision is made per sample (per sequence): each expert accepts at most
+`capacity` (token, choice) pairs from one sequence, so whether a token is dropped never
+depends on which other samples share its data-parallel or expert-parallel rank.
+Priority follows GShard: every first choice of the sequence (in sequence order) before every
+second choice (in sequence order), and so on.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from mpu.mappings import all_gather_stats
+from mpu.mesh import group_rank
+
+
+def capacity_for(seq_len: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Per-sample expert capacity: ceil(capacity_factor * seq_len * top_k / num_experts).
+
+    The factor is read as the decimal it is written as (1.1 means 11/10), so float rounding
+    can't push an exact product up by one (1.1 * 100 / 10 gives 11, not 12).
+    """
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor={capacity_factor} must be > 0")
+    if num_experts < 1 or top_k < 1 or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}, num_experts={num_experts}, top_k={top_k} must be >= 1")
+    return math.ceil(Fraction(repr(float(capacity_factor))) * seq_len * top_k / num_experts)
+
+
+def capacity_keep_mask(topk_idx: torch.Tensor, num_experts: int, capacity: int, seq_group) -> torch.Tensor:
+    """Keep mask [s_local, b, k] for the routed pairs `topk_idx` [s_local, b, k].
+
+    Pair (t, j) of sample b routed to expert e is kept iff its rank among the pairs of
+    sample b routed to e, ordered by (choice j, position t), is < `capacity`.
+    The sequence may be sharded over `seq_group` (rank r holds positions
+    [r*s_local, (r+1)*s_local)); the per-rank counts [b, k, E] are exchanged with one
+    `all_gather_stats` over `seq_group`, so the mask equals the one computed on the full
+    sequence. `seq_group=None` means the whole sequence is local.
+    """
+    if topk_idx.dim() != 3:
+        raise ValueError(f"topk_idx must be [s_local, b, k], got shape {tuple(topk_idx.shape)}")
+    s, b, k = topk_idx.shape
+    E = num_experts
+    # one-hot per choice; positions before t within this shard, per (sample, expert)
+    before_local = []  # k x [s, b, E]
+    counts = []  # k x [b, E]
+    for j in range(k):
+        # scatter instead of F.one_hot: no device-side index check, so no host sync on GPU
+        hot = torch.zeros(s, b, E, dtype=torch.int64, device=topk_idx.device)
+        hot.scatter_(-1, topk_idx[:, :, j:j + 1], 1)  # [s, b, E]
+        cum = hot.cumsum(dim=0)
+        before_local.append(cum - hot)
+        counts.append(cum[-1] if s > 0 else hot.sum(dim=0))
+    counts_local = torch.stack(counts, dim=1)  # [b, k, E]
+
+    gathered = all_gather_stats(counts_local, seq_group)  # [W, b, k, E], rank order
+    rank = group_rank(seq_group)
+    total = gathered.sum(dim=0)  # [b, k, E], whole sequence
+    earlier_choices = total.cumsum(dim=1) - total  # choices j' < j, all ranks
+    lower_ranks = gathered[:rank].sum(dim=0)  # choice j, positions on lower ranks
+    offset = earlier_choices + lower_ranks  # [b, k, E]
+
+    keep = torch.empty(s, b, k, dtype=torch.bool, device=topk_idx.device)
+    for j in range(k):
+        pos = before_local[j] + offset[:, j].unsqueeze(0)  # [s, b, E]
+        keep[:, :, j] = pos.gather(-1, topk_idx[:, :, j:j + 1]).squeeze(-1) < capacity
+    return keep

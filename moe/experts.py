@@ -1,0 +1,99 @@
+"""Local experts: the FFNs of this rank's experts, run as grouped GEMMs over variable-size
+token groups (one launch per matrix, not a Python loop over experts).
+
+Weights are stored expert-major, [E_local, in, out], so `grouped_matmul` multiplies each
+contiguous token group by its expert's matrix. The full (layout-independent) weights are
+[E, h, f] / [E, f, h]; experts are split over the ep group along dim 0 and each expert's ffn
+dim over the etp group (column-parallel first matrix, row-parallel second: the caller sums
+the etp partial outputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpu.init import normal_init, tag
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """y[rows of group g] = x[rows of group g] @ weight[g] for consecutive row groups.
+
+    x [N, in] sorted by group; weight [G, in, out]; group_sizes [G] (on device, no host sync).
+    Uses torch's grouped GEMM (`F.grouped_mm`) where the device and dtype support it; on CUDA
+    with fp32 (which grouped_mm rejects) it pads the groups into one batched matmul.
+    """
+    if x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16):
+        offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
+        return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight, offs=offsets))
+    return _padded_bmm(x, weight, group_sizes)
+
+
+def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    groups = weight.shape[0]
+    starts = torch.cumsum(group_sizes, 0) - group_sizes
+    group_of_row = torch.repeat_interleave(torch.arange(groups, device=x.device), group_sizes,
+                                           output_size=x.shape[0])
+    slot = torch.arange(x.shape[0], device=x.device) - starts[group_of_row]
+    longest = int(group_sizes.max()) if groups else 0
+    padded = x.new_zeros(groups, longest, x.shape[1])
+    padded = padded.index_put((group_of_row, slot), x)
+    out = torch.bmm(padded, weight)
+    return out[group_of_row, slot]
+
+
+class GroupedExperts(nn.Module):
+    """This rank's `num_local_experts` FFNs (GeLU or SwiGLU, no biases), etp-sharded ffn dim.
+
+    forward(x [N, h] sorted by local expert, group_sizes [E_local]) -> [N, h] partial sums over
+    the etp group (the caller reduces them).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str, mesh, *,
+                 init_std: float, out_init_std: float, device=None, dtype=None):
+        super().__init__()
+        ep, etp = mesh.par.ep, mesh.par.etp
+        if num_experts % ep or ffn_hidden_size % etp:
+            raise ValueError(f"num_experts={num_experts} / ep={ep} or moe_ffn_hidden_size={ffn_hidden_size} / "
+                             f"etp={etp} does not divide")
+        self.activation = activation
+        local_e, local_f = num_experts // ep, ffn_hidden_size // etp
+        h = hidden_size
+
+        def weight(shape_full, shape_local, std, ffn_dim):
+            return tag(nn.Parameter(torch.empty(shape_local, device=device, dtype=dtype)),
+                       normal_init(shape_full, std), expert_shards=((0, "ep"), (ffn_dim, "etp")))
+
+        self.w_up = weight((num_experts, h, ffn_hidden_size), (local_e, h, local_f), init_std, 2)
+        self.w_gate = None
+        if activation == "swiglu":
+            self.w_gate = weight((num_experts, h, ffn_hidden_size), (local_e, h, local_f), init_std, 2)
+        self.w_down = weight((num_experts, ffn_hidden_size, h), (local_e, local_f, h), out_init_std, 1)
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        up = grouped_matmul(x, self.w_up, group_sizes)
+        if self.w_gate is None:
+            hidden = F.gelu(up, approximate="tanh")
+        else:
+            hidden = F.silu(grouped_matmul(x, self.w_gate, group_sizes)) * up
+        return grouped_matmul(hidden, self.w_down, group_sizes)
+
+
+def expert_out_init_std(init_std: float, num_layers: int) -> float:
+    """Scaled init of the second expert matrix, as for the dense MLP's row-parallel output."""
+    return init_std / math.sqrt(2 * num_layers)

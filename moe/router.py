@@ -1,0 +1,192 @@
+"""MoE router: linear gate -> scores -> top-k experts per token, with balancing losses.
+
+All router math runs in fp32 whatever the activation dtype. The balancing statistics
+(expert counts, mean router probabilities, token count) are *global over the stats group*
+(the ranks holding distinct tokens of one microbatch, e.g. the data-parallel group or the
+DP x SP ranks), obtained with one non-differentiable `all_reduce_stats` per forward; no
+activations are communicated. Each rank returns a differentiable *contribution* to each
+loss such that the contributions sum (over the stats group) to the single-process loss, so
+gradients summed over the group equal the single-process gradient.
+
+Tie-breaking: experts are chosen by a stable descending sort of the selection scores, so
+among equal scores the lower expert index wins, on every device and layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpu.init import normal_init, stable_seed, tag
+from mpu.mappings import all_reduce_stats
+
+SCORES = ("softmax", "sigmoid")
+
+
+@dataclass
+class RouterOutput:
+    """What `TopKRouter.forward` returns.
+
+    topk_idx: LongTensor [..., k], chosen experts, best first.
+    topk_weight: fp32 [..., k], combine weights (differentiable w.r.t. router weight and x).
+    aux_loss / z_loss: 0-dim differentiable: this rank's contribution, times the coefficient,
+        divided by num_microbatches (a zero tensor when the coefficient is 0).
+    aux_value / z_value: 0-dim, no grad: the global loss values without coefficient
+        (identical on every rank of the stats group).
+    tokens_per_expert: fp32 [E], no grad: global (token, choice) assignments per expert.
+    num_tokens: 0-dim int64, no grad: global number of tokens of this microbatch.
+    """
+
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    aux_value: torch.Tensor
+    z_value: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """Top-k gate: logits = x W^T (W: [E, h], replicated), scores, expert choice and losses.
+
+    score="softmax": probs = softmax(logits); choose top-k of probs (+ expert_bias when
+        bias_update_rate > 0); weights = chosen probs, renormalized over the k when
+        `renormalize` (Mixtral) else raw (Switch/GShard).
+    score="sigmoid" (DeepSeek-V3): s = sigmoid(logits); choose top-k of s + expert_bias;
+        weights = chosen s (no bias) normalized over the k (always; renormalize must be True).
+
+    Losses (global over `stats_group`, see module docstring): Switch load-balancing
+    aux = E * sum_i f_i P_i (f_i: fraction of (token, choice) assignments to expert i,
+    P_i: mean router probability of expert i; for sigmoid the per-token normalized scores)
+    and ST-MoE z-loss z = mean_t logsumexp(logits_t)^2.
+
+    `expert_bias` (persistent) drives DeepSeek-V3 aux-loss-free balancing through
+    `update_expert_bias`; `step_load` (non-persistent) accumulates the global per-expert load
+    of the current optimizer step while training.
+    The only communication is one `all_reduce_stats` over `stats_group` per forward.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
+                 renormalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 bias_update_rate: float = 0.0, init_std: float = 0.02, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"router score={score!r} is unknown; use one of {SCORES}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"router top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if score == "sigmoid" and not renormalize:
+            raise ValueError("sigmoid router weights are always normalized over the chosen k; "
+                             "set renormalize=True (or use score='softmax' for raw weights)")
+        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                            ("bias_update_rate", bias_update_rate)):
+            if value < 0:
+                raise ValueError(f"router {name}={value} must be >= 0")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score = score
+        self.renormalize = renormalize
+        self.aux_loss_coef = float(aux_loss_coef)
+        self.z_loss_coef = float(z_loss_coef)
+        self.bias_update_rate = float(bias_update_rate)
+        init_fn = normal_init((num_experts, hidden_size), init_std)
+        self.weight = tag(nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype)),
+                          init_fn, tp_shard_dim=None, sequence_parallel=sequence_parallel)
+        if self.weight.device.type != "meta":
+            # A usable value when built standalone; initialize_parameters overwrites it with the
+            # (seed, name)-derived value in a model.
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(stable_seed(0, "router.weight"))
+                self.weight.copy_(init_fn(gen).to(self.weight.dtype))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+        self.register_buffer("step_load", torch.zeros(num_experts, device=device, dtype=torch.float32),
+                             persistent=False)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"score={self.score}, renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}, "
+                f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}")
+
+    def forward(self, x: torch.Tensor, stats_group, num_microbatches: int = 1) -> RouterOutput:
+        """Route the tokens x [..., h] (usually [T, h]) of this rank.
+
+        `stats_group` holds the ranks with distinct tokens of this microbatch (None: one
+        process); the balancing statistics are all-reduced over it (one `all_reduce_stats`).
+        Losses are divided by `num_microbatches` so that summing them over microbatches
+        gives the mean over the step.
+        """
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"router input has hidden size {x.shape[-1]}, expected {self.hidden_size}")
+        lead = x.shape[:-1]
+        E, k = self.num_experts, self.top_k
+        logits = F.linear(x.reshape(-1, self.hidden_size).float(), self.weight.float())  # [T, E]
+
+        if self.score == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores  # the P of the aux loss
+            use_bias = self.bias_update_rate > 0
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+            use_bias = True  # zero unless updated
+        select = scores.detach() + self.expert_bias if use_bias else scores.detach()
+        # Stable descending sort: equal scores keep index order, so the lower expert wins.
+        topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
+        topk_weight = scores.gather(-1, topk_idx)
+        if self.score == "sigmoid" or self.renormalize:
+            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+
+        # Local statistics; everything the losses need globally goes into one all-reduce.
+        T_local = logits.shape[0]
+        counts = torch.zeros(E, device=logits.device, dtype=torch.float64)
+        counts.index_add_(0, topk_idx.reshape(-1),
+                          torch.ones(T_local * k, device=logits.device, dtype=torch.float64))
+        prob_sum = probs.sum(dim=0)  # [E], differentiable
+        lse_sq_sum = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable
+        local = torch.cat([counts, prob_sum.detach().double(), lse_sq_sum.detach().double().view(1),
+                           counts.new_full((1,), float(T_local))])
+        glob = all_reduce_stats(local, stats_group)
+        counts_g, prob_sum_g = glob[:E], glob[E:2 * E]
+        lse_sq_g, T_g = glob[2 * E], glob[2 * E + 1]
+
+        f = (counts_g / (T_g * k)).float()  # no grad, as in Switch
+        T_g32 = T_g.float()
+        aux_contrib = E * (f * prob_sum).sum() / T_g32
+        z_contrib = lse_sq_sum / T_g32
+        with torch.no_grad():
+            aux_value = (E * (counts_g / (T_g * k) * prob_sum_g).sum() / T_g).float()
+            z_value = (lse_sq_g / T_g).float()
+            tokens_per_expert = counts_g.float()
+            if self.training:
+                self.step_load += tokens_per_expert
+
+        zero = logits.new_zeros(())
+        aux_loss = aux_contrib * (self.aux_loss_coef / num_microbatches) if self.aux_loss_coef > 0 else zero
+        z_loss = z_contrib * (self.z_loss_coef / num_microbatches) if self.z_loss_coef > 0 else zero
+        return RouterOutput(
+            topk_idx=topk_idx.reshape(*lead, k),
+            topk_weight=topk_weight.reshape(*lead, k),
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            aux_value=aux_value,
+            z_value=z_value,
+            tokens_per_expert=tokens_per_expert,
+            num_tokens=T_g.round().long(),
+        )
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """DeepSeek-V3 aux-loss-free balancing; call once per optimizer step, after the optimizer.
+
+        expert_bias += rate * sign(mean(step_load) - step_load) when bias_update_rate > 0,
+        then step_load is zeroed (always). No communication: step_load is already global over
+        the stats group, so every rank computes the same bias.
+        """
+        if self.bias_update_rate > 0:
+            self.expert_bias += self.bias_update_rate * torch.sign(self.step_load.mean() - self.step_load)
+        self.step_load.zero_()

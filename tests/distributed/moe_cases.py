@@ -1,0 +1,129 @@
+"""Parallel == serial for MoE GPTs: expert parallelism (ep), expert tensor parallelism (etp),
+folded independently of the dense tp x dp (x sp) layout, against the single-process model.
+
+Each case compares logits, LM loss, aux and z-loss values, routing load and dropped fraction,
+every gradient (experts all-gathered over etp and ep) after the first step, and every weight
+(and the aux-free expert bias) after three AdamW steps. Tolerances as in dense_cases.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.config import GPTConfig
+from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from tests.distributed.dense_cases import (
+    GLOBAL_BATCH,
+    LR,
+    STEPS,
+    assert_close,
+    build,
+    full_tensor,
+    global_batch,
+    microbatches,
+    trim_vocab,
+)
+from training.step import train_step
+
+# name: (arch, tp, sp, ep, etp, top_k, score, capacity_factor)
+LAYOUTS = {
+    2: [
+        ("gpt2", 1, False, 2, 1, 2, "softmax", None),
+        ("llama", 1, False, 2, 1, 1, "sigmoid", None),
+        ("gpt2", 2, True, 2, 1, 2, "softmax", None),
+        ("llama", 2, False, 1, 2, 2, "softmax", None),
+        ("gpt2", 1, False, 1, 2, 1, "softmax", 1.0),
+        ("llama", 2, True, 2, 1, 2, "softmax", 1.0),
+    ],
+    4: [
+        ("gpt2", 1, False, 4, 1, 2, "softmax", None),
+        ("llama", 2, True, 2, 2, 2, "sigmoid", None),
+        ("gpt2", 2, False, 4, 1, 1, "softmax", None),
+        ("llama", 1, False, 2, 2, 1, "softmax", None),
+        ("gpt2", 2, True, 4, 1, 2, "softmax", 1.0),
+    ],
+    8: [
+        ("llama", 4, False, 8, 1, 2, "softmax", None),
+        ("gpt2", 2, True, 8, 1, 2, "sigmoid", None),
+        ("llama", 2, True, 4, 2, 1, "softmax", None),
+        ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0),
+        ("llama", 2, False, 2, 1, 2, "sigmoid", None),
+    ],
+}
+
+
+def moe_config(arch: str, top_k: int, score: str, capacity_factor) -> GPTConfig:
+    common = dict(num_experts=8, top_k=top_k, router_score=score, capacity_factor=capacity_factor,
+                  aux_loss_coef=0.01, z_loss_coef=0.001, router_bias_update_rate=0.01 if score == "sigmoid" else 0.0,
+                  vocab_size=200, seq_len=16)
+    if arch == "llama":
+        return GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=48,
+                         moe_ffn_hidden_size=32, moe_every=2, shared_experts=1, tie_embeddings=False, **common)
+    return GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64,
+                     moe_ffn_hidden_size=24, moe_every=1, **common)
+
+
+def _case_name(layout) -> str:
+    arch, tp, sp, ep, etp, k, score, cf = layout
+    return f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
+
+
+def check_moe_layout(layout) -> None:
+    arch, tp, sp, ep, etp, top_k, score, cf = layout
+    cfg = moe_config(arch, top_k, score, cf)
+    mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
+    serial_mesh = single_process_mesh()
+    model, reducer, optimizer = build(cfg, mesh)
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+
+    inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, GLOBAL_BATCH)[0]
+    full_inputs, _ = global_batch(cfg, 0)
+    with torch.no_grad():
+        got = model.full_logits(model(inputs))
+        want = ref.full_logits(ref(full_inputs))
+    rows = slice(mesh.dp_rank * inputs.shape[0], (mesh.dp_rank + 1) * inputs.shape[0])
+    assert_close("logits", got, want[rows])
+
+    for step in range(STEPS):
+        # Routing statistics are per microbatch over all ranks' tokens, so the serial run's
+        # microbatch j holds microbatch j of every dp rank (the same "global microbatch").
+        per_rank = [microbatches(cfg, step, r, mesh.dp_size, 1) for r in range(mesh.dp_size)]
+        serial_micro = [tuple(torch.cat([per_rank[r][j][i] for r in range(mesh.dp_size)]) for i in range(2))
+                        for j in range(len(per_rank[0]))]
+        out = train_step(model, reducer, optimizer, per_rank[mesh.dp_rank], mesh, lr=LR, max_grad_norm=1.0)
+        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_micro, serial_mesh, lr=LR, max_grad_norm=1.0)
+        for key in ("loss", "grad_norm", "aux_loss", "z_loss"):
+            assert_close(f"step {step} {key}", out[key], ref_out[key])
+        for i, (a, b) in enumerate(zip(out["moe_layers"], ref_out["moe_layers"])):
+            assert_close(f"step {step} layer {i} tokens per expert", a["tokens_per_expert"], b["tokens_per_expert"])
+            assert_close(f"step {step} layer {i} dropped", a["dropped_fraction"] + 1, b["dropped_fraction"] + 1)
+        if step == 0:
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                grad = trim_vocab(name, full_tensor(p.grad, p.shards, mesh), cfg)
+                assert_close(f"grad {name}", grad, trim_vocab(name, q.grad, cfg))
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        weight = trim_vocab(name, full_tensor(p, p.shards, mesh), cfg)
+        assert_close(f"weight {name} after {STEPS} steps", weight, trim_vocab(name, q, cfg))
+    for a, b in zip(model.moe_layers(), ref.moe_layers()):
+        if not torch.equal(a.router.expert_bias, b.router.expert_bias):
+            raise AssertionError(f"expert bias {a.router.expert_bias} != serial {b.router.expert_bias}")
+    reducer.remove_hooks()
+    dist.barrier()
+
+
+def _make(layout):
+    def case() -> None:
+        check_moe_layout(layout)
+
+    case.__name__ = _case_name(layout)
+    return case
+
+
+for _layouts in LAYOUTS.values():
+    for _layout in _layouts:
+        globals()[_case_name(_layout)] = _make(_layout)
+
+
+def cases_for_world(world_size: int) -> list[str]:
+    return [_case_name(layout) for layout in LAYOUTS.get(world_size, [])]
