@@ -119,3 +119,48 @@ def test_card_command_dry_run_on_8_processes(tmp_path):
     assert plan["layout"]["tp"] == 4 and plan["layout"]["ep"] == 8 and plan["layout"]["dp"] == 2
     assert all(f"[dry run] rank {r}:" in out.stdout for r in range(8))
     assert plan["model"]["total_params"] > 1.5e9
+
+
+@pytest.mark.timeout(240)
+def test_moe_training_learns_and_logs_expert_load(tmp_path):
+    out = run([sys.executable, "train.py", "+model=moe_tiny", "trainer.max_steps=30", "trainer.log_every=10",
+               "trainer.progress=false", f"hydra.run.dir={tmp_path}"], timeout=220)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = metrics(tmp_path)
+    assert records[-1]["loss"] < records[0]["loss"] - 1.5
+    tokens_per_step = 16 * 128  # trainer.global_batch_size x model.seq_len
+    for r in records:
+        assert {"aux_loss", "z_loss", "expert_imbalance", "dropped_fraction", "moe"} <= r.keys()
+        assert len(r["moe"]) == 2  # moe_every=2 of 4 layers
+        for layer in r["moe"]:
+            assert len(layer["tokens_per_expert"]) == 8
+            assert sum(layer["tokens_per_expert"]) == tokens_per_step * 2  # dropless, top-2
+            assert layer["dropped_fraction"] == 0.0
+            assert layer["imbalance"] == max(layer["tokens_per_expert"]) / (tokens_per_step * 2 / 8)
+    assert "aux_loss" in out.stdout
+
+
+SHRUNKEN_GPT_1B = ["+model=gpt_1b", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=8",
+                   "model.num_kv_heads=4", "model.ffn_hidden_size=128", "model.moe_ffn_hidden_size=64",
+                   "model.vocab_size=256", "model.seq_len=32", "trainer.global_batch_size=4",
+                   "trainer.max_steps=3", "trainer.log_every=1", "trainer.progress=false"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_card_layout_trains_shrunken_gpt_1b_like_one_process(tmp_path):
+    """torchrun --nproc_per_node=8 train.py +model=gpt_1b parallel.tp=4 parallel.ep=8 with small
+    sizes: trains, and logs the single-process losses (MoE aux terms included in training)."""
+    serial = tmp_path / "serial"
+    out = run([sys.executable, "train.py", *SHRUNKEN_GPT_1B, f"hydra.run.dir={serial}"], timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parallel = tmp_path / "parallel"
+    out = run([*TORCHRUN, "--nproc_per_node=8", "train.py", *SHRUNKEN_GPT_1B, "parallel.tp=4", "parallel.ep=8",
+               f"hydra.run.dir={parallel}"], timeout=270, threads=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got, want = metrics(parallel), metrics(serial)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        for key in ("loss", "aux_loss", "z_loss"):
+            assert abs(g[key] - w[key]) <= 1e-5 * abs(w[key]), (key, g, w)
+        assert [m["tokens_per_expert"] for m in g["moe"]] == [m["tokens_per_expert"] for m in w["moe"]]

@@ -140,6 +140,8 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak_total,
                           "step_time_s": elapsed / window_steps}
+                if "moe_layers" in out:
+                    record.update(moe_metrics(out))
                 history.append(record)
                 writer.log(record)
                 if env.is_main:
@@ -156,6 +158,22 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
               f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return summary
+
+
+def moe_metrics(out: dict) -> dict:
+    """Routing metrics of a step for metrics.jsonl: aux and z-loss (unweighted, summed over MoE
+    layers), per-layer tokens per expert with max/mean imbalance and dropped fraction."""
+    layers = []
+    for index, layer in enumerate(out["moe_layers"]):
+        load = layer["tokens_per_expert"].tolist()
+        mean = sum(load) / len(load)
+        layers.append({"moe_layer": index, "tokens_per_expert": [int(x) for x in load],
+                       "imbalance": max(load) / mean if mean else 0.0,
+                       "dropped_fraction": float(layer["dropped_fraction"])})
+    return {"aux_loss": float(out["aux_loss"]), "z_loss": float(out["z_loss"]),
+            "expert_imbalance": max(layer["imbalance"] for layer in layers),
+            "dropped_fraction": sum(layer["dropped_fraction"] for layer in layers) / len(layers),
+            "moe": layers}
 
 
 def main_entry(tree: dict, run_dir: str) -> dict:
