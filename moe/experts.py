@@ -35,10 +35,12 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     """y[rows of group g] = x[rows of group g] @ weight[g] for consecutive row groups.
 
     x [N, in] sorted by group; weight [G, in, out]; group_sizes [G] (on device, no host sync).
-    Uses torch's grouped GEMM (`F.grouped_mm`) where the device and dtype support it; on CUDA
-    with fp32 (which grouped_mm rejects) it pads the groups into one batched matmul.
+    Uses torch's grouped GEMM (`F.grouped_mm`) where it applies: CPU, or CUDA with 16-bit
+    dtypes, and row strides that are multiples of 16 bytes (its requirement). Otherwise (CUDA
+    fp32, odd sizes) it pads the groups into one batched matmul: same result, more memory.
     """
-    if x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16):
+    aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
+    if aligned and (x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)):
         offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight, offs=offsets))
     return _padded_bmm(x, weight, group_sizes)

@@ -43,15 +43,15 @@ def model_config(arch: str) -> GPTConfig:
                      vocab_size=200, seq_len=16, tie_embeddings=True)
 
 
-def global_batch(cfg: GPTConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(cfg: GPTConfig, step: int, batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.seq_len + 1), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def microbatches(cfg: GPTConfig, step: int, dp_rank: int, dp: int, micro: int):
-    inputs, targets = global_batch(cfg, step)
-    per_rank = GLOBAL_BATCH // dp
+def microbatches(cfg: GPTConfig, step: int, dp_rank: int, dp: int, micro: int, batch: int = GLOBAL_BATCH):
+    inputs, targets = global_batch(cfg, step, batch)
+    per_rank = batch // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     inputs, targets = inputs[rows], targets[rows]
     return [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, per_rank, micro)]

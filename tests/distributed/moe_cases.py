@@ -49,6 +49,7 @@ LAYOUTS = {
         ("llama", 2, True, 4, 2, 1, "softmax", None),
         ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0),
         ("llama", 2, False, 2, 1, 2, "sigmoid", None),
+        ("gpt2", 1, False, 8, 1, 1, "softmax", None),
     ],
 }
 
@@ -77,8 +78,9 @@ def check_moe_layout(layout) -> None:
     model, reducer, optimizer = build(cfg, mesh)
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
 
-    inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, GLOBAL_BATCH)[0]
-    full_inputs, _ = global_batch(cfg, 0)
+    batch = max(GLOBAL_BATCH, mesh.dp_size)
+    inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, batch, batch)[0]
+    full_inputs, _ = global_batch(cfg, 0, batch)
     with torch.no_grad():
         got = model.full_logits(model(inputs))
         want = ref.full_logits(ref(full_inputs))
@@ -88,7 +90,7 @@ def check_moe_layout(layout) -> None:
     for step in range(STEPS):
         # Routing statistics are per microbatch over all ranks' tokens, so the serial run's
         # microbatch j holds microbatch j of every dp rank (the same "global microbatch").
-        per_rank = [microbatches(cfg, step, r, mesh.dp_size, 1) for r in range(mesh.dp_size)]
+        per_rank = [microbatches(cfg, step, r, mesh.dp_size, 1, batch) for r in range(mesh.dp_size)]
         serial_micro = [tuple(torch.cat([per_rank[r][j][i] for r in range(mesh.dp_size)]) for i in range(2))
                         for j in range(len(per_rank[0]))]
         out = train_step(model, reducer, optimizer, per_rank[mesh.dp_rank], mesh, lr=LR, max_grad_norm=1.0)

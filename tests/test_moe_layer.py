@@ -1,0 +1,105 @@
+"""MoE layer in one process: grouped GEMM vs a per-expert loop, and the whole layer vs the
+per-token formula  y_t = sum_j w_tj * FFN_{e_tj}(x_t)  (+ shared experts), with and without
+capacity dropping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.config import GPTConfig
+from moe.capacity import capacity_for, capacity_keep_mask
+from moe.experts import _padded_bmm, grouped_matmul
+from moe.layer import MoELayer
+from mpu.init import initialize_parameters
+from mpu.mesh import single_process_mesh
+
+
+def loop_reference(x, weight, sizes):
+    outs, start = [], 0
+    for g, n in enumerate(sizes.tolist()):
+        outs.append(x[start: start + n] @ weight[g])
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 1, 5], [0, 0, 4, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+@pytest.mark.parametrize("impl,dims", [("grouped", (8, 4)), ("grouped", (5, 3)), ("padded", (5, 3))])
+def test_grouped_matmul_matches_loop(sizes, impl, dims):
+    """Empty groups and single-token groups included; forward and both gradients; aligned
+    sizes take torch's grouped GEMM, odd ones the padded batched matmul."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor(sizes)
+    x = torch.randn(int(sizes.sum()), dims[0], generator=gen, requires_grad=True)
+    w = torch.randn(4, dims[0], dims[1], generator=gen, requires_grad=True)
+    fn = grouped_matmul if impl == "grouped" else _padded_bmm
+    out = fn(x, w, sizes)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = loop_reference(x2, w2, sizes)
+    assert torch.allclose(out, ref, atol=1e-6)
+    if x.shape[0]:
+        grad = torch.randn(out.shape, generator=gen)
+        out.backward(grad)
+        ref.backward(grad)
+        assert torch.allclose(x.grad, x2.grad, atol=1e-6)
+        assert torch.allclose(w.grad, w2.grad, atol=1e-6)
+
+
+def _layer(activation, capacity_factor=None, shared=0, top_k=2):
+    cfg = GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", hidden_size=16, num_heads=2,
+                    num_experts=4, top_k=top_k, moe_ffn_hidden_size=12, capacity_factor=capacity_factor,
+                    shared_experts=shared, seq_len=8)
+    layer = MoELayer(cfg, single_process_mesh())
+    initialize_parameters(layer, 5, single_process_mesh())
+    return cfg, layer
+
+
+def ffn(layer, e, x):
+    ex = layer.experts
+    up = x @ ex.w_up[e]
+    hidden = F.gelu(up, approximate="tanh") if ex.w_gate is None else F.silu(x @ ex.w_gate[e]) * up
+    return hidden @ ex.w_down[e]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_layer_equals_per_token_formula(activation, shared, capacity_factor):
+    cfg, layer = _layer(activation, capacity_factor, shared)
+    x = torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = layer(x)
+        routed = layer.last_router
+        idx, w = routed.topk_idx.view(8, 3, 2), routed.topk_weight.view(8, 3, 2)
+        keep = torch.ones_like(idx, dtype=torch.bool)
+        if capacity_factor is not None:
+            keep = capacity_keep_mask(idx, 4, capacity_for(8, 4, 2, capacity_factor), None)
+            assert not keep.all(), "the case should drop something"
+        want = torch.zeros_like(x)
+        for s in range(8):
+            for b in range(3):
+                for j in range(2):
+                    if keep[s, b, j]:
+                        want[s, b] += w[s, b, j] * ffn(layer, int(idx[s, b, j]), x[s, b])
+        if shared:
+            want += layer.shared(x)
+    assert torch.allclose(out, want, atol=1e-5)
+    expected_drop = 1 - keep.sum().item() / keep.numel()
+    assert layer.last_dropped.item() == pytest.approx(expected_drop)
+
+
+def test_fully_dropped_token_passes_through_as_zero_update():
+    """With capacity 1 per expert and all tokens preferring one expert, later tokens keep no
+    choice: their MoE output is exactly zero (the block's residual carries them)."""
+    cfg, layer = _layer("gelu", capacity_factor=0.01, top_k=1)
+    assert capacity_for(8, 4, 1, 0.01) == 1
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[2, 0] = 10.0
+    x = torch.zeros(8, 1, 16)
+    x[..., 0] = 1.0
+    with torch.no_grad():
+        out = layer(x)
+    assert torch.all(layer.last_router.topk_idx == 2)
+    assert out[0].abs().sum() > 0 and torch.count_nonzero(out[1:]) == 0
