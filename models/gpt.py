@@ -139,6 +139,7 @@ class Block(nn.Module):
         self.norm1 = Norm(cfg, mesh, device, dtype)
         self.attn = Attention(cfg, mesh, device, dtype)
         self.norm2 = Norm(cfg, mesh, device, dtype)
+        self.index = index
         self.mlp = MoELayer(cfg, mesh, device, dtype) if cfg.is_moe_layer(index) else MLP(cfg, mesh, device, dtype)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -148,37 +149,52 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer, built already sharded for `mesh` (TP/SP over `mesh.tp`).
+    """Decoder-only transformer (or one pipeline chunk of it), built already sharded for
+    `mesh` (TP/SP over `mesh.tp`, experts over the expert mesh).
 
-    forward(input_ids [b, s]) returns this rank's vocabulary slice of the logits
-    [b, s, V_pad / tp]; `loss_per_token` gives the unreduced cross-entropy [b, s].
+    `layers` selects the global layer indices this module holds (all by default);
+    `pre_process` adds the embeddings (input: token ids [b, s]), `post_process` the final
+    norm and LM head (output: this rank's vocabulary slice of the logits [b, s, V_pad/tp]).
+    A middle chunk maps hidden states [s(/tp), b, h] to hidden states. Parameter names are the
+    same in every layout ("layers.<global index>...", "embed.weight"): with tied embeddings, a
+    last pipeline stage that lacks the embedding holds its own copy under that name
+    (`tied_embedding_copy`), kept identical by summing both copies' gradients.
     """
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, layers=None,
+                 pre_process: bool = True, post_process: bool = True):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
+        self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab_size = cfg.padded_vocab_size(mesh.tp_size)
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, mesh,
-                                            init_std=cfg.init_std, device=device, dtype=dtype)
+        layers = range(cfg.num_layers) if layers is None else layers
+        needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
+        self.embed = None
+        if needs_embedding:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, mesh,
+                                                init_std=cfg.init_std, device=device, dtype=dtype)
+            self.embed.weight.tied_embedding_copy = not pre_process
         self.pos_embed = None
-        if cfg.position == "learned":
+        if pre_process and cfg.position == "learned":
             self.pos_embed = tag(
                 nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden_size, device=device, dtype=dtype)),
                 normal_init((cfg.seq_len, cfg.hidden_size), cfg.init_std),
                 sequence_parallel=mesh.sequence_parallel,
             )
-        self.layers = nn.ModuleList(Block(cfg, mesh, i, device, dtype) for i in range(cfg.num_layers))
-        self.final_norm = Norm(cfg, mesh, device, dtype)
-        self.head = None
-        if not cfg.tie_embeddings:
-            self.head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, mesh, bias=False,
-                                             init_std=cfg.init_std, device=device, dtype=dtype)
-            self.head.weight.init_fn = normal_init((self.padded_vocab_size, cfg.hidden_size), cfg.init_std,
-                                                   valid_rows=cfg.vocab_size)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, i, device, dtype) for i in layers})
+        self.final_norm = self.head = None
+        if post_process:
+            self.final_norm = Norm(cfg, mesh, device, dtype)
+            if not cfg.tie_embeddings:
+                self.head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, mesh, bias=False,
+                                                 init_std=cfg.init_std, device=device, dtype=dtype)
+                self.head.weight.init_fn = normal_init((self.padded_vocab_size, cfg.hidden_size), cfg.init_std,
+                                                       valid_rows=cfg.vocab_size)
 
     @property
     def vocab_start(self) -> int:
-        return self.embed.vocab_start
+        tp_local = self.padded_vocab_size // self.mesh.tp_size
+        return self.mesh.tp_rank * tp_local
 
     def _positions_slice(self, seq: int) -> slice:
         if not self.mesh.sequence_parallel:
@@ -186,22 +202,28 @@ class GPT(nn.Module):
         local = seq // self.mesh.tp_size
         return slice(self.mesh.tp_rank * local, (self.mesh.tp_rank + 1) * local)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Local-vocabulary logits [b, s, V_pad/tp] for token ids [b, s]."""
-        b, s = input_ids.shape
-        if s > self.cfg.seq_len:
-            raise ValueError(f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}")
-        if self.mesh.sequence_parallel and s % self.mesh.tp_size:
-            raise ValueError(f"sequence parallelism needs tp={self.mesh.tp_size} to divide the sequence length {s}")
-        x = self.embed(input_ids.t())  # [s(/tp), b, h]
-        if self.pos_embed is not None:
-            x = x + self.pos_embed[self._positions_slice(s)].unsqueeze(1)
-        x = _dropout(x, self.cfg.dropout, self.training, self.mesh)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] (first chunk) or hidden [s(/tp), b, h] -> logits [b, s, V_pad/tp]
+        (last chunk) or hidden [s(/tp), b, h]."""
+        if self.pre_process:
+            b, s = x.shape
+            if s > self.cfg.seq_len:
+                raise ValueError(f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}")
+            if self.mesh.sequence_parallel and s % self.mesh.tp_size:
+                raise ValueError(f"sequence parallelism needs tp={self.mesh.tp_size} to divide the sequence length {s}")
+            x = self.embed(x.t())  # [s(/tp), b, h]
+            if self.pos_embed is not None:
+                x = x + self.pos_embed[self._positions_slice(s)].unsqueeze(1)
+            x = _dropout(x, self.cfg.dropout, self.training, self.mesh)
+        else:
+            s = x.shape[0] * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
         rope = None
         if self.cfg.position == "rope":
             rope = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta, x.device)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, rope)
+        if not self.post_process:
+            return x
         x = self.final_norm(x)
         weight = self.embed.weight if self.head is None else self.head.weight
         logits = F.linear(enter_tp_region(x, self.mesh), weight)  # [s, b, V_pad/tp]
@@ -217,7 +239,7 @@ class GPT(nn.Module):
         return gather_from_region(logits, -1, self.mesh.tp)[..., : self.cfg.vocab_size]
 
     def moe_layers(self) -> list[MoELayer]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, MoELayer)]
 
     def aux_loss(self) -> torch.Tensor | None:
         """This rank's differentiable share of the routers' auxiliary terms (coefficients
@@ -228,12 +250,33 @@ class GPT(nn.Module):
         return sum(m.last_router.aux_loss + m.last_router.z_loss for m in layers)
 
     def moe_stats(self) -> list[dict]:
-        """Per MoE layer, global routing statistics of the last forward (no gradient)."""
-        return [{"aux_loss": m.last_router.aux_value, "z_loss": m.last_router.z_value,
-                 "tokens_per_expert": m.last_router.tokens_per_expert, "dropped_fraction": m.last_dropped}
-                for m in self.moe_layers()]
+        """Per MoE layer of this chunk, global routing statistics of the last forward (no
+        gradient); `layer` is the global layer index."""
+        return [{"layer": block.index, "aux_loss": block.mlp.last_router.aux_value,
+                 "z_loss": block.mlp.last_router.z_value,
+                 "tokens_per_expert": block.mlp.last_router.tokens_per_expert,
+                 "dropped_fraction": block.mlp.last_dropped}
+                for block in self.layers.values() if isinstance(block.mlp, MoELayer)]
 
     def update_expert_bias(self) -> None:
         """Aux-loss-free balancing: adjust each router's expert bias from the step's load."""
         for m in self.moe_layers():
             m.router.update_expert_bias()
+
+
+def virtual_stage_layers(num_layers: int, pp: int, vpp: int, virtual_stage: int) -> range:
+    """Global layer indices of one virtual stage when layers are split evenly over pp * vpp."""
+    per_stage = num_layers // (pp * vpp)
+    return range(virtual_stage * per_stage, (virtual_stage + 1) * per_stage)
+
+
+def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None) -> list[GPT]:
+    """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (one chunk without
+    interleaving). The first virtual stage embeds, the last one holds the norm and head."""
+    pp, vpp = mesh.pp_size, mesh.par.vpp
+    chunks = []
+    for c in range(vpp):
+        stage = c * pp + mesh.pp_rank
+        chunks.append(GPT(cfg, mesh, device, dtype, layers=virtual_stage_layers(cfg.num_layers, pp, vpp, stage),
+                          pre_process=stage == 0, post_process=stage == pp * vpp - 1))
+    return chunks

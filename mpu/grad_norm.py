@@ -3,7 +3,8 @@
 Gradients are already reduced over data-parallel replicas (identical on every dp / edp
 rank), so: TP-sharded parameters contribute their local squares summed over the TP group;
 expert shards their squares summed over one replica's ep x etp group; TP-replicated
-parameters (norms, row-parallel biases, routers) are counted once, from the local copy.
+parameters (norms, row-parallel biases, routers) are counted once, from the local copy;
+pipeline stages add their sums over the pp group.
 No host synchronization: the norm stays a tensor.
 """
 
@@ -24,9 +25,10 @@ def _sum_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
 
 
 def global_grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor:
-    """L2 norm of all gradients of the full (unsharded) model; all-reduces over `mesh.tp`
-    (and `mesh.ep_etp` when there are experts)."""
-    with_grad = [p for p in params if p.grad is not None]
+    """L2 norm of all gradients of the full (unsharded) model; all-reduces over `mesh.tp`,
+    `mesh.ep_etp` (experts) and `mesh.pp` (stages; a tied embedding's copy on the last stage
+    is skipped, so it counts once)."""
+    with_grad = [p for p in params if p.grad is not None and not getattr(p, "tied_embedding_copy", False)]
     device = with_grad[0].grad.device if with_grad else torch.device("cpu")
     expert = [p.grad for p in with_grad if getattr(p, "expert", False)]
     dense = [p for p in with_grad if not getattr(p, "expert", False)]
@@ -41,6 +43,8 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor:
             dist.all_reduce(expert_total, group=mesh.ep_etp)
         total = total + expert_total
     total = total + _sum_squares(replicated, device)
+    if group_size(mesh.pp) > 1:
+        dist.all_reduce(total, group=mesh.pp)
     return total.sqrt()
 
 

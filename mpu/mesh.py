@@ -92,10 +92,13 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
         raise ParallelConfigError(
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"
         )
-    if par.pp > 1 and cfg.num_layers % par.pp:
+    if par.pp > 1 and cfg.num_layers % (par.pp * par.vpp):
         raise ParallelConfigError(
-            f"pp={par.pp} does not divide num_layers={cfg.num_layers}; choose parallel.pp dividing it"
+            f"pp*vpp={par.pp}*{par.vpp} does not divide num_layers={cfg.num_layers}; "
+            f"choose parallel.pp (and parallel.vpp) so each virtual stage gets the same number of layers"
         )
+    if par.vpp > 1 and par.pp == 1:
+        raise ParallelConfigError(f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
     if cfg.num_experts:
         if cfg.num_experts % par.ep:
             raise ParallelConfigError(
@@ -129,7 +132,8 @@ class Mesh:
     Attributes are torch process groups (or None when the dim has size 1 and no
     communication is needed): `tp`, `dp`, `pp`, `ep`, `etp`, `edp`, `tp_dp` (the
     flattened dp x tp group of a stage: gradients of sequence-parallel replicated parameters,
-    MoE routing statistics) and `ep_etp` (one replica's expert shards: expert gradient norm).
+    MoE routing statistics), `ep_etp` (one replica's expert shards: expert gradient norm) and
+    `embedding` (first and last pipeline stage of one (dp, tp) position: tied embeddings).
     Coordinates: `tp_rank`, `dp_rank`, `pp_rank`, `edp_rank`, `ep_rank`, `etp_rank`.
     """
 
@@ -149,6 +153,7 @@ class Mesh:
         self.dense_mesh: DeviceMesh | None = None
         self.expert_mesh: DeviceMesh | None = None
         self.tp = self.dp = self.pp = self.ep = self.etp = self.edp = self.tp_dp = self.ep_etp = None
+        self.embedding = None
         if world_size == 1 or not create_groups:
             return
         ranks = torch.arange(world_size)
@@ -171,6 +176,14 @@ class Mesh:
                 group = dist.new_group(members)
                 if stage == self.pp_rank:
                     self.tp_dp = group
+        # First and last pipeline stage at the same (dp, tp) position: tied embedding copies.
+        if pp > 1:
+            grid = ranks.view(pp, dp * tp)
+            for position in range(dp * tp):
+                members = [int(grid[0, position]), int(grid[pp - 1, position])]
+                group = dist.new_group(members)
+                if rank in members:
+                    self.embedding = group
         # ep x etp flattened: the ranks holding distinct expert shards (one edp replica).
         if ep * etp > 1:
             blocks = ranks.view(pp * edp, ep * etp)

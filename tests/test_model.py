@@ -47,8 +47,8 @@ def test_init_is_layout_independent(arch, tp):
 def test_init_depends_on_seed_and_name_only():
     cfg = CONFIGS["gpt2"]
     a, b = _built(cfg, single_process_mesh(), 3), _built(cfg, single_process_mesh(), 4)
-    assert not torch.equal(a.layers[0].attn.qkv.weight, b.layers[0].attn.qkv.weight)
-    assert not torch.equal(a.layers[0].attn.qkv.weight, a.layers[1].attn.qkv.weight)
+    assert not torch.equal(a.layers["0"].attn.qkv.weight, b.layers["0"].attn.qkv.weight)
+    assert not torch.equal(a.layers["0"].attn.qkv.weight, a.layers["1"].attn.qkv.weight)
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
@@ -69,7 +69,7 @@ def test_gqa_equals_repeated_kv_heads():
     """Grouped-query attention equals full attention whose k/v heads repeat per group."""
     cfg = CONFIGS["llama"]
     model = _built(cfg, single_process_mesh())
-    attn = model.layers[0].attn
+    attn = model.layers["0"].attn
     x = torch.randn(16, 2, cfg.hidden_size)
     qkv = F.linear(x, attn.qkv.weight).reshape(16, 2, cfg.num_kv_heads, attn.q_per_group + 2, cfg.head_dim)
     q = qkv[..., : attn.q_per_group, :].reshape(16, 2, cfg.num_heads, cfg.head_dim).permute(1, 2, 0, 3)

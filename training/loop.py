@@ -164,10 +164,10 @@ def moe_metrics(out: dict) -> dict:
     """Routing metrics of a step for metrics.jsonl: aux and z-loss (unweighted, summed over MoE
     layers), per-layer tokens per expert with max/mean imbalance and dropped fraction."""
     layers = []
-    for index, layer in enumerate(out["moe_layers"]):
+    for layer in out["moe_layers"]:
         load = layer["tokens_per_expert"].tolist()
         mean = sum(load) / len(load)
-        layers.append({"moe_layer": index, "tokens_per_expert": [int(x) for x in load],
+        layers.append({"layer": layer["layer"], "tokens_per_expert": [int(x) for x in load],
                        "imbalance": max(load) / mean if mean else 0.0,
                        "dropped_fraction": float(layer["dropped_fraction"])})
     return {"aux_loss": float(out["aux_loss"]), "z_loss": float(out["z_loss"]),

@@ -1,5 +1,5 @@
-"""One optimizer step over a global batch: microbatch accumulation, bucketed DP reduction,
-global-norm clipping and the AdamW update."""
+"""One optimizer step over a global batch: microbatch accumulation (or a pipeline schedule),
+bucketed DP reduction, global-norm clipping and the AdamW update."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from mpu.cross_entropy import IGNORE_INDEX
 from mpu.grad_norm import clip_grad_norm
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import Mesh, group_size
+from mpu.pipeline import PipelineExecutor
+from mpu.pipeline_schedules import build_schedule
 
 
 def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
@@ -39,49 +41,113 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
     reducer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float32, device=tokens.device)
     n_micro = len(microbatches)
-    moe = MoEStepStats()
+    moe = MoEStepStats(model.cfg)
     for i, (inputs, targets) in enumerate(microbatches):
         with reducer.sync(i == n_micro - 1):
             logits = model(inputs)
             loss = model.loss_per_token(logits, targets).sum() / tokens
-            aux = model.aux_loss() if hasattr(model, "aux_loss") else None
+            aux = model.aux_loss()
             (loss if aux is None else loss + aux / n_micro).backward()
         loss_sum = loss_sum + loss.detach().to(loss_sum.device)
-        if aux is not None:
-            moe.add(model.moe_stats(), n_micro)
+        moe.add(model.moe_stats(), n_micro)
     reducer.finish()
-    params = [p for p in model.parameters() if p.requires_grad]
+    return _finish_step([model], reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm)
+
+
+def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReducer,
+                        optimizer: torch.optim.Optimizer, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                        mesh: Mesh, executor: PipelineExecutor, *, schedule: str, lr: float,
+                        max_grad_norm: float) -> dict:
+    """`train_step` for pipeline parallelism: run `schedule` over this rank's model chunks.
+
+    Losses are normalised exactly as in `train_step` (the last stage divides by the global
+    token count; MoE terms on any stage by the number of microbatches). Gradient buckets are
+    reduced as the last backward of each chunk runs; the tied embedding's two copies (first
+    and last stage) then have their gradients summed. Also returns `pipeline`: the executor's
+    result (timeline, peak live activations).
+    """
+    for chunk in chunks:
+        chunk.train()
+    tokens = global_token_count(microbatches, mesh)
+    reducer.zero_grad()
+    n_micro = len(microbatches)
+    actions = build_schedule(schedule, mesh.pp_size, mesh.pp_rank, n_micro, mesh.par.vpp)
+    last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+    moe = MoEStepStats(chunks[0].cfg)
+    targets = [y for _, y in microbatches]
+
+    def loss_fn(chunk, logits, m):
+        return chunk.loss_per_token(logits, targets[m]).sum() / tokens
+
+    def extra_fn(chunk):
+        aux = chunk.aux_loss()
+        if aux is None:
+            return None
+        moe.add(chunk.moe_stats(), n_micro)
+        return aux / n_micro
+
+    def before_backward(index, action):
+        return reducer.sync(last_backward[action.chunk] == index)
+
+    result = executor.run(actions, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
+    reducer.finish()
+    if chunks[0].cfg.tie_embeddings and group_size(mesh.embedding) > 1:
+        for chunk in chunks:
+            if chunk.embed is not None:
+                dist.all_reduce(chunk.embed.weight.grad, group=mesh.embedding)
+    loss_sum = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
+    out = _finish_step(chunks, reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm)
+    out["pipeline"] = result
+    return out
+
+
+def _finish_step(chunks, reducer, optimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: "MoEStepStats", *,
+                 lr: float, max_grad_norm: float) -> dict:
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     grad_norm = clip_grad_norm(params, max_grad_norm, mesh)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
-    if moe.layers:
-        model.update_expert_bias()
+    for chunk in chunks:
+        chunk.update_expert_bias()
     if group_size(mesh.dp) > 1:
         dist.all_reduce(loss_sum, group=mesh.dp)
-    return {"loss": loss_sum, "grad_norm": grad_norm, **moe.summary()}
+    if group_size(mesh.pp) > 1:  # only the last stage has the loss
+        dist.all_reduce(loss_sum, group=mesh.pp)
+    return {"loss": loss_sum, "grad_norm": grad_norm, **moe.summary(mesh, loss_sum.device)}
 
 
 class MoEStepStats:
-    """Routing statistics of one step: aux/z-loss averaged over microbatches (summed over
-    MoE layers), tokens per expert summed over microbatches, dropped fraction averaged."""
+    """Routing statistics of one step, per MoE layer (global index): aux/z-loss averaged over
+    microbatches, tokens per expert summed over microbatches, dropped fraction averaged.
+    Under pipeline parallelism each stage fills its own layers and `summary` sums over pp."""
 
-    def __init__(self):
-        self.layers: list[dict] = []
+    def __init__(self, cfg):
+        self.layer_ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        self.num_experts = cfg.num_experts
+        self.table = None  # [moe layers, 3 + E]: aux, z, dropped, tokens per expert
 
     def add(self, per_layer: list[dict], n_micro: int) -> None:
-        if not self.layers:
-            self.layers = [{"aux_loss": 0.0, "z_loss": 0.0, "tokens_per_expert": 0, "dropped_fraction": 0.0}
-                           for _ in per_layer]
-        for acc, stats in zip(self.layers, per_layer):
-            acc["aux_loss"] = acc["aux_loss"] + stats["aux_loss"] / n_micro
-            acc["z_loss"] = acc["z_loss"] + stats["z_loss"] / n_micro
-            acc["tokens_per_expert"] = acc["tokens_per_expert"] + stats["tokens_per_expert"]
-            acc["dropped_fraction"] = acc["dropped_fraction"] + stats["dropped_fraction"] / n_micro
+        if not per_layer:
+            return
+        if self.table is None:
+            device = per_layer[0]["tokens_per_expert"].device
+            self.table = torch.zeros(len(self.layer_ids), 3 + self.num_experts, device=device)
+        for stats in per_layer:
+            row = self.table[self.layer_ids.index(stats["layer"])]
+            row[0] += stats["aux_loss"] / n_micro
+            row[1] += stats["z_loss"] / n_micro
+            row[2] += stats["dropped_fraction"] / n_micro
+            row[3:] += stats["tokens_per_expert"]
 
-    def summary(self) -> dict:
-        if not self.layers:
+    def summary(self, mesh: Mesh, device) -> dict:
+        if not self.layer_ids:
             return {}
-        return {"aux_loss": sum(layer["aux_loss"] for layer in self.layers),
-                "z_loss": sum(layer["z_loss"] for layer in self.layers),
-                "moe_layers": self.layers}
+        table = self.table
+        if group_size(mesh.pp) > 1:
+            if table is None:
+                table = torch.zeros(len(self.layer_ids), 3 + self.num_experts, device=device)
+            dist.all_reduce(table, group=mesh.pp)
+        layers = [{"layer": layer, "aux_loss": row[0], "z_loss": row[1], "dropped_fraction": row[2],
+                   "tokens_per_expert": row[3:]} for layer, row in zip(self.layer_ids, table)]
+        return {"aux_loss": table[:, 0].sum(), "z_loss": table[:, 1].sum(), "moe_layers": layers}

@@ -6,10 +6,12 @@ gradient (all-gathered to full shape, vocabulary padding dropped) after the firs
 every weight after three AdamW steps.
 
 Errors are tensor-level relative errors ||got - want|| / ||want||. The AdamW used here has
-eps=1e-6 and lr=1e-3: with eps=1e-8 Adam turns the fp32 rounding noise of gradients that are
-mathematically zero (the key bias, unseen embedding rows) into +-lr updates, and the *serial*
-model trained with 1 vs 4 microbatches then differs from itself by 3.5e-4 after 3 steps; with
-these settings the serial-vs-serial floor is ~1e-6, ten times below the 1e-5 tolerance.
+eps=1e-4 and lr=1e-3: Adam divides by sqrt(v) + eps, so gradient elements near the fp32
+rounding noise (the key bias is mathematically zero; attention-output biases of deep models
+are small) get their noise turned into updates of order lr. Measured serial-vs-serial floors
+after 3 steps (the *same* model trained with 1 vs 8 microbatches): 2-layer models 3.5e-4 at
+eps=1e-8 and 1e-6 at eps=1e-6; the 8-layer GPT-2 of the pipeline cases 1.6e-4 at eps=1e-6,
+2.9e-5 at 1e-5 and 3e-6 at 1e-4. eps=1e-4 keeps the floor well below the 1e-5 tolerance.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ SEED = 1234
 GLOBAL_BATCH = 4
 STEPS = 3
 LR = 1e-3
+ADAM_EPS = 1e-4
 
 
 def model_config(arch: str) -> GPTConfig:
@@ -90,7 +93,7 @@ def build(cfg: GPTConfig, mesh: Mesh):
     model = GPT(cfg, mesh)
     initialize_parameters(model, SEED, mesh)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01)
-    optimizer = build_optimizer(model, lr=LR, weight_decay=0.1, eps=1e-6)
+    optimizer = build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     return model, reducer, optimizer
 
 
@@ -129,7 +132,6 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1) -> None:
         weight = trim_vocab(name, full_tensor(p, p.shards, mesh), cfg)
         assert_close(f"weight {name} after {STEPS} steps", weight, trim_vocab(name, q, cfg))
     reducer.remove_hooks()
-    dist.barrier()
 
 
 def _make_case(arch: str, tp: int, sp: bool, micro: int = 1):

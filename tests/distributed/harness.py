@@ -30,7 +30,8 @@ def run_world(world_size: int, cases: list[str], timeout: float = 600.0,
         for rank in range(world_size):
             cmd = [sys.executable, "-m", "tests.distributed.worker", "--world-size", str(world_size),
                    "--rank", str(rank), "--store", store, "--out", tmp,
-                   "--collective-timeout", str(collective_timeout), "--cases", ",".join(cases)]
+                   "--collective-timeout", str(collective_timeout), "--cases", ",".join(cases),
+                   "--dump-stacks-after", str(max(timeout - 20.0, 1.0))]
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + timeout

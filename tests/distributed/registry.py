@@ -7,7 +7,12 @@ import importlib
 
 from tests.distributed.harness import run_world
 
-CASE_MODULES = ("tests.distributed.dense_cases", "tests.distributed.mpu_cases", "tests.distributed.moe_cases")
+CASE_MODULES = (
+    "tests.distributed.dense_cases",
+    "tests.distributed.mpu_cases",
+    "tests.distributed.moe_cases",
+    "tests.distributed.pipeline_cases",
+)
 WORLD_SIZES = (2, 4, 8)
 WORLD_TIMEOUT_S = 600.0
 COLLECTIVE_TIMEOUT_S = 30.0

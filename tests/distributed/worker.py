@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import importlib
 import json
 import traceback
@@ -21,7 +22,11 @@ def main() -> None:
     parser.add_argument("--cases", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--collective-timeout", type=float, default=60.0)
+    parser.add_argument("--dump-stacks-after", type=float, default=0.0)
     args = parser.parse_args()
+    if args.dump_stacks_after > 0:
+        # A hang shows where every rank was stuck (in the rank's log, shown by the harness).
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                             world_size=args.world_size,

@@ -1,0 +1,131 @@
+"""Parallel == serial with pipeline parallelism: pp in {2, 4} with gpipe, 1f1b and interleaved
+(vpp 2) schedules, alone and combined with tp, sp, dp and an MoE model with ep.
+
+Each case compares the loss, the global gradient norm, every gradient after the first step
+(all parameters of this rank's chunks, all-gathered over tp/ep, against the serial
+parameter of the same name, including the tied embedding's copy on the last stage) and every
+weight after three AdamW steps; and the peak number of live activations on this rank against
+the schedule's bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.config import GPTConfig
+from models.gpt import build_model_chunks
+from mpu.grad_reduce import DataParallelGradReducer
+from mpu.init import initialize_parameters
+from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from mpu.pipeline import PipelineExecutor
+from mpu.random import seed_parallel_rng
+from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, STEPS, assert_close, build, full_tensor, global_batch, trim_vocab
+from training.optim import build_optimizer
+from training.step import pipeline_train_step, train_step
+
+# (arch, moe, pp, vpp, schedule, tp, sp, ep)
+LAYOUTS = {
+    2: [
+        ("gpt2", False, 2, 1, "gpipe", 1, False, 1),
+        ("gpt2", False, 2, 1, "1f1b", 1, False, 1),
+        ("llama", False, 2, 2, "interleaved", 1, False, 1),
+    ],
+    4: [
+        ("gpt2", False, 4, 1, "gpipe", 1, False, 1),
+        ("llama", False, 4, 1, "1f1b", 1, False, 1),
+        ("gpt2", False, 4, 2, "interleaved", 1, False, 1),
+        ("llama", False, 2, 1, "1f1b", 2, True, 1),
+        ("gpt2", False, 2, 2, "interleaved", 1, False, 1),
+        ("gpt2", True, 2, 1, "1f1b", 1, False, 2),
+    ],
+    8: [
+        ("llama", False, 2, 2, "interleaved", 2, True, 1),
+        ("gpt2", False, 4, 1, "1f1b", 2, False, 1),
+        ("llama", True, 2, 1, "1f1b", 2, True, 2),
+        ("gpt2", True, 2, 2, "interleaved", 2, False, 4),
+    ],
+}
+MICRO_PER_RANK = 4
+
+
+def pipeline_config(arch: str, moe: bool) -> GPTConfig:
+    extra = dict(num_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=32, aux_loss_coef=0.01,
+                 z_loss_coef=0.001) if moe else {}
+    if arch == "llama":
+        return GPTConfig(arch="llama", num_layers=8, hidden_size=32, num_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=48, vocab_size=200, seq_len=16, tie_embeddings=False, **extra)
+    return GPTConfig(arch="gpt2", num_layers=8, hidden_size=32, num_heads=4, ffn_hidden_size=64,
+                     vocab_size=200, seq_len=16, tie_embeddings=True, **extra)
+
+
+def _name(layout) -> str:
+    arch, moe, pp, vpp, schedule, tp, sp, ep = layout
+    return (f"{arch}{'_moe' if moe else ''}_pp{pp}_v{vpp}_{schedule}_tp{tp}{'sp' if sp else ''}"
+            f"_ep{ep}").replace("-", "_")
+
+
+def check_pipeline_layout(layout) -> None:
+    arch, moe, pp, vpp, schedule, tp, sp, ep = layout
+    cfg = pipeline_config(arch, moe)
+    mesh = build_mesh(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, schedule=schedule), cfg)
+    dp = mesh.dp_size
+    batch = dp * MICRO_PER_RANK
+    seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
+    chunks = build_model_chunks(cfg, mesh)
+    for chunk in chunks:
+        initialize_parameters(chunk, SEED, mesh)
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
+    optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+    s_local = cfg.seq_len // tp if mesh.sequence_parallel else cfg.seq_len
+    executor = PipelineExecutor(chunks, mesh, (s_local, 1, cfg.hidden_size), torch.float32, torch.device("cpu"))
+
+    serial_mesh = single_process_mesh()
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+    ref_params = dict(ref.named_parameters())
+
+    for step in range(STEPS):
+        inputs, targets = global_batch(cfg, step, batch)
+        rows = lambda r: slice(r * MICRO_PER_RANK, (r + 1) * MICRO_PER_RANK)  # noqa: E731
+        mine = [(inputs[rows(mesh.dp_rank)][j: j + 1], targets[rows(mesh.dp_rank)][j: j + 1])
+                for j in range(MICRO_PER_RANK)]
+        # Serial microbatch j = microbatch j of every dp rank (MoE statistics are per global microbatch).
+        serial = [(torch.cat([inputs[rows(r)][j: j + 1] for r in range(dp)]),
+                   torch.cat([targets[rows(r)][j: j + 1] for r in range(dp)])) for j in range(MICRO_PER_RANK)]
+        out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule=schedule,
+                                  lr=LR, max_grad_norm=1.0)
+        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0)
+        keys = ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ())
+        for key in keys:
+            assert_close(f"step {step} {key}", out[key], ref_out[key])
+        if step == 0:
+            peak = out["pipeline"].peak_live_activations
+            bound = {"gpipe": MICRO_PER_RANK * vpp, "1f1b": min(pp - mesh.pp_rank, MICRO_PER_RANK)}.get(schedule)
+            if bound is not None and peak != bound:
+                raise AssertionError(f"{schedule}: {peak} live activations on stage {mesh.pp_rank}, want {bound}")
+            for name, p in named:
+                grad = trim_vocab(name, full_tensor(p.grad, p.shards, mesh), cfg)
+                assert_close(f"grad {name}", grad, trim_vocab(name, ref_params[name].grad, cfg))
+    for name, p in named:
+        weight = trim_vocab(name, full_tensor(p, p.shards, mesh), cfg)
+        assert_close(f"weight {name} after {STEPS} steps", weight, trim_vocab(name, ref_params[name], cfg))
+    reducer.remove_hooks()
+
+
+def _make(layout):
+    def case() -> None:
+        check_pipeline_layout(layout)
+
+    case.__name__ = _name(layout)
+    return case
+
+
+for _layouts in LAYOUTS.values():
+    for _layout in _layouts:
+        globals()[_name(_layout)] = _make(_layout)
+
+
+def cases_for_world(world_size: int) -> list[str]:
+    return [_name(layout) for layout in LAYOUTS.get(world_size, [])]
