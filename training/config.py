@@ -13,6 +13,7 @@ from typing import Any
 
 from models.config import GPTConfig
 from mpu.mesh import ParallelConfig, ParallelConfigError
+from mpu.pipeline_schedules import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,7 @@ class TrainerConfig:
     precision: str = "fp32"
     num_threads: int | None = None
     progress: bool = True
+    trace_step: int | None = None
 
 
 @dataclass
@@ -119,11 +121,12 @@ class RunConfig:
             raise ConfigError(f"kernels.backend={self.kernels.backend!r} must be auto, torch or triton")
         if self.kernels.backend == "triton":
             raise ConfigError("kernels.backend=triton: no Triton kernels exist yet; use auto or torch")
-        if (self.parallel.pp > 1 or self.parallel.vpp > 1) and not t.dry_run:
-            raise ConfigError(
-                f"parallel.pp={self.parallel.pp}, parallel.vpp={self.parallel.vpp}: pipeline parallelism is not "
-                "implemented yet; use pp=1 vpp=1 (trainer.dry_run=true can still plan it)"
-            )
+        if self.parallel.schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule={self.parallel.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        if self.parallel.vpp > 1 and self.parallel.schedule != "interleaved":
+            raise ConfigError(f"parallel.vpp={self.parallel.vpp} needs parallel.schedule=interleaved")
+        if t.trace_step is not None and not 1 <= t.trace_step <= t.max_steps:
+            raise ConfigError(f"trainer.trace_step={t.trace_step} must be a step in 1..trainer.max_steps={t.max_steps}")
 
     @property
     def warmup_steps(self) -> int:

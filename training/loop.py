@@ -13,10 +13,14 @@ from pathlib import Path
 
 import torch
 
-from models.gpt import GPT
+from torch import nn
+
+from models.gpt import build_model_chunks
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.init import initialize_parameters
 from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
+from mpu.pipeline import PipelineExecutor
+from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
 from mpu.random import seed_parallel_rng
 from training.config import ConfigError, RunConfig
 from training.data import ByteTokenizer, TokenDataset, load_corpus
@@ -26,7 +30,7 @@ from training.metrics import MetricsWriter, ProgressBar, format_step_line
 from training.optim import build_optimizer
 from training.peak import peak_flops
 from training.schedule import lr_at
-from training.step import train_step
+from training.step import pipeline_train_step, train_step
 
 
 def check_run_config(run: RunConfig, world_size: int) -> tuple:
@@ -51,6 +55,11 @@ def check_run_config(run: RunConfig, world_size: int) -> tuple:
         raise ConfigError(
             f"trainer.micro_batch_size={micro} does not divide the per-rank batch {per_rank} "
             f"(global_batch_size={t.global_batch_size} / dp={par.dp})"
+        )
+    if par.schedule == "interleaved" and par.pp > 1 and (per_rank // micro) % par.pp:
+        raise ConfigError(
+            f"the interleaved schedule needs the microbatches per rank ({per_rank // micro} = global_batch_size "
+            f"{t.global_batch_size} / dp {par.dp} / micro_batch_size {micro}) divisible by pp={par.pp}"
         )
     if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
@@ -101,18 +110,24 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
 
     mesh = build_mesh(par, cfg, device_type=env.device.type)
     seed_parallel_rng(t.seed, mesh.tp_rank, mesh.pp_rank, env.device.type)
-    model = GPT(cfg, mesh, device=env.device)
-    initialize_parameters(model, t.seed, mesh)
-    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
+    chunks = build_model_chunks(cfg, mesh, device=env.device)
+    for chunk in chunks:
+        initialize_parameters(chunk, t.seed, mesh)
+    model = nn.ModuleList(chunks)
+    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
     optimizer = build_optimizer(model, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
                                 betas=run.optim.betas, eps=run.optim.eps)
+    executor = None
+    if mesh.pp_size > 1:
+        seq_local = cfg.seq_len // mesh.tp_size if mesh.sequence_parallel else cfg.seq_len
+        executor = PipelineExecutor(chunks, mesh, (seq_local, micro, cfg.hidden_size), torch.float32, env.device)
 
     flops_per_token = model_flops_per_token(cfg)
     peak_per_process, peak_source = peak_flops(env.device, torch.float32)
     peak_total = peak_per_process * env.world_size
     tokens_per_step = t.global_batch_size * cfg.seq_len
     if env.is_main:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(p.numel() for p in model.parameters())  # this rank's shards
         print(f"meshtron: {mesh.describe()}", flush=True)
         print(f"meshtron: {cfg.arch} {cfg.num_layers}L h={cfg.hidden_size} heads={cfg.num_heads} "
               f"seq={cfg.seq_len} vocab={cfg.vocab_size}; {n_params:,} parameters on rank 0; "
@@ -131,7 +146,14 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
             inputs, targets = dataset.local_batch(step, t.global_batch_size, mesh.dp_rank, mesh.dp_size)
             inputs, targets = inputs.to(env.device), targets.to(env.device)
             microbatches = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
-            out = train_step(model, reducer, optimizer, microbatches, mesh, lr=lr, max_grad_norm=t.max_grad_norm)
+            if executor is None:
+                out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=lr,
+                                 max_grad_norm=t.max_grad_norm)
+            else:
+                out = pipeline_train_step(chunks, reducer, optimizer, microbatches, mesh, executor,
+                                          schedule=par.schedule, lr=lr, max_grad_norm=t.max_grad_norm)
+                if t.trace_step == step + 1:
+                    _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
             window_steps += 1
             if step == 0 or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
                 loss, grad_norm = out["loss"].item(), out["grad_norm"].item()  # host sync only when logging
@@ -158,6 +180,22 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
               f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return summary
+
+
+def _export_pipeline_trace(result, mesh, par, num_microbatches: int, run_dir: Path, env) -> None:
+    """Gather every rank's timeline of this step to rank 0, write trace.json (Chrome trace)
+    and print the measured bubble beside the theoretical one."""
+    gathered = [None] * env.world_size if env.is_main else None
+    torch.distributed.gather_object(result.timeline, gathered, dst=0)
+    if not env.is_main:
+        return
+    path = write_trace(run_dir / "trace.json", dict(enumerate(gathered)))
+    measured = [measured_bubble(events) for events in gathered]
+    expected = theoretical_bubble(par.pp, num_microbatches, par.vpp)
+    print(f"meshtron: pipeline trace of this step in {path}; bubble measured "
+          f"{sum(measured) / len(measured):.1%} (ranks: {', '.join(f'{b:.0%}' for b in measured)}) vs "
+          f"theoretical {expected:.1%} = (p-1)/v / (m + (p-1)/v) with p={par.pp}, m={num_microbatches}, "
+          f"v={par.vpp}", flush=True)
 
 
 def moe_metrics(out: dict) -> dict:
