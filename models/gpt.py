@@ -264,10 +264,13 @@ class GPT(nn.Module):
             m.router.update_expert_bias()
 
 
-def virtual_stage_layers(num_layers: int, pp: int, vpp: int, virtual_stage: int) -> range:
-    """Global layer indices of one virtual stage when layers are split evenly over pp * vpp."""
-    per_stage = num_layers // (pp * vpp)
-    return range(virtual_stage * per_stage, (virtual_stage + 1) * per_stage)
+def virtual_stage_layers(num_layers: int, pp: int, vpp: int, virtual_stage: int,
+                         stage_layers: list[int] | None = None) -> range:
+    """Global layer indices of one virtual stage: `stage_layers[i]` consecutive layers for
+    virtual stage i, or an even split over pp * vpp when None."""
+    counts = stage_layers if stage_layers is not None else [num_layers // (pp * vpp)] * (pp * vpp)
+    start = sum(counts[:virtual_stage])
+    return range(start, start + counts[virtual_stage])
 
 
 def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None) -> list[GPT]:
@@ -277,6 +280,7 @@ def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None) -> l
     chunks = []
     for c in range(vpp):
         stage = c * pp + mesh.pp_rank
-        chunks.append(GPT(cfg, mesh, device, dtype, layers=virtual_stage_layers(cfg.num_layers, pp, vpp, stage),
+        layers = virtual_stage_layers(cfg.num_layers, pp, vpp, stage, mesh.par.stage_layers)
+        chunks.append(GPT(cfg, mesh, device, dtype, layers=layers,
                           pre_process=stage == 0, post_process=stage == pp * vpp - 1))
     return chunks

@@ -35,10 +35,11 @@ class ParallelConfig:
     sp: bool = False
     vpp: int = 1
     schedule: str = "1f1b"
+    stage_layers: list[int] | None = None  # layers per virtual stage (pp * vpp entries); None = even
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp filled in and every size checked against `world_size`."""
-        out = ParallelConfig(**self.__dict__)
+        out = ParallelConfig(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()})
         for name in ("tp", "pp", "ep", "etp", "vpp"):
             value = getattr(out, name)
             if not isinstance(value, int) or value < 1:
@@ -92,10 +93,18 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
         raise ParallelConfigError(
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"
         )
-    if par.pp > 1 and cfg.num_layers % (par.pp * par.vpp):
+    if par.stage_layers is not None:
+        stages = par.pp * par.vpp
+        if len(par.stage_layers) != stages or any(n < 1 for n in par.stage_layers) \
+                or sum(par.stage_layers) != cfg.num_layers:
+            raise ParallelConfigError(
+                f"parallel.stage_layers={list(par.stage_layers)} must list {stages} positive layer counts "
+                f"(pp*vpp={par.pp}*{par.vpp} virtual stages) summing to num_layers={cfg.num_layers}"
+            )
+    elif par.pp > 1 and cfg.num_layers % (par.pp * par.vpp):
         raise ParallelConfigError(
             f"pp*vpp={par.pp}*{par.vpp} does not divide num_layers={cfg.num_layers}; "
-            f"choose parallel.pp (and parallel.vpp) so each virtual stage gets the same number of layers"
+            f"choose parallel.pp (and parallel.vpp) dividing it, or list layers per stage in parallel.stage_layers"
         )
     if par.vpp > 1 and par.pp == 1:
         raise ParallelConfigError(f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")

@@ -166,11 +166,16 @@ def test_moe_meta_build_matches_analytic(shared):
     assert plan["model"]["active_params_per_token"] == pc["active_per_token"] < pc["total"]
 
 
-def test_pipeline_uses_analytic_count():
+def test_pipeline_stages_are_built_on_meta():
+    """Each rank counts its own stage (meta); the most loaded equals the analytic count."""
     cfg = gpt2_tiny()
-    plan = plan_rank(cfg, ParallelConfig(tp=2, pp=2), 4, 3, **BATCH)
-    assert "pipeline" in plan["param_source"] and plan["params"]["meta"] is None
-    assert plan["params"]["count"] == params_per_rank(cfg, tp=2, pp=2)
+    plans = [plan_rank(cfg, ParallelConfig(tp=2, pp=2), 4, r, **BATCH) for r in range(4)]
+    assert all("pipeline chunks" in p["param_source"] for p in plans)
+    counts = [p["params"]["meta"] for p in plans]
+    assert max(counts) == params_per_rank(cfg, tp=2, pp=2)
+    assert counts[0] == counts[1] and counts[2] == counts[3]  # tp ranks of a stage hold equal shards
+    plan = plans[3]
+    assert plan["params"]["count"] == counts[3]
     assert plan["coords"]["pp_rank"] == 1
     assert plan["memory"]["microbatches_in_flight"] == 2  # min(pp=2, 8 // (dp=1 * 2) = 4)
 

@@ -244,11 +244,15 @@ def model_state_bytes(
     sharded over (ZeRO-1 / distributed optimizer; 1 = unsharded). Returns a dict with
     `params`, `weights`, `grads`, `main_params`, `optimizer` and `total` (bytes).
     """
+    return state_bytes_for(params_per_rank(cfg, tp=tp, ep=ep, etp=etp, pp=pp), zero_dp, precision)
+
+
+def state_bytes_for(n: int, zero_dp: int = 1, precision: str = "fp32") -> dict[str, int]:
+    """`model_state_bytes` for a known per-rank parameter count `n`."""
     if precision not in _PRECISION_BYTES:
         raise ValueError(f"precision={precision!r} is unknown; use one of {sorted(_PRECISION_BYTES)}")
     if zero_dp < 1:
         raise ValueError(f"zero_dp={zero_dp} must be >= 1")
-    n = params_per_rank(cfg, tp=tp, ep=ep, etp=etp, pp=pp)
     wb, gb, mb, ob = _PRECISION_BYTES[precision]
     out = {
         "params": n,

@@ -35,6 +35,7 @@ from training.flops import (
     activation_bytes_per_microbatch,
     model_flops_per_token,
     model_state_bytes,
+    state_bytes_for,
     param_count,
     params_per_rank,
 )
@@ -66,12 +67,12 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     once), split into those sharded over TP (`tp_shard_dim` set) and those replicated over TP.
     Nothing is allocated and no parameter is initialized; no communication.
     """
-    from models.gpt import GPT  # the model imports mpu layers; keep the planner importable without them
+    from models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
 
     mesh = virtual_mesh(par, world_size, rank)
-    model = GPT(model_cfg, mesh, device="meta", dtype=torch.float32)
+    chunks = build_model_chunks(model_cfg, mesh, device="meta", dtype=torch.float32)
     sharded = replicated = 0
-    for name, p in model.named_parameters():  # deduplicates shared (tied) parameters
+    for name, p in torch.nn.ModuleList(chunks).named_parameters():  # deduplicates tied parameters
         if p.device.type != "meta":
             raise RuntimeError(f"planner bug: parameter {name} was allocated on {p.device}, expected meta")
         if getattr(p, "tp_shard_dim", None) is None:
@@ -133,10 +134,12 @@ def plan_rank(
     # ---- parameters
     analytic = params_per_rank(model_cfg, tp=tp, ep=ep, etp=etp, pp=pp)
     meta: dict[str, int] | None = None
+    meta = meta_param_counts(model_cfg, res, world_size, rank)
     if pp > 1:
-        source = "analytic (pipeline stages are not built yet; the most loaded stage's count)"
+        # The analytic count is the most loaded stage's; the meta build is this rank's own
+        # (its stage's layers, plus the tied embedding's copy on the last stage).
+        source = "meta (this rank's pipeline chunks built on the meta device)"
     else:
-        meta = meta_param_counts(model_cfg, res, world_size, rank)
         if meta["total"] != analytic:
             raise RuntimeError(
                 f"planner bug: rank {rank} builds {meta['total']} parameters on the meta device but "
@@ -158,7 +161,7 @@ def plan_rank(
     }
 
     # ---- memory
-    states = model_state_bytes(model_cfg, tp=tp, ep=ep, etp=etp, pp=pp, zero_dp=zero_dp, precision=precision)
+    states = state_bytes_for(count, zero_dp=zero_dp, precision=precision)
     act_full = activation_bytes_per_microbatch(
         model_cfg, micro_batch_size, tp, bool(res.sp and tp > 1), bytes_per_elem=_ACT_BYTES[precision]
     )

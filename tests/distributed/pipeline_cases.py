@@ -66,10 +66,11 @@ def _name(layout) -> str:
             f"_ep{ep}").replace("-", "_")
 
 
-def check_pipeline_layout(layout) -> None:
+def check_pipeline_layout(layout, stage_layers=None) -> None:
     arch, moe, pp, vpp, schedule, tp, sp, ep = layout
     cfg = pipeline_config(arch, moe)
-    mesh = build_mesh(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, schedule=schedule), cfg)
+    mesh = build_mesh(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, schedule=schedule,
+                                     stage_layers=stage_layers), cfg)
     dp = mesh.dp_size
     batch = dp * MICRO_PER_RANK
     seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
@@ -127,5 +128,11 @@ for _layouts in LAYOUTS.values():
         globals()[_name(_layout)] = _make(_layout)
 
 
+def gpt2_pp2_uneven_stages_3_5() -> None:
+    """Explicit per-stage layer counts: 3 layers on stage 0 (with the embedding), 5 on stage 1."""
+    check_pipeline_layout(("gpt2", False, 2, 1, "1f1b", 1, False, 1), stage_layers=[3, 5])
+
+
 def cases_for_world(world_size: int) -> list[str]:
-    return [_name(layout) for layout in LAYOUTS.get(world_size, [])]
+    extra = ["gpt2_pp2_uneven_stages_3_5"] if world_size == 2 else []
+    return [_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra
