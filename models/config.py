@@ -50,6 +50,10 @@ class GPTConfig:
     router_renormalize: bool = True
     router_bias_update_rate: float = 0.0
     shared_experts: int = 0
+    # Execution choices that do not change the math (set from trainer.* / kernels.*).
+    recompute: str = "none"
+    recompute_layers: int | None = None
+    kernel_backend: str = "torch"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +94,12 @@ class GPTConfig:
             (not self.num_experts or 1 <= self.top_k <= self.num_experts,
              f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}"),
             (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
+            (self.recompute in ("none", "selective", "full"),
+             f"trainer.recompute={self.recompute!r} must be none, selective or full"),
+            (not (self.recompute == "full" and self.num_experts),
+             "trainer.recompute=full is not supported with MoE layers yet (the routers' aux losses would "
+             "lose their gradient in the no-grad first pass); use trainer.recompute=selective"),
+            (self.kernel_backend in ("torch", "triton"), f"kernel backend {self.kernel_backend!r} must be torch or triton"),
             (self.capacity_factor is None or self.capacity_factor > 0,
              f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)"),
         ]

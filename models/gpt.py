@@ -29,6 +29,7 @@ from mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmb
 from mpu.mappings import gather_from_region
 from mpu.mesh import Mesh
 from mpu.random import get_rng_tracker
+from mpu.recompute import recompute
 
 
 class Norm(nn.Module):
@@ -100,11 +101,19 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.training and self.cfg.recompute == "selective":
+            out = recompute(self._core, q, k, v)
+        else:
+            out = self._core(q, k, v)
+        return self.proj(rearrange(out, "b h s d -> s b (h d)"))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask) v over this rank's heads (dropout on the
+        probabilities from the tensor-parallel RNG stream)."""
         p = self.cfg.dropout if self.training else 0.0
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                 enable_gqa=self.q_per_group > 1)
-        return self.proj(rearrange(out, "b h s d -> s b (h d)"))
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=self.q_per_group > 1)
 
 
 class MLP(nn.Module):
@@ -143,6 +152,13 @@ class Block(nn.Module):
         self.mlp = MoELayer(cfg, mesh, device, dtype) if cfg.is_moe_layer(index) else MLP(cfg, mesh, device, dtype)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        cfg = self.cfg
+        full = cfg.recompute == "full" and (cfg.recompute_layers is None or self.index < cfg.recompute_layers)
+        if self.training and full and x.requires_grad:
+            return recompute(self._forward, x, rope)
+        return self._forward(x, rope)
+
+    def _forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         p = self.cfg.dropout
         x = x + _dropout(self.attn(self.norm1(x), rope), p, self.training, self.mesh)
         return x + _dropout(self.mlp(self.norm2(x)), p, self.training, self.mesh)

@@ -34,6 +34,8 @@ class TrainerConfig:
     num_threads: int | None = None
     progress: bool = True
     trace_step: int | None = None
+    recompute: str = "none"
+    recompute_layers: int | None = None
 
 
 @dataclass
@@ -92,6 +94,11 @@ class RunConfig:
                 raise ConfigError(f"unknown config section {key!r}; known: {', '.join(sections)}")
             built[key] = _build_section(key, kinds[key], value or {})
         run = RunConfig(**built)
+        try:  # execution choices the model needs to know about
+            run.model = dataclasses.replace(run.model, recompute=run.trainer.recompute,
+                                            recompute_layers=run.trainer.recompute_layers)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         run.validate()
         return run
 

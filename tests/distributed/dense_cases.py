@@ -152,7 +152,7 @@ def cases_for_world(world_size: int) -> list[str]:
             for sp in ((False, True) if tp > 1 else (False,)):
                 names.append(f"{arch}_tp{tp}_{'sp' if sp else 'nosp'}_mb1")
     if world_size == 2:
-        names += ["gpt2_tp1_nosp_mb2", "llama_tp2_sp_mb2", "collectives_per_layer"]
+        names += ["gpt2_tp1_nosp_mb2", "llama_tp2_sp_mb2", "collectives_per_layer", "recompute_matches_with_dropout"]
     return names
 
 
@@ -209,3 +209,30 @@ def collectives_per_layer() -> None:
                     else {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0})
             if per_layer != want:
                 raise AssertionError(f"{arch} sp={sp}: collectives per layer {per_layer}, want {want}")
+
+
+def recompute_matches_with_dropout() -> None:
+    """Full and selective recomputation give the gradients of no recomputation, with dropout
+    0.1 inside and outside TP regions (tp = world size, with and without SP)."""
+    tp = dist.get_world_size()
+    for sp in (False, True):
+        grads = {}
+        for mode in ("none", "selective", "full"):
+            cfg = GPTConfig(**{**model_config("gpt2").__dict__, "dropout": 0.1, "recompute": mode})
+            mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
+            seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
+            model = GPT(cfg, mesh)
+            initialize_parameters(model, SEED, mesh)
+            inputs, targets = global_batch(cfg, 0)
+            model.loss_per_token(model(inputs), targets).mean().backward()
+            grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for mode in ("selective", "full"):
+            for name, grad in grads["none"].items():
+                if not torch.allclose(grads[mode][name], grad, rtol=1e-6, atol=1e-8):
+                    raise AssertionError(f"sp={sp} recompute={mode}: gradient of {name} differs")
+        # Dropout really is on: a different seed changes the gradients.
+        seed_parallel_rng(SEED + 1, mesh.tp_rank, mesh.pp_rank)
+        model.zero_grad()
+        model.loss_per_token(model(inputs), targets).mean().backward()
+        if torch.allclose(model.layers["0"].attn.qkv.weight.grad, grads["full"]["layers.0.attn.qkv.weight"]):
+            raise AssertionError("dropout had no effect; the test would prove nothing")
