@@ -39,6 +39,7 @@ class Norm(nn.Module):
         super().__init__()
         h, sp = cfg.hidden_size, mesh.sequence_parallel
         self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.triton = cfg.kernel_backend == "triton"
         self.weight = tag(nn.Parameter(torch.empty(h, device=device, dtype=dtype)),
                           constant_init((h,), 1.0), sequence_parallel=sp)
         self.bias = None
@@ -47,6 +48,11 @@ class Norm(nn.Module):
                             constant_init((h,), 0.0), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from kernels import norms
+            if self.kind == "layernorm":
+                return norms.layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
+            return norms.rms_norm(x, self.weight, self.eps, backend="triton")
         shape = (x.shape[-1],)
         if self.kind == "layernorm":
             return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
@@ -131,6 +137,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
+        if self.cfg.kernel_backend == "triton":
+            from kernels import linear_act
+            if self.gate is None:
+                hidden = linear_act.linear_gelu(x, self.up.weight, self.up.bias, approximate="tanh", backend="triton")
+            else:
+                hidden = linear_act.linear_swiglu(x, self.gate.weight, self.gate.bias, self.up.weight, self.up.bias,
+                                                  backend="triton")
+            return self.down(hidden)
         if self.gate is None:
             hidden = F.gelu(F.linear(x, self.up.weight, self.up.bias), approximate="tanh")
         else:
@@ -246,7 +260,13 @@ class GPT(nn.Module):
         return logits.transpose(0, 1)
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded."""
+        """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded.
+        With the Triton backend the fused kernel overwrites `logits` with their gradient in
+        backward (they are used for nothing else)."""
+        if self.cfg.kernel_backend == "triton":
+            from kernels.cross_entropy import fused_cross_entropy
+            return fused_cross_entropy(logits, targets, vocab_start=self.vocab_start, vocab_size=self.cfg.vocab_size,
+                                       group=self.mesh.tp, backend="triton")
         return vocab_parallel_cross_entropy(logits, targets, vocab_start=self.vocab_start,
                                             vocab_size=self.cfg.vocab_size, group=self.mesh.tp)
 

@@ -31,14 +31,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
+                   backend: str = "torch") -> torch.Tensor:
     """y[rows of group g] = x[rows of group g] @ weight[g] for consecutive row groups.
 
     x [N, in] sorted by group; weight [G, in, out]; group_sizes [G] (on device, no host sync).
     Uses torch's grouped GEMM (`F.grouped_mm`) where it applies: CPU, or CUDA with 16-bit
     dtypes, and row strides that are multiples of 16 bytes (its requirement). Otherwise (CUDA
     fp32, odd sizes) it pads the groups into one batched matmul: same result, more memory.
+    backend="triton" runs `kernels.grouped_gemm` instead (one launch for all groups).
     """
+    if backend == "triton":
+        from kernels.grouped_gemm import grouped_gemm
+        return grouped_gemm(x, weight, group_sizes, backend="triton")
     aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
     if aligned and (x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)):
         offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
@@ -67,13 +72,14 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str, mesh, *,
-                 init_std: float, out_init_std: float, device=None, dtype=None):
+                 init_std: float, out_init_std: float, backend: str = "torch", device=None, dtype=None):
         super().__init__()
         ep, etp = mesh.par.ep, mesh.par.etp
         if num_experts % ep or ffn_hidden_size % etp:
             raise ValueError(f"num_experts={num_experts} / ep={ep} or moe_ffn_hidden_size={ffn_hidden_size} / "
                              f"etp={etp} does not divide")
         self.activation = activation
+        self.backend = backend
         local_e, local_f = num_experts // ep, ffn_hidden_size // etp
         h = hidden_size
 
@@ -88,12 +94,12 @@ class GroupedExperts(nn.Module):
         self.w_down = weight((num_experts, ffn_hidden_size, h), (local_e, local_f, h), out_init_std, 1)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        up = grouped_matmul(x, self.w_up, group_sizes)
+        up = grouped_matmul(x, self.w_up, group_sizes, self.backend)
         if self.w_gate is None:
             hidden = F.gelu(up, approximate="tanh")
         else:
-            hidden = F.silu(grouped_matmul(x, self.w_gate, group_sizes)) * up
-        return grouped_matmul(hidden, self.w_down, group_sizes)
+            hidden = F.silu(grouped_matmul(x, self.w_gate, group_sizes, self.backend)) * up
+        return grouped_matmul(hidden, self.w_down, group_sizes, self.backend)
 
 
 def expert_out_init_std(init_std: float, num_layers: int) -> float:

@@ -66,7 +66,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.activation, mesh,
                                       init_std=cfg.init_std,
                                       out_init_std=expert_out_init_std(cfg.init_std, cfg.num_layers),
-                                      device=device, dtype=dtype)
+                                      backend=cfg.kernel_backend, device=device, dtype=dtype)
         self.shared = SharedExperts(cfg, mesh, device, dtype) if cfg.shared_experts else None
         self.dispatcher = AllToAllDispatcher(cfg.num_experts, mesh)
         self.last_router: RouterOutput | None = None

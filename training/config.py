@@ -126,8 +126,6 @@ class RunConfig:
             raise ConfigError("checkpoint.every/checkpoint.resume: checkpointing is not implemented yet; leave them at 0/null")
         if self.kernels.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"kernels.backend={self.kernels.backend!r} must be auto, torch or triton")
-        if self.kernels.backend == "triton":
-            raise ConfigError("kernels.backend=triton: no Triton kernels exist yet; use auto or torch")
         if self.parallel.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={self.parallel.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
         if self.parallel.vpp > 1 and self.parallel.schedule != "interleaved":

@@ -7,6 +7,7 @@ every rank with the same one-line message instead of hanging in a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from torch import nn
 
+from kernels.backend import resolve_backend
 from models.gpt import build_model_chunks
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.init import initialize_parameters
@@ -74,6 +76,12 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     """
     world_size, _, _, _ = launcher_env()
     par, micro, n_micro = check_run_config(run, world_size)
+    wants_cuda = run.trainer.device == "cuda" or (run.trainer.device == "auto" and torch.cuda.is_available())
+    try:
+        backend = resolve_backend(run.kernels.backend, "cuda" if wants_cuda else "cpu")
+    except (RuntimeError, ValueError) as err:
+        raise ConfigError(str(err)) from err
+    run.model = dataclasses.replace(run.model, kernel_backend=backend)
     dataset = None
     if not run.trainer.dry_run:
         try:

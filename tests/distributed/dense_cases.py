@@ -16,6 +16,9 @@ eps=1e-8 and 1e-6 at eps=1e-6; the 8-layer GPT-2 of the pipeline cases 1.6e-4 at
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -97,12 +100,13 @@ def build(cfg: GPTConfig, mesh: Mesh):
     return model, reducer, optimizer
 
 
-def check_layout(arch: str, tp: int, sp: bool, micro: int = 1) -> None:
-    """Compare one parallel layout (dp = world / tp) against the serial model."""
+def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: str = "torch") -> None:
+    """Compare one parallel layout (dp = world / tp), with `kernel_backend` kernels, against
+    the serial model with the torch kernels."""
     cfg = model_config(arch)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
     serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(cfg, mesh)
+    model, reducer, optimizer = build(dataclasses.replace(cfg, kernel_backend=kernel_backend), mesh)
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
 
     # Forward: logits of this rank's rows and loss of the global batch.
@@ -142,6 +146,12 @@ def _make_case(arch: str, tp: int, sp: bool, micro: int = 1):
     return case
 
 
+def triton_kernels_llama_tp2_sp() -> None:
+    """The Triton kernels (interpreter) inside TP/SP layers give the serial torch results."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    check_layout("llama", dist.get_world_size(), True, 2, kernel_backend="triton")
+
+
 def cases_for_world(world_size: int) -> list[str]:
     """Names of the cases that run in a world of `world_size` processes (dp = world / tp)."""
     names = []
@@ -152,7 +162,8 @@ def cases_for_world(world_size: int) -> list[str]:
             for sp in ((False, True) if tp > 1 else (False,)):
                 names.append(f"{arch}_tp{tp}_{'sp' if sp else 'nosp'}_mb1")
     if world_size == 2:
-        names += ["gpt2_tp1_nosp_mb2", "llama_tp2_sp_mb2", "collectives_per_layer", "recompute_matches_with_dropout"]
+        names += ["gpt2_tp1_nosp_mb2", "llama_tp2_sp_mb2", "collectives_per_layer", "recompute_matches_with_dropout",
+                  "triton_kernels_llama_tp2_sp"]
     return names
 
 

@@ -8,6 +8,9 @@ every gradient (experts all-gathered over etp and ep) after the first step, and 
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -70,12 +73,12 @@ def _case_name(layout) -> str:
     return f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
 
 
-def check_moe_layout(layout) -> None:
+def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     arch, tp, sp, ep, etp, top_k, score, cf = layout
     cfg = moe_config(arch, top_k, score, cf)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
     serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(cfg, mesh)
+    model, reducer, optimizer = build(dataclasses.replace(cfg, kernel_backend=kernel_backend), mesh)
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
 
     batch = max(GLOBAL_BATCH, mesh.dp_size)
@@ -126,5 +129,12 @@ for _layouts in LAYOUTS.values():
         globals()[_case_name(_layout)] = _make(_layout)
 
 
+def triton_kernels_gpt2_ep2_etp1() -> None:
+    """Triton grouped GEMM (and the other kernels) under ep=2 equal the serial torch run."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None), kernel_backend="triton")
+
+
 def cases_for_world(world_size: int) -> list[str]:
-    return [_case_name(layout) for layout in LAYOUTS.get(world_size, [])]
+    extra = ["triton_kernels_gpt2_ep2_etp1"] if world_size == 2 else []
+    return [_case_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra
