@@ -34,7 +34,6 @@ from mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from training.flops import (
     activation_bytes_per_microbatch,
     model_flops_per_token,
-    model_state_bytes,
     state_bytes_for,
     param_count,
     params_per_rank,

@@ -91,6 +91,15 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float =
                              f"(shapes {tuple(got.shape)} vs {tuple(want.shape)})")
 
 
+def compare_parameters(named, ref_params: dict, mesh: Mesh, cfg: GPTConfig, what: str) -> None:
+    """Every (name, shard) of `named` all-gathered to full shape equals the serial parameter of
+    the same name (`what` = "grad" compares gradients, anything else the weights)."""
+    for name, p in named:
+        ref = ref_params[name]
+        got, want = (p.grad, ref.grad) if what == "grad" else (p, ref)
+        assert_close(f"{what} {name}", trim_vocab(name, full_tensor(got, p.shards, mesh), cfg), trim_vocab(name, want, cfg))
+
+
 def build(cfg: GPTConfig, mesh: Mesh):
     seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
     model = GPT(cfg, mesh)
@@ -129,12 +138,8 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: s
         assert_close(f"step {step} grad_norm", out["grad_norm"], ref_out["grad_norm"])
         if step == 0:
             # Gradients are post-clipping on both sides; same coefficient since norms match.
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                grad = trim_vocab(name, full_tensor(p.grad, p.shards, mesh), cfg)
-                assert_close(f"grad {name}", grad, trim_vocab(name, q.grad, cfg))
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        weight = trim_vocab(name, full_tensor(p, p.shards, mesh), cfg)
-        assert_close(f"weight {name} after {STEPS} steps", weight, trim_vocab(name, q, cfg))
+            compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
+    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, f"weight after {STEPS} steps")
     reducer.remove_hooks()
 
 

@@ -12,7 +12,6 @@ import dataclasses
 import os
 
 import torch
-import torch.distributed as dist
 
 from models.config import GPTConfig
 from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
@@ -22,10 +21,9 @@ from tests.distributed.dense_cases import (
     STEPS,
     assert_close,
     build,
-    full_tensor,
+    compare_parameters,
     global_batch,
     microbatches,
-    trim_vocab,
 )
 from training.step import train_step
 
@@ -104,12 +102,8 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
             assert_close(f"step {step} layer {i} tokens per expert", a["tokens_per_expert"], b["tokens_per_expert"])
             assert_close(f"step {step} layer {i} dropped", a["dropped_fraction"] + 1, b["dropped_fraction"] + 1)
         if step == 0:
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                grad = trim_vocab(name, full_tensor(p.grad, p.shards, mesh), cfg)
-                assert_close(f"grad {name}", grad, trim_vocab(name, q.grad, cfg))
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        weight = trim_vocab(name, full_tensor(p, p.shards, mesh), cfg)
-        assert_close(f"weight {name} after {STEPS} steps", weight, trim_vocab(name, q, cfg))
+            compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
+    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, f"weight after {STEPS} steps")
     for a, b in zip(model.moe_layers(), ref.moe_layers()):
         if not torch.equal(a.router.expert_bias, b.router.expert_bias):
             raise AssertionError(f"expert bias {a.router.expert_bias} != serial {b.router.expert_bias}")

@@ -17,7 +17,7 @@ from mpu.mappings import (
     reduce_scatter_to_sequence,
     scatter_to_region,
 )
-from mpu.mesh import ParallelConfig, build_mesh, group_size
+from mpu.mesh import ParallelConfig, build_mesh
 from mpu.random import get_rng_tracker, seed_parallel_rng
 
 

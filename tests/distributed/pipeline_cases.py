@@ -11,7 +11,6 @@ the schedule's bound.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from models.config import GPTConfig
@@ -21,7 +20,16 @@ from mpu.init import initialize_parameters
 from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from mpu.pipeline import PipelineExecutor
 from mpu.random import seed_parallel_rng
-from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, STEPS, assert_close, build, full_tensor, global_batch, trim_vocab
+from tests.distributed.dense_cases import (
+    ADAM_EPS,
+    LR,
+    SEED,
+    STEPS,
+    assert_close,
+    build,
+    compare_parameters,
+    global_batch,
+)
 from training.optim import build_optimizer
 from training.step import pipeline_train_step, train_step
 
@@ -106,12 +114,8 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
             bound = {"gpipe": MICRO_PER_RANK * vpp, "1f1b": min(pp - mesh.pp_rank, MICRO_PER_RANK)}.get(schedule)
             if bound is not None and peak != bound:
                 raise AssertionError(f"{schedule}: {peak} live activations on stage {mesh.pp_rank}, want {bound}")
-            for name, p in named:
-                grad = trim_vocab(name, full_tensor(p.grad, p.shards, mesh), cfg)
-                assert_close(f"grad {name}", grad, trim_vocab(name, ref_params[name].grad, cfg))
-    for name, p in named:
-        weight = trim_vocab(name, full_tensor(p, p.shards, mesh), cfg)
-        assert_close(f"weight {name} after {STEPS} steps", weight, trim_vocab(name, ref_params[name], cfg))
+            compare_parameters(named, ref_params, mesh, cfg, "grad")
+    compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
     reducer.remove_hooks()
 
 
