@@ -75,11 +75,12 @@ class PipelineExecutor:
         return buffer
 
     def run(self, actions: list[Action], inputs: list[torch.Tensor], loss_fn: LossFn,
-            extra_fn: ExtraFn | None = None, before_backward=None) -> PipelineResult:
+            extra_fn: ExtraFn | None = None, before_backward=None, forward_only: bool = False) -> PipelineResult:
         """Execute `actions`. `inputs[m]` is microbatch m's input of virtual stage 0 (token ids;
         used only there). `before_backward(index, action)` may return a context manager wrapped
         around that backward (gradient-reduction sync). Returns the last stage's
-        per-microbatch losses (detached), the timeline and the peak of live activations."""
+        per-microbatch losses (detached), the timeline and the peak of live activations.
+        `forward_only` (evaluation): forwards only, nothing kept for backward."""
         result = PipelineResult()
         saved: dict[tuple[int, int], tuple] = {}
         pending_sends = []
@@ -92,7 +93,7 @@ class PipelineExecutor:
                     x = inputs[m]
                 else:
                     x = self._recv(self.prev_rank, self._tag(m, stage, False), result, "recv_F", m, c)
-                    x.requires_grad_()
+                    x.requires_grad_(not forward_only)
                 start = time.perf_counter()
                 out = chunk(x)
                 extra = extra_fn(chunk) if extra_fn is not None else None
@@ -100,11 +101,13 @@ class PipelineExecutor:
                     loss = loss_fn(chunk, out, m)
                     result.losses.append(loss.detach())
                     objective = loss if extra is None else loss + extra
-                    saved[(m, c)] = (x, objective, None)
+                    if not forward_only:
+                        saved[(m, c)] = (x, objective, None)
                 else:
                     pending_sends.append((dist.isend(out.detach().contiguous(), dst=self.next_rank,
                                                      tag=self._tag(m, stage + 1, False)), out))
-                    saved[(m, c)] = (x, out, extra)
+                    if not forward_only:
+                        saved[(m, c)] = (x, out, extra)
                 result.timeline.append(TimelineEvent("F", m, c, start, time.perf_counter()))
                 result.peak_live_activations = max(result.peak_live_activations, len(saved))
             else:

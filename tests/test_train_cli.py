@@ -28,7 +28,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.timeout(240)
 def test_default_training_learns_on_real_text(tmp_path):
-    out = run([sys.executable, "train.py", "trainer.max_steps=40", "trainer.log_every=10",
+    out = run([sys.executable, "train.py", "trainer.max_steps=40", "trainer.log_every=10", "trainer.eval_every=20",
                "trainer.progress=false", f"hydra.run.dir={tmp_path}"], timeout=220)
     assert out.returncode == 0, out.stderr[-3000:]
     records = metrics(tmp_path)
@@ -39,6 +39,9 @@ def test_default_training_learns_on_real_text(tmp_path):
     first, last = records[0]["loss"], records[-1]["loss"]
     assert first > 5.0, f"an untrained byte model starts near ln(256)=5.55, got {first}"
     assert last < first - 1.5, f"loss did not fall clearly: {first} -> {last}"
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 40] and val[1] < val[0] < 5.0
+    assert all(r["skipped_steps"] == 0 for r in records)
     assert "step   40/40 | loss" in out.stdout
 
 

@@ -36,6 +36,9 @@ class TrainerConfig:
     trace_step: int | None = None
     recompute: str = "none"
     recompute_layers: int | None = None
+    eval_every: int = 0
+    eval_batches: int = 2
+    max_skipped: int = 5
 
 
 @dataclass
@@ -114,6 +117,11 @@ class RunConfig:
             raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
         if t.micro_batch_size is not None and t.micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1 (or null)")
+        if t.eval_every < 0 or t.eval_batches < 1:
+            raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0 = off) and "
+                              f"trainer.eval_batches={t.eval_batches} >= 1")
+        if t.max_skipped < 0:
+            raise ConfigError(f"trainer.max_skipped={t.max_skipped} must be >= 0")
         if t.log_every < 1:
             raise ConfigError(f"trainer.log_every={t.log_every} must be >= 1")
         if o.lr <= 0:

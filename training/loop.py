@@ -32,7 +32,7 @@ from training.metrics import MetricsWriter, ProgressBar, format_step_line
 from training.optim import build_optimizer
 from training.peak import peak_flops
 from training.schedule import lr_at
-from training.step import pipeline_train_step, train_step
+from training.step import evaluate, pipeline_train_step, train_step
 
 
 def check_run_config(run: RunConfig, world_size: int) -> tuple:
@@ -147,6 +147,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     bar = ProgressBar(t.max_steps, enabled=env.is_main and t.progress)
     history: list[dict] = []
     window_start, window_steps = time.perf_counter(), 0
+    skipped_total = skipped_in_a_row = 0
     try:
         for step in range(t.max_steps):
             lr = lr_at(step, lr=run.optim.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
@@ -163,13 +164,29 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                 if t.trace_step == step + 1:
                     _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
             window_steps += 1
-            if step == 0 or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+            if out["skipped"]:
+                skipped_total += 1
+                skipped_in_a_row += 1
+                if env.is_main:
+                    print(f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm "
+                          f"({skipped_in_a_row} in a row, {skipped_total} in total)", flush=True)
+                if skipped_in_a_row > t.max_skipped:
+                    raise RuntimeError(f"{skipped_in_a_row} consecutive steps had a non-finite loss or gradient "
+                                       f"norm (trainer.max_skipped={t.max_skipped}); lower optim.lr or check the data")
+            else:
+                skipped_in_a_row = 0
+            eval_now = t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
+            if step == 0 or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps or eval_now:
                 loss, grad_norm = out["loss"].item(), out["grad_norm"].item()  # host sync only when logging
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak_total,
                           "step_time_s": elapsed / window_steps}
+                record["skipped_steps"] = skipped_total
+                if eval_now:
+                    record["val_loss"] = evaluate(chunks, _val_microbatches(dataset, t, mesh, micro, env), mesh,
+                                                  executor).item()
                 if "moe_layers" in out:
                     record.update(moe_metrics(out))
                 history.append(record)
@@ -188,6 +205,16 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
               f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return summary
+
+
+def _val_microbatches(dataset: TokenDataset, t, mesh, micro: int, env) -> list:
+    """This rank's microbatches of `trainer.eval_batches` fixed held-out global batches."""
+    out = []
+    for index in range(t.eval_batches):
+        inputs, targets = dataset.local_batch(index, t.global_batch_size, mesh.dp_rank, mesh.dp_size, split="val")
+        inputs, targets = inputs.to(env.device), targets.to(env.device)
+        out += [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+    return out
 
 
 def _export_pipeline_trace(result, mesh, par, num_microbatches: int, run_dir: Path, env) -> None:

@@ -12,7 +12,7 @@ from mpu.grad_norm import clip_grad_norm
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import Mesh, group_size
 from mpu.pipeline import PipelineExecutor
-from mpu.pipeline_schedules import build_schedule
+from mpu.pipeline_schedules import Action, build_schedule
 
 
 def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
@@ -32,8 +32,10 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
     tokens in the *global* batch, so accumulated gradients summed over dp equal the
     single-process gradient of the mean loss. MoE models add their routers' aux and z-loss
     terms (global over the microbatch's tokens on all ranks) averaged over microbatches.
-    Returns tensors (no host sync): `loss` (global-batch mean LM cross-entropy, reduced over
-    dp, no aux terms) and `grad_norm` (before clipping); MoE adds `aux_loss`, `z_loss`
+    Returns `loss` (global-batch mean LM cross-entropy, reduced over dp, no aux terms) and
+    `grad_norm` (before clipping) as tensors, and `skipped`: True when the loss or the gradient
+    norm is not finite, in which case the optimizer step (and the expert-bias update) is
+    skipped on every rank and the weights stay as they were. MoE adds `aux_loss`, `z_loss`
     (unweighted, summed over layers) and per-layer `moe_layers` statistics.
     """
     model.train()
@@ -105,16 +107,24 @@ def _finish_step(chunks, reducer, optimizer, mesh: Mesh, loss_sum: torch.Tensor,
                  lr: float, max_grad_norm: float) -> dict:
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     grad_norm = clip_grad_norm(params, max_grad_norm, mesh)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    for chunk in chunks:
-        chunk.update_expert_bias()
     if group_size(mesh.dp) > 1:
         dist.all_reduce(loss_sum, group=mesh.dp)
     if group_size(mesh.pp) > 1:  # only the last stage has the loss
         dist.all_reduce(loss_sum, group=mesh.pp)
-    return {"loss": loss_sum, "grad_norm": grad_norm, **moe.summary(mesh, loss_sum.device)}
+    # Both values are global (identical on every rank), so every rank takes the same decision.
+    # This is the step's one host sync outside logging (as in torch's GradScaler).
+    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))
+    if finite:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        for chunk in chunks:
+            chunk.update_expert_bias()
+    else:
+        for chunk in chunks:
+            for m in chunk.moe_layers():
+                m.router.step_load.zero_()
+    return {"loss": loss_sum, "grad_norm": grad_norm, "skipped": not finite, **moe.summary(mesh, loss_sum.device)}
 
 
 class MoEStepStats:
@@ -151,3 +161,31 @@ class MoEStepStats:
         layers = [{"layer": layer, "aux_loss": row[0], "z_loss": row[1], "dropped_fraction": row[2],
                    "tokens_per_expert": row[3:]} for layer, row in zip(self.layer_ids, table)]
         return {"aux_loss": table[:, 0].sum(), "z_loss": table[:, 1].sum(), "moe_layers": layers}
+
+
+@torch.no_grad()
+def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh,
+             executor: PipelineExecutor | None = None) -> torch.Tensor:
+    """Mean LM cross-entropy of a held-out global batch (this rank's microbatches), without
+    gradients; reduced over dp (and pp: only the last stage computes it)."""
+    for chunk in chunks:
+        chunk.eval()
+    tokens = global_token_count(microbatches, mesh)
+    if executor is None:
+        model = chunks[0]
+        loss = sum(model.loss_per_token(model(x), y).sum() for x, y in microbatches) / tokens
+    else:
+        targets = [y for _, y in microbatches]
+        actions = [Action("F", m, c) for c in range(len(chunks)) for m in range(len(microbatches))]
+        result = executor.run(actions, [x for x, _ in microbatches],
+                              lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
+                              forward_only=True)
+        loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
+    loss = loss.to(torch.float32)
+    if group_size(mesh.dp) > 1:
+        dist.all_reduce(loss, group=mesh.dp)
+    if group_size(mesh.pp) > 1:
+        dist.all_reduce(loss, group=mesh.pp)
+    for chunk in chunks:
+        chunk.train()
+    return loss

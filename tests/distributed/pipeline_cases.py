@@ -31,7 +31,7 @@ from tests.distributed.dense_cases import (
     global_batch,
 )
 from training.optim import build_optimizer
-from training.step import pipeline_train_step, train_step
+from training.step import evaluate, pipeline_train_step, train_step
 
 # (arch, moe, pp, vpp, schedule, tp, sp, ep)
 LAYOUTS = {
@@ -116,6 +116,8 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
                 raise AssertionError(f"{schedule}: {peak} live activations on stage {mesh.pp_rank}, want {bound}")
             compare_parameters(named, ref_params, mesh, cfg, "grad")
     compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
+    # Forward-only evaluation through the pipeline equals the serial evaluation.
+    assert_close("eval loss", evaluate(chunks, mine, mesh, executor), evaluate([ref], serial, serial_mesh))
     reducer.remove_hooks()
 
 
