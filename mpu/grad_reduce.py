@@ -41,6 +41,7 @@ class _Bucket:
     work: object = None
     launched: bool = False
     names: list[str] = field(default_factory=list)
+    decay: bool = True
 
 
 class DataParallelGradReducer:
@@ -59,7 +60,7 @@ class DataParallelGradReducer:
         self._sync_enabled = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        by_group: dict[str, list[tuple[str, nn.Parameter]]] = {"dp": [], "tp_dp": [], "edp": []}
+        by_group: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in named_params:
             if not p.requires_grad:
                 continue
@@ -67,9 +68,11 @@ class DataParallelGradReducer:
                 key = "edp"
             else:
                 key = "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
-            by_group[key].append((name, p))
+            # Buckets are also split by weight decay (matrices vs vectors), so a shard of a
+            # bucket (ZeRO) belongs to one optimizer group.
+            by_group.setdefault((key, p.ndim >= 2), []).append((name, p))
         limit = int(bucket_mb * 2**20)
-        for key, items in by_group.items():
+        for (key, decay), items in by_group.items():
             group = getattr(mesh, key)
             current: list[tuple[str, nn.Parameter]] = []
             size = 0
@@ -77,26 +80,29 @@ class DataParallelGradReducer:
                 current.append((name, p))
                 size += p.numel() * 4
                 if size >= limit:
-                    self._make_bucket(group, current)
+                    self._make_bucket(group, current, decay)
                     current, size = [], 0
             if current:
-                self._make_bucket(group, current)
+                self._make_bucket(group, current, decay)
         self._hooks = []
         for bucket in self.buckets:
             if group_size(bucket.group) > 1:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _make_bucket(self, group, items: list[tuple[str, nn.Parameter]]) -> None:
+    def _make_bucket(self, group, items: list[tuple[str, nn.Parameter]], decay: bool) -> None:
         params = [p for _, p in items]
         dtype = torch.float32 if params[0].dtype in (torch.float16, torch.bfloat16) else params[0].dtype
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        numel = sum(p.numel() for p in params)
+        replicas = group_size(group)
+        padded = -(-numel // replicas) * replicas  # divisible into equal shards per replica
+        buffer = torch.zeros(padded, dtype=dtype, device=params[0].device)
         offset = 0
         for p in params:
             p.grad = buffer[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
             self._bucket_of[id(p)] = None
-        bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in items])
+        bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in items], decay=decay)
         for p in params:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)

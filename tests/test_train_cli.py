@@ -190,3 +190,20 @@ def test_torchrun_pipeline_interleaved_matches_single_process_and_writes_trace(t
     # 4 microbatches x 2 chunks, forward and backward, on each of the 4 ranks
     assert len(compute) == 4 * 2 * 2 * 4
     assert "bubble measured" in out.stdout and "theoretical" in out.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_torchrun_zero1_logs_the_replicated_adamw_losses(tmp_path):
+    """optim.zero=1 on 2 data-parallel ranks trains exactly like replicated AdamW."""
+    common = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.progress=false", "model.num_layers=2",
+              "trainer.eval_every=0"]
+    logs = {}
+    for zero in (0, 1):
+        run_dir = tmp_path / f"zero{zero}"
+        out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, f"optim.zero={zero}",
+                   f"hydra.run.dir={run_dir}"], timeout=140, threads=1)
+        assert out.returncode == 0, out.stderr[-3000:]
+        logs[zero] = metrics(run_dir)
+    for a, b in zip(logs[1], logs[0], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a, b)

@@ -126,8 +126,9 @@ class RunConfig:
             raise ConfigError(f"trainer.log_every={t.log_every} must be >= 1")
         if o.lr <= 0:
             raise ConfigError(f"optim.lr={o.lr} must be > 0")
-        if o.zero != 0:
-            raise ConfigError(f"optim.zero={o.zero}: the distributed optimizer is not implemented yet; use optim.zero=0")
+        if o.zero not in (0, 1):
+            raise ConfigError(f"optim.zero={o.zero}: only 0 (replicated AdamW) and 1 (optimizer state sharded over "
+                              f"the replicas) are implemented; ZeRO-2 gradient sharding is not")
         if o.warmup_steps is not None and o.warmup_steps > t.max_steps:
             raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}")
         if self.checkpoint.every or self.checkpoint.resume:

@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels.backend import resolve_backend
 from models.gpt import build_model_chunks
+from mpu.distributed_optimizer import ShardedAdamW
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.init import initialize_parameters
 from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
@@ -103,7 +104,8 @@ def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
     from training.plan import format_rank_line, plan_all_ranks, write_plan
 
     plan = plan_all_ranks(run.model, par, env.world_size, micro_batch_size=micro,
-                          global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision)
+                          global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision,
+                          zero_dp=par.dp if run.optim.zero else 1)
     mine = plan["ranks"][env.rank]
     print(f"[dry run] rank {env.rank}: {format_rank_line(mine)}", flush=True)
     if env.is_main:
@@ -123,8 +125,12 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         initialize_parameters(chunk, t.seed, mesh)
     model = nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
-    optimizer = build_optimizer(model, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
-                                betas=run.optim.betas, eps=run.optim.eps)
+    if run.optim.zero == 1:
+        optimizer = ShardedAdamW(reducer, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
+                                 betas=run.optim.betas, eps=run.optim.eps)
+    else:
+        optimizer = build_optimizer(model, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
+                                    betas=run.optim.betas, eps=run.optim.eps)
     executor = None
     if mesh.pp_size > 1:
         seq_local = cfg.seq_len // mesh.tp_size if mesh.sequence_parallel else cfg.seq_len

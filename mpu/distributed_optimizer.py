@@ -1,0 +1,69 @@
+"""ZeRO-1 distributed optimizer: AdamW state for one shard of every gradient bucket.
+
+Each bucket of `DataParallelGradReducer` is homogeneous (one replica group, one weight-decay
+class) and padded to a multiple of its replica count, so it splits into equal contiguous
+shards, one per replica (dp for dense parameters, tp x dp for sequence-parallel replicated
+ones, edp for experts). The parameters of a bucket become views into one flat buffer; this
+rank's AdamW updates only its shard of that buffer (state: exp_avg and exp_avg_sq for 1/R of
+the bucket), then the shards are all-gathered over the bucket's group so every replica holds
+the updated parameters. Gradients are still all-reduced in full (ZeRO-1), so clipping and the
+gradient norm are unchanged. The update is element-wise, hence identical to unsharded AdamW.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpu.grad_reduce import DataParallelGradReducer
+from mpu.mappings import _all_gather_into
+from mpu.mesh import group_rank, group_size
+
+
+class ShardedAdamW:
+    """AdamW over this rank's shards of the reducer's buckets; `step` all-gathers the result
+    over each bucket's replica group. Exposes `param_groups` and `state` like an optimizer."""
+
+    def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
+                 eps: float = 1e-8):
+        self.buckets = reducer.buckets
+        decay, no_decay = [], []
+        self._shards = []
+        for bucket in self.buckets:
+            flat = torch.zeros_like(bucket.buffer)
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                flat[offset: offset + n].copy_(p.detach().reshape(-1))
+                p.data = flat[offset: offset + n].view_as(p)
+                offset += n
+            bucket.param_buffer = flat
+            replicas, rank = group_size(bucket.group), group_rank(bucket.group)
+            size = flat.numel() // replicas
+            shard = nn.Parameter(flat[rank * size: (rank + 1) * size])
+            shard.grad = bucket.buffer[rank * size: (rank + 1) * size]
+            self._shards.append((bucket, shard, rank * size, size))
+            (decay if bucket.decay else no_decay).append(shard)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self) -> None:
+        """Update this rank's shards, then all-gather every bucket over its replica group."""
+        self.optimizer.step()
+        for bucket, _, start, size in self._shards:
+            if group_size(bucket.group) > 1:
+                own = bucket.param_buffer[start: start + size].clone()
+                _all_gather_into(bucket.param_buffer, own, group=bucket.group)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank."""
+        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
