@@ -39,6 +39,7 @@ class TrainerConfig:
     eval_every: int = 0
     eval_batches: int = 2
     max_skipped: int = 5
+    collective_timeout_s: float = 300.0
 
 
 @dataclass
@@ -120,6 +121,8 @@ class RunConfig:
         if t.eval_every < 0 or t.eval_batches < 1:
             raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0 = off) and "
                               f"trainer.eval_batches={t.eval_batches} >= 1")
+        if t.collective_timeout_s <= 0:
+            raise ConfigError(f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
         if t.max_skipped < 0:
             raise ConfigError(f"trainer.max_skipped={t.max_skipped} must be >= 0")
         if t.log_every < 1:

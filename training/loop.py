@@ -90,7 +90,8 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
             dataset = TokenDataset(tokens, run.model.seq_len, run.trainer.seed, run.data.val_fraction)
         except (OSError, ValueError) as err:
             raise ConfigError(f"data: {err}") from err
-    env = init_distributed(run.trainer.device, num_threads=run.trainer.num_threads)
+    env = init_distributed(run.trainer.device, timeout_s=run.trainer.collective_timeout_s,
+                           num_threads=run.trainer.num_threads)
     try:
         run_dir = agree_on_run_dir(run_dir)
         if run.trainer.dry_run:
@@ -198,7 +199,8 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                 history.append(record)
                 writer.log(record)
                 if env.is_main:
-                    print(format_step_line(record, total=t.max_steps), flush=True)
+                    shown = {k: v for k, v in record.items() if k != "skipped_steps" or v}
+                    print(format_step_line(shown, total=t.max_steps), flush=True)
                 window_start, window_steps = time.perf_counter(), 0
             bar.update(step + 1)
     finally:
