@@ -164,8 +164,9 @@ def grad_reducer_overlaps_and_sums() -> None:
     layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     for p in layers.parameters():
         p.tp_shard_dim, p.sequence_parallel = None, False
-    reducer = DataParallelGradReducer(list(layers.named_parameters()), mesh, bucket_mb=8 * 9 * 4 / 2**20)
-    _check(len(reducer.buckets) >= 4, f"expected one bucket per layer, got {len(reducer.buckets)}")
+    # One weight (8x8 fp32 = 256 B) fills a bucket; biases (no weight decay) share their own.
+    reducer = DataParallelGradReducer(list(layers.named_parameters()), mesh, bucket_mb=8 * 8 * 4 / 2**20)
+    _check(len(reducer.buckets) == 5, f"expected a bucket per weight and one for the biases, got {len(reducer.buckets)}")
     reducer.zero_grad()
     inputs = [torch.full((2, 8), float(r + 1 + k)) for k in range(2)]
     with reducer.sync(False):
