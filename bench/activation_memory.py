@@ -21,10 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from models.config import GPTConfig  # noqa: E402
-from models.gpt import GPT  # noqa: E402
-from mpu.init import initialize_parameters  # noqa: E402
+from models.gpt import init_model_chunks  # noqa: E402
 from mpu.mesh import single_process_mesh  # noqa: E402
-from mpu.random import seed_parallel_rng  # noqa: E402
 from training.flops import activation_bytes_per_microbatch  # noqa: E402
 
 
@@ -61,9 +59,7 @@ def main() -> None:
         cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                         seq_len=args.seq, vocab_size=args.vocab, dropout=args.dropout, recompute=mode)
         mesh = single_process_mesh()
-        seed_parallel_rng(0, 0)
-        model = GPT(cfg, mesh)
-        initialize_parameters(model, 0, mesh)
+        model, = init_model_chunks(cfg, mesh, 0)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
         measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])

@@ -31,13 +31,11 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from models.config import GPTConfig  # noqa: E402
-from models.gpt import build_model_chunks  # noqa: E402
+from models.gpt import init_model_chunks  # noqa: E402
 from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.init import initialize_parameters  # noqa: E402
 from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from mpu.pipeline import PipelineExecutor  # noqa: E402
+from mpu.pipeline import PipelineExecutor, activation_shape  # noqa: E402
 from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace  # noqa: E402
-from mpu.random import seed_parallel_rng  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.step import pipeline_train_step  # noqa: E402
 
@@ -65,14 +63,11 @@ def main() -> None:
     cfg = GPTConfig(arch="gpt2", num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                     vocab_size=args.vocab, seq_len=args.seq, tie_embeddings=False)
     mesh = build_mesh(ParallelConfig(pp=world, vpp=args.vpp, schedule=args.schedule), cfg)
-    seed_parallel_rng(0, mesh.tp_rank, mesh.pp_rank)
-    chunks = build_model_chunks(cfg, mesh)
-    for chunk in chunks:
-        initialize_parameters(chunk, 0, mesh)
+    chunks = init_model_chunks(cfg, mesh, 0)
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
     optimizer = build_optimizer(nn.ModuleList(chunks), lr=1e-4, weight_decay=0.0)
-    executor = PipelineExecutor(chunks, mesh, (args.seq, args.micro_batch, args.hidden), torch.float32,
-                                torch.device("cpu"))
+    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, args.seq, args.micro_batch, args.hidden),
+                                torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen)
     micro = [(t[:, :-1], t[:, 1:]) for t in tokens]

@@ -1,7 +1,7 @@
 """Training throughput of meshtron's real training step for one shape and layout.
 
 Runs the same pieces a training run uses (`GPT` built sharded on the mesh,
-`initialize_parameters`, `seed_parallel_rng`, `DataParallelGradReducer`, `build_optimizer`,
+`init_model_chunks`, `DataParallelGradReducer`, `build_optimizer`,
 `training.step.train_step`) on random token batches from a fixed seed, times each step and
 prints ONE JSON object on stdout (global rank 0 only).
 
@@ -34,11 +34,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from models.config import GPTConfig  # noqa: E402
-from models.gpt import GPT  # noqa: E402
+from models.gpt import init_model_chunks  # noqa: E402
 from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.init import initialize_parameters  # noqa: E402
 from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from mpu.random import seed_parallel_rng  # noqa: E402
 from training.flops import model_flops_per_token  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.peak import peak_flops  # noqa: E402
@@ -225,9 +223,7 @@ def main(argv=None) -> None:
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
-    seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank, device_type=device.type)
-    model = GPT(cfg, mesh, device=device)
-    initialize_parameters(model, SEED, mesh)
+    model, = init_model_chunks(cfg, mesh, SEED, device=device)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
 

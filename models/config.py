@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ARCH_DEFAULTS = {
     # arch: (norm, activation, position, bias)
@@ -54,7 +54,6 @@ class GPTConfig:
     recompute: str = "none"
     recompute_layers: int | None = None
     kernel_backend: str = "torch"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCH_DEFAULTS:

@@ -24,11 +24,11 @@ from torch import nn
 from models.config import GPTConfig
 from moe.layer import MoELayer
 from mpu.cross_entropy import vocab_parallel_cross_entropy
-from mpu.init import constant_init, normal_init, tag
+from mpu.init import constant_init, initialize_parameters, normal_init, tag
 from mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
 from mpu.mappings import gather_from_region
 from mpu.mesh import Mesh
-from mpu.random import get_rng_tracker
+from mpu.random import get_rng_tracker, seed_parallel_rng
 from mpu.recompute import recompute
 
 
@@ -196,6 +196,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         self.pre_process, self.post_process = pre_process, post_process
+        self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.padded_vocab_size = cfg.padded_vocab_size(mesh.tp_size)
         layers = range(cfg.num_layers) if layers is None else layers
         needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
@@ -220,6 +221,13 @@ class GPT(nn.Module):
                                                  init_std=cfg.init_std, device=device, dtype=dtype)
                 self.head.weight.init_fn = normal_init((self.padded_vocab_size, cfg.hidden_size), cfg.init_std,
                                                        valid_rows=cfg.vocab_size)
+
+    def _rope(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for `seq` positions, computed once per (length, device)."""
+        key = (seq, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_tables(seq, self.cfg.head_dim, self.cfg.rope_theta, device)
+        return self._rope_cache[key]
 
     @property
     def vocab_start(self) -> int:
@@ -247,9 +255,7 @@ class GPT(nn.Module):
             x = _dropout(x, self.cfg.dropout, self.training, self.mesh)
         else:
             s = x.shape[0] * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
-        rope = None
-        if self.cfg.position == "rope":
-            rope = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta, x.device)
+        rope = self._rope(s, x.device) if self.cfg.position == "rope" else None
         for layer in self.layers.values():
             x = layer(x, rope)
         if not self.post_process:
@@ -307,6 +313,16 @@ def virtual_stage_layers(num_layers: int, pp: int, vpp: int, virtual_stage: int,
     counts = stage_layers if stage_layers is not None else [num_layers // (pp * vpp)] * (pp * vpp)
     start = sum(counts[:virtual_stage])
     return range(start, start + counts[virtual_stage])
+
+
+def init_model_chunks(cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=None) -> list[GPT]:
+    """This rank's model chunks with their layout-independent initial values, after seeding
+    the default and tensor-parallel RNG streams from `seed` (what every run does first)."""
+    seed_parallel_rng(seed, mesh.tp_rank, mesh.pp_rank, torch.device(device or "cpu").type)
+    chunks = build_model_chunks(cfg, mesh, device, dtype)
+    for chunk in chunks:
+        initialize_parameters(chunk, seed, mesh)
+    return chunks
 
 
 def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None) -> list[GPT]:

@@ -22,10 +22,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.input_dtype = logits.dtype
         logits = logits.float()
         local_vocab = logits.shape[-1]
-        cols = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-        padded = cols >= vocab_size
-        if padded.any():
-            logits = logits.masked_fill(padded, float("-inf"))
+        if vocab_start + local_vocab > vocab_size:  # this shard holds padding (decided on the host, no sync)
+            cols = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
+            logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
         distributed = group_size(group) > 1
 
         logits_max = logits.max(dim=-1).values

@@ -101,7 +101,6 @@ class DataParallelGradReducer:
         for p in params:
             p.grad = buffer[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
-            self._bucket_of[id(p)] = None
         bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in items], decay=decay)
         for p in params:
             self._bucket_of[id(p)] = bucket

@@ -62,9 +62,6 @@ class ParallelConfig:
                 f"ranks of a pipeline stage (world size {world_size} / pp={out.pp}); "
                 f"change parallel.ep/parallel.etp"
             )
-        if out.sp and out.tp == 1:
-            # SP with tp=1 is the identity; allow it but it changes nothing.
-            pass
         return out
 
     @property

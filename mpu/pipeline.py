@@ -47,6 +47,11 @@ class PipelineResult:
     peak_live_activations: int = 0
 
 
+def activation_shape(mesh: Mesh, seq_len: int, micro_batch: int, hidden: int) -> tuple[int, int, int]:
+    """Shape of the activations passed between stages: [s (/tp under SP), micro_batch, h]."""
+    return (seq_len // mesh.tp_size if mesh.sequence_parallel else seq_len, micro_batch, hidden)
+
+
 class PipelineExecutor:
     """Runs schedules over `chunks` (this rank's model chunks; chunk c is virtual stage
     c * pp + pp_rank) with P2P over `mesh.pp` (global ranks of the neighbouring stages)."""

@@ -86,7 +86,6 @@ class RunConfig:
     @staticmethod
     def from_dict(tree: dict[str, Any]) -> "RunConfig":
         """Build from a plain nested dict (e.g. `OmegaConf.to_container(cfg, resolve=True)`)."""
-        sections = {f.name: f.type for f in dataclasses.fields(RunConfig)}
         kinds = {"model": GPTConfig, "parallel": ParallelConfig, "trainer": TrainerConfig,
                  "optim": OptimConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
                  "kernels": KernelsConfig}
@@ -94,8 +93,8 @@ class RunConfig:
         for key, value in tree.items():
             if key == "hydra":
                 continue
-            if key not in sections:
-                raise ConfigError(f"unknown config section {key!r}; known: {', '.join(sections)}")
+            if key not in kinds:
+                raise ConfigError(f"unknown config section {key!r}; known: {', '.join(kinds)}")
             built[key] = _build_section(key, kinds[key], value or {})
         run = RunConfig(**built)
         try:  # execution choices the model needs to know about

@@ -17,14 +17,12 @@ import torch
 from torch import nn
 
 from kernels.backend import resolve_backend
-from models.gpt import build_model_chunks
+from models.gpt import init_model_chunks
 from mpu.distributed_optimizer import ShardedAdamW
 from mpu.grad_reduce import DataParallelGradReducer
-from mpu.init import initialize_parameters
 from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
-from mpu.pipeline import PipelineExecutor
+from mpu.pipeline import PipelineExecutor, activation_shape
 from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
-from mpu.random import seed_parallel_rng
 from training.config import ConfigError, RunConfig
 from training.data import ByteTokenizer, TokenDataset, load_corpus
 from training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
@@ -120,10 +118,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     tokens = dataset.split_tokens("train")
 
     mesh = build_mesh(par, cfg, device_type=env.device.type)
-    seed_parallel_rng(t.seed, mesh.tp_rank, mesh.pp_rank, env.device.type)
-    chunks = build_model_chunks(cfg, mesh, device=env.device)
-    for chunk in chunks:
-        initialize_parameters(chunk, t.seed, mesh)
+    chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device)
     model = nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
     if run.optim.zero == 1:
@@ -134,8 +129,8 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                                     betas=run.optim.betas, eps=run.optim.eps)
     executor = None
     if mesh.pp_size > 1:
-        seq_local = cfg.seq_len // mesh.tp_size if mesh.sequence_parallel else cfg.seq_len
-        executor = PipelineExecutor(chunks, mesh, (seq_local, micro, cfg.hidden_size), torch.float32, env.device)
+        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
+                                    torch.float32, env.device)
 
     flops_per_token = model_flops_per_token(cfg)
     peak_per_process, peak_source = peak_flops(env.device, torch.float32)
@@ -161,7 +156,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                        min_lr_ratio=run.optim.min_lr_ratio, decay=run.optim.decay)
             inputs, targets = dataset.local_batch(step, t.global_batch_size, mesh.dp_rank, mesh.dp_size)
             inputs, targets = inputs.to(env.device), targets.to(env.device)
-            microbatches = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+            microbatches = _split_microbatches(inputs, targets, micro)
             if executor is None:
                 out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=lr,
                                  max_grad_norm=t.max_grad_norm)
@@ -215,13 +210,18 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     return summary
 
 
+def _split_microbatches(inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> list:
+    """Consecutive rows of this rank's batch, `micro` at a time."""
+    return [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+
+
 def _val_microbatches(dataset: TokenDataset, t, mesh, micro: int, env) -> list:
     """This rank's microbatches of `trainer.eval_batches` fixed held-out global batches."""
     out = []
     for index in range(t.eval_batches):
         inputs, targets = dataset.local_batch(index, t.global_batch_size, mesh.dp_rank, mesh.dp_size, split="val")
         inputs, targets = inputs.to(env.device), targets.to(env.device)
-        out += [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+        out += _split_microbatches(inputs, targets, micro)
     return out
 
 

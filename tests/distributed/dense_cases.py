@@ -17,13 +17,12 @@ eps=1e-8 and 1e-6 at eps=1e-6; the 8-layer GPT-2 of the pipeline cases 1.6e-4 at
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
 
 from models.config import GPTConfig
-from models.gpt import GPT
+from models.gpt import GPT, init_model_chunks
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.init import initialize_parameters
 from mpu.mappings import _gather
@@ -101,9 +100,7 @@ def compare_parameters(named, ref_params: dict, mesh: Mesh, cfg: GPTConfig, what
 
 
 def build(cfg: GPTConfig, mesh: Mesh):
-    seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
-    model = GPT(cfg, mesh)
-    initialize_parameters(model, SEED, mesh)
+    model, = init_model_chunks(cfg, mesh, SEED)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01)
     optimizer = build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     return model, reducer, optimizer
@@ -152,8 +149,8 @@ def _make_case(arch: str, tp: int, sp: bool, micro: int = 1):
 
 
 def triton_kernels_llama_tp2_sp() -> None:
-    """The Triton kernels (interpreter) inside TP/SP layers give the serial torch results."""
-    os.environ["TRITON_INTERPRET"] = "1"
+    """The Triton kernels (interpreter, set by the harness) inside TP/SP layers give the serial
+    torch results."""
     check_layout("llama", dist.get_world_size(), True, 2, kernel_backend="triton")
 
 

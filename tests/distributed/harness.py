@@ -24,7 +24,9 @@ def run_world(world_size: int, cases: list[str], timeout: float = 600.0,
     """Return {case: {"ok": bool, "errors": {rank: traceback}}} after running all cases."""
     with tempfile.TemporaryDirectory(prefix=f"meshtron-w{world_size}-") as tmp:
         store = os.path.join(tmp, "store")
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+        # TRITON_INTERPRET must be set before triton is first imported in a worker (some cases
+        # run the Triton kernels on CPU), so it is set for the whole process, not per case.
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRITON_INTERPRET="1",
                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         procs = []
         for rank in range(world_size):

@@ -14,12 +14,10 @@ import torch
 from torch import nn
 
 from models.config import GPTConfig
-from models.gpt import build_model_chunks
+from models.gpt import init_model_chunks
 from mpu.grad_reduce import DataParallelGradReducer
-from mpu.init import initialize_parameters
 from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from mpu.pipeline import PipelineExecutor
-from mpu.random import seed_parallel_rng
+from mpu.pipeline import PipelineExecutor, activation_shape
 from tests.distributed.dense_cases import (
     ADAM_EPS,
     LR,
@@ -81,15 +79,12 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
                                      stage_layers=stage_layers), cfg)
     dp = mesh.dp_size
     batch = dp * MICRO_PER_RANK
-    seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
-    chunks = build_model_chunks(cfg, mesh)
-    for chunk in chunks:
-        initialize_parameters(chunk, SEED, mesh)
+    chunks = init_model_chunks(cfg, mesh, SEED)
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
     reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
     optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    s_local = cfg.seq_len // tp if mesh.sequence_parallel else cfg.seq_len
-    executor = PipelineExecutor(chunks, mesh, (s_local, 1, cfg.hidden_size), torch.float32, torch.device("cpu"))
+    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size), torch.float32,
+                                torch.device("cpu"))
 
     serial_mesh = single_process_mesh()
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
