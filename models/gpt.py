@@ -221,6 +221,7 @@ class GPT(nn.Module):
                                                  init_std=cfg.init_std, device=device, dtype=dtype)
                 self.head.weight.init_fn = normal_init((self.padded_vocab_size, cfg.hidden_size), cfg.init_std,
                                                        valid_rows=cfg.vocab_size)
+                self.head.weight.valid_rows = cfg.vocab_size
 
     def _rope(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for `seq` positions, computed once per (length, device)."""

@@ -63,6 +63,46 @@ class ShardedAdamW:
                 own = bucket.param_buffer[start: start + size].clone()
                 _all_gather_into(bucket.param_buffer, own, group=bucket.group)
 
+    def param_moments(self) -> tuple[dict, float]:
+        """({param: (exp_avg, exp_avg_sq)} shaped like each parameter, step count): every
+        bucket's state shards all-gathered over its replica group (for checkpoints)."""
+        moments, step = {}, 0.0
+        for bucket, shard, start, size in self._shards:
+            state = self.optimizer.state.get(shard, {})
+            full = []
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = torch.zeros_like(bucket.param_buffer)
+                if key in state:
+                    own = state[key]
+                    if group_size(bucket.group) > 1:
+                        _all_gather_into(flat, own.contiguous(), group=bucket.group)
+                    else:
+                        flat.copy_(own)
+                full.append(flat)
+            if "step" in state:
+                step = float(state["step"])
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                moments[p] = tuple(f[offset: offset + n].view_as(p) for f in full)
+                offset += n
+        return moments, step
+
+    def load_param_moments(self, moments: dict, step: float) -> None:
+        """Install per-parameter moments (as returned by `param_moments`): this rank keeps
+        its shard of every bucket. No communication."""
+        for bucket, shard, start, size in self._shards:
+            flats = [torch.zeros_like(bucket.param_buffer) for _ in range(2)]
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                for flat, tensor in zip(flats, moments[p]):
+                    flat[offset: offset + n].copy_(tensor.reshape(-1))
+                offset += n
+            self.optimizer.state[shard] = {"step": torch.tensor(step, dtype=torch.float32),
+                                           "exp_avg": flats[0][start: start + size].clone(),
+                                           "exp_avg_sq": flats[1][start: start + size].clone()}
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
         return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()

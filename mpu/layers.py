@@ -116,6 +116,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = tag(nn.Parameter(torch.empty(local, hidden_size, device=device, dtype=dtype)),
                           normal_init((padded_vocab_size, hidden_size), init_std, valid_rows=vocab_size),
                           tp_shard_dim=0)
+        self.weight.valid_rows = vocab_size  # rows past it are padding (not checkpointed)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [s, b] (global vocabulary) -> embeddings [s, b, h] (sequence shard under SP)."""

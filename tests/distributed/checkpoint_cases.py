@@ -1,0 +1,151 @@
+"""Resharding checkpoints: train 2 steps under one layout, save, load under other layouts.
+
+The checkpoint loaded into a single process continues like the uninterrupted run (the next two
+losses within 1e-6). After loading under another layout, every parameter (all-gathered) equals, bit for bit, the same checkpoint loaded
+into a single-process model; the next step's loss equals that unsharded continuation within
+1e-6 and the weights after it (which use the loaded AdamW moments) within 1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.gpt import init_model_chunks
+from mpu.distributed_optimizer import ShardedAdamW
+from mpu.grad_reduce import DataParallelGradReducer
+from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from mpu.pipeline import PipelineExecutor, activation_shape
+from tests.distributed.dense_cases import (
+    ADAM_EPS,
+    LR,
+    SEED,
+    assert_close,
+    compare_parameters,
+    full_tensor,
+    global_batch,
+    trim_vocab,
+)
+from tests.distributed.moe_cases import moe_config
+from tests.distributed.pipeline_cases import pipeline_config
+from training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from training.optim import build_optimizer
+from training.step import pipeline_train_step, train_step
+
+BATCH = 4  # global rows per step; one row per microbatch
+
+
+class _Run:
+    """A model, reducer and optimizer for one layout (pp > 1: 1F1B pipeline)."""
+
+    def __init__(self, cfg, par: ParallelConfig | None, zero: bool = False):
+        self.cfg = cfg
+        self.mesh = build_mesh(par, cfg) if par is not None else single_process_mesh()
+        self.chunks = init_model_chunks(cfg, self.mesh, SEED)
+        self.named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.reducer = DataParallelGradReducer(self.named, self.mesh, bucket_mb=0.01)
+        if zero:
+            self.optimizer = ShardedAdamW(self.reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+        else:
+            self.optimizer = build_optimizer(nn.ModuleList(self.chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+        self.executor = None
+        if self.mesh.pp_size > 1:
+            self.executor = PipelineExecutor(self.chunks, self.mesh, activation_shape(self.mesh, cfg.seq_len, 1,
+                                                                                     cfg.hidden_size),
+                                             torch.float32, torch.device("cpu"))
+
+    def step(self, step: int, dp_grouping: int | None = None) -> dict:
+        """One step on the global batch of `step`. A serial run given `dp_grouping=d` groups
+        its microbatches like a d-way data-parallel run (MoE statistics are per microbatch)."""
+        inputs, targets = global_batch(self.cfg, step, BATCH)
+        if dp_grouping is None:
+            per_rank = BATCH // self.mesh.dp_size
+            rows = slice(self.mesh.dp_rank * per_rank, (self.mesh.dp_rank + 1) * per_rank)
+            micro = [(inputs[rows][j: j + 1], targets[rows][j: j + 1]) for j in range(per_rank)]
+        else:
+            per_rank = BATCH // dp_grouping
+            micro = [(inputs[j::per_rank], targets[j::per_rank]) for j in range(per_rank)]
+        if self.executor is None:
+            return train_step(self.chunks[0], self.reducer, self.optimizer, micro, self.mesh, lr=LR, max_grad_norm=1.0)
+        return pipeline_train_step(self.chunks, self.reducer, self.optimizer, micro, self.mesh, self.executor,
+                                   schedule="1f1b", lr=LR, max_grad_norm=1.0)
+
+    def close(self) -> None:
+        self.reducer.remove_hooks()
+
+
+def _shared_tmpdir() -> Path:
+    chosen = [tempfile.mkdtemp(prefix="meshtron-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0])
+
+
+def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, bool]], save_zero: bool = False):
+    root = _shared_tmpdir()
+    try:
+        source = _Run(cfg, save, save_zero)
+        for step in range(2):
+            source.step(step)
+        path = save_checkpoint(root, TrainState(step=2, consumed_samples=2 * BATCH), source.chunks, source.optimizer,
+                               source.mesh, model_config=dataclasses.asdict(cfg))
+        uninterrupted = [source.step(step)["loss"] for step in (2, 3)]  # step 4's loss depends on the moments
+        source_dp = source.mesh.dp_size
+        source.close()
+        serial = _Run(cfg, None)
+        load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
+        for step, want in zip((2, 3), uninterrupted):
+            assert_close(f"step {step + 1}: serial continuation vs the uninterrupted run",
+                         serial.step(step, dp_grouping=source_dp)["loss"], want, rtol=1e-6)
+        serial.close()
+        for par, zero in loads:
+            target = _Run(cfg, par, zero)
+            state = load_checkpoint(path, target.chunks, target.optimizer, target.mesh)
+            assert state.step == 2 and state.consumed_samples == 2 * BATCH, state
+            serial = _Run(cfg, None)
+            load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
+            ref_params = dict(serial.named)
+            for name, p in target.named:
+                got = trim_vocab(name, full_tensor(p, p.shards, target.mesh), cfg)
+                if not torch.equal(got, trim_vocab(name, ref_params[name].detach(), cfg)):
+                    raise AssertionError(f"{par}: loaded {name} differs from the serial load")
+            out = target.step(2)
+            ref = serial.step(2, dp_grouping=target.mesh.dp_size)
+            assert_close(f"{par} zero={zero}: loss after resharding", out["loss"], ref["loss"], rtol=1e-6)
+            compare_parameters(target.named, ref_params, target.mesh, cfg, f"{par} zero={zero}: weight after step 3")
+            target.close()
+            serial.close()
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def gpt2_tp2_pp2_to_tp1_tp4_zero() -> None:
+    _check_reshard(pipeline_config("gpt2", False), ParallelConfig(tp=2, pp=2),
+                   [(ParallelConfig(tp=1), False), (ParallelConfig(tp=4), False),
+                    (ParallelConfig(tp=2, sp=True), True), (ParallelConfig(tp=1, pp=4), False)])
+
+
+def llama_tp2_pp2_zero_to_tp4_pp1() -> None:
+    cfg = dataclasses.replace(pipeline_config("llama", False), num_kv_heads=4)  # tp=4 needs 4 KV heads
+    _check_reshard(cfg, ParallelConfig(tp=2, pp=2), [(ParallelConfig(tp=4), False), (ParallelConfig(tp=1), True)],
+                   save_zero=True)
+
+
+def moe_ep2_to_ep4_and_tp2_etp2() -> None:
+    cfg = moe_config("gpt2", 2, "sigmoid", None)  # with the aux-free expert bias buffer
+    _check_reshard(cfg, ParallelConfig(ep=2), [(ParallelConfig(ep=4), False), (ParallelConfig(ep=1), True),
+                                               (ParallelConfig(tp=2, sp=True, ep=2, etp=2), False)],
+                   save_zero=True)
+
+
+def cases_for_world(world_size: int) -> list[str]:
+    if world_size == 4:
+        return ["gpt2_tp2_pp2_to_tp1_tp4_zero", "llama_tp2_pp2_zero_to_tp4_pp1", "moe_ep2_to_ep4_and_tp2_etp2"]
+    return []
