@@ -117,6 +117,12 @@ def test_format_step_line_aux_missing_and_extras():
     assert format_step_line({"loss": None, "grad_norm": float("nan")}) == "loss n/a | grad_norm nan"
 
 
+def test_format_step_line_peak_memory_last_and_per_rank_list_hidden():
+    rec = {"step": 5, "loss": 2.5, "tokens_per_s": 1000.0, "peak_mem_bytes": [3 * 2**30, 1536 * 2**20],
+           "peak_mem_max_bytes": 3 * 2**30}
+    assert format_step_line(rec) == "step    5 | loss 2.5000 | 1,000 tok/s | peak mem 3 GiB"
+
+
 class _TTY(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -1,4 +1,5 @@
-"""Metrics and console logging: ``metrics.jsonl`` writer, a step line, a progress bar.
+"""Metrics and console logging: ``metrics.jsonl`` writer, TensorBoard scalars, a step line,
+a progress bar.
 
 Only global rank 0 writes (callers pass ``enabled=(rank == 0)``); nothing here
 communicates.
@@ -16,9 +17,20 @@ from typing import Any, TextIO
 
 import torch
 
-__all__ = ["METRICS_FILENAME", "MetricsWriter", "ProgressBar", "format_step_line", "to_jsonable"]
+__all__ = [
+    "METRICS_FILENAME",
+    "TENSORBOARD_DIRNAME",
+    "MetricsWriter",
+    "ProgressBar",
+    "TensorBoardWriter",
+    "format_step_line",
+    "record_scalars",
+    "require_tensorboard",
+    "to_jsonable",
+]
 
 METRICS_FILENAME = "metrics.jsonl"
+TENSORBOARD_DIRNAME = "tb"
 
 
 def to_jsonable(value: Any, key: str = "value") -> Any:
@@ -136,7 +148,7 @@ _KNOWN_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("lr", "lr", ".2e"),
     ("grad_norm", "grad_norm", ".3f"),
 )
-_SKIP_EXTRA = {"step", "max_steps", "tokens_per_s", "mfu"}
+_SKIP_EXTRA = {"step", "max_steps", "tokens_per_s", "mfu", "peak_mem_max_bytes"}
 
 
 def format_step_line(record: dict[str, Any], total: int | None = None) -> str:
@@ -144,7 +156,8 @@ def format_step_line(record: dict[str, Any], total: int | None = None) -> str:
 
     Example: ``step   10/100 | loss 3.4521 | lr 3.00e-04 | grad_norm 1.234 |
     12,345 tok/s | mfu 12.3%``. ``total`` (or ``record["max_steps"]``) gives the
-    ``/100`` part. ``mfu`` is a fraction (0.123 prints as ``12.3%``). Missing keys are
+    ``/100`` part. ``mfu`` is a fraction (0.123 prints as ``12.3%``);
+    ``peak_mem_max_bytes`` prints last as ``peak mem 1.2 GiB``. Missing keys are
     skipped; other scalar fields (e.g. ``step_time_s``) are appended as ``key value``;
     list/dict fields (per-layer expert load) are left to the JSON file. ``None`` prints as
     ``n/a``.
@@ -172,7 +185,99 @@ def format_step_line(record: dict[str, Any], total: int | None = None) -> str:
     if "mfu" in record:
         mfu = _num(record["mfu"])
         parts.append("mfu n/a" if mfu is None else f"mfu {_fmt(mfu * 100.0, '.1f')}%")
+    if "peak_mem_max_bytes" in record:
+        from training.memory import format_bytes
+
+        parts.append(f"peak mem {format_bytes(_num(record['peak_mem_max_bytes']))}")
     return " | ".join(parts)
+
+
+def require_tensorboard() -> None:
+    """Raise ``ConfigError`` (one line, says what to install) if TensorBoard cannot be imported.
+
+    Call it while validating the config (``trainer.tensorboard=true``), before any process
+    group exists, so every rank fails the same way with exit status 2.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as err:
+        from training.config import ConfigError
+
+        raise ConfigError(
+            f"trainer.tensorboard=true needs the tensorboard package ({err}); "
+            "pip install tensorboard (or pip install -e '.[viz]'), or set trainer.tensorboard=false"
+        ) from err
+
+
+def record_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a metrics record as ``{tag: value}`` for TensorBoard.
+
+    Every numeric top-level field except ``step`` (ints, floats, 0-dim tensors and numpy
+    scalars; bools, strings, ``None``, lists and dicts are skipped), plus the per-layer MoE
+    routing of ``record["moe"]`` as ``moe/layer{i}/imbalance`` and
+    ``moe/layer{i}/dropped_fraction`` (``i`` is the entry's ``layer``, else its position).
+    """
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not _is_number(value):
+            continue
+        out[str(key)] = float(_num(value))
+    moe = record.get("moe")
+    if isinstance(moe, (list, tuple)):
+        for position, layer in enumerate(moe):
+            if not isinstance(layer, dict):
+                continue
+            index = layer.get("layer", position)
+            for field in ("imbalance", "dropped_fraction"):
+                value = layer.get(field)
+                if value is not None and not isinstance(value, bool) and _is_number(value):
+                    out[f"moe/layer{int(_num(index))}/{field}"] = float(_num(value))
+    return out
+
+
+class TensorBoardWriter:
+    """Write the scalars of each metrics record to TensorBoard event files in ``run_dir/tb/``.
+
+    ``log(record)`` adds every scalar of ``record_scalars(record)`` at ``record["step"]``
+    and flushes, so ``tensorboard --logdir RUN_DIR/tb`` shows the run while it trains.
+    A disabled writer (``enabled=False``: ``trainer.tensorboard=false``, or any rank but 0)
+    imports nothing, creates nothing and ignores ``log``. An enabled writer without the
+    tensorboard package raises ``ConfigError`` saying what to install.
+    """
+
+    def __init__(self, run_dir: str | pathlib.Path, enabled: bool) -> None:
+        self.enabled = bool(enabled)
+        self.log_dir = pathlib.Path(run_dir) / TENSORBOARD_DIRNAME
+        self._writer = None
+        if self.enabled:
+            require_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Add the record's scalars at its ``step`` (no-op when disabled or closed)."""
+        if self._writer is None:
+            return
+        if "step" not in record:
+            raise ValueError("a metrics record needs a 'step' to be written to TensorBoard")
+        step = int(_num(record["step"]))
+        for tag, value in record_scalars(record).items():
+            self._writer.add_scalar(tag, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file; calling it again is harmless."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> TensorBoardWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def _format_duration(seconds: float) -> str:

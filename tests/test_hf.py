@@ -1,0 +1,238 @@
+"""Hugging Face interop (models/hf.py), single process: tiny random GPT-2, Llama (GQA) and
+Mixtral (4 experts, top-2) models from `transformers` load into meshtron with the same
+logits (max abs error <= 1e-4 in fp32), export back bitwise, and go through a safetensors
+folder that `AutoModelForCausalLM.from_pretrained` loads. Bad inputs raise naming the tensor
+or config field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from models.config import GPTConfig
+from models.gpt import GPT
+from mpu.init import local_shard
+from mpu.mesh import ParallelConfig, single_process_mesh, virtual_mesh
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from models import hf as mhf  # noqa: E402
+
+from tests.distributed.hf_cases import SEQ, VOCAB, hf_config, hf_model  # noqa: E402
+
+ATOL = 1e-4  # max abs error of fp32 logits (|logits| ~ 1)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "mixtral"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def models(family):
+    """(hf model, meshtron model loaded from it, token ids, HF logits)."""
+    hf = hf_model(family)
+    model = GPT(mhf.config_from_hf(hf.config), single_process_mesh()).eval()
+    mhf.load_hf_state_dict(model, hf.state_dict())
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    return hf, model, ids, want
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model.full_logits(model(ids))
+
+
+def assert_state_dicts_equal(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_logits_match_hf(models):
+    hf, model, ids, want = models
+    got = logits(model, ids)
+    assert got.shape == want.shape == (2, SEQ, VOCAB)
+    assert (got - want).abs().max().item() <= ATOL
+
+
+def test_export_is_bitwise_identity(models):
+    hf, model, _, _ = models
+    assert_state_dicts_equal(mhf.export_hf_state_dict(model, model.mesh), hf.state_dict())
+
+
+def test_save_folder_loads_in_transformers(models, tmp_path):
+    hf, model, ids, want = models
+    state = mhf.export_hf_state_dict(model, model.mesh)
+    mhf.save_hf_folder(state, hf.config, tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    assert type(loaded) is type(hf)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+    config, read = mhf.read_hf_folder(tmp_path)
+    assert mhf.config_from_hf(config) == model.cfg
+    again = GPT(model.cfg, single_process_mesh()).eval()
+    mhf.load_hf_state_dict(again, read)  # tied lm_head absent on disk: fine
+    assert torch.equal(logits(again, ids), logits(model, ids))
+
+
+def test_read_sharded_folder(tmp_path):
+    from safetensors.torch import save_file
+    hf = hf_model("llama")
+    state = hf.state_dict()
+    keys = sorted(state)
+    parts = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, part in parts.items():
+        save_file({k: state[k].contiguous() for k in part}, str(tmp_path / name), metadata={"format": "pt"})
+    weight_map = {k: name for name, part in parts.items() for k in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    hf.config.save_pretrained(tmp_path)
+    config, read = mhf.read_hf_folder(tmp_path)
+    assert config.model_type == "llama"
+    assert_state_dicts_equal(read, state)
+
+
+def test_mixtral_per_expert_checkpoint_format():
+    """Original Mixtral / transformers 4.x per-expert w1/w2/w3 tensors load and export too."""
+    hf = hf_model("mixtral")
+    cfg = mhf.config_from_hf(hf.config)
+    model = GPT(cfg, single_process_mesh()).eval()
+    mhf.load_hf_state_dict(model, hf.state_dict())
+    legacy = mhf.export_hf_state_dict(model, model.mesh, moe_format="per_expert")
+    assert legacy["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (64, 96)
+    assert not any(".mlp.experts." in k for k in legacy)
+    other = GPT(cfg, single_process_mesh()).eval()
+    mhf.load_hf_state_dict(other, legacy)
+    assert_state_dicts_equal(mhf.export_hf_state_dict(other, other.mesh, moe_format="fused"), hf.state_dict())
+
+
+def test_gpt2_hub_naming_without_prefix():
+    """Hub GPT-2 checkpoints have no `transformer.` prefix and keep causal-mask buffers."""
+    hf = hf_model("gpt2")
+    state = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items()}
+    state["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    model = GPT(mhf.config_from_hf(hf.config), single_process_mesh())
+    mhf.load_hf_state_dict(model, state)
+    assert_state_dicts_equal(mhf.export_hf_state_dict(model, model.mesh), hf.state_dict())
+
+
+@pytest.mark.parametrize("par,ranks", [(ParallelConfig(tp=2), 2), (ParallelConfig(tp=2, ep=2), 2),
+                                       (ParallelConfig(tp=1, ep=2, etp=2), 4)])
+def test_load_shards_match_serial(par, ranks):
+    """Each rank's shard (no process group: virtual meshes) is its piece of the serial parameter."""
+    hf = hf_model("mixtral")
+    cfg = mhf.config_from_hf(hf.config)
+    serial = GPT(cfg, single_process_mesh())
+    mhf.load_hf_state_dict(serial, hf.state_dict())
+    full = dict(serial.named_parameters())
+    for rank in range(ranks):
+        mesh = virtual_mesh(par, ranks, rank)
+        model = GPT(cfg, mesh)
+        mhf.load_hf_state_dict(model, hf.state_dict())
+        for name, p in model.named_parameters():
+            want = full[name]
+            if name in ("embed.weight", "head.weight"):
+                want = torch.cat([want, want.new_zeros(model.padded_vocab_size - want.shape[0], want.shape[1])])
+            assert torch.equal(p, local_shard(want, p.shards, mesh)), (rank, name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_config_round_trip(family):
+    cfg = mhf.config_from_hf(hf_config(family))
+    assert mhf.config_from_hf(mhf.hf_config_from_gpt(cfg)) == cfg
+
+
+# ---------------------------------------------------------------------------------- errors
+
+def _fresh(family):
+    hf = hf_model(family)
+    return hf, GPT(mhf.config_from_hf(hf.config), single_process_mesh())
+
+
+def test_missing_tensor_is_named():
+    hf, model = _fresh("llama")
+    state = hf.state_dict()
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(mhf.HFConversionError, match=r"missing tensor model\.layers\.1\.self_attn\.k_proj\.weight"):
+        mhf.load_hf_state_dict(model, state)
+
+
+def test_unexpected_tensor_is_named():
+    hf, model = _fresh("gpt2")
+    state = hf.state_dict()
+    state["transformer.h.2.ln_1.weight"] = torch.ones(64)
+    with pytest.raises(mhf.HFConversionError, match=r"unexpected tensor transformer\.h\.2\.ln_1\.weight"):
+        mhf.load_hf_state_dict(model, state)
+
+
+def test_wrong_shape_is_named():
+    hf, model = _fresh("mixtral")
+    state = hf.state_dict()
+    state["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(4, 96, 64)
+    want = r"model\.layers\.0\.mlp\.experts\.gate_up_proj has shape \(4, 96, 64\), expected \(4, 192, 64\)"
+    with pytest.raises(mhf.HFConversionError, match=want):
+        mhf.load_hf_state_dict(model, state)
+
+
+def test_tied_head_must_equal_embedding():
+    hf, model = _fresh("gpt2")
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    state["lm_head.weight"] += 1.0
+    with pytest.raises(mhf.HFConversionError, match="lm_head.weight"):
+        mhf.load_hf_state_dict(model, state)
+
+
+@pytest.mark.parametrize("family,kw,field", [
+    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act"),
+    ("llama", dict(attention_bias=True), "attention_bias"),
+    ("llama", dict(head_dim=32), "head_dim"),
+    ("mixtral", dict(sliding_window=8), "sliding_window"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+    ("gpt2", dict(activation_function="gelu"), "activation_function"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+])
+def test_unsupported_config_names_field(family, kw, field):
+    with pytest.raises(mhf.HFConversionError, match=field.replace(".", r"\.")):
+        mhf.config_from_hf(hf_config(family, **kw))
+
+
+def test_unsupported_model_type():
+    with pytest.raises(mhf.HFConversionError, match="model_type"):
+        mhf.config_from_hf(transformers.BertConfig())
+
+
+def test_unexpressible_meshtron_config_names_field():
+    cfg = GPTConfig(arch="llama", num_experts=4, top_k=2, shared_experts=1)
+    with pytest.raises(mhf.HFConversionError, match="model.shared_experts"):
+        mhf.hf_family(cfg)
+    with pytest.raises(mhf.HFConversionError, match="model.num_kv_heads"):
+        mhf.hf_family(dataclasses.replace(GPTConfig(arch="gpt2", num_heads=4), num_kv_heads=2))
+
+
+@pytest.mark.parametrize("cfg", [
+    GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, vocab_size=200, seq_len=16),
+    GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=48,
+              vocab_size=200, seq_len=16, tie_embeddings=False, rope_theta=500.0, norm_eps=1e-6),
+    GPTConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
+              vocab_size=200, seq_len=16, num_experts=4, top_k=2, moe_ffn_hidden_size=32),
+], ids=["gpt2", "llama", "mixtral"])
+def test_meshtron_model_exports_to_transformers(cfg, tmp_path):
+    """A meshtron-initialized model saved with `hf_config_from_gpt` runs in transformers with
+    the same logits."""
+    from models.gpt import init_model_chunks
+    (model,) = init_model_chunks(cfg, single_process_mesh(), seed=5)
+    model.eval()
+    mhf.save_hf_folder(mhf.export_hf_state_dict(model, model.mesh), mhf.hf_config_from_gpt(cfg), tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        err = (loaded(ids).logits - logits(model, ids)).abs().max().item()
+    assert err <= ATOL

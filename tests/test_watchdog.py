@@ -1,0 +1,147 @@
+"""Tests for training/watchdog.py: the hang report and the collective error message."""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from training.watchdog import (StepWatchdog, collective_in_traceback, describe_collective_error,
+                               is_collective_failure, mesh_coords)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def _sleepy_collective(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_slow_phase_is_reported_with_rank_phase_and_stack():
+    stream = io.StringIO()
+    with StepWatchdog(3, "tp=1, pp=0, dp=1", timeout_s=0.2, stream=stream) as watchdog:
+        worker = threading.Thread(target=_sleepy_collective, args=(1.5,), name="stuck-worker")
+        with watchdog.phase("step 12: grad all_reduce"):
+            worker.start()
+            assert _wait_for(lambda: watchdog.reports == 1)
+        worker.join()
+        time.sleep(0.3)
+    text = stream.getvalue()
+    first = text.splitlines()[0]
+    assert first.startswith("meshtron: rank 3 (tp=1, pp=0, dp=1) stuck for ")
+    assert "s in step 12: grad all_reduce" in first
+    assert "stuck-worker" in text and "_sleepy_collective" in text and "test_watchdog.py" in text
+    assert watchdog.reports == 1  # one report per phase, however long it lasts
+
+
+def test_fast_phases_and_idle_are_not_reported():
+    stream = io.StringIO()
+    with StepWatchdog(0, "tp=0, pp=0, dp=0", timeout_s=0.3, stream=stream) as watchdog:
+        for step in range(6):
+            watchdog.phase(f"step {step}: forward/backward")  # re-armed well within the timeout
+            time.sleep(0.1)
+        watchdog.idle()
+        assert watchdog.current_phase is None
+        time.sleep(0.5)
+    assert stream.getvalue() == "" and watchdog.reports == 0
+
+
+def test_disabled_watchdog_has_no_thread():
+    watchdog = StepWatchdog(0, "", timeout_s=0)
+    assert not watchdog.enabled and watchdog._thread is None
+    with watchdog.phase("anything"):
+        assert watchdog.current_phase == "anything"
+    watchdog.close()
+
+
+def test_mesh_coords():
+    mesh = SimpleNamespace(tp_rank=1, pp_rank=2, dp_rank=0, ep_rank=3, etp_rank=0, par=SimpleNamespace(ep=4, etp=1))
+    assert mesh_coords(mesh) == "tp=1, pp=2, dp=0, ep=3"
+
+
+def test_describe_collective_error_names_rank_coords_phase_and_original():
+    err = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation")
+    assert is_collective_failure(err)
+    msg = describe_collective_error(err, 5, "tp=1, pp=1, dp=0", "step 7: pipeline send/recv", timeout_s=2)
+    assert msg.startswith("meshtron: rank 5 (tp=1, pp=1, dp=0) failed in a collective during step 7: pipeline")
+    assert "did not join within trainer.collective_timeout_s=2" in msg
+    assert msg.endswith("Original error: RuntimeError: " + str(err))
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
+    assert is_collective_failure(closed)
+    assert "closed its connection" in describe_collective_error(closed, 0, "tp=0, pp=0, dp=0", "step 1")
+    assert not is_collective_failure(RuntimeError("shape mismatch"))
+    assert not is_collective_failure(ValueError("timed out"))
+
+
+_WORKER = r"""
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+from mpu.mappings import all_reduce_stats
+from training.watchdog import StepWatchdog, is_collective_failure
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+store = dist.FileStore(store_path, 2)
+store.set(f"ready{rank}", "1")  # both started (imports can be seconds apart) before the short timeout applies
+store.wait(["ready0", "ready1"], datetime.timedelta(seconds=40))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+if rank == 1:  # never joins the all_reduce (the test kills it once rank 0 has failed)
+    time.sleep(60)
+    os._exit(0)
+watchdog = StepWatchdog(rank, "tp=0, pp=0, dp=0", timeout_s=1.0)
+watchdog.phase("step 3: routing stats")
+start = time.monotonic()
+try:
+    all_reduce_stats(torch.ones(4), dist.group.WORLD)
+except Exception as err:
+    assert is_collective_failure(err), err
+    print(watchdog.describe_error(err, timeout_s=2), file=sys.stderr, flush=True)
+    print(f"failed after {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    os._exit(3)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _, err0 = procs[0].communicate(timeout=40)
+    finally:
+        for p in procs:  # rank 1 is still asleep: end it
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 3, err0
+    lines = err0.splitlines()
+    # 1) The watchdog report (at 1 s, before the 2 s collective timeout), then faulthandler's
+    #    stacks with the blocking collective and where the code called it.
+    (report,) = [line for line in lines if " stuck for " in line]
+    assert report.startswith("meshtron: rank 0 (tp=0, pp=0, dp=0) stuck for ") and "in step 3: routing stats" in report
+    stacks = "\n".join(lines[lines.index(report):])
+    assert "in all_reduce" in stacks and "mpu/mappings.py" in stacks
+    # 2) The failure message: rank, coordinates, phase, collective and the original gloo error.
+    (failure,) = [line for line in lines if " failed in " in line]
+    assert failure.startswith("meshtron: rank 0 (tp=0, pp=0, dp=0) failed in collective all_reduce "
+                              "(from mpu/mappings.py:")
+    assert "during step 3: routing stats" in failure and "Original error: " in failure
+    assert "did not join within trainer.collective_timeout_s=2 " in failure and "timed out" in failure.lower()
+    seconds = float(lines[-1].split()[2])
+    assert 1.5 <= seconds < 10
