@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -585,3 +586,82 @@ def read_hf_folder(src_dir) -> tuple[object, dict[str, torch.Tensor]]:
             raise HFConversionError(f"tensor {sorted(overlap)[0]} appears in more than one shard of {src}")
         state_dict.update(part)
     return hf_config, state_dict
+
+
+# --------------------------------------------------------------------------------------------
+# Command line: HF folder <-> meshtron checkpoint
+# --------------------------------------------------------------------------------------------
+
+def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
+    """Convert a `save_pretrained` folder into a weights-only meshtron checkpoint in `out_dir`
+    (`out_dir/step_00000000`, loadable under any layout with `checkpoint.init_from`), plus
+    `out_dir/model/imported.yaml`, the Hydra model config of it. Single process."""
+    from mpu.mesh import single_process_mesh
+    from models.gpt import GPT
+    from training.checkpoint import TrainState, save_checkpoint
+
+    hf_config, state_dict = read_hf_folder(src_dir)
+    cfg = config_from_hf(hf_config, **({"seq_len": seq_len} if seq_len else {}))
+    mesh = single_process_mesh()
+    model = GPT(cfg, mesh)
+    load_hf_state_dict(model, state_dict)
+    out = Path(out_dir)
+    path = save_checkpoint(out, TrainState(), [model], None, mesh, model_config=dataclasses.asdict(cfg))
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    lines = ["# @package model", f"# imported from {Path(src_dir).resolve()} by python -m models.hf import"]
+    lines += [f"{k}: {json.dumps(v)}" for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("kernel_backend", "recompute", "recompute_layers")]
+    (out / "model" / "imported.yaml").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def export_from_checkpoint(src, out_dir) -> Path:
+    """Write the weights of a meshtron checkpoint (a step_N folder, or a checkpoint.dir: its
+    newest) as a Hugging Face folder loadable by `AutoModelForCausalLM.from_pretrained`."""
+    from mpu.mesh import single_process_mesh
+    from models.gpt import GPT
+    from training.checkpoint import load_checkpoint, read_meta, resolve_resume
+
+    path = resolve_resume(None, str(src))
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    saved = read_meta(path)["model"]
+    cfg = GPTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})
+    hf_family(cfg)  # fails early, naming the field, for models transformers cannot hold
+    mesh = single_process_mesh()
+    model = GPT(cfg, mesh)
+    load_checkpoint(path, [model], None, mesh, weights_only=True)
+    return save_hf_folder(export_hf_state_dict(model, mesh), hf_config_from_gpt(cfg), out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m models.hf", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face folder -> meshtron checkpoint (weights only)")
+    imp.add_argument("--src", required=True, help="a save_pretrained folder (config.json + *.safetensors)")
+    imp.add_argument("--out", required=True, help="checkpoint directory to create")
+    imp.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: the "
+                                                               "model's maximum positions)")
+    exp = sub.add_parser("export", help="meshtron checkpoint -> Hugging Face folder")
+    exp.add_argument("--src", required=True, help="a step_N checkpoint folder or a checkpoint.dir (newest)")
+    exp.add_argument("--out", required=True, help="folder to write config.json + model.safetensors into")
+    args = parser.parse_args(argv)
+    from training.checkpoint import CheckpointError
+
+    try:
+        if args.command == "import":
+            path = import_to_checkpoint(args.src, args.out, args.seq_len)
+            print(f"meshtron: wrote {path}; train from it with\n  python train.py --config-dir {Path(args.out)} "
+                  f"+model=imported checkpoint.init_from={path}")
+        else:
+            out = export_from_checkpoint(args.src, args.out)
+            print(f"meshtron: wrote {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    except (HFConversionError, CheckpointError, FileNotFoundError) as err:
+        print(f"meshtron: {args.command} failed: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from mpu.distributed_optimizer import ShardedAdamW
-from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import single_process_mesh
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config
 from tests.distributed.moe_cases import moe_config

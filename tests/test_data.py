@@ -194,8 +194,10 @@ def test_windows_stay_inside_their_split_and_splits_are_disjoint():
     assert max(train_seen) <= 899 and min(train_seen) >= 0
     assert min(val_seen) >= 900 and max(val_seen) <= 999
     assert train_seen.isdisjoint(val_seen)
-    # The extreme windows get drawn: the last token of each split is reachable.
-    assert 899 in train_seen and 999 in val_seen and 900 in val_seen
+    # Windows are the non-overlapping chunks [k*16, k*16+17): train has (900-1)//16 = 56 of
+    # them, reaching token 56*16 = 896; val has (100-1)//16 = 6, reaching 900 + 96 = 996.
+    assert 0 in train_seen and 896 in train_seen and 897 not in train_seen
+    assert 900 in val_seen and 996 in val_seen and 997 not in val_seen
 
 
 def test_tight_split_has_exactly_one_window():
@@ -211,3 +213,106 @@ def test_tight_split_has_exactly_one_window():
 def test_unknown_split():
     with pytest.raises(ValueError, match="unknown split 'test'"):
         _arange_dataset().global_batch(0, 2, split="test")
+
+
+# ---------------------------------------------------------------- sample-indexed sampling
+
+from training.data import window_permutation  # noqa: E402
+
+
+def _starts(ds: TokenDataset, x: torch.Tensor, split: str = "train") -> list[int]:
+    # Token value == position, so a row's first input is its window's absolute start.
+    offset = ds.train_range[0] if split == "train" else ds.val_range[0]
+    return [int(v) - offset for v in x[:, 0]]
+
+
+def test_window_permutation_is_pinned_and_a_permutation():
+    # Pinned: the sample order must not change between runs, machines or library versions.
+    assert window_permutation(10, 0).tolist() == [1, 4, 5, 7, 6, 9, 0, 3, 2, 8]
+    assert window_permutation(10, 12345).tolist() == [0, 8, 4, 2, 9, 5, 1, 6, 3, 7]
+    perm = window_permutation(1000, 7)
+    assert perm.dtype.name == "int64" and sorted(perm.tolist()) == list(range(1000))
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_one_epoch_covers_every_window_once(split: str):
+    ds = _arange_dataset(n=2000, seq_len=16, val_fraction=0.25)
+    n_win = ds.num_windows(split)
+    assert n_win == (len(ds.split_tokens(split)) - 1) // 16
+    starts = []
+    for step in range(n_win // 5 + 1):  # batch size 5, the last batch runs into epoch 1
+        x, y = ds.global_batch(step, 5, split=split)
+        assert torch.equal(y, x + 1)
+        starts += _starts(ds, x, split)
+    first_epoch = starts[:n_win]
+    assert sorted(first_epoch) == [k * 16 for k in range(n_win)]
+    # The next epoch is a different order of the same windows.
+    assert ds.sample_windows(n_win, n_win, split).tolist() != ds.sample_windows(0, n_win, split).tolist()
+    assert sorted(ds.sample_windows(n_win, n_win, split).tolist()) == list(range(n_win))
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3, 6])
+def test_local_batch_at_concatenates_to_global_across_an_epoch_boundary(dp_size: int):
+    ds = _arange_dataset(n=1000, seq_len=16, val_fraction=0.0)
+    n_win = ds.num_windows()
+    first = n_win - 4  # the 12 samples straddle epochs 0 and 1
+    gx, gy = ds.global_batch_at(first, 12)
+    parts = [ds.local_batch_at(first, 12, r, dp_size) for r in range(dp_size)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), gx)
+    assert torch.equal(torch.cat([p[1] for p in parts]), gy)
+    assert _starts(ds, gx) == (ds.sample_windows(first, 12) * 16).tolist()
+
+
+def test_resume_skips_exactly_the_consumed_samples_when_the_batch_size_changes():
+    ds = _arange_dataset(n=3000, seq_len=8, val_fraction=0.0)
+    one_pass, _ = ds.global_batch_at(0, 60)
+    # 5 steps of batch 4 (20 samples), then the run resumes with batch 8 on 2 dp ranks.
+    consumed, rows = 0, []
+    for _ in range(5):
+        rows.append(ds.global_batch_at(consumed, 4)[0])
+        consumed += 4
+    resumed = TokenDataset(torch.arange(3000), seq_len=8, seed=0, val_fraction=0.0)  # new process
+    for _ in range(5):
+        parts = [resumed.local_batch_at(consumed, 8, r, 2)[0] for r in range(2)]
+        rows.append(torch.cat(parts))
+        consumed += 8
+    assert consumed == 60
+    assert torch.equal(torch.cat(rows), one_pass)
+
+
+def test_local_batch_by_step_is_local_batch_at_sample_step_times_batch():
+    ds = _arange_dataset()
+    for split in ("train", "val"):
+        a = ds.local_batch(7, 8, dp_rank=1, dp_size=2, split=split)
+        b = ds.local_batch_at(56, 8, dp_rank=1, dp_size=2, split=split)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(ds.window_starts(3, 4), ds.sample_starts(12, 4))
+
+
+def test_sampling_is_deterministic_across_instances_and_seeded():
+    a, b = _arange_dataset(seed=5), _arange_dataset(seed=5)
+    assert torch.equal(a.global_batch_at(123, 16)[0], b.global_batch_at(123, 16)[0])
+    assert not torch.equal(a.global_batch_at(0, 16)[0], _arange_dataset(seed=6).global_batch_at(0, 16)[0])
+
+
+def test_numpy_tokens_and_bad_inputs():
+    import numpy as np
+
+    tokens = np.arange(5000, dtype=np.uint16)
+    ds_np = TokenDataset(tokens, seq_len=16, seed=3)
+    ds_t = TokenDataset(torch.arange(5000), seq_len=16, seed=3)
+    for first in (0, 40, 301):
+        xn, yn = ds_np.local_batch_at(first, 8, 1, 2)
+        xt, yt = ds_t.local_batch_at(first, 8, 1, 2)
+        assert xn.dtype == yn.dtype == torch.int64
+        assert torch.equal(xn, xt) and torch.equal(yn, yt)
+    with pytest.raises(TypeError, match="integer token ids"):
+        TokenDataset(np.zeros(100, dtype=np.float32), seq_len=4, seed=0)
+    with pytest.raises(TypeError, match="torch.Tensor or a numpy array"):
+        TokenDataset(list(range(100)), seq_len=4, seed=0)
+    with pytest.raises(ValueError, match="1-D array"):
+        TokenDataset(np.zeros((10, 10), dtype=np.int64), seq_len=4, seed=0)
+    with pytest.raises(ValueError, match="first_sample must be >= 0"):
+        ds_t.global_batch_at(-1, 4)
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        ds_t.local_batch(-1, 4, 0, 1)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from training.watchdog import (StepWatchdog, collective_in_traceback, describe_collective_error,
+from training.watchdog import (StepWatchdog, describe_collective_error,
                                is_collective_failure, mesh_coords)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -22,12 +22,14 @@ invalid too).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +41,7 @@ from torch import nn
 from mpu.distributed_optimizer import ShardedAdamW
 from mpu.mesh import single_process_mesh
 from mpu.random import get_rng_tracker
-from mpu.sharded_state import ShardLoadPlanner, ShardPiece, ShardSavePlanner, global_shape, shard_piece
+from mpu.sharded_state import ShardLoadPlanner, ShardSavePlanner, global_shape, shard_piece
 
 FORMAT = "meshtron-checkpoint"
 VERSION = 1
@@ -185,7 +187,8 @@ def _restore_rng(blob: bytes) -> None:
 def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.Module], optimizer, mesh, *,
                     model_config: dict, keep: int | None = None) -> Path:
     """Save everything needed to resume at `train_state.step` into `root/step_N`, atomically;
-    then keep only the newest `keep` checkpoints. Collective over the default group."""
+    then keep only the newest `keep` checkpoints. `optimizer=None` saves weights only (usable
+    with `checkpoint.init_from`, not for resuming). Collective over the default group."""
     root = Path(root)
     name = step_dir_name(train_state.step)
     final, tmp = root / name, root / f".tmp-{name}"
@@ -194,14 +197,17 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     state = model_state(chunks, mesh)
-    opt = optimizer_state(chunks, optimizer, mesh)
-    opt.pop("_moments")
-    state.update(opt)
-    state[f"rng/rank{mesh.rank}"] = _rng_bytes()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ShardSavePlanner(flatten_state_dict=False))
+    if optimizer is not None:
+        opt = optimizer_state(chunks, optimizer, mesh)
+        opt.pop("_moments")
+        state.update(opt)
+        state[f"rng/rank{mesh.rank}"] = _rng_bytes()
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ShardSavePlanner(flatten_state_dict=False))
     _barrier()
     if _is_main():
         meta = {"format": FORMAT, "version": VERSION, "train_state": dataclasses.asdict(train_state),
+                "weights_only": optimizer is None,
                 "world_size": mesh.world_size, "layout": dataclasses.asdict(mesh.par), "model": model_config,
                 "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}}
         _write_json_durably(tmp / META_FILE, meta)
@@ -219,6 +225,14 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes a single process when no group is initialised: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
+        yield
 
 
 def _write_json_durably(path: Path, obj: dict) -> None:
@@ -350,6 +364,9 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer, mesh, 
     are restored only under the saved world size and layout. Collective over the default group."""
     path = Path(path)
     meta = read_meta(path)
+    if meta.get("weights_only") and not weights_only:
+        raise CheckpointError(f"checkpoint {path} holds weights only (no optimizer state or step): start from it "
+                              f"with checkpoint.init_from instead of checkpoint.resume")
     state = model_state(chunks, mesh, for_load=True)
     moments = None
     if not weights_only:
@@ -361,7 +378,7 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer, mesh, 
     if same_layout and not weights_only:
         state[rng_key] = b""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _single_process_quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False))
     except Exception as err:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path} could not be loaded: {err}") from err

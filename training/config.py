@@ -40,6 +40,8 @@ class TrainerConfig:
     eval_batches: int = 2
     max_skipped: int = 5
     collective_timeout_s: float = 300.0
+    watchdog_timeout_s: float | None = None  # report a phase stuck this long (None = collective_timeout_s / 2; 0 = off)
+    tensorboard: bool = False                # also write TensorBoard events to <run dir>/tb
 
 
 @dataclass
@@ -59,13 +61,18 @@ class DataConfig:
     paths: list[str] | None = None
     max_bytes: int = 16_000_000
     val_fraction: float = 0.01
+    # A directory written by `python -m training.prepare` (tokens.bin + index.json), memory-
+    # mapped; when set, `paths` and `max_bytes` are ignored. See training.data.build_dataset.
+    prepared: str | None = None
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None
-    every: int = 0
-    resume: str | None = None
+    dir: str | None = None          # where step_N folders are written (shared by all ranks)
+    every: int = 0                  # save every N steps (0 = only at the end and on SIGTERM)
+    keep: int | None = 3            # newest checkpoints kept (null = all)
+    resume: str | None = None       # null | auto (newest valid in dir, else fresh) | a step_N folder
+    init_from: str | None = None    # start from these weights only (step 0, fresh optimizer)
 
 
 @dataclass
@@ -122,6 +129,8 @@ class RunConfig:
                               f"trainer.eval_batches={t.eval_batches} >= 1")
         if t.collective_timeout_s <= 0:
             raise ConfigError(f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
+        if t.watchdog_timeout_s is not None and t.watchdog_timeout_s < 0:
+            raise ConfigError(f"trainer.watchdog_timeout_s={t.watchdog_timeout_s} must be >= 0 (0 = off)")
         if t.max_skipped < 0:
             raise ConfigError(f"trainer.max_skipped={t.max_skipped} must be >= 0")
         if t.log_every < 1:
@@ -133,8 +142,18 @@ class RunConfig:
                               f"the replicas) are implemented; ZeRO-2 gradient sharding is not")
         if o.warmup_steps is not None and o.warmup_steps > t.max_steps:
             raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}")
-        if self.checkpoint.every or self.checkpoint.resume:
-            raise ConfigError("checkpoint.every/checkpoint.resume: checkpointing is not implemented yet; leave them at 0/null")
+        c = self.checkpoint
+        if c.every < 0:
+            raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0 = save only at the end and on SIGTERM)")
+        if c.every and not c.dir:
+            raise ConfigError(f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)")
+        if c.keep is not None and c.keep < 1:
+            raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1 (or null to keep all)")
+        if c.resume == "auto" and not c.dir:
+            raise ConfigError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
+        if c.resume and c.init_from:
+            raise ConfigError("checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run "
+                              "(optimizer, step, data position), init_from only takes weights; set one of them")
         if self.kernels.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"kernels.backend={self.kernels.backend!r} must be auto, torch or triton")
         if self.parallel.schedule not in SCHEDULES:

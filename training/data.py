@@ -1,29 +1,41 @@
-"""Real-text training data with no download: bytes of local files, byte-level tokens.
+"""Real-text training data: local files or a prepared token file, fixed-length windows.
 
-The default corpus is the Python standard library's own ``.py`` sources, which every
-Python install ships, so ``python train.py`` trains on real text on any machine.
+Two sources, one dataset:
 
-Batches are a pure function of ``(seed, step, split)``: every process draws the same
-window offsets from a generator seeded the same way, and each data-parallel rank takes its
-contiguous slice of the global batch. The global batch for a step is therefore identical
-in every process and every parallel layout (the "parallel == serial" contract).
+* in memory: the bytes of local files as byte-level tokens (``load_corpus``). The default
+  corpus is the Python standard library's own ``.py`` sources, which every Python install
+  ships, so ``python train.py`` trains on real text on any machine;
+* prepared: a directory written by ``python -m training.prepare`` (``tokens.bin``, a raw
+  little-endian uint16/uint32 token stream, plus ``index.json``), memory-mapped read-only by
+  ``load_prepared`` so a batch only touches the windows it needs.
+
+Sampling is indexed by **sample**, not by step: sample ``i`` of a split is the window
+``perm_e[i % num_windows]`` of that split's non-overlapping windows, where epoch
+``e = i // num_windows`` has its own permutation seeded from ``(seed, e, split)``. Every
+process computes the same samples, each data-parallel rank takes its contiguous rows of the
+global batch (the "parallel == serial" contract), and a resumed run continues at sample
+``consumed`` exactly, whatever batch sizes were used before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 import sysconfig
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
     "ByteTokenizer",
     "TokenDataset",
+    "build_dataset",
     "default_corpus_files",
     "load_corpus",
+    "load_prepared",
 ]
 
 # Between two files, so a window that spans a file boundary sees a clear break.
@@ -134,7 +146,11 @@ def _walk_files(directory: pathlib.Path) -> list[pathlib.Path]:
     return [path for _, path in found]
 
 
-def _expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[pathlib.Path]:
+def _expand_paths(
+    paths: Iterable[str | os.PathLike[str]], key: str = "data.paths"
+) -> list[pathlib.Path]:
+    """Files named by ``paths`` (directories walked, sorted); ``key`` names the setting
+    in error messages (``data.paths`` for training, ``--src`` for ``training.prepare``)."""
     files: list[pathlib.Path] = []
     for raw in paths:
         path = pathlib.Path(raw).expanduser()
@@ -145,18 +161,18 @@ def _expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[pathlib.Path]
             if not in_dir:
                 raise FileNotFoundError(
                     f"data directory {str(path)!r} contains no files (hidden files and "
-                    "__pycache__ are skipped); put text files in it or remove it from data.paths"
+                    f"__pycache__ are skipped); put text files in it or remove it from {key}"
                 )
             files.extend(in_dir)
         elif path.exists():
             raise ValueError(
                 f"data path {str(path)!r} is neither a regular file nor a directory; "
-                "remove it from data.paths"
+                f"remove it from {key}"
             )
         else:
             raise FileNotFoundError(
-                f"data path {str(path)!r} does not exist; fix data.paths or leave it unset "
-                "to train on the Python standard library sources"
+                f"data path {str(path)!r} does not exist; fix {key} or leave it unset "
+                "to use the Python standard library sources"
             )
     return files
 
@@ -207,38 +223,207 @@ def load_corpus(
     return torch.frombuffer(buffer, dtype=torch.uint8).clone()
 
 
-def _split_seed(seed: int, step: int, split: str) -> int:
-    """A 63-bit generator seed that depends only on (seed, step, split), stable across runs.
+# ---------------------------------------------------------------- prepared token files
 
-    Python's ``hash()`` is salted per process for str, so a cryptographic hash is used.
+PREPARED_FORMAT = "meshtron-tokens"
+PREPARED_VERSION = 1
+TOKENS_FILE = "tokens.bin"
+INDEX_FILE = "index.json"
+TOKENIZER_FILE = "tokenizer.json"
+# dtype name in index.json -> little-endian numpy dtype of tokens.bin
+PREPARED_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def token_dtype_for_vocab(vocab_size: int) -> str:
+    """``"uint16"`` when every id of a ``vocab_size`` vocabulary fits 16 bits, else ``"uint32"``."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if vocab_size > 1 << 32:
+        raise ValueError(f"vocab_size {vocab_size} does not fit uint32 token ids")
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _prepare_hint(directory: pathlib.Path) -> str:
+    return f"re-run `python -m training.prepare --src PATH [PATH ...] --out {directory}`"
+
+
+def _file_sha256(path: pathlib.Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_prepared(
+    directory: str | os.PathLike[str], verify_checksum: bool = False
+) -> tuple[np.memmap, dict]:
+    """Memory-map a directory written by ``python -m training.prepare``.
+
+    Returns ``(tokens, info)``: ``tokens`` a read-only 1-D ``np.memmap`` over ``tokens.bin``
+    (uint16 or uint32, little-endian; nothing is read until a window is gathered) and
+    ``info`` the parsed ``index.json`` plus ``"dir"``. ``tokens.bin`` is checked against
+    the index (byte size == ``n_tokens`` * item size; the SHA-256 too when
+    ``verify_checksum``, which reads the whole file). A missing directory or file raises
+    FileNotFoundError, anything else wrong (bad JSON, unknown format or dtype, an empty,
+    truncated or wrongly typed token file) ValueError; every message names the file and
+    says how to fix it.
+    """
+    root = pathlib.Path(directory).expanduser()
+    hint = _prepare_hint(root)
+    if not root.exists():
+        raise FileNotFoundError(
+            f"prepared data directory {str(root)!r} does not exist; create it with "
+            f"`python -m training.prepare --src PATH [PATH ...] --out {root}` or fix data.prepared"
+        )
+    if not root.is_dir():
+        raise ValueError(
+            f"prepared data path {str(root)!r} is not a directory; data.prepared must name the "
+            "directory written by `python -m training.prepare --out DIR`"
+        )
+    index_path = root / INDEX_FILE
+    if not index_path.is_file():
+        raise FileNotFoundError(
+            f"{index_path} is missing: {str(root)!r} is not a complete prepared data directory "
+            f"(was training.prepare interrupted, or is this the wrong directory?); {hint}"
+        )
+    try:
+        info = json.loads(index_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{index_path} is not valid JSON ({err}); {hint}") from err
+    if not isinstance(info, dict) or info.get("format") != PREPARED_FORMAT:
+        raise ValueError(
+            f"{index_path} is not a meshtron token index (expected a JSON object with "
+            f'"format": "{PREPARED_FORMAT}"); {hint}'
+        )
+    if info.get("version") != PREPARED_VERSION:
+        raise ValueError(
+            f"{index_path} has format version {info.get('version')!r} but this meshtron reads "
+            f"version {PREPARED_VERSION}; {hint}"
+        )
+    for key, kind in (("dtype", str), ("n_tokens", int), ("vocab_size", int), ("tokenizer", str)):
+        value = info.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(
+                f"{index_path}: field {key!r} must be a {kind.__name__}, got {value!r}; {hint}"
+            )
+    dtype_name = info["dtype"]
+    if dtype_name not in PREPARED_DTYPES:
+        raise ValueError(
+            f"{index_path}: unknown token dtype {dtype_name!r}; expected one of "
+            f"{', '.join(PREPARED_DTYPES)}; {hint}"
+        )
+    dtype = PREPARED_DTYPES[dtype_name]
+    n_tokens, vocab_size = info["n_tokens"], info["vocab_size"]
+    if n_tokens <= 0:
+        raise ValueError(f"{index_path}: n_tokens={n_tokens}, the prepared corpus is empty; {hint}")
+    if not 2 <= vocab_size <= np.iinfo(dtype).max + 1:
+        raise ValueError(
+            f"{index_path}: vocab_size={vocab_size} does not fit dtype {dtype_name} "
+            f"(at most {np.iinfo(dtype).max + 1}); {hint}"
+        )
+    tokens_path = root / TOKENS_FILE
+    if not tokens_path.is_file():
+        raise FileNotFoundError(f"{tokens_path} is missing; {hint}")
+    size = tokens_path.stat().st_size
+    if size == 0:
+        raise ValueError(f"{tokens_path} is empty (0 bytes); {hint}")
+    if size % dtype.itemsize:
+        raise ValueError(
+            f"{tokens_path} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype_name}): "
+            f"the file is truncated or was not written as {dtype_name}; {hint}"
+        )
+    if size != n_tokens * dtype.itemsize:
+        raise ValueError(
+            f"{tokens_path} has {size} bytes = {size // dtype.itemsize} {dtype_name} tokens but "
+            f"{INDEX_FILE} says n_tokens={n_tokens} ({n_tokens * dtype.itemsize} bytes): the "
+            f"file is truncated, was overwritten or has a different dtype; {hint}"
+        )
+    expected_sha = info.get("sha256")
+    if verify_checksum and expected_sha is not None and _file_sha256(tokens_path) != expected_sha:
+        raise ValueError(f"{tokens_path} does not match the SHA-256 in {INDEX_FILE} (corrupted?); {hint}")
+    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(n_tokens,))
+    return tokens, dict(info, dir=str(root))
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _split_seed(seed: int, step: int, split: str) -> int:
+    """A 63-bit seed that depends only on (seed, step, split), stable across runs.
+
+    ``step`` is the epoch for the window permutation. Python's ``hash()`` is salted per
+    process for str, so a cryptographic hash is used.
     """
     digest = hashlib.blake2b(f"meshtron-data:{seed}:{step}:{split}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
 
 
+_U64 = np.uint64
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on a uint64 array (wrapping arithmetic)."""
+    z = x + _U64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return z ^ (z >> _U64(31))
+
+
+def window_permutation(n: int, seed: int) -> np.ndarray:
+    """A permutation of ``range(n)`` (int64) that depends only on ``(n, seed)``.
+
+    Sorting SplitMix64 hashes of ``seed`` and the index is defined by integer arithmetic
+    alone, so it is identical in every process, on every machine and with every numpy or
+    torch version (a library generator's stream is not promised to stay the same).
+    """
+    with np.errstate(over="ignore"):
+        keys = _splitmix64(np.arange(n, dtype=_U64) ^ _splitmix64(np.full(1, seed, dtype=_U64)))
+    return np.argsort(keys, kind="stable").astype(np.int64)
+
+
 class TokenDataset:
-    """Random fixed-length windows over a token stream, split into train and validation.
+    """Fixed-length windows over a token stream, split into train and validation.
 
-    The train split is the first ``(1 - val_fraction)`` of ``tokens`` and the validation
-    split is the tail, so the two never share a token. A batch row is a window of
-    ``seq_len + 1`` consecutive tokens inside one split; inputs are its first ``seq_len``
-    tokens and targets the last ``seq_len`` (inputs shifted by one).
+    ``tokens`` is a 1-D integer ``torch.Tensor`` (an in-memory corpus) or numpy array,
+    typically the read-only ``np.memmap`` from ``load_prepared``; only the windows of a
+    batch are read from it. The train split is the first ``(1 - val_fraction)`` of
+    ``tokens`` and the validation split is the tail, so the two never share a token.
 
-    No communication: every process computes the same global batch from
-    ``(seed, step, split)`` and takes its own rows.
+    A split of ``n`` tokens has ``num_windows = (n - 1) // seq_len`` non-overlapping windows
+    ``[k * seq_len, k * seq_len + seq_len + 1)`` (consecutive windows share one boundary
+    token, so every token is a target once; up to ``seq_len - 1`` tail tokens are unused).
+    Sample ``i`` is window ``perm_e[i % num_windows]`` where ``e = i // num_windows`` and
+    ``perm_e = window_permutation(num_windows, seed(seed, e, split))``: each epoch visits
+    every window once, in its own order. A row's inputs are the window's first ``seq_len``
+    tokens and its targets the last ``seq_len`` (inputs shifted by one), int64.
+
+    No communication: every process computes the same samples, and a data-parallel rank
+    gathers only its own rows.
     """
 
     def __init__(
         self,
-        tokens: torch.Tensor,
+        tokens: torch.Tensor | np.ndarray,
         seq_len: int,
         seed: int,
         val_fraction: float = 0.01,
     ) -> None:
-        if tokens.dim() != 1:
-            raise ValueError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}")
-        if tokens.is_floating_point() or tokens.is_complex():
-            raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() != 1:
+                raise ValueError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}")
+            if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+                raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        elif isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1:
+                raise ValueError(f"tokens must be a 1-D array, got shape {tokens.shape}")
+            if tokens.dtype.kind not in "iu":
+                raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        else:
+            raise TypeError(
+                f"tokens must be a torch.Tensor or a numpy array (e.g. from load_prepared), "
+                f"got {type(tokens).__name__}"
+            )
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
@@ -247,26 +432,28 @@ class TokenDataset:
         self.seed = int(seed)
         self.val_fraction = float(val_fraction)
 
-        n = tokens.numel()
+        n = len(tokens)
         n_val = int(round(n * val_fraction))
         n_train = n - n_val
         self.train_range = (0, n_train)
         self.val_range = (n_train, n)
+        # Slices are views: a memmap stays a memmap, nothing is read here.
         self._splits = {"train": tokens[:n_train], "val": tokens[n_train:]}
+        self._perm_cache: dict[tuple[str, int], np.ndarray] = {}
 
         need = self.seq_len + 1
         names = ("train",) if val_fraction == 0.0 else SPLITS
         for name in names:
-            have = self._splits[name].numel()
+            have = len(self._splits[name])
             if have < need:
                 raise ValueError(
                     f"the {name} split has {have} tokens ({n} tokens in the corpus, "
                     f"val_fraction={val_fraction}) but one window needs seq_len+1 = {need}; "
-                    "give more data (data.max_bytes or data.paths), a shorter model.seq_len"
-                    + (", or a different val_fraction" if val_fraction > 0 else "")
+                    "give more data (data.max_bytes, data.paths or data.prepared), a shorter "
+                    "model.seq_len" + (", or a different val_fraction" if val_fraction > 0 else "")
                 )
 
-    def split_tokens(self, split: str = "train") -> torch.Tensor:
+    def split_tokens(self, split: str = "train") -> torch.Tensor | np.ndarray:
         """The tokens of one split (``"train"`` or ``"val"``), a view of the corpus."""
         self._check_split(split)
         return self._splits[split]
@@ -277,50 +464,88 @@ class TokenDataset:
         if split == "val" and self.val_fraction == 0.0:
             raise ValueError("no validation split: the dataset was built with val_fraction=0")
 
-    def window_starts(self, step: int, global_batch_size: int, split: str = "train") -> torch.Tensor:
-        """Start offsets (int64, ``[global_batch_size]``) of the step's windows in the split.
-
-        Uniform in ``[0, len(split) - seq_len - 1]`` so a window never runs past the split.
-        """
+    def num_windows(self, split: str = "train") -> int:
+        """Windows (= samples per epoch) of a split: ``(len(split) - 1) // seq_len``."""
         self._check_split(split)
+        return (len(self._splits[split]) - 1) // self.seq_len
+
+    def _permutation(self, split: str, epoch: int) -> np.ndarray:
+        key = (split, epoch)
+        perm = self._perm_cache.get(key)
+        if perm is None:
+            perm = window_permutation(self.num_windows(split), _split_seed(self.seed, epoch, split))
+            # Keep the current epoch (and the one a batch may straddle into) per split.
+            stale = [k for k in self._perm_cache if k[0] == split and abs(k[1] - epoch) > 1]
+            for k in stale:
+                del self._perm_cache[k]
+            self._perm_cache[key] = perm
+        return perm
+
+    def sample_windows(self, first_sample: int, count: int, split: str = "train") -> np.ndarray:
+        """Window indices (int64 ``[count]``) of samples ``[first_sample, first_sample + count)``."""
+        self._check_split(split)
+        if first_sample < 0:
+            raise ValueError(f"first_sample must be >= 0, got {first_sample}")
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        n_win = self.num_windows(split)
+        samples = np.arange(first_sample, first_sample + count, dtype=np.int64)
+        epochs, positions = np.divmod(samples, n_win)
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs).tolist():
+            mask = epochs == epoch
+            out[mask] = self._permutation(split, int(epoch))[positions[mask]]
+        return out
+
+    def sample_starts(self, first_sample: int, count: int, split: str = "train") -> torch.Tensor:
+        """Start offsets in the split (int64 ``[count]``) of samples ``[first_sample, +count)``."""
+        return torch.from_numpy(self.sample_windows(first_sample, count, split) * self.seq_len)
+
+    def window_starts(self, step: int, global_batch_size: int, split: str = "train") -> torch.Tensor:
+        """Start offsets of batch ``step``'s windows: samples ``[step * gbs, (step + 1) * gbs)``."""
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(_split_seed(self.seed, step, split))
-        high = self._splits[split].numel() - self.seq_len  # exclusive bound
-        return torch.randint(0, high, (global_batch_size,), generator=gen, dtype=torch.int64)
+        return self.sample_starts(step * global_batch_size, global_batch_size, split)
 
     def _gather(self, starts: torch.Tensor, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         data = self._splits[split]
-        index = starts[:, None] + torch.arange(self.seq_len + 1, dtype=torch.int64)
-        windows = data[index].to(torch.int64)
+        if isinstance(data, np.ndarray):
+            # Fancy indexing a memmap reads only the pages of these windows.
+            index = starts.numpy()[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)
+            windows = torch.from_numpy(np.asarray(data[index], dtype=np.int64))
+        else:
+            index = starts[:, None] + torch.arange(self.seq_len + 1, dtype=torch.int64)
+            windows = data[index].to(torch.int64)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
-    def global_batch(
-        self, step: int, global_batch_size: int, split: str = "train"
+    def global_batch_at(
+        self, first_sample: int, global_batch_size: int, split: str = "train"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(inputs, targets)`` for ``step``: int64 ``[global_batch_size, seq_len]``.
+        """``(inputs, targets)``, int64 ``[global_batch_size, seq_len]``, of samples
+        ``[first_sample, first_sample + global_batch_size)``."""
+        if global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        return self._gather(self.sample_starts(first_sample, global_batch_size, split), split)
 
-        ``targets[:, i] == inputs[:, i + 1]`` shifted from the same window; identical in
-        every process for the same ``(seed, step, split)``.
-        """
-        return self._gather(self.window_starts(step, global_batch_size, split), split)
-
-    def local_batch(
+    def local_batch_at(
         self,
-        step: int,
+        first_sample: int,
         global_batch_size: int,
         dp_rank: int,
         dp_size: int,
         split: str = "train",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return this data-parallel rank's rows of ``global_batch(step, ...)``.
+        """This data-parallel rank's rows of ``global_batch_at(first_sample, ...)``.
 
         Rank ``r`` gets the contiguous rows ``[r * b, (r + 1) * b)`` with
-        ``b = global_batch_size // dp_size``; only those windows are gathered.
+        ``b = global_batch_size // dp_size``; only those windows are gathered. A run that
+        has consumed ``c`` samples resumes with ``first_sample=c``, whatever batch sizes
+        it used so far.
         """
+        if global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
         if dp_size <= 0:
             raise ValueError(f"dp_size must be positive, got {dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -331,8 +556,33 @@ class TokenDataset:
                 f"size {dp_size}; set trainer.global_batch_size to a multiple of {dp_size}"
             )
         per_rank = global_batch_size // dp_size
-        starts = self.window_starts(step, global_batch_size, split)
-        return self._gather(starts[dp_rank * per_rank : (dp_rank + 1) * per_rank], split)
+        starts = self.sample_starts(first_sample + dp_rank * per_rank, per_rank, split)
+        return self._gather(starts, split)
+
+    def global_batch(
+        self, step: int, global_batch_size: int, split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step`` of a fixed batch size: ``global_batch_at(step * global_batch_size, ...)``.
+
+        ``targets[:, i] == inputs[:, i + 1]`` shifted from the same window; identical in
+        every process for the same ``(seed, step, split)``.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.global_batch_at(step * global_batch_size, global_batch_size, split)
+
+    def local_batch(
+        self,
+        step: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        split: str = "train",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of ``global_batch(step, ...)``: ``local_batch_at(step * gbs, ...)``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.local_batch_at(step * global_batch_size, global_batch_size, dp_rank, dp_size, split)
 
     def __repr__(self) -> str:
         return (
@@ -340,3 +590,31 @@ class TokenDataset:
             f"val={self.val_range[1] - self.val_range[0]} tokens, seq_len={self.seq_len}, "
             f"seed={self.seed})"
         )
+
+
+# ---------------------------------------------------------------- from the config
+
+
+def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDataset:
+    """The training dataset for a ``DataConfig`` and the model's ``seq_len``/``vocab_size``.
+
+    ``data_cfg.prepared`` set: the memory-mapped output of ``training.prepare`` (``paths``
+    and ``max_bytes`` are ignored); otherwise the byte-level in-memory corpus of
+    ``data_cfg.paths`` (None = the standard library sources) cut to ``max_bytes``. Raises
+    ValueError when the tokenizer's vocabulary does not fit ``model.vocab_size``, and the
+    errors of ``load_prepared``/``load_corpus``/``TokenDataset`` (OSError or ValueError).
+    """
+    prepared = getattr(data_cfg, "prepared", None)
+    if prepared:
+        tokens, info = load_prepared(prepared)
+        need, what = info["vocab_size"], f"the {info['tokenizer']} tokenizer of data.prepared={prepared!r}"
+    else:
+        tokens = load_corpus(data_cfg.paths, data_cfg.max_bytes)
+        need, what = ByteTokenizer.vocab_size, "the byte tokenizer"
+    if need > vocab_size:
+        raise ValueError(
+            f"{what} has vocab_size {need} but model.vocab_size={vocab_size}; set "
+            f"model.vocab_size={need} or larger"
+            + (" (or re-run training.prepare with a smaller --vocab-size)" if prepared else "")
+        )
+    return TokenDataset(tokens, seq_len, seed, data_cfg.val_fraction)

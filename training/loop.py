@@ -23,15 +23,19 @@ from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from mpu.pipeline import PipelineExecutor, activation_shape
 from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
+from training.checkpoint import CheckpointError, TrainState, check_compatible, load_checkpoint, resolve_resume, save_checkpoint
 from training.config import ConfigError, RunConfig
-from training.data import ByteTokenizer, TokenDataset, load_corpus
+from training.data import ByteTokenizer, TokenDataset, build_dataset
 from training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
 from training.flops import model_flops_per_token
-from training.metrics import MetricsWriter, ProgressBar, format_step_line
+from training.memory import peak_memory_per_rank
+from training.metrics import MetricsWriter, ProgressBar, TensorBoardWriter, format_step_line, require_tensorboard
 from training.optim import build_optimizer
+from training.preemption import StopRequest
 from training.peak import peak_flops
 from training.schedule import lr_at
 from training.step import evaluate, pipeline_train_step, train_step
+from training.watchdog import StepWatchdog, is_collective_failure, mesh_coords
 
 
 def check_run_config(run: RunConfig, world_size: int) -> tuple:
@@ -62,6 +66,8 @@ def check_run_config(run: RunConfig, world_size: int) -> tuple:
             f"the interleaved schedule needs the microbatches per rank ({per_rank // micro} = global_batch_size "
             f"{t.global_batch_size} / dp {par.dp} / micro_batch_size {micro}) divisible by pp={par.pp}"
         )
+    if t.tensorboard and not t.dry_run:
+        require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra
     if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
                           f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}")
@@ -84,19 +90,40 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     dataset = None
     if not run.trainer.dry_run:
         try:
-            tokens = load_corpus(run.data.paths, run.data.max_bytes)
-            dataset = TokenDataset(tokens, run.model.seq_len, run.trainer.seed, run.data.val_fraction)
+            dataset = build_dataset(run.data, run.model.seq_len, run.trainer.seed, run.model.vocab_size)
         except (OSError, ValueError) as err:
             raise ConfigError(f"data: {err}") from err
+    start_from = None if run.trainer.dry_run else _checkpoint_to_start_from(run)
     env = init_distributed(run.trainer.device, timeout_s=run.trainer.collective_timeout_s,
                            num_threads=run.trainer.num_threads)
     try:
         run_dir = agree_on_run_dir(run_dir)
         if run.trainer.dry_run:
             return _dry_run(run, par, env, run_dir, micro)
-        return _train(run, par, env, run_dir, dataset, micro, n_micro)
+        return _train(run, par, env, run_dir, dataset, micro, n_micro, start_from)
     finally:
         teardown_distributed()
+
+
+def _checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
+    """("resume" | "init_from", path) after checking the checkpoint is complete and holds the
+    tensors this model needs, or None for a fresh start. Runs before any process group, on
+    every rank alike, so a bad checkpoint fails with one line instead of a hang."""
+    c = run.checkpoint
+    try:
+        if c.init_from:
+            path, kind = resolve_resume(None, c.init_from), "init_from"
+        else:
+            path, kind = resolve_resume(c.dir, c.resume), "resume"
+        if path is None:
+            return None
+        meta = check_compatible(path, run.model)
+        if kind == "resume" and meta.get("weights_only"):
+            raise CheckpointError(f"{path} holds weights only (no optimizer state or step); start from it with "
+                                  f"checkpoint.init_from={path}")
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoint.{'init_from' if c.init_from else 'resume'}: {err}") from err
+    return kind, path
 
 
 def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
@@ -113,7 +140,8 @@ def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
     return {"dry_run": True, "plan": plan, "run_dir": str(run_dir)}
 
 
-def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro: int, n_micro: int) -> dict:
+def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro: int, n_micro: int,
+           start_from: tuple[str, Path] | None) -> dict:
     cfg, t = run.model, run.trainer
     tokens = dataset.split_tokens("train")
 
@@ -132,6 +160,15 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
                                     torch.float32, env.device)
 
+    state = TrainState()
+    if start_from is not None:
+        kind, path = start_from
+        state = load_checkpoint(path, chunks, optimizer, mesh, weights_only=kind == "init_from")
+        if env.is_main:
+            print(f"meshtron: {'resumed from' if kind == 'resume' else 'initial weights from'} {path}"
+                  + (f" at step {state.step} ({state.consumed_samples:,} samples consumed)" if kind == "resume" else ""),
+                  flush=True)
+
     flops_per_token = model_flops_per_token(cfg)
     peak_per_process, peak_source = peak_flops(env.device, torch.float32)
     peak_total = peak_per_process * env.world_size
@@ -146,17 +183,33 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
               f"x{env.world_size}; run dir {run_dir}", flush=True)
 
     writer = MetricsWriter(run_dir, enabled=env.is_main)
+    tb = TensorBoardWriter(run_dir, enabled=env.is_main and t.tensorboard)
+    watchdog = StepWatchdog(env.rank, mesh_coords(mesh), t.collective_timeout_s / 2
+                            if t.watchdog_timeout_s is None else t.watchdog_timeout_s)
     bar = ProgressBar(t.max_steps, enabled=env.is_main and t.progress)
     history: list[dict] = []
     window_start, window_steps = time.perf_counter(), 0
-    skipped_total = skipped_in_a_row = 0
+    ckpt = run.checkpoint
+    stopper = StopRequest(enabled=ckpt.dir is not None)
+    stopped_early = False
+
+    def save() -> None:
+        watchdog.phase(f"step {state.step}: checkpoint save")
+        path = save_checkpoint(ckpt.dir, state, chunks, optimizer, mesh, model_config=dataclasses.asdict(cfg),
+                               keep=ckpt.keep)
+        if env.is_main:
+            print(f"meshtron: checkpoint of step {state.step} saved to {path}", flush=True)
+
     try:
-        for step in range(t.max_steps):
+        for step in range(state.step, t.max_steps):
             lr = lr_at(step, lr=run.optim.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
                        min_lr_ratio=run.optim.min_lr_ratio, decay=run.optim.decay)
-            inputs, targets = dataset.local_batch(step, t.global_batch_size, mesh.dp_rank, mesh.dp_size)
+            inputs, targets = dataset.local_batch_at(state.consumed_samples, t.global_batch_size, mesh.dp_rank,
+                                                     mesh.dp_size)
             inputs, targets = inputs.to(env.device), targets.to(env.device)
             microbatches = _split_microbatches(inputs, targets, micro)
+            watchdog.phase(f"step {step + 1}: forward/backward/grad reduce/optimizer"
+                           + (f" ({par.schedule} pipeline)" if executor is not None else ""))
             if executor is None:
                 out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=lr,
                                  max_grad_norm=t.max_grad_norm)
@@ -164,49 +217,79 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                 out = pipeline_train_step(chunks, reducer, optimizer, microbatches, mesh, executor,
                                           schedule=par.schedule, lr=lr, max_grad_norm=t.max_grad_norm)
                 if t.trace_step == step + 1:
+                    watchdog.phase(f"step {step + 1}: pipeline trace gather_object")
                     _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
             window_steps += 1
+            state.step, state.consumed_samples = step + 1, state.consumed_samples + t.global_batch_size
             if out["skipped"]:
-                skipped_total += 1
-                skipped_in_a_row += 1
+                state.skipped_total += 1
+                state.skipped_in_a_row += 1
                 if env.is_main:
                     print(f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm "
-                          f"({skipped_in_a_row} in a row, {skipped_total} in total)", flush=True)
-                if skipped_in_a_row > t.max_skipped:
-                    raise RuntimeError(f"{skipped_in_a_row} consecutive steps had a non-finite loss or gradient "
-                                       f"norm (trainer.max_skipped={t.max_skipped}); lower optim.lr or check the data")
+                          f"({state.skipped_in_a_row} in a row, {state.skipped_total} in total)", flush=True)
+                if state.skipped_in_a_row > t.max_skipped:
+                    raise RuntimeError(f"{state.skipped_in_a_row} consecutive steps had a non-finite loss or "
+                                       f"gradient norm (trainer.max_skipped={t.max_skipped}); lower optim.lr or "
+                                       f"check the data")
             else:
-                skipped_in_a_row = 0
+                state.skipped_in_a_row = 0
             eval_now = t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
             if step == 0 or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps or eval_now:
+                watchdog.phase(f"step {step + 1}: metrics")
                 loss, grad_norm = out["loss"].item(), out["grad_norm"].item()  # host sync only when logging
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak_total,
                           "step_time_s": elapsed / window_steps}
-                record["skipped_steps"] = skipped_total
+                record["skipped_steps"] = state.skipped_total
                 if eval_now:
+                    watchdog.phase(f"step {step + 1}: evaluation")
                     record["val_loss"] = evaluate(chunks, _val_microbatches(dataset, t, mesh, micro, env), mesh,
                                                   executor).item()
                 if "moe_layers" in out:
                     record.update(moe_metrics(out))
+                watchdog.phase(f"step {step + 1}: peak-memory all_gather")
+                peak_mem = peak_memory_per_rank(env.device)  # a collective: every rank, same steps
+                record["peak_mem_bytes"], record["peak_mem_max_bytes"] = peak_mem, max(peak_mem)
                 history.append(record)
                 writer.log(record)
+                tb.log(record)
                 if env.is_main:
                     shown = {k: v for k, v in record.items() if k != "skipped_steps" or v}
                     print(format_step_line(shown, total=t.max_steps), flush=True)
                 window_start, window_steps = time.perf_counter(), 0
             bar.update(step + 1)
+            watchdog.phase(f"step {step + 1}: stop-request all_reduce")
+            stopped_early = ckpt.dir is not None and stopper.agreed(env.device) and step + 1 < t.max_steps
+            if ckpt.dir and (stopped_early or step + 1 == t.max_steps or (ckpt.every and (step + 1) % ckpt.every == 0)):
+                save()
+            if stopped_early:
+                if env.is_main:
+                    print(f"meshtron: SIGTERM: stopped after step {step + 1}; resume with checkpoint.resume=auto",
+                          flush=True)
+                break
+        watchdog.idle()
+    except Exception as err:
+        if is_collective_failure(err):
+            print(watchdog.describe_error(err, timeout_s=t.collective_timeout_s), file=sys.stderr, flush=True)
+        raise
     finally:
+        watchdog.close()
+        stopper.close()
+        tb.close()
         bar.close()
         writer.close()
         reducer.remove_hooks()
-    summary = {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"], "steps": t.max_steps,
-               "run_dir": str(run_dir), "history": history}
+    summary = {"first_loss": history[0]["loss"] if history else None,
+               "last_loss": history[-1]["loss"] if history else None, "steps": state.step,
+               "stopped_early": stopped_early, "run_dir": str(run_dir), "history": history}
     if env.is_main:
-        print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
-              f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+        if history:
+            print(f"meshtron: {'stopped' if stopped_early else 'done'}; loss {summary['first_loss']:.4f} -> "
+                  f"{summary['last_loss']:.4f}; metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+        else:
+            print(f"meshtron: nothing to do: the run is already at step {state.step} = trainer.max_steps", flush=True)
     return summary
 
 

@@ -1,0 +1,42 @@
+"""Graceful stop on SIGTERM (preemption, `scancel`, torchrun shutting its workers down).
+
+The handler only sets a flag; the loop asks `StopRequest.agreed()` after every step, which
+all-reduces the flag (MAX) over the default group so every rank stops after the same step
+(signals reach ranks at different moments), then saves a checkpoint and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class StopRequest:
+    """Catches SIGTERM while enabled (main thread only); `agreed()` is collective over the
+    default group when more than one process runs."""
+
+    def __init__(self, enabled: bool = True):
+        self.requested = False
+        self._previous = None
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device | str = "cpu") -> bool:
+        """True on every rank when any rank has been asked to stop (`device`: where the
+        default group's collectives run, cuda for NCCL)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.requested
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
