@@ -95,9 +95,6 @@ class GPTConfig:
             (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
             (self.recompute in ("none", "selective", "full"),
              f"trainer.recompute={self.recompute!r} must be none, selective or full"),
-            (not (self.recompute == "full" and self.num_experts),
-             "trainer.recompute=full is not supported with MoE layers yet (the routers' aux losses would "
-             "lose their gradient in the no-grad first pass); use trainer.recompute=selective"),
             (self.kernel_backend in ("torch", "triton"), f"kernel backend {self.kernel_backend!r} must be torch or triton"),
             (self.capacity_factor is None or self.capacity_factor > 0,
              f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)"),

@@ -168,9 +168,19 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         cfg = self.cfg
         full = cfg.recompute == "full" and (cfg.recompute_layers is None or self.index < cfg.recompute_layers)
+        self.recomputed_aux = None
         if self.training and full and x.requires_grad:
+            if isinstance(self.mlp, MoELayer):
+                # The router's aux terms leave the recomputed region as an output, so their
+                # gradient flows through the replay (the first pass runs without grad).
+                out, self.recomputed_aux = recompute(self._forward_with_aux, x, rope)
+                return out
             return recompute(self._forward, x, rope)
         return self._forward(x, rope)
+
+    def _forward_with_aux(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self._forward(x, rope)
+        return out, self.mlp.last_router.aux_loss + self.mlp.last_router.z_loss
 
     def _forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         p = self.cfg.dropout
@@ -287,10 +297,11 @@ class GPT(nn.Module):
     def aux_loss(self) -> torch.Tensor | None:
         """This rank's differentiable share of the routers' auxiliary terms (coefficients
         applied) from the last forward, summed over MoE layers; None for a dense model."""
-        layers = self.moe_layers()
-        if not layers:
+        blocks = [block for block in self.layers.values() if isinstance(block.mlp, MoELayer)]
+        if not blocks:
             return None
-        return sum(m.last_router.aux_loss + m.last_router.z_loss for m in layers)
+        return sum(block.recomputed_aux if getattr(block, "recomputed_aux", None) is not None
+                   else block.mlp.last_router.aux_loss + block.mlp.last_router.z_loss for block in blocks)
 
     def moe_stats(self) -> list[dict]:
         """Per MoE layer of this chunk, global routing statistics of the last forward (no

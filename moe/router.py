@@ -22,6 +22,7 @@ from torch import nn
 
 from mpu.init import normal_init, stable_seed, tag
 from mpu.mappings import all_reduce_stats
+from mpu.recompute import is_replaying
 
 SCORES = ("softmax", "sigmoid")
 
@@ -162,7 +163,7 @@ class TopKRouter(nn.Module):
             aux_value = (E * (counts_g / (T_g * k) * prob_sum_g).sum() / T_g).float()
             z_value = (lse_sq_g / T_g).float()
             tokens_per_expert = counts_g.float()
-            if self.training:
+            if self.training and not is_replaying():  # a recomputation must not count the load twice
                 self.step_load += tokens_per_expert
 
         zero = logits.new_zeros(())

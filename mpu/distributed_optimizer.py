@@ -6,8 +6,12 @@ shards, one per replica (dp for dense parameters, tp x dp for sequence-parallel 
 ones, edp for experts). The parameters of a bucket become views into one flat buffer; this
 rank's AdamW updates only its shard of that buffer (state: exp_avg and exp_avg_sq for 1/R of
 the bucket), then the shards are all-gathered over the bucket's group so every replica holds
-the updated parameters. Gradients are still all-reduced in full (ZeRO-1), so clipping and the
-gradient norm are unchanged. The update is element-wise, hence identical to unsharded AdamW.
+the updated parameters. The update is element-wise, hence identical to unsharded AdamW.
+
+ZeRO-1 (reducer without `shard_grads`): gradients are all-reduced in full and the shard's
+gradient is a view of the bucket buffer, so clipping and the gradient norm are unchanged.
+ZeRO-2 (reducer with `shard_grads=True`): the gradient is the reducer's reduce-scattered
+`bucket.shard`; norm and clipping work on the shards (`mpu.grad_norm.clip_sharded_grad_norm`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mappings import _all_gather_into
-from mpu.mesh import group_rank, group_size
+from mpu.mesh import group_size
 
 
 class ShardedAdamW:
@@ -30,7 +34,7 @@ class ShardedAdamW:
         decay, no_decay = [], []
         self._shards = []
         for bucket in self.buckets:
-            flat = torch.zeros_like(bucket.buffer)
+            flat = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
             offset = 0
             for p in bucket.params:
                 n = p.numel()
@@ -38,11 +42,10 @@ class ShardedAdamW:
                 p.data = flat[offset: offset + n].view_as(p)
                 offset += n
             bucket.param_buffer = flat
-            replicas, rank = group_size(bucket.group), group_rank(bucket.group)
-            size = flat.numel() // replicas
-            shard = nn.Parameter(flat[rank * size: (rank + 1) * size])
-            shard.grad = bucket.buffer[rank * size: (rank + 1) * size]
-            self._shards.append((bucket, shard, rank * size, size))
+            start, size = bucket.shard_start, bucket.shard.numel()
+            shard = nn.Parameter(flat[start: start + size])
+            shard.grad = bucket.shard  # ZeRO-1: a view of the bucket buffer; ZeRO-2: the reduced shard
+            self._shards.append((bucket, shard, start, size))
             (decay if bucket.decay else no_decay).append(shard)
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps)

@@ -5,6 +5,8 @@ rank), so: TP-sharded parameters contribute their local squares summed over the 
 expert shards their squares summed over one replica's ep x etp group; TP-replicated
 parameters (norms, row-parallel biases, routers) are counted once, from the local copy;
 pipeline stages add their sums over the pp group.
+With ZeRO-2 (`sharded_grad_norm`) the gradients are reduce-scattered shards of the buckets:
+the squares of each shard are first summed over the bucket's replica group.
 No host synchronization: the norm stays a tensor.
 """
 
@@ -56,4 +58,78 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> t
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
+    return norm
+
+
+# Element classes of a sharded bucket for the norm (index into the per-group sum vector).
+_TP_SHARDED, _REPLICATED, _EXPERT = 0, 1, 2
+
+
+def _shard_segments(bucket) -> list[tuple[int, int, int]]:
+    """(lo, hi, class) ranges of `bucket.shard` (indices relative to the shard), one per
+    parameter overlapping this rank's range; a tied embedding's last-stage copy is skipped."""
+    start, end = bucket.shard_start, bucket.shard_start + bucket.shard.numel()
+    segments, offset = [], 0
+    for p in bucket.params:
+        lo, hi = max(offset, start), min(offset + p.numel(), end)
+        offset += p.numel()
+        if lo >= hi or getattr(p, "tied_embedding_copy", False):
+            continue
+        if getattr(p, "expert", False):
+            cls = _EXPERT
+        elif getattr(p, "tp_shard_dim", None) is not None:
+            cls = _TP_SHARDED
+        else:
+            cls = _REPLICATED
+        segments.append((lo - start, hi - start, cls))
+    return segments
+
+
+def sharded_grad_norm(reducer, mesh: Mesh) -> torch.Tensor:
+    """`global_grad_norm` from ZeRO-2 gradient shards (`reducer.shard_grads`, after `finish()`).
+
+    Every element of a bucket lies in exactly one rank's shard, so per class (tp-sharded dense,
+    replicated dense incl. sequence-parallel, expert) the squares of this rank's shards are
+    summed over each bucket's replica group (dp, tp x dp, edp); the tp-sharded sum is then
+    summed over `mesh.tp`, the expert sum over `mesh.ep_etp`, the total over `mesh.pp`."""
+    buckets = reducer.buckets
+    device = buckets[0].shard.device if buckets else torch.device("cpu")
+    per_key: dict[str, list] = {}
+    for bucket in buckets:
+        entry = per_key.setdefault(bucket.key, [bucket.group, [[], [], []]])
+        for lo, hi, cls in _shard_segments(bucket):
+            entry[1][cls].append(bucket.shard[lo:hi])
+    sums = torch.zeros(3, dtype=torch.float32, device=device)
+    for key in ("dp", "tp_dp", "edp"):  # same order on every rank
+        if key not in per_key:
+            continue
+        group, classes = per_key[key]
+        local = torch.stack([_sum_squares(grads, device) for grads in classes])
+        if group_size(group) > 1:
+            dist.all_reduce(local, group=group)
+        sums = sums + local
+    sharded, replicated, expert = sums.unbind()
+    if group_size(mesh.tp) > 1:
+        sharded = sharded.clone()
+        dist.all_reduce(sharded, group=mesh.tp)
+    total = sharded
+    if "edp" in per_key:
+        expert = expert.clone()
+        if group_size(mesh.ep_etp) > 1:
+            dist.all_reduce(expert, group=mesh.ep_etp)
+        total = total + expert
+    total = total + replicated
+    if group_size(mesh.pp) > 1:
+        dist.all_reduce(total, group=mesh.pp)
+    return total.sqrt()
+
+
+def clip_sharded_grad_norm(reducer, max_norm: float, mesh: Mesh) -> torch.Tensor:
+    """`clip_grad_norm` for ZeRO-2: the norm from the gradient shards; clipping scales them."""
+    norm = sharded_grad_norm(reducer, mesh)
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        shards = [bucket.shard for bucket in reducer.buckets]
+        if shards:
+            torch._foreach_mul_(shards, coef)
     return norm

@@ -18,6 +18,24 @@ Groups:
     in one collective;
   * expert parameters: the expert-data-parallel group `mesh.edp` (replicas of the same
     expert shard that saw different tokens).
+
+ZeRO-2 (`shard_grads=True`): each bucket is reduce-scattered instead of all-reduced, into
+`bucket.shard` (this rank's `[rank*size, (rank+1)*size)` range of the bucket, size =
+buffer / replicas), which `ShardedAdamW` uses as its gradient. The full bucket buffer is only
+the local accumulation space of backward: `finish()` frees it (and sets `p.grad = None` for
+its parameters) once the reduce-scatter is done, `zero_grad()` re-creates it and re-points
+every `p.grad` at it, so outside forward/backward a rank holds 1/replicas of the gradients.
+Buckets whose group has one member are not sharded (their shard is the whole buffer).
+
+Tied embeddings under pipeline parallelism (`tied_embedding=[params]`, the embedding weight
+of the first stage and its copy on the last stage): both copies' gradients are summed over
+`mesh.embedding` in `finish()`. With `shard_grads` their buckets (tied parameters get buckets
+of their own) are not launched from the backward hooks: `finish()` first launches all other
+buckets, then all-reduces the tied gradients over `mesh.embedding`, then reduce-scatters
+their buckets (the two stages' buckets are laid out differently, so the sum must come before
+the scatter; doing it in a hook would block the last stage's pipeline sends). Without
+`shard_grads` the sum happens after all buckets are reduced, as `pipeline_train_step` does
+for reducers built without `tied_embedding`.
 """
 
 from __future__ import annotations
@@ -29,19 +47,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpu.mesh import Mesh, group_size
+from mpu.mappings import _reduce_scatter_into
+from mpu.mesh import Mesh, group_rank, group_size
 
 
 @dataclass
 class _Bucket:
     group: object
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None between finish() and zero_grad() when grads are sharded
     params: list[nn.Parameter]
     ready: int = 0
     work: object = None
     launched: bool = False
     names: list[str] = field(default_factory=list)
     decay: bool = True
+    key: str = "dp"  # replica group: "dp", "tp_dp" or "edp"
+    numel: int = 0  # padded size of the flat buffer
+    shard: torch.Tensor | None = None  # this rank's range of the (reduced) bucket
+    shard_start: int = 0
+    deferred: bool = False  # holds a tied embedding: launched by finish() after the pp sum
 
 
 class DataParallelGradReducer:
@@ -55,12 +79,19 @@ class DataParallelGradReducer:
         reducer.finish()      # all bucket collectives done; grads are final
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
+                 shard_grads: bool = False, tied_embedding=()):
         self.mesh = mesh
+        self.shard_grads = shard_grads
         self._sync_enabled = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        by_group: dict[tuple[str, bool], list[tuple[str, nn.Parameter]]] = {}
+        wanted = {id(p) for p in tied_embedding}
+        self.tied_embedding = [p for _, p in named_params if id(p) in wanted and p.requires_grad]
+        if len(self.tied_embedding) != len(wanted):
+            raise ValueError("tied_embedding must list trainable parameters among named_params")
+        tied = {id(p) for p in self.tied_embedding}
+        by_group: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in named_params:
             if not p.requires_grad:
                 continue
@@ -69,10 +100,10 @@ class DataParallelGradReducer:
             else:
                 key = "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
             # Buckets are also split by weight decay (matrices vs vectors), so a shard of a
-            # bucket (ZeRO) belongs to one optimizer group.
-            by_group.setdefault((key, p.ndim >= 2), []).append((name, p))
+            # bucket (ZeRO) belongs to one optimizer group; tied embeddings get their own.
+            by_group.setdefault((key, p.ndim >= 2, id(p) in tied), []).append((name, p))
         limit = int(bucket_mb * 2**20)
-        for (key, decay), items in by_group.items():
+        for (key, decay, is_tied), items in by_group.items():
             group = getattr(mesh, key)
             current: list[tuple[str, nn.Parameter]] = []
             size = 0
@@ -80,38 +111,57 @@ class DataParallelGradReducer:
                 current.append((name, p))
                 size += p.numel() * 4
                 if size >= limit:
-                    self._make_bucket(group, current, decay)
+                    self._make_bucket(group, current, decay, key, is_tied)
                     current, size = [], 0
             if current:
-                self._make_bucket(group, current, decay)
+                self._make_bucket(group, current, decay, key, is_tied)
         self._hooks = []
         for bucket in self.buckets:
             if group_size(bucket.group) > 1:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _make_bucket(self, group, items: list[tuple[str, nn.Parameter]], decay: bool) -> None:
+    def _make_bucket(self, group, items: list[tuple[str, nn.Parameter]], decay: bool, key: str = "dp",
+                     tied: bool = False) -> None:
         params = [p for _, p in items]
         dtype = torch.float32 if params[0].dtype in (torch.float16, torch.bfloat16) else params[0].dtype
         numel = sum(p.numel() for p in params)
-        replicas = group_size(group)
+        replicas, rank = group_size(group), group_rank(group)
         padded = -(-numel // replicas) * replicas  # divisible into equal shards per replica
         buffer = torch.zeros(padded, dtype=dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            p.grad = buffer[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-        bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in items], decay=decay)
+        bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in items], decay=decay,
+                         key=key, numel=padded, deferred=tied and self.shard_grads)
+        self._point_grads(bucket)
+        size = padded // replicas
+        bucket.shard_start = rank * size
+        if self._sharded(bucket):
+            bucket.shard = torch.zeros(size, dtype=dtype, device=buffer.device)
+        else:  # ZeRO-0/1, or a group of one: the shard is a view of the (persistent) buffer
+            bucket.shard = buffer[rank * size: (rank + 1) * size]
         for p in params:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 
+    def _sharded(self, bucket: _Bucket) -> bool:
+        """Whether `bucket` is reduce-scattered into its own shard tensor (ZeRO-2, > 1 replica)."""
+        return self.shard_grads and group_size(bucket.group) > 1
+
+    @staticmethod
+    def _point_grads(bucket: _Bucket) -> None:
+        offset = 0
+        for p in bucket.params:
+            p.grad = bucket.buffer[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        if bucket.buffer is None:
+            raise RuntimeError("gradient buckets are freed after finish() with shard_grads=True: call "
+                               "reducer.zero_grad() before backward")
         if not self._sync_enabled:
             return
-        bucket = self._bucket_of[id(param)]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) and not bucket.deferred:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -119,7 +169,15 @@ class DataParallelGradReducer:
             return
         bucket.launched = True
         if group_size(bucket.group) > 1:
-            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+            if self.shard_grads:
+                bucket.work = _reduce_scatter_into(bucket.shard, bucket.buffer, group=bucket.group, async_op=True)
+            else:
+                bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+
+    def _sum_tied_embedding(self) -> None:
+        if self.tied_embedding and group_size(self.mesh.embedding) > 1:
+            for p in self.tied_embedding:
+                dist.all_reduce(p.grad, group=self.mesh.embedding)
 
     @contextlib.contextmanager
     def sync(self, enabled: bool):
@@ -132,21 +190,61 @@ class DataParallelGradReducer:
             self._sync_enabled = previous
 
     def finish(self) -> None:
-        """Launch any bucket not yet reduced (in a fixed order on every rank) and wait for all."""
+        """Launch any bucket not yet reduced (in a fixed order on every rank) and wait for all.
+        Tied embedding gradients are summed over `mesh.embedding` (before their buckets'
+        reduce-scatter with `shard_grads`, after all reductions otherwise). With `shard_grads`
+        the full buffers of sharded buckets are then freed: the result is in `bucket.shard`."""
         for bucket in self.buckets:
-            self._launch(bucket)
+            if not bucket.deferred:
+                self._launch(bucket)
+        if self.shard_grads:
+            self._sum_tied_embedding()
+            for bucket in self.buckets:
+                self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             bucket.work, bucket.ready, bucket.launched = None, 0, False
+        if not self.shard_grads:
+            self._sum_tied_embedding()
+            return
+        for bucket in self.buckets:
+            if self._sharded(bucket):
+                for p in bucket.params:
+                    p.grad = None
+                bucket.buffer = None
 
     def zero_grad(self) -> None:
-        """Zero every gradient buffer (gradients stay views into the buckets)."""
+        """Zero every gradient buffer (gradients stay views into the buckets); with
+        `shard_grads` re-create the buffers freed by `finish()` and re-point `p.grad`."""
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            if bucket.buffer is None:
+                bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
+                self._point_grads(bucket)
+            else:
+                bucket.buffer.zero_()
             bucket.ready, bucket.launched, bucket.work = 0, False, None
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage held now (full buffers still allocated plus shard tensors
+        of their own)."""
+        total = 0
+        for bucket in self.buckets:
+            if bucket.buffer is not None:
+                total += bucket.buffer.numel() * bucket.buffer.element_size()
+            if self._sharded(bucket):
+                total += bucket.shard.numel() * bucket.shard.element_size()
+        return total
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def tied_embedding_params(chunks, mesh: Mesh) -> list[nn.Parameter]:
+    """The embedding weights of this rank's chunks that are tied across pipeline stages (the
+    first stage's embedding and the last stage's copy), for `tied_embedding=`; [] without pp."""
+    if group_size(mesh.embedding) <= 1:
+        return []
+    return [c.embed.weight for c in chunks if c.cfg.tie_embeddings and getattr(c, "embed", None) is not None]

@@ -109,7 +109,8 @@ class PipelineExecutor:
                     if not forward_only:
                         saved[(m, c)] = (x, objective, None)
                 else:
-                    pending_sends.append((dist.isend(out.detach().contiguous(), dst=self.next_rank,
+                    # Activations travel in the executor's dtype (autocast may hand back 16-bit ones).
+                    pending_sends.append((dist.isend(out.detach().to(self.dtype).contiguous(), dst=self.next_rank,
                                                      tag=self._tag(m, stage + 1, False)), out))
                     if not forward_only:
                         saved[(m, c)] = (x, out, extra)
@@ -125,9 +126,9 @@ class PipelineExecutor:
                     if grad is None:
                         out.backward()
                     elif extra is None:
-                        torch.autograd.backward(out, grad)
+                        torch.autograd.backward(out, grad.to(out.dtype))
                     else:
-                        torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
+                        torch.autograd.backward([out, extra], [grad.to(out.dtype), torch.ones_like(extra)])
                 if stage > 0:
                     pending_sends.append((dist.isend(x.grad.contiguous(), dst=self.prev_rank,
                                                      tag=self._tag(m, stage - 1, True)), x))

@@ -10,9 +10,28 @@ again in backward (for a TP layer: its forward all-reduces once more).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mpu.random import get_rng_tracker
+
+_REPLAYING = [False]
+
+
+def is_replaying() -> bool:
+    """True while a recomputed region runs again in backward: code with side effects that must
+    happen once per forward (statistics accumulators) skips them then."""
+    return _REPLAYING[0]
+
+
+@contextlib.contextmanager
+def _replaying():
+    previous, _REPLAYING[0] = _REPLAYING[0], True
+    try:
+        yield
+    finally:
+        _REPLAYING[0] = previous
 
 
 def _rng_snapshot(device_type: str):
@@ -47,7 +66,7 @@ class _Recompute(torch.autograd.Function):
         current = _rng_snapshot(ctx.device_type)
         _rng_restore(ctx.rng)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _replaying():
                 outputs = ctx.fn(*inputs)
         finally:
             _rng_restore(current)

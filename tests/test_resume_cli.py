@@ -141,3 +141,27 @@ def test_corrupt_checkpoint_is_refused(tmp_path, finished_checkpoint):
 def test_checkpoint_config_errors(tmp_path):
     _fails_before_process_group(tmp_path, ["checkpoint.every=5"], "checkpoint.every=5 needs checkpoint.dir")
     _fails_before_process_group(tmp_path, ["checkpoint.resume=auto"], "checkpoint.resume=auto needs checkpoint.dir")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_checkpoint_of_a_tp2_run_resumes_in_one_process(tmp_path):
+    """Saved by torchrun tp=2 x pp=2 (4 ranks), resumed by a single process: steps 3 and 4 log the
+    losses of the uninterrupted 4-rank run (resharding on load; data position and schedule carried)."""
+    from tests.test_train_cli import TORCHRUN
+
+    ckpt = tmp_path / "ckpt"
+    common = [*COMMON, "trainer.max_steps=4", "trainer.micro_batch_size=4"]
+    out = run([*TORCHRUN, "--nproc_per_node=4", "train.py", *common, "parallel.tp=2", "parallel.pp=2",
+               f"checkpoint.dir={ckpt}", "checkpoint.every=2", "checkpoint.keep=null",
+               f"hydra.run.dir={tmp_path / 'parallel'}"], timeout=300, threads=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = _losses(tmp_path / "parallel")
+    out = run([sys.executable, "train.py", *common, f"checkpoint.resume={ckpt / 'step_00000002'}",
+               f"hydra.run.dir={tmp_path / 'serial'}"], timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = _losses(tmp_path / "serial")
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        assert abs(got[step] - want[step]) <= 1e-5 * want[step], (step, got, want)

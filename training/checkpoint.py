@@ -38,7 +38,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mpu.distributed_optimizer import ShardedAdamW
 from mpu.mesh import single_process_mesh
 from mpu.random import get_rng_tracker
 from mpu.sharded_state import ShardLoadPlanner, ShardSavePlanner, global_shape, shard_piece
@@ -61,6 +60,8 @@ class TrainState:
     consumed_samples: int = 0
     skipped_total: int = 0
     skipped_in_a_row: int = 0
+    loss_scale: float | None = None  # fp16's dynamic loss scale and its clean-step count
+    loss_scale_good_steps: int = 0
 
 
 def step_dir_name(step: int) -> str:
@@ -122,7 +123,7 @@ def model_state(chunks: list[nn.Module], mesh, *, for_load: bool = False) -> dic
 
 def _adam_moments(chunks, optimizer) -> tuple[dict, float]:
     """{param: (exp_avg, exp_avg_sq)} shaped like each local parameter, and the step count."""
-    if isinstance(optimizer, ShardedAdamW):
+    if hasattr(optimizer, "param_moments"):  # ZeRO (sharded) and offloaded AdamW
         return optimizer.param_moments()
     moments, step = {}, 0.0
     for _, param in _own_parameters(chunks):
@@ -138,8 +139,10 @@ def _adam_moments(chunks, optimizer) -> tuple[dict, float]:
 def optimizer_state(chunks: list[nn.Module], optimizer, mesh, *, for_load: bool = False) -> dict:
     """`optim/<name>/exp_avg|exp_avg_sq` -> ShardPiece and `optim/step`. For loading, fresh
     zero tensors are returned (filled by DCP, then installed by `_install_moments`)."""
-    if for_load:
-        moments = {p: (torch.zeros_like(p), torch.zeros_like(p)) for _, p in _own_parameters(chunks)}
+    if for_load:  # an offloaded optimizer keeps its moments on the host: read them there
+        device = "cpu" if getattr(optimizer, "offloaded", False) else None
+        moments = {p: (torch.zeros_like(p, device=device), torch.zeros_like(p, device=device))
+                   for _, p in _own_parameters(chunks)}
         step = 0.0
     else:
         moments, step = _adam_moments(chunks, optimizer)
@@ -156,7 +159,7 @@ def optimizer_state(chunks: list[nn.Module], optimizer, mesh, *, for_load: bool 
 
 
 def _install_moments(chunks, optimizer, moments: dict, step: float) -> None:
-    if isinstance(optimizer, ShardedAdamW):
+    if hasattr(optimizer, "load_param_moments"):
         optimizer.load_param_moments(moments, step)
         return
     for _, param in _own_parameters(chunks):
@@ -386,6 +389,8 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer, mesh, 
         loaded = state[f"model/{name}"]
         if loaded is not buf:
             buf.copy_(loaded)
+    if hasattr(optimizer, "mark_weights_changed"):  # an offloaded optimizer re-reads its main weights
+        optimizer.mark_weights_changed()
     if weights_only:
         return TrainState()
     _install_moments(chunks, optimizer, moments, float(state["optim/step"]))

@@ -30,7 +30,9 @@ class TrainerConfig:
     dry_run: bool = False
     log_every: int = 10
     max_grad_norm: float = 1.0
-    precision: str = "fp32"
+    precision: str = "fp32"                  # fp32 | bf16 | fp16 (autocast compute, fp32 main weights and grads)
+    initial_loss_scale: float = 65536.0      # fp16 only: dynamic loss scale to start from
+    loss_scale_window: int = 1000            # fp16 only: clean steps before the scale doubles
     num_threads: int | None = None
     progress: bool = True
     trace_step: int | None = None
@@ -54,6 +56,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     decay: str = "cosine"
     zero: int = 0
+    offload: bool = False   # AdamW state and fp32 main weights in CPU memory; the update runs on the CPU
 
 
 @dataclass
@@ -118,8 +121,11 @@ class RunConfig:
             raise ConfigError(f"trainer.max_steps={t.max_steps} must be >= 1")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"trainer.device={t.device!r} must be auto, cpu or cuda")
-        if t.precision != "fp32":
-            raise ConfigError(f"trainer.precision={t.precision!r}: only fp32 is implemented so far (mixed precision is a planned issue)")
+        if t.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"trainer.precision={t.precision!r} must be fp32, bf16 or fp16")
+        if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
+            raise ConfigError(f"trainer.initial_loss_scale={t.initial_loss_scale} and trainer.loss_scale_window="
+                              f"{t.loss_scale_window} must be >= 1")
         if t.global_batch_size < 1:
             raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
         if t.micro_batch_size is not None and t.micro_batch_size < 1:
@@ -137,9 +143,9 @@ class RunConfig:
             raise ConfigError(f"trainer.log_every={t.log_every} must be >= 1")
         if o.lr <= 0:
             raise ConfigError(f"optim.lr={o.lr} must be > 0")
-        if o.zero not in (0, 1):
-            raise ConfigError(f"optim.zero={o.zero}: only 0 (replicated AdamW) and 1 (optimizer state sharded over "
-                              f"the replicas) are implemented; ZeRO-2 gradient sharding is not")
+        if o.zero not in (0, 1, 2):
+            raise ConfigError(f"optim.zero={o.zero}: choose 0 (replicated AdamW), 1 (optimizer state sharded over "
+                              f"the replicas) or 2 (optimizer state and gradients sharded)")
         if o.warmup_steps is not None and o.warmup_steps > t.max_steps:
             raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}")
         c = self.checkpoint

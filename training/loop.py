@@ -19,7 +19,8 @@ from torch import nn
 from kernels.backend import resolve_backend
 from models.gpt import init_model_chunks
 from mpu.distributed_optimizer import ShardedAdamW
-from mpu.grad_reduce import DataParallelGradReducer
+from mpu.offload import OffloadedAdamW
+from mpu.grad_reduce import DataParallelGradReducer, tied_embedding_params
 from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from mpu.pipeline import PipelineExecutor, activation_shape
 from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
@@ -31,6 +32,7 @@ from training.flops import model_flops_per_token
 from training.memory import peak_memory_per_rank
 from training.metrics import MetricsWriter, ProgressBar, TensorBoardWriter, format_step_line, require_tensorboard
 from training.optim import build_optimizer
+from training.precision import LossScaler, Precision
 from training.preemption import StopRequest
 from training.peak import peak_flops
 from training.schedule import lr_at
@@ -148,13 +150,17 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     mesh = build_mesh(par, cfg, device_type=env.device.type)
     chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device)
     model = nn.ModuleList(chunks)
-    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
-    if run.optim.zero == 1:
-        optimizer = ShardedAdamW(reducer, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
-                                 betas=run.optim.betas, eps=run.optim.eps)
+    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
+                                      shard_grads=run.optim.zero == 2,
+                                      tied_embedding=tied_embedding_params(chunks, mesh))
+    o = run.optim
+    if o.offload:
+        optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
+                                   zero=o.zero)
+    elif o.zero:
+        optimizer = ShardedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
     else:
-        optimizer = build_optimizer(model, lr=run.optim.lr, weight_decay=run.optim.weight_decay,
-                                    betas=run.optim.betas, eps=run.optim.eps)
+        optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
     executor = None
     if mesh.pp_size > 1:
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
@@ -169,8 +175,14 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                   + (f" at step {state.step} ({state.consumed_samples:,} samples consumed)" if kind == "resume" else ""),
                   flush=True)
 
+    scaler = LossScaler(scale=state.loss_scale or t.initial_loss_scale, growth_interval=t.loss_scale_window,
+                        good_steps=state.loss_scale_good_steps)
+    precision = Precision(t.precision, env.device.type, scaler)
+
     flops_per_token = model_flops_per_token(cfg)
-    peak_per_process, peak_source = peak_flops(env.device, torch.float32)
+    # MFU against the compute dtype's peak on GPUs; CPUs have no fast 16-bit matmul, so fp32's.
+    peak_dtype = precision.dtype if precision.dtype is not None and env.device.type == "cuda" else torch.float32
+    peak_per_process, peak_source = peak_flops(env.device, peak_dtype)
     peak_total = peak_per_process * env.world_size
     tokens_per_step = t.global_batch_size * cfg.seq_len
     if env.is_main:
@@ -212,20 +224,25 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                            + (f" ({par.schedule} pipeline)" if executor is not None else ""))
             if executor is None:
                 out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=lr,
-                                 max_grad_norm=t.max_grad_norm)
+                                 max_grad_norm=t.max_grad_norm, precision=precision)
             else:
                 out = pipeline_train_step(chunks, reducer, optimizer, microbatches, mesh, executor,
-                                          schedule=par.schedule, lr=lr, max_grad_norm=t.max_grad_norm)
+                                          schedule=par.schedule, lr=lr, max_grad_norm=t.max_grad_norm,
+                                          precision=precision)
                 if t.trace_step == step + 1:
                     watchdog.phase(f"step {step + 1}: pipeline trace gather_object")
                     _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
             window_steps += 1
             state.step, state.consumed_samples = step + 1, state.consumed_samples + t.global_batch_size
+            if precision.scaler is not None:
+                state.loss_scale, state.loss_scale_good_steps = precision.scaler.scale, precision.scaler.good_steps
             if out["skipped"]:
                 state.skipped_total += 1
                 state.skipped_in_a_row += 1
                 if env.is_main:
-                    print(f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm "
+                    print(f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm"
+                          + (f" (fp16 overflow: loss scale now {precision.loss_scale:g})" if precision.scaler else "")
+                          + " "
                           f"({state.skipped_in_a_row} in a row, {state.skipped_total} in total)", flush=True)
                 if state.skipped_in_a_row > t.max_skipped:
                     raise RuntimeError(f"{state.skipped_in_a_row} consecutive steps had a non-finite loss or "
@@ -243,10 +260,12 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak_total,
                           "step_time_s": elapsed / window_steps}
                 record["skipped_steps"] = state.skipped_total
+                if precision.scaler is not None:
+                    record["loss_scale"] = precision.loss_scale
                 if eval_now:
                     watchdog.phase(f"step {step + 1}: evaluation")
                     record["val_loss"] = evaluate(chunks, _val_microbatches(dataset, t, mesh, micro, env), mesh,
-                                                  executor).item()
+                                                  executor, precision).item()
                 if "moe_layers" in out:
                     record.update(moe_metrics(out))
                 watchdog.phase(f"step {step + 1}: peak-memory all_gather")

@@ -13,6 +13,7 @@ from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import Mesh, group_size
 from mpu.pipeline import PipelineExecutor
 from mpu.pipeline_schedules import Action, build_schedule
+from training.precision import FP32, Precision
 
 
 def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
@@ -25,7 +26,7 @@ def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], me
 
 def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: torch.optim.Optimizer,
                microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh, *,
-               lr: float, max_grad_norm: float) -> dict[str, torch.Tensor]:
+               lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict[str, torch.Tensor]:
     """Forward/backward every microbatch of this rank's share of the global batch, then update.
 
     The loss of each microbatch is its summed token cross-entropy divided by the number of
@@ -37,6 +38,8 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
     norm is not finite, in which case the optimizer step (and the expert-bias update) is
     skipped on every rank and the weights stay as they were. MoE adds `aux_loss`, `z_loss`
     (unweighted, summed over layers) and per-layer `moe_layers` statistics.
+    `precision` runs the forward under autocast and scales the loss (fp16; see
+    training/precision.py); an overflow skips the step like any non-finite gradient.
     """
     model.train()
     tokens = global_token_count(microbatches, mesh)
@@ -46,20 +49,23 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
     moe = MoEStepStats(model.cfg)
     for i, (inputs, targets) in enumerate(microbatches):
         with reducer.sync(i == n_micro - 1):
-            logits = model(inputs)
-            loss = model.loss_per_token(logits, targets).sum() / tokens
-            aux = model.aux_loss()
-            (loss if aux is None else loss + aux / n_micro).backward()
+            with precision.autocast():
+                logits = model(inputs)
+                loss = model.loss_per_token(logits, targets).sum() / tokens
+                aux = model.aux_loss()
+            objective = loss if aux is None else loss + aux / n_micro
+            (objective * precision.loss_scale).backward()
         loss_sum = loss_sum + loss.detach().to(loss_sum.device)
         moe.add(model.moe_stats(), n_micro)
     reducer.finish()
-    return _finish_step([model], reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm)
+    return _finish_step([model], reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
+                        precision=precision)
 
 
 def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReducer,
                         optimizer: torch.optim.Optimizer, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
                         mesh: Mesh, executor: PipelineExecutor, *, schedule: str, lr: float,
-                        max_grad_norm: float) -> dict:
+                        max_grad_norm: float, precision: Precision = FP32) -> dict:
     """`train_step` for pipeline parallelism: run `schedule` over this rank's model chunks.
 
     Losses are normalised exactly as in `train_step` (the last stage divides by the global
@@ -78,35 +84,49 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     moe = MoEStepStats(chunks[0].cfg)
     targets = [y for _, y in microbatches]
 
+    scale = precision.loss_scale
+
     def loss_fn(chunk, logits, m):
-        return chunk.loss_per_token(logits, targets[m]).sum() / tokens
+        return chunk.loss_per_token(logits, targets[m]).sum() / tokens * scale
 
     def extra_fn(chunk):
         aux = chunk.aux_loss()
         if aux is None:
             return None
         moe.add(chunk.moe_stats(), n_micro)
-        return aux / n_micro
+        return aux / n_micro * scale
 
     def before_backward(index, action):
         return reducer.sync(last_backward[action.chunk] == index)
 
-    result = executor.run(actions, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
+    with precision.autocast():
+        result = executor.run(actions, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
     reducer.finish()
     if chunks[0].cfg.tie_embeddings and group_size(mesh.embedding) > 1:
+        # Sum the two copies here unless the reducer did in finish() (ZeRO-2 must: before its reduce-scatter).
+        summed = {id(p) for p in getattr(reducer, "tied_embedding", ())}
         for chunk in chunks:
-            if chunk.embed is not None:
+            if chunk.embed is not None and id(chunk.embed.weight) not in summed:
+                if getattr(reducer, "shard_grads", False):
+                    raise RuntimeError("ZeRO-2 with tied embeddings under pipeline parallelism: build the reducer "
+                                       "with tied_embedding=tied_embedding_params(chunks, mesh)")
                 dist.all_reduce(chunk.embed.weight.grad, group=mesh.embedding)
-    loss_sum = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
-    out = _finish_step(chunks, reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm)
+    loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
+    out = _finish_step(chunks, reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
+                       precision=precision)
     out["pipeline"] = result
     return out
 
 
 def _finish_step(chunks, reducer, optimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: "MoEStepStats", *,
-                 lr: float, max_grad_norm: float) -> dict:
-    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-    grad_norm = clip_grad_norm(params, max_grad_norm, mesh)
+                 lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict:
+    _unscale_gradients(chunks, reducer, precision.loss_scale)
+    if getattr(reducer, "shard_grads", False):  # ZeRO-2: norm and clipping on the reduced gradient shards
+        from mpu.grad_norm import clip_sharded_grad_norm
+        grad_norm = clip_sharded_grad_norm(reducer, max_grad_norm, mesh)
+    else:
+        params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        grad_norm = clip_grad_norm(params, max_grad_norm, mesh)
     if group_size(mesh.dp) > 1:
         dist.all_reduce(loss_sum, group=mesh.dp)
     if group_size(mesh.pp) > 1:  # only the last stage has the loss
@@ -124,7 +144,20 @@ def _finish_step(chunks, reducer, optimizer, mesh: Mesh, loss_sum: torch.Tensor,
         for chunk in chunks:
             for m in chunk.moe_layers():
                 m.router.step_load.zero_()
+    precision.update(finite)
     return {"loss": loss_sum, "grad_norm": grad_norm, "skipped": not finite, **moe.summary(mesh, loss_sum.device)}
+
+
+def _unscale_gradients(chunks, reducer, scale: float) -> None:
+    """Divide the reduced gradients by the loss scale (fp16). The scale is a power of two, so
+    this is exact and commutes with the data-parallel sums."""
+    if scale == 1.0:
+        return
+    if getattr(reducer, "shard_grads", False):  # ZeRO-2: the reduced gradients are the bucket shards
+        grads = [bucket.shard for bucket in reducer.buckets]
+    else:
+        grads = [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, 1.0 / scale)
 
 
 class MoEStepStats:
@@ -165,7 +198,7 @@ class MoEStepStats:
 
 @torch.no_grad()
 def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh,
-             executor: PipelineExecutor | None = None) -> torch.Tensor:
+             executor: PipelineExecutor | None = None, precision: Precision = FP32) -> torch.Tensor:
     """Mean LM cross-entropy of a held-out global batch (this rank's microbatches), without
     gradients; reduced over dp (and pp: only the last stage computes it)."""
     for chunk in chunks:
@@ -173,13 +206,15 @@ def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, tor
     tokens = global_token_count(microbatches, mesh)
     if executor is None:
         model = chunks[0]
-        loss = sum(model.loss_per_token(model(x), y).sum() for x, y in microbatches) / tokens
+        with precision.autocast():
+            loss = sum(model.loss_per_token(model(x), y).sum() for x, y in microbatches) / tokens
     else:
         targets = [y for _, y in microbatches]
         actions = [Action("F", m, c) for c in range(len(chunks)) for m in range(len(microbatches))]
-        result = executor.run(actions, [x for x, _ in microbatches],
-                              lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
-                              forward_only=True)
+        with precision.autocast():
+            result = executor.run(actions, [x for x, _ in microbatches],
+                                  lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
+                                  forward_only=True)
         loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
     loss = loss.to(torch.float32)
     if group_size(mesh.dp) > 1:

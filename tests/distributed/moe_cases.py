@@ -128,6 +128,33 @@ def triton_kernels_gpt2_ep2_etp1() -> None:
     check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None), kernel_backend="triton")
 
 
+def full_recompute_moe_matches() -> None:
+    """trainer.recompute=full with MoE layers (ep = world, and tp = world with SP): the loss,
+    every gradient (aux/z-loss terms included, dropout 0.1) and the aux-free expert bias after
+    one step equal the run without recomputation; the load is counted once."""
+    world = torch.distributed.get_world_size()
+    for par in (ParallelConfig(ep=world), ParallelConfig(tp=world, sp=True)):
+        results = {}
+        for mode in ("none", "full"):
+            cfg = dataclasses.replace(moe_config("llama", 2, "sigmoid", None), dropout=0.1, recompute=mode,
+                                      moe_every=1)
+            mesh = build_mesh(par, cfg)
+            model, reducer, optimizer = build(cfg, mesh)
+            out = train_step(model, reducer, optimizer, microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 1), mesh,
+                             lr=LR, max_grad_norm=0.0)
+            reducer.remove_hooks()
+            results[mode] = (out, {n: p.grad.clone() for n, p in model.named_parameters()},
+                             [m.router.expert_bias.clone() for m in model.moe_layers()])
+        (out_a, grads_a, bias_a), (out_b, grads_b, bias_b) = results["none"], results["full"]
+        assert_close(f"{par}: loss", out_b["loss"], out_a["loss"], rtol=1e-6)
+        assert_close(f"{par}: aux loss", out_b["aux_loss"], out_a["aux_loss"], rtol=1e-6)
+        for name, grad in grads_a.items():
+            assert_close(f"{par} recompute=full: gradient of {name}", grads_b[name], grad, rtol=1e-6)
+        for a, b in zip(bias_a, bias_b):
+            if not torch.equal(a, b):
+                raise AssertionError(f"{par}: expert bias after the step differs with recomputation")
+
+
 def cases_for_world(world_size: int) -> list[str]:
-    extra = ["triton_kernels_gpt2_ep2_etp1"] if world_size == 2 else []
+    extra = ["triton_kernels_gpt2_ep2_etp1", "full_recompute_moe_matches"] if world_size == 2 else []
     return [_case_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra

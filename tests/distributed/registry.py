@@ -15,6 +15,7 @@ CASE_MODULES = (
     "tests.distributed.zero_cases",
     "tests.distributed.checkpoint_cases",
     "tests.distributed.hf_cases",
+    "tests.distributed.offload_cases",
 )
 WORLD_SIZES = (2, 4, 8)
 WORLD_TIMEOUT_S = 600.0

@@ -1,0 +1,228 @@
+"""CPU offload of the AdamW update: main weights and moments live in host memory.
+
+`OffloadedAdamW` is how a single-GPU user fits a model whose optimizer state does not fit on
+the device: the device keeps only the weights the model computes with and the gradient
+buckets; the fp32 main weights, exp_avg and exp_avg_sq live in CPU memory and the AdamW update
+runs on the CPU. Every step, per gradient bucket of `DataParallelGradReducer`:
+
+  1. the (all-reduced, clipped) gradients are copied device -> host (into a pinned staging
+     buffer when the device is CUDA, `non_blocking`, one CUDA event per bucket);
+  2. torch AdamW (`foreach`, or `fused` when asked) updates the host main weights as soon as
+     that bucket's copy has landed, so the CPU update of bucket i overlaps the copies of the
+     others;
+  3. the updated main weights are copied host -> device (`non_blocking` from pinned memory).
+
+Like `mpu.distributed_optimizer.ShardedAdamW`, the parameters of each bucket become views
+into one flat device buffer, so each transfer is one contiguous copy. With `zero=1` (ZeRO-1
+composition; `zero=2` over a reducer built with `shard_grads=True`) only this rank's shard of
+every bucket (`bucket.shard_start`, `bucket.shard`) lives on the host and is updated; the
+shard is copied to the device and all-gathered over the bucket's replica group.
+
+The update is element-wise and uses the same param groups (weight decay on ndim >= 2 only,
+as `training.optim.build_optimizer`) and hyper-parameters, so on the CPU the weights are bit
+for bit those of the device AdamW (`fused=True` is faster but rounds differently, ~1e-7).
+
+On a CPU-only machine the "device" is the CPU: the host copies are still separate tensors
+and the same code runs (plain copies, no pinning).
+
+Main weights are (re)read from the device weights at the first `step()`, and again after
+`load_param_moments` (a checkpoint load writes the device weights) or `mark_weights_changed()`
+(anyone else who writes the device weights between steps must call it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpu.grad_reduce import DataParallelGradReducer
+from mpu.mappings import _all_gather_into
+from mpu.mesh import group_size
+
+
+@dataclass
+class _Slot:
+    """The part [start, start + size) of one bucket that this rank updates on the host."""
+
+    bucket: object
+    start: int
+    size: int
+    sharded: bool               # all-gather over bucket.group after the update
+    device_weights: torch.Tensor  # view of bucket.param_buffer
+    main: nn.Parameter            # host fp32 main weights (pinned on CUDA)
+    host_grad: torch.Tensor       # host staging buffer for the gradients (pinned on CUDA)
+    optimizer: torch.optim.AdamW
+    event: object = None
+
+
+class OffloadedAdamW:
+    """AdamW whose main weights and moments live in (pinned) CPU memory; see the module doc.
+
+    `zero=0`: every bucket in full on the host (replicated AdamW). `zero=1`/`2`: this rank's
+    shard of every bucket (`bucket.shard_start`, `bucket.shard`), all-gathered after the update
+    (ZeRO-1; ZeRO-2 when the reducer was built with `shard_grads=True`). Interface as
+    `ShardedAdamW`: `param_groups` (settable "lr"), `step()`, `state_bytes()` (device bytes
+    of optimizer state: 0), `host_state_bytes()`, `param_moments()`, `load_param_moments()`.
+    """
+
+    offloaded = True  # lets callers (checkpoints, memory reports) tell it apart
+
+    def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
+                 eps: float = 1e-8, zero: int = 0, fused: bool = False, pin_memory: bool | None = None):
+        if zero not in (0, 1, 2):
+            raise ValueError(f"zero={zero}: OffloadedAdamW supports 0 (replicated), 1 and 2 (sharded over replicas)")
+        self.zero = zero
+        self.buckets = reducer.buckets
+        self._slots: list[_Slot] = []
+        self._param_groups: list[dict] = []
+        self._weights_stale = True  # main weights are read from the device at the first step
+        kwargs = dict(lr=lr, betas=tuple(betas), eps=eps, **({"fused": True} if fused else {"foreach": True}))
+        if getattr(reducer, "shard_grads", False) and zero == 0:
+            raise ValueError("the reducer shards gradients (ZeRO-2): use OffloadedAdamW(zero=2)")
+        for bucket in self.buckets:
+            device = bucket.shard.device
+            pin = (device.type == "cuda") if pin_memory is None else bool(pin_memory)
+            flat = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype, device=device)
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                flat[offset: offset + n].copy_(p.detach().reshape(-1))
+                p.data = flat[offset: offset + n].view_as(p)
+                offset += n
+            bucket.param_buffer = flat
+            sharded = zero >= 1 and group_size(bucket.group) > 1
+            start, size = (bucket.shard_start, bucket.shard.numel()) if sharded else (0, bucket.numel)
+            main = nn.Parameter(torch.empty(size, dtype=torch.float32, pin_memory=pin))
+            host_grad = torch.zeros(size, dtype=torch.float32, pin_memory=pin)
+            main.grad = host_grad
+            optimizer = torch.optim.AdamW([{"params": [main], "weight_decay": weight_decay if bucket.decay else 0.0}],
+                                          **kwargs)
+            self._param_groups += optimizer.param_groups
+            self._slots.append(_Slot(bucket, start, size, sharded, flat[start: start + size], main, host_grad,
+                                     optimizer))
+        self._pin = any(s.main.is_pinned() for s in self._slots)
+
+    # ------------------------------------------------------------------ optimizer interface
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """One group per bucket (each bucket is one weight-decay class); set "lr" here."""
+        return self._param_groups
+
+    def mark_weights_changed(self) -> None:
+        """The device weights were written outside `step()`: re-read the main weights from
+        them before the next update."""
+        self._weights_stale = True
+
+    @torch.no_grad()
+    def _refresh_main_weights(self) -> None:
+        for slot in self._slots:
+            slot.main.copy_(slot.device_weights)
+        self._weights_stale = False
+
+    @staticmethod
+    def _device_grads(slot: _Slot) -> torch.Tensor:
+        """The reduced gradients of the slot's range, looked up at each step (with ZeRO-2 the
+        reducer re-creates its buffers every step): this rank's shard, or the whole bucket."""
+        grads = slot.bucket.shard if slot.sharded else slot.bucket.buffer
+        if grads is None or grads.numel() != slot.size:
+            raise RuntimeError("OffloadedAdamW.step() needs the reduced gradients: call it after reducer.finish()")
+        return grads
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Gradients device -> host, AdamW on the host, weights host -> device (+ all-gather)."""
+        if self._weights_stale:
+            self._refresh_main_weights()
+        for slot in self._slots:
+            grads = self._device_grads(slot)
+            slot.host_grad.copy_(grads, non_blocking=self._pin)
+            if grads.is_cuda:
+                slot.event = torch.cuda.Event()
+                slot.event.record(torch.cuda.current_stream(grads.device))
+        for slot in self._slots:
+            if slot.event is not None:
+                slot.event.synchronize()  # this bucket's gradients are on the host
+                slot.event = None
+            slot.optimizer.step()
+            main = slot.main.detach()
+            if slot.sharded:
+                own = main.to(slot.device_weights.device, non_blocking=self._pin)
+                _all_gather_into(slot.bucket.param_buffer, own, group=slot.bucket.group)
+            else:
+                slot.device_weights.copy_(main, non_blocking=self._pin)
+        # The next writer of a pinned host buffer is the next step(), which first waits for its
+        # gradient copies, queued on the same stream after these weight copies.
+
+    # ----------------------------------------------------------------------- checkpoints
+
+    def _gather_to_host(self, slot: _Slot, own: torch.Tensor) -> torch.Tensor:
+        """The whole bucket's values of a per-shard host tensor (all-gathered through the
+        device: NCCL only moves device tensors)."""
+        if not slot.sharded:
+            return own
+        device = slot.device_weights.device
+        full = torch.empty(slot.bucket.param_buffer.numel(), dtype=own.dtype, device=device)
+        _all_gather_into(full, own.to(device), group=slot.bucket.group)
+        return full.cpu()
+
+    def param_moments(self) -> tuple[dict, float]:
+        """({param: (exp_avg, exp_avg_sq)} shaped like each device parameter, step count), on
+        the host. With zero=0 these are views of the live state (read them before stepping
+        again); with zero=1 the shards are all-gathered over each bucket's replica group."""
+        moments, step = {}, 0.0
+        for slot in self._slots:
+            state = slot.optimizer.state.get(slot.main, {})
+            full = []
+            for key in ("exp_avg", "exp_avg_sq"):
+                own = state[key] if key in state else torch.zeros(slot.size, dtype=torch.float32)
+                full.append(self._gather_to_host(slot, own))
+            if "step" in state:
+                step = float(state["step"])
+            offset = 0
+            for p in slot.bucket.params:
+                n = p.numel()
+                moments[p] = tuple(f[offset: offset + n].view(p.shape) for f in full)
+                offset += n
+        return moments, step
+
+    @torch.no_grad()
+    def load_param_moments(self, moments: dict, step: float) -> None:
+        """Install per-parameter moments (as returned by `param_moments`, on any device): this
+        rank keeps its part of every bucket, on the host. No communication. The main weights
+        are re-read from the device weights (just loaded by the checkpoint) at the next step."""
+        for slot in self._slots:
+            exp_avg = torch.zeros(slot.size, dtype=torch.float32)
+            exp_avg_sq = torch.zeros(slot.size, dtype=torch.float32)
+            offset, end = 0, slot.start + slot.size
+            for p in slot.bucket.params:
+                n = p.numel()
+                lo, hi = max(offset, slot.start), min(offset + n, end)
+                if lo < hi:
+                    for dst, src in zip((exp_avg, exp_avg_sq), moments[p]):
+                        dst[lo - slot.start: hi - slot.start].copy_(src.reshape(-1)[lo - offset: hi - offset])
+                offset += n
+            slot.optimizer.state[slot.main] = {"step": torch.tensor(step, dtype=torch.float32),
+                                               "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        self.mark_weights_changed()
+
+    # ---------------------------------------------------------------------------- memory
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on the device: none (it all lives on the host)."""
+        return 0
+
+    def host_state_bytes(self, main_weights: bool = True) -> int:
+        """Host bytes of the AdamW moments (8 per updated element once stepped) plus, unless
+        `main_weights=False`, the fp32 main weights (4 per element)."""
+        total = sum(t.numel() * t.element_size() for slot in self._slots
+                    for t in slot.optimizer.state.get(slot.main, {}).values() if torch.is_tensor(t) and t.dim() > 0)
+        if main_weights:
+            total += sum(slot.main.numel() * slot.main.element_size() for slot in self._slots)
+        return total
+
+    def host_grad_bytes(self) -> int:
+        """Host bytes of the gradient staging buffers (4 per updated element)."""
+        return sum(slot.host_grad.numel() * slot.host_grad.element_size() for slot in self._slots)

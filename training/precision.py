@@ -1,0 +1,75 @@
+"""Mixed precision: bf16/fp16 compute with fp32 main weights and fp32 gradients.
+
+`trainer.precision=bf16|fp16` runs forward (and so backward) under `torch.autocast`: matmuls,
+attention and the expert GEMMs compute in the 16-bit type while the parameters stay fp32 and
+are the main weights, gradients accumulate in the reducer's fp32 buckets, and the optimizer
+updates fp32 values. Reductions autocast keeps in fp32 (softmax, norms, the cross-entropy)
+stay fp32. The cost is a 16-bit copy of each weight used in a matmul, held by autocast while
+the forward runs; the saving is in activations and matmul time (tensor cores on GPUs).
+
+fp16 has a narrow exponent range, so its gradients are computed on a scaled loss
+(`LossScaler`): the loss is multiplied by the scale before backward and the gradients are
+divided by it before clipping; a step whose gradients overflow (non-finite norm) is skipped
+on every rank and the scale halves; after `growth_interval` clean steps it doubles. bf16 has
+fp32's range and needs no scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scale for fp16 (the rule torch's GradScaler uses)."""
+
+    scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+    good_steps: int = 0
+
+    def update(self, finite: bool) -> None:
+        """After a step: back off on overflow (the step was skipped), grow after a clean run."""
+        if not finite:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+
+class Precision:
+    """The compute precision of a run: `autocast()` for forward passes and the loss scale."""
+
+    def __init__(self, name: str = "fp32", device_type: str = "cpu", scaler: LossScaler | None = None):
+        if name not in COMPUTE_DTYPES:
+            raise ValueError(f"precision {name!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}")
+        self.name, self.device_type = name, device_type
+        self.dtype = COMPUTE_DTYPES[name]
+        self.scaler = (scaler or LossScaler()) if name == "fp16" else None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def autocast(self):
+        """Context for forward passes: autocast to the compute dtype (nothing for fp32)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def update(self, finite: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.update(finite)
+
+
+FP32 = Precision("fp32")
