@@ -66,6 +66,7 @@ class _Bucket:
     shard: torch.Tensor | None = None  # this rank's range of the (reduced) bucket
     shard_start: int = 0
     deferred: bool = False  # holds a tied embedding: launched by finish() after the pp sum
+    comm: tuple | None = None  # (wire buffer, its result) while a compressed reduction is in flight
 
 
 class DataParallelGradReducer:
@@ -80,9 +81,12 @@ class DataParallelGradReducer:
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
-                 shard_grads: bool = False, tied_embedding=()):
+                 shard_grads: bool = False, tied_embedding=(), comm_dtype: torch.dtype | None = None):
         self.mesh = mesh
         self.shard_grads = shard_grads
+        # Gradient compression: buckets travel (and are summed) in `comm_dtype`, e.g. bf16, while
+        # microbatch accumulation and the result stay fp32 (as DDP's bf16 compression hook).
+        self.comm_dtype = comm_dtype
         self._sync_enabled = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
@@ -168,11 +172,18 @@ class DataParallelGradReducer:
         if bucket.launched:
             return
         bucket.launched = True
-        if group_size(bucket.group) > 1:
-            if self.shard_grads:
-                bucket.work = _reduce_scatter_into(bucket.shard, bucket.buffer, group=bucket.group, async_op=True)
-            else:
-                bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+        if group_size(bucket.group) <= 1:
+            return
+        source, target = bucket.buffer, (bucket.shard if self.shard_grads else bucket.buffer)
+        if self.comm_dtype is not None and self.comm_dtype != source.dtype:
+            wire = source.to(self.comm_dtype)
+            result = torch.empty(target.numel(), dtype=self.comm_dtype, device=wire.device) if self.shard_grads else wire
+            bucket.comm = (result, target)
+            source, target = wire, result
+        if self.shard_grads:
+            bucket.work = _reduce_scatter_into(target, source, group=bucket.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(source, group=bucket.group, async_op=True)
 
     def _sum_tied_embedding(self) -> None:
         if self.tied_embedding and group_size(self.mesh.embedding) > 1:
@@ -204,7 +215,10 @@ class DataParallelGradReducer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            bucket.work, bucket.ready, bucket.launched = None, 0, False
+            if bucket.comm is not None:  # compressed: back into the fp32 gradient
+                result, target = bucket.comm
+                target.copy_(result)
+            bucket.work, bucket.ready, bucket.launched, bucket.comm = None, 0, False, None
         if not self.shard_grads:
             self._sum_tied_embedding()
             return

@@ -57,6 +57,7 @@ class OptimConfig:
     decay: str = "cosine"
     zero: int = 0
     offload: bool = False   # AdamW state and fp32 main weights in CPU memory; the update runs on the CPU
+    grad_comm_dtype: str = "fp32"  # fp32 | bf16: dtype gradients are reduced in over dp (compression)
 
 
 @dataclass
@@ -146,6 +147,8 @@ class RunConfig:
         if o.zero not in (0, 1, 2):
             raise ConfigError(f"optim.zero={o.zero}: choose 0 (replicated AdamW), 1 (optimizer state sharded over "
                               f"the replicas) or 2 (optimizer state and gradients sharded)")
+        if o.grad_comm_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"optim.grad_comm_dtype={o.grad_comm_dtype!r} must be fp32 or bf16")
         if o.warmup_steps is not None and o.warmup_steps > t.max_steps:
             raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}")
         c = self.checkpoint

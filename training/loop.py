@@ -152,7 +152,8 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     model = nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
                                       shard_grads=run.optim.zero == 2,
-                                      tied_embedding=tied_embedding_params(chunks, mesh))
+                                      tied_embedding=tied_embedding_params(chunks, mesh),
+                                      comm_dtype=torch.bfloat16 if run.optim.grad_comm_dtype == "bf16" else None)
     o = run.optim
     if o.offload:
         optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,

@@ -147,9 +147,42 @@ def zero2_zero_grad_required() -> None:
     dist.barrier()
 
 
+def bf16_gradient_compression() -> None:
+    """optim.grad_comm_dtype=bf16: each bucket is summed over dp in bf16 (all-reduce, and the
+    ZeRO-2 reduce-scatter) and written back to the fp32 gradient: the result is exactly the
+    bf16 sum of the bf16-rounded local gradients, which is within bf16 precision of the fp32 sum."""
+    cfg = model_config("gpt2")
+    for shard in (False, True):
+        mesh = build_mesh(ParallelConfig(tp=1), cfg)
+        model, = init_model_chunks(cfg, mesh, SEED)
+        results = {}
+        for comm in (None, torch.bfloat16):
+            reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01,
+                                              shard_grads=shard, comm_dtype=comm)
+            reducer.zero_grad()
+            inputs, targets = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 2)[0]
+            with reducer.sync(True):
+                model.loss_per_token(model(inputs), targets).mean().backward()
+            local = [b.buffer.clone() for b in reducer.buckets]
+            reducer.finish()
+            results[comm] = [b.shard.clone() for b in reducer.buckets]
+            reducer.remove_hooks()
+        for bucket, mine, fp32, bf16 in zip(reducer.buckets, local, results[None], results[torch.bfloat16]):
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, mine)
+            exact = torch.stack([t.to(torch.bfloat16).float() for t in everyone]).sum(0).to(torch.bfloat16).float()
+            want = exact[bucket.shard_start: bucket.shard_start + bucket.shard.numel()]
+            if not torch.equal(bf16, want):
+                raise AssertionError(f"shard_grads={shard}: the bf16 reduction is not the bf16 sum")
+            # bf16 keeps 8 mantissa bits (relative rounding <= 2**-8 per value).
+            assert_close(f"shard_grads={shard}: bf16-reduced gradients vs the fp32 sum", bf16, fp32, rtol=2 ** -8)
+        if all(torch.equal(a, b) for a, b in zip(results[None], results[torch.bfloat16])):
+            raise AssertionError("compression changed nothing: the test would prove nothing")
+
+
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
-        return ["zero1_dense_dp", "zero2_dense_dp", "zero2_zero_grad_required"]
+        return ["zero1_dense_dp", "zero2_dense_dp", "zero2_zero_grad_required", "bf16_gradient_compression"]
     if world_size == 4:
         return ["zero1_dense_dp", "zero1_llama_tp2_sp_dp", "zero1_moe_edp", "zero2_dense_dp",
                 "zero2_llama_tp2_sp_dp", "zero2_moe_ep2_edp2", "zero2_gpt2_pp2_tied_1f1b", "zero1_gpt2_pp2_tied_1f1b"]
