@@ -94,3 +94,13 @@ def test_plot_errors_are_one_line_exit_2(tmp_path: pathlib.Path, case: str, expe
     assert len(lines) == 1 and lines[0].startswith("training.plot: error: "), result.stderr
     assert re.search(expected, lines[0]), lines[0]
     assert not (run / "curves.png").exists()
+
+
+def test_resumed_runs_keep_the_last_record_of_each_step(tmp_path: pathlib.Path):
+    from training.plot import load_metrics
+
+    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 3.9},
+             {"step": 3, "loss": 3.5}, {"step": 4, "loss": 3.0}]  # killed after 3, resumed from 2
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [(r["step"], r["loss"]) for r in load_metrics(path)] == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 3.0)]

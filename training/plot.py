@@ -31,7 +31,8 @@ class PlotError(Exception):
 
 
 def load_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` file, in order. Blank lines are ignored.
+    """The records of a ``metrics.jsonl`` file, one per step (the last one logged for it), in
+    step order. Blank lines are ignored.
 
     Raises PlotError for a missing file, a file without records, a line that is not a JSON
     object (naming the line number) or a record without a numeric ``step``.
@@ -56,7 +57,10 @@ def load_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
             records.append(record)
     if not records:
         raise PlotError(f"{path} is empty: no metrics were logged yet")
-    return records
+    # A resumed run appends to the file and logs the steps after its checkpoint again: the
+    # last record of a step wins, in step order.
+    latest = {record["step"]: record for record in records}
+    return [latest[step] for step in sorted(latest)]
 
 
 def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
