@@ -24,6 +24,21 @@ from mpu.mappings import _all_gather_into
 from mpu.mesh import group_size
 
 
+def flatten_bucket_params(bucket) -> torch.Tensor:
+    """Make the parameters of a gradient bucket views into one flat buffer laid out like the
+    bucket's gradients (so a shard of it is a shard of the gradient); returns the buffer,
+    also kept as `bucket.param_buffer`."""
+    flat = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+    offset = 0
+    for p in bucket.params:
+        n = p.numel()
+        flat[offset: offset + n].copy_(p.detach().reshape(-1))
+        p.data = flat[offset: offset + n].view_as(p)
+        offset += n
+    bucket.param_buffer = flat
+    return flat
+
+
 class ShardedAdamW:
     """AdamW over this rank's shards of the reducer's buckets; `step` all-gathers the result
     over each bucket's replica group. Exposes `param_groups` and `state` like an optimizer."""
@@ -34,14 +49,7 @@ class ShardedAdamW:
         decay, no_decay = [], []
         self._shards = []
         for bucket in self.buckets:
-            flat = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                flat[offset: offset + n].copy_(p.detach().reshape(-1))
-                p.data = flat[offset: offset + n].view_as(p)
-                offset += n
-            bucket.param_buffer = flat
+            flat = flatten_bucket_params(bucket)
             start, size = bucket.shard_start, bucket.shard.numel()
             shard = nn.Parameter(flat[start: start + size])
             shard.grad = bucket.shard  # ZeRO-1: a view of the bucket buffer; ZeRO-2: the reduced shard

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mpu.distributed_optimizer import flatten_bucket_params
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mappings import _all_gather_into
 from mpu.mesh import group_size
@@ -84,14 +85,7 @@ class OffloadedAdamW:
         for bucket in self.buckets:
             device = bucket.shard.device
             pin = (device.type == "cuda") if pin_memory is None else bool(pin_memory)
-            flat = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype, device=device)
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                flat[offset: offset + n].copy_(p.detach().reshape(-1))
-                p.data = flat[offset: offset + n].view_as(p)
-                offset += n
-            bucket.param_buffer = flat
+            flat = flatten_bucket_params(bucket)
             sharded = zero >= 1 and group_size(bucket.group) > 1
             start, size = (bucket.shard_start, bucket.shard.numel()) if sharded else (0, bucket.numel)
             main = nn.Parameter(torch.empty(size, dtype=torch.float32, pin_memory=pin))
