@@ -1,17 +1,20 @@
-"""Activation memory kept for backward, per recompute mode, as JSON.
+"""Activation memory kept for backward, per recompute mode, beside the planner's estimate, as JSON.
 
     python bench/activation_memory.py --layers 4 --hidden 256 --heads 4 --seq 512 --batch 4
+    python bench/activation_memory.py --arch llama --kv-heads 2 --dropout 0
 
-Counts the bytes of the tensors autograd saves for backward during one forward of one
-microbatch (through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once),
-for trainer.recompute = none, selective and full, single process, and prints them beside
-the dry-run planner's estimate (`training.flops.activation_bytes_per_microbatch`, which
-models no recomputation). Parameters are excluded (they are not activations).
+Counts the bytes of the tensors autograd saves for backward during one forward and loss of
+one microbatch (through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once,
+parameters excluded), for trainer.recompute = none, selective and full, single process, and
+prints them beside the dry-run planner's estimate of the same quantity
+(`training.plan.chunk_activations(...).saved`, the planner's `activations_per_microbatch`)
+with the ratio planned / measured. `bench/memory.py` measures a whole step's peak instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,24 +26,14 @@ import torch  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
 from models.gpt import init_model_chunks  # noqa: E402
 from mpu.mesh import single_process_mesh  # noqa: E402
-from training.flops import activation_bytes_per_microbatch  # noqa: E402
+from bench.memory import saved_activation_bytes  # noqa: E402  (one measurement for both benches)
+from training.plan import chunk_activations  # noqa: E402
 
 
-def saved_activation_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
-    """Bytes of distinct storages autograd keeps for backward during one forward (no params)."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_ptrs:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss_per_token(model(inputs), targets).mean()
-    loss.backward()
-    return sum(seen.values())
+def planned_saved_bytes(cfg: GPTConfig, batch: int) -> int:
+    """The planner's saved-activation bytes of one microbatch through the whole model (tp = 1)."""
+    return chunk_activations(cfg, batch, layers=range(cfg.num_layers), pre_process=True, post_process=True,
+                             device="cpu").saved
 
 
 def main() -> None:
@@ -49,6 +42,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -57,16 +51,18 @@ def main() -> None:
     report = {"config": vars(args), "modes": {}}
     for mode in ("none", "selective", "full"):
         cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                        seq_len=args.seq, vocab_size=args.vocab, dropout=args.dropout, recompute=mode)
+                        num_kv_heads=args.kv_heads, seq_len=args.seq, vocab_size=args.vocab, dropout=args.dropout,
+                        recompute=mode)
         mesh = single_process_mesh()
         model, = init_model_chunks(cfg, mesh, 0)
+        model.train()
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
         measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
-        report["modes"][mode] = {"saved_bytes": measured, "saved_mib": measured / 2**20}
-    planner = activation_bytes_per_microbatch(cfg, args.batch, 1, False)
-    report["planner_estimate_no_recompute_mib"] = planner / 2**20
-    report["planner_over_measured_none"] = planner / report["modes"]["none"]["saved_bytes"]
+        planned = planned_saved_bytes(dataclasses.replace(cfg), args.batch)
+        report["modes"][mode] = {"saved_bytes": measured, "saved_mib": measured / 2**20,
+                                 "planned_bytes": planned, "planned_mib": planned / 2**20,
+                                 "planned_over_measured": planned / measured}
     print(json.dumps(report))
 
 

@@ -10,8 +10,16 @@ import pytest
 import mpu.init
 from models.config import GPTConfig
 from mpu.mesh import ParallelConfig, ParallelConfigError
-from training.flops import activation_bytes_per_microbatch, model_flops_per_token, param_count, params_per_rank
-from training.plan import format_plan, format_rank_line, meta_param_counts, plan_all_ranks, plan_rank, write_plan
+from training.flops import model_flops_per_token, param_count, params_per_rank
+from training.plan import (
+    chunk_activations,
+    format_plan,
+    format_rank_line,
+    meta_param_counts,
+    plan_all_ranks,
+    plan_rank,
+    write_plan,
+)
 
 BATCH = dict(micro_batch_size=2, global_batch_size=8)
 
@@ -103,9 +111,12 @@ def test_memory_and_flops(make, tp):
     n, b = plan["params"]["count"], plan["memory"]["bytes"]
     assert (b["weights"], b["grads"], b["main_params"], b["optimizer"]) == (4 * n, 4 * n, 0, 8 * n)
     assert b["model_states"] == n * (4 + 4 + 8)
-    act = activation_bytes_per_microbatch(cfg, 2, tp, False)
-    assert b["activations_per_microbatch"] == b["activations"] == act
-    assert b["total"] == n * 16 + act
+    assert b["host"] == b["grad_buffers_backward"] == b["autocast_weight_copies"] == 0
+    act = chunk_activations(cfg, 2, layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=tp,
+                            tp_rank=1 % tp).saved
+    assert b["activations_per_microbatch"] == act
+    assert b["activations"] >= b["activations_peak"] >= act  # the peak adds logits and backward transients
+    assert b["total"] == n * 16 + b["activations"]
     assert plan["memory"]["gib"]["total"] == pytest.approx(b["total"] / 2**30)
     dp = 4 // tp
     assert plan["batch"]["num_microbatches"] == 8 // (dp * 2)
@@ -114,16 +125,24 @@ def test_memory_and_flops(make, tp):
     assert f["rank_per_step"] == pytest.approx(f["global_per_step"] / 4)
     assert "world_size" in f["convention"]
 
-    bf16 = plan_rank(cfg, ParallelConfig(tp=tp), 4, 1, precision="bf16", **BATCH)["memory"]["bytes"]
-    assert (bf16["weights"], bf16["grads"], bf16["main_params"], bf16["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
+    # bf16 / fp16: fp32 weights (the main weights), fp32 grads, AdamW 8 B, plus autocast's
+    # 2-byte copies of the matmul weights; 16-bit activations.
+    for precision in ("bf16", "fp16"):
+        half = plan_rank(cfg, ParallelConfig(tp=tp), 4, 1, precision=precision, **BATCH)["memory"]["bytes"]
+        assert (half["weights"], half["grads"], half["main_params"], half["optimizer"]) == (4 * n, 4 * n, 0, 8 * n)
+        assert 0 < half["autocast_weight_copies"] < 2 * n
+        assert half["activations_per_microbatch"] < b["activations_per_microbatch"]
 
 
 def test_sequence_parallel_activations():
     cfg = gpt2_tiny()
     plain = plan_rank(cfg, ParallelConfig(tp=2), 4, 0, **BATCH)["memory"]["bytes"]
     sp = plan_rank(cfg, ParallelConfig(tp=2, sp=True), 4, 0, **BATCH)["memory"]["bytes"]
-    assert sp["activations"] == activation_bytes_per_microbatch(cfg, 2, 2, True) < plain["activations"]
-    assert sp["model_states"] == plain["model_states"]
+    assert sp["activations_per_microbatch"] == chunk_activations(
+        cfg, 2, layers=range(2), pre_process=True, post_process=True, tp=2, sp=True).saved
+    assert sp["activations_per_microbatch"] < plain["activations_per_microbatch"]
+    assert sp["activations"] < plain["activations"]
+    assert sp["weights"] == plain["weights"] and sp["optimizer"] == plain["optimizer"]
 
 
 def test_bad_layouts_raise_clear_messages():
@@ -177,7 +196,9 @@ def test_pipeline_stages_are_built_on_meta():
     plan = plans[3]
     assert plan["params"]["count"] == counts[3]
     assert plan["coords"]["pp_rank"] == 1
-    assert plan["memory"]["microbatches_in_flight"] == 2  # min(pp=2, 8 // (dp=1 * 2) = 4)
+    # 1F1B keeps min(pp - pp_rank, microbatches) in flight: 1 on the last stage, 2 on the first.
+    assert plan["memory"]["microbatches_in_flight"] == 1
+    assert plans[0]["memory"]["microbatches_in_flight"] == 2
 
 
 def gpt_1b(**kw) -> GPTConfig:

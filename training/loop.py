@@ -133,7 +133,7 @@ def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
 
     plan = plan_all_ranks(run.model, par, env.world_size, micro_batch_size=micro,
                           global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision,
-                          zero_dp=par.dp if run.optim.zero else 1)
+                          zero=run.optim.zero, offload=run.optim.offload, device=env.device.type)
     mine = plan["ranks"][env.rank]
     print(f"[dry run] rank {env.rank}: {format_rank_line(mine)}", flush=True)
     if env.is_main:

@@ -4,18 +4,26 @@ A plan is pure arithmetic plus meta tensors: no process group, no collective, no
 allocation, so every rank can compute the plan of every other rank locally (and a laptop can
 plan a 64-GPU layout).
 
-* Parameters: for a dense model with pp=1 this rank's shard of `models.gpt.GPT` is built on the
+* Parameters: this rank's model chunks (`models.gpt.build_model_chunks`) are built on the
   ``meta`` device (shapes only; `mpu.init.initialize_parameters` is never called) over a
-  `virtual_mesh`, its parameters are counted (a tied embedding once) and cross-checked against
-  the analytic `training.flops.params_per_rank`; a disagreement raises RuntimeError, because
-  it means the planner or the model is wrong. Pipeline stages (pp > 1) cannot be built yet, so
-  their counts come from the analytic formula and `param_source` says so.
-* Memory: weights, gradients, fp32 main params (bf16 only) and AdamW state from
-  `training.flops.model_state_bytes`, plus activations from
-  `training.flops.activation_bytes_per_microbatch` times the microbatches in flight.
+  `virtual_mesh` and their parameters counted (a tied embedding once), split by the replica
+  group their gradients are reduced over (dense: dp; sequence-parallel replicated: tp x dp;
+  experts: edp) and by use (matrices that run in a matmul get a 16-bit autocast copy). For
+  pp = 1 the count is cross-checked against the analytic `training.flops.params_per_rank`; a
+  disagreement raises RuntimeError, because it means the planner or the model is wrong.
+* Model states (`model_state_bytes`): fp32 weights, fp32 gradients, AdamW state, under
+  ZeRO 0/1/2 and CPU offload, plus the 16-bit weight copies autocast holds under bf16/fp16.
+* Activations (`chunk_activations`, `activation_estimate`): the tensors autograd saves for
+  backward, term by term for this code base's blocks (measured with saved-tensor hooks,
+  `bench/activation_memory.py`), and the transient buffers alive at the step's peak (the
+  logits the step holds, the cross-entropy's gradient, a recomputed layer, the backward's
+  working set), combined over the microbatches the pipeline schedule keeps in flight by
+  replaying this rank's action list (`mpu.pipeline_schedules.build_schedule`).
 * FLOPs: `training.flops.model_flops_per_token` (forward + backward matmuls, the figure MFU is
   computed from) times the tokens of one global step; a rank's share is that divided evenly by
   the world size.
+
+`bench/memory.py` measures a layout's peak memory per rank and prints it beside this plan.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +40,18 @@ import torch
 
 from models.config import GPTConfig
 from mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
-from training.flops import (
-    activation_bytes_per_microbatch,
-    model_flops_per_token,
-    state_bytes_for,
-    param_count,
-    params_per_rank,
-)
+from mpu.pipeline_schedules import build_schedule
+from training.flops import model_flops_per_token, param_count, params_per_rank
 
-__all__ = ["plan_rank", "plan_all_ranks", "format_rank_line", "format_plan", "write_plan", "meta_param_counts"]
+__all__ = [
+    "plan_rank", "plan_all_ranks", "format_rank_line", "format_plan", "write_plan", "meta_param_counts",
+    "model_state_bytes", "chunk_activations", "activation_estimate", "ChunkActivations",
+    "PRECISIONS", "DEVICES",
+]
 
 GIB = 1024**3
-
-# Bytes per activation element for each precision (weights/grads/optimizer bytes live in
-# training.flops.model_state_bytes).
-_ACT_BYTES = {"fp32": 4, "bf16": 2}
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("cpu", "cuda")
 
 FLOPS_CONVENTION = (
     "model FLOPs (training.flops.model_flops_per_token: forward + backward matmuls, 3x forward, "
@@ -59,26 +65,513 @@ def _gib(n: int | float) -> float:
     return n / GIB
 
 
-def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int, rank: int) -> dict[str, int]:
-    """Build `rank`'s shard of the dense GPT on the meta device and count its parameters.
+# --------------------------------------------------------------------------- parameters
 
-    Returns {"total", "tp_sharded", "replicated"}: unique parameters (a tied embedding counted
-    once), split into those sharded over TP (`tp_shard_dim` set) and those replicated over TP.
+
+def _matmul_param_ids(chunks) -> set[int]:
+    """Parameters used as matmul operands (autocast keeps a 16-bit copy of each): linear
+    weights and biases, expert and shared-expert matrices, routers, and the LM head (the tied
+    embedding on a chunk with the head). Not: norms, position embeddings, an untied input
+    embedding (a lookup)."""
+    from moe.experts import GroupedExperts
+    from moe.layer import SharedExperts
+    from moe.router import TopKRouter
+    from mpu.layers import ColumnParallelLinear, RowParallelLinear
+
+    kinds = (ColumnParallelLinear, RowParallelLinear, GroupedExperts, SharedExperts, TopKRouter)
+    ids: set[int] = set()
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, kinds):
+                ids.update(id(p) for p in module.parameters(recurse=False))
+        if chunk.post_process:
+            ids.add(id(chunk.embed.weight if chunk.head is None else chunk.head.weight))
+    return ids
+
+
+def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int, rank: int) -> dict[str, Any]:
+    """Build `rank`'s model chunks on the meta device and count their parameters.
+
+    Returns unique-parameter counts (a tied embedding counted once):
+    * "total", split into "tp_sharded" (`tp_shard_dim` set) and "replicated" (over TP);
+    * by gradient-reduction (and ZeRO) replica group, as `mpu.grad_reduce` buckets them:
+      "group_dp" (dense), "group_tp_dp" (sequence-parallel replicated: norms, row-parallel
+      biases and positions under SP, MoE routers and shared experts at tp > 1), "group_edp"
+      (experts);
+    * "matmul": parameters autocast copies to 16 bits (see `_matmul_param_ids`);
+    * "largest": elements of the largest parameter tensor;
+    * "buckets": (replica group, elements) of each gradient bucket (`_bucket_layout`).
     Nothing is allocated and no parameter is initialized; no communication.
     """
     from models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
 
     mesh = virtual_mesh(par, world_size, rank)
     chunks = build_model_chunks(model_cfg, mesh, device="meta", dtype=torch.float32)
-    sharded = replicated = 0
+    matmul_ids = _matmul_param_ids(chunks)
+    out = dict(total=0, tp_sharded=0, replicated=0, group_dp=0, group_tp_dp=0, group_edp=0, matmul=0, largest=0)
     for name, p in torch.nn.ModuleList(chunks).named_parameters():  # deduplicates tied parameters
         if p.device.type != "meta":
             raise RuntimeError(f"planner bug: parameter {name} was allocated on {p.device}, expected meta")
-        if getattr(p, "tp_shard_dim", None) is None:
-            replicated += p.numel()
+        n = p.numel()
+        out["total"] += n
+        out["replicated" if getattr(p, "tp_shard_dim", None) is None else "tp_sharded"] += n
+        out["group_" + _grad_group(p)] += n
+        if id(p) in matmul_ids:
+            out["matmul"] += n
+        out["largest"] = max(out["largest"], n)
+    out["buckets"] = _bucket_layout(chunks)
+    return out
+
+
+def _grad_group(p) -> str:
+    if getattr(p, "expert", False):
+        return "edp"
+    return "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
+
+
+def _bucket_layout(chunks, bucket_mb: float = 25.0) -> list[tuple[str, int]]:
+    """(replica group, elements) of each gradient bucket, as `mpu.grad_reduce` fills them: the
+    parameters of each (group, ndim >= 2) class in reverse registration order, a bucket closed
+    once it reaches `bucket_mb` MiB of fp32 (padding to the replica count not included)."""
+    by_class: dict[tuple[str, bool], list[int]] = {}
+    for chunk in chunks:
+        for _, p in chunk.named_parameters():
+            if p.requires_grad:
+                by_class.setdefault((_grad_group(p), p.ndim >= 2), []).append(p.numel())
+    limit = int(bucket_mb * 2**20)
+    out: list[tuple[str, int]] = []
+    for (key, _), sizes in by_class.items():
+        current = 0
+        for n in reversed(sizes):
+            current += n
+            if current * 4 >= limit:
+                out.append((key, current))
+                current = 0
+        if current:
+            out.append((key, current))
+    return out
+
+
+def _replicas(res: ParallelConfig) -> dict[str, int]:
+    """Replica count of each gradient group: the ranks one bucket is sharded over under ZeRO."""
+    return {"dp": res.dp, "tp_dp": res.tp * res.dp, "edp": res.edp}
+
+
+def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero: int = 0, offload: bool = False,
+                      precision: str = "fp32") -> dict[str, int]:
+    """Bytes of this rank's model states from `meta_param_counts` and `_replicas`.
+
+    Explicit terms (N = parameters of this rank; N_g and R_g = parameters and replicas of each
+    gradient group g in {dp, tp_dp, edp}; share = sum_g N_g / R_g under ZeRO >= 1, else N):
+    * weights = 4 N: parameters stay fp32 in every precision (they are the main weights;
+      bf16/fp16 compute runs under torch.autocast);
+    * grads (persistent) = 4 N for ZeRO 0/1 (fp32 bucket buffers); ZeRO-2 keeps only the
+      reduce-scattered shards, 4 * sum_g (N_g / R_g if R_g > 1 else N_g);
+    * grad_buffers_backward: ZeRO-2's full fp32 buckets (4 N), alive from `zero_grad()` to the
+      end of backward (in the peak, not in the persistent states); 0 otherwise;
+    * optimizer = AdamW exp_avg + exp_avg_sq, 8 bytes x share; 0 on the device with offload;
+    * host (offload only) = 12 bytes x share: AdamW state and fp32 main weights on the host;
+    * main_params = 0: fp32 weights are the main weights (kept for the plan's schema);
+    * autocast_weight_copies = 2 bytes x matmul parameters under bf16/fp16 (saved by the
+      forward's matmuls until their backward), 0 for fp32.
+    Bucket padding (fewer than R_g elements per bucket) is ignored.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {list(PRECISIONS)}")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"optim.zero={zero} must be 0, 1 or 2")
+    n = counts["total"]
+    groups = {"dp": counts["group_dp"], "tp_dp": counts["group_tp_dp"], "edp": counts["group_edp"]}
+    share = n if zero == 0 else sum(math.ceil(v / replicas[g]) for g, v in groups.items())
+    grads = 4 * n
+    grad_buffers = 0
+    if zero == 2:
+        grads = 4 * sum(math.ceil(v / replicas[g]) if replicas[g] > 1 else v for g, v in groups.items())
+        grad_buffers = 4 * n
+    out = {
+        "params": n,
+        "optimizer_share_params": share,
+        "weights": 4 * n,
+        "grads": grads,
+        "grad_buffers_backward": grad_buffers,
+        "main_params": 0,
+        "optimizer": 0 if offload else 8 * share,
+        "host": 12 * share if offload else 0,
+        "autocast_weight_copies": 0 if precision == "fp32" else 2 * counts["matmul"],
+    }
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"]  # persistent device states
+    return out
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@dataclass
+class ChunkActivations:
+    """Activation bytes of ONE microbatch through one model chunk on one rank.
+
+    saved: bytes autograd keeps for backward at the end of this chunk's forward (`terms` itemizes
+      them), plus the chunk's output the pipeline executor keeps for backward (non-last chunks).
+    logits: the chunk's output logits [b, s, V_pad/tp] (last chunk only): `train_step` keeps its
+      variable alive through the backward until the next forward returns (and through the
+      optimizer step); the pipeline executor releases it when the backward starts.
+    forward_extra: buffers alive during the loss's forward beyond `saved` and `logits` (the
+      cross-entropy's masked copy of the logits when this vocabulary shard holds padding, the
+      fp32 copy of 16-bit logits).
+    backward_extra: the largest transient of this chunk's backward beyond what is saved: the
+      cross-entropy gradient, the LM head's weight gradient, a recomputed layer and one layer's
+      gradient working set (minus what the cross-entropy already freed).
+    head_saved: the part of `saved` the loss holds (its softmax), freed by the loss's backward.
+    pre / post: the chunk embeds / holds the LM head and loss.
+    pipeline_recv: bytes of one activation or gradient message between pipeline stages
+      [s (/tp under SP), b, h] fp32 (the received output gradient is alive during a non-last
+      chunk's backward; a non-first chunk's input and input gradient stay referenced by the
+      pending send).
+    """
+
+    saved: int
+    logits: int = 0
+    forward_extra: int = 0
+    backward_extra: int = 0
+    head_saved: int = 0
+    pre: bool = False
+    post: bool = False
+    pipeline_recv: int = 0
+    terms: dict[str, int] = field(default_factory=dict)
+
+
+def _attention_path(cfg: GPTConfig, device: str) -> str:
+    """Which scaled_dot_product_attention kernel runs in training: on CPU, dropout on the
+    probabilities selects the math path (it materializes softmax, dropout mask and dropped
+    probabilities); otherwise a fused kernel (CPU flash, CUDA flash / memory-efficient) that
+    saves q, k, v, the output and the fp32 log-sum-exp."""
+    return "math" if device == "cpu" and cfg.dropout > 0 else "fused"
+
+
+def _layer_terms(cfg: GPTConfig, *, is_moe: bool, mode: str, tokens: int, tp: int, sp: bool, ep: int, etp: int,
+                 precision: str, device: str) -> tuple[dict[str, float], float]:
+    """(saved terms, backward transient) in bytes for one block and one microbatch.
+
+    `mode` is none | selective | full for this layer. Notation: T tokens of the microbatch, T_sp =
+    T/tp under SP (else T), a/g/d heads, kv heads, head dim, a_l = a/tp, g_l = g/tp, qkv_l =
+    (a_l + 2 g_l) d, f_l = f/tp, c = bytes of matmul outputs (4 fp32, 2 under autocast), 4 for
+    tensors that stay fp32 (residual stream, norm statistics, log-sum-exp).
+    """
+    h, s, a, g, d = cfg.hidden_size, cfg.seq_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    c = 4 if precision == "fp32" else 2
+    a_l, g_l = a // tp, g // tp
+    qkv_l = (a_l + 2 * g_l) * d
+    T = tokens
+    T_sp = T / tp if sp else T
+    gqa = g < a
+    rope = cfg.position == "rope"
+    drop = cfg.dropout > 0
+    # Dropout on CPU multiplies by a float noise tensor of the input's dtype (the row-parallel
+    # output: 16-bit under autocast unless an fp32 bias was added to it); CUDA keeps a bool mask.
+    mask_b = 1 if device == "cuda" else (4 if cfg.bias else c)
+
+    def norm() -> float:
+        """LayerNorm: input + fp32 mean/rstd. RMSNorm: input and normalized input + rstd on CPU
+        (composite F.rms_norm), input + rstd on CUDA (fused kernel). Under SP on T/tp tokens."""
+        if cfg.norm == "layernorm":
+            return T_sp * (4 * h + 8)
+        return T_sp * ((8 if device == "cpu" else 4) * h + 4)
+
+    full: dict[str, float] = {}
+    full["norm1"] = norm()
+    # The matmul input: the norm output (all-gathered over the sequence under SP, so always T tokens).
+    full["qkv_input"] = T * c * h
+    path = _attention_path(cfg, device)
+    # q is a view of the fused QKV output unless GQA (the (g r) merge copies) or RoPE (new tensor);
+    # k is a view unless RoPE; v is always a view, so the whole QKV output stays alive.
+    q_new = c * a_l * d if (rope or gqa) else 0
+    k_new = c * g_l * d if rope else 0
+    if path == "fused":
+        # qkv storage, new q/k, output, fp32 log-sum-exp; the output is a copy for the out
+        # projection when its layout is head-major (q contiguous: GQA), else a view of it.
+        attn = c * qkv_l + q_new + k_new + c * a_l * d + 4 * a_l + (c * a_l * d if gqa else 0)
+        full["attention"] = T * attn
+    else:
+        # math path (it computes in fp32 on CPU, upcasting 16-bit q, k, v): q and k scaled copies
+        # (k expanded to a heads under GQA), v (a view of the QKV output in fp32, else an
+        # expanded or upcast copy), softmax, dropout mask and dropped probabilities [a_l, s] per
+        # token, and the head-major output copied (16-bit under autocast) for the out projection.
+        v = c * qkv_l if (not gqa and c == 4) else 4 * a_l * d
+        attn = 2 * 4 * a_l * d + v + 3 * 4 * a_l * s + c * a_l * d
+        full["attention"] = T * attn
+    if drop:
+        full["dropout_masks"] = 2 * T_sp * mask_b * h
+    full["norm2"] = norm()
+    act = 2 if cfg.activation == "gelu" else 4  # gelu: fc1 out, gelu out; swiglu: gate, silu, up, product
+    fm = cfg.moe_ffn_hidden_size
+    if not is_moe:
+        f_l = cfg.ffn_hidden_size // tp
+        # gate and up share the fp32 input; under autocast each casts its own 16-bit copy.
+        full["mlp_input"] = T * c * h * (2 if (cfg.activation == "swiglu" and c != 4) else 1)
+        full["mlp"] = T * c * act * f_l
+    else:
+        # Tokens inside the MoE layer are distinct per TP rank (T/tp at tp > 1, with or without SP).
+        T_l = T / tp if tp > 1 else T
+        k = cfg.top_k
+        router = 4 * cfg.num_experts * (1 if cfg.router_score == "softmax" else 2)
+        full["moe_input"] = T_l * 4 * h            # router / shared-expert input (norm2 output or its TP chunk)
+        full["moe_router"] = T_l * (router + 40 * k)  # fp32 probabilities + routing indices and weights
+        full["moe_rows"] = T_l * k * etp * c * h     # dispatched (token, choice) rows, gathered over etp
+        full["moe_experts"] = T_l * k * act * fm * c  # expert hidden (ffn split over etp, rows x etp)
+        full["moe_combine"] = T_l * k * c * h        # expert outputs kept for the weighted combine
+        if cfg.shared_experts:
+            full["moe_shared"] = T_l * act * cfg.shared_experts * fm * c
+
+    # Backward transient of one layer when it is the top of the stack (the largest moment; lower
+    # layers run with less saved): the incoming residual gradient (fp32, T tokens), then
+    # * MLP: the down projection's weight gradient (built before AccumulateGrad adds it to the
+    #   bucket) and its input gradient (gelu f; swiglu: the up and gate gradients, 2 f);
+    #   an MoE layer: one expert's hidden gradient rows and the expert weight gradients;
+    # * attention (after the MLP's tensors were freed): the q/k/v gradients and the zero-filled
+    #   QKV-shaped gradients of the select/slice views (about 3 x the QKV output), or on the
+    #   math path one [a_l, s] probability gradient plus the QKV output.
+    grad_in = T * 4 * h
+    mlp_part = full["norm2"] + full.get("mlp_input", 0) + full.get("mlp", 0) + (T_sp * mask_b * h if drop else 0)
+    mlp_part += sum(v for k_, v in full.items() if k_.startswith("moe_"))
+    if not is_moe:
+        f_l = cfg.ffn_hidden_size // tp
+        ws_mlp = grad_in + 4 * h * f_l + T * c * f_l * (1 if cfg.activation == "gelu" else 2)
+    else:
+        T_l = T / tp if tp > 1 else T
+        ws_mlp = grad_in + T_l * cfg.top_k * c * fm * (1 if cfg.activation == "gelu" else 2) \
+            + 4 * (cfg.num_experts // ep) * h * fm // etp
+    if path == "fused":
+        ws_attn = grad_in + 3 * T * c * qkv_l
+    else:
+        ws_attn = grad_in + T * c * (a_l * s + qkv_l)
+    working = max(ws_mlp, ws_attn - mlp_part)
+
+    if mode == "none":
+        return full, working
+    if mode == "selective":
+        # recompute(_core, q, k, v) keeps q, k, v (the QKV output plus RoPE/GQA copies) and the
+        # output the out projection saves; backward replays the core (its full saved set) once
+        # the MLP's tensors are freed.
+        sel = dict(full)
+        sel["attention"] = T * (c * qkv_l + q_new + k_new + c * a_l * d)
+        replay = full["attention"] - sel["attention"]
+        return sel, max(ws_mlp, replay + ws_attn - mlp_part)
+    # full: the block keeps only its input (fp32 residual stream); backward replays the whole
+    # block (all of its saved tensors) before running its backward.
+    return {"block_input": T_sp * 4 * h}, sum(full.values()) + working
+
+
+def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_process: bool, post_process: bool,
+                      tp: int = 1, sp: bool = False, ep: int = 1, etp: int = 1, tp_rank: int = 0,
+                      precision: str = "fp32",
+                      device: str = "cpu") -> ChunkActivations:
+    """`ChunkActivations` of one model chunk holding global layer indices `layers` (embeddings
+    when `pre_process`, final norm + LM head + loss when `post_process`), for one microbatch.
+
+    The terms (bytes, summed over the chunk's layers; see `_layer_terms` for a block) were
+    derived from the tensors autograd saves in this code base (torch backend) and checked
+    against saved-tensor-hook measurements (`bench/activation_memory.py`, `bench/memory.py`):
+    * embedding: token ids (int64; at tp > 1 also the local ids and the out-of-range mask) and,
+      with dropout, the embedding dropout mask (T_sp tokens);
+    * per block: norm inputs (and RMSNorm's normalized input on CPU), the matmul inputs (norm
+      outputs, gathered over the sequence under SP), the attention tensors of the kernel that
+      runs (fused or math path; selective recompute keeps only q, k, v and the output), the
+      residual dropout masks, the MLP hidden tensors (gelu 2 f, unfused swiglu 4 f) or the MoE
+      layer's router, dispatched rows, expert hidden and outputs; full recompute keeps only
+      the block input (layers >= `recompute_layers` keep everything);
+    * head: final norm, the LM head input (gathered), the cross-entropy's fp32 softmax of the
+      local vocabulary shard, targets and masks.
+    A non-last chunk also keeps its output for the pipeline's backward.
+    Mask bytes follow the device: CPU dropout keeps a float mask of the input's dtype, CUDA a
+    bool mask. Under bf16/fp16 autocast, matmul and fused-attention outputs and the matmul
+    inputs (16-bit copies of the fp32 norm outputs, one per linear: SwiGLU's gate and up each
+    cast their own) are 2 bytes; the residual stream, norm inputs and statistics, log-sum-exp,
+    the CPU math attention path (it upcasts to fp32), router probabilities and the loss's
+    softmax stay fp32 (4 bytes), as does a dropout mask whose input had an fp32 bias added; the
+    logits are 2 bytes and the loss makes an fp32 copy. The saved bytes were checked on CPU
+    under bf16 autocast (within 1%, weight copies excluded: `model_state_bytes` counts them);
+    the step transients under autocast are not measured. On CUDA (not measured here) the fused
+    attention kernels (flash / memory-efficient, with dropout too) and a fused RMSNorm
+    (input + rstd) are assumed.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {list(PRECISIONS)}")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
+    h, b = cfg.hidden_size, micro_batch_size
+    T = cfg.seq_len * b
+    T_sp = T / tp if sp else T
+    c = 4 if precision == "fp32" else 2
+    mask_b = 1 if device == "cuda" else 4  # the embedding output is fp32 in every precision
+    terms: dict[str, float] = {}
+
+    def add(name: str, value: float) -> None:
+        terms[name] = terms.get(name, 0.0) + value
+
+    if pre_process:
+        add("embedding_ids", T * (8 if tp == 1 else 17))
+        if cfg.dropout > 0:
+            add("embedding_dropout_mask", T_sp * mask_b * h)
+    layer_backward = 0.0
+    for i in layers:
+        if cfg.recompute == "full" and (cfg.recompute_layers is None or i < cfg.recompute_layers):
+            mode = "full"
         else:
-            sharded += p.numel()
-    return {"total": sharded + replicated, "tp_sharded": sharded, "replicated": replicated}
+            mode = "selective" if cfg.recompute == "selective" else "none"
+        layer, transient = _layer_terms(cfg, is_moe=cfg.is_moe_layer(i), mode=mode, tokens=T, tp=tp, sp=sp,
+                                        ep=ep, etp=etp, precision=precision, device=device)
+        for name, value in layer.items():
+            add(f"layer_{name}", value)
+        layer_backward = max(layer_backward, transient)
+    logits = forward_extra = head_saved = 0
+    backward_extra = layer_backward
+    if post_process:
+        vocab_l = cfg.padded_vocab_size(tp) // tp
+        if cfg.norm == "layernorm":
+            add("final_norm", T_sp * (4 * h + 8))
+        else:
+            add("final_norm", T_sp * ((8 if device == "cpu" else 4) * h + 4))
+        add("head_input", T * c * h)
+        add("loss_softmax", T * 4 * vocab_l)
+        add("loss_targets", T * 10)
+        logits = math.ceil(T * c * vocab_l)
+        head_saved = T * 4 * vocab_l + T * 10  # what the cross-entropy holds until its backward ran
+        # The model's forward returns the logits before the loss runs: the cross-entropy's masked
+        # copy (a shard holding vocabulary padding) and the fp32 copy of 16-bit logits exist
+        # only inside the loss's forward, beside the shifted logits it keeps as its softmax.
+        holds_padding = (tp_rank + 1) * vocab_l > cfg.vocab_size
+        forward_extra = math.ceil(T * 4 * vocab_l * ((1 if holds_padding else 0) + (1 if c != 4 else 0)))
+        # Loss backward: the fp32 gradient (a clone of the softmax, plus its 16-bit cast under
+        # autocast); then the LM head's backward holds a contiguous copy of it while the
+        # softmax is already freed, and builds the weight gradient [V/tp, h] and input gradient.
+        ce_grad = T * 4 * vocab_l + (T * c * vocab_l if c != 4 else 0)
+        head = 4 * vocab_l * h + T * 4 * h
+        # The layers' backward starts once the loss, LM head and final norm released their saved
+        # tensors. A tied embedding used by the head and the lookup of the same chunk gets ONE
+        # AccumulateGrad: the head's weight gradient [V/tp, h] waits in autograd's input buffer
+        # until the embedding backward adds its own.
+        head_total = sum(v for k_, v in terms.items() if k_ in ("final_norm", "head_input", "loss_softmax",
+                                                                "loss_targets"))
+        tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0
+        backward_extra = max(ce_grad, head, layer_backward - head_total + tied_wait)
+    else:
+        add("stage_output", T_sp * 4 * h)
+    saved_total = sum(terms.values())
+    if pre_process:
+        # The dense embedding backward builds two [V/tp, h] fp32 tensors (zeros + index_add) before
+        # AccumulateGrad, when the chunk's other saved tensors are already freed; with a tied
+        # head in the same chunk, the head's weight gradient is still waiting beside them.
+        embed_saved = sum(v for k_, v in terms.items() if k_.startswith("embedding"))
+        tables = 3 if (cfg.tie_embeddings and post_process) else 2
+        backward_extra = max(backward_extra,
+                             tables * 4 * (cfg.padded_vocab_size(tp) // tp) * h - (saved_total - embed_saved))
+    rounded = {k: math.ceil(v) for k, v in terms.items()}
+    return ChunkActivations(saved=sum(rounded.values()), logits=logits, forward_extra=forward_extra,
+                            backward_extra=math.ceil(backward_extra), head_saved=math.ceil(head_saved),
+                            pre=pre_process, post=post_process, pipeline_recv=math.ceil(T_sp * 4 * h),
+                            terms=rounded)
+
+
+def _chunk_layout(cfg: GPTConfig, res: ParallelConfig, pp_rank: int) -> list[tuple[range, bool, bool]]:
+    """(layers, pre_process, post_process) of each model chunk of pipeline rank `pp_rank`, as
+    `models.gpt.build_model_chunks` builds them."""
+    from models.gpt import virtual_stage_layers
+
+    out = []
+    for c in range(res.vpp):
+        stage = c * res.pp + pp_rank
+        layers = virtual_stage_layers(cfg.num_layers, res.pp, res.vpp, stage, res.stage_layers)
+        out.append((layers, stage == 0, stage == res.pp * res.vpp - 1))
+    return out
+
+
+def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size: int, num_microbatches: int,
+                        pp_rank: int = 0, tp_rank: int = 0, precision: str = "fp32",
+                        device: str = "cpu") -> dict[str, Any]:
+    """Activation memory of one rank over one training step (`res` resolved).
+
+    Replays this rank's pipeline action list (`build_schedule`; at pp = 1 the train step's
+    forward, backward per microbatch) with the `ChunkActivations` of its chunks:
+    a forward adds the chunk's saved bytes, a backward removes them. Candidates for the peak:
+    each forward (when the model returns: live saved bytes + the logits still held from the
+    previous forward + the new logits; then the loss: live + logits + `forward_extra`) and each
+    backward (live saved bytes + held logits + `backward_extra`). 1F1B keeps min(pp - pp_rank, m) microbatches in flight on
+    stage pp_rank, GPipe m, interleaved what its warm-up implies, all of which the replay follows.
+
+    Returns {"saved_per_microbatch" (all chunks of this rank, one microbatch), "peak" (largest
+    activation-side bytes), "peak_phase", "max_in_flight", "held_after_backward" (logits the
+    step still holds during the optimizer step: the last microbatch's at pp = 1), "chunks"}.
+    """
+    sp = bool(res.sp and res.tp > 1)
+    chunks = [chunk_activations(cfg, micro_batch_size, layers=layers, pre_process=pre, post_process=post,
+                                tp=res.tp, sp=sp, ep=res.ep, etp=res.etp, tp_rank=tp_rank, precision=precision,
+                                device=device)
+              for layers, pre, post in _chunk_layout(cfg, res, pp_rank)]
+    if res.pp == 1:
+        actions = [(kind, m, 0) for m in range(num_microbatches) for kind in ("F", "B")]
+    else:
+        actions = [(a.kind, a.microbatch, a.chunk)
+                   for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)]
+    live = held = peak = 0
+    in_flight = max_in_flight = 0
+    phase = "none"
+    for kind, m, c in actions:
+        ch = chunks[c]
+        if kind == "F":
+            live += ch.saved
+            in_flight += 1
+            # The previous output (held by the step's variable) is released only when the chunk's
+            # forward returns; the loss then runs beside the new logits.
+            now = max(live - ch.head_saved + held + ch.logits, live + ch.logits + ch.forward_extra)
+            held = ch.logits
+            where = f"forward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
+        else:
+            if res.pp > 1:
+                # The pipeline executor rebinds its output variable to the saved loss before the
+                # backward runs, releasing the logits (train_step keeps them until the next forward).
+                held = 0
+            now = live + held + ch.backward_extra + (ch.pipeline_recv if not ch.post else 0)
+            live -= ch.saved
+            if not ch.pre:
+                # The input gradient sent to the previous stage, and the input buffer the pending
+                # send still references, stay alive until the send completes (the executor polls
+                # sends between actions): counted as pending until the end of the step.
+                live += 2 * ch.pipeline_recv
+            in_flight -= 1
+            where = f"backward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
+        max_in_flight = max(max_in_flight, in_flight)
+        if now > peak:
+            peak, phase = now, where
+    return {
+        "saved_per_microbatch": sum(ch.saved for ch in chunks),
+        "peak": peak,
+        "peak_phase": phase,
+        "max_in_flight": max_in_flight,
+        "held_after_backward": held if res.pp == 1 else 0,
+        "chunks": [dataclasses.asdict(ch) for ch in chunks],
+    }
+
+
+def _optimizer_transient(counts: dict[str, Any], replicas: dict[str, int], zero: int, offload: bool,
+                         device: str) -> int:
+    """Temporaries of the AdamW step. CPU (single-tensor AdamW): `exp_avg_sq.sqrt() / bias
+    correction` makes two tensors the size of the largest parameter (ZeRO >= 1: of the largest
+    bucket shard, `counts["buckets"]` split over its replicas; the all-gather's copy of one
+    shard comes after them). CUDA (foreach AdamW): one fp32 temporary per updated element (the
+    foreach sqrt), 4 bytes x the optimizer's share. Offload runs the step on the host: 0."""
+    if offload:
+        return 0
+    groups = {"dp": counts["group_dp"], "tp_dp": counts["group_tp_dp"], "edp": counts["group_edp"]}
+    if device == "cuda":
+        share = counts["total"] if zero == 0 else sum(math.ceil(v / replicas[g]) for g, v in groups.items())
+        return 4 * share
+    if zero == 0:
+        return 8 * counts["largest"]
+    shards = [math.ceil(n / replicas[key]) for key, n in counts["buckets"]] or [0]
+    return 8 * max(shards)
+
+
+# --------------------------------------------------------------------------- plans
 
 
 def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
@@ -98,6 +591,15 @@ def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
     return global_batch_size // per_step
 
 
+def _resolve_zero(zero: int | None, zero_dp: int | None) -> int:
+    if zero is not None:
+        if zero not in (0, 1, 2):
+            raise ValueError(f"optim.zero={zero} must be 0, 1 or 2")
+        return zero
+    # Legacy callers passed the ZeRO-1 data-parallel size (1 = no ZeRO).
+    return 1 if zero_dp is not None and zero_dp > 1 else 0
+
+
 def plan_rank(
     model_cfg: GPTConfig,
     par: ParallelConfig,
@@ -107,7 +609,10 @@ def plan_rank(
     micro_batch_size: int,
     global_batch_size: int,
     precision: str = "fp32",
-    zero_dp: int = 1,
+    zero: int | None = None,
+    offload: bool = False,
+    device: str = "cpu",
+    zero_dp: int | None = None,
 ) -> dict[str, Any]:
     """Plan of one rank: coordinates, parameters, memory and FLOPs per step. No communication.
 
@@ -115,11 +620,26 @@ def plan_rank(
     the model shape (`mpu.mesh.check_model_fits`), raising `ParallelConfigError` with what to
     change. Raises ValueError when the global batch does not split into microbatches over dp,
     and RuntimeError when the meta-built parameter count disagrees with the analytic one.
-    `zero_dp` is the number of ranks the optimizer state and main params are sharded over
-    (1 = no ZeRO), as in `training.flops.model_state_bytes`.
+
+    `precision` fp32 | bf16 | fp16 (trainer.precision), `zero` 0 | 1 | 2 (optim.zero),
+    `offload` (optim.offload: AdamW state and fp32 main weights on the host), `device` cpu |
+    cuda (what the run trains on: selects the attention kernel and dropout-mask size the
+    activation estimate assumes). Recompute comes from `model_cfg.recompute` /
+    `recompute_layers`. `zero_dp` is the legacy argument (> 1 meant ZeRO-1), used only when
+    `zero` is None. The activation terms model the torch kernels (kernels.backend=torch, what
+    CPU runs use); the fused Triton kernels save less.
+
+    memory["bytes"]: weights, grads (persistent), optimizer, model_states (their sum),
+    grad_buffers_backward (ZeRO-2), autocast_weight_copies, activations_per_microbatch (saved
+    by one microbatch), activations_peak, optimizer_transient, activations (= total -
+    model_states: everything above the persistent states at the peak), total (the step's
+    peak) and host (offload). `bench/memory.py` measures the same categories.
     """
-    if precision not in _ACT_BYTES:
-        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {sorted(_ACT_BYTES)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {list(PRECISIONS)}")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
+    zero = _resolve_zero(zero, zero_dp)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size {world_size} must be a positive integer")
     if not 0 <= rank < world_size:
@@ -132,7 +652,6 @@ def plan_rank(
 
     # ---- parameters
     analytic = params_per_rank(model_cfg, tp=tp, ep=ep, etp=etp, pp=pp)
-    meta: dict[str, int] | None = None
     meta = meta_param_counts(model_cfg, res, world_size, rank)
     if pp > 1:
         # The analytic count is the most loaded stage's; the meta build is this rank's own
@@ -146,53 +665,68 @@ def plan_rank(
                 "the model and the analytic count disagree"
             )
         source = "meta (built on the meta device, matches training.flops.params_per_rank)"
-    count = meta["total"] if meta is not None else analytic
+    count = meta["total"]
     padded = model_cfg.padded_vocab_size(tp)
     params = {
         "count": count,
         "analytic": analytic,
-        "meta": None if meta is None else meta["total"],
-        "tp_sharded": None if meta is None else meta["tp_sharded"],
-        "replicated": None if meta is None else meta["replicated"],
+        "meta": meta["total"],
+        "tp_sharded": meta["tp_sharded"],
+        "replicated": meta["replicated"],
+        "by_replica_group": {"dp": meta["group_dp"], "tp_dp": meta["group_tp_dp"], "edp": meta["group_edp"]},
+        "matmul": meta["matmul"],
         "vocab_size": model_cfg.vocab_size,
         "padded_vocab_size": padded,
         "vocab_per_rank": padded // tp,
     }
 
     # ---- memory
-    states = state_bytes_for(count, zero_dp=zero_dp, precision=precision)
-    act_full = activation_bytes_per_microbatch(
-        model_cfg, micro_batch_size, tp, bool(res.sp and tp > 1), bytes_per_elem=_ACT_BYTES[precision]
-    )
+    replicas = _replicas(res)
+    states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision)
+    act = activation_estimate(model_cfg, res, micro_batch_size=micro_batch_size,
+                              num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
+                              precision=precision, device=device)
+    # Peak of the step: during forward/backward (persistent states + ZeRO-2's full gradient
+    # buckets + autocast's weight copies + activations), or during the optimizer step (states +
+    # logits still held + AdamW temporaries).
+    fwd_bwd = states["total"] + states["grad_buffers_backward"] + states["autocast_weight_copies"] + act["peak"]
+    opt_tmp = _optimizer_transient(meta, replicas, zero, offload, device)
+    opt_phase = states["total"] + act["held_after_backward"] + opt_tmp
+    total = max(fwd_bwd, opt_phase)
+    activations = total - states["total"]  # everything above the persistent states at the peak
+    in_flight = act["max_in_flight"]
     if pp == 1:
-        act_per_mb, in_flight = act_full, 1
         act_note = "one microbatch in flight (no pipeline parallelism)"
     else:
-        act_per_mb, in_flight = math.ceil(act_full / pp), min(pp, num_microbatches)
-        act_note = (
-            f"estimate for the first pipeline stage under 1F1B: min(pp, microbatches)={in_flight} "
-            f"microbatches in flight, each holding about 1/pp of the model's activations"
-        )
-    activations = act_per_mb * in_flight
-    model_states = states["total"]
-    total = model_states + activations
+        act_note = (f"{res.schedule} schedule replayed for pp_rank {mesh.pp_rank}: up to {in_flight} "
+                    f"microbatch-chunks in flight")
     mem_bytes = {
         "weights": states["weights"],
         "grads": states["grads"],
         "main_params": states["main_params"],
         "optimizer": states["optimizer"],
-        "model_states": model_states,
-        "activations_per_microbatch": act_per_mb,
+        "model_states": states["total"],
+        "grad_buffers_backward": states["grad_buffers_backward"],
+        "autocast_weight_copies": states["autocast_weight_copies"],
+        "activations_per_microbatch": act["saved_per_microbatch"],
+        "activations_peak": act["peak"],
+        "optimizer_transient": opt_tmp,
         "activations": activations,
         "total": total,
+        "host": states["host"],
     }
     memory = {
         "precision": precision,
-        "zero_dp": zero_dp,
+        "zero": zero,
+        "offload": offload,
+        "device": device,
+        "recompute": model_cfg.recompute,
         "microbatches_in_flight": in_flight,
         "activation_note": act_note,
+        "peak_phase": "optimizer step" if opt_phase > fwd_bwd else act["peak_phase"],
         "bytes": mem_bytes,
         "gib": {k: _gib(v) for k, v in mem_bytes.items()},
+        "activation_terms": [ch["terms"] for ch in act["chunks"]],
     }
 
     # ---- FLOPs
@@ -243,7 +777,8 @@ def _layout(res: ParallelConfig, world_size: int) -> dict[str, Any]:
 
 
 def plan_all_ranks(model_cfg: GPTConfig, par: ParallelConfig, world_size: int, **kw: Any) -> dict[str, Any]:
-    """Plans of every rank of the layout (keyword arguments as for `plan_rank`).
+    """Plans of every rank of the layout (keyword arguments as for `plan_rank`: micro_batch_size,
+    global_batch_size, precision, zero, offload, device; legacy zero_dp).
 
     Returns {"layout", "model", "ranks", "summary"}: "model" holds the unsharded counts
     (total and active-per-token parameters, FLOPs per token, the config), "ranks" the
@@ -270,6 +805,7 @@ def plan_all_ranks(model_cfg: GPTConfig, par: ParallelConfig, world_size: int, *
             "max_total_bytes": heaviest["memory"]["bytes"]["total"],
             "max_total_gib": heaviest["memory"]["gib"]["total"],
             "most_loaded_rank": heaviest["rank"],
+            "max_host_gib": max(_gib(p["memory"]["bytes"]["host"]) for p in ranks),
             "global_tflop_per_step": heaviest["flops"]["global_per_step"] / 1e12,
         },
     }
@@ -289,12 +825,14 @@ def format_rank_line(plan: dict[str, Any]) -> str:
     acts = f"act {g['activations']:.3f}"
     if m["microbatches_in_flight"] != 1:
         acts += f" ({m['microbatches_in_flight']} mb in flight)"
+    host = f", host {g['host']:.3f}" if m["bytes"]["host"] else ""
     return (
         f"rank {plan['rank']:>3} [pp{c['pp_rank']} dp{c['dp_rank']} tp{c['tp_rank']} | "
         f"edp{c['edp_rank']} ep{c['ep_rank']} etp{c['etp_rank']}]: "
         f"{_human(plan['params']['count'])} params ({src}); GiB: "
-        f"weights {g['weights']:.3f} + grads {g['grads']:.3f} + main {g['main_params']:.3f} "
-        f"+ optim {g['optimizer']:.3f} = states {g['model_states']:.3f}, {acts}, total {g['total']:.3f}; "
+        f"weights {g['weights']:.3f} + grads {g['grads']:.3f} + optim {g['optimizer']:.3f} "
+        f"= states {g['model_states']:.3f} (zero {m['zero']}, {m['precision']}), {acts}, "
+        f"total {g['total']:.3f}{host}; "
         f"{plan['flops']['rank_tflop_per_step']:.3f} TFLOP/step, "
         f"{plan['batch']['num_microbatches']} microbatches of {plan['batch']['micro_batch_size']}"
     )
