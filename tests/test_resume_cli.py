@@ -165,3 +165,28 @@ def test_checkpoint_of_a_tp2_run_resumes_in_one_process(tmp_path):
     assert sorted(got) == [3, 4]
     for step in (3, 4):
         assert abs(got[step] - want[step]) <= 1e-5 * want[step], (step, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path):
+    """torchrun forwards SIGTERM to its workers; they agree on the step, save one complete
+    checkpoint (both ranks' files) and stop (torchrun itself then reports the signal)."""
+    from tests.test_train_cli import TORCHRUN
+    from training.checkpoint import list_checkpoints, read_meta
+
+    ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    args = [*TORCHRUN, "--nproc_per_node=2", "train.py", *COMMON, "trainer.max_steps=5000", "parallel.tp=2",
+            f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)  # to the torchrun agent only
+    stdout, stderr = proc.communicate(timeout=120)
+    step = max(r["step"] for r in metrics(run_dir))
+    assert step < 5000 and f"SIGTERM: stopped after step {step}" in stdout, (stdout[-2000:], stderr[-2000:])
+    assert list_checkpoints(ckpt) == [ckpt / f"step_{step:08d}"]
+    meta = read_meta(ckpt / f"step_{step:08d}")
+    assert meta["train_state"]["step"] == step and meta["world_size"] == 2
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(meta["files"])
