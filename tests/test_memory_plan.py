@@ -9,27 +9,19 @@ import math
 import pytest
 import torch
 
+from bench.memory import saved_activation_bytes
 from models.config import GPTConfig
 from models.gpt import init_model_chunks
 from mpu.mesh import ParallelConfig, virtual_mesh
 from mpu.pipeline_schedules import build_schedule, max_in_flight
+from tests.test_plan import BATCH, gpt2_tiny
+from tests.test_plan import llama_tiny as _llama_tiny
 from training.plan import chunk_activations, plan_all_ranks, plan_rank
-
-BATCH = dict(micro_batch_size=2, global_batch_size=8)
-
-
-def gpt2_tiny(**kw) -> GPTConfig:
-    # h=64, a=4, f=256, V=256, s=32, LayerNorm + biases, learned positions, tied embedding.
-    args = dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=32,
-                arch="gpt2")
-    return GPTConfig(**{**args, **kw})
 
 
 def llama_tiny(**kw) -> GPTConfig:
-    # h=64, a=4, g=2, f=160, V=300 (padded 384 / 512), s=16, RMSNorm, no biases, untied.
-    args = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, vocab_size=300,
-                seq_len=16, arch="llama", tie_embeddings=False)
-    return GPTConfig(**{**args, **kw})
+    # test_plan's tiny Llama with GQA: h=64, a=4, g=2, f=160, V=300 (padded 384 / 512), s=16.
+    return _llama_tiny(**{"num_kv_heads": 2, **kw})
 
 
 # ----------------------------------------------------------------------------- model states
@@ -128,23 +120,6 @@ def test_precision_and_device_terms():
 # ----------------------------------------------------------------------------- activations
 
 
-def saved_bytes(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
-    """Distinct storages autograd saves during one forward + loss, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss_per_token(model(inputs), targets).sum()
-    loss.backward()
-    return sum(seen.values())
-
-
 SHAPES = [
     # (config, micro batch, tp): GPT-2 / Llama, recompute none / selective / full, dropout on / off,
     # GQA, a padded vocabulary, tp = 2 through a virtual mesh (collectives are skipped, shapes are
@@ -167,7 +142,7 @@ def test_saved_activations_within_10_percent(cfg, micro, tp):
         mesh = virtual_mesh(ParallelConfig(tp=tp), tp, rank)
         model, = init_model_chunks(cfg, mesh, 0)
         model.train()
-        measured = saved_bytes(model, tokens[:, :-1], tokens[:, 1:])
+        measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
         planned = chunk_activations(cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True,
                                     tp=tp, tp_rank=rank).saved
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
@@ -184,7 +159,7 @@ def test_bf16_saved_activations_within_10_percent(cfg):
     model.train()
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        measured = saved_bytes(model, tokens[:, :-1], tokens[:, 1:])
+        measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
     measured -= 2 * meta_param_counts(cfg, ParallelConfig().resolved(1), 1, 0)["matmul"]
     planned = chunk_activations(cfg, 2, layers=range(cfg.num_layers), pre_process=True, post_process=True,
                                 precision="bf16").saved
