@@ -215,6 +215,9 @@ class GPT(nn.Module):
             self.embed = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, mesh,
                                                 init_std=cfg.init_std, device=device, dtype=dtype)
             self.embed.weight.tied_embedding_copy = not pre_process
+            # Shared with the LM head: under pp the first and last stage hold a copy each,
+            # whose gradients the reducer sums over `mesh.embedding`.
+            self.embed.weight.tied_across_stages = cfg.tie_embeddings
         self.pos_embed = None
         if pre_process and cfg.position == "learned":
             self.pos_embed = tag(

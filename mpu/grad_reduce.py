@@ -27,15 +27,14 @@ its parameters) once the reduce-scatter is done, `zero_grad()` re-creates it and
 every `p.grad` at it, so outside forward/backward a rank holds 1/replicas of the gradients.
 Buckets whose group has one member are not sharded (their shard is the whole buffer).
 
-Tied embeddings under pipeline parallelism (`tied_embedding=[params]`, the embedding weight
-of the first stage and its copy on the last stage): both copies' gradients are summed over
-`mesh.embedding` in `finish()`. With `shard_grads` their buckets (tied parameters get buckets
+Tied embeddings under pipeline parallelism (parameters tagged `tied_across_stages`: the
+embedding weight of the first stage and its copy on the last stage): both copies' gradients
+are summed over `mesh.embedding` in `finish()`. With `shard_grads` their buckets (tied parameters get buckets
 of their own) are not launched from the backward hooks: `finish()` first launches all other
 buckets, then all-reduces the tied gradients over `mesh.embedding`, then reduce-scatters
 their buckets (the two stages' buckets are laid out differently, so the sum must come before
 the scatter; doing it in a hook would block the last stage's pipeline sends). Without
-`shard_grads` the sum happens after all buckets are reduced, as `pipeline_train_step` does
-for reducers built without `tied_embedding`.
+`shard_grads` the sum happens after all buckets are reduced.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class DataParallelGradReducer:
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
-                 shard_grads: bool = False, tied_embedding=(), comm_dtype: torch.dtype | None = None):
+                 shard_grads: bool = False, comm_dtype: torch.dtype | None = None):
         self.mesh = mesh
         self.shard_grads = shard_grads
         # Gradient compression: buckets travel (and are summed) in `comm_dtype`, e.g. bf16, while
@@ -90,10 +89,8 @@ class DataParallelGradReducer:
         self._sync_enabled = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        wanted = {id(p) for p in tied_embedding}
-        self.tied_embedding = [p for _, p in named_params if id(p) in wanted and p.requires_grad]
-        if len(self.tied_embedding) != len(wanted):
-            raise ValueError("tied_embedding must list trainable parameters among named_params")
+        self.tied_embedding = [p for _, p in named_params if p.requires_grad and getattr(p, "tied_across_stages", False)
+                               and group_size(mesh.embedding) > 1]
         tied = {id(p) for p in self.tied_embedding}
         by_group: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in named_params:
@@ -254,11 +251,3 @@ class DataParallelGradReducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-
-def tied_embedding_params(chunks, mesh: Mesh) -> list[nn.Parameter]:
-    """The embedding weights of this rank's chunks that are tied across pipeline stages (the
-    first stage's embedding and the last stage's copy), for `tied_embedding=`; [] without pp."""
-    if group_size(mesh.embedding) <= 1:
-        return []
-    return [c.embed.weight for c in chunks if c.cfg.tie_embeddings and getattr(c, "embed", None) is not None]

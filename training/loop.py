@@ -20,7 +20,7 @@ from kernels.backend import resolve_backend
 from models.gpt import init_model_chunks
 from mpu.distributed_optimizer import ShardedAdamW
 from mpu.offload import OffloadedAdamW
-from mpu.grad_reduce import DataParallelGradReducer, tied_embedding_params
+from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from mpu.pipeline import PipelineExecutor, activation_shape
 from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
@@ -152,7 +152,6 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     model = nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
                                       shard_grads=run.optim.zero == 2,
-                                      tied_embedding=tied_embedding_params(chunks, mesh),
                                       comm_dtype=torch.bfloat16 if run.optim.grad_comm_dtype == "bf16" else None)
     o = run.optim
     if o.offload:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpu.cross_entropy import IGNORE_INDEX
-from mpu.grad_norm import clip_grad_norm
+from mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import Mesh, group_size
 from mpu.pipeline import PipelineExecutor
@@ -101,16 +101,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
 
     with precision.autocast():
         result = executor.run(actions, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
-    reducer.finish()
-    if chunks[0].cfg.tie_embeddings and group_size(mesh.embedding) > 1:
-        # Sum the two copies here unless the reducer did in finish() (ZeRO-2 must: before its reduce-scatter).
-        summed = {id(p) for p in getattr(reducer, "tied_embedding", ())}
-        for chunk in chunks:
-            if chunk.embed is not None and id(chunk.embed.weight) not in summed:
-                if getattr(reducer, "shard_grads", False):
-                    raise RuntimeError("ZeRO-2 with tied embeddings under pipeline parallelism: build the reducer "
-                                       "with tied_embedding=tied_embedding_params(chunks, mesh)")
-                dist.all_reduce(chunk.embed.weight.grad, group=mesh.embedding)
+    reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
     out = _finish_step(chunks, reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
                        precision=precision)
@@ -122,7 +113,6 @@ def _finish_step(chunks, reducer, optimizer, mesh: Mesh, loss_sum: torch.Tensor,
                  lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict:
     _unscale_gradients(chunks, reducer, precision.loss_scale)
     if getattr(reducer, "shard_grads", False):  # ZeRO-2: norm and clipping on the reduced gradient shards
-        from mpu.grad_norm import clip_sharded_grad_norm
         grad_norm = clip_sharded_grad_norm(reducer, max_grad_norm, mesh)
     else:
         params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]

@@ -10,7 +10,7 @@ from torch import nn
 
 from models.gpt import init_model_chunks
 from mpu.distributed_optimizer import ShardedAdamW
-from mpu.grad_reduce import DataParallelGradReducer, tied_embedding_params
+from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import ParallelConfig, build_mesh, group_size
 from mpu.pipeline import PipelineExecutor, activation_shape
 from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, assert_close, build, microbatches, model_config
@@ -29,9 +29,7 @@ def _run(cfg, par, zero: int):
     if mesh.pp_size > 1:
         chunks = init_model_chunks(cfg, mesh, SEED)
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-        # zero=0 sums the tied embedding in pipeline_train_step, zero 1/2 in the reducer's finish().
-        reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01, shard_grads=zero == 2,
-                                          tied_embedding=tied_embedding_params(chunks, mesh) if zero else ())
+        reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01, shard_grads=zero == 2)
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size),
                                     torch.float32, torch.device("cpu"))
         optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
