@@ -136,9 +136,10 @@ def _adam_moments(chunks, optimizer) -> tuple[dict, float]:
     return moments, step
 
 
-def optimizer_state(chunks: list[nn.Module], optimizer, mesh, *, for_load: bool = False) -> dict:
+def optimizer_state(chunks: list[nn.Module], optimizer, mesh, *, for_load: bool = False) -> tuple[dict, dict]:
     """`optim/<name>/exp_avg|exp_avg_sq` -> ShardPiece and `optim/step`. For loading, fresh
-    zero tensors are returned (filled by DCP, then installed by `_install_moments`)."""
+    zero tensors are returned (filled by DCP, then installed by `_install_moments`). Also returns
+    the {param: (exp_avg, exp_avg_sq)} the pieces view."""
     if for_load:  # an offloaded optimizer keeps its moments on the host: read them there
         device = "cpu" if getattr(optimizer, "offloaded", False) else None
         moments = {p: (torch.zeros_like(p, device=device), torch.zeros_like(p, device=device))
@@ -154,8 +155,7 @@ def optimizer_state(chunks: list[nn.Module], optimizer, mesh, *, for_load: bool 
             piece = shard_piece(param, tensor, mesh)
             if piece is not None:
                 state[f"optim/{name}/{key}"] = piece
-    state["_moments"] = moments  # not saved: handle for _install_moments
-    return state
+    return state, moments
 
 
 def _install_moments(chunks, optimizer, moments: dict, step: float) -> None:
@@ -201,9 +201,7 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
     _barrier()
     state = model_state(chunks, mesh)
     if optimizer is not None:
-        opt = optimizer_state(chunks, optimizer, mesh)
-        opt.pop("_moments")
-        state.update(opt)
+        state.update(optimizer_state(chunks, optimizer, mesh)[0])
         state[f"rng/rank{mesh.rank}"] = _rng_bytes()
     with _single_process_quiet():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ShardSavePlanner(flatten_state_dict=False))
@@ -373,8 +371,7 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer, mesh, 
     state = model_state(chunks, mesh, for_load=True)
     moments = None
     if not weights_only:
-        opt = optimizer_state(chunks, optimizer, mesh, for_load=True)
-        moments = opt.pop("_moments")
+        opt, moments = optimizer_state(chunks, optimizer, mesh, for_load=True)
         state.update(opt)
     same_layout = meta["world_size"] == mesh.world_size and meta["layout"] == dataclasses.asdict(mesh.par)
     rng_key = f"rng/rank{mesh.rank}"
