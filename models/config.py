@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels.backend import RESOLVED as RESOLVED_BACKENDS
+
 ARCH_DEFAULTS = {
     # arch: (norm, activation, position, bias)
     "gpt2": ("layernorm", "gelu", "learned", True),
@@ -95,7 +97,8 @@ class GPTConfig:
             (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
             (self.recompute in ("none", "selective", "full"),
              f"trainer.recompute={self.recompute!r} must be none, selective or full"),
-            (self.kernel_backend in ("torch", "triton"), f"kernel backend {self.kernel_backend!r} must be torch or triton"),
+            (self.kernel_backend in RESOLVED_BACKENDS,
+             f"kernel backend {self.kernel_backend!r} must be one of {', '.join(RESOLVED_BACKENDS)}"),
             (self.capacity_factor is None or self.capacity_factor > 0,
              f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)"),
         ]

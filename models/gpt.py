@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from kernels import selfcheck
 from models.config import GPTConfig
 from moe.layer import MoELayer
 from mpu.cross_entropy import vocab_parallel_cross_entropy
@@ -33,13 +34,14 @@ from mpu.recompute import recompute
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the last dim; replicated over TP (sequence-parallel under SP)."""
+    """LayerNorm or RMSNorm over the last dim; replicated over TP (sequence-parallel under SP).
+    With a Triton backend it runs `kernels.norms` (self-checked under triton_checked)."""
 
     def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
         super().__init__()
         h, sp = cfg.hidden_size, mesh.sequence_parallel
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.triton = cfg.kernel_backend == "triton"
+        self.backend = cfg.kernel_backend
         self.weight = tag(nn.Parameter(torch.empty(h, device=device, dtype=dtype)),
                           constant_init((h,), 1.0), sequence_parallel=sp)
         self.bias = None
@@ -48,15 +50,20 @@ class Norm(nn.Module):
                             constant_init((h,), 0.0), sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton:
-            from kernels import norms
-            if self.kind == "layernorm":
-                return norms.layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
-            return norms.rms_norm(x, self.weight, self.eps, backend="triton")
+        kernel = "layer_norm" if self.kind == "layernorm" else "rms_norm"
+        return selfcheck.dispatch(kernel, self.backend, self._triton, self._torch, x, self.weight, self.bias)
+
+    def _triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from kernels import norms
+        if self.kind == "layernorm":
+            return norms.layer_norm(x, weight, bias, self.eps, backend="triton")
+        return norms.rms_norm(x, weight, self.eps, backend="triton")
+
+    def _torch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = (x.shape[-1],)
         if self.kind == "layernorm":
-            return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
-        return F.rms_norm(x, shape, self.weight, self.eps)
+            return F.layer_norm(x, shape, weight, bias, self.eps)
+        return F.rms_norm(x, shape, weight, self.eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,19 +144,32 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
-        if self.cfg.kernel_backend == "triton":
-            from kernels import linear_act
-            if self.gate is None:
-                hidden = linear_act.linear_gelu(x, self.up.weight, self.up.bias, approximate="tanh", backend="triton")
-            else:
-                hidden = linear_act.linear_swiglu(x, self.gate.weight, self.gate.bias, self.up.weight, self.up.bias,
-                                                  backend="triton")
-            return self.down(hidden)
+        backend = self.cfg.kernel_backend
         if self.gate is None:
-            hidden = F.gelu(F.linear(x, self.up.weight, self.up.bias), approximate="tanh")
+            hidden = selfcheck.dispatch("linear_gelu", backend, _linear_gelu_triton, _linear_gelu_torch,
+                                        x, self.up.weight, self.up.bias)
         else:
-            hidden = F.silu(F.linear(x, self.gate.weight, self.gate.bias)) * F.linear(x, self.up.weight, self.up.bias)
+            hidden = selfcheck.dispatch("linear_swiglu", backend, _linear_swiglu_triton, _linear_swiglu_torch,
+                                        x, self.gate.weight, self.gate.bias, self.up.weight, self.up.bias)
         return self.down(hidden)
+
+
+def _linear_gelu_torch(x, weight, bias):
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def _linear_gelu_triton(x, weight, bias):
+    from kernels import linear_act
+    return linear_act.linear_gelu(x, weight, bias, approximate="tanh", backend="triton")
+
+
+def _linear_swiglu_torch(x, w_gate, b_gate, w_up, b_up):
+    return F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)
+
+
+def _linear_swiglu_triton(x, w_gate, b_gate, w_up, b_up):
+    from kernels import linear_act
+    return linear_act.linear_swiglu(x, w_gate, b_gate, w_up, b_up, backend="triton")
 
 
 class Block(nn.Module):
@@ -281,14 +301,37 @@ class GPT(nn.Module):
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded.
-        With the Triton backend the fused kernel overwrites `logits` with their gradient in
-        backward (they are used for nothing else)."""
-        if self.cfg.kernel_backend == "triton":
-            from kernels.cross_entropy import fused_cross_entropy
-            return fused_cross_entropy(logits, targets, vocab_start=self.vocab_start, vocab_size=self.cfg.vocab_size,
-                                       group=self.mesh.tp, backend="triton")
-        return vocab_parallel_cross_entropy(logits, targets, vocab_start=self.vocab_start,
-                                            vocab_size=self.cfg.vocab_size, group=self.mesh.tp)
+        Two all-reduces over the TP group forward. With a Triton backend the fused kernel
+        overwrites `logits` with their gradient in backward (they are used for nothing else).
+        Under triton_checked the check runs on this rank's shard alone (group=None, separate
+        gradient buffer), so it never communicates; the real call keeps group=TP."""
+        start, vocab, group = self.vocab_start, self.cfg.vocab_size, self.mesh.tp
+
+        def triton(lg, tg):
+            from kernels import cross_entropy
+            return cross_entropy.fused_cross_entropy(lg, tg, vocab_start=start, vocab_size=vocab, group=group,
+                                                     backend="triton")
+
+        def torch_path(lg, tg):
+            return vocab_parallel_cross_entropy(lg, tg, vocab_start=start, vocab_size=vocab, group=group)
+
+        check_fns = None
+        if self.cfg.kernel_backend == selfcheck.CHECKED:
+            # The shard alone as the whole vocabulary; a shard of padding only is checked
+            # unpadded (its real loss would be -inf/NaN in isolation).
+            local_vocab = vocab if start < vocab else start + logits.shape[-1]
+
+            def triton_local(lg, tg):
+                from kernels import cross_entropy
+                return cross_entropy.fused_cross_entropy(lg, tg, vocab_start=start, vocab_size=local_vocab,
+                                                         group=None, backend="triton", inplace_backward=False)
+
+            def torch_local(lg, tg):
+                return vocab_parallel_cross_entropy(lg, tg, vocab_start=start, vocab_size=local_vocab, group=None)
+
+            check_fns = (triton_local, torch_local)
+        return selfcheck.dispatch("cross_entropy", self.cfg.kernel_backend, triton, torch_path, logits, targets,
+                                  check_fns=check_fns)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All-gather local logits over TP and drop the padded vocabulary: [b, s, vocab_size]."""

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import selfcheck
 from mpu.init import normal_init, tag
 
 
@@ -39,11 +40,20 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     Uses torch's grouped GEMM (`F.grouped_mm`) where it applies: CPU, or CUDA with 16-bit
     dtypes, and row strides that are multiples of 16 bytes (its requirement). Otherwise (CUDA
     fp32, odd sizes) it pads the groups into one batched matmul: same result, more memory.
-    backend="triton" runs `kernels.grouped_gemm` instead (one launch for all groups).
+    backend="triton" runs `kernels.grouped_gemm` instead (one launch for all groups);
+    "triton_checked" does after the kernel passed its self-check (`kernels.selfcheck`). No
+    communication.
     """
-    if backend == "triton":
-        from kernels.grouped_gemm import grouped_gemm
-        return grouped_gemm(x, weight, group_sizes, backend="triton")
+    return selfcheck.dispatch("grouped_gemm", backend, _grouped_gemm_triton, _grouped_matmul_torch,
+                              x, weight, group_sizes)
+
+
+def _grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    from kernels import grouped_gemm
+    return grouped_gemm.grouped_gemm(x, weight, group_sizes, backend="triton")
+
+
+def _grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
     if aligned and (x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)):
         offsets = torch.cumsum(group_sizes, 0).to(torch.int32)

@@ -16,7 +16,8 @@ import torch
 
 from torch import nn
 
-from kernels.backend import resolve_backend
+from kernels import selfcheck
+from kernels.backend import CHECKED, resolve_backend
 from models.gpt import init_model_chunks
 from mpu.distributed_optimizer import ShardedAdamW
 from mpu.offload import OffloadedAdamW
@@ -212,6 +213,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         if env.is_main:
             print(f"meshtron: checkpoint of step {state.step} saved to {path}", flush=True)
 
+    first_step = state.step
     try:
         for step in range(state.step, t.max_steps):
             lr = lr_at(step, lr=run.optim.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
@@ -232,6 +234,11 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                 if t.trace_step == step + 1:
                     watchdog.phase(f"step {step + 1}: pipeline trace gather_object")
                     _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
+            if step == first_step and cfg.kernel_backend == CHECKED:
+                # Every kernel of the model ran (and was checked) in this step: make the
+                # verdicts final and the same on every rank (a collective, every rank, here).
+                watchdog.phase(f"step {step + 1}: kernel self-check agreement all_reduce")
+                selfcheck.agree(env.device)
             window_steps += 1
             state.step, state.consumed_samples = step + 1, state.consumed_samples + t.global_batch_size
             if precision.scaler is not None:
