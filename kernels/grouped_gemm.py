@@ -20,12 +20,15 @@ Backward: dx = the same kernel on dy with weight[g]^T (a transposed view through
 copy); dW[g] = x[rows of g]^T @ dy[rows of g] with a kernel gridded over (group, K tile,
 N tile) that loops over the group's rows (empty groups write zeros).
 
-All kernels accumulate in fp32 and accept fp32 / bf16 / fp16 inputs; outputs have the
-input dtypes (y and dx like x, dW like weight). Under TRITON_INTERPRET=1 (CPU tests) tiles are
-cast to fp32 before `tl.dot` (the interpreter's bf16 dot is wrong) and a single autotune
-config is used (several need a driver). For fp32 inputs on GPU, `tl.dot` uses TF32 exactly
-when `torch.backends.cuda.matmul.allow_tf32` is set (as torch's own matmul does), IEEE fp32
-otherwise.
+All kernels accumulate in fp32 and accept fp32 / bf16 / fp16 inputs. Under autocast x and
+the weight are cast to the autocast dtype first (16-bit weight copies made once per step,
+kernels/operands.py), so y and dx come out 16-bit while dW is written in the main weight's
+dtype from the fp32 accumulator. Under TRITON_INTERPRET=1 (CPU tests) tiles are cast to fp32
+before `tl.dot` (the interpreter's bf16 dot is wrong) and a single autotune config is used
+(several need a driver); on a GPU the configs are pruned per device (kernels/configs.py)
+before autotuning. For fp32 inputs `tl.dot` uses TF32 exactly when `kernels.tf32` allows it
+(kernels/tf32.py; by default when torch's own fp32 matmuls would); the dot precision is
+part of the autotune key.
 
 Precondition (not checked on device, it would need a host sync): sum(group_sizes) == N.
 The reference raises when it does not hold; the Triton path leaves rows past the last group
@@ -37,6 +40,9 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import interpreting
+from kernels.configs import gemm_prune
+from kernels.operands import compute_dtype, weight_copy
+from kernels.tf32 import dot_precision
 
 try:
     import triton
@@ -79,28 +85,39 @@ def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes: t
 
 if triton is not None:
 
-    def _gemm_configs():
-        if interpreting():
-            return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    def gpu_gemm_configs() -> list:
+        """Ampere/Hopper candidates of the forward/dx kernel, before per-device pruning."""
         return [
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
             triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=4),
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3),
         ]
 
-    def _dw_configs():
-        if interpreting():
-            return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    def gpu_dw_configs() -> list:
+        """Ampere/Hopper candidates of the dW kernel, before per-device pruning."""
         return [
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+            triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
         ]
 
-    @triton.autotune(configs=_gemm_configs(), key=["K", "N_OUT", "G_BLOCK"])
+    def _interpreter_configs() -> list:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+
+    def _gemm_configs():
+        return _interpreter_configs() if interpreting() else gpu_gemm_configs()
+
+    def _dw_configs():
+        return _interpreter_configs() if interpreting() else gpu_dw_configs()
+
+    # y = x @ w: A tiles [BLOCK_M, BLOCK_K] of x, B tiles [BLOCK_K, BLOCK_N] of w.
+    @triton.autotune(configs=_gemm_configs(), key=["K", "N_OUT", "G_BLOCK", "INPUT_PRECISION"],
+                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)})
     @triton.jit
     def _grouped_gemm_kernel(
         x_ptr, w_ptr, y_ptr, sizes_ptr,
@@ -158,7 +175,10 @@ if triton is not None:
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
-    @triton.autotune(configs=_dw_configs(), key=["K", "N_OUT", "G_BLOCK"])
+    # dW = x^T @ dy: output tiles [BLOCK_K, BLOCK_N], reduction over BLOCK_M rows.
+    @triton.autotune(configs=_dw_configs(), key=["K", "N_OUT", "G_BLOCK", "INPUT_PRECISION"],
+                     prune_configs_by={"early_config_prune": gemm_prune(
+                         "x_ptr", a_tiles=1, b_tiles=1, dims=("BLOCK_K", "BLOCK_N", "BLOCK_M"))})
     @triton.jit
     def _grouped_gemm_dw_kernel(
         x_ptr, dy_ptr, dw_ptr, sizes_ptr,
@@ -218,10 +238,8 @@ def _require_triton(t: torch.Tensor) -> None:
 
 
 def _kernel_flags(dtype: torch.dtype) -> dict:
-    cast = interpreting()
     # input_precision only changes fp32 dots; 16-bit inputs always use the tensor cores.
-    ieee = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    return {"CAST_FP32": cast, "INPUT_PRECISION": "ieee" if ieee else "tf32"}
+    return {"CAST_FP32": interpreting(), "INPUT_PRECISION": dot_precision(dtype)}
 
 
 def _g_block(groups: int) -> int:
@@ -274,32 +292,34 @@ def _launch_dw(x: torch.Tensor, dy: torch.Tensor, sizes: torch.Tensor, groups: i
 class GroupedGemmFunction(torch.autograd.Function):
     """Autograd Function of the Triton grouped GEMM.
 
-    forward(x [N, in], weight [G, in, out], group_sizes [G]) -> y [N, out] with
-    y[rows of g] = x[rows of g] @ weight[g];
-    backward: dx[rows of g] = dy[rows of g] @ weight[g]^T (forward kernel, weight transposed
-    through strides), dW[g] = x[rows of g]^T @ dy[rows of g] (zeros for empty groups);
-    group_sizes gets no gradient.
+    forward(x [N, in], weight [G, in, out], group_sizes [G], w_c) -> y [N, out] with
+    y[rows of g] = x[rows of g] @ w_c[g], where w_c is the copy of `weight` in x's dtype (the
+    compute dtype; `weight` itself when it already has it);
+    backward: dx[rows of g] = dy[rows of g] @ w_c[g]^T (forward kernel, weight transposed
+    through strides), dW[g] = x[rows of g]^T @ dy[rows of g] in weight's dtype (zeros for
+    empty groups); group_sizes and w_c get no gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, group_sizes):
+    def forward(ctx, x, weight, group_sizes, w_c):
         _require_triton(x)
         _check_shapes(x, weight, group_sizes)
-        if weight.dtype != x.dtype:
-            raise ValueError(f"grouped_gemm wants x and weight of one dtype, got {x.dtype} and {weight.dtype}")
+        if w_c.dtype != x.dtype or w_c.shape != weight.shape:
+            raise ValueError(f"grouped_gemm wants the weight copy in x's dtype {x.dtype}, got {w_c.dtype}")
         sizes = group_sizes.to(device=x.device, dtype=torch.int32)
-        ctx.save_for_backward(x, weight, sizes)
-        return _launch_gemm(x, weight, sizes, x.dtype)
+        ctx.save_for_backward(x, w_c, sizes)
+        ctx.w_dtype = weight.dtype
+        return _launch_gemm(x, w_c, sizes, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, sizes = ctx.saved_tensors
+        x, w_c, sizes = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _launch_gemm(dy, weight.transpose(1, 2), sizes, x.dtype)
+            dx = _launch_gemm(dy, w_c.transpose(1, 2), sizes, x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _launch_dw(x, dy, sizes, weight.shape[0], weight.dtype)
-        return dx, dw, None
+            dw = _launch_dw(x, dy, sizes, w_c.shape[0], ctx.w_dtype)
+        return dx, dw, None, None
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "torch") -> torch.Tensor:
@@ -309,10 +329,14 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tenso
     backend "torch": `grouped_gemm_reference` (the fast torch path lives in
     moe/experts.py `grouped_matmul`); "triton": `GroupedGemmFunction` (one launch for all
     groups forward, two in backward; CUDA, or CPU under TRITON_INTERPRET=1).
-    Differentiable in x and weight; fp32 accumulation for fp32 / bf16 / fp16 inputs.
+    Differentiable in x and weight; fp32 accumulation for fp32 / bf16 / fp16 inputs. The
+    Triton path computes in autocast's dtype under autocast (x and weight cast to it, the
+    weight copy cached per step: kernels/operands.py), else in x.dtype; y has the compute
+    dtype and dW weight's dtype.
     """
     if backend == "torch":
         return grouped_gemm_reference(x, weight, group_sizes)
     if backend == "triton":
-        return GroupedGemmFunction.apply(x, weight, group_sizes)
+        dtype = compute_dtype(x)
+        return GroupedGemmFunction.apply(x.to(dtype), weight, group_sizes, weight_copy(weight, dtype))
     raise ValueError(f"grouped_gemm backend={backend!r} must be 'torch' or 'triton'")

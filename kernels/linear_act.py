@@ -24,9 +24,14 @@ backward  (1) `_linear_act_bwd_kernel` recomputes the pre-activation tile(s) wit
           dW = g^T @ x (for SwiGLU one launch over [g_gate | g_up]^T giving [dW_gate; dW_up]);
           db = g.sum(0) is a torch reduction (not a Triton kernel).
 
-On the interpreter tiles are cast to fp32 before `tl.dot` (bf16 dots are wrong there) and
-a single autotune config is used; on a GPU a few Ampere/Hopper configs are autotuned. fp32
-inputs use tf32 dots only when `torch.backends.cuda.matmul.allow_tf32` is set (matching torch).
+Precision: under autocast (trainer.precision=bf16|fp16) x and the weights are cast to the
+autocast dtype (16-bit weight copies made once per step, kernels/operands.py) and every
+matmul multiplies 16-bit tiles with fp32 accumulation (tensor cores); dW is written in the
+main weights' dtype. fp32 inputs use tf32 dots only when `kernels.tf32` allows it
+(kernels/tf32.py, matching torch's policy by default); the dot precision is part of the
+autotune key. On the interpreter tiles are cast to fp32 before `tl.dot` (bf16 dots are wrong
+there) and a single autotune config is used; on a GPU the Ampere/Hopper configs of
+`gpu_configs` are pruned per device (kernels/configs.py) and autotuned.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import interpreting
+from kernels.configs import gemm_prune
+from kernels.operands import compute_dtype, weight_copy
+from kernels.tf32 import dot_precision
 
 try:  # the torch backend works without triton
     import triton
@@ -84,13 +92,20 @@ def _configs(bm_bn_bk_warps_stages):
             for bm, bn, bk, w, s in bm_bn_bk_warps_stages]
 
 
+def gpu_configs(dual: bool = False) -> list:
+    """The Ampere/Hopper autotune candidates (before the per-device pruning of
+    `kernels.configs.gemm_prune`). `dual`: two B operands per K step (SwiGLU, dual dx)."""
+    if dual:  # two accumulators or two products per step: smaller tiles keep registers in check
+        return _configs([(128, 64, 64, 8, 3), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 4, 4),
+                         (64, 64, 32, 4, 3)])
+    return _configs([(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4),
+                     (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)])
+
+
 def _autotune_configs(dual: bool = False):
     if interpreting():
         return _configs([(32, 32, 16, 4, 1)])
-    if dual:  # two accumulators: keep register pressure in check
-        return _configs([(128, 64, 64, 8, 3), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 4, 4)])
-    return _configs([(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4),
-                     (64, 128, 32, 4, 4), (64, 64, 64, 4, 4)])
+    return gpu_configs(dual)
 
 
 if triton is not None:
@@ -174,7 +189,8 @@ if triton is not None:
             dy = cdf + u * 0.3989422804014327 * tl.exp(-0.5 * u * u)  # 1/sqrt(2 pi)
         return y, dy
 
-    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K"])
+    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "PRECISION"],
+                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)})
     @triton.jit
     def _linear_gelu_fwd_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
                                 stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
@@ -194,7 +210,8 @@ if triton is not None:
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
-    @triton.autotune(configs=_autotune_configs(dual=True), key=["M", "N", "K"])
+    @triton.autotune(configs=_autotune_configs(dual=True), key=["M", "N", "K", "PRECISION"],
+                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)})
     @triton.jit
     def _linear_swiglu_fwd_kernel(x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, out_ptr, M, N, K,
                                   stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
@@ -216,7 +233,8 @@ if triton is not None:
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
-    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K"])
+    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "PRECISION"],
+                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)})
     @triton.jit
     def _linear_gelu_bwd_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, g_ptr, M, N, K,
                                 stride_xm, stride_xk, stride_wn, stride_wk, stride_dym, stride_dyn,
@@ -240,7 +258,8 @@ if triton is not None:
         g = dy.to(tl.float32) * dact
         tl.store(g_ptr + rows * stride_gm + offs_n[None, :] * stride_gn, g.to(g_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune(configs=_autotune_configs(dual=True), key=["M", "N", "K"])
+    @triton.autotune(configs=_autotune_configs(dual=True), key=["M", "N", "K", "PRECISION"],
+                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)})
     @triton.jit
     def _linear_swiglu_bwd_kernel(x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, dy_ptr, gg_ptr, gu_ptr, M, N, K,
                                   stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
@@ -269,7 +288,8 @@ if triton is not None:
         tl.store(gg_ptr + g_off, g_gate.to(gg_ptr.dtype.element_ty), mask=mask)
         tl.store(gu_ptr + g_off, g_up.to(gu_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "DUAL"])
+    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "DUAL", "PRECISION"],
+                     prune_configs_by={"early_config_prune": gemm_prune("a_ptr", a_tiles=1, b_tiles=1, dual="DUAL")})
     @triton.jit
     def _matmul_kernel(a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, M, N, K,
                        stride_am, stride_ak, stride_bk, stride_bn,
@@ -320,23 +340,25 @@ def _grid(M, N):
 
 def _dot_flags(dtype: torch.dtype):
     """(CAST_F32, PRECISION): fp32 tiles under the interpreter (bf16 tl.dot is wrong there);
-    ieee fp32 dots unless torch allows tf32."""
-    cast = interpreting()
-    if dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32:
-        return cast, "tf32"
-    return cast, "ieee"
+    the dot precision from `kernels.tf32` (tf32 or ieee for fp32, ignored for 16-bit)."""
+    return interpreting(), dot_precision(dtype)
 
 
-def _check(x, *tensors):
+def _check(x, weights, biases):
+    """Operands as the kernels take them: x and the weight copies in one compute dtype on one
+    device; biases (fp32 main or 16-bit, read in fp32) on that device."""
     if triton is None:
         raise RuntimeError("backend='triton' needs the triton package")
     if x.device.type != "cuda" and not interpreting():
         raise RuntimeError("backend='triton' on CPU runs only under TRITON_INTERPRET=1 (tests); use backend='torch'")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"linear_act: unsupported dtype {x.dtype} (fp32/fp16/bf16)")
-    for t in tensors:
-        if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise TypeError("linear_act: weights/biases must match x's dtype and device")
+    for w in weights:
+        if w.dtype != x.dtype or w.device != x.device:
+            raise TypeError(f"linear_act: weight {w.dtype} on {w.device} does not match x {x.dtype} on {x.device}")
+    for b in biases:
+        if b is not None and (not b.is_floating_point() or b.device != x.device):
+            raise TypeError(f"linear_act: bias {b.dtype} on {b.device} must be floating point on {x.device}")
 
 
 def _matmul(a, b, out, a2=None, b2=None):
@@ -383,8 +405,10 @@ def _linear_act_fwd(x2, weights, biases, act):
     return out
 
 
-def _linear_act_bwd(x2, weights, biases, act, dy, needs):
+def _linear_act_bwd(x2, weights, biases, act, dy, needs, dw_dtype):
     """Triton backward on 2-D tensors: (dx, *dweights, *dbiases), None where not needed.
+    `weights` are the compute-dtype copies the forward used; dW is written in `dw_dtype` (the
+    main weights' dtype) straight from the fp32 accumulator, db in each bias's dtype.
     `needs` = (x, *weights, *biases) flags in that order."""
     M, K = x2.shape
     N = weights[0].shape[0]
@@ -421,7 +445,7 @@ def _linear_act_bwd(x2, weights, biases, act, dy, needs):
     # dW = g^T @ x  (SwiGLU: one launch giving [dW_gate; dW_up])
     dws = [None] * nw
     if any(needs[1:1 + nw]):
-        dw = torch.empty((nw * N, K), device=x2.device, dtype=x2.dtype)
+        dw = torch.empty((nw * N, K), device=x2.device, dtype=dw_dtype)
         if M == 0:
             dw.zero_()
         else:
@@ -439,59 +463,58 @@ def _linear_act_bwd(x2, weights, biases, act, dy, needs):
 
 
 class _LinearGeluFn(torch.autograd.Function):
-    """Triton gelu(x @ W^T + b); saves x and W (not the pre-activation)."""
+    """Triton gelu(x @ W^T + b) on x and the compute-dtype copy `w_c` of W; saves x and w_c
+    (not the pre-activation) and returns the gradient of the main weight W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, approximate):
+    def forward(ctx, x, weight, bias, w_c, approximate):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         act = _GELU_TANH if approximate == "tanh" else _GELU_NONE
-        out = _linear_act_fwd(x2, (weight,), (bias,), act)
-        ctx.save_for_backward(x2, weight, bias)
-        ctx.act, ctx.shape = act, shape
-        return out.view(*shape[:-1], weight.shape[0])
+        out = _linear_act_fwd(x2, (w_c,), (bias,), act)
+        ctx.save_for_backward(x2, w_c, bias)
+        ctx.act, ctx.shape, ctx.w_dtype = act, shape, weight.dtype
+        return out.view(*shape[:-1], w_c.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, bias = ctx.saved_tensors
-        dy2 = dy.reshape(-1, weight.shape[0])
+        x2, w_c, bias = ctx.saved_tensors
+        dy2 = dy.reshape(-1, w_c.shape[0])
         needs = ctx.needs_input_grad[:3]
-        dx, dw, db = _linear_act_bwd(x2, (weight,), (bias,), ctx.act, dy2, needs)
+        dx, dw, db = _linear_act_bwd(x2, (w_c,), (bias,), ctx.act, dy2, needs, ctx.w_dtype)
         if dx is not None:
             dx = dx.view(ctx.shape)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class _LinearSwigluFn(torch.autograd.Function):
-    """Triton silu(x Wg^T + bg) * (x Wu^T + bu); saves x and the weights (not the
-    pre-activations)."""
+    """Triton silu(x Wg^T + bg) * (x Wu^T + bu) on x and the compute-dtype copies of the
+    weights; saves x and the copies (not the pre-activations) and returns the gradients of
+    the main weights."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, b_gate, w_up, b_up):
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up, wg_c, wu_c):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out = _linear_act_fwd(x2, (w_gate, w_up), (b_gate, b_up), _SWIGLU)
-        ctx.save_for_backward(x2, w_gate, b_gate, w_up, b_up)
-        ctx.shape = shape
-        return out.view(*shape[:-1], w_gate.shape[0])
+        out = _linear_act_fwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU)
+        ctx.save_for_backward(x2, wg_c, b_gate, wu_c, b_up)
+        ctx.shape, ctx.w_dtype = shape, w_gate.dtype
+        return out.view(*shape[:-1], wg_c.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w_gate, b_gate, w_up, b_up = ctx.saved_tensors
-        dy2 = dy.reshape(-1, w_gate.shape[0])
+        x2, wg_c, b_gate, wu_c, b_up = ctx.saved_tensors
+        dy2 = dy.reshape(-1, wg_c.shape[0])
         n = ctx.needs_input_grad
         needs = (n[0], n[1], n[3], n[2], n[4])  # (x, w_gate, w_up, b_gate, b_up)
-        dx, dwg, dwu, dbg, dbu = _linear_act_bwd(x2, (w_gate, w_up), (b_gate, b_up), _SWIGLU, dy2, needs)
+        dx, dwg, dwu, dbg, dbu = _linear_act_bwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, dy2, needs,
+                                                 ctx.w_dtype)
         if dx is not None:
             dx = dx.view(ctx.shape)
-        return dx, dwg, dbg, dwu, dbu
+        return dx, dwg, dbg, dwu, dbu, None, None
 
 
 # ----------------------------------------------------------------------------- public API
-
-
-def _cast(t, dtype):
-    return None if t is None else t.to(dtype)
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -499,9 +522,11 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """gelu(x @ weight.T + bias), differentiable in x, weight and bias.
 
     x [..., K], weight [N, K], bias [N] or None; approximate "tanh" or "none"; output
-    [..., N] in x.dtype (fp32/fp16/bf16, fp32 accumulation). backend "torch" runs
+    [..., N] in the compute dtype (fp32 accumulation): autocast's dtype under autocast (x and
+    weight cast to it, see kernels/operands.py), else x.dtype. backend "torch" runs
     `linear_gelu_reference`; "triton" the fused kernels (forward with the activation in the
-    matmul epilogue; backward recomputes the pre-activation instead of storing it).
+    matmul epilogue; backward recomputes the pre-activation instead of storing it; dW and db
+    in the dtypes of weight and bias).
     """
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate={approximate!r} must be one of {GELU_APPROXIMATIONS}")
@@ -509,19 +534,21 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return linear_gelu_reference(x, weight, bias, approximate)
     if backend != "triton":
         raise ValueError(f"backend={backend!r} must be 'torch' or 'triton'")
-    weight, bias = _cast(weight, x.dtype), _cast(bias, x.dtype)
-    _check(x, weight, bias)
-    return _LinearGeluFn.apply(x, weight, bias, approximate)
+    dtype = compute_dtype(x)
+    x, w_c = x.to(dtype), weight_copy(weight, dtype)
+    _check(x, (w_c,), (bias,))
+    return _LinearGeluFn.apply(x, weight, bias, w_c, approximate)
 
 
 def linear_swiglu(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None,
                   w_up: torch.Tensor, b_up: torch.Tensor | None, backend: str = "torch") -> torch.Tensor:
     """silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), differentiable in all inputs.
 
-    x [..., K], w_gate/w_up [N, K], b_gate/b_up [N] or None; output [..., N] in x.dtype
-    (fp32/fp16/bf16, fp32 accumulation). backend "torch" runs `linear_swiglu_reference`;
-    "triton" the fused kernels (gate and up accumulated from the same x tiles, only the
-    product written; backward recomputes both pre-activations instead of storing them).
+    x [..., K], w_gate/w_up [N, K], b_gate/b_up [N] or None; output [..., N] in the compute
+    dtype (autocast's under autocast, else x.dtype; fp32 accumulation). backend "torch" runs
+    `linear_swiglu_reference`; "triton" the fused kernels (gate and up accumulated from the
+    same x tiles, only the product written; backward recomputes both pre-activations instead
+    of storing them).
     """
     if backend == "torch":
         return linear_swiglu_reference(x, w_gate, b_gate, w_up, b_up)
@@ -529,6 +556,7 @@ def linear_swiglu(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | 
         raise ValueError(f"backend={backend!r} must be 'torch' or 'triton'")
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must have the same shape")
-    w_gate, b_gate, w_up, b_up = (_cast(t, x.dtype) for t in (w_gate, b_gate, w_up, b_up))
-    _check(x, w_gate, b_gate, w_up, b_up)
-    return _LinearSwigluFn.apply(x, w_gate, b_gate, w_up, b_up)
+    dtype = compute_dtype(x)
+    x, wg_c, wu_c = x.to(dtype), weight_copy(w_gate, dtype), weight_copy(w_up, dtype)
+    _check(x, (wg_c, wu_c), (b_gate, b_up))
+    return _LinearSwigluFn.apply(x, w_gate, b_gate, w_up, b_up, wg_c, wu_c)

@@ -186,6 +186,13 @@ if triton_available():
             kept = [max((c for c in configs if c.kwargs["BLOCK_M"] == 1), key=lambda c: c.num_warps)]
         return kept
 
+    def gpu_norm_configs() -> tuple[list, list]:
+        """(forward, backward) Hopper/Ampere candidates: several rows per program for small H,
+        one row with many warps for large H; pruned by elements per thread (`_prune_configs`)."""
+        fwd = [triton.Config({"BLOCK_M": bm}, num_warps=nw) for bm in (1, 2, 4, 8, 16) for nw in (2, 4, 8, 16)]
+        bwd = [triton.Config({"BLOCK_M": bm}, num_warps=nw) for bm in (1, 2, 4, 8) for nw in (4, 8, 16)]
+        return fwd, bwd
+
     @functools.lru_cache(maxsize=None)
     def _kernels(interp: bool):
         """(forward, backward) autotuned kernels for interpreter mode `interp`."""
@@ -196,18 +203,7 @@ if triton_available():
             bwd_cfgs = [triton.Config({"BLOCK_M": 4}, num_warps=4)]
             prune = None
         else:
-            # Hopper/Ampere: several rows per program for small H, one row with many warps
-            # for large H; pruned by elements per thread.
-            fwd_cfgs = [
-                triton.Config({"BLOCK_M": bm}, num_warps=nw)
-                for bm in (1, 2, 4, 8, 16)
-                for nw in (2, 4, 8, 16)
-            ]
-            bwd_cfgs = [
-                triton.Config({"BLOCK_M": bm}, num_warps=nw)
-                for bm in (1, 2, 4, 8)
-                for nw in (4, 8, 16)
-            ]
+            fwd_cfgs, bwd_cfgs = gpu_norm_configs()
             prune = {"early_config_prune": _prune_configs}
         key = ["H", "IS_RMS", "HAS_BIAS"]
         fwd = triton.autotune(configs=fwd_cfgs, key=key, prune_configs_by=prune)(triton.jit(_norm_fwd_kernel))
