@@ -2,6 +2,7 @@
 
     python bench/kernels.py                 # CPU: says the Triton kernels need a GPU; times the torch path
     python bench/kernels.py --device cuda   # GPU: Triton vs torch vs torch.compile, TFLOP/s or GB/s
+    python bench/kernels.py --device cuda --dtype fp32   # default dtype: bf16 on GPU, fp32 on CPU
 
 Shapes are gpt_1b's (configs/model/gpt_1b.yaml) at tp=4 with a 4096-token microbatch
 (micro_batch 2 x seq 2048), or smaller with --tokens. Each entry reports forward+backward
@@ -90,12 +91,15 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="input dtype (auto: bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the reference")
     args = parser.parse_args()
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    dtype = dtypes[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if gpu else torch.float32)
     tokens = args.tokens or (4096 if gpu else 256)
     peak, peak_source = peak_flops(device, dtype)
     report = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "dtype": str(dtype), "tokens": tokens,

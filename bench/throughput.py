@@ -33,6 +33,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from kernels import selfcheck  # noqa: E402
+from kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
 from models.gpt import init_model_chunks  # noqa: E402
 from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
@@ -40,6 +42,7 @@ from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from training.flops import model_flops_per_token  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.peak import peak_flops  # noqa: E402
+from training.precision import Precision  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 SEED = 1234
@@ -87,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch threads per process (default: torch's current count; under torchrun "
                         "on CPU without OMP_NUM_THREADS: max(1, cores // local processes))")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--kernels", default="torch", choices=["auto", "torch", "triton"],
+                   help="kernels.backend: torch (default), triton (strict) or auto (self-checked Triton on CUDA)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute precision as trainer.precision (autocast; fp32 main weights)")
     p.add_argument("--profile", action="store_true",
                    help="profile one extra step with torch.profiler; table to stderr on rank 0")
     args = p.parse_args(argv)
@@ -164,14 +171,15 @@ def sync_step(out: dict, device: torch.device) -> float:
     return float(out["loss"].item())
 
 
-def profile_step(model, reducer, optimizer, micro, mesh, device, rank: int) -> None:
+def profile_step(model, reducer, optimizer, micro, mesh, device, rank: int, precision=None) -> None:
     """One train_step under torch.profiler; rank 0 prints op table and a phase breakdown to stderr."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=False) as prof:
         with record_function("bench::train_step"):
-            out = train_step(model, reducer, optimizer, micro, mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM)
+            out = train_step(model, reducer, optimizer, micro, mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM,
+                             precision=precision)
             sync_step(out, device)
     if rank != 0:
         return
@@ -209,12 +217,14 @@ def main(argv=None) -> None:
     rank = dist.get_rank() if world > 1 else 0
 
     try:
+        backend = resolve_backend(args.kernels, device.type)
         cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
-                        seq_len=args.seq, dropout=0.0)
+                        seq_len=args.seq, dropout=0.0, kernel_backend=backend)
         mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp), cfg, device_type=device.type)
-    except ValueError as exc:  # ParallelConfigError is a ValueError
+    except (ValueError, RuntimeError) as exc:  # ParallelConfigError is a ValueError
         fail(str(exc))
+    precision = Precision(args.precision, device.type)
     dp = mesh.dp_size
     if args.batch % dp:
         fail(f"--batch={args.batch} is not divisible by dp={dp} (world {world} / tp={args.tp})")
@@ -239,8 +249,11 @@ def main(argv=None) -> None:
         if world > 1:
             dist.barrier()  # every rank starts the step together; the barrier is outside the timing
         t0 = time.perf_counter()
-        out = train_step(model, reducer, optimizer, batches[i], mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM)
+        out = train_step(model, reducer, optimizer, batches[i], mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM,
+                         precision=precision)
         loss = sync_step(out, device)
+        if i == 0 and backend == CHECKED:
+            selfcheck.agree(device)  # as the training loop does after its first step
         dt = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(dt)
@@ -264,14 +277,15 @@ def main(argv=None) -> None:
         times = t.tolist()
 
     if args.profile:
-        profile_step(model, reducer, optimizer, batches[-1], mesh, device, rank)
+        profile_step(model, reducer, optimizer, batches[-1], mesh, device, rank, precision)
 
     # Peak as the training loop computes it: this process's peak (CPU: measured matmul on its
     # threads, every rank measuring at once as they do at the start of a run; CUDA: datasheet)
     # times the world size.
     if world > 1:
         dist.barrier()
-    per_proc, source = peak_flops(device, torch.float32)
+    peak_dtype = precision.dtype if precision.dtype is not None and device.type == "cuda" else torch.float32
+    per_proc, source = peak_flops(device, peak_dtype)
     total_peak = per_proc * world
     peak_source = source if world == 1 else f"{world} x rank 0's {source} ({per_proc / 1e9:.1f} GFLOP/s each)"
 
@@ -294,7 +308,10 @@ def main(argv=None) -> None:
 
     result = {
         "bench": "throughput",
-        "config": {**shape, "micro_batch": micro, "dtype": "fp32", "optimizer": "AdamW",
+        "config": {**shape, "micro_batch": micro, "dtype": args.precision, "optimizer": "AdamW",
+                   "kernels": backend,
+                   "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS
+                                       if selfcheck.verdict(k) is not None},
                    "tie_embeddings": cfg.tie_embeddings, "padded_vocab": cfg.padded_vocab_size(args.tp)},
         "layout": {"world": world, "tp": args.tp, "dp": dp, "sp": bool(args.sp), "pp": 1,
                    "microbatches_per_rank": per_rank // micro, "threads_per_process": threads},

@@ -193,6 +193,7 @@ def test_ranks_agree_on_every_kernel():
         assert result["ok"], f"{case}: " + "\n".join(f"rank {r}: {e}" for r, e in result["errors"].items())
 
 
+@pytest.mark.timeout(300)
 def test_training_loop_agrees_after_its_first_step(monkeypatch, tmp_path, recwarn):
     """run_training resolves to the checked mode (forced here; auto does it on CUDA), checks
     each kernel in step 1, calls `agree` once right after it, and runs Triton from step 2."""
