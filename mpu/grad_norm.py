@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpu.mesh import Mesh, group_size
+from mpu.mesh import Mesh, collective_device, group_size
 
 
 def _sum_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
@@ -31,7 +31,8 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor:
     `mesh.ep_etp` (experts) and `mesh.pp` (stages; a tied embedding's copy on the last stage
     is skipped, so it counts once)."""
     with_grad = [p for p in params if p.grad is not None and not getattr(p, "tied_embedding_copy", False)]
-    device = with_grad[0].grad.device if with_grad else torch.device("cpu")
+    # A rank without gradients still joins the all-reduces, with a zero on the group's device.
+    device = with_grad[0].grad.device if with_grad else collective_device()
     expert = [p.grad for p in with_grad if getattr(p, "expert", False)]
     dense = [p for p in with_grad if not getattr(p, "expert", False)]
     sharded = [p.grad for p in dense if getattr(p, "tp_shard_dim", None) is not None]
@@ -93,7 +94,7 @@ def sharded_grad_norm(reducer, mesh: Mesh) -> torch.Tensor:
     summed over each bucket's replica group (dp, tp x dp, edp); the tp-sharded sum is then
     summed over `mesh.tp`, the expert sum over `mesh.ep_etp`, the total over `mesh.pp`."""
     buckets = reducer.buckets
-    device = buckets[0].shard.device if buckets else torch.device("cpu")
+    device = buckets[0].shard.device if buckets else collective_device()
     per_key: dict[str, list] = {}
     for bucket in buckets:
         entry = per_key.setdefault(bucket.key, [bucket.group, [[], [], []]])

@@ -132,6 +132,19 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def collective_device(group=None) -> torch.device:
+    """The device whose tensors collectives and point-to-point ops over `group` (torch's
+    convention: None is the default, world group) must use: the current CUDA device on NCCL,
+    the CPU on gloo and without any process group. Every mesh group is created with the
+    world's backend, so for them the answer is the world's."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Mesh:
     """Process groups of one parallel layout.
 

@@ -1,12 +1,15 @@
 """Pipeline execution: run a schedule's actions on this rank's model chunks, passing
-activations forward and their gradients backward with point-to-point messages over the
-pipeline group.
+activations forward and their gradients backward with point-to-point messages to the
+neighbouring pipeline stages.
 
-Messages are non-blocking sends and blocking receives of tensors whose shape is known from
-the config ([s (/tp under SP), micro_batch, h]), so there is no shape handshake. Each message
-carries a tag (microbatch, chunk, direction), so several in flight between the same pair of
-ranks never get mixed up. A timeline of every forward, backward and receive wait is kept
-for Chrome-trace export and bubble measurement (`mpu.pipeline_trace`).
+Which message goes when is `mpu.pipeline_p2p`'s plan, derived from every rank's action list:
+each directed channel between two ranks has one message order that both ends follow, so
+pairing never depends on tags (NCCL ignores them), and the sends and receives two neighbours
+exchange at one step are posted as one `batch_isend_irecv` on each side, so no rank blocks in
+a receive while its peer blocks in another. Tensor shapes are known from the config
+([s (/tp under SP), micro_batch, h]), so there is no shape handshake. A timeline of every
+forward, backward and communication wait is kept for Chrome-trace export and bubble
+measurement (`mpu.pipeline_trace`).
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpu.mesh import Mesh
+from mpu.mesh import Mesh, collective_device
+from mpu.pipeline_p2p import GRADIENT, Batch, Message, RankPlan, needed_message, plan_p2p, produced_message
 from mpu.pipeline_schedules import Action
 
 # loss_fn(chunk, output, microbatch_index) -> scalar loss to back-propagate (already scaled)
@@ -31,7 +35,9 @@ ExtraFn = Callable[[nn.Module], torch.Tensor | None]
 
 @dataclass
 class TimelineEvent:
-    """One span of work on this rank: name F/B/recv, microbatch, chunk, start/end seconds."""
+    """One span of work on this rank: name F or B (compute), recv_F / recv_B (the message batch
+    waited for before that action) or send (the batch after the last action); microbatch,
+    chunk, start/end seconds."""
 
     name: str
     microbatch: int
@@ -54,55 +60,102 @@ def activation_shape(mesh: Mesh, seq_len: int, micro_batch: int, hidden: int) ->
 
 class PipelineExecutor:
     """Runs schedules over `chunks` (this rank's model chunks; chunk c is virtual stage
-    c * pp + pp_rank) with P2P over `mesh.pp` (global ranks of the neighbouring stages)."""
+    c * pp + pp_rank), exchanging activations and gradients with the neighbouring stages by
+    point-to-point messages on the default (world) group, addressed by global rank.
+
+    The world group rather than `mesh.pp`: batched point-to-point on NCCL must not be the
+    first operation of its group unless every rank of the group joins it, and the world has
+    run collectives (and, with `device_id`, been initialized eagerly) before any step.
+    `tags=False` posts every message with tag 0: pairing is then by order alone on every
+    backend, as on NCCL (the multi-process tests run that way); the default keeps distinct
+    tags, which gloo checks and NCCL ignores.
+    """
 
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, activation_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, *, tags: bool = True):
         self.chunks, self.mesh = chunks, mesh
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, len(chunks)
-        self.shape, self.dtype, self.device = activation_shape, dtype, device
+        self.shape, self.dtype, self.device = activation_shape, dtype, torch.device(device)
+        self.tags = tags
         self.num_virtual = self.pp * self.v
-        stage_ranks = dist.get_process_group_ranks(mesh.pp)
-        self.prev_rank = stage_ranks[(self.rank - 1) % self.pp]
-        self.next_rank = stage_ranks[(self.rank + 1) % self.pp]
+        self.stage_ranks = dist.get_process_group_ranks(mesh.pp)
+        wanted = collective_device()
+        if self.device.type != wanted.type:
+            raise ValueError(f"pipeline messages on {self.device} cannot travel over the {dist.get_backend()} "
+                             f"backend, which moves {wanted.type} tensors")
+        self._plans: dict[int, tuple] = {}  # id(schedules) -> (schedules, plans): schedules are reused
 
-    def _virtual_stage(self, chunk: int) -> int:
-        return chunk * self.pp + self.rank
+    def _tag(self, message: Message) -> int:
+        if not self.tags:
+            return 0
+        return (message.microbatch * self.num_virtual + message.dst_stage) * 2 + int(message.kind == GRADIENT)
 
-    def _tag(self, microbatch: int, virtual_stage: int, backward: bool) -> int:
-        return (microbatch * self.num_virtual + virtual_stage) * 2 + int(backward)
+    def plan(self, schedules: Sequence[Sequence[Action]]) -> RankPlan:
+        """This rank's batches of sends and receives for `schedules` (`plan_p2p`, cached per
+        schedules object)."""
+        cached = self._plans.get(id(schedules))
+        if cached is None or cached[0] is not schedules:
+            if len(schedules) != self.pp:
+                raise ValueError(f"need the action lists of all {self.pp} pipeline ranks, got {len(schedules)}")
+            cached = (schedules, plan_p2p(schedules, self.v))
+            if len(self._plans) >= 4:  # training and evaluation schedules; a few at most
+                self._plans.clear()
+            self._plans[id(schedules)] = cached
+        return cached[1][self.rank]
 
-    def _recv(self, src: int, tag: int, result: PipelineResult, name: str, microbatch: int, chunk: int):
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def _exchange(self, batch: Batch, outbox: dict, inbox: dict, result: PipelineResult, name: str,
+                  microbatch: int, chunk: int) -> None:
+        """Post one batch (sends from `outbox`, receives into new buffers put in `inbox`) with
+        `batch_isend_irecv` to the neighbouring stages and wait for all of it."""
+        ops = []
+        for op in batch.ops:
+            peer = self.stage_ranks[op.peer]
+            if op.op == "send":
+                tensor = outbox.pop(op.message)
+                ops.append(dist.P2POp(dist.isend, tensor, peer, tag=self._tag(op.message)))
+            else:
+                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                inbox[op.message] = tensor
+                ops.append(dist.P2POp(dist.irecv, tensor, peer, tag=self._tag(op.message)))
         start = time.perf_counter()
-        dist.irecv(buffer, src=src, tag=tag).wait()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
         result.timeline.append(TimelineEvent(name, microbatch, chunk, start, time.perf_counter()))
-        return buffer
 
-    def run(self, actions: list[Action], inputs: list[torch.Tensor], loss_fn: LossFn,
+    def run(self, schedules: Sequence[Sequence[Action]], inputs: list[torch.Tensor], loss_fn: LossFn,
             extra_fn: ExtraFn | None = None, before_backward=None, forward_only: bool = False) -> PipelineResult:
-        """Execute `actions`. `inputs[m]` is microbatch m's input of virtual stage 0 (token ids;
+        """Execute this rank's actions `schedules[pp_rank]` (`schedules`: every pipeline rank's
+        action list, from which both ends of each channel derive one message order; see
+        `mpu.pipeline_p2p`). `inputs[m]` is microbatch m's input of virtual stage 0 (token ids;
         used only there). `before_backward(index, action)` may return a context manager wrapped
         around that backward (gradient-reduction sync). Returns the last stage's
         per-microbatch losses (detached), the timeline and the peak of live activations.
         `forward_only` (evaluation): forwards only, nothing kept for backward."""
+        actions = schedules[self.rank]
+        batches = self.plan(schedules)
         result = PipelineResult()
         saved: dict[tuple[int, int], tuple] = {}
-        pending_sends = []
+        outbox: dict[Message, torch.Tensor] = {}  # produced, waiting for their batch
+        inbox: dict[Message, torch.Tensor] = {}  # received, waiting for their action
+        next_batch = 0
         for index, action in enumerate(actions):
             m, c = action.microbatch, action.chunk
-            stage = self._virtual_stage(c)
+            while next_batch < len(batches) and batches[next_batch].before == index:
+                self._exchange(batches[next_batch], outbox, inbox, result, f"recv_{action.kind}", m, c)
+                next_batch += 1
             chunk = self.chunks[c]
+            need = needed_message(action, self.rank, self.pp, self.v)
+            produced = produced_message(action, self.rank, self.pp, self.v)
             if action.kind == "F":
-                if stage == 0:
+                if need is None:
                     x = inputs[m]
                 else:
-                    x = self._recv(self.prev_rank, self._tag(m, stage, False), result, "recv_F", m, c)
+                    x = inbox.pop(need)
                     x.requires_grad_(not forward_only)
                 start = time.perf_counter()
                 out = chunk(x)
                 extra = extra_fn(chunk) if extra_fn is not None else None
-                if stage == self.num_virtual - 1:
+                if produced is None:
                     loss = loss_fn(chunk, out, m)
                     result.losses.append(loss.detach())
                     objective = loss if extra is None else loss + extra
@@ -110,17 +163,14 @@ class PipelineExecutor:
                         saved[(m, c)] = (x, objective, None)
                 else:
                     # Activations travel in the executor's dtype (autocast may hand back 16-bit ones).
-                    pending_sends.append((dist.isend(out.detach().to(self.dtype).contiguous(), dst=self.next_rank,
-                                                     tag=self._tag(m, stage + 1, False)), out))
+                    outbox[produced] = out.detach().to(self.dtype).contiguous()
                     if not forward_only:
                         saved[(m, c)] = (x, out, extra)
                 result.timeline.append(TimelineEvent("F", m, c, start, time.perf_counter()))
                 result.peak_live_activations = max(result.peak_live_activations, len(saved))
             else:
                 x, out, extra = saved.pop((m, c))
-                grad = None
-                if stage != self.num_virtual - 1:
-                    grad = self._recv(self.next_rank, self._tag(m, stage, True), result, "recv_B", m, c)
+                grad = None if need is None else inbox.pop(need)
                 start = time.perf_counter()
                 with before_backward(index, action) if before_backward else contextlib.nullcontext():
                     if grad is None:
@@ -129,13 +179,13 @@ class PipelineExecutor:
                         torch.autograd.backward(out, grad.to(out.dtype))
                     else:
                         torch.autograd.backward([out, extra], [grad.to(out.dtype), torch.ones_like(extra)])
-                if stage > 0:
-                    pending_sends.append((dist.isend(x.grad.contiguous(), dst=self.prev_rank,
-                                                     tag=self._tag(m, stage - 1, True)), x))
+                if produced is not None:
+                    outbox[produced] = x.grad.contiguous()
                 result.timeline.append(TimelineEvent("B", m, c, start, time.perf_counter()))
-            pending_sends = [(w, t) for w, t in pending_sends if not w.is_completed()]
-        for work, _ in pending_sends:
-            work.wait()
+        for batch in batches[next_batch:]:  # the last action's message
+            self._exchange(batch, outbox, inbox, result, "send", actions[-1].microbatch, actions[-1].chunk)
         if saved:
             raise RuntimeError(f"pipeline schedule left {len(saved)} forward(s) without backward: {sorted(saved)}")
+        if outbox or inbox:
+            raise RuntimeError(f"pipeline messages left unsent or unused: {sorted(map(str, {**outbox, **inbox}))}")
         return result

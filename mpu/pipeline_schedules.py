@@ -3,8 +3,8 @@
 An action is a forward or backward of one microbatch through one model chunk of this rank.
 Chunk c of rank r is virtual stage c * pp + r (Megatron's interleaved layout: each rank holds
 v non-contiguous chunks). The executor (`mpu.pipeline`) turns the list into compute and
-point-to-point messages; any list that respects each microbatch's dependencies runs
-without deadlock because sends never block.
+point-to-point messages (planned in `mpu.pipeline_p2p`, which derives one message order per
+channel from all ranks' lists and checks that the lists do not deadlock).
 
     gpipe        all forwards, then all backwards: m microbatches of activations in flight
     1f1b         PipeDream-Flush: pp - rank - 1 warm-up forwards, then one forward / one
@@ -15,6 +15,7 @@ without deadlock because sends never block.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -90,6 +91,20 @@ def build_schedule(name: str, pp: int, rank: int, num_microbatches: int, vpp: in
     if name == "1f1b":
         return one_f_one_b(pp, rank, num_microbatches)
     return interleaved(pp, rank, num_microbatches, vpp)
+
+
+@functools.lru_cache(maxsize=32)
+def build_all_ranks(name: str, pp: int, num_microbatches: int, vpp: int = 1,
+                    forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
+    """Every pipeline rank's action list (index = pp rank), as the executor needs them to plan
+    its messages. `forward_only` (evaluation, any microbatch count): forwards only, chunk by
+    chunk (every microbatch through chunk 0, then chunk 1, ...), whatever `name` is.
+    Cached: the same tuple comes back for the same arguments (the executor caches its plan
+    by that object)."""
+    if forward_only:
+        order = tuple(Action("F", m, c) for c in range(vpp) for m in range(num_microbatches))
+        return (order,) * pp
+    return tuple(tuple(build_schedule(name, pp, rank, num_microbatches, vpp)) for rank in range(pp))
 
 
 def max_in_flight(actions: list[Action]) -> int:

@@ -14,6 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from mpu.mesh import collective_device
+
 __all__ = ["peak_memory_bytes", "peak_memory_per_rank", "format_bytes"]
 
 
@@ -54,9 +56,7 @@ def peak_memory_per_rank(device: torch.device | str, group=None) -> list[int]:
     world = dist.get_world_size(group)
     if world == 1:
         return [own]
-    # NCCL needs CUDA tensors, gloo CPU ones: use the device the rank trains on.
-    comm_device = device if device.type == "cuda" else torch.device("cpu")
-    mine = torch.tensor([own], dtype=torch.int64, device=comm_device)
+    mine = torch.tensor([own], dtype=torch.int64, device=collective_device(group))  # NCCL: CUDA, gloo: CPU
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     return [int(t.item()) for t in gathered]

@@ -13,6 +13,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from mpu.mesh import collective_device
+
 
 class StopRequest:
     """Catches SIGTERM while enabled (main thread only); `agreed()` is collective over the
@@ -27,12 +29,13 @@ class StopRequest:
     def _on_signal(self, signum, frame) -> None:
         self.requested = True
 
-    def agreed(self, device: torch.device | str = "cpu") -> bool:
-        """True on every rank when any rank has been asked to stop (`device`: where the
-        default group's collectives run, cuda for NCCL)."""
+    def agreed(self, device: torch.device | str | None = None) -> bool:
+        """True on every rank when any rank has been asked to stop; one all-reduce over the
+        default group (`device`: where its collectives run; default `collective_device()`)."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.requested
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
+        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32,
+                            device=collective_device() if device is None else device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

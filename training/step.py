@@ -12,7 +12,7 @@ from mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mesh import Mesh, group_size
 from mpu.pipeline import PipelineExecutor
-from mpu.pipeline_schedules import Action, build_schedule
+from mpu.pipeline_schedules import build_all_ranks
 from training.precision import FP32, Precision
 
 
@@ -79,7 +79,8 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     tokens = global_token_count(microbatches, mesh)
     reducer.zero_grad()
     n_micro = len(microbatches)
-    actions = build_schedule(schedule, mesh.pp_size, mesh.pp_rank, n_micro, mesh.par.vpp)
+    schedules = build_all_ranks(schedule, mesh.pp_size, n_micro, mesh.par.vpp)
+    actions = schedules[mesh.pp_rank]
     last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
     moe = MoEStepStats(chunks[0].cfg)
     targets = [y for _, y in microbatches]
@@ -100,7 +101,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
         return reducer.sync(last_backward[action.chunk] == index)
 
     with precision.autocast():
-        result = executor.run(actions, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
+        result = executor.run(schedules, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
     out = _finish_step(chunks, reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
@@ -200,9 +201,10 @@ def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, tor
             loss = sum(model.loss_per_token(model(x), y).sum() for x, y in microbatches) / tokens
     else:
         targets = [y for _, y in microbatches]
-        actions = [Action("F", m, c) for c in range(len(chunks)) for m in range(len(microbatches))]
+        schedules = build_all_ranks(mesh.par.schedule, mesh.pp_size, len(microbatches), len(chunks),
+                                    forward_only=True)
         with precision.autocast():
-            result = executor.run(actions, [x for x, _ in microbatches],
+            result = executor.run(schedules, [x for x, _ in microbatches],
                                   lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
                                   forward_only=True)
         loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)

@@ -5,7 +5,8 @@ Each case compares the loss, the global gradient norm, every gradient after the 
 (all parameters of this rank's chunks, all-gathered over tp/ep, against the serial
 parameter of the same name, including the tied embedding's copy on the last stage) and every
 weight after three AdamW steps; and the peak number of live activations on this rank against
-the schedule's bound.
+the schedule's bound. Every message is sent with tag 0, so pipeline messages pair by order
+alone, as on NCCL.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
     reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
     optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+    # Tag 0 on every message: gloo then pairs by order alone, as NCCL does (tags are not needed).
     executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size), torch.float32,
-                                torch.device("cpu"))
+                                torch.device("cpu"), tags=False)
 
     serial_mesh = single_process_mesh()
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
