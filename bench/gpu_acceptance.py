@@ -332,13 +332,15 @@ def main(argv=None) -> int:
 
     import triton
 
+    from kernels.tf32 import dot_precision, torch_allows_tf32
+
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     gpus = torch.cuda.device_count()
     result: dict = {"bench": "gpu_acceptance", "device": torch.cuda.get_device_name(device), "gpus": gpus,
                     "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
                     "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-                    "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+                    "tf32": {"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)},
                     "triton_interpret_removed": _INTERPRETER_REMOVED, "sections": {}, "failures": []}
     runners = {"kernels": lambda: run_kernels(device), "steps": lambda: run_steps(device),
                "card": lambda: run_card(gpus, args.timeout), "bench": lambda: run_bench(args.timeout)}

@@ -16,7 +16,8 @@ Error measure: for every output and input gradient, max |triton - torch| divided
 reference's largest finite magnitude (floored at 1e-12); the kernel's error is the largest
 of these. NaN/inf where the reference is finite counts as a failure. Tolerances by compute
 dtype (the autocast dtype when autocast is on for the device, else the lowest-precision
-floating input; fp32 matmuls that torch lets run on TF32 use the tf32 entry):
+floating input; fp32 on CUDA uses the tf32 entry when torch's matmuls or the Triton GEMMs
+(`kernels.tf32`) may round to TF32):
 fp32 1e-4, tf32 1e-2, fp16 1e-2, bf16 5e-2. Broken kernels give errors of order 1.
 
 Every rank takes the same path for every kernel:
@@ -51,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.backend import CHECKED
+from kernels.tf32 import dot_precision, torch_allows_tf32
 
 __all__ = ["CHECKED", "KERNELS", "TOLERANCES", "KernelSelfCheckWarning", "CheckResult", "dispatch", "check", "agree",
            "verdict", "local_result", "reset", "tolerance_for"]
@@ -125,8 +127,8 @@ def tolerance_for(args: tuple, device_type: str) -> tuple[float, str]:
     if torch.is_autocast_enabled(device_type):
         labels.append(_DTYPE_LABEL.get(torch.get_autocast_dtype(device_type), "fp32"))
     label = min(labels, key=_PRECISION_ORDER.__getitem__) if labels else "fp32"
-    if label == "fp32" and device_type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        label = "tf32"
+    if label == "fp32" and device_type == "cuda" and (torch_allows_tf32() or dot_precision(torch.float32) == "tf32"):
+        label = "tf32"  # torch's fp32 matmuls or the Triton GEMMs (kernels.tf32) round to TF32
     return TOLERANCES[label], label
 
 
