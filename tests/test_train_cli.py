@@ -56,6 +56,7 @@ def test_default_training_learns_on_real_text(tmp_path):
     (["model.num_experts=4", "parallel.ep=2", "parallel.etp=2"], 2, "ep*etp=2*2=4 does not divide the 2 ranks"),
     (["model.num_heads=5"], 1, "hidden_size=128 is not divisible by model.num_heads=5"),
     (["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus"),
+    (["kernels.tf32=yes"], 2, "kernels.tf32='yes' must be one of auto, on, off"),
 ])
 def test_bad_config_fails_before_any_process_group(tmp_path, overrides, world, message):
     """Validation runs before init_process_group: a lone rank of a world that never forms

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernels.tf32 import TF32_MODES
 from models.config import GPTConfig
 from mpu.mesh import ParallelConfig, ParallelConfigError
 from mpu.pipeline_schedules import SCHEDULES
@@ -82,6 +83,7 @@ class CheckpointConfig:
 @dataclass
 class KernelsConfig:
     backend: str = "auto"
+    tf32: str = "auto"  # fp32 dots of the Triton GEMMs: auto (follow torch's matmul policy) | on | off
 
 
 @dataclass
@@ -165,6 +167,8 @@ class RunConfig:
                               "(optimizer, step, data position), init_from only takes weights; set one of them")
         if self.kernels.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"kernels.backend={self.kernels.backend!r} must be auto, torch or triton")
+        if self.kernels.tf32 not in TF32_MODES:
+            raise ConfigError(f"kernels.tf32={self.kernels.tf32!r} must be one of {', '.join(TF32_MODES)}")
         if self.parallel.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={self.parallel.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
         if self.parallel.vpp > 1 and self.parallel.schedule != "interleaved":

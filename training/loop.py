@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels import selfcheck
 from kernels.backend import CHECKED, resolve_backend
+from kernels.tf32 import set_tf32_mode
 from models.gpt import init_model_chunks
 from mpu.distributed_optimizer import ShardedAdamW
 from mpu.offload import OffloadedAdamW
@@ -90,6 +91,7 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     except (RuntimeError, ValueError) as err:
         raise ConfigError(str(err)) from err
     run.model = dataclasses.replace(run.model, kernel_backend=backend)
+    set_tf32_mode(run.kernels.tf32)
     dataset = None
     if not run.trainer.dry_run:
         try:

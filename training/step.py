@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.operands import weight_copy_scope
 from mpu.cross_entropy import IGNORE_INDEX
 from mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
 from mpu.grad_reduce import DataParallelGradReducer
@@ -47,16 +48,17 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
     loss_sum = torch.zeros((), dtype=torch.float32, device=tokens.device)
     n_micro = len(microbatches)
     moe = MoEStepStats(model.cfg)
-    for i, (inputs, targets) in enumerate(microbatches):
-        with reducer.sync(i == n_micro - 1):
-            with precision.autocast():
-                logits = model(inputs)
-                loss = model.loss_per_token(logits, targets).sum() / tokens
-                aux = model.aux_loss()
-            objective = loss if aux is None else loss + aux / n_micro
-            (objective * precision.loss_scale).backward()
-        loss_sum = loss_sum + loss.detach().to(loss_sum.device)
-        moe.add(model.moe_stats(), n_micro)
+    with weight_copy_scope():  # the Triton GEMMs' 16-bit weight copies: made once per step
+        for i, (inputs, targets) in enumerate(microbatches):
+            with reducer.sync(i == n_micro - 1):
+                with precision.autocast():
+                    logits = model(inputs)
+                    loss = model.loss_per_token(logits, targets).sum() / tokens
+                    aux = model.aux_loss()
+                objective = loss if aux is None else loss + aux / n_micro
+                (objective * precision.loss_scale).backward()
+            loss_sum = loss_sum + loss.detach().to(loss_sum.device)
+            moe.add(model.moe_stats(), n_micro)
     reducer.finish()
     return _finish_step([model], reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
                         precision=precision)
@@ -100,7 +102,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     def before_backward(index, action):
         return reducer.sync(last_backward[action.chunk] == index)
 
-    with precision.autocast():
+    with weight_copy_scope(), precision.autocast():
         result = executor.run(schedules, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
@@ -197,13 +199,13 @@ def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, tor
     tokens = global_token_count(microbatches, mesh)
     if executor is None:
         model = chunks[0]
-        with precision.autocast():
+        with weight_copy_scope(), precision.autocast():
             loss = sum(model.loss_per_token(model(x), y).sum() for x, y in microbatches) / tokens
     else:
         targets = [y for _, y in microbatches]
         schedules = build_all_ranks(mesh.par.schedule, mesh.pp_size, len(microbatches), len(chunks),
                                     forward_only=True)
-        with precision.autocast():
+        with weight_copy_scope(), precision.autocast():
             result = executor.run(schedules, [x for x, _ in microbatches],
                                   lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
                                   forward_only=True)
