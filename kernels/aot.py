@@ -39,7 +39,6 @@ ARCHS = (80, 90)
 # Operand dtypes the wrappers feed, as (label, compute type, dot precision).
 PRECISIONS = (("fp32-ieee", "fp32", "ieee"), ("fp32-tf32", "fp32", "tf32"), ("bf16", "bf16", "ieee"),
               ("fp16", "fp16", "ieee"))
-ELEMENTWISE_DTYPES = ("fp32", "bf16", "fp16")
 NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
 
 # Stack-frame bytes per thread each kernel may use on the configs it can pick (spills or
@@ -72,6 +71,7 @@ class Case:
     signature: dict         # argument name -> Triton type ("*bf16", "i32", "constexpr")
     gemm: dict | None = None  # shared-memory estimate inputs for GEMMs (kernels/configs.py)
     variant: str = ""
+    divisible: list = field(default_factory=list)  # argument indices Triton marks divisible by 16
 
 
 @dataclass
@@ -114,134 +114,217 @@ def _kernel_fns() -> dict:
     return fns
 
 
-NORM_POINTERS = {"X", "W", "B", "Y", "Mean", "Rstd", "DY", "DX", "DW_part", "DB_part"}
-
-
-def _signature(fn, pointer_types: dict, constexprs: dict, default_pointer: str) -> dict:
-    """Triton types of `fn`'s arguments: pointers `default_pointer` unless `pointer_types`
-    says otherwise, `eps` fp32, other scalars i32, constexprs marked."""
-    sig = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in pointer_types:
-            sig[name] = pointer_types[name]
-        elif name.endswith("_ptr") or name in NORM_POINTERS:
-            sig[name] = default_pointer
-        elif name == "eps":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    return sig
-
-
 def _config_dict(config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-def _gemm_cases(arch: int) -> list[Case]:
-    """The GEMM kernels of linear_act and grouped_gemm, for every precision and kept config."""
-    from kernels import configs as cfgs
-    from kernels import grouped_gemm, linear_act
-    fns = _kernel_fns()
-    limits = cfgs.ARCH_LIMITS[arch]
-    cases = []
-    # (kernel, variant, candidate configs, pointer dtypes given the compute type, constexprs, prune shape)
-    def la(dual):
-        return linear_act.gpu_configs(dual)
-    specs = [
-        ("_linear_gelu_fwd_kernel", "", la(False), lambda c: {"b_ptr": "*fp32"},
-         dict(HAS_BIAS=True, APPROX_TANH=True), dict(a_tiles=1, b_tiles=1)),
-        ("_linear_gelu_bwd_kernel", "", la(False), lambda c: {"b_ptr": "*fp32"},
-         dict(HAS_BIAS=True, APPROX_TANH=True), dict(a_tiles=1, b_tiles=1)),
-        ("_linear_swiglu_fwd_kernel", "", la(True), lambda c: {"bg_ptr": "*fp32", "bu_ptr": "*fp32"},
-         dict(HAS_BG=True, HAS_BU=True), dict(a_tiles=1, b_tiles=2, accumulators=2)),
-        ("_linear_swiglu_bwd_kernel", "", la(True), lambda c: {"bg_ptr": "*fp32", "bu_ptr": "*fp32"},
-         dict(HAS_BG=True, HAS_BU=True), dict(a_tiles=1, b_tiles=2, accumulators=2)),
-        ("_matmul_kernel", "dx", la(False), lambda c: {}, dict(DUAL=False), dict(a_tiles=1, b_tiles=1)),
-        ("_matmul_kernel", "dx-dual", la(False), lambda c: {}, dict(DUAL=True), dict(a_tiles=2, b_tiles=2)),
-        ("_matmul_kernel", "dw", la(False), lambda c: {"c_ptr": "*fp32"}, dict(DUAL=False),
-         dict(a_tiles=1, b_tiles=1)),
-        ("_grouped_gemm_kernel", "", grouped_gemm.gpu_gemm_configs(), lambda c: {"sizes_ptr": "*i32"},
-         dict(G_BLOCK=8), dict(a_tiles=1, b_tiles=1)),
-        ("_grouped_gemm_dw_kernel", "", grouped_gemm.gpu_dw_configs(),
-         lambda c: {"sizes_ptr": "*i32", "dw_ptr": "*fp32"}, dict(G_BLOCK=8),
-         dict(a_tiles=1, b_tiles=1, dims=("BLOCK_K", "BLOCK_N", "BLOCK_M"))),
-    ]
-    for kernel, variant, candidates, pointers, flags, shape in specs:
-        fn = fns[kernel]
-        precision_arg = "INPUT_PRECISION" if "grouped" in kernel else "PRECISION"
-        cast_arg = "CAST_FP32" if "grouped" in kernel else "CAST_F32"
-        for label, ctype, precision in PRECISIONS:
-            elem = 4 if ctype == "fp32" else 2
-            try:
-                kept = cfgs.prune_gemm_configs(candidates, limits, elem, **shape)
-            except RuntimeError:
-                kept = []
-            if not kept:
-                cases.append(Case(kernel, label, arch, {}, {}, {}, variant=variant))  # reported as "no config"
-            for config in kept:
-                constexprs = {**flags, cast_arg: False, precision_arg: precision, **config.kwargs}
-                ptrs = pointers(ctype)
-                sig = _signature(fn, ptrs, constexprs, "*" + ctype)
-                estimate = cfgs.config_shared_bytes(config, elem, shape["a_tiles"], shape["b_tiles"],
-                                                    shape.get("dims", cfgs.GEMM_DIMS))
-                cases.append(Case(kernel, label, arch, _config_dict(config), constexprs, sig,
-                                  gemm={"estimate": estimate}, variant=variant))
-    return cases
+# Shapes of the capture workload: every size a multiple of 16 (as real model sizes are), so
+# the arguments specialise the way they do at run time (unit strides become constexpr 1,
+# sizes and strides divisible by 16 get Triton's divisibility hint, pointers are aligned).
+CAPTURE_ROWS, CAPTURE_IN, CAPTURE_OUT, CAPTURE_VOCAB, CAPTURE_EXPERTS = 64, 64, 64, 512, 8
 
 
-def _norm_cases(arch: int) -> list[Case]:
-    import triton
-    from kernels import norms
-    fns = _kernel_fns()
-    cases = []
-    fwd_cfgs, bwd_cfgs = norms.gpu_norm_configs()
-    for kernel, candidates in (("_norm_fwd_kernel", fwd_cfgs), ("_norm_bwd_kernel", bwd_cfgs)):
-        fn = fns[kernel]
+def _describe(value):
+    """How Triton specialises one launch argument: pointer type (+ alignment), int class or fp32."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+                torch.int64: "i64"}[value.dtype]
+        return {"type": "*" + name, "aligned": value.data_ptr() % 16 == 0}
+    if isinstance(value, bool) or value is None:
+        return {"type": "constexpr", "value": value}
+    if isinstance(value, int):
+        return {"type": "i32", "one": value == 1, "div16": value % 16 == 0}
+    if isinstance(value, float):
+        return {"type": "fp32"}
+    return {"type": "constexpr", "value": value}
+
+
+def _workload(label: str) -> None:
+    """Call every public Triton wrapper forward and backward as a model step at precision
+    `label` feeds it (under the interpreter: small tensors shaped like real ones)."""
+    import contextlib
+
+    import torch
+    from kernels import cross_entropy, grouped_gemm, linear_act, norms, tf32
+    compute = {"fp32-ieee": None, "fp32-tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[label]
+    tf32.set_tf32_mode("on" if label == "fp32-tf32" else "off")
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape, dtype=torch.float32):
+        return (torch.randn(*shape, generator=gen) * 0.1).to(dtype).requires_grad_(True)
+
+    autocast = torch.autocast("cpu", dtype=compute) if compute else contextlib.nullcontext()
+    fed = compute or torch.float32  # the norms and the cross-entropy: fed the compute dtype too
+    rows, k, n = CAPTURE_ROWS, CAPTURE_IN, CAPTURE_OUT
+    with autocast:
+        x = leaf(rows, k)
+        outs = [linear_act.linear_gelu(x, leaf(n, k), leaf(n), backend="triton"),
+                linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), leaf(n), backend="triton")]
+        sizes = torch.tensor([16, 0, 16, 0, 16, 0, 16, 0])
+        outs.append(grouped_gemm.grouped_gemm(x, leaf(CAPTURE_EXPERTS, k, n), sizes, backend="triton"))
         for width in NORM_WIDTHS:
-            block_h = triton.next_power_of_2(width)
-            for dtype in ELEMENTWISE_DTYPES:
-                for config in norms._prune_configs(candidates, {"BLOCK_H": block_h}):
-                    constexprs = dict(IS_RMS=False, HAS_BIAS=True, BLOCK_H=block_h, **config.kwargs)
-                    ptrs = {"W": "*fp32", "B": "*fp32", "Mean": "*fp32", "Rstd": "*fp32",
-                            "DW_part": "*fp32", "DB_part": "*fp32"}
-                    sig = _signature(fn, ptrs, constexprs, "*" + dtype)
-                    cases.append(Case(kernel, dtype, arch, _config_dict(config), constexprs, sig,
-                                      variant=f"H{width}"))
-    return cases
+            h = leaf(16, width, dtype=fed)
+            outs += [norms.layer_norm(h, leaf(width), leaf(width), 1e-5, backend="triton"),
+                     norms.rms_norm(h, leaf(width), 1e-5, backend="triton")]
+        logits = leaf(rows, CAPTURE_VOCAB, dtype=fed)
+        target = torch.randint(0, CAPTURE_VOCAB, (rows,), generator=gen)
+        outs.append(cross_entropy.fused_cross_entropy(logits.clone(), target, backend="triton"))
+    sum(o.float().sum() for o in outs).backward()
 
 
-def _ce_cases(arch: int) -> list[Case]:
-    from kernels import cross_entropy
-    fns = _kernel_fns()
+def capture_launches() -> list[dict]:
+    """Every autotuned kernel launch of `_workload` at each precision, as
+    {"kernel", "dtype", "args": {name: description}, "constexprs"}; needs TRITON_INTERPRET=1."""
+    from triton.runtime.autotuner import Autotuner
+    launches = []
+    original = Autotuner.run
+    label = None
+
+    def record(self, *args, **kwargs):
+        named = dict(zip(self.arg_names, args))
+        launches.append({"kernel": self.base_fn.__name__, "dtype": label,
+                         "args": {k: _describe(v) for k, v in named.items()},
+                         "constexprs": {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}})
+        return original(self, *args, **kwargs)
+
+    Autotuner.run = record
+    try:
+        for label, _, _ in PRECISIONS:
+            _workload(label)
+    finally:
+        Autotuner.run = original
+    return launches
+
+
+def _captured() -> list[dict]:
+    """`capture_launches` run in an interpreter subprocess (this process compiles)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "launches.json")
+        subprocess.run([sys.executable, "-m", "kernels.aot", "--capture", path], env=env, check=True)
+        with open(path) as f:
+            return json.load(f)
+
+
+def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
+    """(GPU candidate configs, GEMM prune shape or None) of a kernel before the GEMM pruning
+    (the norms' per-thread pruning already applied)."""
+    from kernels import cross_entropy, grouped_gemm, linear_act, norms
+    if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel"):
+        fwd, bwd = norms.gpu_norm_configs()
+        block_h = launch["constexprs"]["BLOCK_H"]
+        if kernel == "_norm_fwd_kernel":
+            return norms._prune_configs(fwd, {"BLOCK_H": block_h}), None
+        return norms._prune_bwd_configs(bwd, {"BLOCK_H": block_h}), None
+    if kernel.startswith("_ce_"):
+        return cross_entropy.gpu_configs(), None
+    module = grouped_gemm if kernel.startswith("_grouped") else linear_act
+    shape = dict(getattr(module, kernel).early_config_prune.gemm_shape)
+    if kernel == "_grouped_gemm_kernel":
+        candidates = grouped_gemm.gpu_gemm_configs()
+    elif kernel == "_grouped_gemm_dw_kernel":
+        candidates = grouped_gemm.gpu_dw_configs()
+    else:
+        candidates = linear_act.gpu_configs(dual=shape["b_tiles"] == 2)
+    return candidates, shape
+
+
+def _variant(launch: dict, compute: str) -> str:
+    """What distinguishes launches of one kernel at one precision: flags and mixed dtypes."""
+    flags = [f"{k}={v}" for k, v in sorted(launch["constexprs"].items())
+             if k not in ("CAST_F32", "CAST_FP32", "PRECISION", "INPUT_PRECISION")]
+    mixed = [f"{k}:{d['type'][1:]}" for k, d in sorted(launch["args"].items())
+             if d["type"].startswith("*") and d["type"][1:] != compute]
+    unit = [k for k, d in sorted(launch["args"].items()) if d["type"] == "i32" and d["one"]]
+    return " ".join(flags + mixed + ([f"unit={','.join(unit)}"] if unit else []))
+
+
+def _cases_of(launch: dict, arch: int) -> list[Case]:
+    """The compile cases of one captured launch on `arch`: one per config kept after pruning,
+    its arguments specialised as Triton does at run time."""
+    from kernels import configs as cfgs
+    kernel, label = launch["kernel"], launch["dtype"]
+    compute = dict((lbl, ctype) for lbl, ctype, _ in PRECISIONS)[label]
+    fn = _kernel_fns()[kernel]
+    candidates, shape = _candidates(kernel, launch)
+    if shape is None:
+        label = compute  # no dot: the fp32 launches are one whatever the TF32 policy
+    base = dict(launch["constexprs"])
+    for flag in ("CAST_F32", "CAST_FP32"):
+        if flag in base:
+            base[flag] = False  # the interpreter's fp32 cast: never on a GPU
+    variant = _variant(launch, compute)
+    gemm_args = elem = None
+    if shape is not None:
+        elem = 4 if compute == "fp32" else 2
+        factor = 2 if shape["dual"] and base.get(shape["dual"]) else 1
+        gemm_args = dict(a_tiles=shape["a_tiles"] * factor, b_tiles=shape["b_tiles"] * factor,
+                         accumulators=shape["accumulators"], dims=shape["dims"])
+        try:
+            candidates = cfgs.prune_gemm_configs(candidates, cfgs.ARCH_LIMITS[arch], elem, **gemm_args,
+                                                 fma=label == "fp32-ieee")
+        except RuntimeError:
+            candidates = []
+    if not candidates:
+        return [Case(kernel, label, arch, {}, {}, {}, variant=variant)]  # reported as "no config"
     cases = []
-    for kernel in ("_ce_partials_kernel", "_ce_backward_kernel"):
-        fn = fns[kernel]
-        for dtype in ELEMENTWISE_DTYPES:
-            for config in cross_entropy.gpu_configs():
-                constexprs = dict(config.kwargs)
-                ptrs = {"target_ptr": "*i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "tgt_logit_ptr": "*fp32",
-                        "lse_ptr": "*fp32", "dloss_ptr": "*fp32"}
-                sig = _signature(fn, ptrs, constexprs, "*" + dtype)
-                cases.append(Case(kernel, dtype, arch, _config_dict(config), constexprs, sig))
+    for config in candidates:
+        constexprs = {**base, **config.kwargs}
+        signature, divisible = {}, []
+        for i, name in enumerate(fn.arg_names):
+            desc = launch["args"].get(name)
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif desc is None:
+                raise RuntimeError(f"{kernel}: argument {name} was not captured")
+            elif desc["type"] == "i32" and desc["one"]:
+                signature[name] = "constexpr"
+                constexprs[name] = 1  # Triton specialises ints equal to 1
+            else:
+                signature[name] = desc["type"]
+                if desc.get("aligned") or desc.get("div16"):
+                    divisible.append(i)
+        gemm = None
+        if gemm_args is not None:
+            gemm = {"estimate": cfgs.config_shared_bytes(config, elem, gemm_args["a_tiles"], gemm_args["b_tiles"],
+                                                         gemm_args["dims"])}
+        cases.append(Case(kernel, label, arch, _config_dict(config), constexprs, signature, gemm=gemm,
+                          variant=variant, divisible=divisible))
     return cases
 
 
-def all_cases(archs=ARCHS) -> list[Case]:
-    """Every (kernel, dtype, arch, kept config) case."""
-    return [c for arch in archs for c in _gemm_cases(arch) + _norm_cases(arch) + _ce_cases(arch)]
+def all_cases(archs=ARCHS, launches: list[dict] | None = None) -> list[Case]:
+    """Every (kernel, launch variant, dtype, arch, kept config) case of the captured launches."""
+    launches = _captured() if launches is None else launches
+    unique = {}
+    for arch in archs:
+        for launch in launches:
+            for case in _cases_of(launch, arch):
+                key = json.dumps([case.kernel, case.dtype, case.arch, case.config, case.constexprs, case.signature],
+                                 sort_keys=True)
+                unique.setdefault(key, case)
+    return list(unique.values())
+
+
+def risk(case: Case) -> float:
+    """How likely a case is to break a limit: a GEMM's shared-memory estimate, otherwise the
+    elements per thread of its widest tile."""
+    if case.gemm is not None:
+        return case.gemm["estimate"]
+    c = case.constexprs
+    width = c.get("BLOCK_M", 1) * c.get("BLOCK_H", 1) * c.get("BLOCK_V", 1)
+    return width / (32 * case.config.get("num_warps", 4)) if case.config else 0.0
 
 
 def select(cases: list[Case], sample: int, seed: int) -> list[Case]:
-    """Per (kernel, variant, dtype, arch): the kept config with the largest shared-memory
-    estimate (the riskiest; the first otherwise), plus `sample` further cases drawn with `seed`."""
+    """Per (kernel, dtype, arch): the riskiest kept case (`risk`), plus `sample` further cases
+    (other configs and launch variants) drawn with `seed`."""
     chosen, rest = {}, []
     for case in cases:
-        key = (case.kernel, case.variant, case.dtype, case.arch)
+        key = (case.kernel, case.dtype, case.arch)
         best = chosen.get(key)
-        weight = (case.gemm or {}).get("estimate", 0)
-        if best is None or weight > (best.gemm or {}).get("estimate", 0):
+        if best is None or risk(case) > risk(best):
             if best is not None:
                 rest.append(best)
             chosen[key] = case
@@ -285,9 +368,7 @@ def compile_case(case: Case) -> Result:
     try:
         fn = _kernel_fns()[case.kernel]
         options = {"num_warps": case.config["num_warps"], "num_stages": case.config["num_stages"]}
-        # Pointers are 16-byte aligned at run time (torch allocations); Triton specialises on it.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if case.signature.get(name, "").startswith("*")}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in case.divisible}
         kernel = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", case.arch, 32), options=options)
         regs, stack = _resource_usage(kernel.asm["cubin"])
@@ -301,11 +382,19 @@ def compile_case(case: Case) -> Result:
 
 def compile_all(cases: list[Case], workers: int = 2) -> list[Result]:
     """Compile the cases in `workers` processes (slowest first, for a short tail)."""
-    order = sorted(cases, key=lambda c: (c.dtype != "fp32-ieee", -(c.gemm or {}).get("estimate", 0)))
+    order = sorted(cases, key=lambda c: (c.dtype != "fp32-ieee", -risk(c)))
     if workers <= 1:
         return [compile_case(c) for c in order]
+    results = []
     with futures.ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(compile_case, order, chunksize=1))
+        for result in pool.map(compile_case, order, chunksize=1):
+            c = result.case
+            print(f"{c.kernel}{'/' + c.variant if c.variant else ''} {c.dtype} sm_{c.arch} {c.config}: "
+                  f"{'ok' if result.ok else result.error[:80]} shared={result.shared} est={result.estimate} "
+                  f"regs={result.registers} stack={result.stack} wgmma={result.wgmma} {result.seconds:.1f}s",
+                  file=sys.stderr, flush=True)
+            results.append(result)
+    return results
 
 
 # --------------------------------------------------------------------------- checks
@@ -352,16 +441,28 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", help="write every case's result here")
+    parser.add_argument("--launches", help="reuse launches captured by --capture (JSON) instead of capturing")
+    parser.add_argument("--capture", help="capture the launches to this JSON file and stop (needs TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
+    if args.capture:
+        with open(args.capture, "w") as f:
+            json.dump(capture_launches(), f)
+        return 0
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         parser.error("run with TRITON_INTERPRET unset: the interpreter replaces the jitted kernels")
-    cases = all_cases()
+    launches = None
+    if args.launches:
+        with open(args.launches) as f:
+            launches = json.load(f)
+    cases = all_cases(launches=launches)
     chosen = cases if args.all else select(cases, args.sample, args.seed)
     start = time.time()
     results = compile_all(chosen, args.workers)
     failures = check(results)
+    every = {(c.kernel, c.dtype, c.arch) for c in cases}
+    missing = sorted(every - {(r.case.kernel, r.case.dtype, r.case.arch) for r in results if r.ok})
     report = {"cases_total": len(cases), "compiled": len(results), "seconds": round(time.time() - start, 1),
-              "failures": failures, "per_kernel": summary(results)}
+              "failures": failures, "missing": [list(m) for m in missing], "per_kernel": summary(results)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**report, "results": [asdict(r) for r in results]}, f, indent=1)

@@ -21,25 +21,30 @@ import torch
 
 @dataclass(frozen=True)
 class DeviceLimits:
-    """What one thread block may use on a GPU architecture."""
+    """What one thread block may use on a GPU architecture (the register limits are ours:
+    measured by `python -m kernels.aot` to keep every kept config free of spills)."""
 
-    arch: int                 # compute capability major * 10 + minor (80 = A100, 90 = H100)
-    shared_bytes: int         # dynamic shared memory per block (opt-in maximum)
-    max_acc_regs: int = 128   # fp32 accumulator registers per thread we allow (of 255)
+    arch: int                   # compute capability major * 10 + minor (80 = A100, 90 = H100)
+    shared_bytes: int           # dynamic shared memory per block (opt-in maximum)
+    max_acc_regs: int = 128     # fp32 accumulator registers per thread, 16-bit tensor-core dots
+    max_acc_regs_fp32: int = 64  # the same with 4-byte operands (tf32 and IEEE dots)
+    fma_max_block_k: int = 16   # IEEE fp32 dots run on CUDA cores with a K slice per thread:
+    #                             wider K tiles spill; tensor-core configs use K tiles >= 32
 
 
-# Datasheet opt-in limits: A100 163 KiB, H100 227 KiB per block.
-ARCH_LIMITS = {80: DeviceLimits(80, 163 * 1024), 90: DeviceLimits(90, 227 * 1024)}
+# Datasheet opt-in shared memory per block: A100 163 KiB, H100 227 KiB. Ampere's mma.sync
+# spills at 128 accumulators per thread with 16-bit operands; Hopper's wgmma does not.
+ARCH_LIMITS = {80: DeviceLimits(80, 163 * 1024, max_acc_regs=64), 90: DeviceLimits(90, 227 * 1024)}
 
 
 def device_limits(device: torch.device) -> DeviceLimits:
-    """Limits of a CUDA device, read from its properties (falls back to the table by arch)."""
+    """Limits of a CUDA device: our table's for its arch (the nearest older one for newer
+    chips), with the shared memory read from the device's properties."""
     props = torch.cuda.get_device_properties(device)
     arch = props.major * 10 + props.minor
-    shared = getattr(props, "shared_memory_per_block_optin", None)
-    if not shared:
-        shared = ARCH_LIMITS.get(arch, ARCH_LIMITS[80]).shared_bytes
-    return DeviceLimits(arch, int(shared))
+    known = ARCH_LIMITS[max((a for a in ARCH_LIMITS if a <= arch), default=80)]
+    shared = getattr(props, "shared_memory_per_block_optin", None) or known.shared_bytes
+    return DeviceLimits(arch, int(shared), known.max_acc_regs, known.max_acc_regs_fp32, known.fma_max_block_k)
 
 
 def gemm_shared_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, elem_bytes: int,
@@ -65,39 +70,48 @@ def config_shared_bytes(config, elem_bytes: int, a_tiles: int = 1, b_tiles: int 
 
 
 def config_fits(config, limits: DeviceLimits, elem_bytes: int, a_tiles: int, b_tiles: int,
-                accumulators: int = 1, dims=GEMM_DIMS) -> bool:
-    """True when a GEMM `triton.Config` fits `limits` (shared memory and accumulator registers)."""
-    m, n, _ = (config.kwargs[d] for d in dims)
+                accumulators: int = 1, dims=GEMM_DIMS, fma: bool = False) -> bool:
+    """True when a GEMM `triton.Config` fits `limits`: shared memory, accumulator registers and
+    the K tile of its dot kind (`fma`: IEEE fp32 on CUDA cores, else tensor cores)."""
+    m, n, k = (config.kwargs[d] for d in dims)
     shared = config_shared_bytes(config, elem_bytes, a_tiles, b_tiles, dims)
     regs = gemm_acc_regs(m, n, config.num_warps, accumulators)
-    return shared <= limits.shared_bytes and regs <= limits.max_acc_regs
+    max_regs = limits.max_acc_regs_fp32 if elem_bytes == 4 else limits.max_acc_regs
+    k_ok = k <= limits.fma_max_block_k if fma else k > limits.fma_max_block_k
+    return shared <= limits.shared_bytes and regs <= max_regs and k_ok
 
 
 def prune_gemm_configs(configs: list, limits: DeviceLimits, elem_bytes: int, a_tiles: int, b_tiles: int,
-                       accumulators: int = 1, dims=GEMM_DIMS) -> list:
+                       accumulators: int = 1, dims=GEMM_DIMS, fma: bool = False) -> list:
     """The configs that fit `limits`; raises when none does (a kernel left without a config
     must fail loudly, not autotune over nothing)."""
-    kept = [c for c in configs if config_fits(c, limits, elem_bytes, a_tiles, b_tiles, accumulators, dims)]
+    kept = [c for c in configs if config_fits(c, limits, elem_bytes, a_tiles, b_tiles, accumulators, dims, fma)]
     if not kept:
         raise RuntimeError(f"no GEMM config fits sm_{limits.arch} ({limits.shared_bytes} B shared, "
-                           f"{elem_bytes}-byte operands, {a_tiles}+{b_tiles} tiles per step)")
+                           f"{elem_bytes}-byte operands, {a_tiles}+{b_tiles} tiles per step"
+                           f"{', IEEE fp32' if fma else ''})")
     return kept
+
+
+PRECISION_ARGS = ("PRECISION", "INPUT_PRECISION")  # the dot-precision constexpr of our GEMM kernels
 
 
 def gemm_prune(elem_arg: str, a_tiles: int, b_tiles: int, dual: str | None = None, accumulators: int = 1,
                dims=GEMM_DIMS):
     """An `early_config_prune` hook for `triton.autotune`: prunes for the device of the tensor
-    argument `elem_arg` and its element size. `dual` names a constexpr that, when true, doubles
-    the A and B tiles per K step (two products accumulated per step); `dims` names the
-    (rows, cols, reduction) block sizes."""
+    argument `elem_arg`, its element size and the dot precision constexpr. `dual` names a
+    constexpr that, when true, doubles the A and B tiles per K step (two products
+    accumulated per step); `dims` names the (rows, cols, reduction) block sizes."""
 
     def prune(configs, named_args, **kwargs):
         x = named_args[elem_arg]
         if not getattr(x, "is_cuda", False):  # interpreter: nothing to prune
             return configs
-        factor = 2 if dual is not None and kwargs.get(dual, named_args.get(dual)) else 1
+        args = {**named_args, **kwargs}
+        factor = 2 if dual is not None and args.get(dual) else 1
+        fma = x.element_size() == 4 and any(args.get(p) == "ieee" for p in PRECISION_ARGS)
         return prune_gemm_configs(configs, device_limits(x.device), x.element_size(), a_tiles * factor,
-                                  b_tiles * factor, accumulators, dims)
+                                  b_tiles * factor, accumulators, dims, fma)
 
     prune.gemm_shape = dict(elem_arg=elem_arg, a_tiles=a_tiles, b_tiles=b_tiles, dual=dual,
                             accumulators=accumulators, dims=dims)  # read by kernels/aot.py

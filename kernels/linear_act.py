@@ -96,10 +96,14 @@ def gpu_configs(dual: bool = False) -> list:
     """The Ampere/Hopper autotune candidates (before the per-device pruning of
     `kernels.configs.gemm_prune`). `dual`: two B operands per K step (SwiGLU, dual dx)."""
     if dual:  # two accumulators or two products per step: smaller tiles keep registers in check
-        return _configs([(128, 64, 64, 8, 3), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 4, 4),
-                         (64, 64, 32, 4, 3)])
-    return _configs([(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4),
-                     (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)])
+        tensor_core = [(128, 64, 64, 8, 3), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 4, 4),
+                       (64, 64, 32, 4, 3)]
+        cuda_core = [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]  # IEEE fp32: thin K tiles
+    else:
+        tensor_core = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4),
+                       (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)]
+        cuda_core = [(128, 128, 16, 8, 3), (128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]
+    return _configs(tensor_core + cuda_core)
 
 
 def _autotune_configs(dual: bool = False):
@@ -233,8 +237,9 @@ if triton is not None:
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
+    # The epilogue holds the dy tile beside the accumulator: budgeted as a second accumulator.
     @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)})
+                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1, accumulators=2)})
     @triton.jit
     def _linear_gelu_bwd_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, g_ptr, M, N, K,
                                 stride_xm, stride_xk, stride_wn, stride_wk, stride_dym, stride_dyn,

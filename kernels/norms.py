@@ -173,18 +173,21 @@ if triton_available():
         if HAS_BIAS:
             tl.store(DB_part + pid * H + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
-    def _prune_configs(configs, named_args, **kwargs):
-        """Keep configs whose tile gives each thread 2..64 fp32 elements per tensor; if none
-        qualifies (very large H), keep the widest single-row config."""
-        block_h = kwargs.get("BLOCK_H", named_args.get("BLOCK_H"))
-        kept = []
-        for c in configs:
-            per_thread = c.kwargs["BLOCK_M"] * block_h / (32 * c.num_warps)
-            if 2 <= per_thread <= 64:
-                kept.append(c)
+    def _keep_per_thread(configs, block_h, most):
+        kept = [c for c in configs if 2 <= c.kwargs["BLOCK_M"] * block_h / (32 * c.num_warps) <= most]
         if not kept:
             kept = [max((c for c in configs if c.kwargs["BLOCK_M"] == 1), key=lambda c: c.num_warps)]
         return kept
+
+    def _prune_configs(configs, named_args, **kwargs):
+        """Forward: keep configs whose tile gives each thread 2..64 fp32 elements per tensor; if
+        none qualifies (very large H), keep the widest single-row config."""
+        return _keep_per_thread(configs, kwargs.get("BLOCK_H", named_args.get("BLOCK_H")), 64)
+
+    def _prune_bwd_configs(configs, named_args, **kwargs):
+        """Backward (x, dy, x-hat, dx and two accumulators live at once): 2..16 elements per
+        thread, which keeps it free of spills up to H = 8192 (kernels/aot.py measures it)."""
+        return _keep_per_thread(configs, kwargs.get("BLOCK_H", named_args.get("BLOCK_H")), 16)
 
     def gpu_norm_configs() -> tuple[list, list]:
         """(forward, backward) Hopper/Ampere candidates: several rows per program for small H,
@@ -201,13 +204,14 @@ if triton_available():
             # row counts) exercises the row masking and the backward row loop.
             fwd_cfgs = [triton.Config({"BLOCK_M": 4}, num_warps=4)]
             bwd_cfgs = [triton.Config({"BLOCK_M": 4}, num_warps=4)]
-            prune = None
+            prune = bwd_prune = None
         else:
             fwd_cfgs, bwd_cfgs = gpu_norm_configs()
             prune = {"early_config_prune": _prune_configs}
+            bwd_prune = {"early_config_prune": _prune_bwd_configs}
         key = ["H", "IS_RMS", "HAS_BIAS"]
         fwd = triton.autotune(configs=fwd_cfgs, key=key, prune_configs_by=prune)(triton.jit(_norm_fwd_kernel))
-        bwd = triton.autotune(configs=bwd_cfgs, key=key, prune_configs_by=prune)(triton.jit(_norm_bwd_kernel))
+        bwd = triton.autotune(configs=bwd_cfgs, key=key, prune_configs_by=bwd_prune)(triton.jit(_norm_bwd_kernel))
         return fwd, bwd
 
 
