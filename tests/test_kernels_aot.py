@@ -98,6 +98,15 @@ def test_pruning_drops_configs_over_the_device_and_keeps_the_rest():
     assert configs.prune_gemm_configs([big, small], H100, 2, 1, 1) == [big, small]  # 96 KiB in bf16
     with pytest.raises(RuntimeError, match="no GEMM config fits sm_80"):
         configs.prune_gemm_configs([big], A100, 4, 2, 2)
+    # IEEE fp32 dots (CUDA cores) take only thin K tiles, tensor-core dots only wide ones.
+    thin = _config(128, 128, 16, 8, 3)
+    assert configs.prune_gemm_configs([big, small, thin], H100, 4, 1, 1, fma=True) == [thin]
+    assert thin not in configs.prune_gemm_configs([big, small, thin], H100, 4, 1, 1)
+    # Accumulator registers: 128x128 on 4 warps is 128 per thread: Hopper 16-bit only.
+    wide = _config(128, 128, 32, 4, 3)
+    assert configs.prune_gemm_configs([wide, small], H100, 2, 1, 1) == [wide, small]
+    assert configs.prune_gemm_configs([wide, small], A100, 2, 1, 1) == [small]
+    assert configs.prune_gemm_configs([wide, small], H100, 4, 1, 1) == [small]
     # The dW roles: rows BLOCK_K, reduction BLOCK_M.
     dw = _config(32, 64, 128, 4, 3)
     assert configs.config_shared_bytes(dw, 2, dims=("BLOCK_K", "BLOCK_N", "BLOCK_M")) == 3 * (128 * 32 + 32 * 64) * 2
