@@ -94,9 +94,11 @@ class Result:
 
 
 def _jit(fn):
-    """The JITFunction under any autotune/heuristics wrappers."""
+    """The jitted function under any autotune/heuristics wrappers (an InterpretedFunction under
+    TRITON_INTERPRET=1: enough to enumerate cases, not to compile them)."""
     import triton
-    while not isinstance(fn, triton.runtime.jit.JITFunction):
+    from triton.runtime.interpreter import InterpretedFunction
+    while not isinstance(fn, (triton.runtime.jit.JITFunction, InterpretedFunction)):
         fn = fn.fn
     return fn
 

@@ -6,7 +6,6 @@ Also the TF32 policy (kernels/tf32.py) under both torch APIs."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
@@ -18,21 +17,10 @@ triton = pytest.importorskip("triton")
 
 from kernels import operands, tf32  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
-from models.gpt import GPT  # noqa: E402
-from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.init import initialize_parameters  # noqa: E402
-from mpu.mesh import single_process_mesh  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
+from tests.test_kernels_in_model import CONFIGS, build_training  # noqa: E402
 from training.precision import LossScaler, Precision  # noqa: E402
 from training.step import train_step  # noqa: E402
 
-CONFIGS = {
-    "gpt2": GPTConfig(arch="gpt2", num_layers=1, hidden_size=32, num_heads=2, vocab_size=200, seq_len=8),
-    "llama": GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                       vocab_size=200, seq_len=8, tie_embeddings=False),
-    "moe": GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=2, vocab_size=200, seq_len=8,
-                     num_experts=4, top_k=2, moe_ffn_hidden_size=16, aux_loss_coef=0.01, tie_embeddings=False),
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative distance of the triton step from the torch step under the same autocast: both
 # compute in 16 bits with fp32 accumulation but round at different places (the fused kernel
@@ -61,12 +49,8 @@ def launches(monkeypatch):
 
 
 def _step(cfg: GPTConfig, backend: str, precision: str, n_micro: int = 1):
-    cfg = dataclasses.replace(cfg, kernel_backend=backend)
-    mesh = single_process_mesh()
-    model = GPT(cfg, mesh)
-    initialize_parameters(model, 11, mesh)
-    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
-    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, eps=1e-4)
+    model, reducer, optimizer, mesh = build_training(cfg, backend)
+    cfg = model.cfg
     gen = torch.Generator().manual_seed(3)
     batches = []
     for _ in range(n_micro):

@@ -6,7 +6,6 @@ backend's; the strict `triton` backend raises instead; ranks agree (2-process gl
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
@@ -17,12 +16,8 @@ import torch  # noqa: E402
 from kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
 from kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
-from models.gpt import GPT  # noqa: E402
-from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.init import initialize_parameters  # noqa: E402
-from mpu.mesh import single_process_mesh  # noqa: E402
 from tests.distributed.harness import run_world  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
+from tests.test_kernels_in_model import build_training  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 LLAMA = GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
@@ -38,12 +33,8 @@ def _fresh_selfcheck():
 
 def two_steps(backend: str) -> tuple[list[torch.Tensor], dict]:
     """Losses of two training steps of the tiny llama with `backend`, and its final weights."""
-    cfg = dataclasses.replace(LLAMA, kernel_backend=backend)
-    mesh = single_process_mesh()
-    model = GPT(cfg, mesh)
-    initialize_parameters(model, 11, mesh)
-    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
-    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, eps=1e-4)
+    model, reducer, optimizer, mesh = build_training(LLAMA, backend)
+    cfg = model.cfg
     gen = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(2):

@@ -29,13 +29,19 @@ CONFIGS = {
 }
 
 
-def one_step(cfg: GPTConfig, backend: str):
+def build_training(cfg: GPTConfig, backend: str):
+    """(model, reducer, optimizer, mesh) of a single-process tiny model with `backend` kernels."""
     cfg = dataclasses.replace(cfg, kernel_backend=backend)
     mesh = single_process_mesh()
     model = GPT(cfg, mesh)
     initialize_parameters(model, 11, mesh)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, eps=1e-4)
+    return model, reducer, optimizer, mesh
+
+
+def one_step(cfg: GPTConfig, backend: str):
+    model, reducer, optimizer, mesh = build_training(cfg, backend)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(3))
     out = train_step(model, reducer, optimizer, [(tokens[:, :-1], tokens[:, 1:])], mesh, lr=1e-3, max_grad_norm=1.0)
     return out, {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
