@@ -7,6 +7,9 @@ prints ONE JSON object on stdout (global rank 0 only).
 
     python bench/throughput.py                                   # reference shape, 1 process
     torchrun --standalone --nproc_per_node=2 bench/throughput.py --tp 2
+    python bench/throughput.py --experts 8 --top-k 2 --moe-ffn 512 --arch llama   # MoE MLPs
+    torchrun --standalone --nproc_per_node=2 bench/throughput.py --experts 8 --ep 2
+    torchrun --standalone --nproc_per_node=2 bench/throughput.py --pp 2 --micro-batch 2
 
 Defaults are the DESIGN.md reference shape (GPT-2 style, 4 layers, hidden 256, 4 heads,
 seq 128, global batch 8, vocab 8192, fp32, AdamW). On CPU each step ends with `.item()` of
@@ -43,7 +46,7 @@ from training.flops import model_flops_per_token  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.peak import peak_flops  # noqa: E402
 from training.precision import Precision  # noqa: E402
-from training.step import train_step  # noqa: E402
+from training.step import pipeline_train_step, train_step  # noqa: E402
 
 SEED = 1234
 DATA_SEED = 4321
@@ -84,6 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sequences per microbatch on one dp rank (default: batch // dp, one microbatch)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1 to matter)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (parallel.pp; runs pipeline_train_step with --schedule)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule at --pp > 1 (parallel.schedule)")
+    p.add_argument("--experts", type=int, default=0, help="model.num_experts (0 = dense MLPs)")
+    p.add_argument("--top-k", type=int, default=2, help="model.top_k (with --experts)")
+    p.add_argument("--moe-ffn", type=int, default=None,
+                   help="model.moe_ffn_hidden_size (default: the dense --ffn)")
+    p.add_argument("--shared-experts", type=int, default=0, help="model.shared_experts (with --experts)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (parallel.ep)")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor parallelism (parallel.etp)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,
@@ -99,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error(f"--warmup={args.warmup} must be >= 0 and --steps={args.steps} >= 1")
+    if not args.experts and (args.ep > 1 or args.etp > 1 or args.shared_experts or args.moe_ffn is not None):
+        p.error(f"--ep={args.ep} / --etp={args.etp} / --shared-experts / --moe-ffn need --experts > 0 "
+                f"(a dense model has no experts to split)")
     return args
 
 
@@ -171,16 +187,14 @@ def sync_step(out: dict, device: torch.device) -> float:
     return float(out["loss"].item())
 
 
-def profile_step(model, reducer, optimizer, micro, mesh, device, rank: int, precision=None) -> None:
+def profile_step(step, micro, device, rank: int) -> None:
     """One train_step under torch.profiler; rank 0 prints op table and a phase breakdown to stderr."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=False) as prof:
         with record_function("bench::train_step"):
-            out = train_step(model, reducer, optimizer, micro, mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM,
-                             precision=precision)
-            sync_step(out, device)
+            sync_step(step(micro), device)
     if rank != 0:
         return
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -220,22 +234,40 @@ def main(argv=None) -> None:
         backend = resolve_backend(args.kernels, device.type)
         cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
-                        seq_len=args.seq, dropout=0.0, kernel_backend=backend)
-        mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp), cfg, device_type=device.type)
+                        seq_len=args.seq, dropout=0.0, kernel_backend=backend,
+                        num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.moe_ffn,
+                        shared_experts=args.shared_experts)
+        mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp, pp=args.pp, ep=args.ep, etp=args.etp,
+                                         schedule=args.schedule), cfg, device_type=device.type)
     except (ValueError, RuntimeError) as exc:  # ParallelConfigError is a ValueError
         fail(str(exc))
     precision = Precision(args.precision, device.type)
     dp = mesh.dp_size
     if args.batch % dp:
-        fail(f"--batch={args.batch} is not divisible by dp={dp} (world {world} / tp={args.tp})")
+        fail(f"--batch={args.batch} is not divisible by dp={dp} (world {world} / (tp={args.tp} * pp={args.pp}))")
     per_rank = args.batch // dp
     micro = per_rank if args.micro_batch is None else args.micro_batch
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
-    model, = init_model_chunks(cfg, mesh, SEED, device=device)
-    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
+    chunks = init_model_chunks(cfg, mesh, SEED, device=device)
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+    reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)
     optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    executor = None
+    if mesh.pp_size > 1:
+        from mpu.pipeline import PipelineExecutor, activation_shape
+
+        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
+                                    torch.float32, device)
+
+    def step(micro_batches):
+        if executor is None:
+            return train_step(chunks[0], reducer, optimizer, micro_batches, mesh, lr=LR,
+                              max_grad_norm=MAX_GRAD_NORM, precision=precision)
+        return pipeline_train_step(chunks, reducer, optimizer, micro_batches, mesh, executor,
+                                   schedule=args.schedule, lr=LR, max_grad_norm=MAX_GRAD_NORM,
+                                   precision=precision)
 
     total = args.warmup + args.steps + (1 if args.profile else 0)
     batches = [rank_microbatches(x, y, mesh.dp_rank, dp, micro, device)
@@ -249,8 +281,7 @@ def main(argv=None) -> None:
         if world > 1:
             dist.barrier()  # every rank starts the step together; the barrier is outside the timing
         t0 = time.perf_counter()
-        out = train_step(model, reducer, optimizer, batches[i], mesh, lr=LR, max_grad_norm=MAX_GRAD_NORM,
-                         precision=precision)
+        out = step(batches[i])
         loss = sync_step(out, device)
         if i == 0 and backend == CHECKED:
             selfcheck.agree(device)  # as the training loop does after its first step
@@ -277,7 +308,7 @@ def main(argv=None) -> None:
         times = t.tolist()
 
     if args.profile:
-        profile_step(model, reducer, optimizer, batches[-1], mesh, device, rank, precision)
+        profile_step(step, batches[-1], device, rank)
 
     # Peak as the training loop computes it: this process's peak (CPU: measured matmul on its
     # threads, every rank measuring at once as they do at the start of a run; CUDA: datasheet)
@@ -298,8 +329,12 @@ def main(argv=None) -> None:
     shape = dict(arch=cfg.arch, layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
                  kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size, seq=cfg.seq_len,
                  batch=args.batch)
+    moe = None
+    if cfg.num_experts:
+        moe = dict(experts=cfg.num_experts, top_k=cfg.top_k, moe_ffn=cfg.moe_ffn_hidden_size,
+                   shared_experts=cfg.shared_experts, moe_every=cfg.moe_every, activation=cfg.activation)
     reference = None
-    if shape == REFERENCE_SHAPE:
+    if shape == REFERENCE_SHAPE and moe is None and args.pp == 1:
         reference = dict(REFERENCE)
         same = "megatron_core_0.19_tp1" if args.tp == 1 else ("megatron_core_0.19_tp2" if args.tp == 2 else None)
         if same is not None and device.type == "cpu" and not args.sp:
@@ -308,12 +343,14 @@ def main(argv=None) -> None:
 
     result = {
         "bench": "throughput",
-        "config": {**shape, "micro_batch": micro, "dtype": args.precision, "optimizer": "AdamW",
+        "config": {**shape, "moe": moe, "micro_batch": micro, "dtype": args.precision, "optimizer": "AdamW",
                    "kernels": backend,
                    "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS
                                        if selfcheck.verdict(k) is not None},
                    "tie_embeddings": cfg.tie_embeddings, "padded_vocab": cfg.padded_vocab_size(args.tp)},
-        "layout": {"world": world, "tp": args.tp, "dp": dp, "sp": bool(args.sp), "pp": 1,
+        "layout": {"world": world, "tp": args.tp, "dp": dp, "sp": bool(args.sp), "pp": mesh.pp_size,
+                   "schedule": args.schedule if mesh.pp_size > 1 else None,
+                   "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
                    "microbatches_per_rank": per_rank // micro, "threads_per_process": threads},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         # Other work on the host skews CPU timings: other_busy_cpus is the average number of

@@ -1,0 +1,392 @@
+"""Speed of one meshtron MoE block (moe/layer.py `MoELayer`): forward + backward.
+
+Builds `MoELayer` from a `GPTConfig` (SwiGLU experts like Mixtral, softmax top-k router with
+renormalised weights, no shared experts, no capacity limit by default) at the issue-12 shape
+(hidden 256, expert ffn 512, 8 experts, top-2, 1,024 tokens, fp32) and times
+forward + backward w.r.t. the input and every weight: warm-up, then `--iters` individually
+timed iterations (median/min/max). The backward includes the router's aux-loss term, as a
+training step does (`--aux-loss-coef`, default the model config's 0.01; 0 drops it).
+
+One more iteration runs under torch.profiler to say where the time goes: forward ops are
+attributed to the region they ran in (router, dispatch, expert GEMMs, expert activation,
+combine, shared experts, other), backward autograd nodes to the region of the forward op that
+created them (matched by autograd sequence number). Profiled times carry the profiler's own
+overhead; the fractions are what to read.
+
+    OMP_NUM_THREADS=2 python bench/moe_layer.py                     # meshtron only
+    OMP_NUM_THREADS=2 python bench/moe_layer.py --peer              # + transformers' Mixtral block, interleaved
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/moe_layer.py --ep 2
+
+`--peer` builds transformers' `MixtralSparseMoeBlock` exactly as ../shared/peers/hf_mixtral_moe.py
+does (same config, N(0, 0.02) weights, the experts implementation a MixtralForCausalLM picks on
+this machine) and times it in the same process, alternating rounds with meshtron's block
+(`--rounds`), so both sides see the same machine load. Single process only.
+
+Under torchrun (`--ep`/`--etp` over gloo, world = ep * etp * edp) `--tokens` is the global
+token count, split evenly over the ranks; an iteration lasts as long as the slowest rank.
+Prints ONE JSON object on stdout (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from models.config import GPTConfig  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from mpu.init import initialize_parameters  # noqa: E402
+from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+
+SEED = 1234
+REGIONS = ("router", "dispatch", "expert_gemm", "expert_activation", "combine", "shared_experts", "other")
+PEER_SCRIPT = ROOT.parent / "shared" / "peers" / "hf_mixtral_moe.py"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per iteration (global under torchrun)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=512, help="expert ffn size (model.moe_ffn_hidden_size)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--shared-experts", type=int, default=0)
+    p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu"])
+    p.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="router aux-loss coefficient (default: GPTConfig's); its term is in the backward")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (torchrun, gloo)")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (torchrun, gloo)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (per round with --peer)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds with --peer")
+    p.add_argument("--peer", action="store_true",
+                   help="also time transformers' MixtralSparseMoeBlock (grouped_mm) in the same run")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled breakdown iteration")
+    args = p.parse_args(argv)
+    if args.tokens < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--tokens, --iters and --rounds must be >= 1 and --warmup >= 0")
+    return args
+
+
+def fail(msg: str) -> None:
+    print(f"bench/moe_layer.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------- meshtron's block
+
+
+def build_meshtron(args, mesh, local_tokens: int):
+    kw = {} if args.aux_loss_coef is None else {"aux_loss_coef": args.aux_loss_coef}
+    cfg = GPTConfig(arch="llama", num_layers=1, hidden_size=args.hidden, num_heads=1, activation=args.activation,
+                    num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn,
+                    shared_experts=args.shared_experts, seq_len=local_tokens, **kw)
+    layer = MoELayer(cfg, mesh)
+    initialize_parameters(layer, SEED, mesh)
+    layer.train()
+    gen = torch.Generator().manual_seed(SEED + 1 + _rank())
+    x = torch.randn(local_tokens, 1, args.hidden, generator=gen).requires_grad_(True)  # [s, b, h]
+    gy = torch.randn(x.shape, generator=gen)
+    one = torch.ones(())
+
+    def step():
+        out = layer(x)
+        aux = layer.last_router.aux_loss
+        if aux.requires_grad:
+            torch.autograd.backward([out, aux], [gy, one])
+        else:
+            out.backward(gy)
+        x.grad = None
+        for q in layer.parameters():
+            q.grad = None
+        return out.detach()
+
+    return cfg, layer, step
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------- the peer (transformers' Mixtral block)
+
+
+def build_peer(args):
+    """transformers' MixtralSparseMoeBlock as ../shared/peers/hf_mixtral_moe.py builds it."""
+    import transformers
+    from transformers import MixtralConfig
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    tiny = mm.MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+                                               num_local_experts=args.experts, num_experts_per_tok=args.top_k))
+    impl = tiny.config._experts_implementation
+    del tiny
+    cfg = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_local_experts=args.experts,
+                        num_experts_per_tok=args.top_k, router_jitter_noise=0.0, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=4, vocab_size=8192,
+                        max_position_embeddings=128)
+    cfg._experts_implementation = impl
+    torch.manual_seed(0)
+    block = mm.MixtralSparseMoeBlock(cfg)
+    for prm in block.parameters():
+        torch.nn.init.normal_(prm, std=0.02)
+    block.train()
+    x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    gy = torch.randn_like(x)
+
+    def step():
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(gy)
+        x.grad = None
+        for q in block.parameters():
+            q.grad = None
+        return out.detach()
+
+    info = {"system": f"transformers {transformers.__version__} {mm.MixtralSparseMoeBlock.__name__}",
+            "experts_implementation": impl, "script": str(PEER_SCRIPT),
+            "setup": "as hf_mixtral_moe.py: MixtralConfig(router_jitter_noise=0), N(0, 0.02) weights, "
+                     "forward + backward(gy) w.r.t. input and all weights"}
+    return info, step
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_iters(step, n: int, world: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if world > 1:
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = t.tolist()
+    return times
+
+
+def summary(times: list[float], tokens: int) -> dict:
+    med = statistics.median(times)
+    return {"tokens_per_s": round(tokens / med, 1),
+            "ms": {"median": round(med * 1e3, 3), "min": round(min(times) * 1e3, 3),
+                   "max": round(max(times) * 1e3, 3)},
+            "timed_iters": len(times)}
+
+
+# ---------------------------------------------------------------- where the time goes
+
+
+def _wrap(region: str, fn):
+    from torch.profiler import record_function
+
+    def wrapped(*a, **kw):
+        with record_function(f"moe::{region}"):
+            return fn(*a, **kw)
+    return wrapped
+
+
+def instrument(layer: MoELayer) -> None:
+    """Mark the layer's parts with record_function regions (instance attributes only; moe/ is untouched)."""
+    layer.router.forward = _wrap("router", layer.router.forward)
+    layer.dispatcher.dispatch = _wrap("dispatch", layer.dispatcher.dispatch)
+    layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)
+    layer.experts.forward = _wrap("experts", layer.experts.forward)
+    if layer.shared is not None:
+        layer.shared.forward = _wrap("shared_experts", layer.shared.forward)
+
+
+def _is_gemm(name: str) -> bool:
+    return "grouped_mm" in name or "GroupedMm" in name or "bmm" in name.lower() or name in ("aten::mm",)
+
+
+def breakdown(step, layer: MoELayer) -> dict:
+    """One profiled iteration; forward and backward CPU time per region."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    instrument(layer)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("moe::iteration"):
+            step()
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    spans = {}  # region -> list of (start, end)
+    for e in events:
+        if e.name.startswith("moe::"):
+            spans.setdefault(e.name[5:], []).append((e.time_range.start, e.time_range.end))
+    total = spans["iteration"][0][1] - spans["iteration"][0][0]
+    inside = ("router", "dispatch", "combine", "experts", "shared_experts")
+
+    def region_of(e) -> str:
+        t = e.time_range.start
+        for r in inside:
+            for s, end in spans.get(r, []):
+                if s <= t <= end:
+                    if r == "experts":
+                        return "expert_gemm" if _is_gemm(e.name) else "expert_activation"
+                    return r
+        return "other"
+
+    # Forward: top-level aten / c10d ops (not nested in another op) before the autograd engine starts.
+    bwd = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    bwd_ranges = [(e.time_range.start, e.time_range.end) for e in bwd]
+    bwd_start = min((s for s, _ in bwd_ranges), default=float("inf"))
+    def is_op(e) -> bool:
+        return e.name.startswith(("aten::", "c10d::"))
+
+    fwd_ops = [e for e in events if is_op(e) and e.cpu_parent is not None and not is_op(e.cpu_parent)
+               and e.time_range.start < bwd_start]
+    fwd = defaultdict(float)
+    seq_region = {}
+    for e in fwd_ops:
+        r = region_of(e)
+        fwd[r] += e.cpu_time_total
+    for e in events:  # every op that made an autograd node, nested or not
+        if e.sequence_nr >= 0 and e.time_range.start < bwd_start and not e.name.startswith("autograd::"):
+            seq_region.setdefault(e.sequence_nr, region_of(e))
+    back = defaultdict(float)
+    for e in bwd:
+        node = e.name.split(": ", 1)[-1]
+        r = seq_region.get(e.sequence_nr, "other")
+        if r in ("expert_gemm", "expert_activation"):  # a node's region follows its own kind
+            r = "expert_gemm" if _is_gemm(node) else "expert_activation"
+        if node.startswith("AccumulateGrad"):
+            r = "other"
+        back[r] += e.cpu_time_total
+    fwd_total, bwd_total = sum(fwd.values()), sum(back.values())
+    regions = {}
+    for r in REGIONS:
+        f, b = fwd.get(r, 0.0) / 1e3, back.get(r, 0.0) / 1e3
+        regions[r] = {"forward_ms": round(f, 3), "backward_ms": round(b, 3),
+                      "fraction": round((f + b) / (total / 1e3), 3) if total else None}
+    return {
+        "method": "torch.profiler, one extra iteration (times include profiler overhead): forward = top-level "
+                  "aten/c10d ops inside record_function regions wrapped around router / dispatcher.dispatch / "
+                  "experts / dispatcher.combine / shared experts (the rest of MoELayer.forward, i.e. pair "
+                  "bookkeeping, the weighted index_add combine and the load statistics, is 'other' for the "
+                  "forward); backward = autograd nodes attributed by sequence number to the forward op that "
+                  "made them (AccumulateGrad: other). combine covers the dispatcher's un-permute; the "
+                  "weighted sum of the k choices (mul + index_add) is in 'other'.",
+        "profiled_iteration_ms": round(total / 1e3, 3),
+        "forward_ms": round(fwd_total / 1e3, 3),
+        "backward_ms": round(bwd_total / 1e3, 3),
+        "unattributed_ms": round((total - fwd_total - bwd_total) / 1e3, 3),
+        "regions": regions,
+    }
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.threads is not None:
+        if args.threads < 1:
+            fail(f"--threads={args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    if args.peer and world > 1:
+        fail("--peer runs single-process only (the Mixtral block has no expert parallelism); drop torchrun")
+    if world > 1:
+        dist.init_process_group(backend="gloo")
+    if args.tokens % world:
+        fail(f"--tokens={args.tokens} is not divisible by the world size {world}")
+    local_tokens = args.tokens // world
+    try:
+        mesh = build_mesh(ParallelConfig(ep=args.ep, etp=args.etp))
+        cfg, layer, step = build_meshtron(args, mesh, local_tokens)
+    except ValueError as exc:
+        fail(str(exc))
+
+    peer_info, peer_step = build_peer(args) if args.peer else (None, None)
+
+    for _ in range(args.warmup):
+        step()
+        if peer_step is not None:
+            peer_step()
+    from bench.throughput import _host_cpu_seconds, _own_cpu_seconds
+
+    host0, own0, wall0 = _host_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
+    mine, theirs = [], []
+    rounds = args.rounds if args.peer else 1
+    for _ in range(rounds):
+        mine += time_iters(step, args.iters, world)
+        if peer_step is not None:
+            theirs += time_iters(peer_step, args.iters, 1)
+
+    wall = time.perf_counter() - wall0
+    own = torch.tensor([_own_cpu_seconds() - own0], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(own)
+    host1 = _host_cpu_seconds()
+    host = {"cpus": os.cpu_count(), "other_busy_cpus": None, "steal_cpus": None,
+            "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if host0 is not None and host1 is not None:
+        # CPUs other processes kept busy during the timed iterations (ours subtracted), as bench/throughput.py
+        host["other_busy_cpus"] = round(max(0.0, (host1[0] - host0[0] - float(own.sum())) / wall), 3)
+        host["steal_cpus"] = round((host1[1] - host0[1]) / wall, 3)
+
+    result_breakdown = None
+    if not args.no_profile:
+        if world > 1:
+            dist.barrier()
+        result_breakdown = breakdown(step, layer)  # every rank runs it (collectives), rank 0 reports
+
+    # FLOPs the block needs per token, fwd+bwd (peers/README.md's MoE formula, + shared experts).
+    mats = 3 if args.activation == "swiglu" else 2
+    fwd_flops_tok = 2 * args.hidden * args.experts + (args.top_k + args.shared_experts) * 2 * mats * args.hidden * args.ffn
+    flops_tok = 3 * fwd_flops_tok
+
+    res = summary(mine, args.tokens)
+    result = {
+        "bench": "moe_layer",
+        "system": "meshtron moe.layer.MoELayer",
+        "config": {"tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts,
+                   "top_k": args.top_k, "shared_experts": args.shared_experts, "activation": cfg.activation,
+                   "router": cfg.router_score, "renormalize": cfg.router_renormalize,
+                   "aux_loss_coef": cfg.aux_loss_coef, "capacity_factor": cfg.capacity_factor,
+                   "dtype": "fp32", "kernels": cfg.kernel_backend,
+                   "timed": "forward + backward (input and all weights; aux-loss term included when coef > 0)"},
+        "layout": {"world": world, "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
+                   "tokens_per_rank": local_tokens,
+                   "processes": "single process" if world == 1 else f"{world} processes (torchrun, gloo)"},
+        "threads": threads,
+        "host": host,
+        "warmup": args.warmup,
+        "rounds": rounds,
+        **res,
+        "flops_per_token_fwd_bwd": flops_tok,
+        "achieved_gflops": round(flops_tok * res["tokens_per_s"] / 1e9, 2),
+        "breakdown": result_breakdown,
+        "torch": torch.__version__,
+    }
+    if peer_step is not None:
+        p = summary(theirs, args.tokens)
+        result["peer"] = {**peer_info, **p, "achieved_gflops": round(flops_tok * p["tokens_per_s"] / 1e9, 2)}
+        result["ratio_tokens_per_s_vs_peer"] = round(res["tokens_per_s"] / p["tokens_per_s"], 3)
+        result["peer_note"] = "interleaved: each round times meshtron then the peer, --iters each; medians over all rounds"
+    if _rank() == 0:
+        print(json.dumps(result), flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
