@@ -17,6 +17,7 @@ from kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
 from kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
 from tests.distributed.harness import run_world  # noqa: E402
+from tests.distributed.selfcheck_cases import TripledGrad  # noqa: E402
 from tests.test_kernels_in_model import build_training  # noqa: E402
 from training.step import train_step  # noqa: E402
 
@@ -133,21 +134,11 @@ def test_wrong_kernel_is_replaced_with_one_warning(monkeypatch, torch_run, recwa
     assert_same_run(got, torch_run)
 
 
-class _TripledGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 3
-
-
 def test_wrong_backward_is_caught(monkeypatch, torch_run, recwarn):
     original = cross_entropy.fused_cross_entropy
 
     def wrong_grad(logits, *args, **kwargs):
-        return original(_TripledGrad.apply(logits), *args, **kwargs)
+        return original(TripledGrad.apply(logits), *args, **kwargs)
 
     monkeypatch.setattr(cross_entropy, "fused_cross_entropy", wrong_grad)
     got = two_steps(CHECKED)

@@ -79,7 +79,7 @@ def verdicts_agree_without_a_model() -> None:
     selfcheck.reset()
 
 
-class _ScaledGrad(torch.autograd.Function):
+class TripledGrad(torch.autograd.Function):
     """Identity forward, gradient times 3: a cross-entropy whose backward is wrong."""
 
     @staticmethod
@@ -99,7 +99,7 @@ def llama_tp2_cross_entropy_broken_on_rank1() -> None:
     original = cross_entropy.fused_cross_entropy
     if dist.get_rank() == 1:
         def broken(logits, *args, **kwargs):
-            return original(_ScaledGrad.apply(logits), *args, **kwargs)
+            return original(TripledGrad.apply(logits), *args, **kwargs)
         cross_entropy.fused_cross_entropy = broken
     try:
         cfg = model_config("llama")
