@@ -320,7 +320,7 @@ def main(argv=None) -> None:
         step()
         if peer_step is not None:
             peer_step()
-    from bench.throughput import _host_cpu_seconds, _own_cpu_seconds
+    from bench.throughput import _host_cpu_seconds, _own_cpu_seconds, host_load
 
     host0, own0, wall0 = _host_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
     mine, theirs = [], []
@@ -335,12 +335,10 @@ def main(argv=None) -> None:
     if world > 1:
         dist.all_reduce(own)
     host1 = _host_cpu_seconds()
-    host = {"cpus": os.cpu_count(), "other_busy_cpus": None, "steal_cpus": None,
+    busy, steal = host_load(host0, host1, float(own.sum()), wall)
+    host = {"cpus": os.cpu_count(), "other_busy_cpus": None if busy is None else round(busy, 3),
+            "steal_cpus": None if steal is None else round(steal, 3),
             "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    if host0 is not None and host1 is not None:
-        # CPUs other processes kept busy during the timed iterations (ours subtracted), as bench/throughput.py
-        host["other_busy_cpus"] = round(max(0.0, (host1[0] - host0[0] - float(own.sum())) / wall), 3)
-        host["steal_cpus"] = round((host1[1] - host0[1]) / wall, 3)
 
     result_breakdown = None
     if not args.no_profile:

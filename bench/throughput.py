@@ -175,6 +175,15 @@ def _host_cpu_seconds() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq) / hz, steal / hz
 
 
+def host_load(host_start, host_end, own_seconds: float, wall: float) -> tuple[float | None, float | None]:
+    """(other_busy_cpus, steal_cpus) over `wall` seconds from two `_host_cpu_seconds` readings:
+    CPUs kept busy by other processes (`own_seconds`, our CPU time, subtracted) and CPUs the
+    hypervisor stole; (None, None) where /proc/stat is missing."""
+    if host_start is None or host_end is None:
+        return None, None
+    return max(0.0, (host_end[0] - host_start[0] - own_seconds) / wall), (host_end[1] - host_start[1]) / wall
+
+
 def _own_cpu_seconds() -> float:
     """CPU-seconds this process (all its threads) has used so far."""
     t = os.times()
@@ -295,12 +304,8 @@ def main(argv=None) -> None:
         own = own.to(device)
         dist.all_reduce(own)
     host_end = _host_cpu_seconds()
-    other_busy = steal = None
-    if host_start is not None and host_end is not None:
-        # CPUs kept busy by other processes while the steps ran (ours subtracted), and CPUs
-        # stolen by the hypervisor: > ~0.1 means the timings are pessimistic.
-        other_busy = max(0.0, (host_end[0] - host_start[0] - float(own.sum())) / wall)
-        steal = (host_end[1] - host_start[1]) / wall
+    # > ~0.1 busy or stolen CPUs means the timings are pessimistic.
+    other_busy, steal = host_load(host_start, host_end, float(own.sum()), wall)
     if world > 1:
         # A step lasts as long as its slowest rank.
         t = torch.tensor(times, dtype=torch.float64, device=device)

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from kernels.backend import CHECKED
 from kernels.tf32 import dot_precision, torch_allows_tf32
+from mpu.mesh import collective_device
 
 __all__ = ["CHECKED", "KERNELS", "TOLERANCES", "KernelSelfCheckWarning", "CheckResult", "dispatch", "check", "agree",
            "verdict", "local_result", "reset", "tolerance_for"]
@@ -253,12 +254,12 @@ def agree(device: torch.device | str | None = None) -> dict[str, bool]:
 
     Collective over the default process group (every rank must call it at the same point):
     one all-reduce SUM of [checked, failed] per kernel and one all-reduce MAX of the errors.
-    `device` is where the default group's collectives run (cuda for NCCL; inferred when None).
+    `device` is where the default group's collectives run (default `mpu.mesh.collective_device()`).
     Without several processes it only marks the agreement as done (verdicts are already final).
     """
     if _multi_process():
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            device = collective_device()
         counts = torch.zeros(len(KERNELS), 2, dtype=torch.float64)
         errors = torch.zeros(len(KERNELS), dtype=torch.float64)
         for i, name in enumerate(KERNELS):

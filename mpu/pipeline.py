@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpu.mesh import Mesh, collective_device
-from mpu.pipeline_p2p import GRADIENT, Batch, Message, RankPlan, needed_message, plan_p2p, produced_message
+from mpu.pipeline_p2p import GRADIENT, Batch, Message, RankPlan, cached_plan, needed_message, produced_message
 from mpu.pipeline_schedules import Action
 
 # loss_fn(chunk, output, microbatch_index) -> scalar loss to back-propagate (already scaled)
@@ -83,7 +83,6 @@ class PipelineExecutor:
         if self.device.type != wanted.type:
             raise ValueError(f"pipeline messages on {self.device} cannot travel over the {dist.get_backend()} "
                              f"backend, which moves {wanted.type} tensors")
-        self._plans: dict[int, tuple] = {}  # id(schedules) -> (schedules, plans): schedules are reused
 
     def _tag(self, message: Message) -> int:
         if not self.tags:
@@ -91,17 +90,10 @@ class PipelineExecutor:
         return (message.microbatch * self.num_virtual + message.dst_stage) * 2 + int(message.kind == GRADIENT)
 
     def plan(self, schedules: Sequence[Sequence[Action]]) -> RankPlan:
-        """This rank's batches of sends and receives for `schedules` (`plan_p2p`, cached per
-        schedules object)."""
-        cached = self._plans.get(id(schedules))
-        if cached is None or cached[0] is not schedules:
-            if len(schedules) != self.pp:
-                raise ValueError(f"need the action lists of all {self.pp} pipeline ranks, got {len(schedules)}")
-            cached = (schedules, plan_p2p(schedules, self.v))
-            if len(self._plans) >= 4:  # training and evaluation schedules; a few at most
-                self._plans.clear()
-            self._plans[id(schedules)] = cached
-        return cached[1][self.rank]
+        """This rank's batches of sends and receives for `schedules` (`plan_p2p`, memoised)."""
+        if len(schedules) != self.pp:
+            raise ValueError(f"need the action lists of all {self.pp} pipeline ranks, got {len(schedules)}")
+        return cached_plan(tuple(tuple(actions) for actions in schedules), self.v)[self.rank]
 
     def _exchange(self, batch: Batch, outbox: dict, inbox: dict, result: PipelineResult, name: str,
                   microbatch: int, chunk: int) -> None:

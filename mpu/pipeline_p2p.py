@@ -41,6 +41,7 @@ their gradients share it), so paired ops carrying the same message agree in shap
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -181,6 +182,13 @@ def plan_p2p(schedules: Sequence[Sequence[Action]], v: int) -> list[RankPlan]:
             plan.append(Batch(bisect.bisect_left(starts[rank], t), t, tuple(ops[rank][t])))
         plans.append(plan)
     return plans
+
+
+@functools.lru_cache(maxsize=8)
+def cached_plan(schedules: tuple[tuple[Action, ...], ...], v: int) -> tuple[RankPlan, ...]:
+    """`plan_p2p` memoised on the (hashable) schedules: a training run plans its training and
+    evaluation schedules once each."""
+    return tuple(plan_p2p(schedules, v))
 
 
 def check_plan(schedules: Sequence[Sequence[Action]], v: int, plans: Sequence[RankPlan]) -> int:
