@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kernels.backend import RESOLVED as RESOLVED_BACKENDS
 
+AUX_LOSS_SCOPES = ("microbatch", "sequence", "global")
+
 ARCH_DEFAULTS = {
     # arch: (norm, activation, position, bias)
     "gpt2": ("layernorm", "gelu", "learned", True),
@@ -51,7 +53,18 @@ class GPTConfig:
     router_score: str = "softmax"
     router_renormalize: bool = True
     router_bias_update_rate: float = 0.0
+    # Which tokens one load-balancing statistic pools (moe/scope.py): "microbatch" (each rank's
+    # microbatch), "sequence" (DeepSeek sequence-wise) or "global" (one microbatch of every dp rank).
+    aux_loss_scope: str = "microbatch"
+    # Group-limited routing (DeepSeek-V3): experts form `router_groups` equal groups; each token
+    # picks its top-k experts inside its best `router_topk_groups` groups (0 = no limit).
+    router_groups: int = 0
+    router_topk_groups: int = 0
     shared_experts: int = 0
+    # Set by models/hf.py on import: the Mixtral config's {"router_aux_loss_coef",
+    # "output_router_logits"}, written back on export while aux_loss_coef still equals what
+    # they import as (None: not imported). The model never reads it.
+    hf_router_fields: dict | None = None
     # Execution choices that do not change the math (set from trainer.* / kernels.*).
     recompute: str = "none"
     recompute_layers: int | None = None
@@ -95,6 +108,9 @@ class GPTConfig:
             (not self.num_experts or 1 <= self.top_k <= self.num_experts,
              f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}"),
             (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
+            (self.aux_loss_scope in AUX_LOSS_SCOPES,
+             f"model.aux_loss_scope={self.aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}"),
+            *self._router_group_checks(),
             (self.recompute in ("none", "selective", "full"),
              f"trainer.recompute={self.recompute!r} must be none, selective or full"),
             (self.kernel_backend in RESOLVED_BACKENDS,
@@ -105,6 +121,22 @@ class GPTConfig:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+    def _router_group_checks(self) -> list[tuple[bool, str]]:
+        groups, top = self.router_groups, self.router_topk_groups
+        if not self.num_experts or (groups == 0 and top == 0):
+            return []
+        per_group = self.num_experts // groups if groups > 0 else 0
+        return [
+            (groups >= 1 and self.num_experts % groups == 0,
+             f"model.router_groups={groups} must divide model.num_experts={self.num_experts} "
+             "(or set both router_groups and router_topk_groups to 0: no group limit)"),
+            (1 <= top <= groups,
+             f"model.router_topk_groups={top} must be between 1 and model.router_groups={groups}"),
+            (self.top_k <= top * per_group,
+             f"model.top_k={self.top_k} experts do not fit in router_topk_groups={top} groups of "
+             f"{per_group} experts; raise router_topk_groups"),
+        ]
 
     @property
     def head_dim(self) -> int:

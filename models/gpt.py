@@ -27,7 +27,7 @@ from moe.layer import MoELayer
 from mpu.cross_entropy import vocab_parallel_cross_entropy
 from mpu.init import constant_init, initialize_parameters, normal_init, tag
 from mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
-from mpu.mappings import gather_from_region
+from mpu.mappings import all_reduce_stats, gather_from_region
 from mpu.mesh import Mesh
 from mpu.random import get_rng_tracker, seed_parallel_rng
 from mpu.recompute import recompute
@@ -350,8 +350,8 @@ class GPT(nn.Module):
                    else block.mlp.last_router.aux_loss + block.mlp.last_router.z_loss for block in blocks)
 
     def moe_stats(self) -> list[dict]:
-        """Per MoE layer of this chunk, global routing statistics of the last forward (no
-        gradient); `layer` is the global layer index."""
+        """Per MoE layer of this chunk, routing statistics of the last forward over the aux-loss
+        scope's stats group (no gradient); `layer` is the global layer index."""
         return [{"layer": block.index, "aux_loss": block.mlp.last_router.aux_value,
                  "z_loss": block.mlp.last_router.z_value,
                  "tokens_per_expert": block.mlp.last_router.tokens_per_expert,
@@ -359,8 +359,20 @@ class GPT(nn.Module):
                 for block in self.layers.values() if isinstance(block.mlp, MoELayer)]
 
     def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing: adjust each router's expert bias from the step's load."""
-        for m in self.moe_layers():
+        """Aux-loss-free balancing: adjust each router's expert bias from the step's load.
+
+        Each router's load covers its scope's stats group; where the scope leaves other
+        microbatches on other ranks, the loads of every updating layer are first summed over
+        the scope's replica group (one all-reduce, the data-parallel ranks) so that every
+        rank applies the bias of the whole global batch."""
+        layers = self.moe_layers()
+        updating = [m for m in layers if m.router.bias_update_rate > 0]
+        if updating and updating[0].scope.replicas > 1:
+            loads = all_reduce_stats(torch.stack([m.router.step_load for m in updating]),
+                                     updating[0].scope.replica_group)
+            for m, load in zip(updating, loads):
+                m.router.step_load.copy_(load)
+        for m in layers:
             m.router.update_expert_bias()
 
 

@@ -4,7 +4,7 @@ Tokens inside the layer are always distinct per rank: under sequence parallelism
 arrive as sequence shards; at tp > 1 without SP the layer keeps its TP rank's sequence chunk
 on the way in and all-gathers the output on the way out (so ep can fold over the TP ranks,
 e.g. tp=4 attention with ep=8 experts on 8 ranks). Routing statistics (aux loss, z-loss,
-load) are therefore global over the stage's tp x dp group.
+load) pool the tokens of the aux-loss scope (moe/scope.py) over its stats group.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from moe.capacity import capacity_for, capacity_keep_mask
 from moe.dispatcher import AllToAllDispatcher
 from moe.experts import GroupedExperts, expert_out_init_std
 from moe.router import RouterOutput, TopKRouter
+from moe.scope import aux_loss_scope
 from mpu.init import normal_init, tag
 from mpu.mappings import all_reduce_stats, gather_from_region, scatter_to_sequence
 from mpu.mesh import Mesh
@@ -57,10 +58,12 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
+        self.scope = aux_loss_scope(cfg.aux_loss_scope, mesh)
         self.router = TopKRouter(
             cfg.hidden_size, cfg.num_experts, cfg.top_k, score=cfg.router_score,
             renormalize=cfg.router_renormalize, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
-            bias_update_rate=cfg.router_bias_update_rate, init_std=cfg.init_std,
+            bias_update_rate=cfg.router_bias_update_rate, groups=cfg.router_groups,
+            topk_groups=cfg.router_topk_groups, init_std=cfg.init_std,
             sequence_parallel=mesh.tp_size > 1, device=device, dtype=dtype,
         )
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.activation, mesh,
@@ -79,7 +82,7 @@ class MoELayer(nn.Module):
             x = scatter_to_sequence(x, mesh.tp)
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routed = self.router(tokens, mesh.tp_dp)
+        routed = self.router(x, self.scope.stats_group, per_sequence=self.scope.per_sequence)
         pair_expert = routed.topk_idx.reshape(-1)
         pair_weight = routed.topk_weight.reshape(-1)
         pair_token = torch.arange(s * b, device=x.device).repeat_interleave(k)

@@ -1,10 +1,10 @@
 """MoE router: linear gate -> scores -> top-k experts per token, with balancing losses.
 
 All router math runs in fp32 whatever the activation dtype. The balancing statistics
-(expert counts, mean router probabilities, token count) are *global over the stats group*
-(the ranks holding distinct tokens of one microbatch, e.g. the data-parallel group or the
-DP x SP ranks), obtained with one non-differentiable `all_reduce_stats` per forward; no
-activations are communicated. Each rank returns a differentiable *contribution* to each
+(expert counts, mean router probabilities, token count) pool one token set (a microbatch, a
+sequence, or microbatch j of every dp rank: the aux-loss scope, moe/scope.py) and are
+*global over the stats group* (the ranks holding shards of that set), obtained with one
+non-differentiable `all_reduce_stats` per forward; no activations are communicated. Each rank returns a differentiable *contribution* to each
 loss such that the contributions sum (over the stats group) to the single-process loss, so
 gradients summed over the group equal the single-process gradient.
 
@@ -35,10 +35,11 @@ class RouterOutput:
     topk_weight: fp32 [..., k], combine weights (differentiable w.r.t. router weight and x).
     aux_loss / z_loss: 0-dim differentiable: this rank's contribution, times the coefficient,
         divided by num_microbatches (a zero tensor when the coefficient is 0).
-    aux_value / z_value: 0-dim, no grad: the global loss values without coefficient
-        (identical on every rank of the stats group).
-    tokens_per_expert: fp32 [E], no grad: global (token, choice) assignments per expert.
-    num_tokens: 0-dim int64, no grad: global number of tokens of this microbatch.
+    aux_value / z_value: 0-dim, no grad: the loss values without coefficient over the pooled
+        tokens (identical on every rank of the stats group).
+    tokens_per_expert: fp32 [E], no grad: (token, choice) assignments per expert over the
+        stats group.
+    num_tokens: 0-dim int64, no grad: number of tokens over the stats group.
     """
 
     topk_idx: torch.Tensor
@@ -59,6 +60,8 @@ class TopKRouter(nn.Module):
         `renormalize` (Mixtral) else raw (Switch/GShard).
     score="sigmoid" (DeepSeek-V3): s = sigmoid(logits); choose top-k of s + expert_bias;
         weights = chosen s (no bias) normalized over the k (always; renormalize must be True).
+    groups > 0 (DeepSeek-V3 group-limited routing): the choice is restricted to each token's
+        best `topk_groups` of `groups` consecutive expert groups (`_limit_to_top_groups`).
 
     Losses (global over `stats_group`, see module docstring): Switch load-balancing
     aux = E * sum_i f_i P_i (f_i: fraction of (token, choice) assignments to expert i,
@@ -66,15 +69,16 @@ class TopKRouter(nn.Module):
     and ST-MoE z-loss z = mean_t logsumexp(logits_t)^2.
 
     `expert_bias` (persistent) drives DeepSeek-V3 aux-loss-free balancing through
-    `update_expert_bias`; `step_load` (non-persistent) accumulates the global per-expert load
-    of the current optimizer step while training.
+    `update_expert_bias`; `step_load` (non-persistent) accumulates the per-expert load of the
+    current optimizer step over the stats group while training (the caller sums it over the
+    replica group of the scope before the update).
     The only communication is one `all_reduce_stats` over `stats_group` per forward.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
                  renormalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 bias_update_rate: float = 0.0, init_std: float = 0.02, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+                 bias_update_rate: float = 0.0, groups: int = 0, topk_groups: int = 0, init_std: float = 0.02,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if score not in SCORES:
             raise ValueError(f"router score={score!r} is unknown; use one of {SCORES}")
@@ -83,6 +87,11 @@ class TopKRouter(nn.Module):
         if score == "sigmoid" and not renormalize:
             raise ValueError("sigmoid router weights are always normalized over the chosen k; "
                              "set renormalize=True (or use score='softmax' for raw weights)")
+        if groups or topk_groups:
+            if groups < 1 or num_experts % groups or not 1 <= topk_groups <= groups \
+                    or top_k > topk_groups * (num_experts // groups):
+                raise ValueError(f"router groups={groups}, topk_groups={topk_groups} must split num_experts="
+                                 f"{num_experts} evenly with 1 <= topk_groups <= groups and room for top_k={top_k}")
         for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
                             ("bias_update_rate", bias_update_rate)):
             if value < 0:
@@ -95,6 +104,7 @@ class TopKRouter(nn.Module):
         self.aux_loss_coef = float(aux_loss_coef)
         self.z_loss_coef = float(z_loss_coef)
         self.bias_update_rate = float(bias_update_rate)
+        self.groups, self.topk_groups = int(groups), int(topk_groups)
         init_fn = normal_init((num_experts, hidden_size), init_std)
         self.weight = tag(nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype)),
                           init_fn, tp_shard_dim=None, sequence_parallel=sequence_parallel)
@@ -111,18 +121,24 @@ class TopKRouter(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"score={self.score}, renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}, "
-                f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}")
+                f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}"
+                + (f", groups={self.groups}, topk_groups={self.topk_groups}" if self.groups else ""))
 
-    def forward(self, x: torch.Tensor, stats_group, num_microbatches: int = 1) -> RouterOutput:
-        """Route the tokens x [..., h] (usually [T, h]) of this rank.
+    def forward(self, x: torch.Tensor, stats_group, num_microbatches: int = 1, *,
+                per_sequence: bool = False) -> RouterOutput:
+        """Route the tokens x [..., h] (the MoE layer passes [s, b, h]) of this rank.
 
-        `stats_group` holds the ranks with distinct tokens of this microbatch (None: one
-        process); the balancing statistics are all-reduced over it (one `all_reduce_stats`).
-        Losses are divided by `num_microbatches` so that summing them over microbatches
-        gives the mean over the step.
+        `stats_group` holds the ranks with the other shards of the pooled tokens (None: this
+        rank holds them all); the balancing statistics are all-reduced over it (one
+        `all_reduce_stats`). `per_sequence` pools one statistic per sequence (dim 1 of a
+        [s, b, h] input; the aux loss is their mean) instead of one over all tokens. Losses
+        are divided by `num_microbatches` so that summing them over microbatches gives the
+        mean over the step.
         """
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"router input has hidden size {x.shape[-1]}, expected {self.hidden_size}")
+        if per_sequence and x.dim() != 3:
+            raise ValueError(f"per-sequence statistics need tokens [s, b, h], got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         E, k = self.num_experts, self.top_k
         logits = F.linear(x.reshape(-1, self.hidden_size).float(), self.weight.float())  # [T, E]
@@ -136,33 +152,37 @@ class TopKRouter(nn.Module):
             probs = scores / scores.sum(dim=-1, keepdim=True)
             use_bias = True  # zero unless updated
         select = scores.detach() + self.expert_bias if use_bias else scores.detach()
+        if self.groups:
+            select = self._limit_to_top_groups(select)
         # Stable descending sort: equal scores keep index order, so the lower expert wins.
         topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
         topk_weight = scores.gather(-1, topk_idx)
         if self.score == "sigmoid" or self.renormalize:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
 
-        # Local statistics; everything the losses need globally goes into one all-reduce.
+        # Local statistics per pooled set ([S, E]: S = sequences, or 1); everything the losses
+        # need globally goes into one all-reduce.
         T_local = logits.shape[0]
-        counts = torch.zeros(E, device=logits.device, dtype=torch.float64)
-        counts.index_add_(0, topk_idx.reshape(-1),
-                          torch.ones(T_local * k, device=logits.device, dtype=torch.float64))
-        prob_sum = probs.sum(dim=0)  # [E], differentiable
+        S = lead[1] if per_sequence else 1
+        hits = torch.zeros(T_local, E, device=logits.device, dtype=torch.float64)
+        hits.scatter_add_(1, topk_idx, torch.ones(T_local, k, device=logits.device, dtype=torch.float64))
+        counts = hits.view(-1, S, E).sum(0)  # [S, E]; tokens are [s, b] flattened, sequence b = t % S
+        prob_sum = probs.view(-1, S, E).sum(0)  # [S, E], differentiable
         lse_sq_sum = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable
-        local = torch.cat([counts, prob_sum.detach().double(), lse_sq_sum.detach().double().view(1),
-                           counts.new_full((1,), float(T_local))])
+        local = torch.cat([counts.flatten(), prob_sum.detach().double().flatten(),
+                           lse_sq_sum.detach().double().view(1), counts.new_full((1,), float(T_local))])
         glob = all_reduce_stats(local, stats_group)
-        counts_g, prob_sum_g = glob[:E], glob[E:2 * E]
-        lse_sq_g, T_g = glob[2 * E], glob[2 * E + 1]
+        counts_g, prob_sum_g = glob[:S * E].view(S, E), glob[S * E:2 * S * E].view(S, E)
+        lse_sq_g, T_g = glob[2 * S * E], glob[2 * S * E + 1]
+        T_set = T_g / S  # tokens of one pooled set (all ranks)
 
-        f = (counts_g / (T_g * k)).float()  # no grad, as in Switch
-        T_g32 = T_g.float()
-        aux_contrib = E * (f * prob_sum).sum() / T_g32
-        z_contrib = lse_sq_sum / T_g32
+        f = (counts_g / (T_set * k)).float()  # no grad, as in Switch
+        aux_contrib = E * (f * prob_sum).sum() / (T_set.float() * S)
+        z_contrib = lse_sq_sum / T_g.float()
         with torch.no_grad():
-            aux_value = (E * (counts_g / (T_g * k) * prob_sum_g).sum() / T_g).float()
+            aux_value = (E * (counts_g / (T_set * k) * prob_sum_g).sum() / (T_set * S)).float()
             z_value = (lse_sq_g / T_g).float()
-            tokens_per_expert = counts_g.float()
+            tokens_per_expert = counts_g.sum(0).float()
             if self.training and not is_replaying():  # a recomputation must not count the load twice
                 self.step_load += tokens_per_expert
 
@@ -180,13 +200,27 @@ class TopKRouter(nn.Module):
             num_tokens=T_g.round().long(),
         )
 
+    def _limit_to_top_groups(self, select: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V3 node-limited): experts form `groups` equal
+        consecutive groups; a group's score is the sum of its best `per_group` selection scores
+        (per_group = top_k // topk_groups, at least 1); the experts outside each token's best
+        `topk_groups` groups get -inf. Ties go to the lower group index."""
+        T, E = select.shape
+        size = E // self.groups
+        per_group = min(size, max(1, self.top_k // self.topk_groups))
+        ranked = torch.sort(select.view(T, self.groups, size), dim=-1, descending=True, stable=True).values
+        group_score = ranked[..., :per_group].sum(-1)  # [T, groups]
+        best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :self.topk_groups]
+        allowed = torch.zeros(T, self.groups, dtype=torch.bool, device=select.device).scatter_(1, best, True)
+        return select.masked_fill(~allowed.repeat_interleave(size, dim=1), float("-inf"))
+
     @torch.no_grad()
     def update_expert_bias(self) -> None:
         """DeepSeek-V3 aux-loss-free balancing; call once per optimizer step, after the optimizer.
 
         expert_bias += rate * sign(mean(step_load) - step_load) when bias_update_rate > 0,
-        then step_load is zeroed (always). No communication: step_load is already global over
-        the stats group, so every rank computes the same bias.
+        then step_load is zeroed (always). No communication: the caller has made step_load
+        global (summed over the scope's replica group), so every rank computes the same bias.
         """
         if self.bias_update_rate > 0:
             self.expert_bias += self.bias_update_rate * torch.sign(self.step_load.mean() - self.step_load)

@@ -158,9 +158,11 @@ SHRUNKEN_GPT_1B = ["+model=gpt_1b", "model.num_layers=2", "model.hidden_size=64"
 @pytest.mark.timeout(300)
 def test_card_layout_trains_shrunken_gpt_1b_like_one_process(tmp_path):
     """torchrun --nproc_per_node=8 train.py +model=gpt_1b parallel.tp=4 parallel.ep=8 with small
-    sizes: trains, and logs the single-process losses (MoE aux terms included in training)."""
+    sizes: trains, and logs the single-process losses (MoE aux terms included in training) at
+    the same micro batch size (2: the parallel run has dp=2), the aux-loss scope's invariance."""
     serial = tmp_path / "serial"
-    out = run([sys.executable, "train.py", *SHRUNKEN_GPT_1B, f"hydra.run.dir={serial}"], timeout=120)
+    out = run([sys.executable, "train.py", *SHRUNKEN_GPT_1B, "trainer.micro_batch_size=2", f"hydra.run.dir={serial}"],
+              timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     parallel = tmp_path / "parallel"
     out = run([*TORCHRUN, "--nproc_per_node=8", "train.py", *SHRUNKEN_GPT_1B, "parallel.tp=4", "parallel.ep=8",

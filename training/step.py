@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.operands import weight_copy_scope
+from moe.scope import AuxLossScope, aux_loss_scope
 from mpu.cross_entropy import IGNORE_INDEX
 from mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
 from mpu.grad_reduce import DataParallelGradReducer
@@ -33,7 +34,8 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
     The loss of each microbatch is its summed token cross-entropy divided by the number of
     tokens in the *global* batch, so accumulated gradients summed over dp equal the
     single-process gradient of the mean loss. MoE models add their routers' aux and z-loss
-    terms (global over the microbatch's tokens on all ranks) averaged over microbatches.
+    terms, each pooled over the tokens of its aux-loss scope (moe/scope.py), averaged over the
+    step's pooled sets (`AuxLossScope.objective_divisor`).
     Returns `loss` (global-batch mean LM cross-entropy, reduced over dp, no aux terms) and
     `grad_norm` (before clipping) as tensors, and `skipped`: True when the loss or the gradient
     norm is not finite, in which case the optimizer step (and the expert-bias update) is
@@ -47,7 +49,9 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
     reducer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float32, device=tokens.device)
     n_micro = len(microbatches)
-    moe = MoEStepStats(model.cfg)
+    scope = aux_loss_scope(model.cfg.aux_loss_scope, mesh)
+    aux_divisor = scope.objective_divisor(n_micro)
+    moe = MoEStepStats(model.cfg, scope)
     with weight_copy_scope():  # the Triton GEMMs' 16-bit weight copies: made once per step
         for i, (inputs, targets) in enumerate(microbatches):
             with reducer.sync(i == n_micro - 1):
@@ -55,7 +59,7 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
                     logits = model(inputs)
                     loss = model.loss_per_token(logits, targets).sum() / tokens
                     aux = model.aux_loss()
-                objective = loss if aux is None else loss + aux / n_micro
+                objective = loss if aux is None else loss + aux / aux_divisor
                 (objective * precision.loss_scale).backward()
             loss_sum = loss_sum + loss.detach().to(loss_sum.device)
             moe.add(model.moe_stats(), n_micro)
@@ -71,7 +75,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     """`train_step` for pipeline parallelism: run `schedule` over this rank's model chunks.
 
     Losses are normalised exactly as in `train_step` (the last stage divides by the global
-    token count; MoE terms on any stage by the number of microbatches). Gradient buckets are
+    token count; MoE terms on any stage by the scope's number of pooled sets). Gradient buckets are
     reduced as the last backward of each chunk runs; the tied embedding's two copies (first
     and last stage) then have their gradients summed. Also returns `pipeline`: the executor's
     result (timeline, peak live activations).
@@ -84,7 +88,9 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     schedules = build_all_ranks(schedule, mesh.pp_size, n_micro, mesh.par.vpp)
     actions = schedules[mesh.pp_rank]
     last_backward = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
-    moe = MoEStepStats(chunks[0].cfg)
+    scope = aux_loss_scope(chunks[0].cfg.aux_loss_scope, mesh)
+    aux_divisor = scope.objective_divisor(n_micro)
+    moe = MoEStepStats(chunks[0].cfg, scope)
     targets = [y for _, y in microbatches]
 
     scale = precision.loss_scale
@@ -97,7 +103,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
         if aux is None:
             return None
         moe.add(chunk.moe_stats(), n_micro)
-        return aux / n_micro * scale
+        return aux / aux_divisor * scale
 
     def before_backward(index, action):
         return reducer.sync(last_backward[action.chunk] == index)
@@ -156,11 +162,14 @@ def _unscale_gradients(chunks, reducer, scale: float) -> None:
 class MoEStepStats:
     """Routing statistics of one step, per MoE layer (global index): aux/z-loss averaged over
     microbatches, tokens per expert summed over microbatches, dropped fraction averaged.
-    Under pipeline parallelism each stage fills its own layers and `summary` sums over pp."""
+    `summary` takes the mean (loss values) and sum (loads) over the aux-loss scope's replica
+    group, so the figures cover the global batch; under pipeline parallelism each stage fills
+    its own layers and `summary` sums over pp."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, scope: AuxLossScope):
         self.layer_ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         self.num_experts = cfg.num_experts
+        self.scope = scope
         self.table = None  # [moe layers, 3 + E]: aux, z, dropped, tokens per expert
 
     def add(self, per_layer: list[dict], n_micro: int) -> None:
@@ -180,9 +189,12 @@ class MoEStepStats:
         if not self.layer_ids:
             return {}
         table = self.table
+        if table is None:  # a pipeline stage without MoE layers
+            table = torch.zeros(len(self.layer_ids), 3 + self.num_experts, device=device)
+        if self.scope.replicas > 1:  # other microbatches' figures live on the replica ranks
+            dist.all_reduce(table, group=self.scope.replica_group)
+            table[:, :3] /= self.scope.replicas
         if group_size(mesh.pp) > 1:
-            if table is None:
-                table = torch.zeros(len(self.layer_ids), 3 + self.num_experts, device=device)
             dist.all_reduce(table, group=mesh.pp)
         layers = [{"layer": layer, "aux_loss": row[0], "z_loss": row[1], "dropped_fraction": row[2],
                    "tokens_per_expert": row[3:]} for layer, row in zip(self.layer_ids, table)]

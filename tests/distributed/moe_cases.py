@@ -3,7 +3,10 @@ folded independently of the dense tp x dp (x sp) layout, against the single-proc
 
 Each case compares logits, LM loss, aux and z-loss values, routing load and dropped fraction,
 every gradient (experts all-gathered over etp and ep) after the first step, and every weight
-(and the aux-free expert bias) after three AdamW steps. Tolerances as in dense_cases.
+(and the aux-free expert bias) after three AdamW steps. Tolerances as in dense_cases. The
+serial run takes the microbatches that the case's aux-loss scope says it must equal
+(moe/scope.py): the same microbatches (microbatch), the whole batch at once (sequence), or
+microbatch j of every dp rank concatenated (global).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import torch
 from models.config import GPTConfig
 from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from tests.distributed.dense_cases import (
-    GLOBAL_BATCH,
     LR,
     STEPS,
     assert_close,
@@ -26,38 +28,44 @@ from tests.distributed.dense_cases import (
 )
 from training.step import train_step
 
-# name: (arch, tp, sp, ep, etp, top_k, score, capacity_factor)
+# (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, group-limited routing)
 LAYOUTS = {
     2: [
-        ("gpt2", 1, False, 2, 1, 2, "softmax", None),
-        ("llama", 1, False, 2, 1, 1, "sigmoid", None),
-        ("gpt2", 2, True, 2, 1, 2, "softmax", None),
-        ("llama", 2, False, 1, 2, 2, "softmax", None),
-        ("gpt2", 1, False, 1, 2, 1, "softmax", 1.0),
-        ("llama", 2, True, 2, 1, 2, "softmax", 1.0),
+        ("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", False),
+        ("llama", 1, False, 2, 1, 1, "sigmoid", None, "sequence", False),
+        ("gpt2", 2, True, 2, 1, 2, "softmax", None, "microbatch", True),
+        ("llama", 2, False, 1, 2, 2, "softmax", None, "microbatch", False),
+        ("gpt2", 1, False, 1, 2, 1, "softmax", 1.0, "global", False),
+        ("llama", 2, True, 2, 1, 2, "softmax", 1.0, "sequence", False),
+        ("llama", 1, False, 2, 1, 2, "sigmoid", None, "microbatch", True),
     ],
     4: [
-        ("gpt2", 1, False, 4, 1, 2, "softmax", None),
-        ("llama", 2, True, 2, 2, 2, "sigmoid", None),
-        ("gpt2", 2, False, 4, 1, 1, "softmax", None),
-        ("llama", 1, False, 2, 2, 1, "softmax", None),
-        ("gpt2", 2, True, 4, 1, 2, "softmax", 1.0),
+        ("gpt2", 1, False, 4, 1, 2, "softmax", None, "microbatch", False),
+        ("llama", 2, True, 2, 2, 2, "sigmoid", None, "microbatch", True),
+        ("gpt2", 2, False, 4, 1, 1, "softmax", None, "sequence", False),
+        ("llama", 1, False, 2, 2, 1, "softmax", None, "global", False),
+        ("gpt2", 2, True, 4, 1, 2, "softmax", 1.0, "microbatch", False),
     ],
     8: [
-        ("llama", 4, False, 8, 1, 2, "softmax", None),
-        ("gpt2", 2, True, 8, 1, 2, "sigmoid", None),
-        ("llama", 2, True, 4, 2, 1, "softmax", None),
-        ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0),
-        ("llama", 2, False, 2, 1, 2, "sigmoid", None),
-        ("gpt2", 1, False, 8, 1, 1, "softmax", None),
+        ("llama", 4, False, 8, 1, 2, "softmax", None, "microbatch", False),
+        ("gpt2", 2, True, 8, 1, 2, "sigmoid", None, "sequence", True),
+        ("llama", 2, True, 4, 2, 1, "softmax", None, "microbatch", False),
+        ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0, "global", False),
+        ("llama", 2, False, 2, 1, 2, "sigmoid", None, "microbatch", False),
+        ("gpt2", 1, False, 8, 1, 1, "softmax", None, "microbatch", False),
     ],
 }
+MICRO = 2          # samples per microbatch on every rank
+MICRO_PER_RANK = 2  # microbatches per rank and step
 
 
-def moe_config(arch: str, top_k: int, score: str, capacity_factor) -> GPTConfig:
+def moe_config(arch: str, top_k: int, score: str, capacity_factor, scope: str = "microbatch",
+               grouped: bool = False) -> GPTConfig:
     common = dict(num_experts=8, top_k=top_k, router_score=score, capacity_factor=capacity_factor,
                   aux_loss_coef=0.01, z_loss_coef=0.001, router_bias_update_rate=0.01 if score == "sigmoid" else 0.0,
-                  vocab_size=200, seq_len=16)
+                  vocab_size=200, seq_len=16, aux_loss_scope=scope)
+    if grouped:  # 4 groups of 2 experts, the best 2 groups per token
+        common.update(router_groups=4, router_topk_groups=2)
     if arch == "llama":
         return GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=48,
                          moe_ffn_hidden_size=32, moe_every=2, shared_experts=1, tie_embeddings=False, **common)
@@ -66,19 +74,32 @@ def moe_config(arch: str, top_k: int, score: str, capacity_factor) -> GPTConfig:
 
 
 def _case_name(layout) -> str:
-    arch, tp, sp, ep, etp, k, score, cf = layout
-    return f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
+    arch, tp, sp, ep, etp, k, score, cf, scope, grouped = layout
+    return (f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
+            f"_{scope}{'_grouped' if grouped else ''}")
+
+
+def serial_microbatches(cfg: GPTConfig, step: int, dp: int, batch: int, scope: str):
+    """The single-process microbatches that the scope's invariance rule (moe/scope.py) says
+    reproduce a dp-rank run whose ranks each take MICRO_PER_RANK microbatches of MICRO samples."""
+    per_rank = [microbatches(cfg, step, r, dp, MICRO, batch) for r in range(dp)]
+    if scope == "microbatch":  # the same microbatches, one after the other
+        return [mb for rank in per_rank for mb in rank]
+    if scope == "sequence":  # any micro batch size: the whole global batch at once
+        return microbatches(cfg, step, 0, 1, batch, batch)
+    # global: serial microbatch j holds microbatch j of every dp rank
+    return [tuple(torch.cat([per_rank[r][j][i] for r in range(dp)]) for i in range(2)) for j in range(MICRO_PER_RANK)]
 
 
 def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
-    arch, tp, sp, ep, etp, top_k, score, cf = layout
-    cfg = moe_config(arch, top_k, score, cf)
+    arch, tp, sp, ep, etp, top_k, score, cf, scope, grouped = layout
+    cfg = moe_config(arch, top_k, score, cf, scope, grouped)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
     serial_mesh = single_process_mesh()
     model, reducer, optimizer = build(dataclasses.replace(cfg, kernel_backend=kernel_backend), mesh)
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
 
-    batch = max(GLOBAL_BATCH, mesh.dp_size)
+    batch = mesh.dp_size * MICRO * MICRO_PER_RANK
     inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, batch, batch)[0]
     full_inputs, _ = global_batch(cfg, 0, batch)
     with torch.no_grad():
@@ -88,13 +109,10 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     assert_close("logits", got, want[rows])
 
     for step in range(STEPS):
-        # Routing statistics are per microbatch over all ranks' tokens, so the serial run's
-        # microbatch j holds microbatch j of every dp rank (the same "global microbatch").
-        per_rank = [microbatches(cfg, step, r, mesh.dp_size, 1, batch) for r in range(mesh.dp_size)]
-        serial_micro = [tuple(torch.cat([per_rank[r][j][i] for r in range(mesh.dp_size)]) for i in range(2))
-                        for j in range(len(per_rank[0]))]
-        out = train_step(model, reducer, optimizer, per_rank[mesh.dp_rank], mesh, lr=LR, max_grad_norm=1.0)
-        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_micro, serial_mesh, lr=LR, max_grad_norm=1.0)
+        mine = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch)
+        out = train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0)
+        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
+                             serial_mesh, lr=LR, max_grad_norm=1.0)
         for key in ("loss", "grad_norm", "aux_loss", "z_loss"):
             assert_close(f"step {step} {key}", out[key], ref_out[key])
         for i, (a, b) in enumerate(zip(out["moe_layers"], ref_out["moe_layers"])):
@@ -125,7 +143,7 @@ for _layouts in LAYOUTS.values():
 def triton_kernels_gpt2_ep2_etp1() -> None:
     """Triton grouped GEMM (and the other kernels, interpreter set by the harness) under ep=2
     equal the serial torch run."""
-    check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None), kernel_backend="triton")
+    check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", False), kernel_backend="triton")
 
 
 def full_recompute_moe_matches() -> None:

@@ -97,9 +97,9 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
         rows = lambda r: slice(r * MICRO_PER_RANK, (r + 1) * MICRO_PER_RANK)  # noqa: E731
         mine = [(inputs[rows(mesh.dp_rank)][j: j + 1], targets[rows(mesh.dp_rank)][j: j + 1])
                 for j in range(MICRO_PER_RANK)]
-        # Serial microbatch j = microbatch j of every dp rank (MoE statistics are per global microbatch).
-        serial = [(torch.cat([inputs[rows(r)][j: j + 1] for r in range(dp)]),
-                   torch.cat([targets[rows(r)][j: j + 1] for r in range(dp)])) for j in range(MICRO_PER_RANK)]
+        # The serial run takes the same microbatches (MoE statistics are per rank-microbatch).
+        serial = [(inputs[rows(r)][j: j + 1], targets[rows(r)][j: j + 1])
+                  for r in range(dp) for j in range(MICRO_PER_RANK)]
         out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule=schedule,
                                   lr=LR, max_grad_norm=1.0)
         ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0)

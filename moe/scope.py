@@ -1,0 +1,67 @@
+"""Aux-loss scope: which tokens one load-balancing statistic pools, and which process groups
+that means for a layout.
+
+- "microbatch" (default, Megatron-Core's default): the statistics f_i, P_i of the Switch aux
+  loss pool the tokens of one rank's microbatch. The microbatch's sequence may be split over
+  the tensor-parallel ranks inside the MoE layer (always: with or without SP), so the pooled
+  statistics are all-reduced over `mesh.tp`. The step's objective is the mean over every
+  microbatch of the global batch (dp x local microbatches).
+  Invariance: any tp/sp/dp/ep/etp/pp layout equals one process run at the same
+  micro_batch_size (the same microbatches, in any order).
+- "sequence" (DeepSeek-V2/V3 sequence-wise balance loss): one statistic per sequence,
+  averaged over the sequences of the microbatch, then over microbatches; statistics are
+  all-reduced over `mesh.tp` (the sequence shards).
+  Invariance: any layout and any micro_batch_size equal one process with any micro batch.
+- "global" (the all-ranks pooling of Qwen's global-batch balancing at one microbatch): the
+  statistics pool microbatch j of every dp rank (all-reduced over `mesh.tp_dp`); the step's
+  objective is the mean over the local microbatch index j.
+  Invariance: a layout equals one process whose microbatch j is the concatenation of
+  microbatch j of every dp rank (micro_batch_size x dp), whatever tp/sp/ep/etp/pp.
+
+z-loss is a mean over tokens, so it has the same value in every scope; it follows the aux
+loss's grouping. Expert loads (tokens per expert, the aux-free bias update, logged stats)
+are summed over `replica_group` (the ranks holding the step's other microbatches) where the
+scope does not already pool them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import AUX_LOSS_SCOPES
+from mpu.mesh import Mesh, group_size
+
+
+@dataclass(frozen=True)
+class AuxLossScope:
+    """The process groups of one scope on one layout.
+
+    stats_group: the ranks holding shards of one pooled token set (routing stats all-reduced).
+    replica_group: the ranks holding the step's other pooled sets (loads summed, the losses'
+        mean taken); None when the stats group already spans the data-parallel ranks.
+    per_sequence: one statistic per sequence (dim 1 of the [s, b, h] tokens) instead of one
+        per microbatch.
+    """
+
+    name: str
+    stats_group: object
+    replica_group: object
+    per_sequence: bool
+
+    @property
+    def replicas(self) -> int:
+        return group_size(self.replica_group)
+
+    def objective_divisor(self, local_microbatches: int) -> int:
+        """How many pooled sets the step's aux objective averages over: the rank's summed
+        per-microbatch terms are divided by this (gradients are then summed over dp)."""
+        return local_microbatches * self.replicas
+
+
+def aux_loss_scope(name: str, mesh: Mesh) -> AuxLossScope:
+    """The groups of scope `name` ("microbatch", "sequence" or "global") on `mesh`."""
+    if name not in AUX_LOSS_SCOPES:
+        raise ValueError(f"model.aux_loss_scope={name!r} must be one of {', '.join(AUX_LOSS_SCOPES)}")
+    if name == "global":
+        return AuxLossScope(name, mesh.tp_dp, None, per_sequence=False)
+    return AuxLossScope(name, mesh.tp, mesh.dp, per_sequence=name == "sequence")

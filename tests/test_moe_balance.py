@@ -1,0 +1,174 @@
+"""Load-balancing options of the MoE router: aux-loss scopes (per microbatch, per sequence,
+global) and group-limited routing, against hand-computed values and per-token formulas.
+Layout invariance of each scope is proven with real process groups in
+tests/distributed/moe_cases.py; here `FakeGroup` threads stand in for the tp sequence shards."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moe.router
+from models.config import GPTConfig
+from moe.scope import aux_loss_scope
+from mpu.mesh import ParallelConfig, virtual_mesh
+from tests.test_moe_router import FakeGroup, router_with_weight
+
+# Two sequences of two tokens, E=2, k=1, W = I so softmax(x) = p. Layout [s, b, h].
+P_TOKENS = torch.tensor([[[0.8, 0.2], [0.3, 0.7]],    # t=0: sequence 0 -> e0, sequence 1 -> e1
+                         [[0.6, 0.4], [0.9, 0.1]]])   # t=1: sequence 0 -> e0, sequence 1 -> e0
+
+
+def test_sequence_wise_aux_by_hand():
+    r = router_with_weight(torch.eye(2), top_k=1, aux_loss_coef=1.0)
+    out = r(P_TOKENS.log(), None, per_sequence=True)
+    # sequence 0: f = [1, 0], P = [0.7, 0.3] -> 2 * 0.7 = 1.4
+    # sequence 1: f = [0.5, 0.5], P = [0.6, 0.4] -> 2 * (0.3 + 0.2) = 1.0; mean 1.2
+    assert out.aux_value.item() == pytest.approx(1.2, abs=1e-6)
+    assert out.aux_loss.item() == pytest.approx(1.2, abs=1e-6)
+    assert out.tokens_per_expert.tolist() == [3.0, 1.0]
+    assert out.num_tokens.item() == 4
+
+
+def test_microbatch_aux_by_hand_pools_the_sequences():
+    out = router_with_weight(torch.eye(2), top_k=1, aux_loss_coef=1.0)(P_TOKENS.log(), None)
+    # f = [3/4, 1/4], P = [2.6/4, 1.4/4] -> 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15
+    assert out.aux_value.item() == pytest.approx(1.15, abs=1e-6)
+
+
+def test_sequence_wise_gradient_matches_formula():
+    torch.manual_seed(1)
+    s, b, h, E, k = 6, 3, 8, 4, 2
+    x = torch.randn(s, b, h)
+    w = torch.randn(E, h)
+    r = router_with_weight(w, k, aux_loss_coef=1.0)
+    out = r(x, None, per_sequence=True)
+    out.aux_loss.backward()
+
+    w_ref = w.clone().requires_grad_(True)
+    probs = torch.softmax(x @ w_ref.t(), -1)  # [s, b, E]
+    f = torch.zeros(b, E)
+    for bi in range(b):
+        for e in out.topk_idx[:, bi].reshape(-1).tolist():
+            f[bi, e] += 1 / (s * k)
+    ref = (E * (f * probs.mean(0)).sum(-1)).mean()
+    ref.backward()
+    assert torch.allclose(out.aux_loss, ref, atol=1e-6)
+    assert torch.allclose(r.weight.grad, w_ref.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_sequence_shards_sum_to_full(monkeypatch, per_sequence):
+    """tp=2: each rank holds half of every sequence; contributions and gradients summed over
+    the shards equal the unsharded router, values are identical on both ranks."""
+    torch.manual_seed(2)
+    x = torch.randn(8, 3, 8)
+    full = moe.router.TopKRouter(8, 4, 2, aux_loss_coef=1.0, z_loss_coef=1.0)
+    ranks = [copy.deepcopy(full) for _ in range(2)]
+    ref = full(x, None, per_sequence=per_sequence)
+    (ref.aux_loss + ref.z_loss).backward()
+
+    group = FakeGroup(2)
+    monkeypatch.setattr(moe.router, "all_reduce_stats", group.all_reduce_stats)
+    shards = x.chunk(2, dim=0)
+    outs = group.run([lambda r=r: ranks[r](shards[r], group, per_sequence=per_sequence) for r in range(2)])
+    assert group.calls == 1
+    for o in outs:
+        (o.aux_loss + o.z_loss).backward()
+        assert torch.allclose(o.aux_value, ref.aux_value, atol=1e-6)
+        assert torch.equal(o.tokens_per_expert, ref.tokens_per_expert)
+    assert torch.allclose(outs[0].aux_loss + outs[1].aux_loss, ref.aux_loss, atol=1e-6)
+    assert torch.allclose(ranks[0].weight.grad + ranks[1].weight.grad, full.weight.grad, atol=1e-6)
+
+
+def test_per_sequence_needs_three_dims():
+    with pytest.raises(ValueError, match=r"\[s, b, h\]"):
+        moe.router.TopKRouter(8, 4, 2)(torch.randn(5, 8), None, per_sequence=True)
+
+
+# ---------------------------------------------------------------- scopes on a layout
+
+def test_scope_groups_and_divisors():
+    """tp=2, dp=2 (ranks 0..3): microbatch and sequence pool over tp and average over dp;
+    global pools over tp x dp. Coordinates only (no process groups are created)."""
+    mesh = virtual_mesh(ParallelConfig(tp=2, dp=2), 4, 0)
+    for name, per_sequence in (("microbatch", False), ("sequence", True)):
+        scope = aux_loss_scope(name, mesh)
+        assert scope.stats_group is mesh.tp and scope.replica_group is mesh.dp
+        assert scope.per_sequence is per_sequence
+    scope = aux_loss_scope("global", mesh)
+    assert scope.stats_group is mesh.tp_dp and scope.replica_group is None
+    assert scope.objective_divisor(3) == 3
+    with pytest.raises(ValueError, match="aux_loss_scope"):
+        aux_loss_scope("batch", mesh)
+
+
+def test_config_rejects_unknown_scope_and_bad_groups():
+    base = dict(num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match="model.aux_loss_scope='token'"):
+        GPTConfig(aux_loss_scope="token", **base)
+    with pytest.raises(ValueError, match="router_groups=3 must divide"):
+        GPTConfig(router_groups=3, router_topk_groups=1, **base)
+    with pytest.raises(ValueError, match="router_topk_groups=5 must be between 1 and model.router_groups=4"):
+        GPTConfig(router_groups=4, router_topk_groups=5, **base)
+    with pytest.raises(ValueError, match="top_k=4 experts do not fit"):
+        GPTConfig(router_groups=4, router_topk_groups=1, **{**base, "top_k": 4})
+    GPTConfig(router_groups=4, router_topk_groups=2, **base)  # valid
+
+
+# ---------------------------------------------------------------- group-limited routing
+
+def group_limited_choice(select: list[float], groups: int, topk_groups: int, k: int) -> list[int]:
+    """The per-token rule: group score = sum of the group's best max(1, k // topk_groups)
+    scores; keep the best topk_groups groups (lower index on ties); top-k experts among them
+    (lower index on ties)."""
+    size = len(select) // groups
+    per_group = min(size, max(1, k // topk_groups))
+    score = [sum(sorted(select[g * size:(g + 1) * size], reverse=True)[:per_group]) for g in range(groups)]
+    best = sorted(range(groups), key=lambda g: (-score[g], g))[:topk_groups]
+    allowed = [e for g in best for e in range(g * size, (g + 1) * size)]
+    return sorted(allowed, key=lambda e: (-select[e], e))[:k]
+
+
+@pytest.mark.parametrize("score,groups,topk_groups,k,binds", [
+    # With one expert scoring each group (k <= topk_groups) the global top-k always lies in
+    # the best groups: the limit cannot bind. With two or more, or k > topk_groups, it does.
+    ("softmax", 4, 2, 2, False), ("sigmoid", 4, 1, 1, False), ("sigmoid", 4, 2, 4, True),
+    ("softmax", 2, 1, 3, True), ("sigmoid", 4, 3, 6, True), ("softmax", 2, 1, 2, True), ("sigmoid", 8, 3, 3, False),
+])
+def test_group_limited_routing_matches_per_token_rule(score, groups, topk_groups, k, binds):
+    torch.manual_seed(groups * 10 + k)
+    E, h, T = 8, 16, 64
+    x, w = torch.randn(T, h), torch.randn(E, h)
+    r = router_with_weight(w, k, score=score, groups=groups, topk_groups=topk_groups,
+                           bias_update_rate=0.1 if score == "sigmoid" else 0.0)
+    if score == "sigmoid":
+        r.expert_bias.copy_(torch.randn(E) * 0.1)  # selection includes the bias, weights do not
+    out = r(x, None)
+    s = torch.softmax(x @ w.t(), -1) if score == "softmax" else torch.sigmoid(x @ w.t())
+    select = s + r.expert_bias if score == "sigmoid" else s
+    unlimited = router_with_weight(w, k, score=score, bias_update_rate=0.1 if score == "sigmoid" else 0.0)
+    unlimited.expert_bias.copy_(r.expert_bias)
+    differs = 0
+    for t in range(T):
+        want = group_limited_choice(select[t].tolist(), groups, topk_groups, k)
+        assert out.topk_idx[t].tolist() == want, f"token {t}"
+        chosen = s[t, want]
+        assert torch.allclose(out.topk_weight[t], chosen / chosen.sum(), atol=1e-6)
+        differs += want != unlimited(x[t:t + 1], None).topk_idx[0].tolist()
+    assert (differs > 0) == binds, f"the group limit changed {differs} of {T} tokens' choices"
+
+
+def test_group_limited_ties_go_to_lower_group():
+    # Every score equal: groups 0 and 1 win, experts 0..3 in index order.
+    r = router_with_weight(torch.zeros(8, 4), 3, groups=4, topk_groups=2)
+    assert r(torch.randn(2, 4), None).topk_idx.tolist() == [[0, 1, 2]] * 2
+
+
+def test_router_rejects_bad_groups():
+    with pytest.raises(ValueError, match="groups=3"):
+        moe.router.TopKRouter(8, 8, 2, groups=3, topk_groups=1)
+    with pytest.raises(ValueError, match="room for top_k=5"):
+        moe.router.TopKRouter(8, 8, 5, groups=4, topk_groups=2)
