@@ -27,6 +27,39 @@ Layout conversions (all exact, so import -> export is bitwise the identity):
   experts, top-k, renormalized over the k) is `router_score="softmax", router_renormalize=True`.
 - Vocabulary-sized tensors (embedding, untied LM head) are zero-padded to
   `cfg.padded_vocab_size(tp)` on import and cut back on export.
+
+Mixtral router losses. transformers' MixtralForCausalLM adds `router_aux_loss_coef * aux` to
+the loss only when `output_router_logits=True` (its default, False, trains no balancing loss),
+with aux = E * sum_i tokens_per_expert_i * router_prob_i where tokens_per_expert counts
+(token, choice) pairs per token, so it sums to top_k: with one layer it is exactly top_k times
+meshtron's Switch aux (E * sum_i f_i P_i, f summing to 1; moe/router.py). Import therefore
+sets aux_loss_coef = router_aux_loss_coef * top_k (0.0 when output_router_logits is False),
+z_loss_coef = 0 and aux_loss_scope = "microbatch" (transformers pools one forward call's
+tokens: one rank's microbatch). The source fields are kept in `GPTConfig.hf_router_fields`
+and exported unchanged while aux_loss_coef still imports from them (`hf_router_fields()`), so
+an imported, trained Mixtral exports its own router_aux_loss_coef and output_router_logits
+(False with a nonzero coefficient included); a native model exports aux_loss_coef / top_k,
+trained iff aux_loss_coef > 0. One MoE layer trains the same objective as transformers: per
+step totals agree to ~1e-7 and weights to ~1e-6 after 4 AdamW steps, in one process
+(tests/test_hf.py::test_mixtral_trains_like_transformers) and at ep=2 against transformers'
+gradient accumulation (tests/distributed/hf_cases.py::mixtral_train_ep2).
+
+Not reproduced: cross-layer pooling. transformers pools the router statistics of all layers
+into one (tokens_per_expert, router_prob) pair, one aux per forward; meshtron computes one aux
+per MoE layer and sums them. Measured by `pooling_gap` (tests/distributed/hf_cases.py) on a
+2-layer tiny Mixtral (hidden 64, top-2 of 4 experts, 4 x 16 tokens per step, AdamW lr 1e-3,
+coef 0.02):
+- value: meshtron's sum is about L times transformers' aux / top_k (+100.1% to +103.1% over
+  10 steps at L = 2), so for L MoE layers the imported coefficient weighs the aux term about
+  L times as much as transformers does; the per-layer mean differs from the pooled value by
+  +0.04% to +1.5% (typically +0.4%);
+- gradient: pooled statistics make every router balance the pooled load, not its own layer's:
+  router-weight gradients at the initial weights differ by 46% and 83% (layers 0, 1);
+  2.3% and 4.3% at coef 0.001;
+- training: the total objective is 0.6% to 0.85% above transformers' (the second layer's aux
+  term), and the LM loss drifts by up to 7e-4 relative within 4 steps and 1.5e-3 within 10
+  (coef 0.001 alike: flipped routing decisions), against <= 1e-7 with one layer or no aux loss.
+Pooling across layers is not implemented.
 """
 
 from __future__ import annotations
@@ -112,6 +145,25 @@ def _rope_theta(hf, model_type: str) -> float:
     return float(_get(hf, "rope_theta", 10000.0))
 
 
+def aux_loss_coef_from_hf(router: dict, top_k: int) -> float:
+    """meshtron's `aux_loss_coef` for a Mixtral config's `router` fields
+    {"router_aux_loss_coef", "output_router_logits"}: transformers trains the aux loss only
+    with output_router_logits=True, and its (one-layer) aux is top_k x meshtron's."""
+    return float(router["router_aux_loss_coef"]) * top_k if router["output_router_logits"] else 0.0
+
+
+def hf_router_fields(cfg: GPTConfig) -> dict:
+    """The Mixtral config's {"router_aux_loss_coef", "output_router_logits"} for `cfg`: the
+    imported ones (cfg.hf_router_fields) while they still import as cfg.aux_loss_coef (so a
+    Mixtral imported and trained exports its own fields, output_router_logits=False with a
+    nonzero coefficient included), else aux_loss_coef / top_k, trained iff aux_loss_coef > 0."""
+    original = cfg.hf_router_fields
+    if original is not None and aux_loss_coef_from_hf(original, cfg.top_k) == cfg.aux_loss_coef:
+        return {"router_aux_loss_coef": float(original["router_aux_loss_coef"]),
+                "output_router_logits": bool(original["output_router_logits"])}
+    return {"router_aux_loss_coef": cfg.aux_loss_coef / cfg.top_k, "output_router_logits": cfg.aux_loss_coef > 0}
+
+
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
     """The GPTConfig of a Hugging Face GPT-2, Llama or Mixtral config (a `PretrainedConfig`
     or its dict). Dropout is 0; `overrides` replace any GPTConfig field afterwards
@@ -166,11 +218,14 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
                             "meshtron's router has no input jitter")
             if attn_bias:
                 raise _fail(model_type, "attention_bias", attn_bias, "meshtron's experts have no biases")
-            extra = dict(num_experts=_get(hf, "num_local_experts"), top_k=_get(hf, "num_experts_per_tok"),
+            top_k = _get(hf, "num_experts_per_tok")
+            router = {"router_aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001)),
+                      "output_router_logits": bool(_get(hf, "output_router_logits", False))}
+            extra = dict(num_experts=_get(hf, "num_local_experts"), top_k=top_k,
                          moe_every=1, moe_ffn_hidden_size=_get(hf, "intermediate_size"), capacity_factor=None,
-                         aux_loss_coef=float(_get(hf, "router_aux_loss_coef", 0.01)), z_loss_coef=0.0,
+                         aux_loss_coef=aux_loss_coef_from_hf(router, top_k), z_loss_coef=0.0,
                          router_score="softmax", router_renormalize=True, router_bias_update_rate=0.0,
-                         shared_experts=0)
+                         shared_experts=0, aux_loss_scope="microbatch", hf_router_fields=router)
         cfg = GPTConfig(
             arch="llama", num_layers=_get(hf, "num_hidden_layers"), hidden_size=h, num_heads=heads,
             num_kv_heads=_get(hf, "num_key_value_heads") or heads, ffn_hidden_size=_get(hf, "intermediate_size"),
@@ -203,7 +258,7 @@ def hf_family(cfg: GPTConfig) -> str:
     if not cfg.is_moe:
         return "llama"
     checks = [("moe_every", 1), ("shared_experts", 0), ("router_score", "softmax"), ("router_renormalize", True),
-              ("bias", False)]
+              ("bias", False), ("router_groups", 0)]
     for field, value in checks:
         if getattr(cfg, field) != value:
             raise bad(field, getattr(cfg, field), f"Mixtral needs {value!r}")
@@ -234,8 +289,8 @@ def hf_config_from_gpt(cfg: GPTConfig, **overrides):
                   head_dim=cfg.head_dim, architectures=["LlamaForCausalLM"])
         return transformers.LlamaConfig(**{**kw, **overrides})
     kw.update(intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=cfg.num_experts,
-              num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=None,
-              architectures=["MixtralForCausalLM"])
+              num_experts_per_tok=cfg.top_k, sliding_window=None, architectures=["MixtralForCausalLM"],
+              **hf_router_fields(cfg))
     return transformers.MixtralConfig(**{**kw, **overrides})
 
 

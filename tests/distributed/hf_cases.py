@@ -6,6 +6,15 @@ checks that the gathered logits equal HF's (max abs error <= 1e-4, fp32) and tha
 Layouts: GPT-2 / Llama / Mixtral at tp=2, Mixtral at ep=2 (world 2); GPT-2 / Llama at
 pp=2 x tp=2 and Mixtral at pp=2 x ep=2 (world 4), the pipeline forward run stage by stage
 with point-to-point sends.
+
+Training fidelity (`mixtral_train_ep2`): a one-layer Mixtral imported from transformers and
+trained by meshtron at ep=2 (dp=2, one microbatch per rank and step) gives, step by step, the
+total objective (LM loss + router_aux_loss_coef x aux) of transformers trained with gradient
+accumulation over the same per-rank microbatches, and the same weights after the steps. The
+single-process version is tests/test_hf.py::test_mixtral_trains_like_transformers; the
+helpers (`tiny_mixtral`, `hf_train_step`, `meshtron_trainer`, ...) serve both, and
+`pooling_gap` measures what meshtron does not reproduce (transformers' cross-layer pooling of
+the router statistics; numbers in models/hf.py).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from models.gpt import build_model_chunks
-from mpu.mesh import ParallelConfig, build_mesh
+from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from mpu.pipeline import activation_shape
 
 ATOL = 1e-4
@@ -125,9 +134,181 @@ def mixtral_pp2_ep2() -> None:
     check("mixtral", ParallelConfig(tp=1, pp=2, ep=2))
 
 
+# ------------------------------------------------------------------ training fidelity
+
+TRAIN_VOCAB = 200
+TRAIN_BATCH = 4        # sequences per global batch
+TRAIN_STEPS = 4
+TRAIN_LR, TRAIN_BETAS, TRAIN_WD = 1e-3, (0.9, 0.95), 0.1
+TRAIN_EPS = 1e-8
+AUX_COEF = 0.02        # Mixtral-8x7B's router_aux_loss_coef
+TRAIN_RTOL = 1e-5
+
+
+def tiny_mixtral(output_router_logits: bool, coef: float = AUX_COEF, layers: int = 1, seed: int = SEED):
+    """A tiny random transformers Mixtral in train mode (fp32): `layers` layers, hidden 64,
+    4 experts top-2, vocab 200, with the given router loss fields."""
+    return hf_model("mixtral", seed, num_hidden_layers=layers, vocab_size=TRAIN_VOCAB,
+                    output_router_logits=output_router_logits, router_aux_loss_coef=coef).train()
+
+
+def train_batch(step: int, batch: int = TRAIN_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [batch, SEQ] of training step `step`: targets are inputs shifted by one."""
+    tokens = torch.randint(0, TRAIN_VOCAB, (batch, SEQ + 1), generator=torch.Generator().manual_seed(1000 + step))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def split_rows(batch: tuple[torch.Tensor, torch.Tensor], parts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`batch` cut into `parts` equal microbatches of consecutive rows."""
+    inputs, targets = batch
+    rows = inputs.shape[0] // parts
+    return [(inputs[i * rows:(i + 1) * rows], targets[i * rows:(i + 1) * rows]) for i in range(parts)]
+
+
+def hf_adamw(hf) -> torch.optim.AdamW:
+    """torch AdamW over the HF model with meshtron's grouping (training/optim.py): weight decay
+    on parameters with ndim >= 2 only."""
+    params = [p for p in hf.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": TRAIN_WD},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=TRAIN_LR, betas=TRAIN_BETAS, eps=TRAIN_EPS)
+
+
+def hf_train_step(hf, optimizer, microbatches) -> float:
+    """One transformers step over `microbatches`; returns the total objective it trained.
+
+    One microbatch: `outputs.loss` itself (mean LM loss, plus router_aux_loss_coef x aux when
+    output_router_logits). Several (gradient accumulation): each microbatch contributes
+    sum(LM loss)/global tokens + coef x aux_mb / num_microbatches, so the objective is the
+    global mean LM loss plus coef x the mean over microbatches of their aux."""
+    optimizer.zero_grad(set_to_none=True)
+    tokens = sum(y.numel() for _, y in microbatches)
+    total = 0.0
+    for inputs, targets in microbatches:
+        if len(microbatches) == 1:
+            objective = hf(input_ids=inputs, labels=targets, shift_labels=targets).loss
+        else:
+            out = hf(input_ids=inputs)
+            objective = torch.nn.functional.cross_entropy(
+                out.logits.reshape(-1, out.logits.shape[-1]).float(), targets.reshape(-1), reduction="sum") / tokens
+            if out.aux_loss is not None:
+                objective = objective + hf.config.router_aux_loss_coef * out.aux_loss / len(microbatches)
+        objective.backward()
+        total += objective.item()
+    optimizer.step()
+    return total
+
+
+def meshtron_trainer(hf, par: ParallelConfig | None = None):
+    """(model, reducer, optimizer, mesh): meshtron at layout `par` (None: one process)
+    holding `hf`'s current weights, with the AdamW settings of `hf_adamw`."""
+    from models import hf as mhf
+    from mpu.grad_reduce import DataParallelGradReducer
+    from training.optim import build_optimizer
+    cfg = mhf.config_from_hf(hf.config, seq_len=SEQ)
+    mesh = single_process_mesh() if par is None else build_mesh(par, cfg)
+    (model,) = build_model_chunks(cfg, mesh)
+    mhf.load_hf_state_dict(model, hf.state_dict())
+    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01)
+    optimizer = build_optimizer(model, lr=TRAIN_LR, weight_decay=TRAIN_WD, betas=TRAIN_BETAS, eps=TRAIN_EPS)
+    return model, reducer, optimizer, mesh
+
+
+def meshtron_objective(out: dict, cfg) -> float:
+    """The total objective of a `train_step` result: its `loss` is the LM loss alone and its
+    `aux_loss` the unweighted aux (summed over MoE layers), so add aux_loss_coef x aux."""
+    total = out["loss"]
+    if cfg.aux_loss_coef > 0:
+        total = total + cfg.aux_loss_coef * out["aux_loss"]
+    return float(total)
+
+
+def relative(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+def compare_trained_weights(exported: dict, hf, rtol: float) -> str | None:
+    """The first HF tensor whose exported meshtron value differs by more than `rtol`
+    (tensor-level relative error), or None."""
+    for key, want in hf.state_dict().items():
+        err = ((exported[key].double() - want.double()).norm() / want.double().norm().clamp(min=1e-12)).item()
+        if not err <= rtol:
+            return f"weight {key}: relative error {err:.3e} > {rtol:.0e}"
+    return None
+
+
+def pooling_gap(layers: int = 2, coef: float = AUX_COEF, steps: int = 1) -> dict:
+    """The size of transformers' cross-layer pooling, which meshtron does not implement, on
+    `tiny_mixtral(True, coef, layers)` trained `steps` steps on both sides (one process).
+
+    transformers' aux pools all layers' router statistics into one f, P pair; meshtron sums
+    per-layer aux values (and imports aux_loss_coef = coef x top_k, exact for one layer).
+    Returns per-step lists: `pooled` (transformers' aux / top_k), `layers` (meshtron's
+    per-layer aux values), `lm_hf` / `lm_mt` (LM losses) and `total_hf` / `total_mt`
+    (objectives), plus `router_grad_err` (per layer, relative error of meshtron's router
+    weight gradient vs transformers' at the initial weights on step 0's batch)."""
+    from training.step import train_step
+    hf = tiny_mixtral(True, coef, layers)
+    model, reducer, optimizer, mesh = meshtron_trainer(hf)
+    k = hf.config.num_experts_per_tok
+    inputs, targets = train_batch(0)
+    hf(input_ids=inputs, labels=targets, shift_labels=targets).loss.backward()
+    (model.loss_per_token(model(inputs), targets).mean() + model.aux_loss()).backward()
+    grad_err = []
+    for i in range(layers):
+        got, want = model.layers[str(i)].mlp.router.weight.grad, hf.model.layers[i].mlp.gate.weight.grad
+        grad_err.append(((got - want).norm() / want.norm()).item())
+    model.zero_grad(set_to_none=True)
+    out = {"pooled": [], "layers": [], "lm_hf": [], "lm_mt": [], "total_hf": [], "total_mt": [],
+           "router_grad_err": grad_err}
+    hf_opt = hf_adamw(hf)
+    for step in range(steps):
+        inputs, targets = train_batch(step)
+        with torch.no_grad():
+            ref = hf(input_ids=inputs, labels=targets, shift_labels=targets)
+        lm_hf = ref.loss.item() - coef * ref.aux_loss.item()
+        result = train_step(model, reducer, optimizer, [(inputs, targets)], mesh, lr=TRAIN_LR, max_grad_norm=0.0)
+        out["total_hf"].append(hf_train_step(hf, hf_opt, [(inputs, targets)]))
+        out["pooled"].append(ref.aux_loss.item() / k)
+        out["layers"].append([float(s["aux_loss"]) for s in result["moe_layers"]])
+        out["lm_hf"].append(lm_hf)
+        out["lm_mt"].append(float(result["loss"]))
+        out["total_mt"].append(meshtron_objective(result, model.cfg))
+    reducer.remove_hooks()
+    return out
+
+
+def mixtral_train_ep2() -> None:
+    """meshtron at ep=2 (dp=2: rank r trains rows [2r, 2r+2) of each global batch) vs
+    transformers accumulating over the same two microbatches, output_router_logits=True.
+    Needs the per-rank-microbatch aux statistics (model.aux_loss_scope="microbatch")."""
+    from training.step import train_step
+    from models import hf as mhf
+    hf = tiny_mixtral(output_router_logits=True)
+    model, reducer, optimizer, mesh = meshtron_trainer(hf, ParallelConfig(tp=1, ep=2))
+    if mesh.dp_size != 2 or mesh.par.ep != 2:
+        raise AssertionError(f"expected dp=2 x ep=2, got dp={mesh.dp_size}, ep={mesh.par.ep}")
+    hf_opt = hf_adamw(hf)
+    problems = []
+    for step in range(TRAIN_STEPS):
+        micro = split_rows(train_batch(step), mesh.dp_size)
+        out = train_step(model, reducer, optimizer, [micro[mesh.dp_rank]], mesh, lr=TRAIN_LR, max_grad_norm=0.0)
+        got = meshtron_objective(out, model.cfg)
+        want = hf_train_step(hf, hf_opt, micro)
+        if not relative(got, want) <= TRAIN_RTOL:
+            problems.append(f"step {step}: meshtron objective {got:.7f} vs transformers {want:.7f} "
+                            f"(relative {relative(got, want):.2e} > {TRAIN_RTOL:.0e})")
+    exported = mhf.export_hf_state_dict(model, mesh)  # collective: before any rank raises
+    reducer.remove_hooks()
+    if problems:
+        raise AssertionError("; ".join(problems))
+    if mesh.rank == 0 and (problem := compare_trained_weights(exported, hf, 1e-5)):
+        raise AssertionError(f"after {TRAIN_STEPS} steps: {problem}")
+
+
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
-        return ["gpt2_tp2", "llama_tp2", "mixtral_tp2", "mixtral_ep2"]
+        return ["gpt2_tp2", "llama_tp2", "mixtral_tp2", "mixtral_ep2", "mixtral_train_ep2"]
     if world_size == 4:
         return ["gpt2_pp2_tp2", "llama_pp2_tp2", "mixtral_pp2_ep2"]
     return []
