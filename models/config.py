@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kernels.backend import RESOLVED as RESOLVED_BACKENDS
 
 AUX_LOSS_SCOPES = ("microbatch", "sequence", "global")
+AUX_LOSS_LAYERS = ("sum", "pooled")
 
 ARCH_DEFAULTS = {
     # arch: (norm, activation, position, bias)
@@ -56,6 +57,10 @@ class GPTConfig:
     # Which tokens one load-balancing statistic pools (moe/scope.py): "microbatch" (each rank's
     # microbatch), "sequence" (DeepSeek sequence-wise) or "global" (one microbatch of every dp rank).
     aux_loss_scope: str = "microbatch"
+    # "sum": one aux loss per MoE layer, summed (Switch, Megatron-Core, DeepSeek). "pooled": one
+    # aux loss over the statistics pooled across all MoE layers (transformers' Mixtral/Qwen-MoE
+    # load_balancing_loss_func); needs parallel.pp=1.
+    aux_loss_layers: str = "sum"
     # Group-limited routing (DeepSeek-V3): experts form `router_groups` equal groups; each token
     # picks its top-k experts inside its best `router_topk_groups` groups (0 = no limit).
     router_groups: int = 0
@@ -110,6 +115,8 @@ class GPTConfig:
             (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
             (self.aux_loss_scope in AUX_LOSS_SCOPES,
              f"model.aux_loss_scope={self.aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}"),
+            (self.aux_loss_layers in AUX_LOSS_LAYERS,
+             f"model.aux_loss_layers={self.aux_loss_layers!r} must be one of {', '.join(AUX_LOSS_LAYERS)}"),
             *self._router_group_checks(),
             (self.recompute in ("none", "selective", "full"),
              f"trainer.recompute={self.recompute!r} must be none, selective or full"),

@@ -24,6 +24,7 @@ from torch import nn
 from kernels import selfcheck
 from models.config import GPTConfig
 from moe.layer import MoELayer
+from moe.router import pooled_aux_loss
 from mpu.cross_entropy import vocab_parallel_cross_entropy
 from mpu.init import constant_init, initialize_parameters, normal_init, tag
 from mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
@@ -188,19 +189,21 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         cfg = self.cfg
         full = cfg.recompute == "full" and (cfg.recompute_layers is None or self.index < cfg.recompute_layers)
-        self.recomputed_aux = None
+        self.recomputed_aux = self.recomputed_prob_sum = None
         if self.training and full and x.requires_grad:
             if isinstance(self.mlp, MoELayer):
-                # The router's aux terms leave the recomputed region as an output, so their
-                # gradient flows through the replay (the first pass runs without grad).
-                out, self.recomputed_aux = recompute(self._forward_with_aux, x, rope)
+                # The router's aux terms (and its summed probabilities, for a loss pooled across
+                # layers) leave the recomputed region as outputs, so their gradient flows
+                # through the replay (the first pass runs without grad).
+                out, self.recomputed_aux, self.recomputed_prob_sum = recompute(self._forward_with_aux, x, rope)
                 return out
             return recompute(self._forward, x, rope)
         return self._forward(x, rope)
 
-    def _forward_with_aux(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_with_aux(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self._forward(x, rope)
-        return out, self.mlp.last_router.aux_loss + self.mlp.last_router.z_loss
+        routed = self.mlp.last_router
+        return out, routed.aux_loss + routed.z_loss, routed.set_prob_sum
 
     def _forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         p = self.cfg.dropout
@@ -227,6 +230,7 @@ class GPT(nn.Module):
         self.cfg, self.mesh = cfg, mesh
         self.pre_process, self.post_process = pre_process, post_process
         self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pooled_aux_value: torch.Tensor | None = None  # set by aux_loss() with aux_loss_layers=pooled
         self.padded_vocab_size = cfg.padded_vocab_size(mesh.tp_size)
         layers = range(cfg.num_layers) if layers is None else layers
         needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
@@ -342,12 +346,24 @@ class GPT(nn.Module):
 
     def aux_loss(self) -> torch.Tensor | None:
         """This rank's differentiable share of the routers' auxiliary terms (coefficients
-        applied) from the last forward, summed over MoE layers; None for a dense model."""
+        applied) from the last forward, summed over MoE layers; None for a dense model.
+        With `aux_loss_layers="pooled"` the balance term is one loss over all layers' pooled
+        statistics (`moe.router.pooled_aux_loss`); its value is kept in `pooled_aux_value`."""
         blocks = [block for block in self.layers.values() if isinstance(block.mlp, MoELayer)]
         if not blocks:
             return None
-        return sum(block.recomputed_aux if getattr(block, "recomputed_aux", None) is not None
-                   else block.mlp.last_router.aux_loss + block.mlp.last_router.z_loss for block in blocks)
+        total = sum(block.recomputed_aux if getattr(block, "recomputed_aux", None) is not None
+                    else block.mlp.last_router.aux_loss + block.mlp.last_router.z_loss for block in blocks)
+        self.pooled_aux_value = None
+        if self.cfg.aux_loss_layers == "pooled":
+            routed = [block.mlp.last_router for block in blocks]
+            prob_sums = [block.recomputed_prob_sum if getattr(block, "recomputed_prob_sum", None) is not None
+                         else r.set_prob_sum for block, r in zip(blocks, routed)]
+            contribution, self.pooled_aux_value = pooled_aux_loss(routed, prob_sums, self.cfg.num_experts,
+                                                                  self.cfg.top_k)
+            if self.cfg.aux_loss_coef > 0:
+                total = total + self.cfg.aux_loss_coef * contribution
+        return total
 
     def moe_stats(self) -> list[dict]:
         """Per MoE layer of this chunk, routing statistics of the last forward over the aux-loss

@@ -29,37 +29,36 @@ Layout conversions (all exact, so import -> export is bitwise the identity):
   `cfg.padded_vocab_size(tp)` on import and cut back on export.
 
 Mixtral router losses. transformers' MixtralForCausalLM adds `router_aux_loss_coef * aux` to
-the loss only when `output_router_logits=True` (its default, False, trains no balancing loss),
-with aux = E * sum_i tokens_per_expert_i * router_prob_i where tokens_per_expert counts
-(token, choice) pairs per token, so it sums to top_k: with one layer it is exactly top_k times
-meshtron's Switch aux (E * sum_i f_i P_i, f summing to 1; moe/router.py). Import therefore
-sets aux_loss_coef = router_aux_loss_coef * top_k (0.0 when output_router_logits is False),
+the loss only when `output_router_logits=True` (its default, False, trains no balancing loss).
+Its aux pools the router statistics of all layers (`load_balancing_loss_func` concatenates
+every layer's gate logits): aux = E * sum_i tokens_per_expert_i * router_prob_i, where
+tokens_per_expert counts (token, choice) pairs over layers x tokens, so it sums to top_k. That
+is exactly top_k times meshtron's pooled Switch aux (`model.aux_loss_layers="pooled"`,
+moe.router.pooled_aux_loss, f summing to 1). Import therefore sets aux_loss_layers = "pooled",
+aux_loss_coef = router_aux_loss_coef * top_k (0.0 when output_router_logits is False),
 z_loss_coef = 0 and aux_loss_scope = "microbatch" (transformers pools one forward call's
 tokens: one rank's microbatch). The source fields are kept in `GPTConfig.hf_router_fields`
 and exported unchanged while aux_loss_coef still imports from them (`hf_router_fields()`), so
 an imported, trained Mixtral exports its own router_aux_loss_coef and output_router_logits
 (False with a nonzero coefficient included); a native model exports aux_loss_coef / top_k,
-trained iff aux_loss_coef > 0. One MoE layer trains the same objective as transformers: per
-step totals agree to ~1e-7 and weights to ~1e-6 after 4 AdamW steps, in one process
-(tests/test_hf.py::test_mixtral_trains_like_transformers) and at ep=2 against transformers'
-gradient accumulation (tests/distributed/hf_cases.py::mixtral_train_ep2).
+trained iff aux_loss_coef > 0. An imported Mixtral trains transformers' objective: per step
+totals agree to ~1e-7 and weights to ~1e-6 after 4 AdamW steps with 1 and 2 MoE layers, in one
+process (tests/test_hf.py::test_mixtral_trains_like_transformers) and at ep=2 against
+transformers' gradient accumulation (tests/distributed/hf_cases.py::mixtral_train_ep2).
 
-Not reproduced: cross-layer pooling. transformers pools the router statistics of all layers
-into one (tokens_per_expert, router_prob) pair, one aux per forward; meshtron computes one aux
-per MoE layer and sums them. Measured by `pooling_gap` (tests/distributed/hf_cases.py) on a
-2-layer tiny Mixtral (hidden 64, top-2 of 4 experts, 4 x 16 tokens per step, AdamW lr 1e-3,
-coef 0.02):
-- value: meshtron's sum is about L times transformers' aux / top_k (+100.1% to +103.1% over
-  10 steps at L = 2), so for L MoE layers the imported coefficient weighs the aux term about
-  L times as much as transformers does; the per-layer mean differs from the pooled value by
-  +0.04% to +1.5% (typically +0.4%);
+With meshtron's default aux_loss_layers = "sum" (one aux per layer, summed: Switch,
+Megatron-Core, DeepSeek) a multi-layer Mixtral trains another objective. Measured by
+`pooling_gap` (tests/distributed/hf_cases.py) on a 2-layer tiny Mixtral (hidden 64, top-2 of 4
+experts, 4 x 16 tokens per step, AdamW lr 1e-3, coef 0.02):
+- value: the sum is about L times transformers' aux / top_k (+100.1% to +103.1% over 10 steps
+  at L = 2); the per-layer mean differs from the pooled value by +0.04% to +1.5%;
 - gradient: pooled statistics make every router balance the pooled load, not its own layer's:
   router-weight gradients at the initial weights differ by 46% and 83% (layers 0, 1);
   2.3% and 4.3% at coef 0.001;
-- training: the total objective is 0.6% to 0.85% above transformers' (the second layer's aux
-  term), and the LM loss drifts by up to 7e-4 relative within 4 steps and 1.5e-3 within 10
-  (coef 0.001 alike: flipped routing decisions), against <= 1e-7 with one layer or no aux loss.
-Pooling across layers is not implemented.
+- training: the total objective is 0.6% to 0.85% above transformers', and the LM loss drifts
+  by up to 7e-4 relative within 4 steps and 1.5e-3 within 10.
+Export writes a "sum" model as Mixtral all the same (the weights are what transformers loads);
+training it further in transformers then balances the pooled load.
 """
 
 from __future__ import annotations
@@ -225,7 +224,8 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
                          moe_every=1, moe_ffn_hidden_size=_get(hf, "intermediate_size"), capacity_factor=None,
                          aux_loss_coef=aux_loss_coef_from_hf(router, top_k), z_loss_coef=0.0,
                          router_score="softmax", router_renormalize=True, router_bias_update_rate=0.0,
-                         shared_experts=0, aux_loss_scope="microbatch", hf_router_fields=router)
+                         shared_experts=0, aux_loss_scope="microbatch", aux_loss_layers="pooled",
+                         hf_router_fields=router)
         cfg = GPTConfig(
             arch="llama", num_layers=_get(hf, "num_hidden_layers"), hidden_size=h, num_heads=heads,
             num_kv_heads=_get(hf, "num_key_value_heads") or heads, ffn_hidden_size=_get(hf, "intermediate_size"),

@@ -63,7 +63,7 @@ class MoELayer(nn.Module):
             cfg.hidden_size, cfg.num_experts, cfg.top_k, score=cfg.router_score,
             renormalize=cfg.router_renormalize, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
             bias_update_rate=cfg.router_bias_update_rate, groups=cfg.router_groups,
-            topk_groups=cfg.router_topk_groups, init_std=cfg.init_std,
+            topk_groups=cfg.router_topk_groups, pooled_aux=cfg.aux_loss_layers == "pooled", init_std=cfg.init_std,
             sequence_parallel=mesh.tp_size > 1, device=device, dtype=dtype,
         )
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.activation, mesh,

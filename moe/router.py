@@ -40,6 +40,11 @@ class RouterOutput:
     tokens_per_expert: fp32 [E], no grad: (token, choice) assignments per expert over the
         stats group.
     num_tokens: 0-dim int64, no grad: number of tokens over the stats group.
+    set_counts / set_prob_sum_global: fp64 [S, E], no grad: per pooled set (S sequences, or 1)
+        the assignments and summed router probabilities over the stats group.
+    set_prob_sum: fp32 [S, E], differentiable: this rank's share of the summed probabilities.
+    tokens_per_set: 0-dim fp64, no grad: tokens of one pooled set over the stats group.
+    (The set statistics let `pooled_aux_loss` pool several layers' routers.)
     """
 
     topk_idx: torch.Tensor
@@ -50,6 +55,10 @@ class RouterOutput:
     z_value: torch.Tensor
     tokens_per_expert: torch.Tensor
     num_tokens: torch.Tensor
+    set_counts: torch.Tensor
+    set_prob_sum: torch.Tensor
+    set_prob_sum_global: torch.Tensor
+    tokens_per_set: torch.Tensor
 
 
 class TopKRouter(nn.Module):
@@ -77,8 +86,8 @@ class TopKRouter(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
                  renormalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 bias_update_rate: float = 0.0, groups: int = 0, topk_groups: int = 0, init_std: float = 0.02,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 bias_update_rate: float = 0.0, groups: int = 0, topk_groups: int = 0, pooled_aux: bool = False,
+                 init_std: float = 0.02, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         if score not in SCORES:
             raise ValueError(f"router score={score!r} is unknown; use one of {SCORES}")
@@ -105,6 +114,7 @@ class TopKRouter(nn.Module):
         self.z_loss_coef = float(z_loss_coef)
         self.bias_update_rate = float(bias_update_rate)
         self.groups, self.topk_groups = int(groups), int(topk_groups)
+        self.pooled_aux = bool(pooled_aux)  # the aux loss is formed across layers (pooled_aux_loss)
         init_fn = normal_init((num_experts, hidden_size), init_std)
         self.weight = tag(nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype)),
                           init_fn, tp_shard_dim=None, sequence_parallel=sequence_parallel)
@@ -187,7 +197,8 @@ class TopKRouter(nn.Module):
                 self.step_load += tokens_per_expert
 
         zero = logits.new_zeros(())
-        aux_loss = aux_contrib * (self.aux_loss_coef / num_microbatches) if self.aux_loss_coef > 0 else zero
+        per_layer_aux = self.aux_loss_coef > 0 and not self.pooled_aux
+        aux_loss = aux_contrib * (self.aux_loss_coef / num_microbatches) if per_layer_aux else zero
         z_loss = z_contrib * (self.z_loss_coef / num_microbatches) if self.z_loss_coef > 0 else zero
         return RouterOutput(
             topk_idx=topk_idx.reshape(*lead, k),
@@ -198,6 +209,10 @@ class TopKRouter(nn.Module):
             z_value=z_value,
             tokens_per_expert=tokens_per_expert,
             num_tokens=T_g.round().long(),
+            set_counts=counts_g,
+            set_prob_sum=prob_sum,
+            set_prob_sum_global=prob_sum_g,
+            tokens_per_set=T_set,
         )
 
     def _limit_to_top_groups(self, select: torch.Tensor) -> torch.Tensor:
@@ -225,3 +240,21 @@ class TopKRouter(nn.Module):
         if self.bias_update_rate > 0:
             self.expert_bias += self.bias_update_rate * torch.sign(self.step_load.mean() - self.step_load)
         self.step_load.zero_()
+
+
+def pooled_aux_loss(outputs: list[RouterOutput], prob_sums: list[torch.Tensor], num_experts: int,
+                    top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Switch aux loss over the statistics pooled across L routers (transformers' Mixtral
+    `load_balancing_loss_func`, divided by top_k to meshtron's normalisation):
+    aux = E * sum_i f_i P_i with f_i = sum_l counts_l,i / (L T k) and P_i = sum_l probs_l,i / (L T),
+    per pooled set (averaged over sets). `prob_sums` are the routers' differentiable
+    `set_prob_sum` (or their recomputed copies). Returns (this rank's differentiable
+    contribution, the value over the stats group); no communication."""
+    L = len(outputs)
+    S = outputs[0].set_counts.shape[0]
+    T_set = outputs[0].tokens_per_set
+    f = sum(o.set_counts for o in outputs) / (L * T_set * top_k)  # [S, E], no grad
+    contribution = num_experts * (f.float() * sum(prob_sums)).sum() / (L * T_set.float() * S)
+    with torch.no_grad():
+        value = (num_experts * (f * sum(o.set_prob_sum_global for o in outputs)).sum() / (L * T_set * S)).float()
+    return contribution, value

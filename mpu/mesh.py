@@ -106,6 +106,11 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
     if par.vpp > 1 and par.pp == 1:
         raise ParallelConfigError(f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
     if cfg.num_experts:
+        if getattr(cfg, "aux_loss_layers", "sum") == "pooled" and par.pp > 1:
+            raise ParallelConfigError(
+                "model.aux_loss_layers=pooled pools the routing statistics of every MoE layer into one "
+                f"loss, which parallel.pp={par.pp} stages do not share; use parallel.pp=1 or aux_loss_layers=sum"
+            )
         if cfg.num_experts % par.ep:
             raise ParallelConfigError(
                 f"ep={par.ep} does not divide num_experts={cfg.num_experts}; choose parallel.ep dividing it"

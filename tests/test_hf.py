@@ -4,8 +4,9 @@ logits (max abs error <= 1e-4 in fp32), export back bitwise, and go through a sa
 folder that `AutoModelForCausalLM.from_pretrained` loads. Bad inputs raise naming the tensor
 or config field. Mixtral's router loss fields import as the objective transformers trains
 (aux_loss_coef = router_aux_loss_coef x top_k, or 0 without output_router_logits), export back
-unchanged, and a one-layer Mixtral trains the same per-step objective and weights as
-transformers; the two-layer cross-layer pooling gap is pinned at its documented size."""
+unchanged, and one- and two-layer Mixtrals (aux pooled across layers, as transformers) train
+the same per-step objective and weights as transformers; the gap of the per-layer "sum" aux
+is pinned at its documented size."""
 
 from __future__ import annotations
 
@@ -304,17 +305,19 @@ def test_mixtral_router_fields_of_native_and_changed_models():
         assert mhf.config_from_hf(mhf.hf_config_from_gpt(cfg)).aux_loss_coef == cfg.aux_loss_coef
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("output_router_logits", [True, False], ids=["aux", "no_aux"])
-def test_mixtral_trains_like_transformers(output_router_logits):
-    """A one-layer Mixtral (4 experts, top-2, fp32) trained 4 AdamW steps by transformers
+def test_mixtral_trains_like_transformers(output_router_logits, layers):
+    """A one- or two-layer Mixtral (4 experts, top-2, fp32) trained 4 AdamW steps by transformers
     (objective: outputs.loss, with router_aux_loss_coef=0.02 x aux when output_router_logits)
     and by meshtron's train_step from the imported weights (one process, one microbatch per
     step, no clipping) trains the same objective: per-step totals LM + aux_loss_coef x aux
     agree to 1e-5 relative, and so do the weights after the steps."""
     from tests.distributed import hf_cases as hc
     from training.step import train_step
-    hf = hc.tiny_mixtral(output_router_logits)
+    hf = hc.tiny_mixtral(output_router_logits, layers=layers)
     model, reducer, optimizer, mesh = hc.meshtron_trainer(hf)
+    assert model.cfg.aux_loss_layers == "pooled"
     assert model.cfg.aux_loss_coef == (hc.AUX_COEF * 2 if output_router_logits else 0.0)
     hf_opt = hc.hf_adamw(hf)
     for step in range(hc.TRAIN_STEPS):
@@ -329,11 +332,15 @@ def test_mixtral_trains_like_transformers(output_router_logits):
 
 
 def test_mixtral_cross_layer_pooling_gap_is_as_documented():
-    """transformers pools all layers' router statistics into one aux; meshtron sums per-layer
-    aux values (not implemented, documented in models/hf.py with hf_cases.pooling_gap's
-    numbers). One layer: no gap. Two layers: meshtron's sum is ~2x the pooled aux / top_k,
-    its per-layer mean within 2%, and the router gradients visibly differ."""
+    """transformers pools all layers' router statistics into one aux; meshtron's default
+    aux_loss_layers="sum" adds per-layer aux values (the gap documented in models/hf.py with
+    hf_cases.pooling_gap's numbers). One layer: no gap. Two layers: the sum is ~2x the pooled
+    aux / top_k, its per-layer mean within 2%, and the router gradients visibly differ, while
+    "pooled" (what import picks) has the router gradients of transformers."""
     from tests.distributed.hf_cases import pooling_gap
+    pooled = pooling_gap(layers=2, aux_loss_layers="pooled")
+    assert max(pooled["router_grad_err"]) < 1e-5, pooled["router_grad_err"]
+    assert abs(pooled["total_mt"][0] / pooled["total_hf"][0] - 1) < 1e-6
     one = pooling_gap(layers=1)
     assert abs(one["layers"][0][0] / one["pooled"][0] - 1) < 1e-6 and one["router_grad_err"][0] < 1e-5
     assert abs(one["total_mt"][0] / one["total_hf"][0] - 1) < 1e-6

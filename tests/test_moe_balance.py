@@ -172,3 +172,29 @@ def test_router_rejects_bad_groups():
         moe.router.TopKRouter(8, 8, 2, groups=3, topk_groups=1)
     with pytest.raises(ValueError, match="room for top_k=5"):
         moe.router.TopKRouter(8, 8, 5, groups=4, topk_groups=2)
+
+
+# ---------------------------------------------------------------- aux pooled across layers
+
+def test_pooled_aux_by_hand():
+    """Two layers' routers over the same 2 tokens (E=2, k=1): the pooled aux uses the counts
+    and probabilities of both layers at once, not the sum of the two layers' own losses."""
+    layer_a = router_with_weight(torch.eye(2), top_k=1, pooled_aux=True, aux_loss_coef=1.0)
+    layer_b = router_with_weight(torch.eye(2), top_k=1, pooled_aux=True, aux_loss_coef=1.0)
+    a = layer_a(torch.tensor([[0.8, 0.2], [0.6, 0.4]]).log(), None)  # both -> e0; f=[1, 0], P=[0.7, 0.3]
+    b = layer_b(torch.tensor([[0.3, 0.7], [0.9, 0.1]]).log(), None)  # e1, e0;   f=[.5, .5], P=[0.6, 0.4]
+    assert a.aux_loss.item() == 0.0 and b.aux_loss.item() == 0.0  # no per-layer term when pooled
+    assert a.aux_value.item() == pytest.approx(1.4) and b.aux_value.item() == pytest.approx(1.0)
+    contribution, value = moe.router.pooled_aux_loss([a, b], [a.set_prob_sum, b.set_prob_sum], 2, 1)
+    # pooled f = [3/4, 1/4], P = [2.6/4, 1.4/4]: 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15
+    assert value.item() == pytest.approx(1.15, abs=1e-6)
+    assert contribution.item() == pytest.approx(1.15, abs=1e-6)
+
+
+def test_pooled_aux_needs_one_pipeline_stage():
+    from mpu.mesh import ParallelConfigError, check_model_fits
+    cfg = GPTConfig(num_layers=4, num_experts=4, top_k=2, aux_loss_layers="pooled")
+    with pytest.raises(ParallelConfigError, match="aux_loss_layers=pooled .* parallel.pp=2"):
+        check_model_fits(ParallelConfig(pp=2, dp=1).resolved(2), cfg)
+    with pytest.raises(ValueError, match="model.aux_loss_layers='mean'"):
+        GPTConfig(num_experts=4, aux_loss_layers="mean")

@@ -12,6 +12,7 @@ from moe.scope import AuxLossScope, aux_loss_scope
 from mpu.cross_entropy import IGNORE_INDEX
 from mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
 from mpu.grad_reduce import DataParallelGradReducer
+from mpu.mappings import all_reduce_stats
 from mpu.mesh import Mesh, group_size
 from mpu.pipeline import PipelineExecutor
 from mpu.pipeline_schedules import build_all_ranks
@@ -62,7 +63,7 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
                 objective = loss if aux is None else loss + aux / aux_divisor
                 (objective * precision.loss_scale).backward()
             loss_sum = loss_sum + loss.detach().to(loss_sum.device)
-            moe.add(model.moe_stats(), n_micro)
+            moe.add(model.moe_stats(), n_micro, model.pooled_aux_value)
     reducer.finish()
     return _finish_step([model], reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
                         precision=precision)
@@ -164,15 +165,19 @@ class MoEStepStats:
     microbatches, tokens per expert summed over microbatches, dropped fraction averaged.
     `summary` takes the mean (loss values) and sum (loads) over the aux-loss scope's replica
     group, so the figures cover the global batch; under pipeline parallelism each stage fills
-    its own layers and `summary` sums over pp."""
+    its own layers and `summary` sums over pp. With aux_loss_layers="pooled" the reported
+    `aux_loss` is the pooled loss that was trained (the per-layer rows keep each layer's own)."""
 
     def __init__(self, cfg, scope: AuxLossScope):
         self.layer_ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         self.num_experts = cfg.num_experts
         self.scope = scope
+        self.pooled = None  # pooled aux value averaged over microbatches (aux_loss_layers="pooled")
         self.table = None  # [moe layers, 3 + E]: aux, z, dropped, tokens per expert
 
-    def add(self, per_layer: list[dict], n_micro: int) -> None:
+    def add(self, per_layer: list[dict], n_micro: int, pooled_aux: torch.Tensor | None = None) -> None:
+        if pooled_aux is not None:
+            self.pooled = pooled_aux / n_micro + (0.0 if self.pooled is None else self.pooled)
         if not per_layer:
             return
         if self.table is None:
@@ -191,14 +196,18 @@ class MoEStepStats:
         table = self.table
         if table is None:  # a pipeline stage without MoE layers
             table = torch.zeros(len(self.layer_ids), 3 + self.num_experts, device=device)
+        pooled = self.pooled
         if self.scope.replicas > 1:  # other microbatches' figures live on the replica ranks
             dist.all_reduce(table, group=self.scope.replica_group)
             table[:, :3] /= self.scope.replicas
+            if pooled is not None:
+                pooled = all_reduce_stats(pooled, self.scope.replica_group) / self.scope.replicas
         if group_size(mesh.pp) > 1:
             dist.all_reduce(table, group=mesh.pp)
         layers = [{"layer": layer, "aux_loss": row[0], "z_loss": row[1], "dropped_fraction": row[2],
                    "tokens_per_expert": row[3:]} for layer, row in zip(self.layer_ids, table)]
-        return {"aux_loss": table[:, 0].sum(), "z_loss": table[:, 1].sum(), "moe_layers": layers}
+        aux = table[:, 0].sum() if pooled is None else pooled
+        return {"aux_loss": aux, "z_loss": table[:, 1].sum(), "moe_layers": layers}
 
 
 @torch.no_grad()

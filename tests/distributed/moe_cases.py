@@ -28,31 +28,33 @@ from tests.distributed.dense_cases import (
 )
 from training.step import train_step
 
-# (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, group-limited routing)
+# (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, router variant)
+# router variant: "plain", "grouped" (group-limited routing) or "pooled" (aux_loss_layers=pooled)
 LAYOUTS = {
     2: [
-        ("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", False),
-        ("llama", 1, False, 2, 1, 1, "sigmoid", None, "sequence", False),
-        ("gpt2", 2, True, 2, 1, 2, "softmax", None, "microbatch", True),
-        ("llama", 2, False, 1, 2, 2, "softmax", None, "microbatch", False),
-        ("gpt2", 1, False, 1, 2, 1, "softmax", 1.0, "global", False),
-        ("llama", 2, True, 2, 1, 2, "softmax", 1.0, "sequence", False),
-        ("llama", 1, False, 2, 1, 2, "sigmoid", None, "microbatch", True),
+        ("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", "plain"),
+        ("llama", 1, False, 2, 1, 1, "sigmoid", None, "sequence", "plain"),
+        ("gpt2", 2, True, 2, 1, 2, "softmax", None, "microbatch", "grouped"),
+        ("llama", 2, False, 1, 2, 2, "softmax", None, "microbatch", "plain"),
+        ("gpt2", 2, False, 2, 1, 2, "softmax", None, "microbatch", "pooled"),
+        ("gpt2", 1, False, 1, 2, 1, "softmax", 1.0, "global", "plain"),
+        ("llama", 2, True, 2, 1, 2, "softmax", 1.0, "sequence", "plain"),
+        ("llama", 1, False, 2, 1, 2, "sigmoid", None, "microbatch", "grouped"),
     ],
     4: [
-        ("gpt2", 1, False, 4, 1, 2, "softmax", None, "microbatch", False),
-        ("llama", 2, True, 2, 2, 2, "sigmoid", None, "microbatch", True),
-        ("gpt2", 2, False, 4, 1, 1, "softmax", None, "sequence", False),
-        ("llama", 1, False, 2, 2, 1, "softmax", None, "global", False),
-        ("gpt2", 2, True, 4, 1, 2, "softmax", 1.0, "microbatch", False),
+        ("gpt2", 1, False, 4, 1, 2, "softmax", None, "microbatch", "pooled"),
+        ("llama", 2, True, 2, 2, 2, "sigmoid", None, "microbatch", "grouped"),
+        ("gpt2", 2, False, 4, 1, 1, "softmax", None, "sequence", "plain"),
+        ("llama", 1, False, 2, 2, 1, "softmax", None, "global", "plain"),
+        ("gpt2", 2, True, 4, 1, 2, "softmax", 1.0, "microbatch", "plain"),
     ],
     8: [
-        ("llama", 4, False, 8, 1, 2, "softmax", None, "microbatch", False),
-        ("gpt2", 2, True, 8, 1, 2, "sigmoid", None, "sequence", True),
-        ("llama", 2, True, 4, 2, 1, "softmax", None, "microbatch", False),
-        ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0, "global", False),
-        ("llama", 2, False, 2, 1, 2, "sigmoid", None, "microbatch", False),
-        ("gpt2", 1, False, 8, 1, 1, "softmax", None, "microbatch", False),
+        ("llama", 4, False, 8, 1, 2, "softmax", None, "microbatch", "plain"),
+        ("gpt2", 2, True, 8, 1, 2, "sigmoid", None, "sequence", "grouped"),
+        ("llama", 2, True, 4, 2, 1, "softmax", None, "microbatch", "plain"),
+        ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0, "global", "pooled"),
+        ("llama", 2, False, 2, 1, 2, "sigmoid", None, "microbatch", "plain"),
+        ("gpt2", 1, False, 8, 1, 1, "softmax", None, "microbatch", "plain"),
     ],
 }
 MICRO = 2          # samples per microbatch on every rank
@@ -60,12 +62,14 @@ MICRO_PER_RANK = 2  # microbatches per rank and step
 
 
 def moe_config(arch: str, top_k: int, score: str, capacity_factor, scope: str = "microbatch",
-               grouped: bool = False) -> GPTConfig:
+               variant: str = "plain") -> GPTConfig:
     common = dict(num_experts=8, top_k=top_k, router_score=score, capacity_factor=capacity_factor,
                   aux_loss_coef=0.01, z_loss_coef=0.001, router_bias_update_rate=0.01 if score == "sigmoid" else 0.0,
                   vocab_size=200, seq_len=16, aux_loss_scope=scope)
-    if grouped:  # 4 groups of 2 experts, the best 2 groups per token
+    if variant == "grouped":  # 4 groups of 2 experts, the best 2 groups per token
         common.update(router_groups=4, router_topk_groups=2)
+    elif variant == "pooled":
+        common.update(aux_loss_layers="pooled")
     if arch == "llama":
         return GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=48,
                          moe_ffn_hidden_size=32, moe_every=2, shared_experts=1, tie_embeddings=False, **common)
@@ -74,9 +78,9 @@ def moe_config(arch: str, top_k: int, score: str, capacity_factor, scope: str = 
 
 
 def _case_name(layout) -> str:
-    arch, tp, sp, ep, etp, k, score, cf, scope, grouped = layout
+    arch, tp, sp, ep, etp, k, score, cf, scope, variant = layout
     return (f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
-            f"_{scope}{'_grouped' if grouped else ''}")
+            f"_{scope}{'' if variant == 'plain' else '_' + variant}")
 
 
 def serial_microbatches(cfg: GPTConfig, step: int, dp: int, batch: int, scope: str):
@@ -92,8 +96,8 @@ def serial_microbatches(cfg: GPTConfig, step: int, dp: int, batch: int, scope: s
 
 
 def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
-    arch, tp, sp, ep, etp, top_k, score, cf, scope, grouped = layout
-    cfg = moe_config(arch, top_k, score, cf, scope, grouped)
+    arch, tp, sp, ep, etp, top_k, score, cf, scope, variant = layout
+    cfg = moe_config(arch, top_k, score, cf, scope, variant)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
     serial_mesh = single_process_mesh()
     model, reducer, optimizer = build(dataclasses.replace(cfg, kernel_backend=kernel_backend), mesh)
@@ -143,19 +147,21 @@ for _layouts in LAYOUTS.values():
 def triton_kernels_gpt2_ep2_etp1() -> None:
     """Triton grouped GEMM (and the other kernels, interpreter set by the harness) under ep=2
     equal the serial torch run."""
-    check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", False), kernel_backend="triton")
+    check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", "plain"), kernel_backend="triton")
 
 
 def full_recompute_moe_matches() -> None:
-    """trainer.recompute=full with MoE layers (ep = world, and tp = world with SP): the loss,
-    every gradient (aux/z-loss terms included, dropout 0.1) and the aux-free expert bias after
-    one step equal the run without recomputation; the load is counted once."""
+    """trainer.recompute=full with MoE layers (ep = world, and tp = world with SP; aux per
+    layer and pooled across layers): the loss, every gradient (aux/z-loss terms included,
+    dropout 0.1) and the aux-free expert bias after one step equal the run without
+    recomputation; the load is counted once."""
     world = torch.distributed.get_world_size()
-    for par in (ParallelConfig(ep=world), ParallelConfig(tp=world, sp=True)):
+    for par, variant in ((ParallelConfig(ep=world), "plain"), (ParallelConfig(tp=world, sp=True), "plain"),
+                         (ParallelConfig(ep=world), "pooled")):
         results = {}
         for mode in ("none", "full"):
-            cfg = dataclasses.replace(moe_config("llama", 2, "sigmoid", None), dropout=0.1, recompute=mode,
-                                      moe_every=1)
+            cfg = dataclasses.replace(moe_config("llama", 2, "sigmoid", None, variant=variant), dropout=0.1,
+                                      recompute=mode, moe_every=1)
             mesh = build_mesh(par, cfg)
             model, reducer, optimizer = build(cfg, mesh)
             out = train_step(model, reducer, optimizer, microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 1), mesh,
@@ -164,10 +170,10 @@ def full_recompute_moe_matches() -> None:
             results[mode] = (out, {n: p.grad.clone() for n, p in model.named_parameters()},
                              [m.router.expert_bias.clone() for m in model.moe_layers()])
         (out_a, grads_a, bias_a), (out_b, grads_b, bias_b) = results["none"], results["full"]
-        assert_close(f"{par}: loss", out_b["loss"], out_a["loss"], rtol=1e-6)
-        assert_close(f"{par}: aux loss", out_b["aux_loss"], out_a["aux_loss"], rtol=1e-6)
+        assert_close(f"{par} {variant}: loss", out_b["loss"], out_a["loss"], rtol=1e-6)
+        assert_close(f"{par} {variant}: aux loss", out_b["aux_loss"], out_a["aux_loss"], rtol=1e-6)
         for name, grad in grads_a.items():
-            assert_close(f"{par} recompute=full: gradient of {name}", grads_b[name], grad, rtol=1e-6)
+            assert_close(f"{par} {variant} recompute=full: gradient of {name}", grads_b[name], grad, rtol=1e-6)
         for a, b in zip(bias_a, bias_b):
             if not torch.equal(a, b):
                 raise AssertionError(f"{par}: expert bias after the step differs with recomputation")
