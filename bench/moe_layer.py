@@ -205,11 +205,14 @@ def _wrap(region: str, fn):
 def instrument(layer: MoELayer) -> None:
     """Mark the layer's parts with record_function regions (instance attributes only; moe/ is untouched)."""
     layer.router.forward = _wrap("router", layer.router.forward)
-    layer.dispatcher.dispatch = _wrap("dispatch", layer.dispatcher.dispatch)
-    layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)
-    layer.experts.forward = _wrap("experts", layer.experts.forward)
+    layer.dispatcher.dispatch = _wrap("dispatch", layer.dispatcher.dispatch)  # plan rows, start the all-to-all
+    layer.dispatcher.receive = _wrap("dispatch", layer.dispatcher.receive)    # wait, expand rows to pairs
+    layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)     # weighted row sums, start the return
+    layer.dispatcher.finish = _wrap("combine", layer.dispatcher.finish)       # wait, sum each token's rows
     if layer.shared is not None:
-        layer.shared.forward = _wrap("shared_experts", layer.shared.forward)
+        layer.shared.hidden = _wrap("shared_experts", layer.shared.hidden)
+        layer.shared.output = _wrap("shared_experts", layer.shared.output)
+    layer.experts.forward = _wrap("experts", layer.experts.forward)
 
 
 def _is_gemm(name: str) -> bool:
@@ -277,11 +280,11 @@ def breakdown(step, layer: MoELayer) -> dict:
     return {
         "method": "torch.profiler, one extra iteration (times include profiler overhead): forward = top-level "
                   "aten/c10d ops inside record_function regions wrapped around router / dispatcher.dispatch / "
-                  "experts / dispatcher.combine / shared experts (the rest of MoELayer.forward, i.e. pair "
-                  "bookkeeping, the weighted index_add combine and the load statistics, is 'other' for the "
+                  "experts / dispatcher.combine / shared experts (dispatch = dispatcher.dispatch + receive, "
+                  "combine = dispatcher.combine + finish, including the weighted sum of the k choices; the "
+                  "rest of MoELayer.forward, i.e. pair bookkeeping and the load statistics, is 'other' for the "
                   "forward); backward = autograd nodes attributed by sequence number to the forward op that "
-                  "made them (AccumulateGrad: other). combine covers the dispatcher's un-permute; the "
-                  "weighted sum of the k choices (mul + index_add) is in 'other'.",
+                  "made them (AccumulateGrad: other).",
         "profiled_iteration_ms": round(total / 1e3, 3),
         "forward_ms": round(fwd_total / 1e3, 3),
         "backward_ms": round(bwd_total / 1e3, 3),

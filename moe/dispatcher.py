@@ -1,87 +1,237 @@
 """Token dispatch to experts over the expert-parallel group, and the way back.
 
-dispatch: sort the (token, choice) pairs by expert, exchange per-expert counts with an
-all-to-all over `ep`, send the pairs' activations with an uneven all-to-all over `ep`
-(`all_to_all_single` with split sizes), all-gather them over `etp` when experts are
-tensor-parallel, and regroup the received rows by local expert for the grouped GEMM.
-combine: the exact reverse (ungroup, reduce-scatter over etp, all-to-all back), returning
-rows aligned with the sorted pairs. The split sizes are the one host sync of the layer.
+Each token crosses to a destination ep rank at most once. The unit of communication is the
+*row*: one per (token, destination ep rank) with at least one kept (token, choice) pair
+there. A row carries the token's activations plus, in a small fp32 side tensor, the local
+expert id and the combine weight of each of its pairs (at most `slots = min(top_k, experts
+per rank)` of them). So a token whose top-2 experts live on one rank is sent once, not twice.
+
+    dispatch  sort the kept pairs by (destination, token, expert); number the rows; exchange
+              rows and pairs per destination (one small all-to-all over `ep`, one all-gather
+              over `etp`) and copy them to the host: THE ONE HOST SYNC of the layer (the
+              split sizes of the uneven all-to-all and the row/pair totals that size the
+              buffers); then START the all-to-alls of the rows and of their metadata over `ep`
+              (asynchronous; `mpu.mappings.all_to_all_start`).
+    receive   wait for them; all-gather the rows over `etp` when experts are tensor-parallel;
+              expand each row into its (row, local expert) pairs, sorted by local expert, for
+              the grouped GEMM.
+    combine   multiply each pair's expert output by its combine weight and sum the pairs of one
+              row (so the return carries one row per (token, destination), and under etp the
+              reduce-scatter carries rows, not pairs); reduce-scatter over `etp`; START the
+              return all-to-all over `ep`.
+    finish    wait for it and sum each token's rows (one per destination) into [T, h].
+
+The combine weights travel with the rows as a differentiable tensor, so the gradients of the
+router (through the weights) are exact.
+
+Overlap. Forward: the caller runs independent work between dispatch and receive and between
+combine and finish (MoELayer: the shared experts' up/gate half, then their down half).
+Backward: `all_to_all_wait`'s backward starts the reverse exchange of the gradients and
+returns; autograd runs ready nodes highest sequence number first, so the nodes recorded
+between a start and its wait (that same independent work) run next, and only then
+`all_to_all_start`'s backward, which waits. So the combine gradients travel during the
+shared down half's backward and the dispatch gradients during the up/gate half's
+(tests/distributed/moe_dispatch_cases.overlap_order). Without shared experts nothing
+independent lies between start and wait, and each exchange is simply awaited. Not
+overlapped: the count exchange and the host sync before the start (the split sizes must be
+known first), and the etp all-gather / reduce-scatter, which depend on the exchange.
+
+With ep = etp = 1 nothing is communicated and the pairs go straight to the grouped GEMM
+(`rows=True` forces the row path there too, for tests).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from mpu.mappings import all_gather_stats, all_to_all, all_to_all_stats, gather_rows, reduce_scatter_rows
-from mpu.mesh import Mesh
+from mpu.mappings import (
+    AllToAllHandle,
+    all_gather_stats,
+    all_to_all_start,
+    all_to_all_stats,
+    all_to_all_wait,
+    gather_rows,
+    reduce_scatter_rows,
+)
+from mpu.mesh import Mesh, group_rank
 
 
 @dataclass
-class DispatchState:
-    """What `combine` needs to undo a dispatch."""
+class RowPlan:
+    """The rows one rank sends (`plan_rows`): pairs sorted by (destination, token, expert)."""
 
-    pair_order: torch.Tensor          # sorted position -> original pair index
-    pair_token: torch.Tensor          # token index of each sorted pair
-    regroup: torch.Tensor | None      # received row order -> expert-major order (None = identity)
-    input_splits: list[int]
-    output_splits: list[int]
-    etp_sizes: list[int]
+    order: torch.Tensor         # [P] sorted position -> index of the pair in the caller's order
+    row_of_pair: torch.Tensor   # [P] row of each sorted pair
+    slot_of_pair: torch.Tensor  # [P] 0..slots-1: position of the pair within its row
+    local_expert: torch.Tensor  # [P] expert index on the destination rank, per sorted pair
+    token_of_pair: torch.Tensor  # [P] token of each sorted pair
+    rows_per_dest: torch.Tensor  # [ep] rows sent to each ep rank (on device)
+    pairs_per_dest: torch.Tensor  # [ep] pairs sent to each ep rank (on device)
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
+def plan_rows(pair_expert: torch.Tensor, pair_token: torch.Tensor, num_tokens: int, num_experts: int,
+              ep: int, keep: torch.Tensor | None = None) -> RowPlan:
+    """Group the kept (token, choice) pairs into rows, one per (token, destination ep rank).
+
+    pair_expert / pair_token [P]: expert and token of each pair (a token's experts distinct);
+    keep [P] bool (None: all kept): dropped pairs are sorted after every kept one, so the
+    kept pairs are the first `pairs_per_dest.sum()` of the sorted order. Experts are split
+    over the `ep` ranks in equal contiguous blocks. Rows are ordered by destination, then
+    token; a row's pairs by local expert. Device work only (no host sync, no communication).
+    """
+    local_count = num_experts // ep
+    dest = torch.div(pair_expert, local_count, rounding_mode="floor")
+    local = pair_expert - dest * local_count
+    if keep is not None:
+        dest = torch.where(keep, dest, ep)  # a destination past the last: sorts last, not counted
+    row_key = dest * num_tokens + pair_token
+    order = torch.argsort(row_key * local_count + local)
+    row_key, local = row_key[order], local[order]
+    first = torch.ones_like(row_key, dtype=torch.bool)
+    first[1:] = row_key[1:] != row_key[:-1]
+    row_of_pair = torch.cumsum(first, 0) - 1
+    position = torch.arange(row_key.numel(), device=row_key.device)
+    row_start = torch.cummax(torch.where(first, position, 0), 0).values if row_key.numel() else position
+    dest_sorted = dest[order]
+    zeros = torch.zeros(ep + 1, dtype=torch.long, device=pair_expert.device)
+    return RowPlan(order, row_of_pair, position - row_start, local, pair_token[order],
+                   zeros.index_add(0, dest_sorted, first.long())[:ep],
+                   zeros.index_add(0, dest_sorted, torch.ones_like(dest_sorted))[:ep])
+
+
+@dataclass
+class InFlight:
+    """One dispatch between `dispatch` and `finish`: what the later steps need (per call, so
+    recomputation and several microbatches in flight never share state)."""
+
+    tokens: torch.Tensor                         # [T, h] this rank's tokens
+    rows: bool                                   # row path (False: pairs straight to the experts)
+    # pair path
+    pair_token: torch.Tensor | None = None       # [P] token of each expert-sorted pair
+    pair_weight: torch.Tensor | None = None      # [P] combine weight of each expert-sorted pair
+    group_sizes: torch.Tensor | None = None      # [E] pairs per expert
+    # row path
+    row_token: torch.Tensor | None = None        # [R] token of each sent row
+    input_splits: list[int] = field(default_factory=list)    # rows sent to each ep rank
+    output_splits: list[int] = field(default_factory=list)   # rows received from each ep rank
+    etp_sizes: list[int] = field(default_factory=list)       # rows received by each etp rank
+    received_pairs: int = 0                      # pairs of the rows this rank computes (etp-gathered)
+    sent: tuple = ()                             # buffers of the all-to-all in flight
+    handle: AllToAllHandle | None = None
+    recv_row_of_pair: torch.Tensor | None = None  # [N] received row of each expert-sorted pair
+    recv_pair_weight: torch.Tensor | None = None  # [N] combine weight of each expert-sorted pair
+    recv_rows: int = 0
 
 
 class AllToAllDispatcher:
-    """Moves (token, choice) pairs to the ranks owning their experts (groups `mesh.ep`,
-    `mesh.etp`) and back."""
+    """Moves tokens to the ranks owning their experts (groups `mesh.ep`, `mesh.etp`) and the
+    weighted expert outputs back; see the module docstring for the steps."""
 
-    def __init__(self, num_experts: int, mesh: Mesh):
+    def __init__(self, num_experts: int, top_k: int, mesh: Mesh, *, rows: bool | None = None):
         self.mesh = mesh
         self.num_experts = num_experts
         self.ep, self.etp = mesh.par.ep, mesh.par.etp
         self.num_local = num_experts // self.ep
+        self.slots = min(top_k, self.num_local)
+        self.rows = (self.ep > 1 or self.etp > 1) if rows is None else rows
+        self.last_send_splits: list[int] = []  # rows sent to each ep rank by the last dispatch
 
-    def dispatch(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_token: torch.Tensor):
-        """Returns (rows [N, h] grouped by local expert, group sizes [E_local], state).
+    # ------------------------------------------------------------------ forward steps
 
-        tokens [T, h]; pair_expert / pair_token [P]: expert and token index of each kept pair.
-        """
-        order = torch.argsort(pair_expert, stable=True)
-        pair_token = pair_token[order]
-        counts = torch.bincount(pair_expert, minlength=self.num_experts)
-        rows = tokens.index_select(0, pair_token)
-        input_splits = output_splits = etp_sizes = []
-        by_block = counts.view(1, self.num_experts)
-        if self.ep > 1:
-            by_block = all_to_all_stats(counts.view(self.ep, self.num_local), self.mesh.ep)
-            input_splits = counts.view(self.ep, self.num_local).sum(1).tolist()
-            output_splits = by_block.sum(1).tolist()
-            rows = all_to_all(rows, output_splits, input_splits, self.mesh.ep)
+    def dispatch(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_token: torch.Tensor,
+                 pair_weight: torch.Tensor, keep: torch.Tensor | None = None) -> InFlight:
+        """Plan the rows and start sending them. tokens [T, h]; pair_expert / pair_token /
+        pair_weight [P]: expert, token and (differentiable) combine weight of each (token,
+        choice) pair; keep [P] bool: the pairs capacity keeps (None: all). Dropped pairs are
+        not sent (on the pair path they are filtered out with a boolean mask, whose host sync
+        is that path's only one)."""
+        T = tokens.shape[0]
+        if not self.rows:
+            if keep is not None:
+                pair_expert, pair_token, pair_weight = pair_expert[keep], pair_token[keep], pair_weight[keep]
+            order = torch.argsort(pair_expert, stable=True)
+            group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
+            group_sizes = group_sizes.index_add(0, pair_expert, torch.ones_like(pair_expert))
+            self.last_send_splits = []
+            return InFlight(tokens, False, pair_token=pair_token[order], pair_weight=pair_weight[order],
+                            group_sizes=group_sizes)
+        plan = plan_rows(pair_expert, pair_token, T, self.num_experts, self.ep, keep)
+        # Per destination: rows and pairs sent. Exchanged over ep, gathered over etp, then the
+        # layer's one host sync copies everything needed to size the buffers at once.
+        counts = torch.stack([plan.rows_per_dest, plan.pairs_per_dest], 1)  # [ep, 2]
+        received = all_to_all_stats(counts, self.mesh.ep)                  # [ep (source), 2]
+        gathered = all_gather_stats(received, self.mesh.etp)               # [etp, ep, 2]
+        host = torch.cat([counts.flatten(), gathered.flatten()]).tolist()
+        mine, table = torch.tensor(host[: 2 * self.ep]).view(self.ep, 2), torch.tensor(host[2 * self.ep:])
+        table = table.view(self.etp, self.ep, 2)
+        input_splits, kept_pairs = mine[:, 0].tolist(), int(mine[:, 1].sum())
+        if kept_pairs < plan.order.numel():  # capacity dropped some: they sort last
+            plan = RowPlan(*(t[:kept_pairs] for t in (plan.order, plan.row_of_pair, plan.slot_of_pair,
+                                                       plan.local_expert, plan.token_of_pair)),
+                           plan.rows_per_dest, plan.pairs_per_dest)
+        output_splits = table[group_rank(self.mesh.etp), :, 0].tolist()
+        etp_sizes = table[:, :, 0].sum(1).tolist()
+        received_pairs = int(table[:, :, 1].sum())
+        self.last_send_splits = list(input_splits)
+
+        num_rows, slots = sum(input_splits), self.slots
+        row_token = torch.zeros(num_rows, dtype=torch.long, device=tokens.device)
+        row_token.scatter_(0, plan.row_of_pair, plan.token_of_pair)  # every pair of a row has its token
+        cell = plan.row_of_pair * slots + plan.slot_of_pair
+        weights = torch.zeros(num_rows * slots, dtype=torch.float32, device=tokens.device)
+        weights = weights.index_put((cell,), pair_weight[plan.order].float())  # differentiable
+        # Local expert ids as fp32 (exact below 2**24); empty slots hold num_local.
+        ids = torch.full((num_rows * slots,), float(self.num_local), dtype=torch.float32, device=tokens.device)
+        ids.index_put_((cell,), plan.local_expert.float())
+        meta = torch.cat([weights.view(num_rows, slots), ids.view(num_rows, slots)], 1)  # [R, 2*slots]
+        rows = tokens.index_select(0, row_token)
+        sent, handle = all_to_all_start([rows, meta], output_splits, input_splits, self.mesh.ep)
+        return InFlight(tokens, True, row_token=row_token, input_splits=input_splits,
+                        output_splits=output_splits, etp_sizes=etp_sizes, received_pairs=received_pairs,
+                        sent=sent, handle=handle)
+
+    def receive(self, state: InFlight) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the rows; returns (expert inputs [N, h] sorted by local expert, group sizes
+        [E_local] on device)."""
+        if not state.rows:
+            return state.tokens.index_select(0, state.pair_token), state.group_sizes
+        rows, meta = all_to_all_wait(state.sent, state.handle)
+        state.sent = ()
         if self.etp > 1:
-            gathered = all_gather_stats(by_block, self.mesh.etp)  # [etp, blocks, E_local]
-            etp_sizes = gathered.sum((1, 2)).tolist()
-            rows = gather_rows(rows, etp_sizes, self.mesh.etp)
-            by_block = gathered.reshape(-1, self.num_local)
-        regroup = None
-        if by_block.shape[0] > 1:
-            block_expert = torch.arange(self.num_local, device=rows.device).repeat(by_block.shape[0])
-            row_expert = torch.repeat_interleave(block_expert, by_block.flatten(), output_size=rows.shape[0])
-            regroup = torch.argsort(row_expert, stable=True)
-            rows = rows.index_select(0, regroup)
-        state = DispatchState(order, pair_token, regroup, input_splits, output_splits, etp_sizes)
-        return rows, by_block.sum(0), state
+            rows = gather_rows(rows, state.etp_sizes, self.mesh.etp)
+            meta = gather_rows(meta, state.etp_sizes, self.mesh.etp)
+        slots = self.slots
+        ids = meta[:, slots:].detach().long().reshape(-1)  # [R_all * slots], num_local = empty
+        pair_of_cell = torch.argsort(ids, stable=True)[: state.received_pairs]
+        group_sizes = torch.zeros(self.num_local + 1, dtype=torch.long, device=ids.device)
+        group_sizes = group_sizes.index_add(0, ids, torch.ones_like(ids))[: self.num_local]
+        state.recv_row_of_pair = torch.div(pair_of_cell, slots, rounding_mode="floor")
+        state.recv_pair_weight = meta[:, :slots].reshape(-1).index_select(0, pair_of_cell)
+        state.recv_rows = rows.shape[0]
+        return rows.index_select(0, state.recv_row_of_pair), group_sizes
 
-    def combine(self, rows: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        """Expert outputs [N, h] (etp partial sums) -> one row per sorted pair, back on its rank."""
-        if state.regroup is not None:
-            rows = rows.index_select(0, _inverse(state.regroup))
+    def combine(self, expert_out: torch.Tensor, state: InFlight) -> InFlight:
+        """Weight and sum the expert outputs [N, h] (etp partial sums) per row and start sending
+        the rows back."""
+        if not state.rows:
+            weighted = (expert_out * state.pair_weight.unsqueeze(-1)).to(state.tokens.dtype)
+            state.sent = (weighted,)
+            return state
+        weighted = expert_out * state.recv_pair_weight.unsqueeze(-1)  # fp32 weights: fp32 sum
+        summed = weighted.new_zeros((state.recv_rows, expert_out.shape[1]))
+        summed = summed.index_add(0, state.recv_row_of_pair, weighted).to(state.tokens.dtype)
         if self.etp > 1:
-            rows = reduce_scatter_rows(rows, state.etp_sizes, self.mesh.etp)
-        if self.ep > 1:
-            rows = all_to_all(rows, state.input_splits, state.output_splits, self.mesh.ep)
-        return rows
+            summed = reduce_scatter_rows(summed, state.etp_sizes, self.mesh.etp)
+        state.sent, state.handle = all_to_all_start([summed], state.input_splits, state.output_splits, self.mesh.ep)
+        return state
+
+    def finish(self, state: InFlight) -> torch.Tensor:
+        """Wait for the rows to return; the routed output [T, h] (each token's rows summed)."""
+        if not state.rows:
+            (weighted,) = state.sent
+            return torch.zeros_like(state.tokens).index_add(0, state.pair_token, weighted)
+        (back,) = all_to_all_wait(state.sent, state.handle)
+        state.sent = ()
+        return torch.zeros_like(state.tokens).index_add(0, state.row_token, back)

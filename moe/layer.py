@@ -20,36 +20,73 @@ from moe.experts import GroupedExperts, expert_out_init_std
 from moe.router import RouterOutput, TopKRouter
 from moe.scope import aux_loss_scope
 from mpu.init import normal_init, tag
-from mpu.mappings import all_reduce_stats, gather_from_region, scatter_to_sequence
+from mpu.mappings import (
+    all_reduce_stats,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    sequence_gathered,
+)
 from mpu.mesh import Mesh
 
 
 class SharedExperts(nn.Module):
-    """`n` always-visited experts as one MLP of width n * moe_ffn_hidden_size, replicated on
-    every rank (gradient summed over tp x dp at tp > 1, since each rank sees its own tokens)."""
+    """`n` always-visited experts as one MLP of width f = n * moe_ffn_hidden_size, tensor-
+    parallel over `mesh.tp` like the dense MLP: up (and gate) column-parallel ([f/tp, h] per
+    rank), down row-parallel ([h, f/tp]); full weights as at tp = 1, so the single-process
+    model is unchanged. Gradients reduce over dp (each TP rank holds a distinct shard).
+
+    The MoE layer's tokens are sequence shards over tp (with or without SP): `hidden` takes
+    the shard and uses the full sequence, all-gathered over tp (`gather_from_sequence`), or,
+    when the caller already holds it (tp > 1 without SP: the replicated input the shard was
+    cut from), that tensor without communication (`sequence_gathered`); backward
+    reduce-scatters the input gradient to the shard either way. `output` reduce-scatters the
+    row-parallel partial sums back to the shard. The two halves let the layer run them while
+    its dispatch and combine all-to-alls are in flight.
+    """
 
     def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
         super().__init__()
+        self.mesh = mesh
         h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size * cfg.shared_experts
-        sp = mesh.tp_size > 1
+        tp = mesh.tp_size
+        if f % tp:
+            raise ValueError(f"shared experts width moe_ffn_hidden_size * shared_experts = {f} is not divisible "
+                             f"by tp={tp}; choose parallel.tp dividing it")
         out_std = expert_out_init_std(cfg.init_std, cfg.num_layers)
 
-        def weight(shape, std):
-            return tag(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), normal_init(shape, std),
-                       sequence_parallel=sp)
+        def weight(full, local, std, dim):
+            return tag(nn.Parameter(torch.empty(local, device=device, dtype=dtype)), normal_init(full, std),
+                       tp_shard_dim=dim)
 
-        self.up = weight((f, h), cfg.init_std)
-        self.gate = weight((f, h), cfg.init_std) if cfg.activation == "swiglu" else None
-        self.down = weight((h, f), out_std)
+        self.up = weight((f, h), (f // tp, h), cfg.init_std, 0)
+        self.gate = weight((f, h), (f // tp, h), cfg.init_std, 0) if cfg.activation == "swiglu" else None
+        self.down = weight((h, f), (h, f // tp), out_std, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor, full: torch.Tensor | None = None) -> torch.Tensor:
+        """This TP rank's slice of the hidden activation, [s, b, f/tp], for the sequence shard
+        x [s/tp, b, h] (`full`: the already-gathered [s, b, h], if the caller has it)."""
+        group = self.mesh.tp
+        x = gather_from_sequence(x, group) if full is None else sequence_gathered(x, full, group)
         up = F.linear(x, self.up)
-        hidden = F.gelu(up, approximate="tanh") if self.gate is None else F.silu(F.linear(x, self.gate)) * up
-        return F.linear(hidden, self.down)
+        return F.gelu(up, approximate="tanh") if self.gate is None else F.silu(F.linear(x, self.gate)) * up
+
+    def output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Down projection of `hidden`, summed over tp and cut to this rank's sequence shard."""
+        return reduce_scatter_to_sequence(F.linear(hidden, self.down), self.mesh.tp)
+
+    def forward(self, x: torch.Tensor, full: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(self.hidden(x, full))
 
 
 class MoELayer(nn.Module):
     """Top-k routed experts over the expert mesh; input/output [s(/tp), b, h] like the dense MLP.
+
+    Dispatch (moe/dispatcher.py) sends each token once per destination ep rank and runs its
+    all-to-alls asynchronously: the shared experts (tensor-parallel over tp) compute while
+    the tokens and the outputs travel, forward and backward. The one host sync of the layer
+    is the dispatcher's copy of the split sizes.
 
     After each forward, `last_router` holds the router's output (aux/z-loss terms and load)
     and `last_dropped` the global fraction of (token, choice) pairs dropped by capacity.
@@ -71,13 +108,14 @@ class MoELayer(nn.Module):
                                       out_init_std=expert_out_init_std(cfg.init_std, cfg.num_layers),
                                       backend=cfg.kernel_backend, device=device, dtype=dtype)
         self.shared = SharedExperts(cfg, mesh, device, dtype) if cfg.shared_experts else None
-        self.dispatcher = AllToAllDispatcher(cfg.num_experts, mesh)
+        self.dispatcher = AllToAllDispatcher(cfg.num_experts, cfg.top_k, mesh)
         self.last_router: RouterOutput | None = None
         self.last_dropped: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mesh, k = self.mesh, self.cfg.top_k
         gather_back = mesh.tp_size > 1 and not mesh.sequence_parallel
+        full = x if gather_back else None  # the replicated input: the shared experts use it as is
         if gather_back:
             x = scatter_to_sequence(x, mesh.tp)
         s, b, h = x.shape
@@ -87,25 +125,28 @@ class MoELayer(nn.Module):
         pair_weight = routed.topk_weight.reshape(-1)
         pair_token = torch.arange(s * b, device=x.device).repeat_interleave(k)
         kept = torch.tensor(float(pair_expert.numel()), device=x.device)
+        keep = None
         if self.cfg.capacity_factor is not None:
             full_seq = s * mesh.tp_size
             capacity = capacity_for(full_seq, self.cfg.num_experts, k, self.cfg.capacity_factor)
             keep = capacity_keep_mask(routed.topk_idx.view(s, b, k), self.cfg.num_experts, capacity, mesh.tp)
-            keep = keep.reshape(-1)
-            pair_expert, pair_weight, pair_token = pair_expert[keep], pair_weight[keep], pair_token[keep]
+            keep = keep.reshape(-1)  # dropped pairs are not sent (the dispatcher filters them)
             kept = keep.sum().to(torch.float32)
         counts = all_reduce_stats(torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]), mesh.tp_dp)
         self.last_dropped = 1.0 - counts[0] / counts[1]
         self.last_router = routed
 
-        rows, group_sizes, state = self.dispatcher.dispatch(tokens, pair_expert, pair_token)
-        expert_out = self.experts(rows, group_sizes)
-        pair_out = self.dispatcher.combine(expert_out, state)
-        weights = pair_weight[state.pair_order].unsqueeze(-1)
-        out = torch.zeros_like(tokens).index_add(0, state.pair_token, (pair_out * weights).to(tokens.dtype))
-        if self.shared is not None:
-            out = out + self.shared(tokens)
-        out = out.view(s, b, h)
+        # The all-to-alls run asynchronously: the shared experts' up/gate half runs while the
+        # tokens travel to the experts, their down half while the outputs travel back; in
+        # backward the same halves overlap the gradients' all-to-alls (mpu.mappings.all_to_all_start).
+        in_flight = self.dispatcher.dispatch(tokens, pair_expert, pair_token, pair_weight, keep)
+        shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
+        rows, group_sizes = self.dispatcher.receive(in_flight)
+        in_flight = self.dispatcher.combine(self.experts(rows, group_sizes), in_flight)
+        shared_out = self.shared.output(shared_hidden) if self.shared is not None else None
+        out = self.dispatcher.finish(in_flight).view(s, b, h)
+        if shared_out is not None:
+            out = out + shared_out
         if gather_back:
             out = gather_from_region(out, 0, mesh.tp)
         return out

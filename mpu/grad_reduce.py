@@ -13,7 +13,7 @@ microbatches) gives exactly the single-process gradient.
 Groups:
   * ordinary parameters: the data-parallel group `mesh.dp`;
   * sequence-parallel replicated parameters (norms, row-parallel biases, position
-    embeddings under SP; MoE routers and shared experts at tp > 1), whose gradient on each
+    embeddings under SP; MoE routers at tp > 1), whose gradient on each
     TP rank covers only its tokens: the flattened `mesh.tp_dp` group, summing over TP and DP
     in one collective;
   * expert parameters: the expert-data-parallel group `mesh.edp` (replicas of the same

@@ -6,6 +6,9 @@
     gather_from_region      fwd: all-gather          bwd: keep own chunk
     gather_from_sequence    fwd: all-gather (dim 0)  bwd: reduce-scatter (dim 0)
     reduce_scatter_to_sequence fwd: reduce-scatter   bwd: all-gather (dim 0)
+    sequence_gathered       fwd: none (the gathered tensor is at hand)  bwd: reduce-scatter (dim 0)
+    all_to_all              fwd: all-to-all          bwd: the reverse all-to-all
+    all_to_all_start / all_to_all_wait: the same all-to-all, asynchronous (fwd and bwd)
 
 Sequence-parallel tensors are laid out [s, b, h] so a sequence shard is a contiguous chunk
 of dim 0. Every function is the identity when the group has one member (or is None).
@@ -271,3 +274,131 @@ def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tenso
     """Sum partial results over `group` and keep own block of `sizes[rank]` rows;
     backward: all-gather the row blocks."""
     return x if group_size(group) == 1 else _ReduceScatterRows.apply(x, sizes, group)
+
+
+class _SequenceGathered(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, full, group):
+        ctx.group = group
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 0, ctx.group), None, None
+
+
+def sequence_gathered(local: torch.Tensor, full: torch.Tensor, group) -> torch.Tensor:
+    """`gather_from_sequence(local, group)` when its result is already at hand: `full` must be
+    the all-gather of the sequence shards `local` over `group` (tp > 1 without SP, where the
+    shard was cut from a replicated input). Forward returns `full` without communication (no
+    gradient flows into `full` itself); backward reduce-scatters the gradient into `local`."""
+    if group_size(group) == 1:
+        return local
+    return _SequenceGathered.apply(local, full.detach(), group)
+
+
+# ----------------------------------------------------------------- asynchronous all-to-all
+
+
+class AllToAllHandle:
+    """One asynchronous all-to-all over `group` (`all_to_all_start`), and in backward the
+    reverse all-to-all of its gradients (started by `all_to_all_wait`'s backward, awaited by
+    `all_to_all_start`'s backward). Holds the in-flight work handles and keeps the tensors
+    they read and write alive until they are awaited."""
+
+    def __init__(self, output_splits: list[int], input_splits: list[int], group):
+        self.output_splits, self.input_splits, self.group = list(output_splits), list(input_splits), group
+        self.works: list = []
+        self.keep: list = []
+        self.differentiable: tuple[bool, ...] = ()
+        self.grad_works: list = []
+        self.grads: tuple = ()
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.keep = [], []
+
+    def wait_grads(self) -> tuple:
+        for work in self.grad_works:
+            work.wait()
+        grads, self.grad_works, self.grads = self.grads, [], ()
+        return grads
+
+
+def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int], group):
+    """Issue one asynchronous `all_to_all_single` per tensor (same splits); (outputs, works)."""
+    outs, works = [], []
+    for x in tensors:
+        x = x.contiguous()
+        out = torch.empty((sum(output_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        works.append(dist.all_to_all_single(out, x, output_split_sizes=output_splits,
+                                            input_split_sizes=input_splits, group=group, async_op=True))
+        outs.append((out, x))
+    return outs, works
+
+
+class _AllToAllStart(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, handle, *tensors):
+        ctx.handle = handle
+        handle.differentiable = tuple(ctx.needs_input_grad[1:])
+        outs, handle.works = _start_all_to_all(tensors, handle.output_splits, handle.input_splits, handle.group)
+        handle.keep = outs
+        results = tuple(out for out, _ in outs)
+        ctx.mark_non_differentiable(*[r for r, d in zip(results, handle.differentiable) if not d])
+        return results
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # _AllToAllWait.backward started the reverse all-to-all of these gradients; await it.
+        return (None,) + ctx.handle.wait_grads()
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, handle, *tensors):
+        ctx.handle = handle
+        handle.wait()
+        ctx.mark_non_differentiable(*[t for t, d in zip(tensors, handle.differentiable) if not d])
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        handle = ctx.handle
+        send = [g for g, d in zip(grads, handle.differentiable) if d]
+        outs, handle.grad_works = _start_all_to_all(send, handle.input_splits, handle.output_splits, handle.group)
+        received = iter(outs)
+        handle.grads = tuple(next(received)[0] if d else None for d in handle.differentiable)
+        handle.keep = outs  # the gradients being sent stay alive until wait_grads
+        # Identity: the gradients flow on unchanged to _AllToAllStart.backward, which returns
+        # the received buffers once the exchange is done.
+        return (None,) + tuple(g if d else None for g, d in zip(grads, handle.differentiable))
+
+
+def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int],
+                     group) -> tuple[tuple[torch.Tensor, ...], AllToAllHandle]:
+    """Start the all-to-all of `all_to_all` for each of `tensors` (rows in chunks of
+    `input_splits` to the ranks of `group`; `output_splits` rows from each) asynchronously,
+    and return (the receive buffers, the handle). The buffers hold nothing until
+    `all_to_all_wait` has been called on them; run independent work in between.
+
+    Backward is asynchronous too: `all_to_all_wait`'s backward starts the reverse
+    all-to-all of the gradients and returns at once, and this function's backward awaits it,
+    so the autograd nodes recorded between start and wait (independent work, which autograd
+    runs in reverse order of creation) run while the gradients are in flight. Tensors that
+    do not require grad (e.g. integer metadata) travel forward only. Every rank of `group`
+    must start and wait in the same order, as for any collective.
+    """
+    handle = AllToAllHandle(output_splits, input_splits, group)
+    if group_size(group) == 1:
+        return tuple(tensors), handle
+    return _AllToAllStart.apply(handle, *tensors), handle
+
+
+def all_to_all_wait(tensors: tuple[torch.Tensor, ...], handle: AllToAllHandle) -> tuple[torch.Tensor, ...]:
+    """Wait for the all-to-all `handle` (from `all_to_all_start`) and return its received
+    `tensors`, now filled; see `all_to_all_start` for the backward."""
+    if group_size(handle.group) == 1:
+        return tuple(tensors)
+    return _AllToAllWait.apply(handle, *tensors)

@@ -121,6 +121,12 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
             raise ParallelConfigError(
                 f"etp={par.etp} does not divide moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"
             )
+        shared = cfg.moe_ffn_hidden_size * getattr(cfg, "shared_experts", 0)
+        if shared % par.tp:
+            raise ParallelConfigError(
+                f"tp={par.tp} does not divide the shared experts' width moe_ffn_hidden_size * shared_experts = "
+                f"{shared} (they are tensor-parallel); choose parallel.tp dividing it"
+            )
     elif par.ep > 1 or par.etp > 1:
         raise ParallelConfigError(
             f"parallel.ep={par.ep}/etp={par.etp} need an MoE model (model.num_experts > 0); set them to 1"

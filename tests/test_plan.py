@@ -170,8 +170,8 @@ def test_meta_mismatch_is_a_runtime_error(monkeypatch):
 
 @pytest.mark.parametrize("shared", [0, 1])
 def test_moe_meta_build_matches_analytic(shared):
-    """MoE ranks are built on meta (experts split over ep, routers and shared experts
-    replicated) and the count equals the analytic one."""
+    """MoE ranks are built on meta (experts split over ep, routers replicated, shared
+    experts split over tp) and the count equals the analytic one."""
     cfg = llama_tiny(num_experts=8, top_k=2, num_kv_heads=4, ffn_hidden_size=128, shared_experts=shared)
     plan = plan_all_ranks(cfg, ParallelConfig(tp=4, ep=8), 8, micro_batch_size=1, global_batch_size=4)
     assert plan["layout"] == plan["ranks"][0]["layout"]

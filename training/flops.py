@@ -132,7 +132,7 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     fm = cfg.moe_ffn_hidden_size
     n += cfg.num_experts * h  # router, replicated
     n += (cfg.num_experts // ep) * _mlp_matrices(cfg, fm) // etp  # routed experts, no biases
-    n += cfg.shared_experts * _mlp_matrices(cfg, fm)  # shared experts: replicated on every rank (moe/layer.py)
+    n += cfg.shared_experts * _mlp_matrices(cfg, fm) // tp  # shared experts: tensor-parallel like the MLP (moe/layer.py)
     return n
 
 
@@ -198,6 +198,9 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
             (cfg.num_experts % ep == 0, f"model.num_experts={cfg.num_experts} is not divisible by parallel.ep={ep}"),
             (cfg.moe_ffn_hidden_size % etp == 0,
              f"model.moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} is not divisible by parallel.etp={etp}"),
+            (cfg.moe_ffn_hidden_size * cfg.shared_experts % tp == 0,
+             f"shared experts: model.moe_ffn_hidden_size * model.shared_experts = "
+             f"{cfg.moe_ffn_hidden_size * cfg.shared_experts} is not divisible by parallel.tp={tp}"),
         ]
     for ok, msg in checks:
         if not ok:

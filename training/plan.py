@@ -96,7 +96,7 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     * "total", split into "tp_sharded" (`tp_shard_dim` set) and "replicated" (over TP);
     * by gradient-reduction (and ZeRO) replica group, as `mpu.grad_reduce` buckets them:
       "group_dp" (dense), "group_tp_dp" (sequence-parallel replicated: norms, row-parallel
-      biases and positions under SP, MoE routers and shared experts at tp > 1), "group_edp"
+      biases and positions under SP, MoE routers at tp > 1), "group_edp"
       (experts);
     * "matmul": parameters autocast copies to 16 bits (see `_matmul_param_ids`);
     * "largest": elements of the largest parameter tensor;
@@ -320,7 +320,9 @@ def _layer_terms(cfg: GPTConfig, *, is_moe: bool, mode: str, tokens: int, tp: in
         full["moe_experts"] = T_l * k * act * fm * c  # expert hidden (ffn split over etp, rows x etp)
         full["moe_combine"] = T_l * k * c * h        # expert outputs kept for the weighted combine
         if cfg.shared_experts:
-            full["moe_shared"] = T_l * act * cfg.shared_experts * fm * c
+            # tensor-parallel over tp: hidden [T, f/tp] (= T_l x f), and under SP the input
+            # all-gathered over the sequence (without SP it is the replicated norm2 output)
+            full["moe_shared"] = T_l * act * cfg.shared_experts * fm * c + (T * c * h if sp else 0)
 
     # Backward transient of one layer when it is the top of the stack (the largest moment; lower
     # layers run with less saved): the incoming residual gradient (fp32, T tokens), then
