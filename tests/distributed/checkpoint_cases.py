@@ -60,17 +60,13 @@ class _Run:
                                                                                      cfg.hidden_size),
                                              torch.float32, torch.device("cpu"))
 
-    def step(self, step: int, dp_grouping: int | None = None) -> dict:
-        """One step on the global batch of `step`. A serial run given `dp_grouping=d` groups
-        its microbatches like a d-way data-parallel run (MoE statistics are per microbatch)."""
+    def step(self, step: int) -> dict:
+        """One step on the global batch of `step`, one row per microbatch on every layout (so
+        MoE statistics, per rank-microbatch, are the same in every layout)."""
         inputs, targets = global_batch(self.cfg, step, BATCH)
-        if dp_grouping is None:
-            per_rank = BATCH // self.mesh.dp_size
-            rows = slice(self.mesh.dp_rank * per_rank, (self.mesh.dp_rank + 1) * per_rank)
-            micro = [(inputs[rows][j: j + 1], targets[rows][j: j + 1]) for j in range(per_rank)]
-        else:
-            per_rank = BATCH // dp_grouping
-            micro = [(inputs[j::per_rank], targets[j::per_rank]) for j in range(per_rank)]
+        per_rank = BATCH // self.mesh.dp_size
+        rows = slice(self.mesh.dp_rank * per_rank, (self.mesh.dp_rank + 1) * per_rank)
+        micro = [(inputs[rows][j: j + 1], targets[rows][j: j + 1]) for j in range(per_rank)]
         if self.executor is None:
             return train_step(self.chunks[0], self.reducer, self.optimizer, micro, self.mesh, lr=LR, max_grad_norm=1.0)
         return pipeline_train_step(self.chunks, self.reducer, self.optimizer, micro, self.mesh, self.executor,
@@ -95,13 +91,12 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
         path = save_checkpoint(root, TrainState(step=2, consumed_samples=2 * BATCH), source.chunks, source.optimizer,
                                source.mesh, model_config=dataclasses.asdict(cfg))
         uninterrupted = [source.step(step)["loss"] for step in (2, 3)]  # step 4's loss depends on the moments
-        source_dp = source.mesh.dp_size
         source.close()
         serial = _Run(cfg, None)
         load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
         for step, want in zip((2, 3), uninterrupted):
             assert_close(f"step {step + 1}: serial continuation vs the uninterrupted run",
-                         serial.step(step, dp_grouping=source_dp)["loss"], want, rtol=1e-6)
+                         serial.step(step)["loss"], want, rtol=1e-6)
         serial.close()
         for par, zero in loads:
             target = _Run(cfg, par, zero)
@@ -115,7 +110,7 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
                 if not torch.equal(got, trim_vocab(name, ref_params[name].detach(), cfg)):
                     raise AssertionError(f"{par}: loaded {name} differs from the serial load")
             out = target.step(2)
-            ref = serial.step(2, dp_grouping=target.mesh.dp_size)
+            ref = serial.step(2)
             assert_close(f"{par} zero={zero}: loss after resharding", out["loss"], ref["loss"], rtol=1e-6)
             compare_parameters(target.named, ref_params, target.mesh, cfg, f"{par} zero={zero}: weight after step 3")
             target.close()
