@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mpu.adamw import adamw
 from mpu.grad_reduce import DataParallelGradReducer
 from mpu.mappings import _all_gather_into
 from mpu.mesh import group_size
@@ -56,7 +57,7 @@ class ShardedAdamW:
             self._shards.append((bucket, shard, start, size))
             (decay if bucket.decay else no_decay).append(shard)
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps)
+        self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
     @property
     def param_groups(self):

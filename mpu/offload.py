@@ -7,7 +7,7 @@ runs on the CPU. Every step, per gradient bucket of `DataParallelGradReducer`:
 
   1. the (all-reduced, clipped) gradients are copied device -> host (into a pinned staging
      buffer when the device is CUDA, `non_blocking`, one CUDA event per bucket);
-  2. torch AdamW (`foreach`, or `fused` when asked) updates the host main weights as soon as
+  2. torch AdamW (fused, as the device optimizers: mpu/adamw.py) updates the host main weights as soon as
      that bucket's copy has landed, so the CPU update of bucket i overlaps the copies of the
      others;
   3. the updated main weights are copied host -> device (`non_blocking` from pinned memory).
@@ -20,7 +20,8 @@ shard is copied to the device and all-gathered over the bucket's replica group.
 
 The update is element-wise and uses the same param groups (weight decay on ndim >= 2 only,
 as `training.optim.build_optimizer`) and hyper-parameters, so on the CPU the weights are bit
-for bit those of the device AdamW (`fused=True` is faster but rounds differently, ~1e-7).
+for bit those of the device AdamW (both fused; `fused=False` takes torch's foreach
+implementation, which rounds differently, ~1e-7).
 
 On a CPU-only machine the "device" is the CPU: the host copies are still separate tensors
 and the same code runs (plain copies, no pinning).
@@ -71,7 +72,7 @@ class OffloadedAdamW:
     offloaded = True  # lets callers (checkpoints, memory reports) tell it apart
 
     def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, zero: int = 0, fused: bool = False, pin_memory: bool | None = None):
+                 eps: float = 1e-8, zero: int = 0, fused: bool = True, pin_memory: bool | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"zero={zero}: OffloadedAdamW supports 0 (replicated), 1 and 2 (sharded over replicas)")
         self.zero = zero
