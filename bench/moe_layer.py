@@ -49,6 +49,7 @@ from models.config import GPTConfig  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from mpu.init import initialize_parameters  # noqa: E402
 from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+from training.host_malloc import keep_freed_host_memory  # noqa: E402
 
 SEED = 1234
 REGIONS = ("router", "dispatch", "expert_gemm", "expert_activation", "combine", "shared_experts", "other")
@@ -298,6 +299,7 @@ def breakdown(step, layer: MoELayer) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    keep_freed_host_memory()  # as train.py does; the --peer block runs in this process too
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.threads is not None:
         if args.threads < 1:

@@ -43,6 +43,7 @@ from models.gpt import init_model_chunks  # noqa: E402
 from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from training.flops import model_flops_per_token  # noqa: E402
+from training.host_malloc import keep_freed_host_memory  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.peak import peak_flops  # noqa: E402
 from training.precision import Precision  # noqa: E402
@@ -226,6 +227,7 @@ def profile_step(step, micro, device, rank: int) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    kept_freed_memory = keep_freed_host_memory()  # as train.py does (MESHTRON_SYSTEM_MALLOC=1: off)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(args.device)
     threads = choose_threads(args, device)
@@ -363,7 +365,8 @@ def main(argv=None) -> None:
         # taken by the hypervisor (both from /proc/stat; null elsewhere).
         "host": {"cpus": os.cpu_count(),
                  "other_busy_cpus": None if other_busy is None else round(other_busy, 3),
-                 "steal_cpus": None if steal is None else round(steal, 3)},
+                 "steal_cpus": None if steal is None else round(steal, 3),
+                 "malloc": "keep_freed" if kept_freed_memory else "system"},
         "steps": {"warmup": args.warmup, "timed": args.steps},
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,

@@ -300,8 +300,10 @@ class GPT(nn.Module):
             return x
         x = self.final_norm(x)
         weight = self.embed.weight if self.head is None else self.head.weight
-        logits = F.linear(enter_tp_region(x, self.mesh), weight)  # [s, b, V_pad/tp]
-        return logits.transpose(0, 1)
+        # Batch-major before the head: transposing [s, b, h] costs h per token, transposing
+        # the logits V/tp per token (on the CPU a 32 MiB copy at the reference shape).
+        x = enter_tp_region(x, self.mesh).transpose(0, 1).contiguous()
+        return F.linear(x, weight)  # [b, s, V_pad/tp], contiguous
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded.

@@ -31,6 +31,7 @@ from training.config import ConfigError, RunConfig
 from training.data import ByteTokenizer, TokenDataset, build_dataset
 from training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
 from training.flops import model_flops_per_token
+from training.host_malloc import keep_freed_host_memory
 from training.memory import peak_memory_per_rank
 from training.metrics import MetricsWriter, ProgressBar, TensorBoardWriter, format_step_line, require_tensorboard
 from training.optim import build_optimizer
@@ -370,6 +371,7 @@ def moe_metrics(out: dict) -> dict:
 
 def main_entry(tree: dict, run_dir: str) -> dict:
     """Entry for train.py: turn a config error into one clear line and exit code 2."""
+    keep_freed_host_memory()  # CPU steps reuse the previous step's pages (training/host_malloc.py)
     try:
         run = RunConfig.from_dict(tree)
         return run_training(run, run_dir)
