@@ -82,7 +82,11 @@ def _shared_tmpdir() -> Path:
     return Path(chosen[0])
 
 
-def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, bool]], save_zero: bool = False):
+def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, bool]], save_zero: bool = False,
+                   check_continuation: bool = True):
+    """Train 2 steps at `save`, save, then load at each of `loads` ((layout, ZeRO-1)) and
+    compare with the same checkpoint loaded into one process. `check_continuation` also
+    compares the saving layout's own steps 3-4 with the serial continuation (1e-6)."""
     root = _shared_tmpdir()
     try:
         source = _Run(cfg, save, save_zero)
@@ -90,14 +94,16 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
             source.step(step)
         path = save_checkpoint(root, TrainState(step=2, consumed_samples=2 * BATCH), source.chunks, source.optimizer,
                                source.mesh, model_config=dataclasses.asdict(cfg))
-        uninterrupted = [source.step(step)["loss"] for step in (2, 3)]  # step 4's loss depends on the moments
+        if check_continuation:
+            uninterrupted = [source.step(step)["loss"] for step in (2, 3)]  # step 4's loss depends on the moments
         source.close()
-        serial = _Run(cfg, None)
-        load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
-        for step, want in zip((2, 3), uninterrupted):
-            assert_close(f"step {step + 1}: serial continuation vs the uninterrupted run",
-                         serial.step(step)["loss"], want, rtol=1e-6)
-        serial.close()
+        if check_continuation:
+            serial = _Run(cfg, None)
+            load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
+            for step, want in zip((2, 3), uninterrupted):
+                assert_close(f"step {step + 1}: serial continuation vs the uninterrupted run",
+                             serial.step(step)["loss"], want, rtol=1e-6)
+            serial.close()
         for par, zero in loads:
             target = _Run(cfg, par, zero)
             state = load_checkpoint(path, target.chunks, target.optimizer, target.mesh)

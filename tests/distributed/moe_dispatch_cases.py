@@ -241,48 +241,18 @@ def shared_experts_checkpoint_reshard() -> None:
     serial continuation within 1e-6 and the weights after it within 1e-5 (the protocol of
     checkpoint_cases, without its check that the saving layout's own continuation matches the
     serial one: that compares two layouts' fp32 trajectories, about 1e-6 apart for this model)."""
-    import shutil
-
-    import torch.distributed as dist
-
-    from tests.distributed.checkpoint_cases import BATCH, _Run, _shared_tmpdir
-    from tests.distributed.dense_cases import compare_parameters, full_tensor, trim_vocab
+    from tests.distributed.checkpoint_cases import _check_reshard, _Run
     from tests.distributed.moe_cases import moe_config
-    from training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 
-    # No aux / z-loss: which microbatches the serial run must group to reproduce the routing
-    # statistics is the aux-loss scope's business (moe_cases), not the checkpoint's.
-    cfg = dataclasses.replace(moe_config("llama", 2, "softmax", None), aux_loss_coef=0.0, z_loss_coef=0.0)
+    cfg = moe_config("llama", 2, "softmax", None)
     assert cfg.shared_experts == 1
-    root = _shared_tmpdir()
-    try:
-        source = _Run(cfg, ParallelConfig(tp=2, sp=True, ep=2))
-        shards = {n: p.shards for n, p in source.named if n.startswith("layers.1.mlp.shared.")}
-        assert shards and all(s == ((0 if n.endswith(("up", "gate")) else 1, "tp"),) for n, s in shards.items()), shards
-        for step in range(2):
-            source.step(step)
-        path = save_checkpoint(root, TrainState(step=2, consumed_samples=2 * BATCH), source.chunks,
-                               source.optimizer, source.mesh, model_config=dataclasses.asdict(cfg))
-        source.close()
-        for par, zero in ((ParallelConfig(tp=1, ep=4), False), (ParallelConfig(tp=4, ep=2, etp=2), False),
-                          (ParallelConfig(tp=2, ep=1), True)):
-            target, serial = _Run(cfg, par, zero), _Run(cfg, None)
-            load_checkpoint(path, target.chunks, target.optimizer, target.mesh)
-            load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
-            ref_params = dict(serial.named)
-            for name, p in target.named:
-                got = trim_vocab(name, full_tensor(p, p.shards, target.mesh), cfg)
-                if not torch.equal(got, trim_vocab(name, ref_params[name].detach(), cfg)):
-                    raise AssertionError(f"{par}: loaded {name} differs from the serial load")
-            out, ref = target.step(2), serial.step(2, dp_grouping=target.mesh.dp_size)
-            assert_close(f"{par}: loss after resharding", out["loss"], ref["loss"], rtol=1e-6)
-            compare_parameters(target.named, ref_params, target.mesh, cfg, f"{par}: weight after step 3")
-            target.close()
-            serial.close()
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+    save = ParallelConfig(tp=2, sp=True, ep=2)
+    source = _Run(cfg, save)
+    shards = {n: p.shards for n, p in source.named if n.startswith("layers.1.mlp.shared.")}
+    source.close()
+    assert shards and all(s == ((0 if n.endswith(("up", "gate")) else 1, "tp"),) for n, s in shards.items()), shards
+    _check_reshard(cfg, save, [(ParallelConfig(tp=1, ep=4), False), (ParallelConfig(tp=4, ep=2, etp=2), False),
+                               (ParallelConfig(tp=2, ep=1), True)], check_continuation=False)
 
 
 def cases_for_world(world_size: int) -> list[str]:
