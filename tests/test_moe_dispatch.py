@@ -11,11 +11,9 @@ import copy
 import pytest
 import torch
 
-from models.config import GPTConfig
 from moe.dispatcher import AllToAllDispatcher, plan_rows
-from moe.layer import MoELayer
-from mpu.init import initialize_parameters
 from mpu.mesh import single_process_mesh
+from tests.test_moe_layer import _layer
 
 
 def test_both_choices_on_one_rank_send_one_row():
@@ -63,22 +61,13 @@ def test_rows_equal_distinct_token_destination_pairs(ep, top_k):
     assert torch.all(row_dest.diff() >= 0)
 
 
-def _layer(activation, top_k, capacity_factor, shared):
-    cfg = GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", hidden_size=16, num_heads=2,
-                    num_experts=4, top_k=top_k, moe_ffn_hidden_size=12, capacity_factor=capacity_factor,
-                    shared_experts=shared, seq_len=8)
-    layer = MoELayer(cfg, single_process_mesh())
-    initialize_parameters(layer, 7, single_process_mesh())
-    return cfg, layer
-
-
 @pytest.mark.parametrize("activation,top_k,capacity_factor,shared",
                          [("gelu", 2, None, 0), ("swiglu", 2, 0.5, 1), ("swiglu", 3, None, 1), ("gelu", 1, 0.75, 0)])
 def test_row_path_equals_pair_path(activation, top_k, capacity_factor, shared):
     """Forcing the row path (what ep/etp > 1 use) without communication: output and every
     gradient (input, router through the combine weights, experts, shared experts) equal the
     pair path's to 1e-6."""
-    cfg, pairs = _layer(activation, top_k, capacity_factor, shared)
+    cfg, pairs = _layer(activation, capacity_factor, shared, top_k, seed=7)
     rows = copy.deepcopy(pairs)
     rows.dispatcher = AllToAllDispatcher(cfg.num_experts, top_k, single_process_mesh(), rows=True)
     gen = torch.Generator().manual_seed(3)

@@ -46,12 +46,13 @@ def test_grouped_matmul_matches_loop(sizes, impl, dims):
         assert torch.allclose(w.grad, w2.grad, atol=1e-6)
 
 
-def _layer(activation, capacity_factor=None, shared=0, top_k=2):
+def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
+    """A tiny single-process MoE layer (4 experts, hidden 16) with (seed, name)-derived weights."""
     cfg = GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", hidden_size=16, num_heads=2,
                     num_experts=4, top_k=top_k, moe_ffn_hidden_size=12, capacity_factor=capacity_factor,
                     shared_experts=shared, seq_len=8)
     layer = MoELayer(cfg, single_process_mesh())
-    initialize_parameters(layer, 5, single_process_mesh())
+    initialize_parameters(layer, seed, single_process_mesh())
     return cfg, layer
 
 
