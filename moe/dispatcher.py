@@ -26,12 +26,9 @@ router (through the weights) are exact.
 
 Overlap. Forward: the caller runs independent work between dispatch and receive and between
 combine and finish (MoELayer: the shared experts' up/gate half, then their down half).
-Backward: `all_to_all_wait`'s backward starts the reverse exchange of the gradients and
-returns; autograd runs ready nodes highest sequence number first, so the nodes recorded
-between a start and its wait (that same independent work) run next, and only then
-`all_to_all_start`'s backward, which waits. So the combine gradients travel during the
-shared down half's backward and the dispatch gradients during the up/gate half's
-(tests/distributed/moe_dispatch_cases.overlap_order). Without shared experts nothing
+Backward: the reverse exchanges block where a blocking all-to-all would (the asynchronous
+backward of mpu.mappings, `ASYNC_BACKWARD`, is off: it hung an 8-rank interleaved pipeline
+with ep=4 x tp=2; see there). Without shared experts nothing
 independent lies between start and wait, and each exchange is simply awaited. Not
 overlapped: the count exchange and the host sync before the start (the split sizes must be
 known first), and the etp all-gather / reduce-scatter, which depend on the exchange.

@@ -84,8 +84,9 @@ class MoELayer(nn.Module):
     """Top-k routed experts over the expert mesh; input/output [s(/tp), b, h] like the dense MLP.
 
     Dispatch (moe/dispatcher.py) sends each token once per destination ep rank and runs its
-    all-to-alls asynchronously: the shared experts (tensor-parallel over tp) compute while
-    the tokens and the outputs travel, forward and backward. The one host sync of the layer
+    forward all-to-alls asynchronously: the shared experts (tensor-parallel over tp) compute
+    while the tokens and the outputs travel (backward exchanges block: mpu.mappings
+    ASYNC_BACKWARD). The one host sync of the layer
     is the dispatcher's copy of the split sizes.
 
     After each forward, `last_router` holds the router's output (aux/z-loss terms and load)
@@ -137,8 +138,8 @@ class MoELayer(nn.Module):
         self.last_router = routed
 
         # The all-to-alls run asynchronously: the shared experts' up/gate half runs while the
-        # tokens travel to the experts, their down half while the outputs travel back; in
-        # backward the same halves overlap the gradients' all-to-alls (mpu.mappings.all_to_all_start).
+        # tokens travel to the experts, their down half while the outputs travel back
+        # (forward only: mpu.mappings.ASYNC_BACKWARD).
         in_flight = self.dispatcher.dispatch(tokens, pair_expert, pair_token, pair_weight, keep)
         shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
         rows, group_sizes = self.dispatcher.receive(in_flight)

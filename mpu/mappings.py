@@ -299,6 +299,13 @@ def sequence_gathered(local: torch.Tensor, full: torch.Tensor, group) -> torch.T
 
 # ----------------------------------------------------------------- asynchronous all-to-all
 
+# Backward overlap (the reverse all-to-all left in flight while autograd runs other nodes) is
+# off: in the 8-rank suite an interleaved pipeline with ep=4 x tp=2 hung with one rank waiting
+# for its gradients' all-to-all and its peers blocked elsewhere (tp / pipeline exchanges),
+# autograd having ordered ready nodes differently across ranks. Forward overlap (program
+# order, the same on every rank) stays on. Turn this on only with that hang understood.
+ASYNC_BACKWARD = False
+
 
 class AllToAllHandle:
     """One asynchronous all-to-all over `group` (`all_to_all_start`), and in backward the
@@ -371,8 +378,14 @@ class _AllToAllWait(torch.autograd.Function):
         received = iter(outs)
         handle.grads = tuple(next(received)[0] if d else None for d in handle.differentiable)
         handle.keep = outs  # the gradients being sent stay alive until wait_grads
+        if not ASYNC_BACKWARD:
+            # Complete the exchange here, at the point a blocking all-to-all would run, so
+            # collectives in backward keep the order they have in a blocking graph.
+            for work in handle.grad_works:
+                work.wait()
+            handle.grad_works = []
         # Identity: the gradients flow on unchanged to _AllToAllStart.backward, which returns
-        # the received buffers once the exchange is done.
+        # the received buffers (waiting first if the exchange is still in flight).
         return (None,) + tuple(g if d else None for g, d in zip(grads, handle.differentiable))
 
 
@@ -383,12 +396,11 @@ def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], inpu
     and return (the receive buffers, the handle). The buffers hold nothing until
     `all_to_all_wait` has been called on them; run independent work in between.
 
-    Backward is asynchronous too: `all_to_all_wait`'s backward starts the reverse
-    all-to-all of the gradients and returns at once, and this function's backward awaits it,
-    so the autograd nodes recorded between start and wait (independent work, which autograd
-    runs in reverse order of creation) run while the gradients are in flight. Tensors that
-    do not require grad (e.g. integer metadata) travel forward only. Every rank of `group`
-    must start and wait in the same order, as for any collective.
+    Backward: `all_to_all_wait`'s backward runs the reverse all-to-all of the gradients,
+    blocking (`ASYNC_BACKWARD` = False; with True it returns at once and this function's
+    backward awaits it, so the nodes recorded between start and wait run while the gradients
+    are in flight). Tensors that do not require grad (e.g. integer metadata) travel forward
+    only. Every rank of `group` must start and wait in the same order, as for any collective.
     """
     handle = AllToAllHandle(output_splits, input_splits, group)
     if group_size(group) == 1:

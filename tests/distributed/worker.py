@@ -14,6 +14,17 @@ import torch
 import torch.distributed as dist
 
 
+def _destroy_case_groups() -> None:
+    """Destroy every process group a case created (its meshes' tp/dp/ep/... groups). Each
+    gloo group keeps TCP event-loop threads; left alive across the ~20 cases of a world they
+    add up to hundreds of threads per rank that busy-poll and starve the cases after them
+    (an 8-rank world slowed past its timeout)."""
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-size", type=int, required=True)
@@ -45,6 +56,7 @@ def main() -> None:
             dist.barrier()
         except Exception:  # noqa: BLE001
             break
+        _destroy_case_groups()
     dist.destroy_process_group()
 
 
