@@ -7,7 +7,7 @@ Counts the bytes of the tensors autograd saves for backward during one forward a
 one microbatch (through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once,
 parameters excluded), for trainer.recompute = none, selective and full, single process, and
 prints them beside the dry-run planner's estimate of the same quantity
-(`training.plan.chunk_activations(...).saved`, the planner's `activations_per_microbatch`)
+(`planning.plan.chunk_activations(...).saved`, the planner's `activations_per_microbatch`)
 with the ratio planned / measured. `bench/memory.py` measures a whole step's peak instead.
 """
 
@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from models.config import GPTConfig  # noqa: E402
-from models.gpt import init_model_chunks  # noqa: E402
-from mpu.mesh import single_process_mesh  # noqa: E402
-from bench.memory import saved_activation_bytes  # noqa: E402  (one measurement for both benches)
-from training.plan import chunk_activations  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.gpt import init_model_chunks  # noqa: E402
+from meshtron.mpu.mesh import single_process_mesh  # noqa: E402
+from memory import saved_activation_bytes  # the sibling script bench/memory.py: one measurement for both benches
+from meshtron.planning.plan import chunk_activations  # noqa: E402
 
 
 def planned_saved_bytes(cfg: GPTConfig, batch: int) -> int:

@@ -18,7 +18,7 @@ failure with its error text, never skipped silently):
   GPU count, ep = gcd(GPUs, 8); 4 layers, hidden 1024, seq 512, 10 steps, bf16) over NCCL,
   kernels.backend=auto; the loss must be finite and fall, and no kernel may fail its self-check.
 * bench: bench/kernels.py (bf16 and fp32: per kernel achieved TFLOP/s or GB/s, fraction of the
-  device's datasheet peak from training/peak.py, speedup vs torch) and bench/throughput.py
+  device's datasheet peak from planning/peak.py, speedup vs torch) and bench/throughput.py
   (one GPU, bf16, kernels torch vs auto: tokens/s and MFU).
 
 Without CUDA it prints {"bench": "gpu_acceptance", "skipped": "<reason>"} and exits 0. Exit
@@ -42,8 +42,6 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 _INTERPRETER_REMOVED = __name__ == "__main__" and os.environ.pop("TRITON_INTERPRET", None) is not None
 
@@ -77,7 +75,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype) -> dict:
     """{kernel: (triton_fn, torch_fn, args)} on inputs shaped like one TP shard of a small
     model: 1024 tokens, hidden 1024, ffn 1536, a 4096-column vocab shard whose last 96
     columns are padding with some ignored targets, 4 expert groups of uneven size (one empty)."""
-    from kernels import cross_entropy, grouped_gemm, linear_act, norms
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms
 
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -118,7 +116,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype) -> dict:
 
 def run_kernels(device: torch.device) -> dict:
     """Every kernel vs its torch reference, forward and backward, in fp32 and bf16."""
-    from kernels import selfcheck
+    from meshtron.kernels import selfcheck
 
     out: dict = {"ok": True}
     for name, dtype in DTYPES.items():
@@ -135,7 +133,7 @@ def run_kernels(device: torch.device) -> dict:
 
 
 def step_config(family: str):
-    from models.config import GPTConfig
+    from meshtron.models.config import GPTConfig
 
     common = {k: v for k, v in STEP_SHAPE.items() if k != "batch"}
     common["dropout"] = 0.0
@@ -152,12 +150,12 @@ def train_steps(cfg, backend: str, precision_name: str, device: torch.device, st
     for every call); returns (per-step outputs, {name: (weight, grad)} after the last step)."""
     import dataclasses
 
-    from models.gpt import init_model_chunks
-    from mpu.grad_reduce import DataParallelGradReducer
-    from mpu.mesh import ParallelConfig, build_mesh
-    from training.optim import build_optimizer
-    from training.precision import Precision
-    from training.step import train_step
+    from meshtron.models.gpt import init_model_chunks
+    from meshtron.mpu.grad_reduce import DataParallelGradReducer
+    from meshtron.mpu.mesh import ParallelConfig, build_mesh
+    from meshtron.training.optim import build_optimizer
+    from meshtron.training.precision import Precision
+    from meshtron.training.step import train_step
 
     cfg = dataclasses.replace(cfg, kernel_backend=backend)
     mesh = build_mesh(ParallelConfig(), cfg, device_type=device.type)
@@ -184,8 +182,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def run_steps(device: torch.device) -> dict:
     """Per family and dtype: one step triton vs torch; then two steps with the self-checked backend."""
-    from kernels import selfcheck
-    from kernels.backend import CHECKED, resolve_backend
+    from meshtron.kernels import selfcheck
+    from meshtron.kernels.backend import CHECKED, resolve_backend
 
     out: dict = {"ok": True, "tolerances": STEP_TOLERANCES, "auto_resolves_to": resolve_backend("auto", "cuda")}
     for family in FAMILIES:
@@ -311,7 +309,6 @@ def run_bench(timeout: float) -> dict:
 def _clean_env() -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -332,7 +329,7 @@ def main(argv=None) -> int:
 
     import triton
 
-    from kernels.tf32 import dot_precision, torch_allows_tf32
+    from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

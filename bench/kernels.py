@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels import cross_entropy, grouped_gemm, linear_act, norms  # noqa: E402
-from training.peak import peak_flops  # noqa: E402
+from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms  # noqa: E402
+from meshtron.planning.peak import peak_flops  # noqa: E402
 
 # gpt_1b at tp=4: hidden 2048, ffn 5632/4, vocab 50257 padded to 50688 -> 12672 per rank,
 # 8 experts top-2 with moe_ffn 2816 (ep=8: one local expert receiving ~2 x tokens / 8 x 8).

@@ -11,7 +11,7 @@ Builds the model, gradient reducer and optimizer exactly as a training run does
 `ShardedAdamW`), runs one warm-up step (AdamW creates its state lazily in the first step),
 then measures the second step (`training.step.train_step`, or `pipeline_train_step` at
 pp > 1), on every rank, and prints one JSON object (global rank 0) with, per rank, the
-measured and planned (`training.plan.plan_rank`) bytes per category and the relative error
+measured and planned (`planning.plan.plan_rank`) bytes per category and the relative error
 (planned - measured) / measured.
 
 Method (fp32; the numbers are tensor bytes, not the process's RSS):
@@ -44,22 +44,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from models.config import GPTConfig  # noqa: E402
-from models.gpt import init_model_chunks  # noqa: E402
-from mpu.distributed_optimizer import ShardedAdamW  # noqa: E402
-from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
-from training.plan import plan_rank  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.gpt import init_model_chunks  # noqa: E402
+from meshtron.mpu.distributed_optimizer import ShardedAdamW  # noqa: E402
+from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
+from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+from meshtron.training.optim import build_optimizer  # noqa: E402
+from meshtron.planning.plan import plan_rank  # noqa: E402
 
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "total")
 
@@ -212,7 +209,7 @@ def main(argv=None) -> None:
 
 
 def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -> dict:
-    from training.step import pipeline_train_step, train_step
+    from meshtron.training.step import pipeline_train_step, train_step
 
     cfg = model_config(args)
     schedule = args.schedule or ("interleaved" if args.vpp > 1 else "1f1b")
@@ -238,7 +235,7 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
 
     executor = None
     if res.pp > 1:
-        from mpu.pipeline import PipelineExecutor, activation_shape
+        from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
                                     torch.float32, device)

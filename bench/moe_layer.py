@@ -39,17 +39,15 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from models.config import GPTConfig  # noqa: E402
-from moe.layer import MoELayer  # noqa: E402
-from mpu.init import initialize_parameters  # noqa: E402
-from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from training.host_malloc import keep_freed_host_memory  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.moe.layer import MoELayer  # noqa: E402
+from meshtron.mpu.init import initialize_parameters  # noqa: E402
+from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 
 SEED = 1234
 REGIONS = ("router", "dispatch", "expert_gemm", "expert_activation", "combine", "shared_experts", "other")
@@ -325,7 +323,7 @@ def main(argv=None) -> None:
         step()
         if peer_step is not None:
             peer_step()
-    from bench.throughput import _host_cpu_seconds, _own_cpu_seconds, host_load
+    from throughput import _host_cpu_seconds, _own_cpu_seconds, host_load
 
     host0, own0, wall0 = _host_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
     mine, theirs = [], []

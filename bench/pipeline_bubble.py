@@ -20,24 +20,22 @@ import argparse
 import datetime
 import json
 import os
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from models.config import GPTConfig  # noqa: E402
-from models.gpt import init_model_chunks  # noqa: E402
-from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from mpu.pipeline import PipelineExecutor, activation_shape  # noqa: E402
-from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
-from training.step import pipeline_train_step  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.gpt import init_model_chunks  # noqa: E402
+from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
+from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape  # noqa: E402
+from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace  # noqa: E402
+from meshtron.training.optim import build_optimizer  # noqa: E402
+from meshtron.training.step import pipeline_train_step  # noqa: E402
 
 
 def main() -> None:

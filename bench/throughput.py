@@ -30,24 +30,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from kernels import selfcheck  # noqa: E402
-from kernels.backend import CHECKED, resolve_backend  # noqa: E402
-from models.config import GPTConfig  # noqa: E402
-from models.gpt import init_model_chunks  # noqa: E402
-from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from training.flops import model_flops_per_token  # noqa: E402
-from training.host_malloc import keep_freed_host_memory  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
-from training.peak import peak_flops  # noqa: E402
-from training.precision import Precision  # noqa: E402
-from training.step import pipeline_train_step, train_step  # noqa: E402
+from meshtron.kernels import selfcheck  # noqa: E402
+from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.gpt import init_model_chunks  # noqa: E402
+from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
+from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+from meshtron.planning.flops import model_flops_per_token  # noqa: E402
+from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
+from meshtron.training.optim import build_optimizer  # noqa: E402
+from meshtron.planning.peak import peak_flops  # noqa: E402
+from meshtron.training.precision import Precision  # noqa: E402
+from meshtron.training.step import pipeline_train_step, train_step  # noqa: E402
 
 SEED = 1234
 DATA_SEED = 4321
@@ -267,7 +265,7 @@ def main(argv=None) -> None:
     optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     executor = None
     if mesh.pp_size > 1:
-        from mpu.pipeline import PipelineExecutor, activation_shape
+        from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
                                     torch.float32, device)

@@ -1,9 +1,9 @@
 """Ahead-of-time compile check of every Triton kernel for Ampere (sm_80) and Hopper (sm_90),
 without a GPU: Triton compiles for a CUDA target on any machine.
 
-    python -m kernels.aot                       # every (kernel, dtype, arch) once + a seeded sample
-    python -m kernels.aot --all                 # every config the per-device pruning keeps
-    python -m kernels.aot --json out.json       # also write the per-case results
+    python -m meshtron.kernels.aot                       # every (kernel, dtype, arch) once + a seeded sample
+    python -m meshtron.kernels.aot --all                 # every config the per-device pruning keeps
+    python -m meshtron.kernels.aot --json out.json       # also write the per-case results
 
 A *case* is one kernel compiled with one config, one operand dtype (as the wrappers feed it:
 fp32 with IEEE or TF32 dots, bf16 and fp16 compute with fp32 main weights) for one arch.
@@ -42,7 +42,7 @@ PRECISIONS = (("fp32-ieee", "fp32", "ieee"), ("fp32-tf32", "fp32", "tf32"), ("bf
 NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
 
 # Stack-frame bytes per thread each kernel may use on the configs the pruning keeps (spills
-# or local arrays), measured over every kept config with `python -m kernels.aot --all`
+# or local arrays), measured over every kept config with `python -m meshtron.kernels.aot --all`
 # (triton 3.9, 2026-11-23): a few bytes at most, where the configs before the pruning had
 # 0.3-7 KB frames (IEEE fp32 GEMMs with wide K tiles, norm backward at H=8192). A kernel
 # whose frame grows past its budget fails the suite.
@@ -106,7 +106,7 @@ def _jit(fn):
 def _kernel_fns() -> dict:
     """name -> JITFunction of every Triton kernel in kernels/."""
     import triton
-    from kernels import cross_entropy, grouped_gemm, linear_act, norms
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms
     fns = {}
     for module in (linear_act, grouped_gemm, cross_entropy):
         for name in dir(module):
@@ -150,7 +150,7 @@ def _workload(label: str) -> None:
     import contextlib
 
     import torch
-    from kernels import cross_entropy, grouped_gemm, linear_act, norms, tf32
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, tf32
     compute = {"fp32-ieee": None, "fp32-tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[label]
     tf32.set_tf32_mode("on" if label == "fp32-tf32" else "off")
     gen = torch.Generator().manual_seed(0)
@@ -206,7 +206,7 @@ def _captured() -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "launches.json")
-        subprocess.run([sys.executable, "-m", "kernels.aot", "--capture", path], env=env, check=True)
+        subprocess.run([sys.executable, "-m", "meshtron.kernels.aot", "--capture", path], env=env, check=True)
         with open(path) as f:
             return json.load(f)
 
@@ -214,7 +214,7 @@ def _captured() -> list[dict]:
 def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     """(GPU candidate configs, GEMM prune shape or None) of a kernel before the GEMM pruning
     (the norms' per-thread pruning already applied)."""
-    from kernels import cross_entropy, grouped_gemm, linear_act, norms
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms
     if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel"):
         fwd, bwd = norms.gpu_norm_configs()
         block_h = launch["constexprs"]["BLOCK_H"]
@@ -247,7 +247,7 @@ def _variant(launch: dict, compute: str) -> str:
 def _cases_of(launch: dict, arch: int) -> list[Case]:
     """The compile cases of one captured launch on `arch`: one per config kept after pruning,
     its arguments specialised as Triton does at run time."""
-    from kernels import configs as cfgs
+    from meshtron.kernels import configs as cfgs
     kernel, label = launch["kernel"], launch["dtype"]
     compute = dict((lbl, ctype) for lbl, ctype, _ in PRECISIONS)[label]
     fn = _kernel_fns()[kernel]
@@ -363,7 +363,7 @@ def compile_case(case: Case) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels import configs as cfgs
+    from meshtron.kernels import configs as cfgs
     limits = asdict(cfgs.ARCH_LIMITS[case.arch])
     estimate = (case.gemm or {}).get("estimate")
     if not case.config:
@@ -439,7 +439,7 @@ def summary(results: list[Result]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="meshtron-aot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--all", action="store_true", help="compile every kept config")
     parser.add_argument("--sample", type=int, default=24, help="extra cases beyond one per (kernel, dtype, arch)")
     parser.add_argument("--seed", type=int, default=0)

@@ -22,7 +22,7 @@ import torch
 @dataclass(frozen=True)
 class DeviceLimits:
     """What one thread block may use on a GPU architecture (the register limits are ours:
-    measured by `python -m kernels.aot` to keep every kept config free of spills)."""
+    measured by `python -m meshtron.kernels.aot` to keep every kept config free of spills)."""
 
     arch: int                   # compute capability major * 10 + minor (80 = A100, 90 = H100)
     shared_bytes: int           # dynamic shared memory per block (opt-in maximum)

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import interpreting, triton_available
-from mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from mpu.mappings import all_reduce_stats
+from meshtron.kernels.backend import interpreting, triton_available
+from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from meshtron.mpu.mappings import all_reduce_stats
 
 __all__ = [
     "IGNORE_INDEX",

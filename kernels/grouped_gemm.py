@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import interpreting
-from kernels.configs import gemm_prune
-from kernels.operands import compute_dtype, weight_copy
-from kernels.tf32 import dot_precision
+from meshtron.kernels.backend import interpreting
+from meshtron.kernels.configs import gemm_prune
+from meshtron.kernels.operands import compute_dtype, weight_copy
+from meshtron.kernels.tf32 import dot_precision
 
 try:
     import triton

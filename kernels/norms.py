@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import interpreting, resolve_backend, triton_available
+from meshtron.kernels.backend import interpreting, resolve_backend, triton_available
 
 __all__ = [
     "layer_norm_reference",

@@ -51,9 +51,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from kernels.backend import CHECKED
-from kernels.tf32 import dot_precision, torch_allows_tf32
-from mpu.mesh import collective_device
+from meshtron.kernels.backend import CHECKED
+from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32
+from meshtron.mpu.mesh import collective_device
 
 __all__ = ["CHECKED", "KERNELS", "TOLERANCES", "KernelSelfCheckWarning", "CheckResult", "dispatch", "check", "agree",
            "verdict", "local_result", "reset", "tolerance_for"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.backend import RESOLVED as RESOLVED_BACKENDS
+from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
 
 AUX_LOSS_SCOPES = ("microbatch", "sequence", "global")
 AUX_LOSS_LAYERS = ("sum", "pooled")

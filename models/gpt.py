@@ -21,17 +21,17 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from kernels import selfcheck
-from models.config import GPTConfig
-from moe.layer import MoELayer
-from moe.router import pooled_aux_loss
-from mpu.cross_entropy import vocab_parallel_cross_entropy
-from mpu.init import constant_init, initialize_parameters, normal_init, tag
-from mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
-from mpu.mappings import all_reduce_stats, gather_from_region
-from mpu.mesh import Mesh
-from mpu.random import get_rng_tracker, seed_parallel_rng
-from mpu.recompute import recompute
+from meshtron.kernels import selfcheck
+from meshtron.models.config import GPTConfig
+from meshtron.moe.layer import MoELayer
+from meshtron.moe.router import pooled_aux_loss
+from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
+from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
+from meshtron.mpu.mappings import all_reduce_stats, gather_from_region
+from meshtron.mpu.mesh import Mesh
+from meshtron.mpu.random import get_rng_tracker, seed_parallel_rng
+from meshtron.mpu.recompute import recompute
 
 
 class Norm(nn.Module):
@@ -55,7 +55,7 @@ class Norm(nn.Module):
         return selfcheck.dispatch(kernel, self.backend, self._triton, self._torch, x, self.weight, self.bias)
 
     def _triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from kernels import norms
+        from meshtron.kernels import norms
         if self.kind == "layernorm":
             return norms.layer_norm(x, weight, bias, self.eps, backend="triton")
         return norms.rms_norm(x, weight, self.eps, backend="triton")
@@ -160,7 +160,7 @@ def _linear_gelu_torch(x, weight, bias):
 
 
 def _linear_gelu_triton(x, weight, bias):
-    from kernels import linear_act
+    from meshtron.kernels import linear_act
     return linear_act.linear_gelu(x, weight, bias, approximate="tanh", backend="triton")
 
 
@@ -169,7 +169,7 @@ def _linear_swiglu_torch(x, w_gate, b_gate, w_up, b_up):
 
 
 def _linear_swiglu_triton(x, w_gate, b_gate, w_up, b_up):
-    from kernels import linear_act
+    from meshtron.kernels import linear_act
     return linear_act.linear_swiglu(x, w_gate, b_gate, w_up, b_up, backend="triton")
 
 
@@ -314,7 +314,7 @@ class GPT(nn.Module):
         start, vocab, group = self.vocab_start, self.cfg.vocab_size, self.mesh.tp
 
         def triton(lg, tg):
-            from kernels import cross_entropy
+            from meshtron.kernels import cross_entropy
             return cross_entropy.fused_cross_entropy(lg, tg, vocab_start=start, vocab_size=vocab, group=group,
                                                      backend="triton")
 
@@ -328,7 +328,7 @@ class GPT(nn.Module):
             local_vocab = vocab if start < vocab else start + logits.shape[-1]
 
             def triton_local(lg, tg):
-                from kernels import cross_entropy
+                from meshtron.kernels import cross_entropy
                 return cross_entropy.fused_cross_entropy(lg, tg, vocab_start=start, vocab_size=local_vocab,
                                                          group=None, backend="triton", inplace_backward=False)
 

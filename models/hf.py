@@ -75,10 +75,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.config import GPTConfig
-from mpu.init import local_shard
-from mpu.mappings import _gather
-from mpu.mesh import Mesh
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.init import local_shard
+from meshtron.mpu.mappings import _gather
+from meshtron.mpu.mesh import Mesh
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
 # Tensors of real checkpoints that are not weights (causal-mask buffers, cached RoPE tables).
@@ -651,9 +651,9 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     """Convert a `save_pretrained` folder into a weights-only meshtron checkpoint in `out_dir`
     (`out_dir/step_00000000`, loadable under any layout with `checkpoint.init_from`), plus
     `out_dir/model/imported.yaml`, the Hydra model config of it. Single process."""
-    from mpu.mesh import single_process_mesh
-    from models.gpt import GPT
-    from training.checkpoint import TrainState, save_checkpoint
+    from meshtron.mpu.mesh import single_process_mesh
+    from meshtron.models.gpt import GPT
+    from meshtron.training.checkpoint import TrainState, save_checkpoint
 
     hf_config, state_dict = read_hf_folder(src_dir)
     cfg = config_from_hf(hf_config, **({"seq_len": seq_len} if seq_len else {}))
@@ -663,7 +663,7 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     out = Path(out_dir)
     path = save_checkpoint(out, TrainState(), [model], None, mesh, model_config=dataclasses.asdict(cfg))
     (out / "model").mkdir(parents=True, exist_ok=True)
-    lines = ["# @package model", f"# imported from {Path(src_dir).resolve()} by python -m models.hf import"]
+    lines = ["# @package model", f"# imported from {Path(src_dir).resolve()} by python -m meshtron.models.hf import"]
     lines += [f"{k}: {json.dumps(v)}" for k, v in dataclasses.asdict(cfg).items()
               if k not in ("kernel_backend", "recompute", "recompute_layers")]
     (out / "model" / "imported.yaml").write_text("\n".join(lines) + "\n")
@@ -673,9 +673,9 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
 def export_from_checkpoint(src, out_dir) -> Path:
     """Write the weights of a meshtron checkpoint (a step_N folder, or a checkpoint.dir: its
     newest) as a Hugging Face folder loadable by `AutoModelForCausalLM.from_pretrained`."""
-    from mpu.mesh import single_process_mesh
-    from models.gpt import GPT
-    from training.checkpoint import load_checkpoint, read_meta, resolve_resume
+    from meshtron.mpu.mesh import single_process_mesh
+    from meshtron.models.gpt import GPT
+    from meshtron.training.checkpoint import load_checkpoint, read_meta, resolve_resume
 
     path = resolve_resume(None, str(src))
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -691,7 +691,7 @@ def export_from_checkpoint(src, out_dir) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m models.hf", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="meshtron-hf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face folder -> meshtron checkpoint (weights only)")
     imp.add_argument("--src", required=True, help="a save_pretrained folder (config.json + *.safetensors)")
@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--src", required=True, help="a step_N checkpoint folder or a checkpoint.dir (newest)")
     exp.add_argument("--out", required=True, help="folder to write config.json + model.safetensors into")
     args = parser.parse_args(argv)
-    from training.checkpoint import CheckpointError
+    from meshtron.training.checkpoint import CheckpointError
 
     try:
         if args.command == "import":

@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import torch
 
-from mpu.mappings import all_gather_stats
-from mpu.mesh import group_rank
+from meshtron.mpu.mappings import all_gather_stats
+from meshtron.mpu.mesh import group_rank
 
 
 def capacity_for(seq_len: int, num_experts: int, top_k: int, capacity_factor: float) -> int:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpu.mappings import (
+from meshtron.mpu.mappings import (
     AllToAllHandle,
     all_gather_stats,
     all_to_all_start,
@@ -52,7 +52,7 @@ from mpu.mappings import (
     gather_rows,
     reduce_scatter_rows,
 )
-from mpu.mesh import Mesh, group_rank
+from meshtron.mpu.mesh import Mesh, group_rank
 
 
 @dataclass

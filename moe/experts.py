@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import selfcheck
-from mpu.init import normal_init, tag
+from meshtron.kernels import selfcheck
+from meshtron.mpu.init import normal_init, tag
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -49,7 +49,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
 
 
 def _grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    from kernels import grouped_gemm
+    from meshtron.kernels import grouped_gemm
     return grouped_gemm.grouped_gemm(x, weight, group_sizes, backend="triton")
 
 

@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import GPTConfig
-from moe.capacity import capacity_for, capacity_keep_mask
-from moe.dispatcher import AllToAllDispatcher
-from moe.experts import GroupedExperts, expert_out_init_std
-from moe.router import RouterOutput, TopKRouter
-from moe.scope import aux_loss_scope
-from mpu.init import normal_init, tag
-from mpu.mappings import (
+from meshtron.models.config import GPTConfig
+from meshtron.moe.capacity import capacity_for, capacity_keep_mask
+from meshtron.moe.dispatcher import AllToAllDispatcher
+from meshtron.moe.experts import GroupedExperts, expert_out_init_std
+from meshtron.moe.router import RouterOutput, TopKRouter
+from meshtron.moe.scope import aux_loss_scope
+from meshtron.mpu.init import normal_init, tag
+from meshtron.mpu.mappings import (
     all_reduce_stats,
     gather_from_region,
     gather_from_sequence,
@@ -28,7 +28,7 @@ from mpu.mappings import (
     scatter_to_sequence,
     sequence_gathered,
 )
-from mpu.mesh import Mesh
+from meshtron.mpu.mesh import Mesh
 
 
 class SharedExperts(nn.Module):

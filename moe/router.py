@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpu.init import normal_init, stable_seed, tag
-from mpu.mappings import all_reduce_stats
-from mpu.recompute import is_replaying
+from meshtron.mpu.init import normal_init, stable_seed, tag
+from meshtron.mpu.mappings import all_reduce_stats
+from meshtron.mpu.recompute import is_replaying
 
 SCORES = ("softmax", "sigmoid")
 

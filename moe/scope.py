@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.config import AUX_LOSS_SCOPES
-from mpu.mesh import Mesh, group_size
+from meshtron.models.config import AUX_LOSS_SCOPES
+from meshtron.mpu.mesh import Mesh, group_size
 
 
 @dataclass(frozen=True)

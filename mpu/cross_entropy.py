@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mpu.mesh import group_size
+from meshtron.mpu.mesh import group_size
 
 IGNORE_INDEX = -100
 

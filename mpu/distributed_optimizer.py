@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpu.adamw import adamw
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.mappings import _all_gather_into
-from mpu.mesh import group_size
+from meshtron.mpu.adamw import adamw
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mappings import _all_gather_into
+from meshtron.mpu.mesh import group_size
 
 
 def flatten_bucket_params(bucket) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpu.mesh import Mesh, collective_device, group_size
+from meshtron.mpu.mesh import Mesh, collective_device, group_size
 
 
 def _sum_squares(grads: list[torch.Tensor], device) -> torch.Tensor:

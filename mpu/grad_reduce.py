@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpu.mappings import _reduce_scatter_into
-from mpu.mesh import Mesh, group_rank, group_size
+from meshtron.mpu.mappings import _reduce_scatter_into
+from meshtron.mpu.mesh import Mesh, group_rank, group_size
 
 
 @dataclass

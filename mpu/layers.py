@@ -12,15 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpu.init import constant_init, normal_init, tag
-from mpu.mappings import (
+from meshtron.mpu.init import constant_init, normal_init, tag
+from meshtron.mpu.mappings import (
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
     reduce_from_region,
     reduce_scatter_to_sequence,
 )
-from mpu.mesh import Mesh
+from meshtron.mpu.mesh import Mesh
 
 
 def _divide(n: int, d: int, what: str) -> int:

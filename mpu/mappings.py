@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mpu.mesh import group_rank, group_size
+from meshtron.mpu.mesh import group_rank, group_size
 
 
 # torch >= 2.13 renames the tensor collectives; keep working on older releases.

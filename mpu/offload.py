@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mpu.distributed_optimizer import flatten_bucket_params
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.mappings import _all_gather_into
-from mpu.mesh import group_size
+from meshtron.mpu.distributed_optimizer import flatten_bucket_params
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mappings import _all_gather_into
+from meshtron.mpu.mesh import group_size
 
 
 @dataclass

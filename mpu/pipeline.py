@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpu.mesh import Mesh, collective_device
-from mpu.pipeline_p2p import GRADIENT, Batch, Message, RankPlan, cached_plan, needed_message, produced_message
-from mpu.pipeline_schedules import Action
+from meshtron.mpu.mesh import Mesh, collective_device
+from meshtron.mpu.pipeline_p2p import GRADIENT, Batch, Message, RankPlan, cached_plan, needed_message, produced_message
+from meshtron.mpu.pipeline_schedules import Action
 
 # loss_fn(chunk, output, microbatch_index) -> scalar loss to back-propagate (already scaled)
 LossFn = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]

@@ -46,7 +46,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from mpu.pipeline_schedules import Action
+from meshtron.mpu.pipeline_schedules import Action
 
 ACTIVATION, GRADIENT = "activation", "gradient"
 

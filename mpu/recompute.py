@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from mpu.random import get_rng_tracker
+from meshtron.mpu.random import get_rng_tracker
 
 _REPLAYING = [False]
 

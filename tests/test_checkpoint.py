@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from mpu.distributed_optimizer import ShardedAdamW
-from mpu.mesh import single_process_mesh
+from meshtron.mpu.distributed_optimizer import ShardedAdamW
+from meshtron.mpu.mesh import single_process_mesh
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config
 from tests.distributed.moe_cases import moe_config
-from training.checkpoint import (
+from meshtron.training.checkpoint import (
     META_FILE,
     CheckpointError,
     TrainState,
@@ -24,7 +24,7 @@ from training.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from training.step import train_step
+from meshtron.training.step import train_step
 
 
 def _trained(cfg, steps: int, zero: bool = False):

@@ -1,4 +1,4 @@
-"""Tests for training/data.py: corpus loading, byte tokenizer, deterministic batches."""
+"""Tests for textdata/data.py: corpus loading, byte tokenizer, deterministic batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sysconfig
 import pytest
 import torch
 
-from training.data import (
+from meshtron.textdata.data import (
     SEPARATOR,
     ByteTokenizer,
     TokenDataset,
@@ -217,7 +217,7 @@ def test_unknown_split():
 
 # ---------------------------------------------------------------- sample-indexed sampling
 
-from training.data import window_permutation  # noqa: E402
+from meshtron.textdata.data import window_permutation  # noqa: E402
 
 
 def _starts(ds: TokenDataset, x: torch.Tensor, split: str = "train") -> list[int]:

@@ -1,11 +1,11 @@
-"""Hand-checked FLOP, parameter and activation-memory counts (training/flops.py)."""
+"""Hand-checked FLOP, parameter and activation-memory counts (planning/flops.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from models.config import GPTConfig
-from training.flops import (
+from meshtron.models.config import GPTConfig
+from meshtron.planning.flops import (
     activation_bytes_per_microbatch,
     model_flops_per_token,
     model_state_bytes,

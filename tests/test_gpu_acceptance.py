@@ -72,8 +72,8 @@ def test_shrunken_card_command_is_a_valid_run_for_the_gpu_count(gpus):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from training.config import RunConfig
-    from training.loop import check_run_config
+    from meshtron.training.config import RunConfig
+    from meshtron.training.loop import check_run_config
 
     lay = card_layout(gpus)
     assert lay["nproc"] == gpus and gpus % lay["tp"] == 0 and 8 % lay["ep"] == 0 and gpus % lay["ep"] == 0

@@ -16,15 +16,15 @@ import json
 import pytest
 import torch
 
-from models.config import GPTConfig
-from models.gpt import GPT
-from mpu.init import local_shard
-from mpu.mesh import ParallelConfig, single_process_mesh, virtual_mesh
+from meshtron.models.config import GPTConfig
+from meshtron.models.gpt import GPT
+from meshtron.mpu.init import local_shard
+from meshtron.mpu.mesh import ParallelConfig, single_process_mesh, virtual_mesh
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from models import hf as mhf  # noqa: E402
+from meshtron.models import hf as mhf  # noqa: E402
 
 from tests.distributed.hf_cases import SEQ, VOCAB, hf_config, hf_model  # noqa: E402
 
@@ -234,7 +234,7 @@ def test_unexpressible_meshtron_config_names_field():
 def test_meshtron_model_exports_to_transformers(cfg, tmp_path):
     """A meshtron-initialized model saved with `hf_config_from_gpt` runs in transformers with
     the same logits."""
-    from models.gpt import init_model_chunks
+    from meshtron.models.gpt import init_model_chunks
     (model,) = init_model_chunks(cfg, single_process_mesh(), seed=5)
     model.eval()
     mhf.save_hf_folder(mhf.export_hf_state_dict(model, model.mesh), mhf.hf_config_from_gpt(cfg), tmp_path)
@@ -260,12 +260,12 @@ def test_mixtral_router_loss_import(output_router_logits, want):
 @pytest.mark.parametrize("output_router_logits", [True, False])
 def test_mixtral_router_fields_round_trip(output_router_logits, tmp_path):
     """An imported Mixtral, trained a step and exported (in memory and through the
-    `python -m models.hf import/export` checkpoint path), writes back the source config's
+    `python -m meshtron.models.hf import/export` checkpoint path), writes back the source config's
     router_aux_loss_coef and output_router_logits (False with a nonzero coefficient too)."""
     from omegaconf import OmegaConf
-    from mpu.grad_reduce import DataParallelGradReducer
-    from training.optim import build_optimizer
-    from training.step import train_step
+    from meshtron.mpu.grad_reduce import DataParallelGradReducer
+    from meshtron.training.optim import build_optimizer
+    from meshtron.training.step import train_step
     hf = hf_model("mixtral", output_router_logits=output_router_logits, router_aux_loss_coef=0.02)
     want = {"router_aux_loss_coef": 0.02, "output_router_logits": output_router_logits}
     cfg = mhf.config_from_hf(hf.config)
@@ -314,7 +314,7 @@ def test_mixtral_trains_like_transformers(output_router_logits, layers):
     step, no clipping) trains the same objective: per-step totals LM + aux_loss_coef x aux
     agree to 1e-5 relative, and so do the weights after the steps."""
     from tests.distributed import hf_cases as hc
-    from training.step import train_step
+    from meshtron.training.step import train_step
     hf = hc.tiny_mixtral(output_router_logits, layers=layers)
     model, reducer, optimizer, mesh = hc.meshtron_trainer(hf)
     assert model.cfg.aux_loss_layers == "pooled"

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import resource, torch
-from training.host_malloc import keep_freed_host_memory
+from meshtron.training.host_malloc import keep_freed_host_memory
 applied = keep_freed_host_memory()
 torch.set_num_threads(2)
 x, w = torch.randn(1024, 256), torch.randn(8192, 256, requires_grad=True)

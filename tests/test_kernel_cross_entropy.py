@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-import kernels.cross_entropy as kce  # noqa: E402
-from kernels.cross_entropy import (  # noqa: E402
+import meshtron.kernels.cross_entropy as kce  # noqa: E402
+from meshtron.kernels.cross_entropy import (  # noqa: E402
     IGNORE_INDEX,
     combine_gathered_partials,
     cross_entropy_partials,

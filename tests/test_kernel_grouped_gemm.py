@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.grouped_gemm import GroupedGemmFunction, grouped_gemm, grouped_gemm_reference  # noqa: E402
+from meshtron.kernels.grouped_gemm import GroupedGemmFunction, grouped_gemm, grouped_gemm_reference  # noqa: E402
 
 
 def _loop(x, weight, sizes):

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.linear_act import (  # noqa: E402
+from meshtron.kernels.linear_act import (  # noqa: E402
     linear_gelu,
     linear_gelu_reference,
     linear_swiglu,

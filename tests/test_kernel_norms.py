@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import norms  # noqa: E402
+from meshtron.kernels import norms  # noqa: E402
 
 EPS = 1e-5
 ROWS = (1, 7, 33)

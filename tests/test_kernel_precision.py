@@ -15,11 +15,11 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kernels import operands, tf32  # noqa: E402
-from models.config import GPTConfig  # noqa: E402
+from meshtron.kernels import operands, tf32  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
 from tests.test_kernels_in_model import CONFIGS, build_training  # noqa: E402
-from training.precision import LossScaler, Precision  # noqa: E402
-from training.step import train_step  # noqa: E402
+from meshtron.training.precision import LossScaler, Precision  # noqa: E402
+from meshtron.training.step import train_step  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative distance of the triton step from the torch step under the same autocast: both
@@ -110,7 +110,7 @@ def test_weights_are_cast_once_per_step(monkeypatch):
         return original(weight, dtype)
 
     original = operands.weight_copy
-    for module in ("kernels.linear_act", "kernels.grouped_gemm"):
+    for module in ("meshtron.kernels.linear_act", "meshtron.kernels.grouped_gemm"):
         monkeypatch.setattr(f"{module}.weight_copy", counting_copy)
     _step(CONFIGS["moe"], "triton", "bf16", n_micro=2)
     mlp_weights = 3  # the MoE layer's expert w_gate, w_up, w_down
@@ -177,12 +177,12 @@ def test_tf32_knob_overrides_torch_and_rejects_bad_values(restore_tf32):
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     tf32.set_tf32_mode("off")
     assert tf32.dot_precision(torch.float32) == "ieee"
-    with pytest.raises(ValueError, match="kernels.tf32"):
+    with pytest.raises(ValueError, match="meshtron.kernels.tf32"):
         tf32.set_tf32_mode("maybe")
 
 
 def test_autotune_key_includes_the_dot_precision():
-    from kernels import grouped_gemm, linear_act
+    from meshtron.kernels import grouped_gemm, linear_act
     for kernel in (linear_act._linear_gelu_fwd_kernel, linear_act._linear_swiglu_fwd_kernel,
                    linear_act._linear_gelu_bwd_kernel, linear_act._linear_swiglu_bwd_kernel,
                    linear_act._matmul_kernel):

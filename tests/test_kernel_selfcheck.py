@@ -13,13 +13,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in th
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
-from kernels.backend import CHECKED, resolve_backend  # noqa: E402
-from models.config import GPTConfig  # noqa: E402
+from meshtron.kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
+from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
 from tests.distributed.harness import run_world  # noqa: E402
 from tests.distributed.selfcheck_cases import TripledGrad  # noqa: E402
 from tests.test_kernels_in_model import build_training  # noqa: E402
-from training.step import train_step  # noqa: E402
+from meshtron.training.step import train_step  # noqa: E402
 
 LLAMA = GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
                   vocab_size=200, seq_len=8, tie_embeddings=False)
@@ -179,8 +179,8 @@ def test_ranks_agree_on_every_kernel():
 def test_training_loop_agrees_after_its_first_step(monkeypatch, tmp_path, recwarn):
     """run_training resolves to the checked mode (forced here; auto does it on CUDA), checks
     each kernel in step 1, calls `agree` once right after it, and runs Triton from step 2."""
-    from training import loop
-    from training.config import RunConfig
+    from meshtron.training import loop
+    from meshtron.training.config import RunConfig
 
     monkeypatch.setattr(loop, "resolve_backend", lambda name, device_type: CHECKED)
     agreed = counting(monkeypatch, selfcheck, "agree")

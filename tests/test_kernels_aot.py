@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernels import aot, configs  # noqa: E402
+from meshtron.kernels import aot, configs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 A100, H100 = configs.ARCH_LIMITS[80], configs.ARCH_LIMITS[90]
@@ -32,7 +32,7 @@ def launches(tmp_path_factory):
     """The wrappers' kernel launches at every precision, captured once under the interpreter."""
     path = tmp_path_factory.mktemp("aot") / "launches.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, "-m", "kernels.aot", "--capture", str(path)], cwd=ROOT, env=env, check=True,
+    subprocess.run([sys.executable, "-m", "meshtron.kernels.aot", "--capture", str(path)], cwd=ROOT, env=env, check=True,
                    timeout=900)
     return path
 
@@ -44,7 +44,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path, launche
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     seed = os.environ.get("MESHTRON_AOT_SEED", "0")
     out = tmp_path / "aot.json"
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--seed", seed, "--sample", "12", "--launches",
+    proc = subprocess.run([sys.executable, "-m", "meshtron.kernels.aot", "--seed", seed, "--sample", "12", "--launches",
                            str(launches), "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1450)
     assert out.exists(), proc.stderr[-3000:]

@@ -12,13 +12,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in th
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from models.config import GPTConfig  # noqa: E402
-from models.gpt import GPT  # noqa: E402
-from mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
-from mpu.init import initialize_parameters  # noqa: E402
-from mpu.mesh import single_process_mesh  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
-from training.step import train_step  # noqa: E402
+from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.gpt import GPT  # noqa: E402
+from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
+from meshtron.mpu.init import initialize_parameters  # noqa: E402
+from meshtron.mpu.mesh import single_process_mesh  # noqa: E402
+from meshtron.training.optim import build_optimizer  # noqa: E402
+from meshtron.training.step import train_step  # noqa: E402
 
 CONFIGS = {
     "gpt2": GPTConfig(arch="gpt2", num_layers=1, hidden_size=32, num_heads=2, vocab_size=200, seq_len=8),

@@ -1,4 +1,4 @@
-"""Tests for training/memory.py: peak memory of this process and of every rank."""
+"""Tests for observability/memory.py: peak memory of this process and of every rank."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from training.memory import format_bytes, peak_memory_bytes, peak_memory_per_rank
+from meshtron.observability.memory import format_bytes, peak_memory_bytes, peak_memory_per_rank
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_format_bytes():
 _WORKER = r"""
 import datetime, json, sys
 import torch, torch.distributed as dist
-from training.memory import peak_memory_bytes, peak_memory_per_rank
+from meshtron.observability.memory import peak_memory_bytes, peak_memory_per_rank
 rank, store_path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=20))

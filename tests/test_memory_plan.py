@@ -1,4 +1,4 @@
-"""Dry-run planner memory (training/plan.py): model states against exact formulas (ZeRO 0/1/2,
+"""Dry-run planner memory (planning/plan.py): model states against exact formulas (ZeRO 0/1/2,
 offload, precision), activations against saved-tensor measurements, a whole step's peak against
 the profiler (bench/memory.py), and pipeline microbatches in flight. Single process, fp32 CPU."""
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from bench.memory import saved_activation_bytes
-from models.config import GPTConfig
-from models.gpt import init_model_chunks
-from mpu.mesh import ParallelConfig, virtual_mesh
-from mpu.pipeline_schedules import build_schedule, max_in_flight
+from meshtron.models.config import GPTConfig
+from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
+from meshtron.mpu.pipeline_schedules import build_schedule, max_in_flight
 from tests.test_plan import BATCH, gpt2_tiny
 from tests.test_plan import llama_tiny as _llama_tiny
-from training.plan import chunk_activations, plan_all_ranks, plan_rank
+from meshtron.planning.plan import chunk_activations, plan_all_ranks, plan_rank
 
 
 def llama_tiny(**kw) -> GPTConfig:
@@ -153,7 +153,7 @@ def test_saved_activations_within_10_percent(cfg, micro, tp):
 def test_bf16_saved_activations_within_10_percent(cfg):
     """Under CPU bf16 autocast; autocast's weight copies (also saved by the matmuls) are the
     planner's `autocast_weight_copies`, so they are taken out of the measurement."""
-    from training.plan import meta_param_counts
+    from meshtron.planning.plan import meta_param_counts
 
     model, = init_model_chunks(cfg, virtual_mesh(ParallelConfig(), 1, 0), 0)
     model.train()

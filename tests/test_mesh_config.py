@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import GPTConfig
-from mpu.mesh import ParallelConfig, ParallelConfigError, check_model_fits, virtual_mesh
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError, check_model_fits, virtual_mesh
 
 
 @pytest.mark.parametrize("par,world,message", [

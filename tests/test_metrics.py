@@ -1,4 +1,4 @@
-"""Tests for training/metrics.py: metrics.jsonl writer, step line, progress bar."""
+"""Tests for observability/metrics.py: metrics.jsonl writer, step line, progress bar."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.metrics import MetricsWriter, ProgressBar, format_step_line, to_jsonable
+from meshtron.observability.metrics import MetricsWriter, ProgressBar, format_step_line, to_jsonable
 
 
 def _read_lines(path: pathlib.Path) -> list[dict]:

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import GPTConfig
-from models.gpt import GPT
-from mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from mpu.init import initialize_parameters
-from mpu.mesh import ParallelConfig, single_process_mesh, virtual_mesh
+from meshtron.models.config import GPTConfig
+from meshtron.models.gpt import GPT
+from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from meshtron.mpu.init import initialize_parameters
+from meshtron.mpu.mesh import ParallelConfig, single_process_mesh, virtual_mesh
 
 CONFIGS = {
     "gpt2": GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, vocab_size=300, seq_len=16),
@@ -75,7 +75,7 @@ def test_gqa_equals_repeated_kv_heads():
     q = qkv[..., : attn.q_per_group, :].reshape(16, 2, cfg.num_heads, cfg.head_dim).permute(1, 2, 0, 3)
     k = qkv[..., attn.q_per_group, :].permute(1, 2, 0, 3).repeat_interleave(attn.q_per_group, dim=1)
     v = qkv[..., attn.q_per_group + 1, :].permute(1, 2, 0, 3).repeat_interleave(attn.q_per_group, dim=1)
-    from models.gpt import apply_rope, rope_tables
+    from meshtron.models.gpt import apply_rope, rope_tables
     cos, sin = rope_tables(16, cfg.head_dim, cfg.rope_theta, x.device)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     scores = (q @ k.transpose(-1, -2)) / cfg.head_dim ** 0.5

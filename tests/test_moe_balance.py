@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
-import moe.router
-from models.config import GPTConfig
-from moe.scope import aux_loss_scope
-from mpu.mesh import ParallelConfig, virtual_mesh
+from meshtron.moe import router as router_module
+from meshtron.models.config import GPTConfig
+from meshtron.moe.scope import aux_loss_scope
+from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from tests.test_moe_router import FakeGroup, router_with_weight
 
 # Two sequences of two tokens, E=2, k=1, W = I so softmax(x) = p. Layout [s, b, h].
@@ -65,13 +65,13 @@ def test_sequence_shards_sum_to_full(monkeypatch, per_sequence):
     the shards equal the unsharded router, values are identical on both ranks."""
     torch.manual_seed(2)
     x = torch.randn(8, 3, 8)
-    full = moe.router.TopKRouter(8, 4, 2, aux_loss_coef=1.0, z_loss_coef=1.0)
+    full = router_module.TopKRouter(8, 4, 2, aux_loss_coef=1.0, z_loss_coef=1.0)
     ranks = [copy.deepcopy(full) for _ in range(2)]
     ref = full(x, None, per_sequence=per_sequence)
     (ref.aux_loss + ref.z_loss).backward()
 
     group = FakeGroup(2)
-    monkeypatch.setattr(moe.router, "all_reduce_stats", group.all_reduce_stats)
+    monkeypatch.setattr(router_module, "all_reduce_stats", group.all_reduce_stats)
     shards = x.chunk(2, dim=0)
     outs = group.run([lambda r=r: ranks[r](shards[r], group, per_sequence=per_sequence) for r in range(2)])
     assert group.calls == 1
@@ -85,7 +85,7 @@ def test_sequence_shards_sum_to_full(monkeypatch, per_sequence):
 
 def test_per_sequence_needs_three_dims():
     with pytest.raises(ValueError, match=r"\[s, b, h\]"):
-        moe.router.TopKRouter(8, 4, 2)(torch.randn(5, 8), None, per_sequence=True)
+        router_module.TopKRouter(8, 4, 2)(torch.randn(5, 8), None, per_sequence=True)
 
 
 # ---------------------------------------------------------------- scopes on a layout
@@ -169,9 +169,9 @@ def test_group_limited_ties_go_to_lower_group():
 
 def test_router_rejects_bad_groups():
     with pytest.raises(ValueError, match="groups=3"):
-        moe.router.TopKRouter(8, 8, 2, groups=3, topk_groups=1)
+        router_module.TopKRouter(8, 8, 2, groups=3, topk_groups=1)
     with pytest.raises(ValueError, match="room for top_k=5"):
-        moe.router.TopKRouter(8, 8, 5, groups=4, topk_groups=2)
+        router_module.TopKRouter(8, 8, 5, groups=4, topk_groups=2)
 
 
 # ---------------------------------------------------------------- aux pooled across layers
@@ -185,14 +185,14 @@ def test_pooled_aux_by_hand():
     b = layer_b(torch.tensor([[0.3, 0.7], [0.9, 0.1]]).log(), None)  # e1, e0;   f=[.5, .5], P=[0.6, 0.4]
     assert a.aux_loss.item() == 0.0 and b.aux_loss.item() == 0.0  # no per-layer term when pooled
     assert a.aux_value.item() == pytest.approx(1.4) and b.aux_value.item() == pytest.approx(1.0)
-    contribution, value = moe.router.pooled_aux_loss([a, b], [a.set_prob_sum, b.set_prob_sum], 2, 1)
+    contribution, value = router_module.pooled_aux_loss([a, b], [a.set_prob_sum, b.set_prob_sum], 2, 1)
     # pooled f = [3/4, 1/4], P = [2.6/4, 1.4/4]: 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15
     assert value.item() == pytest.approx(1.15, abs=1e-6)
     assert contribution.item() == pytest.approx(1.15, abs=1e-6)
 
 
 def test_pooled_aux_needs_one_pipeline_stage():
-    from mpu.mesh import ParallelConfigError, check_model_fits
+    from meshtron.mpu.mesh import ParallelConfigError, check_model_fits
     cfg = GPTConfig(num_layers=4, num_experts=4, top_k=2, aux_loss_layers="pooled")
     with pytest.raises(ParallelConfigError, match="aux_loss_layers=pooled .* parallel.pp=2"):
         check_model_fits(ParallelConfig(pp=2, dp=1).resolved(2), cfg)

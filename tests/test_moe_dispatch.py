@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from moe.dispatcher import AllToAllDispatcher, plan_rows
-from mpu.mesh import single_process_mesh
+from meshtron.moe.dispatcher import AllToAllDispatcher, plan_rows
+from meshtron.mpu.mesh import single_process_mesh
 from tests.test_moe_layer import _layer
 
 

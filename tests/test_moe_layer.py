@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import GPTConfig
-from moe.capacity import capacity_for, capacity_keep_mask
-from moe.experts import _padded_bmm, grouped_matmul
-from moe.layer import MoELayer
-from mpu.init import initialize_parameters
-from mpu.mesh import single_process_mesh
+from meshtron.models.config import GPTConfig
+from meshtron.moe.capacity import capacity_for, capacity_keep_mask
+from meshtron.moe.experts import _padded_bmm, grouped_matmul
+from meshtron.moe.layer import MoELayer
+from meshtron.mpu.init import initialize_parameters
+from meshtron.mpu.mesh import single_process_mesh
 
 
 def loop_reference(x, weight, sizes):

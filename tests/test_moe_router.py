@@ -15,10 +15,9 @@ import threading
 import pytest
 import torch
 
-import moe.capacity
-import moe.router
-from moe.capacity import capacity_for, capacity_keep_mask
-from moe.router import RouterOutput, TopKRouter
+from meshtron.moe import capacity as capacity_module, router as router_module
+from meshtron.moe.capacity import capacity_for, capacity_keep_mask
+from meshtron.moe.router import RouterOutput, TopKRouter
 
 
 class FakeGroup:
@@ -174,7 +173,7 @@ def test_two_ranks_sum_to_full_batch(monkeypatch, score):
     (ref.aux_loss + ref.z_loss + ref.topk_weight.sum()).backward()
 
     group = FakeGroup(2)
-    monkeypatch.setattr(moe.router, "all_reduce_stats", group.all_reduce_stats)
+    monkeypatch.setattr(router_module, "all_reduce_stats", group.all_reduce_stats)
     halves = [x[:8].clone().requires_grad_(True), x[8:].clone().requires_grad_(True)]
     outs = group.run([lambda r=r: ranks[r](halves[r], group) for r in range(2)])
     assert group.calls == 1, "one stats all-reduce per forward"
@@ -345,8 +344,8 @@ def test_capacity_sharded_equals_full(monkeypatch, world):
     assert not full.all(), "the case must drop something to be meaningful"
 
     group = FakeGroup(world)
-    monkeypatch.setattr(moe.capacity, "all_gather_stats", group.all_gather_stats)
-    monkeypatch.setattr(moe.capacity, "group_rank", group.group_rank)
+    monkeypatch.setattr(capacity_module, "all_gather_stats", group.all_gather_stats)
+    monkeypatch.setattr(capacity_module, "group_rank", group.group_rank)
     shards = idx.chunk(world, dim=0)
     masks = group.run([lambda r=r: capacity_keep_mask(shards[r], E, cap, group) for r in range(world)])
     assert group.calls == 1, "one stats all-gather per call"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpu.adamw import adamw, fused_supported
-from training.optim import build_optimizer
+from meshtron.mpu.adamw import adamw, fused_supported
+from meshtron.training.optim import build_optimizer
 
 
 def test_build_optimizer_is_fused_with_decay_on_matrices_only():

@@ -1,4 +1,4 @@
-"""Peak FLOP/s: datasheet table lookups and the CPU measurement (training/peak.py)."""
+"""Peak FLOP/s: datasheet table lookups and the CPU measurement (planning/peak.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from training.peak import gpu_peak_entry, known_gpu_peak_flops, measure_cpu_peak_flops, peak_flops
+from meshtron.planning.peak import gpu_peak_entry, known_gpu_peak_flops, measure_cpu_peak_flops, peak_flops
 
 T = 1e12
 

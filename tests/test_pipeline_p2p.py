@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpu.mesh import collective_device
-from mpu.pipeline import PipelineExecutor
-from mpu.pipeline_p2p import (
+from meshtron.mpu.mesh import collective_device
+from meshtron.mpu.pipeline import PipelineExecutor
+from meshtron.mpu.pipeline_p2p import (
     ACTIVATION,
     GRADIENT,
     Batch,
@@ -40,7 +40,7 @@ from mpu.pipeline_p2p import (
     produced_message,
     replay_tag_blind,
 )
-from mpu.pipeline_schedules import build_all_ranks
+from meshtron.mpu.pipeline_schedules import build_all_ranks
 
 
 def accepted_schedules(max_pp: int = 8, max_vpp: int = 4, max_m: int = 16, ms=None):

@@ -1,4 +1,4 @@
-"""Dry-run planner (training/plan.py): meta-built per-rank counts, memory, FLOPs, bad layouts."""
+"""Dry-run planner (planning/plan.py): meta-built per-rank counts, memory, FLOPs, bad layouts."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-import mpu.init
-from models.config import GPTConfig
-from mpu.mesh import ParallelConfig, ParallelConfigError
-from training.flops import model_flops_per_token, param_count, params_per_rank
-from training.plan import (
+from meshtron.mpu import init as mpu_init
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
+from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
+from meshtron.planning.plan import (
     chunk_activations,
     format_plan,
     format_rank_line,
@@ -66,7 +66,7 @@ def _no_initialization(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("initialize_parameters called while planning")
 
-    monkeypatch.setattr(mpu.init, "initialize_parameters", boom)
+    monkeypatch.setattr(mpu_init, "initialize_parameters", boom)
 
 
 @pytest.mark.parametrize("make,hand", [(gpt2_tiny, hand_count_gpt2), (llama_tiny, hand_count_llama)])
@@ -161,7 +161,7 @@ def test_bad_layouts_raise_clear_messages():
 
 
 def test_meta_mismatch_is_a_runtime_error(monkeypatch):
-    import training.plan as plan_mod
+    import meshtron.planning.plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "params_per_rank", lambda *a, **k: 12345)
     with pytest.raises(RuntimeError, match="12345"):

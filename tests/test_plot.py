@@ -1,4 +1,4 @@
-"""Tests for `python -m training.plot RUN_DIR`: the PNG and the one-line errors."""
+"""Tests for `python -m meshtron.observability.plot RUN_DIR`: the PNG and the one-line errors."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _plot(*args: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("MPLBACKEND", None)  # the module itself must pick Agg
-    return subprocess.run([sys.executable, "-m", "training.plot", *map(str, args)], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "meshtron.observability.plot", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -59,8 +59,8 @@ def test_plot_writes_png_default_and_out(tmp_path: pathlib.Path):
 
 
 def test_plot_in_process_minimal_records(tmp_path: pathlib.Path):
-    from training.metrics import METRICS_FILENAME
-    from training.plot import METRICS_FILENAME as plot_name, plot_run
+    from meshtron.observability.metrics import METRICS_FILENAME
+    from meshtron.observability.plot import METRICS_FILENAME as plot_name, plot_run
 
     assert plot_name == METRICS_FILENAME
 
@@ -91,13 +91,13 @@ def test_plot_errors_are_one_line_exit_2(tmp_path: pathlib.Path, case: str, expe
     result = _plot(run, tmp_path=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("training.plot: error: "), result.stderr
+    assert len(lines) == 1 and lines[0].startswith("meshtron-plot: error: "), result.stderr
     assert re.search(expected, lines[0]), lines[0]
     assert not (run / "curves.png").exists()
 
 
 def test_resumed_runs_keep_the_last_record_of_each_step(tmp_path: pathlib.Path):
-    from training.plot import load_metrics
+    from meshtron.observability.plot import load_metrics
 
     lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 3.9},
              {"step": 3, "loss": 3.5}, {"step": 4, "loss": 3.0}]  # killed after 3, resumed from 2

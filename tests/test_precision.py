@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpu.mesh import single_process_mesh
+from meshtron.mpu.mesh import single_process_mesh
 from tests.distributed.dense_cases import build, microbatches, model_config
-from training.precision import LossScaler, Precision
-from training.step import train_step
+from meshtron.training.precision import LossScaler, Precision
+from meshtron.training.step import train_step
 
 # A 10-step run of the tiny test models on one batch (loss 5.3 -> 4.2 / 3.1): bf16 keeps 8
 # mantissa bits, fp16 11; per-step losses stay within this relative distance of the fp32 run

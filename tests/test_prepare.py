@@ -1,4 +1,4 @@
-"""Tests for training/prepare.py and the prepared-data path of training/data.py."""
+"""Tests for textdata/prepare.py and the prepared-data path of textdata/data.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from training.config import DataConfig
-from training.data import SEPARATOR, TokenDataset, build_dataset, load_corpus, load_prepared
-from training.prepare import load_tokenizer, prepare
+from meshtron.training.config import DataConfig
+from meshtron.textdata.data import SEPARATOR, TokenDataset, build_dataset, load_corpus, load_prepared
+from meshtron.textdata.prepare import load_tokenizer, prepare
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -145,7 +145,7 @@ def test_bpe_without_tokenizers_package(corpus: pathlib.Path, tmp_path: pathlib.
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "training.prepare", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "meshtron.textdata.prepare", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -159,7 +159,7 @@ def test_cli(corpus: pathlib.Path, tmp_path: pathlib.Path):
         DOCS[r].encode() + SEPARATOR for r in ("a.txt", "sub/b.py"))
     done = _cli("--src", str(tmp_path / "missing"), "--out", str(tmp_path / "o2"))
     assert done.returncode == 2
-    assert "training.prepare: error:" in done.stderr and "missing" in done.stderr
+    assert "meshtron-prepare: error:" in done.stderr and "missing" in done.stderr
     assert not (tmp_path / "o2").exists()
 
 
@@ -226,13 +226,13 @@ def _edit_index(directory: pathlib.Path, **changes) -> None:
 
 def test_load_prepared_missing_things(tmp_path: pathlib.Path, byte_dir: pathlib.Path):
     with pytest.raises(FileNotFoundError, match=r"prepared data directory .*nowhere.* does not exist; "
-                                                r"create it with `python -m training.prepare"):
+                                                r"create it with `python -m meshtron.textdata.prepare"):
         load_prepared(tmp_path / "nowhere")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
         load_prepared(tmp_path / "file")
     (byte_dir / "tokens.bin").unlink()
-    with pytest.raises(FileNotFoundError, match=r"tokens\.bin is missing; re-run `python -m training.prepare"):
+    with pytest.raises(FileNotFoundError, match=r"tokens\.bin is missing; re-run `python -m meshtron.textdata.prepare"):
         load_prepared(byte_dir)
     (byte_dir / "index.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"index\.json is missing: .* not a complete prepared data "
@@ -280,7 +280,7 @@ def test_load_prepared_wrong_dtype_and_bad_index(byte_dir: pathlib.Path):
     with pytest.raises(ValueError, match=r"is not a meshtron token index"):
         load_prepared(byte_dir)
     (byte_dir / "index.json").write_text('{"format": "meshtron-tokens", ')
-    with pytest.raises(ValueError, match=r"index\.json is not valid JSON .*re-run `python -m training.prepare"):
+    with pytest.raises(ValueError, match=r"index\.json is not valid JSON .*re-run `python -m meshtron.textdata.prepare"):
         load_prepared(byte_dir)
 
 

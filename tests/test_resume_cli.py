@@ -174,7 +174,7 @@ def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree on the step, save one complete
     checkpoint (both ranks' files) and stop (torchrun itself then reports the signal)."""
     from tests.test_train_cli import TORCHRUN
-    from training.checkpoint import list_checkpoints, read_meta
+    from meshtron.training.checkpoint import list_checkpoints, read_meta
 
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
     args = [*TORCHRUN, "--nproc_per_node=2", "train.py", *COMMON, "trainer.max_steps=5000", "parallel.tp=2",

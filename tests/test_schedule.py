@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from training.schedule import lr_at
+from meshtron.training.schedule import lr_at
 
 LR, WARMUP, MAX, RATIO = 3e-4, 10, 110, 0.1
 MIN_LR = LR * RATIO

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.config import GPTConfig
-from models.gpt import GPT
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.init import initialize_parameters
-from mpu.mesh import single_process_mesh
-from training.optim import build_optimizer
-from training.step import evaluate, train_step
+from meshtron.models.config import GPTConfig
+from meshtron.models.gpt import GPT
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.init import initialize_parameters
+from meshtron.mpu.mesh import single_process_mesh
+from meshtron.training.optim import build_optimizer
+from meshtron.training.step import evaluate, train_step
 
 CFG = GPTConfig(num_layers=1, hidden_size=32, num_heads=2, vocab_size=256, seq_len=8)
 

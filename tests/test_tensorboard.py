@@ -1,4 +1,4 @@
-"""Tests for TensorBoardWriter / record_scalars in training/metrics.py."""
+"""Tests for TensorBoardWriter / record_scalars in observability/metrics.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from training.config import ConfigError
-from training.metrics import TensorBoardWriter, record_scalars, require_tensorboard
+from meshtron.training.config import ConfigError
+from meshtron.observability.metrics import TensorBoardWriter, record_scalars, require_tensorboard
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -1,4 +1,4 @@
-"""Tests for training/watchdog.py: the hang report and the collective error message."""
+"""Tests for observability/watchdog.py: the hang report and the collective error message."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from training.watchdog import (StepWatchdog, describe_collective_error,
+from meshtron.observability.watchdog import (StepWatchdog, describe_collective_error,
                                is_collective_failure, mesh_coords)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -91,8 +91,8 @@ def test_describe_collective_error_names_rank_coords_phase_and_original():
 _WORKER = r"""
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from mpu.mappings import all_reduce_stats
-from training.watchdog import StepWatchdog, is_collective_failure
+from meshtron.mpu.mappings import all_reduce_stats
+from meshtron.observability.watchdog import StepWatchdog, is_collective_failure
 rank, store_path = int(sys.argv[1]), sys.argv[2]
 store = dist.FileStore(store_path, 2)
 store.set(f"ready{rank}", "1")  # both started (imports can be seconds apart) before the short timeout applies

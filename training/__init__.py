@@ -1,1 +1,4 @@
-"""Training loop, optimizer and LR schedule, checkpoints, data, metrics and logging."""
+"""The run itself: typed run config (`config`), process groups (`distributed`), the loop
+(`loop`), one optimizer step (`step`), optimizers (`optim`), LR schedule (`schedule`), mixed
+precision (`precision`), checkpoints (`checkpoint`), graceful preemption (`preemption`) and
+host-allocator settings (`host_malloc`)."""

@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mpu.mesh import single_process_mesh
-from mpu.random import get_rng_tracker
-from mpu.sharded_state import ShardLoadPlanner, ShardSavePlanner, global_shape, shard_piece
+from meshtron.mpu.mesh import single_process_mesh
+from meshtron.mpu.random import get_rng_tracker
+from meshtron.mpu.sharded_state import ShardLoadPlanner, ShardSavePlanner, global_shape, shard_piece
 
 FORMAT = "meshtron-checkpoint"
 VERSION = 1
@@ -313,7 +313,7 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
 
 def expected_model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     """`model/<name>` -> global shape for a model config (built on the meta device, no groups)."""
-    from models.gpt import GPT
+    from meshtron.models.gpt import GPT
 
     mesh = single_process_mesh()
     model = GPT(model_cfg, mesh, device="meta")

@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.tf32 import TF32_MODES
-from models.config import GPTConfig
-from mpu.mesh import ParallelConfig, ParallelConfigError
-from mpu.pipeline_schedules import SCHEDULES
+from meshtron.kernels.tf32 import TF32_MODES
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
+from meshtron.mpu.pipeline_schedules import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -66,8 +66,8 @@ class DataConfig:
     paths: list[str] | None = None
     max_bytes: int = 16_000_000
     val_fraction: float = 0.01
-    # A directory written by `python -m training.prepare` (tokens.bin + index.json), memory-
-    # mapped; when set, `paths` and `max_bytes` are ignored. See training.data.build_dataset.
+    # A directory written by `python -m meshtron.textdata.prepare` (tokens.bin + index.json), memory-
+    # mapped; when set, `paths` and `max_bytes` are ignored. See textdata.data.build_dataset.
     prepared: str | None = None
 
 

@@ -16,31 +16,31 @@ import torch
 
 from torch import nn
 
-from kernels import selfcheck
-from kernels.backend import CHECKED, resolve_backend
-from kernels.tf32 import set_tf32_mode
-from models.gpt import init_model_chunks
-from mpu.distributed_optimizer import ShardedAdamW
-from mpu.offload import OffloadedAdamW
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
-from mpu.pipeline import PipelineExecutor, activation_shape
-from mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
-from training.checkpoint import CheckpointError, TrainState, check_compatible, load_checkpoint, resolve_resume, save_checkpoint
-from training.config import ConfigError, RunConfig
-from training.data import ByteTokenizer, TokenDataset, build_dataset
-from training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
-from training.flops import model_flops_per_token
-from training.host_malloc import keep_freed_host_memory
-from training.memory import peak_memory_per_rank
-from training.metrics import MetricsWriter, ProgressBar, TensorBoardWriter, format_step_line, require_tensorboard
-from training.optim import build_optimizer
-from training.precision import LossScaler, Precision
-from training.preemption import StopRequest
-from training.peak import peak_flops
-from training.schedule import lr_at
-from training.step import evaluate, pipeline_train_step, train_step
-from training.watchdog import StepWatchdog, is_collective_failure, mesh_coords
+from meshtron.kernels import selfcheck
+from meshtron.kernels.backend import CHECKED, resolve_backend
+from meshtron.kernels.tf32 import set_tf32_mode
+from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu.distributed_optimizer import ShardedAdamW
+from meshtron.mpu.offload import OffloadedAdamW
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
+from meshtron.training.checkpoint import CheckpointError, TrainState, check_compatible, load_checkpoint, resolve_resume, save_checkpoint
+from meshtron.training.config import ConfigError, RunConfig
+from meshtron.textdata.data import ByteTokenizer, TokenDataset, build_dataset
+from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
+from meshtron.planning.flops import model_flops_per_token
+from meshtron.training.host_malloc import keep_freed_host_memory
+from meshtron.observability.memory import peak_memory_per_rank
+from meshtron.observability.metrics import MetricsWriter, ProgressBar, TensorBoardWriter, format_step_line, require_tensorboard
+from meshtron.training.optim import build_optimizer
+from meshtron.training.precision import LossScaler, Precision
+from meshtron.training.preemption import StopRequest
+from meshtron.planning.peak import peak_flops
+from meshtron.training.schedule import lr_at
+from meshtron.training.step import evaluate, pipeline_train_step, train_step
+from meshtron.observability.watchdog import StepWatchdog, is_collective_failure, mesh_coords
 
 
 def check_run_config(run: RunConfig, world_size: int) -> tuple:
@@ -133,7 +133,7 @@ def _checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
 
 
 def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
-    from training.plan import format_rank_line, plan_all_ranks, write_plan
+    from meshtron.planning.plan import format_rank_line, plan_all_ranks, write_plan
 
     plan = plan_all_ranks(run.model, par, env.world_size, micro_batch_size=micro,
                           global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision,

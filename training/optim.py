@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpu.adamw import adamw
+from meshtron.mpu.adamw import adamw
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95),

@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from mpu.mesh import collective_device
+from meshtron.mpu.mesh import collective_device
 
 
 class StopRequest:

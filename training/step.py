@@ -7,16 +7,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.operands import weight_copy_scope
-from moe.scope import AuxLossScope, aux_loss_scope
-from mpu.cross_entropy import IGNORE_INDEX
-from mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.mappings import all_reduce_stats
-from mpu.mesh import Mesh, group_size
-from mpu.pipeline import PipelineExecutor
-from mpu.pipeline_schedules import build_all_ranks
-from training.precision import FP32, Precision
+from meshtron.kernels.operands import weight_copy_scope
+from meshtron.moe.scope import AuxLossScope, aux_loss_scope
+from meshtron.mpu.cross_entropy import IGNORE_INDEX
+from meshtron.mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mappings import all_reduce_stats
+from meshtron.mpu.mesh import Mesh, group_size
+from meshtron.mpu.pipeline import PipelineExecutor
+from meshtron.mpu.pipeline_schedules import build_all_ranks
+from meshtron.training.precision import FP32, Precision
 
 
 def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> torch.Tensor:

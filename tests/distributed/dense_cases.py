@@ -21,15 +21,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from models.config import GPTConfig
-from models.gpt import GPT, init_model_chunks
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.init import initialize_parameters
-from mpu.mappings import _gather
-from mpu.mesh import Mesh, ParallelConfig, build_mesh, single_process_mesh
-from mpu.random import seed_parallel_rng
-from training.optim import build_optimizer
-from training.step import train_step
+from meshtron.models.config import GPTConfig
+from meshtron.models.gpt import GPT, init_model_chunks
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.init import initialize_parameters
+from meshtron.mpu.mappings import _gather
+from meshtron.mpu.mesh import Mesh, ParallelConfig, build_mesh, single_process_mesh
+from meshtron.mpu.random import seed_parallel_rng
+from meshtron.training.optim import build_optimizer
+from meshtron.training.step import train_step
 
 RTOL = 1e-5
 SEED = 1234
@@ -180,8 +180,8 @@ for _arch in ("gpt2", "llama"):
 def _count_collectives(cfg: GPTConfig, mesh: Mesh) -> dict[str, int]:
     """Collectives issued by one forward + backward of the loss, by kind."""
     counts = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-    import mpu.cross_entropy as ce_mod
-    import mpu.mappings as mappings_mod
+    import meshtron.mpu.cross_entropy as ce_mod
+    import meshtron.mpu.mappings as mappings_mod
 
     originals = (mappings_mod.dist.all_reduce, mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into)
 

@@ -24,9 +24,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from models.gpt import build_model_chunks
-from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from mpu.pipeline import activation_shape
+from meshtron.models.gpt import build_model_chunks
+from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from meshtron.mpu.pipeline import activation_shape
 
 ATOL = 1e-4
 VOCAB = 300  # padded to 128*tp: padding rows are exercised
@@ -76,7 +76,7 @@ def _forward(chunks, mesh, ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def check(family: str, par: ParallelConfig) -> None:
-    from models import hf as mhf
+    from meshtron.models import hf as mhf
     hf = hf_model(family)
     state = hf.state_dict()
     cfg = mhf.config_from_hf(hf.config)
@@ -209,9 +209,9 @@ def meshtron_trainer(hf, par: ParallelConfig | None = None, **overrides):
     """(model, reducer, optimizer, mesh): meshtron at layout `par` (None: one process)
     holding `hf`'s current weights, with the AdamW settings of `hf_adamw`; `overrides`
     replace fields of the imported config."""
-    from models import hf as mhf
-    from mpu.grad_reduce import DataParallelGradReducer
-    from training.optim import build_optimizer
+    from meshtron.models import hf as mhf
+    from meshtron.mpu.grad_reduce import DataParallelGradReducer
+    from meshtron.training.optim import build_optimizer
     cfg = dataclasses.replace(mhf.config_from_hf(hf.config, seq_len=SEQ), **overrides)
     mesh = single_process_mesh() if par is None else build_mesh(par, cfg)
     (model,) = build_model_chunks(cfg, mesh)
@@ -255,7 +255,7 @@ def pooling_gap(layers: int = 2, coef: float = AUX_COEF, steps: int = 1, aux_los
     per-layer aux values), `lm_hf` / `lm_mt` (LM losses) and `total_hf` / `total_mt`
     (objectives), plus `router_grad_err` (per layer, relative error of meshtron's router
     weight gradient vs transformers' at the initial weights on step 0's batch)."""
-    from training.step import train_step
+    from meshtron.training.step import train_step
     hf = tiny_mixtral(True, coef, layers)
     model, reducer, optimizer, mesh = meshtron_trainer(hf, aux_loss_layers=aux_loss_layers)
     k = hf.config.num_experts_per_tok
@@ -291,8 +291,8 @@ def mixtral_train_ep2() -> None:
     transformers accumulating over the same two microbatches, output_router_logits=True, two
     MoE layers: needs the per-rank-microbatch statistics (model.aux_loss_scope="microbatch")
     pooled across layers (model.aux_loss_layers="pooled")."""
-    from training.step import train_step
-    from models import hf as mhf
+    from meshtron.training.step import train_step
+    from meshtron.models import hf as mhf
     hf = tiny_mixtral(output_router_logits=True, layers=2)
     model, reducer, optimizer, mesh = meshtron_trainer(hf, ParallelConfig(tp=1, ep=2))
     if mesh.dp_size != 2 or mesh.par.ep != 2:

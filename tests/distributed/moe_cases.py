@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from models.config import GPTConfig
-from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from tests.distributed.dense_cases import (
     LR,
     STEPS,
@@ -26,7 +26,7 @@ from tests.distributed.dense_cases import (
     global_batch,
     microbatches,
 )
-from training.step import train_step
+from meshtron.training.step import train_step
 
 # (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, router variant)
 # router variant: "plain", "grouped" (group-limited routing) or "pooled" (aux_loss_layers=pooled)

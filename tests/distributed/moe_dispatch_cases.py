@@ -19,12 +19,12 @@ import dataclasses
 
 import torch
 
-import moe.dispatcher as dispatcher_module
-from models.config import GPTConfig
-from moe.layer import MoELayer
-from mpu.init import initialize_parameters
-from mpu.mappings import all_gather_stats, all_to_all, all_to_all_stats, gather_rows, reduce_scatter_rows
-from mpu.mesh import ParallelConfig, build_mesh
+import meshtron.moe.dispatcher as dispatcher_module
+from meshtron.models.config import GPTConfig
+from meshtron.moe.layer import MoELayer
+from meshtron.mpu.init import initialize_parameters
+from meshtron.mpu.mappings import all_gather_stats, all_to_all, all_to_all_stats, gather_rows, reduce_scatter_rows
+from meshtron.mpu.mesh import ParallelConfig, build_mesh
 from tests.distributed.dense_cases import assert_close
 
 RTOL = 1e-6
@@ -146,7 +146,7 @@ def check_dispatch(ep: int, etp: int, top_k: int, capacity_factor, shared: int, 
     # Rows sent: one per distinct (token, destination) among the kept pairs.
     kept = torch.ones(idx.numel(), dtype=torch.bool)
     if capacity_factor is not None:
-        from moe.capacity import capacity_for, capacity_keep_mask
+        from meshtron.moe.capacity import capacity_for, capacity_keep_mask
         s = cfg.seq_len
         kept = capacity_keep_mask(idx.view(s, -1, top_k), cfg.num_experts,
                                   capacity_for(s, cfg.num_experts, top_k, capacity_factor), None).reshape(-1)

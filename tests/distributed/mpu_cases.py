@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.mappings import (
+from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mappings import (
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
@@ -17,8 +17,8 @@ from mpu.mappings import (
     reduce_scatter_to_sequence,
     scatter_to_region,
 )
-from mpu.mesh import ParallelConfig, build_mesh
-from mpu.random import get_rng_tracker, seed_parallel_rng
+from meshtron.mpu.mesh import ParallelConfig, build_mesh
+from meshtron.mpu.random import get_rng_tracker, seed_parallel_rng
 
 
 def _ranks(group) -> list[int]:

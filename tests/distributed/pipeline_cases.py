@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.config import GPTConfig
-from models.gpt import init_model_chunks
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.models.config import GPTConfig
+from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from tests.distributed.dense_cases import (
     ADAM_EPS,
     LR,
@@ -29,8 +29,8 @@ from tests.distributed.dense_cases import (
     compare_parameters,
     global_batch,
 )
-from training.optim import build_optimizer
-from training.step import evaluate, pipeline_train_step, train_step
+from meshtron.training.optim import build_optimizer
+from meshtron.training.step import evaluate, pipeline_train_step, train_step
 
 # (arch, moe, pp, vpp, schedule, tp, sp, ep)
 LAYOUTS = {

@@ -13,12 +13,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from kernels import cross_entropy, selfcheck
-from kernels.backend import CHECKED
-from mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from meshtron.kernels import cross_entropy, selfcheck
+from meshtron.kernels.backend import CHECKED
+from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from tests.distributed.dense_cases import (GLOBAL_BATCH, LR, assert_close, build, compare_parameters, microbatches,
                                            model_config)
-from training.step import train_step
+from meshtron.training.step import train_step
 
 
 def _all_verdicts() -> list[dict]:

@@ -8,16 +8,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.gpt import init_model_chunks
-from mpu.distributed_optimizer import ShardedAdamW
-from mpu.grad_reduce import DataParallelGradReducer
-from mpu.mesh import ParallelConfig, build_mesh, group_size
-from mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu.distributed_optimizer import ShardedAdamW
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, assert_close, build, microbatches, model_config
 from tests.distributed.moe_cases import moe_config
 from tests.distributed.pipeline_cases import pipeline_config
-from training.optim import build_optimizer
-from training.step import pipeline_train_step, train_step
+from meshtron.training.optim import build_optimizer
+from meshtron.training.step import pipeline_train_step, train_step
 
 STEPS_ZERO = 5
 MICRO_PER_RANK = 2  # pipeline cases

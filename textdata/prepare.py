@@ -1,8 +1,8 @@
-"""Tokenize text files or folders into a memory-mapped token file: ``python -m training.prepare``.
+"""Tokenize text files or folders into a memory-mapped token file: ``python -m meshtron.textdata.prepare``.
 
-    python -m training.prepare --src corpus/ notes.txt --out data/corpus              # byte tokens
-    python -m training.prepare --src corpus/ --out data/bpe --tokenizer bpe --vocab-size 8192
-    python -m training.prepare --out data/stdlib --max-bytes 16000000                 # stdlib sources
+    python -m meshtron.textdata.prepare --src corpus/ notes.txt --out data/corpus              # byte tokens
+    python -m meshtron.textdata.prepare --src corpus/ --out data/bpe --tokenizer bpe --vocab-size 8192
+    python -m meshtron.textdata.prepare --out data/stdlib --max-bytes 16000000                 # stdlib sources
 
 Each file is one document (folders are walked recursively in sorted order, hidden files and
 ``__pycache__`` skipped, like ``data.paths``), followed by an end-of-document separator. The
@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from training.data import (
+from meshtron.textdata.data import (
     INDEX_FILE,
     PREPARED_DTYPES,
     PREPARED_FORMAT,
@@ -108,7 +108,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> ByteTokenizer | BPEToke
     if info["tokenizer"] == "bpe":
         path = pathlib.Path(directory) / TOKENIZER_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing; re-run python -m training.prepare --tokenizer bpe")
+            raise FileNotFoundError(f"{path} is missing; re-run python -m meshtron.textdata.prepare --tokenizer bpe")
         return BPETokenizer(path)
     raise ValueError(f"{pathlib.Path(directory) / INDEX_FILE}: unknown tokenizer {info['tokenizer']!r}")
 
@@ -375,7 +375,7 @@ def prepare(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m training.prepare",
+        prog="meshtron-prepare",
         description="Tokenize text files/folders into DIR/tokens.bin + DIR/index.json "
         "(train with data.prepared=DIR).",
     )
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         info = prepare(args.src, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        max_bytes=args.max_bytes, overwrite=args.overwrite, min_frequency=args.min_frequency)
     except (OSError, ValueError, ImportError) as err:
-        print(f"training.prepare: error: {err}", file=sys.stderr)
+        print(f"meshtron-prepare: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {info['n_tokens']} {info['dtype']} tokens ({info['n_documents']} documents, "
           f"{info['tokenizer']} tokenizer, vocab_size {info['vocab_size']}) to {args.out}")

@@ -1,12 +1,12 @@
 """Plot a run's training curves from ``metrics.jsonl`` into a PNG.
 
-    python -m training.plot RUN_DIR [--out PNG]
+    python -m meshtron.observability.plot RUN_DIR [--out PNG]
 
 Reads ``RUN_DIR/metrics.jsonl`` and writes ``RUN_DIR/curves.png`` (or ``--out``): loss (and
 ``val_loss`` where logged) and tokens/s against the step, plus the learning rate, the
 gradient norm, the peak memory and the MoE expert imbalance when the records have them.
 Errors (missing directory or file, an empty file, a malformed line) print one line
-``training.plot: error: ...`` and exit with status 2. Needs matplotlib (the ``viz`` extra).
+``observability.plot: error: ...`` and exit with status 2. Needs matplotlib (the ``viz`` extra).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pathlib
 import sys
 from typing import Any
 
-# Not imported from training.metrics: keep `python -m training.plot` free of torch (fast to start).
+# Not imported from observability.metrics: keep `python -m meshtron.observability.plot` free of torch (fast to start).
 METRICS_FILENAME = "metrics.jsonl"
 __all__ = ["PlotError", "load_metrics", "plot_run", "main"]
 
 DEFAULT_PNG = "curves.png"
-_PROG = "training.plot"
+_PROG = "meshtron-plot"
 
 
 class PlotError(Exception):
@@ -143,7 +143,7 @@ def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {_PROG}", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=_PROG, description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     parser.add_argument("--out", default=None, help=f"PNG to write (default RUN_DIR/{DEFAULT_PNG})")
     args = parser.parse_args(argv)

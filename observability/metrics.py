@@ -186,7 +186,7 @@ def format_step_line(record: dict[str, Any], total: int | None = None) -> str:
         mfu = _num(record["mfu"])
         parts.append("mfu n/a" if mfu is None else f"mfu {_fmt(mfu * 100.0, '.1f')}%")
     if "peak_mem_max_bytes" in record:
-        from training.memory import format_bytes
+        from meshtron.observability.memory import format_bytes
 
         parts.append(f"peak mem {format_bytes(_num(record['peak_mem_max_bytes']))}")
     return " | ".join(parts)
@@ -201,7 +201,7 @@ def require_tensorboard() -> None:
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError as err:
-        from training.config import ConfigError
+        from meshtron.training.config import ConfigError
 
         raise ConfigError(
             f"trainer.tensorboard=true needs the tensorboard package ({err}); "

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mpu.mesh import collective_device
+from meshtron.mpu.mesh import collective_device
 
 __all__ = ["peak_memory_bytes", "peak_memory_per_rank", "format_bytes"]
 

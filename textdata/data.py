@@ -5,7 +5,7 @@ Two sources, one dataset:
 * in memory: the bytes of local files as byte-level tokens (``load_corpus``). The default
   corpus is the Python standard library's own ``.py`` sources, which every Python install
   ships, so ``python train.py`` trains on real text on any machine;
-* prepared: a directory written by ``python -m training.prepare`` (``tokens.bin``, a raw
+* prepared: a directory written by ``python -m meshtron.textdata.prepare`` (``tokens.bin``, a raw
   little-endian uint16/uint32 token stream, plus ``index.json``), memory-mapped read-only by
   ``load_prepared`` so a batch only touches the windows it needs.
 
@@ -150,7 +150,7 @@ def _expand_paths(
     paths: Iterable[str | os.PathLike[str]], key: str = "data.paths"
 ) -> list[pathlib.Path]:
     """Files named by ``paths`` (directories walked, sorted); ``key`` names the setting
-    in error messages (``data.paths`` for training, ``--src`` for ``training.prepare``)."""
+    in error messages (``data.paths`` for training, ``--src`` for ``textdata.prepare``)."""
     files: list[pathlib.Path] = []
     for raw in paths:
         path = pathlib.Path(raw).expanduser()
@@ -244,7 +244,7 @@ def token_dtype_for_vocab(vocab_size: int) -> str:
 
 
 def _prepare_hint(directory: pathlib.Path) -> str:
-    return f"re-run `python -m training.prepare --src PATH [PATH ...] --out {directory}`"
+    return f"re-run `python -m meshtron.textdata.prepare --src PATH [PATH ...] --out {directory}`"
 
 
 def _file_sha256(path: pathlib.Path, chunk: int = 1 << 24) -> str:
@@ -258,7 +258,7 @@ def _file_sha256(path: pathlib.Path, chunk: int = 1 << 24) -> str:
 def load_prepared(
     directory: str | os.PathLike[str], verify_checksum: bool = False
 ) -> tuple[np.memmap, dict]:
-    """Memory-map a directory written by ``python -m training.prepare``.
+    """Memory-map a directory written by ``python -m meshtron.textdata.prepare``.
 
     Returns ``(tokens, info)``: ``tokens`` a read-only 1-D ``np.memmap`` over ``tokens.bin``
     (uint16 or uint32, little-endian; nothing is read until a window is gathered) and
@@ -274,18 +274,18 @@ def load_prepared(
     if not root.exists():
         raise FileNotFoundError(
             f"prepared data directory {str(root)!r} does not exist; create it with "
-            f"`python -m training.prepare --src PATH [PATH ...] --out {root}` or fix data.prepared"
+            f"`python -m meshtron.textdata.prepare --src PATH [PATH ...] --out {root}` or fix data.prepared"
         )
     if not root.is_dir():
         raise ValueError(
             f"prepared data path {str(root)!r} is not a directory; data.prepared must name the "
-            "directory written by `python -m training.prepare --out DIR`"
+            "directory written by `python -m meshtron.textdata.prepare --out DIR`"
         )
     index_path = root / INDEX_FILE
     if not index_path.is_file():
         raise FileNotFoundError(
             f"{index_path} is missing: {str(root)!r} is not a complete prepared data directory "
-            f"(was training.prepare interrupted, or is this the wrong directory?); {hint}"
+            f"(was textdata.prepare interrupted, or is this the wrong directory?); {hint}"
         )
     try:
         info = json.loads(index_path.read_text(encoding="utf-8"))
@@ -598,7 +598,7 @@ class TokenDataset:
 def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDataset:
     """The training dataset for a ``DataConfig`` and the model's ``seq_len``/``vocab_size``.
 
-    ``data_cfg.prepared`` set: the memory-mapped output of ``training.prepare`` (``paths``
+    ``data_cfg.prepared`` set: the memory-mapped output of ``textdata.prepare`` (``paths``
     and ``max_bytes`` are ignored); otherwise the byte-level in-memory corpus of
     ``data_cfg.paths`` (None = the standard library sources) cut to ``max_bytes``. Raises
     ValueError when the tokenizer's vocabulary does not fit ``model.vocab_size``, and the
@@ -615,6 +615,6 @@ def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDa
         raise ValueError(
             f"{what} has vocab_size {need} but model.vocab_size={vocab_size}; set "
             f"model.vocab_size={need} or larger"
-            + (" (or re-run training.prepare with a smaller --vocab-size)" if prepared else "")
+            + (" (or re-run textdata.prepare with a smaller --vocab-size)" if prepared else "")
         )
     return TokenDataset(tokens, seq_len, seed, data_cfg.val_fraction)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from models.config import GPTConfig
+from meshtron.models.config import GPTConfig
 
 __all__ = [
     "model_flops_per_token",

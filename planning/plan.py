@@ -9,7 +9,7 @@ plan a 64-GPU layout).
   `virtual_mesh` and their parameters counted (a tied embedding once), split by the replica
   group their gradients are reduced over (dense: dp; sequence-parallel replicated: tp x dp;
   experts: edp) and by use (matrices that run in a matmul get a 16-bit autocast copy). For
-  pp = 1 the count is cross-checked against the analytic `training.flops.params_per_rank`; a
+  pp = 1 the count is cross-checked against the analytic `planning.flops.params_per_rank`; a
   disagreement raises RuntimeError, because it means the planner or the model is wrong.
 * Model states (`model_state_bytes`): fp32 weights, fp32 gradients, AdamW state, under
   ZeRO 0/1/2 and CPU offload, plus the 16-bit weight copies autocast holds under bf16/fp16.
@@ -19,7 +19,7 @@ plan a 64-GPU layout).
   logits the step holds, the cross-entropy's gradient, a recomputed layer, the backward's
   working set), combined over the microbatches the pipeline schedule keeps in flight by
   replaying this rank's action list (`mpu.pipeline_schedules.build_schedule`).
-* FLOPs: `training.flops.model_flops_per_token` (forward + backward matmuls, the figure MFU is
+* FLOPs: `planning.flops.model_flops_per_token` (forward + backward matmuls, the figure MFU is
   computed from) times the tokens of one global step; a rank's share is that divided evenly by
   the world size.
 
@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from models.config import GPTConfig
-from mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
-from mpu.pipeline_schedules import build_schedule
-from training.flops import model_flops_per_token, param_count, params_per_rank
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
+from meshtron.mpu.pipeline_schedules import build_schedule
+from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 
 __all__ = [
     "plan_rank", "plan_all_ranks", "format_rank_line", "format_plan", "write_plan", "meta_param_counts",
@@ -54,7 +54,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("cpu", "cuda")
 
 FLOPS_CONVENTION = (
-    "model FLOPs (training.flops.model_flops_per_token: forward + backward matmuls, 3x forward, "
+    "model FLOPs (planning.flops.model_flops_per_token: forward + backward matmuls, 3x forward, "
     "attention over the full s x s square, LM head over the tp=1 padded vocabulary) times the "
     "tokens of one global step (global_batch_size * seq_len); per rank = global / world_size, "
     "the even share MFU is measured against, not the work this rank actually executes"
@@ -73,10 +73,10 @@ def _matmul_param_ids(chunks) -> set[int]:
     weights and biases, expert and shared-expert matrices, routers, and the LM head (the tied
     embedding on a chunk with the head). Not: norms, position embeddings, an untied input
     embedding (a lookup)."""
-    from moe.experts import GroupedExperts
-    from moe.layer import SharedExperts
-    from moe.router import TopKRouter
-    from mpu.layers import ColumnParallelLinear, RowParallelLinear
+    from meshtron.moe.experts import GroupedExperts
+    from meshtron.moe.layer import SharedExperts
+    from meshtron.moe.router import TopKRouter
+    from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear
 
     kinds = (ColumnParallelLinear, RowParallelLinear, GroupedExperts, SharedExperts, TopKRouter)
     ids: set[int] = set()
@@ -103,7 +103,7 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     * "buckets": (replica group, elements) of each gradient bucket (`_bucket_layout`).
     Nothing is allocated and no parameter is initialized; no communication.
     """
-    from models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
+    from meshtron.models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
 
     mesh = virtual_mesh(par, world_size, rank)
     chunks = build_model_chunks(model_cfg, mesh, device="meta", dtype=torch.float32)
@@ -477,7 +477,7 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
 def _chunk_layout(cfg: GPTConfig, res: ParallelConfig, pp_rank: int) -> list[tuple[range, bool, bool]]:
     """(layers, pre_process, post_process) of each model chunk of pipeline rank `pp_rank`, as
     `models.gpt.build_model_chunks` builds them."""
-    from models.gpt import virtual_stage_layers
+    from meshtron.models.gpt import virtual_stage_layers
 
     out = []
     for c in range(res.vpp):
@@ -663,10 +663,10 @@ def plan_rank(
         if meta["total"] != analytic:
             raise RuntimeError(
                 f"planner bug: rank {rank} builds {meta['total']} parameters on the meta device but "
-                f"training.flops.params_per_rank(tp={tp}, ep={ep}, etp={etp}, pp={pp}) says {analytic}; "
+                f"meshtron.planning.flops.params_per_rank(tp={tp}, ep={ep}, etp={etp}, pp={pp}) says {analytic}; "
                 "the model and the analytic count disagree"
             )
-        source = "meta (built on the meta device, matches training.flops.params_per_rank)"
+        source = "meta (built on the meta device, matches planning.flops.params_per_rank)"
     count = meta["total"]
     padded = model_cfg.padded_vocab_size(tp)
     params = {

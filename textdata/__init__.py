@@ -1,0 +1,2 @@
+"""Training text: tokenising files into a memory-mapped token file (`prepare`) and the
+fixed-length windows each data-parallel rank reads (`data`)."""

@@ -1,0 +1,21 @@
+"""The Hydra entry of a training run: `python train.py ...`, `meshtron-train ...` or
+`torchrun ... train.py ...` all land in `main` (config -> mesh -> model -> loop)."""
+
+from __future__ import annotations
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from meshtron.training.loop import main_entry
+
+
+# configs/ is the package meshtron.configs (pyproject.toml maps it), so Hydra finds it in any install.
+@hydra.main(version_base="1.3", config_path="pkg://meshtron.configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    main_entry(tree, HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    main()
