@@ -93,7 +93,7 @@ def build_meshtron(args, mesh, local_tokens: int):
     cfg = GPTConfig(arch="llama", num_layers=1, hidden_size=args.hidden, num_heads=1, activation=args.activation,
                     num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn,
                     shared_experts=args.shared_experts, seq_len=local_tokens, **kw)
-    layer = MoELayer(cfg, mesh)
+    layer = MoELayer(cfg.moe(), mesh)
     initialize_parameters(layer, SEED, mesh)
     layer.train()
     gen = torch.Generator().manual_seed(SEED + 1 + _rank())

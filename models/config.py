@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
-
-AUX_LOSS_SCOPES = ("microbatch", "sequence", "global")
-AUX_LOSS_LAYERS = ("sum", "pooled")
+from meshtron.moe.config import MoEConfig, score_check, scope_checks
 
 ARCH_DEFAULTS = {
     # arch: (norm, activation, position, bias)
@@ -107,43 +105,36 @@ class GPTConfig:
             (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
             (self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2"),
             (self.seq_len >= 1, f"model.seq_len={self.seq_len} must be >= 1"),
-            (self.router_score in ("softmax", "sigmoid"),
-             f"model.router_score={self.router_score!r} must be softmax or sigmoid"),
             (self.num_experts >= 0 and self.shared_experts >= 0, "model.num_experts and model.shared_experts must be >= 0"),
-            (not self.num_experts or 1 <= self.top_k <= self.num_experts,
-             f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}"),
             (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
-            (self.aux_loss_scope in AUX_LOSS_SCOPES,
-             f"model.aux_loss_scope={self.aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}"),
-            (self.aux_loss_layers in AUX_LOSS_LAYERS,
-             f"model.aux_loss_layers={self.aux_loss_layers!r} must be one of {', '.join(AUX_LOSS_LAYERS)}"),
-            *self._router_group_checks(),
+            *self._moe_checks(),
             (self.recompute in ("none", "selective", "full"),
              f"trainer.recompute={self.recompute!r} must be none, selective or full"),
             (self.kernel_backend in RESOLVED_BACKENDS,
              f"kernel backend {self.kernel_backend!r} must be one of {', '.join(RESOLVED_BACKENDS)}"),
-            (self.capacity_factor is None or self.capacity_factor > 0,
-             f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
 
-    def _router_group_checks(self) -> list[tuple[bool, str]]:
-        groups, top = self.router_groups, self.router_topk_groups
-        if not self.num_experts or (groups == 0 and top == 0):
-            return []
-        per_group = self.num_experts // groups if groups > 0 else 0
-        return [
-            (groups >= 1 and self.num_experts % groups == 0,
-             f"model.router_groups={groups} must divide model.num_experts={self.num_experts} "
-             "(or set both router_groups and router_topk_groups to 0: no group limit)"),
-            (1 <= top <= groups,
-             f"model.router_topk_groups={top} must be between 1 and model.router_groups={groups}"),
-            (self.top_k <= top * per_group,
-             f"model.top_k={self.top_k} experts do not fit in router_topk_groups={top} groups of "
-             f"{per_group} experts; raise router_topk_groups"),
-        ]
+    def _moe_checks(self) -> list[tuple[bool, str]]:
+        """moe/config.py's rules on the MoE fields (the router score and aux-loss scope are
+        checked on dense models too: a typo should not wait for the first MoE run)."""
+        if not self.num_experts:
+            return [score_check(self.router_score), *scope_checks(self.aux_loss_scope, self.aux_loss_layers)]
+        return self.moe().checks()
+
+    def moe(self) -> MoEConfig:
+        """The config of this model's MoE layers (moe/config.py)."""
+        return MoEConfig(
+            hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.top_k,
+            ffn_hidden_size=self.moe_ffn_hidden_size, activation=self.activation, init_std=self.init_std,
+            num_layers=self.num_layers, capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
+            z_loss_coef=self.z_loss_coef, router_score=self.router_score, router_renormalize=self.router_renormalize,
+            router_bias_update_rate=self.router_bias_update_rate, aux_loss_scope=self.aux_loss_scope,
+            aux_loss_layers=self.aux_loss_layers, router_groups=self.router_groups,
+            router_topk_groups=self.router_topk_groups, shared_experts=self.shared_experts,
+            kernel_backend=self.kernel_backend)
 
     @property
     def head_dim(self) -> int:

@@ -184,7 +184,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, mesh, device, dtype)
         self.norm2 = Norm(cfg, mesh, device, dtype)
         self.index = index
-        self.mlp = MoELayer(cfg, mesh, device, dtype) if cfg.is_moe_layer(index) else MLP(cfg, mesh, device, dtype)
+        self.mlp = MoELayer(cfg.moe(), mesh, device, dtype) if cfg.is_moe_layer(index) else MLP(cfg, mesh, device, dtype)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         cfg = self.cfg

@@ -77,7 +77,7 @@ from torch import nn
 
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.init import local_shard
-from meshtron.mpu.mappings import _gather
+from meshtron.mpu.mappings import gather_from_region as _gather
 from meshtron.mpu.mesh import Mesh
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")

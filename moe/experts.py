@@ -18,6 +18,7 @@ from torch import nn
 
 from meshtron.kernels import selfcheck
 from meshtron.mpu.init import normal_init, tag
+from meshtron.mpu.mesh import expert_shard_checks
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -85,9 +86,9 @@ class GroupedExperts(nn.Module):
                  init_std: float, out_init_std: float, backend: str = "torch", device=None, dtype=None):
         super().__init__()
         ep, etp = mesh.par.ep, mesh.par.etp
-        if num_experts % ep or ffn_hidden_size % etp:
-            raise ValueError(f"num_experts={num_experts} / ep={ep} or moe_ffn_hidden_size={ffn_hidden_size} / "
-                             f"etp={etp} does not divide")
+        for ok, message in expert_shard_checks(num_experts, ffn_hidden_size, 0, ep=ep, etp=etp, tp=1):
+            if not ok:
+                raise ValueError(message)
         self.activation = activation
         self.backend = backend
         local_e, local_f = num_experts // ep, ffn_hidden_size // etp

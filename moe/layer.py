@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.models.config import GPTConfig
 from meshtron.moe.capacity import capacity_for, capacity_keep_mask
+from meshtron.moe.config import MoEConfig
 from meshtron.moe.dispatcher import AllToAllDispatcher
 from meshtron.moe.experts import GroupedExperts, expert_out_init_std
 from meshtron.moe.router import RouterOutput, TopKRouter
@@ -28,7 +28,7 @@ from meshtron.mpu.mappings import (
     scatter_to_sequence,
     sequence_gathered,
 )
-from meshtron.mpu.mesh import Mesh
+from meshtron.mpu.mesh import Mesh, expert_shard_checks
 
 
 class SharedExperts(nn.Module):
@@ -46,14 +46,14 @@ class SharedExperts(nn.Module):
     its dispatch and combine all-to-alls are in flight.
     """
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None):
         super().__init__()
         self.mesh = mesh
-        h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size * cfg.shared_experts
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size * cfg.shared_experts
         tp = mesh.tp_size
-        if f % tp:
-            raise ValueError(f"shared experts width moe_ffn_hidden_size * shared_experts = {f} is not divisible "
-                             f"by tp={tp}; choose parallel.tp dividing it")
+        for ok, message in expert_shard_checks(0, cfg.ffn_hidden_size, cfg.shared_experts, ep=1, etp=1, tp=tp):
+            if not ok:
+                raise ValueError(message)
         out_std = expert_out_init_std(cfg.init_std, cfg.num_layers)
 
         def weight(full, local, std, dim):
@@ -93,8 +93,9 @@ class MoELayer(nn.Module):
     and `last_dropped` the global fraction of (token, choice) pairs dropped by capacity.
     """
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None):
         super().__init__()
+        cfg.validate()
         self.cfg, self.mesh = cfg, mesh
         self.scope = aux_loss_scope(cfg.aux_loss_scope, mesh)
         self.router = TopKRouter(
@@ -104,7 +105,7 @@ class MoELayer(nn.Module):
             topk_groups=cfg.router_topk_groups, pooled_aux=cfg.aux_loss_layers == "pooled", init_std=cfg.init_std,
             sequence_parallel=mesh.tp_size > 1, device=device, dtype=dtype,
         )
-        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.activation, mesh,
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.activation, mesh,
                                       init_std=cfg.init_std,
                                       out_init_std=expert_out_init_std(cfg.init_std, cfg.num_layers),
                                       backend=cfg.kernel_backend, device=device, dtype=dtype)

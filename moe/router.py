@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.moe.config import raise_first_failure, routing_checks
 from meshtron.mpu.init import normal_init, stable_seed, tag
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.recompute import is_replaying
-
-SCORES = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -89,22 +88,9 @@ class TopKRouter(nn.Module):
                  bias_update_rate: float = 0.0, groups: int = 0, topk_groups: int = 0, pooled_aux: bool = False,
                  init_std: float = 0.02, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        if score not in SCORES:
-            raise ValueError(f"router score={score!r} is unknown; use one of {SCORES}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"router top_k={top_k} must be in [1, num_experts={num_experts}]")
-        if score == "sigmoid" and not renormalize:
-            raise ValueError("sigmoid router weights are always normalized over the chosen k; "
-                             "set renormalize=True (or use score='softmax' for raw weights)")
-        if groups or topk_groups:
-            if groups < 1 or num_experts % groups or not 1 <= topk_groups <= groups \
-                    or top_k > topk_groups * (num_experts // groups):
-                raise ValueError(f"router groups={groups}, topk_groups={topk_groups} must split num_experts="
-                                 f"{num_experts} evenly with 1 <= topk_groups <= groups and room for top_k={top_k}")
-        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
-                            ("bias_update_rate", bias_update_rate)):
-            if value < 0:
-                raise ValueError(f"router {name}={value} must be >= 0")
+        raise_first_failure(routing_checks(num_experts, top_k, score=score, renormalize=renormalize, groups=groups,
+                                           topk_groups=topk_groups, aux_loss_coef=aux_loss_coef,
+                                           z_loss_coef=z_loss_coef, bias_update_rate=bias_update_rate))
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtron.models.config import AUX_LOSS_SCOPES
+from meshtron.moe.config import raise_first_failure, scope_checks
 from meshtron.mpu.mesh import Mesh, group_size
 
 
@@ -60,8 +60,7 @@ class AuxLossScope:
 
 def aux_loss_scope(name: str, mesh: Mesh) -> AuxLossScope:
     """The groups of scope `name` ("microbatch", "sequence" or "global") on `mesh`."""
-    if name not in AUX_LOSS_SCOPES:
-        raise ValueError(f"model.aux_loss_scope={name!r} must be one of {', '.join(AUX_LOSS_SCOPES)}")
+    raise_first_failure(scope_checks(name))
     if name == "global":
         return AuxLossScope(name, mesh.tp_dp, None, per_sequence=False)
     return AuxLossScope(name, mesh.tp, mesh.dp, per_sequence=name == "sequence")

@@ -71,6 +71,20 @@ class ParallelConfig:
         return self.dp * self.tp // (self.ep * self.etp)
 
 
+def expert_shard_checks(num_experts: int, moe_ffn_hidden_size: int, shared_experts: int, *, ep: int, etp: int,
+                        tp: int) -> list[tuple[bool, str]]:
+    """How experts split over the expert mesh, as (holds, message) pairs: experts over ep, each
+    expert's ffn over etp, the shared experts' width (tensor-parallel) over tp."""
+    shared = moe_ffn_hidden_size * shared_experts
+    return [
+        (num_experts % ep == 0, f"ep={ep} does not divide num_experts={num_experts}; choose parallel.ep dividing it"),
+        (moe_ffn_hidden_size % etp == 0, f"etp={etp} does not divide moe_ffn_hidden_size={moe_ffn_hidden_size}"),
+        (shared % tp == 0,
+         f"tp={tp} does not divide the shared experts' width moe_ffn_hidden_size * shared_experts = {shared} "
+         "(they are tensor-parallel); choose parallel.tp dividing it"),
+    ]
+
+
 def check_model_fits(par: ParallelConfig, cfg) -> None:
     """Raise ParallelConfigError when the model's shape cannot be split by the layout."""
     if cfg.num_heads % par.tp:
@@ -111,22 +125,10 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
                 "model.aux_loss_layers=pooled pools the routing statistics of every MoE layer into one "
                 f"loss, which parallel.pp={par.pp} stages do not share; use parallel.pp=1 or aux_loss_layers=sum"
             )
-        if cfg.num_experts % par.ep:
-            raise ParallelConfigError(
-                f"ep={par.ep} does not divide num_experts={cfg.num_experts}; choose parallel.ep dividing it"
-            )
-        if cfg.top_k > cfg.num_experts:
-            raise ParallelConfigError(f"top_k={cfg.top_k} is larger than num_experts={cfg.num_experts}")
-        if cfg.moe_ffn_hidden_size % par.etp:
-            raise ParallelConfigError(
-                f"etp={par.etp} does not divide moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"
-            )
-        shared = cfg.moe_ffn_hidden_size * getattr(cfg, "shared_experts", 0)
-        if shared % par.tp:
-            raise ParallelConfigError(
-                f"tp={par.tp} does not divide the shared experts' width moe_ffn_hidden_size * shared_experts = "
-                f"{shared} (they are tensor-parallel); choose parallel.tp dividing it"
-            )
+        for ok, message in expert_shard_checks(cfg.num_experts, cfg.moe_ffn_hidden_size,
+                                               getattr(cfg, "shared_experts", 0), ep=par.ep, etp=par.etp, tp=par.tp):
+            if not ok:
+                raise ParallelConfigError(message)
     elif par.ep > 1 or par.etp > 1:
         raise ParallelConfigError(
             f"parallel.ep={par.ep}/etp={par.etp} need an MoE model (model.num_experts > 0); set them to 1"

@@ -170,7 +170,7 @@ def test_group_limited_ties_go_to_lower_group():
 def test_router_rejects_bad_groups():
     with pytest.raises(ValueError, match="groups=3"):
         router_module.TopKRouter(8, 8, 2, groups=3, topk_groups=1)
-    with pytest.raises(ValueError, match="room for top_k=5"):
+    with pytest.raises(ValueError, match="top_k=5 experts do not fit"):
         router_module.TopKRouter(8, 8, 5, groups=4, topk_groups=2)
 
 

@@ -51,7 +51,7 @@ def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
     cfg = GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", hidden_size=16, num_heads=2,
                     num_experts=4, top_k=top_k, moe_ffn_hidden_size=12, capacity_factor=capacity_factor,
                     shared_experts=shared, seq_len=8)
-    layer = MoELayer(cfg, single_process_mesh())
+    layer = MoELayer(cfg.moe(), single_process_mesh())
     initialize_parameters(layer, seed, single_process_mesh())
     return cfg, layer
 

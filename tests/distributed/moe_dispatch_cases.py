@@ -111,7 +111,7 @@ def _config(top_k: int, capacity_factor, shared: int, activation: str = "swiglu"
 
 
 def _layer(cfg: GPTConfig, mesh) -> MoELayer:
-    layer = MoELayer(cfg, mesh)
+    layer = MoELayer(cfg.moe(), mesh)
     initialize_parameters(layer, 11, mesh)
     return layer
 
