@@ -64,7 +64,7 @@ class GPTConfig:
     router_groups: int = 0
     router_topk_groups: int = 0
     shared_experts: int = 0
-    # Set by models/hf.py on import: the Mixtral config's {"router_aux_loss_coef",
+    # Set by models/hf/ on import: the Mixtral config's {"router_aux_loss_coef",
     # "output_router_logits"}, written back on export while aux_loss_coef still equals what
     # they import as (None: not imported). The model never reads it.
     hf_router_fields: dict | None = None

@@ -201,7 +201,7 @@ def require_tensorboard() -> None:
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError as err:
-        from meshtron.training.config import ConfigError
+        from meshtron.errors import ConfigError
 
         raise ConfigError(
             f"trainer.tensorboard=true needs the tensorboard package ({err}); "

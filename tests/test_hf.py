@@ -1,4 +1,4 @@
-"""Hugging Face interop (models/hf.py), single process: tiny random GPT-2, Llama (GQA) and
+"""Hugging Face interop (models/hf/), single process: tiny random GPT-2, Llama (GQA) and
 Mixtral (4 experts, top-2) models from `transformers` load into meshtron with the same
 logits (max abs error <= 1e-4 in fp32), export back bitwise, and go through a safetensors
 folder that `AutoModelForCausalLM.from_pretrained` loads. Bad inputs raise naming the tensor
@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from meshtron.models import hf as mhf  # noqa: E402
+from meshtron.training import hf_cli  # noqa: E402
 
 from tests.distributed.hf_cases import SEQ, VOCAB, hf_config, hf_model  # noqa: E402
 
@@ -260,7 +261,7 @@ def test_mixtral_router_loss_import(output_router_logits, want):
 @pytest.mark.parametrize("output_router_logits", [True, False])
 def test_mixtral_router_fields_round_trip(output_router_logits, tmp_path):
     """An imported Mixtral, trained a step and exported (in memory and through the
-    `python -m meshtron.models.hf import/export` checkpoint path), writes back the source config's
+    `meshtron-hf import/export` checkpoint path), writes back the source config's
     router_aux_loss_coef and output_router_logits (False with a nonzero coefficient too)."""
     from omegaconf import OmegaConf
     from meshtron.mpu.grad_reduce import DataParallelGradReducer
@@ -281,10 +282,10 @@ def test_mixtral_router_fields_round_trip(output_router_logits, tmp_path):
     assert mhf.config_from_hf(exported) == cfg
 
     hf.save_pretrained(tmp_path / "src")
-    ckpt = mhf.import_to_checkpoint(tmp_path / "src", tmp_path / "ckpt")
+    ckpt = hf_cli.import_to_checkpoint(tmp_path / "src", tmp_path / "ckpt")
     yaml_cfg = OmegaConf.to_container(OmegaConf.load(tmp_path / "ckpt" / "model" / "imported.yaml"))
     assert GPTConfig(**yaml_cfg) == mhf.config_from_hf(hf.config)  # what train.py +model=imported builds
-    mhf.export_from_checkpoint(ckpt, tmp_path / "out")
+    hf_cli.export_from_checkpoint(ckpt, tmp_path / "out")
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert {k: written[k] for k in want} == want
 
@@ -333,7 +334,7 @@ def test_mixtral_trains_like_transformers(output_router_logits, layers):
 
 def test_mixtral_cross_layer_pooling_gap_is_as_documented():
     """transformers pools all layers' router statistics into one aux; meshtron's default
-    aux_loss_layers="sum" adds per-layer aux values (the gap documented in models/hf.py with
+    aux_loss_layers="sum" adds per-layer aux values (the gap documented in models/hf/ with
     hf_cases.pooling_gap's numbers). One layer: no gap. Two layers: the sum is ~2x the pooled
     aux / top_k, its per-layer mean within 2%, and the router gradients visibly differ, while
     "pooled" (what import picks) has the router gradients of transformers."""

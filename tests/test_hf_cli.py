@@ -1,4 +1,4 @@
-"""`python -m meshtron.models.hf import/export` and `checkpoint.init_from` end to end: a random tiny
+"""`meshtron-hf import/export` and `checkpoint.init_from` end to end: a random tiny
 transformers Llama is imported, trained from under tp=1 and tp=2 (the first step's loss is
 HF's loss on the same batch), and exported back bit for bit."""
 
@@ -30,7 +30,7 @@ def hf_model(tmp_path_factory):
 def imported(hf_model, tmp_path_factory):
     _, folder = hf_model
     out = tmp_path_factory.mktemp("ckpt")
-    done = run([sys.executable, "-m", "meshtron.models.hf", "import", "--src", str(folder), "--out", str(out)], timeout=120)
+    done = run([sys.executable, "-m", "meshtron.training.hf_cli", "import", "--src", str(folder), "--out", str(out)], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"--config-dir {out} +model=imported checkpoint.init_from={out / 'step_00000000'}" in done.stdout
     return out
@@ -39,7 +39,7 @@ def imported(hf_model, tmp_path_factory):
 @pytest.mark.timeout(200)
 def test_export_gives_back_the_same_weights(hf_model, imported, tmp_path):
     model, _ = hf_model
-    done = run([sys.executable, "-m", "meshtron.models.hf", "export", "--src", str(imported), "--out", str(tmp_path)],
+    done = run([sys.executable, "-m", "meshtron.training.hf_cli", "export", "--src", str(imported), "--out", str(tmp_path)],
                timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
@@ -83,7 +83,7 @@ def test_init_from_imported_weights_under_tp1_and_tp2(hf_model, imported, tmp_pa
 
 @pytest.mark.timeout(60)
 def test_import_of_a_folder_without_config_fails_clearly(tmp_path):
-    done = run([sys.executable, "-m", "meshtron.models.hf", "import", "--src", str(tmp_path), "--out", str(tmp_path / "o")],
+    done = run([sys.executable, "-m", "meshtron.training.hf_cli", "import", "--src", str(tmp_path), "--out", str(tmp_path / "o")],
                timeout=60)
     assert done.returncode == 2
     assert "config.json not found" in done.stderr

@@ -11,14 +11,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtron.errors import ConfigError
 from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
 from meshtron.mpu.pipeline_schedules import SCHEDULES
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and what to change."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ trained with gradient accumulation over the same per-rank microbatches, and the 
 after the steps. The single-process version is
 tests/test_hf.py::test_mixtral_trains_like_transformers; the helpers (`tiny_mixtral`,
 `hf_train_step`, `meshtron_trainer`, ...) serve both, and `pooling_gap` measures how far
-meshtron's per-layer aux_loss_layers="sum" is from transformers (numbers in models/hf.py).
+meshtron's per-layer aux_loss_layers="sum" is from transformers (numbers in models/hf/).
 """
 
 from __future__ import annotations

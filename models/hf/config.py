@@ -1,0 +1,219 @@
+"""Hugging Face configs <-> GPTConfig (GPT-2, Llama, Mixtral), the conversion error and the
+optional-dependency checks. No torch.distributed, no files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+from meshtron.models.config import GPTConfig
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
+
+
+class HFConversionError(ValueError):
+    """A Hugging Face config or state dict that meshtron cannot convert; the message names
+    the field or tensor."""
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("Hugging Face interop needs `transformers` (and `safetensors`); "
+                          "install the optional extra: pip install 'meshtron[hf]'") from exc
+    return transformers
+
+
+def require_safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as exc:  # pragma: no cover
+        raise ImportError("Hugging Face interop needs `safetensors`; install the optional extra: "
+                          "pip install 'meshtron[hf]'") from exc
+    return safetensors.torch
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+
+def _get(hf, name, default=None):
+    return hf.get(name, default) if isinstance(hf, dict) else getattr(hf, name, default)
+
+
+def _fail(model_type: str, field: str, value, why: str) -> HFConversionError:
+    return HFConversionError(f"{model_type} config field {field}={value!r} is not supported by meshtron: {why}")
+
+
+def _rope_theta(hf, model_type: str) -> float:
+    """theta of plain RoPE; any scaling / partial rotary raises naming the field."""
+    params = _get(hf, "rope_parameters")
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise _fail(model_type, "rope_parameters.rope_type", rope_type, "only plain RoPE (rope_type='default')")
+        factor = params.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise _fail(model_type, "rope_parameters.partial_rotary_factor", factor, "RoPE covers the whole head")
+        if "rope_theta" in params:
+            return float(params["rope_theta"])
+    scaling = _get(hf, "rope_scaling")
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type != "default":
+            raise _fail(model_type, "rope_scaling", scaling, "only plain RoPE (no scaling)")
+    factor = _get(hf, "partial_rotary_factor", 1.0)
+    if factor not in (None, 1.0):
+        raise _fail(model_type, "partial_rotary_factor", factor, "RoPE covers the whole head")
+    return float(_get(hf, "rope_theta", 10000.0))
+
+
+def aux_loss_coef_from_hf(router: dict, top_k: int) -> float:
+    """meshtron's `aux_loss_coef` for a Mixtral config's `router` fields
+    {"router_aux_loss_coef", "output_router_logits"}: transformers trains the aux loss only
+    with output_router_logits=True, and its (one-layer) aux is top_k x meshtron's."""
+    return float(router["router_aux_loss_coef"]) * top_k if router["output_router_logits"] else 0.0
+
+
+def hf_router_fields(cfg: GPTConfig) -> dict:
+    """The Mixtral config's {"router_aux_loss_coef", "output_router_logits"} for `cfg`: the
+    imported ones (cfg.hf_router_fields) while they still import as cfg.aux_loss_coef (so a
+    Mixtral imported and trained exports its own fields, output_router_logits=False with a
+    nonzero coefficient included), else aux_loss_coef / top_k, trained iff aux_loss_coef > 0."""
+    original = cfg.hf_router_fields
+    if original is not None and aux_loss_coef_from_hf(original, cfg.top_k) == cfg.aux_loss_coef:
+        return {"router_aux_loss_coef": float(original["router_aux_loss_coef"]),
+                "output_router_logits": bool(original["output_router_logits"])}
+    return {"router_aux_loss_coef": cfg.aux_loss_coef / cfg.top_k, "output_router_logits": cfg.aux_loss_coef > 0}
+
+
+def config_from_hf(hf_config, **overrides) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2, Llama or Mixtral config (a `PretrainedConfig`
+    or its dict). Dropout is 0; `overrides` replace any GPTConfig field afterwards
+    (e.g. seq_len, dropout, kernel_backend). Raises HFConversionError naming the field for
+    any HF feature meshtron would not reproduce exactly."""
+    hf = hf_config
+    model_type = _get(hf, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFConversionError(f"config field model_type={model_type!r} is not supported; "
+                                f"use one of {SUPPORTED_MODEL_TYPES}")
+    if _get(hf, "is_encoder_decoder", False) or _get(hf, "add_cross_attention", False):
+        raise _fail(model_type, "add_cross_attention", True, "decoder-only models only")
+    tie = bool(_get(hf, "tie_word_embeddings", model_type == "gpt2"))
+    if model_type == "gpt2":
+        act = _get(hf, "activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise _fail(model_type, "activation_function", act, "meshtron's GPT-2 MLP uses tanh-approximate GeLU "
+                        "(gelu_new / gelu_pytorch_tanh)")
+        if not _get(hf, "scale_attn_weights", True):
+            raise _fail(model_type, "scale_attn_weights", False, "attention is always scaled by 1/sqrt(head_dim)")
+        if _get(hf, "scale_attn_by_inverse_layer_idx", False):
+            raise _fail(model_type, "scale_attn_by_inverse_layer_idx", True, "no per-layer attention scaling")
+        h = _get(hf, "n_embd")
+        cfg = GPTConfig(
+            arch="gpt2", num_layers=_get(hf, "n_layer"), hidden_size=h, num_heads=_get(hf, "n_head"),
+            ffn_hidden_size=_get(hf, "n_inner") or 4 * h, vocab_size=_get(hf, "vocab_size"),
+            seq_len=_get(hf, "n_positions"), dropout=0.0, tie_embeddings=tie,
+            init_std=float(_get(hf, "initializer_range", 0.02)), norm_eps=float(_get(hf, "layer_norm_epsilon", 1e-5)),
+        )
+    else:
+        act = _get(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise _fail(model_type, "hidden_act", act, "meshtron's Llama MLP is SwiGLU (silu)")
+        h, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
+        head_dim = _get(hf, "head_dim")
+        if head_dim is not None and head_dim * heads != h:
+            raise _fail(model_type, "head_dim", head_dim, f"meshtron needs head_dim = hidden_size / "
+                        f"num_attention_heads = {h}/{heads}")
+        attn_bias = bool(_get(hf, "attention_bias", False))
+        mlp_bias = bool(_get(hf, "mlp_bias", False))
+        if attn_bias != mlp_bias:
+            raise _fail(model_type, "attention_bias", attn_bias, f"meshtron has one bias switch for attention and "
+                        f"MLP, and mlp_bias={mlp_bias}")
+        seq_len = _get(hf, "max_position_embeddings")
+        window = _get(hf, "sliding_window")
+        if window is not None and _get(hf, "use_sliding_window", True) and window < seq_len:
+            raise _fail(model_type, "sliding_window", window, "meshtron attention is full causal")
+        extra = {}
+        if model_type == "mixtral":
+            if _get(hf, "router_jitter_noise", 0.0):
+                raise _fail(model_type, "router_jitter_noise", _get(hf, "router_jitter_noise"),
+                            "meshtron's router has no input jitter")
+            if attn_bias:
+                raise _fail(model_type, "attention_bias", attn_bias, "meshtron's experts have no biases")
+            top_k = _get(hf, "num_experts_per_tok")
+            router = {"router_aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001)),
+                      "output_router_logits": bool(_get(hf, "output_router_logits", False))}
+            extra = dict(num_experts=_get(hf, "num_local_experts"), top_k=top_k,
+                         moe_every=1, moe_ffn_hidden_size=_get(hf, "intermediate_size"), capacity_factor=None,
+                         aux_loss_coef=aux_loss_coef_from_hf(router, top_k), z_loss_coef=0.0,
+                         router_score="softmax", router_renormalize=True, router_bias_update_rate=0.0,
+                         shared_experts=0, aux_loss_scope="microbatch", aux_loss_layers="pooled",
+                         hf_router_fields=router)
+        cfg = GPTConfig(
+            arch="llama", num_layers=_get(hf, "num_hidden_layers"), hidden_size=h, num_heads=heads,
+            num_kv_heads=_get(hf, "num_key_value_heads") or heads, ffn_hidden_size=_get(hf, "intermediate_size"),
+            vocab_size=_get(hf, "vocab_size"), seq_len=seq_len, dropout=0.0, bias=attn_bias, tie_embeddings=tie,
+            init_std=float(_get(hf, "initializer_range", 0.02)), norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(hf, model_type), **extra,
+        )
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def hf_family(cfg: GPTConfig) -> str:
+    """"gpt2", "llama" or "mixtral": the HF architecture that holds exactly `cfg`'s model;
+    raises HFConversionError naming the GPTConfig field that no HF family can express."""
+    def bad(field, value, why):
+        return HFConversionError(f"model.{field}={value!r} has no Hugging Face equivalent: {why}")
+
+    if cfg.arch == "gpt2":
+        wanted = dict(norm="layernorm", activation="gelu", position="learned", bias=True)
+    else:
+        wanted = dict(norm="rmsnorm", activation="swiglu", position="rope")
+    for field, value in wanted.items():
+        if getattr(cfg, field) != value:
+            raise bad(field, getattr(cfg, field), f"arch={cfg.arch} in Hugging Face needs {value!r}")
+    if cfg.arch == "gpt2":
+        if cfg.num_kv_heads != cfg.num_heads:
+            raise bad("num_kv_heads", cfg.num_kv_heads, "GPT-2 has no grouped-query attention")
+        if cfg.is_moe:
+            raise bad("num_experts", cfg.num_experts, "GPT-2 has no MoE variant (use arch=llama: Mixtral)")
+        return "gpt2"
+    if not cfg.is_moe:
+        return "llama"
+    checks = [("moe_every", 1), ("shared_experts", 0), ("router_score", "softmax"), ("router_renormalize", True),
+              ("bias", False), ("router_groups", 0)]
+    for field, value in checks:
+        if getattr(cfg, field) != value:
+            raise bad(field, getattr(cfg, field), f"Mixtral needs {value!r}")
+    return "mixtral"
+
+
+def hf_config_from_gpt(cfg: GPTConfig, **overrides):
+    """A transformers config (GPT2Config, LlamaConfig or MixtralConfig) describing `cfg`'s
+    model; `overrides` are passed to the config class (e.g. bos_token_id)."""
+    transformers = require_transformers()
+    family = hf_family(cfg)
+    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std)
+    if family == "gpt2":
+        kw = dict(n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+                  n_inner=cfg.ffn_hidden_size, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
+                  resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+                  architectures=["GPT2LMHeadModel"], **common)
+        return transformers.GPT2Config(**{**kw, **overrides})
+    kw = dict(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+              num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
+              hidden_act="silu", attention_dropout=cfg.dropout, **common)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    else:
+        kw["rope_theta"] = cfg.rope_theta
+    if family == "llama":
+        kw.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.bias, mlp_bias=cfg.bias,
+                  head_dim=cfg.head_dim, architectures=["LlamaForCausalLM"])
+        return transformers.LlamaConfig(**{**kw, **overrides})
+    kw.update(intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=cfg.num_experts,
+              num_experts_per_tok=cfg.top_k, sliding_window=None, architectures=["MixtralForCausalLM"],
+              **hf_router_fields(cfg))
+    return transformers.MixtralConfig(**{**kw, **overrides})

@@ -1,0 +1,322 @@
+"""Weights between meshtron's sharded parameters and full Hugging Face state dicts: the name and
+layout map, import (every rank loads its shards) and export (gathered to global rank 0 over the
+mesh's groups with mpu collectives)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from meshtron.models.config import GPTConfig
+from meshtron.models.hf.config import HFConversionError, hf_family
+from meshtron.mpu.init import local_shard
+from meshtron.mpu.mappings import gather_from_region
+from meshtron.mpu.mesh import Mesh
+
+# Tensors of real checkpoints that are not weights (causal-mask buffers, cached RoPE tables).
+_IGNORED_KEYS = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
+_VOCAB_PARAMS = ("embed.weight", "head.weight")
+
+
+# --------------------------------------------------------------------------------------------
+# Name / layout map between meshtron full parameters and HF tensors
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Unit:
+    """Meshtron full tensors `mt` <-> HF tensors `hf` (shapes `hf_shapes`), converted exactly."""
+
+    mt: tuple[str, ...]
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    to_mt: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    to_hf: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def _same(mt: str, hf: str, shape) -> _Unit:
+    return _Unit((mt,), (hf,), (tuple(shape),), lambda t: list(t), lambda t: list(t))
+
+
+def _transposed(mt: str, hf: str, hf_shape) -> _Unit:
+    return _Unit((mt,), (hf,), (tuple(hf_shape),), lambda t: [t[0].t()], lambda t: [t[0].t()])
+
+
+def _qkv_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    rest = tuple(q.shape[1:])
+    parts = [x.reshape((kv_heads, -1) + rest) for x in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape((-1,) + rest)
+
+
+def _qkv_split(fused: torch.Tensor, cfg: GPTConfig) -> list[torch.Tensor]:
+    d, g = cfg.head_dim, cfg.num_kv_heads
+    q_rows = cfg.num_heads // g * d
+    rest = tuple(fused.shape[1:])
+    grouped = fused.reshape((g, q_rows + 2 * d) + rest)
+    q, k, v = grouped.split([q_rows, d, d], dim=1)
+    return [x.reshape((-1,) + rest) for x in (q, k, v)]
+
+
+def _qkv_unit(cfg: GPTConfig, mt: str, hf_keys: tuple[str, ...], is_bias: bool, gpt2: bool) -> _Unit:
+    d, nq, nkv, h = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
+    if gpt2:  # one Conv1D [h, 3h] ([q | k | v] columns) or bias [3h]
+        shape = (3 * h,) if is_bias else (h, 3 * h)
+
+        def to_mt(t):
+            full = t[0] if is_bias else t[0].t()
+            return [_qkv_grouped(*full.split(h, dim=0), kv_heads=nkv)]
+
+        def to_hf(t):
+            full = torch.cat(_qkv_split(t[0], cfg), dim=0)
+            return [full if is_bias else full.t()]
+
+        return _Unit((mt,), hf_keys, (shape,), to_mt, to_hf)
+    shapes = tuple((n * d,) if is_bias else (n * d, h) for n in (nq, nkv, nkv))
+    return _Unit((mt,), hf_keys, shapes, lambda t: [_qkv_grouped(*t, kv_heads=nkv)], lambda t: _qkv_split(t[0], cfg))
+
+
+def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
+    """Every meshtron parameter of `cfg`'s full model (unpadded vocabulary) with its HF source."""
+    family = hf_family(cfg)
+    h, f, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    units: list[_Unit] = []
+    if family == "gpt2":
+        p = "transformer."
+        units += [_same("embed.weight", p + "wte.weight", (V, h)),
+                  _same("pos_embed", p + "wpe.weight", (cfg.seq_len, h))]
+        for i in range(cfg.num_layers):
+            L, m = f"{p}h.{i}.", f"layers.{i}."
+            units += [
+                _same(m + "norm1.weight", L + "ln_1.weight", (h,)), _same(m + "norm1.bias", L + "ln_1.bias", (h,)),
+                _qkv_unit(cfg, m + "attn.qkv.weight", (L + "attn.c_attn.weight",), False, True),
+                _qkv_unit(cfg, m + "attn.qkv.bias", (L + "attn.c_attn.bias",), True, True),
+                _transposed(m + "attn.proj.weight", L + "attn.c_proj.weight", (h, h)),
+                _same(m + "attn.proj.bias", L + "attn.c_proj.bias", (h,)),
+                _same(m + "norm2.weight", L + "ln_2.weight", (h,)), _same(m + "norm2.bias", L + "ln_2.bias", (h,)),
+                _transposed(m + "mlp.up.weight", L + "mlp.c_fc.weight", (h, f)),
+                _same(m + "mlp.up.bias", L + "mlp.c_fc.bias", (f,)),
+                _transposed(m + "mlp.down.weight", L + "mlp.c_proj.weight", (f, h)),
+                _same(m + "mlp.down.bias", L + "mlp.c_proj.bias", (h,)),
+            ]
+        units += [_same("final_norm.weight", p + "ln_f.weight", (h,)),
+                  _same("final_norm.bias", p + "ln_f.bias", (h,))]
+    else:
+        units.append(_same("embed.weight", "model.embed_tokens.weight", (V, h)))
+        d, nq = cfg.head_dim, cfg.num_heads
+        for i in range(cfg.num_layers):
+            L, m = f"model.layers.{i}.", f"layers.{i}."
+            a = L + "self_attn."
+            units += [
+                _same(m + "norm1.weight", L + "input_layernorm.weight", (h,)),
+                _qkv_unit(cfg, m + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                          False, False),
+                _same(m + "attn.proj.weight", a + "o_proj.weight", (h, nq * d)),
+                _same(m + "norm2.weight", L + "post_attention_layernorm.weight", (h,)),
+            ]
+            if cfg.bias:
+                units += [_qkv_unit(cfg, m + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                                    True, False),
+                          _same(m + "attn.proj.bias", a + "o_proj.bias", (h,))]
+            if family == "llama":
+                units += [_same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
+                          _same(m + "mlp.up.weight", L + "mlp.up_proj.weight", (f, h)),
+                          _same(m + "mlp.down.weight", L + "mlp.down_proj.weight", (h, f))]
+                if cfg.bias:
+                    units += [_same(m + "mlp.gate.bias", L + "mlp.gate_proj.bias", (f,)),
+                              _same(m + "mlp.up.bias", L + "mlp.up_proj.bias", (f,)),
+                              _same(m + "mlp.down.bias", L + "mlp.down_proj.bias", (h,))]
+            else:
+                units += _expert_units(cfg, m + "mlp.", L, moe_format)
+        units.append(_same("final_norm.weight", "model.norm.weight", (h,)))
+    if not cfg.tie_embeddings:
+        units.append(_same("head.weight", "lm_head.weight", (V, h)))
+    return units
+
+
+def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit]:
+    E, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+    if moe_format == "fused":  # transformers 5.x: [E, 2f, h] gate rows then up rows; down [E, h, f]
+        x = L + "mlp."
+
+        def gate_up_to_mt(t):
+            gate, up = t[0].split(f, dim=1)
+            return [gate.transpose(1, 2), up.transpose(1, 2)]
+
+        return [
+            _same(m + "router.weight", x + "gate.weight", (E, h)),
+            _Unit((m + "experts.w_gate", m + "experts.w_up"), (x + "experts.gate_up_proj",), ((E, 2 * f, h),),
+                  gate_up_to_mt, lambda t: [torch.cat([t[0], t[1]], dim=2).transpose(1, 2)]),
+            _Unit((m + "experts.w_down",), (x + "experts.down_proj",), ((E, h, f),),
+                  lambda t: [t[0].transpose(1, 2)], lambda t: [t[0].transpose(1, 2)]),
+        ]
+    # transformers 4.x / original checkpoints: one nn.Linear per expert and matrix.
+    x = L + "block_sparse_moe."
+
+    def stacked(mt: str, w: str, shape) -> _Unit:
+        keys = tuple(f"{x}experts.{e}.{w}.weight" for e in range(E))
+        return _Unit((mt,), keys, (tuple(shape),) * E, lambda t: [torch.stack([w_.t() for w_ in t])],
+                     lambda t: [w_.t() for w_ in t[0].unbind(0)])
+
+    return [_same(m + "router.weight", x + "gate.weight", (E, h)),
+            stacked(m + "experts.w_gate", "w1", (f, h)), stacked(m + "experts.w_up", "w3", (f, h)),
+            stacked(m + "experts.w_down", "w2", (h, f))]
+
+
+def _default_moe_format() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "fused"
+    return "fused" if int(transformers.__version__.split(".")[0]) >= 5 else "per_expert"
+
+
+def _chunks(model) -> list[nn.Module]:
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))], dim=0)
+
+
+def _normalize_keys(state_dict: dict, family: str) -> dict:
+    """Drop non-weight buffers; accept GPT-2 checkpoints saved without the `transformer.` prefix."""
+    out = {k: v for k, v in state_dict.items() if not _IGNORED_KEYS.search(k)}
+    if family == "gpt2" and "transformer.wte.weight" not in out and "wte.weight" in out:
+        out = {(k if k.startswith("lm_head.") else "transformer." + k): v for k, v in out.items()}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Import
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a FULL Hugging Face state dict into a meshtron model built for any layout.
+
+    `model` is one `GPT` chunk or this rank's list of pipeline chunks; every rank passes the
+    same full dict and keeps its own shards (tp / ep / etp), vocabulary tensors zero-padded.
+    Tied embedding copies on the last pipeline stage get the embedding too. Router expert
+    biases (aux-loss-free balancing state, not in HF) are reset to zero. Missing, unexpected
+    or wrongly shaped tensors raise HFConversionError naming the tensor (on every rank, before
+    anything is copied).
+    """
+    chunks = _chunks(model)
+    cfg: GPTConfig = chunks[0].cfg
+    mesh: Mesh = chunks[0].mesh
+    family = hf_family(cfg)
+    sd = _normalize_keys(state_dict, family)
+    moe_format = "per_expert" if any(".block_sparse_moe." in k for k in sd) else "fused"
+    units = _units(cfg, moe_format)
+
+    expected = {key: shape for u in units for key, shape in zip(u.hf, u.hf_shapes)}
+    embed_key = units[0].hf[0]
+    optional = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_embeddings else {}
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise HFConversionError(f"missing tensor {missing[0]} in the Hugging Face state dict"
+                                + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else ""))
+    unexpected = [k for k in sd if k not in expected and k not in optional]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise HFConversionError(f"unexpected tensor {unexpected[0]} in the Hugging Face state dict for a "
+                                f"{family} model{more}")
+    for key, shape in {**expected, **{k: s for k, s in optional.items() if k in sd}}.items():
+        got = tuple(sd[key].shape)
+        if got != tuple(shape):
+            raise HFConversionError(f"tensor {key} has shape {got}, expected {tuple(shape)} for this config")
+    if cfg.tie_embeddings and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd[embed_key]):
+        raise HFConversionError(f"tensor lm_head.weight differs from {embed_key} but the config ties the "
+                                f"embeddings (tie_word_embeddings=True)")
+
+    by_mt = {name: u for u in units for name in u.mt}
+    converted: dict[int, dict[str, torch.Tensor]] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            unit = by_mt.get(name)
+            if unit is None:
+                raise HFConversionError(f"meshtron parameter {name} has no Hugging Face counterpart")
+            if id(unit) not in converted:
+                converted[id(unit)] = dict(zip(unit.mt, unit.to_mt([sd[k] for k in unit.hf])))
+            full = converted[id(unit)][name]
+            if name in _VOCAB_PARAMS:
+                full = _pad_rows(full, chunk.padded_vocab_size)
+            local = local_shard(full, param.shards, mesh)
+            if local.shape != param.shape:
+                raise HFConversionError(f"tensor {', '.join(unit.hf)} gives meshtron {name} a shard of shape "
+                                        f"{tuple(local.shape)}, expected {tuple(param.shape)}")
+            param.copy_(local)
+        for name, buf in chunk.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buf.zero_()
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def _gather_full(param: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    t = param.detach()
+    for dim, axis in reversed(param.shards):
+        t = gather_from_region(t, dim, getattr(mesh, axis))
+    return t
+
+
+@torch.no_grad()
+def export_hf_state_dict(model, mesh: Mesh, moe_format: str | None = None) -> dict[str, torch.Tensor] | None:
+    """The full Hugging Face state dict of a meshtron model in any layout, on global rank 0
+    (None on every other rank). Collective: every rank of the world must call it.
+
+    Shards are all-gathered over tp / ep / etp, pipeline stages are gathered to rank 0 over
+    the pp group; vocabulary padding is dropped and every layout conversion inverted. Tied
+    models also get `lm_head.weight` (a copy of the embedding), as HF's `state_dict()` has.
+    `moe_format`: "fused" (transformers 5.x Mixtral) or "per_expert" (4.x / original
+    checkpoints); default: the installed transformers' format. Tensors are on the CPU.
+    """
+    chunks = _chunks(model)
+    cfg: GPTConfig = chunks[0].cfg
+    moe_format = moe_format or _default_moe_format()
+    if moe_format not in ("fused", "per_expert"):
+        raise ValueError(f"moe_format={moe_format!r} must be 'fused' or 'per_expert'")
+    units = _units(cfg, moe_format)  # validates the family before any collective
+    local: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            full = _gather_full(param, mesh)  # collective over the shard groups: every rank
+            if getattr(param, "tied_embedding_copy", False):
+                continue
+            if name in _VOCAB_PARAMS:
+                full = full[: cfg.vocab_size]
+            local[name] = full.cpu().clone()
+
+    full_params = local
+    if mesh.pp_size > 1:
+        if mesh.dp_rank != 0 or mesh.tp_rank != 0:
+            return None
+        import torch.distributed as dist
+        gathered = [None] * mesh.pp_size if mesh.rank == 0 else None
+        dist.gather_object(local, gathered, dst=0, group=mesh.pp)
+        if mesh.rank != 0:
+            return None
+        full_params = {k: v for part in gathered for k, v in part.items()}
+    elif mesh.rank != 0:
+        return None
+
+    out: dict[str, torch.Tensor] = {}
+    for unit in units:
+        absent = [n for n in unit.mt if n not in full_params]
+        if absent:
+            raise HFConversionError(f"meshtron parameter {absent[0]} was not found in the model chunks")
+        for key, tensor in zip(unit.hf, unit.to_hf([full_params[n] for n in unit.mt])):
+            out[key] = tensor.contiguous().clone()
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out[units[0].hf[0]].clone()
+    return out
