@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
 from meshtron.models.gpt import init_model_chunks  # noqa: E402
 from meshtron.mpu.mesh import single_process_mesh  # noqa: E402
-from memory import saved_activation_bytes  # the sibling script bench/memory.py: one measurement for both benches
+from meshtron.planning.activations import saved_activation_bytes  # noqa: E402
 from meshtron.planning.plan import chunk_activations  # noqa: E402
 
 

@@ -56,6 +56,7 @@ from meshtron.mpu.distributed_optimizer import ShardedAdamW  # noqa: E402
 from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.training.optim import build_optimizer  # noqa: E402
+from meshtron.planning.activations import saved_activation_bytes  # noqa: E402
 from meshtron.planning.plan import plan_rank  # noqa: E402
 
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "total")
@@ -123,25 +124,6 @@ def state_bytes(chunks, reducer, optimizer) -> dict[str, int]:
     opt = [t for s in state for t in s.values() if torch.is_tensor(t)]
     return {"weights": _storage_bytes(params), "grads": _storage_bytes(g for g in grads if g is not None),
             "optimizer": _storage_bytes(opt)}
-
-
-def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for backward during one forward and loss
-    (parameters excluded); runs the backward afterwards to free them."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss_per_token(model(inputs), targets).sum()
-        aux = model.aux_loss()
-    (loss if aux is None else loss + aux).backward()
-    return sum(seen.values())
 
 
 def profiled_peak(fn, device: torch.device) -> int:

@@ -68,6 +68,72 @@ class _Bucket:
     comm: tuple | None = None  # (wire buffer, its result) while a compressed reduction is in flight
 
 
+GRAD_GROUPS = ("dp", "tp_dp", "edp")
+
+
+def grad_group(p: nn.Parameter) -> str:
+    """Replica group a parameter's gradient is summed over: "edp" (experts), "tp_dp"
+    (sequence-parallel replicated: each TP rank saw only its tokens) or "dp"."""
+    if getattr(p, "expert", False):
+        return "edp"
+    return "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
+
+
+def is_tied_embedding(p: nn.Parameter) -> bool:
+    """Whether `p` is a tied embedding whose pipeline-stage copies are summed over `mesh.embedding`."""
+    return getattr(p, "tied_across_stages", False)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """One gradient bucket: its replica group `key`, weight-decay class (matrices), whether it
+    holds tied embeddings, its (name, parameter) items in fill order, their elements and the
+    buffer size padded to a multiple of the replica count."""
+
+    key: str
+    decay: bool
+    tied: bool
+    items: tuple
+    numel: int
+    padded_numel: int
+
+
+def bucket_layout(named_params, replicas: dict[str, int], bucket_mb: float = 25.0, *,
+                  tied_apart: bool = False) -> list[BucketSpec]:
+    """The buckets `DataParallelGradReducer` fills (pure: no tensor is touched, so meta
+    parameters work): parameters needing a gradient, classed by replica group (`grad_group`),
+    by weight decay (ndim >= 2, so a ZeRO shard of a bucket belongs to one optimizer group) and,
+    when `tied_apart` (the tied embedding's copies live on different ranks), into buckets of
+    their own for tied embeddings; each class is taken in reverse registration order and a
+    bucket closed once it reaches `bucket_mb` MiB of fp32. `replicas[key]` is the size of the
+    group each bucket's buffer is padded to a multiple of."""
+    by_class: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+    for name, p in named_params:
+        if p.requires_grad:
+            cls = (grad_group(p), p.ndim >= 2, tied_apart and is_tied_embedding(p))
+            by_class.setdefault(cls, []).append((name, p))
+    limit = int(bucket_mb * 2**20)
+    out: list[BucketSpec] = []
+
+    def close(key, decay, tied, items):
+        numel = sum(p.numel() for _, p in items)
+        padded = -(-numel // replicas[key]) * replicas[key]
+        out.append(BucketSpec(key, decay, tied, tuple(items), numel, padded))
+
+    for (key, decay, tied), items in by_class.items():
+        current: list[tuple[str, nn.Parameter]] = []
+        size = 0
+        for name, p in reversed(items):
+            current.append((name, p))
+            size += p.numel() * 4
+            if size >= limit:
+                close(key, decay, tied, current)
+                current, size = [], 0
+        if current:
+            close(key, decay, tied, current)
+    return out
+
+
 class DataParallelGradReducer:
     """Owns the gradient buffers of `params` and sums them over their replica groups.
 
@@ -89,51 +155,27 @@ class DataParallelGradReducer:
         self._sync_enabled = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        self.tied_embedding = [p for _, p in named_params if p.requires_grad and getattr(p, "tied_across_stages", False)
-                               and group_size(mesh.embedding) > 1]
-        tied = {id(p) for p in self.tied_embedding}
-        by_group: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
-        for name, p in named_params:
-            if not p.requires_grad:
-                continue
-            if getattr(p, "expert", False):
-                key = "edp"
-            else:
-                key = "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
-            # Buckets are also split by weight decay (matrices vs vectors), so a shard of a
-            # bucket (ZeRO) belongs to one optimizer group; tied embeddings get their own.
-            by_group.setdefault((key, p.ndim >= 2, id(p) in tied), []).append((name, p))
-        limit = int(bucket_mb * 2**20)
-        for (key, decay, is_tied), items in by_group.items():
-            group = getattr(mesh, key)
-            current: list[tuple[str, nn.Parameter]] = []
-            size = 0
-            for name, p in reversed(items):
-                current.append((name, p))
-                size += p.numel() * 4
-                if size >= limit:
-                    self._make_bucket(group, current, decay, key, is_tied)
-                    current, size = [], 0
-            if current:
-                self._make_bucket(group, current, decay, key, is_tied)
+        tied_apart = group_size(mesh.embedding) > 1
+        self.tied_embedding = [p for _, p in named_params if p.requires_grad and is_tied_embedding(p) and tied_apart]
+        replicas = {key: group_size(getattr(mesh, key)) for key in GRAD_GROUPS}
+        for spec in bucket_layout(named_params, replicas, bucket_mb, tied_apart=tied_apart):
+            self._make_bucket(getattr(mesh, spec.key), spec)
         self._hooks = []
         for bucket in self.buckets:
             if group_size(bucket.group) > 1:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _make_bucket(self, group, items: list[tuple[str, nn.Parameter]], decay: bool, key: str = "dp",
-                     tied: bool = False) -> None:
-        params = [p for _, p in items]
+    def _make_bucket(self, group, spec: BucketSpec) -> None:
+        params = [p for _, p in spec.items]
         dtype = torch.float32 if params[0].dtype in (torch.float16, torch.bfloat16) else params[0].dtype
-        numel = sum(p.numel() for p in params)
         replicas, rank = group_size(group), group_rank(group)
-        padded = -(-numel // replicas) * replicas  # divisible into equal shards per replica
-        buffer = torch.zeros(padded, dtype=dtype, device=params[0].device)
-        bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in items], decay=decay,
-                         key=key, numel=padded, deferred=tied and self.shard_grads)
+        buffer = torch.zeros(spec.padded_numel, dtype=dtype, device=params[0].device)
+        bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in spec.items],
+                         decay=spec.decay, key=spec.key, numel=spec.padded_numel,
+                         deferred=spec.tied and self.shard_grads)
         self._point_grads(bucket)
-        size = padded // replicas
+        size = spec.padded_numel // replicas
         bucket.shard_start = rank * size
         if self._sharded(bucket):
             bucket.shard = torch.zeros(size, dtype=dtype, device=buffer.device)

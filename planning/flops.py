@@ -1,4 +1,4 @@
-"""Analytic FLOP, parameter and memory counts for meshtron's GPT (dense and MoE).
+"""Analytic FLOP and parameter counts for meshtron's GPT (dense and MoE).
 
 Everything here is pure arithmetic on a `GPTConfig`: no torch, no process groups. The
 formulas follow the model as built in `models/` (pre-norm blocks, fused QKV, GQA, gelu or
@@ -7,16 +7,12 @@ swiglu MLP, optional MoE layers every `moe_every` layers, optional tied LM head)
 * `model_flops_per_token` is the number MFU is computed from
   (MFU = flops_per_token * tokens_per_s / peak_flops).
 * `param_count` counts unique parameters of the unsharded model.
-* `params_per_rank` / `model_state_bytes` give the per-rank weights, gradients and optimizer
-  state under tp / ep / etp / pp / ZeRO sharding.
-* `activation_bytes_per_microbatch` estimates the activations kept for backward
-  (Korthikanti et al. 2022, adapted term by term to this block).
+* `params_per_rank` gives the per-rank parameters under tp / ep / etp / pp sharding.
+
+Memory (model states, activations) has one model: `planning.plan`.
 """
 
 from __future__ import annotations
-
-import math
-from fractions import Fraction
 
 from meshtron.models.config import GPTConfig
 
@@ -24,8 +20,6 @@ __all__ = [
     "model_flops_per_token",
     "param_count",
     "params_per_rank",
-    "model_state_bytes",
-    "activation_bytes_per_microbatch",
     "moe_layer_indices",
 ]
 
@@ -68,12 +62,6 @@ def _norm_params(cfg: GPTConfig) -> int:
 
 def _qkv_out(cfg: GPTConfig) -> int:
     return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-
-
-def _act_hidden(cfg: GPTConfig, ffn: int) -> int:
-    """Hidden-size activations one MLP keeps per token: gelu fc1 out + gelu out (2f);
-    swiglu gate out + up out + product (3f, i.e. a fused swiglu / saved-input silu)."""
-    return (2 if cfg.activation == "gelu" else 3) * ffn
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -220,136 +208,3 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
                 n += vocab_local * h
         best = max(best, n)
     return best
-
-
-_PRECISION_BYTES = {
-    # precision: (weight bytes, grad bytes, fp32 main-param bytes, optimizer bytes) per param
-    "fp32": (4, 4, 0, 8),
-    "bf16": (2, 2, 4, 8),
-}
-
-
-def model_state_bytes(
-    cfg: GPTConfig,
-    tp: int = 1,
-    ep: int = 1,
-    etp: int = 1,
-    pp: int = 1,
-    zero_dp: int = 1,
-    precision: str = "fp32",
-) -> dict[str, int]:
-    """Bytes of weights, gradients and AdamW state on the most loaded rank (no activations).
-
-    Per parameter (N = params_per_rank(cfg, tp, ep, etp, pp)):
-    * "fp32": weights 4 B, grads 4 B, AdamW exp_avg + exp_avg_sq 8 B;
-    * "bf16": weights 2 B, grads 2 B, fp32 main params 4 B, AdamW 8 B.
-    `zero_dp` is the number of data-parallel ranks the optimizer state and main params are
-    sharded over (ZeRO-1 / distributed optimizer; 1 = unsharded). Returns a dict with
-    `params`, `weights`, `grads`, `main_params`, `optimizer` and `total` (bytes).
-    """
-    return state_bytes_for(params_per_rank(cfg, tp=tp, ep=ep, etp=etp, pp=pp), zero_dp, precision)
-
-
-def state_bytes_for(n: int, zero_dp: int = 1, precision: str = "fp32") -> dict[str, int]:
-    """`model_state_bytes` for a known per-rank parameter count `n`."""
-    if precision not in _PRECISION_BYTES:
-        raise ValueError(f"precision={precision!r} is unknown; use one of {sorted(_PRECISION_BYTES)}")
-    if zero_dp < 1:
-        raise ValueError(f"zero_dp={zero_dp} must be >= 1")
-    wb, gb, mb, ob = _PRECISION_BYTES[precision]
-    out = {
-        "params": n,
-        "weights": wb * n,
-        "grads": gb * n,
-        "main_params": math.ceil(mb * n / zero_dp),
-        "optimizer": math.ceil(ob * n / zero_dp),
-    }
-    out["total"] = out["weights"] + out["grads"] + out["main_params"] + out["optimizer"]
-    return out
-
-
-# --------------------------------------------------------------------------- activations
-
-
-def activation_bytes_per_microbatch(
-    cfg: GPTConfig,
-    micro_batch_size: int,
-    tp: int = 1,
-    sp: bool = False,
-    bytes_per_elem: int = 4,
-    *,
-    flash_attention: bool = False,
-) -> int:
-    """Estimated bytes of activations saved for backward for ONE microbatch on one rank.
-
-    Covers all layers (pp = 1), the embedding, and the LM head / loss. Follows Korthikanti
-    et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), whose
-    16-bit GPT layer keeps s*b*h*(34 + 5*a*s/h) bytes, rederived for this block. Tensors
-    cost `bytes_per_elem` per element, dropout masks 1 B (torch.bool). Per layer, per token
-    (s = seq_len, b = micro_batch_size, a heads, g kv heads, d head_dim, f ffn size):
-
-    Replicated over tp (divided by tp only when `sp`, where each rank keeps s/tp tokens):
-      norm1 input h, QKV input (norm1 output) h, norm2 input h, MLP input (norm2 output) h;
-      when cfg.dropout > 0 the two residual-dropout masks h + h (bytes).
-    Split over tp (divided by tp always):
-      Q a*d (= h), K g*d, V g*d (GQA keeps only the kv heads), attention context / out-proj
-      input h; softmax probabilities a*s, plus (dropout > 0) their mask a*s bytes and the
-      dropped probabilities a*s. With `flash_attention` the three s-sized terms become the
-      fp32 log-sum-exp, a values of 4 B (the context is already counted);
-      MLP hidden: gelu fc1 output + gelu output = 2f; swiglu gate + up + product = 3f
-      (a fused swiglu; the unfused torch path also keeps silu(gate), one more f).
-    MoE layer (replaces the MLP; input still counted above): router probabilities E, and
-      per routed expert (top_k per token) its permuted input h, hidden (2 or 3)*F and output
-      h kept for the probability-weighted combine, all on the tokens this rank holds: the
-      MoE layer always works on distinct tokens per TP rank (s*b/tp, with or without sp;
-      balanced routing makes the count independent of ep; etp is not modelled); shared
-      experts add (2 or 3)*F each on the same tokens.
-    Outside the layers: embedding dropout mask h bytes (dropout > 0); final-norm input h and
-      LM-head input h (sp-split); logits/softmax of the local vocab shard
-      padded_vocab_size(tp)/tp, kept once in fp32 (4 B) for the vocab-parallel
-      cross-entropy, as in Megatron.
-
-    With bytes_per_elem=2, gelu, f=4h, g=a and dropout > 0 each layer is exactly the paper's
-    s*b*h*(34 + 5*a*s/h) at tp=1, s*b*h*(10 + 24/tp + 5*a*s/(h*tp)) with tp, and
-    s*b*h*(34 + 5*a*s/h)/tp with tp + sp. Small O(s*b) tensors (norm statistics, token ids,
-    routing indices, per-token loss terms) are ignored. Monotone in every size, linear in b.
-    """
-    if micro_batch_size < 1 or tp < 1 or bytes_per_elem < 1:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size}, tp={tp}, bytes_per_elem={bytes_per_elem} must all be >= 1"
-        )
-    _check_moe(cfg)
-    h, s, a, g, d = cfg.hidden_size, cfg.seq_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    e = bytes_per_elem
-    drop = cfg.dropout > 0
-    moe = set(moe_layer_indices(cfg))
-    sp_div = tp if sp else 1
-
-    # Per-token bytes before dividing by tp (split) or sp_div (replicated).
-    rep_layer = 4 * h * e + (2 * h if drop else 0)
-    split_attn = (2 * h + 2 * g * d) * e
-    if flash_attention:
-        split_attn += 4 * a
-    else:
-        split_attn += a * s * e + ((a * s + a * s * e) if drop else 0)
-    split_dense_mlp = _act_hidden(cfg, cfg.ffn_hidden_size) * e
-    fm = cfg.moe_ffn_hidden_size
-    rep_moe = 0  # MoE tokens are split over tp inside the layer (moe/layer.py), with or without sp
-    split_moe = (cfg.num_experts + cfg.top_k * (2 * h + _act_hidden(cfg, fm))) * e
-    split_moe += cfg.shared_experts * _act_hidden(cfg, fm) * e
-
-    rep = Fraction(0)
-    split = Fraction(0)
-    for i in range(cfg.num_layers):
-        rep += rep_layer
-        split += split_attn
-        if i in moe:
-            rep += rep_moe
-            split += split_moe
-        else:
-            split += split_dense_mlp
-    rep += (h if drop else 0) + 2 * h * e  # embedding dropout mask; final norm + LM-head inputs
-    tokens = s * micro_batch_size
-    logits = Fraction(4 * cfg.padded_vocab_size(tp), tp)
-    total = tokens * (rep / sp_div + split / tp + logits)
-    return math.ceil(total)

@@ -15,7 +15,7 @@ plan a 64-GPU layout).
   ZeRO 0/1/2 and CPU offload, plus the 16-bit weight copies autocast holds under bf16/fp16.
 * Activations (`chunk_activations`, `activation_estimate`): the tensors autograd saves for
   backward, term by term for this code base's blocks (measured with saved-tensor hooks,
-  `bench/activation_memory.py`), and the transient buffers alive at the step's peak (the
+  `planning.activations.saved_activation_bytes`), and the transient buffers alive at the step's peak (the
   logits the step holds, the cross-entropy's gradient, a recomputed layer, the backward's
   working set), combined over the microbatches the pipeline schedule keeps in flight by
   replaying this rank's action list (`mpu.pipeline_schedules.build_schedule`).
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from meshtron.models.config import GPTConfig
+from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
@@ -100,7 +101,8 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
       (experts);
     * "matmul": parameters autocast copies to 16 bits (see `_matmul_param_ids`);
     * "largest": elements of the largest parameter tensor;
-    * "buckets": (replica group, elements) of each gradient bucket (`_bucket_layout`).
+    * "buckets": (replica group, elements) of each gradient bucket, laid out by
+      `mpu.grad_reduce.bucket_layout` (the reducer's own function).
     Nothing is allocated and no parameter is initialized; no communication.
     """
     from meshtron.models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
@@ -115,40 +117,14 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
         n = p.numel()
         out["total"] += n
         out["replicated" if getattr(p, "tp_shard_dim", None) is None else "tp_sharded"] += n
-        out["group_" + _grad_group(p)] += n
+        out["group_" + grad_group(p)] += n
         if id(p) in matmul_ids:
             out["matmul"] += n
         out["largest"] = max(out["largest"], n)
-    out["buckets"] = _bucket_layout(chunks)
-    return out
-
-
-def _grad_group(p) -> str:
-    if getattr(p, "expert", False):
-        return "edp"
-    return "tp_dp" if getattr(p, "sequence_parallel", False) else "dp"
-
-
-def _bucket_layout(chunks, bucket_mb: float = 25.0) -> list[tuple[str, int]]:
-    """(replica group, elements) of each gradient bucket, as `mpu.grad_reduce` fills them: the
-    parameters of each (group, ndim >= 2) class in reverse registration order, a bucket closed
-    once it reaches `bucket_mb` MiB of fp32 (padding to the replica count not included)."""
-    by_class: dict[tuple[str, bool], list[int]] = {}
-    for chunk in chunks:
-        for _, p in chunk.named_parameters():
-            if p.requires_grad:
-                by_class.setdefault((_grad_group(p), p.ndim >= 2), []).append(p.numel())
-    limit = int(bucket_mb * 2**20)
-    out: list[tuple[str, int]] = []
-    for (key, _), sizes in by_class.items():
-        current = 0
-        for n in reversed(sizes):
-            current += n
-            if current * 4 >= limit:
-                out.append((key, current))
-                current = 0
-        if current:
-            out.append((key, current))
+    named = [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
+    tied_apart = par.pp > 1 and model_cfg.tie_embeddings  # the copies on the first and last stage
+    out["buckets"] = [(spec.key, spec.numel) for spec in
+                      bucket_layout(named, _replicas(par), tied_apart=tied_apart)]
     return out
 
 

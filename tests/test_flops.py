@@ -1,17 +1,14 @@
-"""Hand-checked FLOP, parameter and activation-memory counts (planning/flops.py)."""
+"""Hand-checked FLOP and parameter counts (planning/flops.py); the model states and activation
+properties that flops.py's second memory model was checked for, now against planning/plan.py's."""
 
 from __future__ import annotations
 
 import pytest
 
 from meshtron.models.config import GPTConfig
-from meshtron.planning.flops import (
-    activation_bytes_per_microbatch,
-    model_flops_per_token,
-    model_state_bytes,
-    param_count,
-    params_per_rank,
-)
+from meshtron.mpu.mesh import ParallelConfig
+from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
+from meshtron.planning.plan import chunk_activations, meta_param_counts, model_state_bytes
 
 
 def gpt2_tiny(**kw) -> GPTConfig:
@@ -161,89 +158,50 @@ def test_params_per_rank_moe_ep():
         params_per_rank(moe_tiny(), ep=3)
 
 
+def _states(cfg: GPTConfig, dp: int = 1, **kw) -> dict[str, int]:
+    counts = meta_param_counts(cfg, ParallelConfig().resolved(dp), dp, 0)
+    return model_state_bytes(counts, {"dp": dp, "tp_dp": dp, "edp": dp}, **kw)
+
+
 def test_model_state_bytes():
     n = param_count(gpt2_tiny())["total"]
-    fp32 = model_state_bytes(gpt2_tiny())
-    assert fp32 == {"params": n, "weights": 4 * n, "grads": 4 * n, "main_params": 0, "optimizer": 8 * n,
-                    "total": 16 * n}
-    bf16 = model_state_bytes(gpt2_tiny(), precision="bf16")
-    assert (bf16["weights"], bf16["grads"], bf16["main_params"], bf16["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
-    assert model_state_bytes(gpt2_tiny(), zero_dp=2)["total"] == 4 * n + 4 * n + 4 * n
+    fp32 = _states(gpt2_tiny())
+    assert (fp32["params"], fp32["weights"], fp32["grads"], fp32["main_params"], fp32["optimizer"],
+            fp32["total"]) == (n, 4 * n, 4 * n, 0, 8 * n, 16 * n)
+    # bf16 autocast: fp32 main weights and grads, plus 2-byte copies of the matmul weights.
+    bf16 = _states(gpt2_tiny(), precision="bf16")
+    assert (bf16["weights"], bf16["grads"], bf16["main_params"], bf16["optimizer"]) == (4 * n, 4 * n, 0, 8 * n)
+    assert 0 < bf16["autocast_weight_copies"] < 2 * n
+    assert _states(gpt2_tiny(), dp=2, zero=1)["total"] == 4 * n + 4 * n + 4 * n
     with pytest.raises(ValueError, match="precision"):
-        model_state_bytes(gpt2_tiny(), precision="fp8")
+        _states(gpt2_tiny(), precision="fp8")
 
 
 # ----------------------------------------------------------------------------- activations
 
 
-def test_activations_match_korthikanti_16bit():
-    # GPT-2 block with f = 4h, MHA and dropout: the paper's per-layer bytes, 16-bit.
-    cfg = gpt2_tiny(dropout=0.1)
-    s, b, h, a, L, v = 32, 2, 64, 4, 2, 256
-    sbh = s * b * h
-    outside_rep = s * b * (h + 2 * h * 2)  # embedding dropout mask; final-norm + LM-head inputs
-    logits = s * b * 4 * v  # fp32 softmax of the local vocab shard
-
-    layer = sbh * (34 + 5 * a * s // h)
-    assert activation_bytes_per_microbatch(cfg, b, tp=1, sp=False, bytes_per_elem=2) == (
-        L * layer + outside_rep + logits
-    )
-
-    t = 2  # tensor parallel, no SP: sbh * (10 + 24/t + 5as/(ht))
-    layer_tp = sbh * 10 + sbh * 24 // t + sbh * 5 * a * s // (h * t)
-    assert activation_bytes_per_microbatch(cfg, b, tp=t, sp=False, bytes_per_elem=2) == (
-        L * layer_tp + outside_rep + logits // t
-    )
-
-    # tensor + sequence parallel: everything / t
-    assert activation_bytes_per_microbatch(cfg, b, tp=t, sp=True, bytes_per_elem=2) == (
-        (L * layer + outside_rep) // t + logits // t
-    )
-
-
-def test_activations_fp32_llama_terms():
-    cfg = llama_gqa_tiny()  # no dropout, swiglu, GQA
-    s, b, h, a, g, d, f, v = 16, 3, 64, 4, 2, 16, 160, 384
-    e = 4
-    per_layer = (4 * h) * e + (2 * h + 2 * g * d) * e + a * s * e + 3 * f * e
-    expected = s * b * (2 * per_layer + 2 * h * e + 4 * v)
-    assert activation_bytes_per_microbatch(cfg, b, tp=1, sp=False) == expected
-    flash = (4 * h) * e + (2 * h + 2 * g * d) * e + 4 * a + 3 * f * e
-    assert activation_bytes_per_microbatch(cfg, b, tp=1, sp=False, flash_attention=True) == (
-        s * b * (2 * flash + 2 * h * e + 4 * v)
-    )
+def saved(cfg: GPTConfig, micro: int, tp: int = 1, sp: bool = False, precision: str = "fp32") -> int:
+    """The planner's saved bytes of one microbatch through the whole model on TP rank 0."""
+    return chunk_activations(cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True,
+                             tp=tp, sp=sp, precision=precision).saved
 
 
 def test_activations_scale_with_tp_sp_and_batch():
     cfg = llama_gqa_tiny(vocab_size=512)  # 512 = multiple of 128*4: no extra padding at tp<=4
-    base = activation_bytes_per_microbatch(cfg, 4, tp=1, sp=False)
+    base = saved(cfg, 4)
     for t in (2, 4):
-        with_sp = activation_bytes_per_microbatch(cfg, 4, tp=t, sp=True)
-        without = activation_bytes_per_microbatch(cfg, 4, tp=t, sp=False)
-        assert with_sp * t == base
-        assert with_sp < without < base
+        assert saved(cfg, 4, tp=t, sp=True) < saved(cfg, 4, tp=t) < base
     for b in (1, 2, 8):
-        assert activation_bytes_per_microbatch(cfg, b, tp=2, sp=True) * 4 == (
-            activation_bytes_per_microbatch(cfg, 4, tp=2, sp=True) * b
-        )
-    # Monotone in model size and in dropout; fp16 halves the tensors but not the fp32 loss.
-    assert activation_bytes_per_microbatch(llama_gqa_tiny(num_kv_heads=4), 4, 1, False) > (
-        activation_bytes_per_microbatch(llama_gqa_tiny(), 4, 1, False)
-    )
-    assert activation_bytes_per_microbatch(gpt2_tiny(dropout=0.1), 1, 1, False) > (
-        activation_bytes_per_microbatch(gpt2_tiny(), 1, 1, False)
-    )
-    half = activation_bytes_per_microbatch(cfg, 4, 1, False, bytes_per_elem=2)
+        assert saved(cfg, b, tp=2, sp=True) * 4 == saved(cfg, 4, tp=2, sp=True) * b
+    # Monotone in model size and in dropout; 16-bit halves the tensors but not the fp32 loss.
+    assert saved(llama_gqa_tiny(num_kv_heads=4), 4) > saved(llama_gqa_tiny(), 4)
+    assert saved(gpt2_tiny(dropout=0.1), 1) > saved(gpt2_tiny(), 1)
+    half = saved(cfg, 4, precision="bf16")
     assert base // 2 < half < base
 
 
 def test_activations_moe():
-    b, e = 2, 4
-    s, h, fm, n_exp, k = 8, 32, 48, 4, 2
-    dense = activation_bytes_per_microbatch(moe_tiny(num_experts=0), b, 1, False)
-    moe = activation_bytes_per_microbatch(moe_tiny(), b, 1, False)
-    # Layer 1 swaps the dense MLP hidden (3*64) for router probs, top_k (input, hidden, output)
-    # and one shared expert's hidden.
-    delta = s * b * e * (n_exp + k * (2 * h + 3 * fm) + 3 * fm - 3 * 64)
-    assert moe - dense == delta
-    assert activation_bytes_per_microbatch(moe_tiny(top_k=1), b, 1, False) < moe
+    dense = saved(moe_tiny(num_experts=0), 2)
+    moe = saved(moe_tiny(), 2)
+    assert moe > dense
+    assert saved(moe_tiny(top_k=1), 2) < moe
