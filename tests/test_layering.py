@@ -1,0 +1,64 @@
+"""The folders depend one way (README, "One import root"): a module may import meshtron
+modules of its own folder or of folders below it, never above. Checked on the source with
+`ast`, imports inside functions included, so a lazy import cannot hide an upward edge."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Lower number = lower layer. `meshtron` (the import root: errors) sits below everything.
+LAYERS = {"meshtron": 0, "mpu": 1, "kernels": 2, "moe": 3, "models": 4, "textdata": 5, "planning": 5,
+          "observability": 6, "training": 7}
+
+
+def _meshtron_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, folder) of every `meshtron.<folder>` import in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "meshtron":
+                folder = parts[1] if len(parts) > 1 and parts[1] in LAYERS else "meshtron"
+                found.append((node.lineno, folder))
+    return found
+
+
+def _upward_imports() -> list[str]:
+    bad = []
+    for folder, layer in LAYERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for line, target in _meshtron_imports(path):
+                same_level_peer = LAYERS[target] == layer and target != folder
+                if LAYERS[target] > layer or same_level_peer:
+                    bad.append(f"{path.relative_to(ROOT)}:{line} imports meshtron.{target}")
+    return bad
+
+
+def test_no_folder_imports_a_folder_above_it():
+    assert _upward_imports() == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+    """The checker itself: an upward import planted in a copy of the tree is reported."""
+    for folder in LAYERS:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "moe" / "bad.py").write_text("def f():\n    from meshtron.models.gpt import GPT\n")
+    (tmp_path / "training" / "fine.py").write_text("from meshtron.moe.layer import MoELayer\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    assert _upward_imports() == ["moe/bad.py:2 imports meshtron.models"]
+
+
+@pytest.mark.parametrize("folder", sorted(LAYERS))
+def test_every_layer_folder_is_a_package_with_a_docstring(folder):
+    init = ROOT / folder / "__init__.py"
+    assert init.is_file(), f"{folder}/ has no __init__.py"
+    assert ast.get_docstring(ast.parse(init.read_text())), f"{folder}/__init__.py says nothing about what lives there"
