@@ -43,6 +43,7 @@ from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
+from meshtron.rules import PRECISIONS, batch_checks, first_failure, microbatches, precision_check
 
 __all__ = [
     "plan_rank", "plan_all_ranks", "format_rank_line", "format_plan", "write_plan", "meta_param_counts",
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 GIB = 1024**3
-PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("cpu", "cuda")
 
 FLOPS_CONVENTION = (
@@ -152,8 +152,7 @@ def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero:
       forward's matmuls until their backward), 0 for fp32.
     Bucket padding (fewer than R_g elements per bucket) is ignored.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {list(PRECISIONS)}")
+    _require(precision_check(precision))
     if zero not in (0, 1, 2):
         raise ValueError(f"optim.zero={zero} must be 0, 1 or 2")
     n = counts["total"]
@@ -372,8 +371,7 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
     attention kernels (flash / memory-efficient, with dropout too) and a fused RMSNorm
     (input + rstd) are assumed.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {list(PRECISIONS)}")
+    _require(precision_check(precision))
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
     h, b = cfg.hidden_size, micro_batch_size
@@ -552,21 +550,19 @@ def _optimizer_transient(counts: dict[str, Any], replicas: dict[str, int], zero:
 # --------------------------------------------------------------------------- plans
 
 
+def _require(*checks) -> None:
+    """Raise ValueError with the message of the first failing rule (meshtron/rules.py)."""
+    message = first_failure(list(checks))
+    if message:
+        raise ValueError(message)
+
+
 def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
-    if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must be a positive integer")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"trainer.global_batch_size={global_batch_size} must be a positive integer")
-    per_step = dp * micro_batch_size
-    if global_batch_size % per_step:
-        lower = max(per_step, global_batch_size // per_step * per_step)
-        raise ValueError(
-            f"trainer.global_batch_size={global_batch_size} is not divisible by "
-            f"trainer.micro_batch_size={micro_batch_size} * dp={dp} = {per_step}; "
-            f"use a global batch that is a multiple of {per_step} (e.g. {lower} or {lower + per_step}), "
-            f"or change trainer.micro_batch_size / parallel.dp"
-        )
-    return global_batch_size // per_step
+    """Microbatches per rank; ValueError naming the fields if the batch does not split."""
+    if micro_batch_size is None:
+        raise ValueError("trainer.micro_batch_size=None: the planner needs the micro batch size")
+    _require(*batch_checks(global_batch_size, micro_batch_size, dp))
+    return microbatches(global_batch_size, micro_batch_size, dp)[1]
 
 
 def _resolve_zero(zero: int | None, zero_dp: int | None) -> int:
@@ -613,8 +609,7 @@ def plan_rank(
     model_states: everything above the persistent states at the peak), total (the step's
     peak) and host (offload). `bench/memory.py` measures the same categories.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {list(PRECISIONS)}")
+    _require(precision_check(precision))
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
     zero = _resolve_zero(zero, zero_dp)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshtron.errors import ConfigError
+from meshtron.rules import batch_size_checks, first_failure, precision_check
 from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
@@ -121,15 +122,15 @@ class RunConfig:
             raise ConfigError(f"trainer.max_steps={t.max_steps} must be >= 1")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"trainer.device={t.device!r} must be auto, cpu or cuda")
-        if t.precision not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"trainer.precision={t.precision!r} must be fp32, bf16 or fp16")
+        ok, message = precision_check(t.precision)
+        if not ok:
+            raise ConfigError(message)
         if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
             raise ConfigError(f"trainer.initial_loss_scale={t.initial_loss_scale} and trainer.loss_scale_window="
                               f"{t.loss_scale_window} must be >= 1")
-        if t.global_batch_size < 1:
-            raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
-        if t.micro_batch_size is not None and t.micro_batch_size < 1:
-            raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1 (or null)")
+        message = first_failure(batch_size_checks(t.global_batch_size, t.micro_batch_size))
+        if message:  # how the batch splits needs the layout: training/loop.py checks batch_checks
+            raise ConfigError(message)
         if t.eval_every < 0 or t.eval_batches < 1:
             raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0 = off) and "
                               f"trainer.eval_batches={t.eval_batches} >= 1")

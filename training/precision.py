@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtron.rules import precision_check
+
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -51,8 +53,9 @@ class Precision:
     """The compute precision of a run: `autocast()` for forward passes and the loss scale."""
 
     def __init__(self, name: str = "fp32", device_type: str = "cpu", scaler: LossScaler | None = None):
-        if name not in COMPUTE_DTYPES:
-            raise ValueError(f"precision {name!r} is unknown; use one of {', '.join(COMPUTE_DTYPES)}")
+        ok, message = precision_check(name)
+        if not ok:
+            raise ValueError(message)
         self.name, self.device_type = name, device_type
         self.dtype = COMPUTE_DTYPES[name]
         self.scaler = (scaler or LossScaler()) if name == "fp16" else None

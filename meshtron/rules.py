@@ -1,0 +1,67 @@
+"""Run rules shared by the training entry and the planner, each stated once with its message.
+
+Each rule is a (holds, message) pair; callers raise their own error type (`ConfigError` at the
+run's edge, ValueError in library calls) with `first_failure`. Model-shape rules live with the
+model (`models/config.py`, `moe/config.py`), layout rules with the mesh (`mpu/mesh.py`).
+"""
+
+from __future__ import annotations
+
+Check = tuple[bool, str]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def first_failure(checks: list[Check]) -> str | None:
+    """The message of the first rule that does not hold, or None."""
+    return next((message for ok, message in checks if not ok), None)
+
+
+def precision_check(precision: str) -> Check:
+    """`trainer.precision` names a compute precision meshtron runs."""
+    return (precision in PRECISIONS,
+            f"trainer.precision={precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+
+
+def batch_size_checks(global_batch_size: int, micro_batch_size: int | None) -> list[Check]:
+    """Both batch sizes are positive integers (micro may be None: the whole per-rank batch)."""
+    return [
+        (isinstance(global_batch_size, int) and global_batch_size >= 1,
+         f"trainer.global_batch_size={global_batch_size} must be a positive integer"),
+        (micro_batch_size is None or (isinstance(micro_batch_size, int) and micro_batch_size >= 1),
+         f"trainer.micro_batch_size={micro_batch_size} must be a positive integer (or null: the whole "
+         "per-rank batch)"),
+    ]
+
+
+def batch_checks(global_batch_size: int, micro_batch_size: int | None, dp: int, *, pp: int = 1,
+                 schedule: str | None = None) -> list[Check]:
+    """The global batch splits into dp ranks x whole microbatches (micro None: one microbatch per
+    rank), and the interleaved pipeline schedule gets a multiple of pp microbatches. A failing rule
+    ends the list (the rules after it would divide by its numbers)."""
+    sizes = batch_size_checks(global_batch_size, micro_batch_size)
+    if first_failure(sizes):
+        return sizes
+    if global_batch_size % dp:
+        return [(False, f"trainer.global_batch_size={global_batch_size} is not divisible by dp={dp}; "
+                        f"use a multiple of {dp}")]
+    per_rank = global_batch_size // dp
+    micro = micro_batch_size or per_rank
+    per_step = dp * micro
+    if per_rank % micro:
+        lower = max(per_step, global_batch_size // per_step * per_step)
+        return [(False, f"trainer.global_batch_size={global_batch_size} is not divisible by "
+                        f"trainer.micro_batch_size={micro} * dp={dp} = {per_step}; use a global batch that is a "
+                        f"multiple of {per_step} (e.g. {lower} or {lower + per_step}), or change "
+                        "trainer.micro_batch_size / parallel.dp")]
+    n_micro = per_rank // micro
+    return [(schedule != "interleaved" or pp == 1 or n_micro % pp == 0,
+             f"the interleaved schedule needs the microbatches per rank ({n_micro} = global_batch_size "
+             f"{global_batch_size} / dp {dp} / micro_batch_size {micro}) divisible by pp={pp}")]
+
+
+def microbatches(global_batch_size: int, micro_batch_size: int | None, dp: int) -> tuple[int, int]:
+    """(micro batch size, microbatches per rank) of a batch that passed `batch_checks`."""
+    per_rank = global_batch_size // dp
+    micro = micro_batch_size or per_rank
+    return micro, per_rank // micro
