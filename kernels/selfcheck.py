@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from meshtron.kernels.backend import CHECKED
 from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32
-from meshtron.mpu.mesh import collective_device
+from meshtron.mpu.mappings import all_reduce_stats, world_group
+from meshtron.mpu.mesh import collective_device, group_size
 
 __all__ = ["CHECKED", "KERNELS", "TOLERANCES", "KernelSelfCheckWarning", "CheckResult", "dispatch", "check", "agree",
            "verdict", "local_result", "reset", "tolerance_for"]
@@ -119,7 +119,7 @@ def local_result(kernel: str) -> CheckResult | None:
 
 
 def _multi_process() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return world_group() is not None
 
 
 def tolerance_for(args: tuple, device_type: str) -> tuple[float, str]:
@@ -257,7 +257,8 @@ def agree(device: torch.device | str | None = None) -> dict[str, bool]:
     `device` is where the default group's collectives run (default `mpu.mesh.collective_device()`).
     Without several processes it only marks the agreement as done (verdicts are already final).
     """
-    if _multi_process():
+    group = world_group()
+    if group is not None:
         if device is None:
             device = collective_device()
         counts = torch.zeros(len(KERNELS), 2, dtype=torch.float64)
@@ -267,11 +268,9 @@ def agree(device: torch.device | str | None = None) -> dict[str, bool]:
             if result is not None and name not in _state.verdicts:
                 counts[i] = torch.tensor([1.0, 0.0 if result.passed else 1.0])
                 errors[i] = min(result.error, 1e300)
-        counts, errors = counts.to(device), errors.to(device)
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        dist.all_reduce(errors, op=dist.ReduceOp.MAX)
-        counts, errors = counts.cpu().tolist(), errors.cpu().tolist()
-        world = dist.get_world_size()
+        counts = all_reduce_stats(counts.to(device), group, "sum").cpu().tolist()
+        errors = all_reduce_stats(errors.to(device), group, "max").cpu().tolist()
+        world = group_size(group)
         for i, name in enumerate(KERNELS):
             checked, failed = counts[i]
             if name in _state.verdicts or checked == 0:

@@ -1,5 +1,17 @@
-"""The AdamW of the replicated and the ZeRO-sharded optimizers (host offload, mpu/offload.py,
-chooses fused or foreach itself).
+"""The optimizer interface of a training step (`TrainingOptimizer`) and the replicated AdamW.
+
+`TrainingOptimizer` is everything training/step.py, training/checkpoint.py and
+training/loop.py use of an optimizer. Three classes implement it:
+
+  ReplicatedAdamW   every parameter in full on every rank (below; also the per-shard AdamW
+                    inside the other two)
+  ShardedAdamW      ZeRO-1/2: this rank's shard of every gradient bucket (mpu/distributed_optimizer.py)
+  OffloadedAdamW    main weights and moments in host memory, any ZeRO stage (mpu/offload.py)
+
+Gradients belong to the `DataParallelGradReducer`: it zeroes them (`reducer.zero_grad()`
+before a step's first backward) and reduces them (`reducer.finish()`). An optimizer only reads
+the reduced gradients (`gradients`, the same tensors `clip_grad_norm` measures and scales)
+and never zeroes or frees them: do not call torch's `zero_grad` on a training optimizer.
 
 torch's fused AdamW (one multi-tensor kernel for the whole update, on CPU and CUDA) where
 it applies: every parameter floating point on a CPU or CUDA device. On this 2-core CPU it
@@ -10,7 +22,73 @@ single-tensor implementation they differ by fp32 rounding only.
 
 from __future__ import annotations
 
+import abc
+
 import torch
+from torch import nn
+
+from meshtron.mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
+from meshtron.mpu.mesh import Mesh
+
+
+class TrainingOptimizer(abc.ABC):
+    """AdamW as a training step drives it; see the module doc for who owns the gradients.
+
+    `param_groups`: torch-style groups; `update(lr)` sets their "lr".
+    `offloaded`: the moments live in host memory (checkpoints load them there).
+    `grad_shards_of`: the reducer whose reduce-scattered bucket shards are the gradients this
+    optimizer reads (ZeRO-2), or None when it reads every parameter's `.grad`.
+    """
+
+    param_groups: list[dict]
+    offloaded: bool = False
+    grad_shards_of = None
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """One AdamW update from the reduced gradients at the groups' current "lr"."""
+
+    def update(self, lr: float) -> None:
+        """Set every group's learning rate to `lr`, then `step()`."""
+        for group in self.param_groups:
+            group["lr"] = lr
+        self.step()
+
+    def gradients(self, chunks: list[nn.Module]) -> list[torch.Tensor]:
+        """The reduced gradients `step` reads: the bucket shards of `grad_shards_of` (ZeRO-2),
+        else the `.grad` of every parameter of `chunks` that has one. No communication."""
+        if self.grad_shards_of is not None:
+            return [bucket.shard for bucket in self.grad_shards_of.buckets]
+        return [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+
+    def clip_grad_norm(self, chunks: list[nn.Module], max_norm: float, mesh: Mesh) -> torch.Tensor:
+        """Global L2 norm of the full model's gradients (before clipping), computed from the
+        tensors of `gradients`, which are scaled so the norm is at most `max_norm` (<= 0: no
+        clipping). All-reduces over tp, ep x etp and pp (ZeRO-2 first over each bucket's
+        replica group): mpu/grad_norm.py."""
+        if self.grad_shards_of is not None:
+            return clip_sharded_grad_norm(self.grad_shards_of, max_norm, mesh)
+        params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        return clip_grad_norm(params, max_norm, mesh)
+
+    @abc.abstractmethod
+    def param_moments(self) -> tuple[dict, float]:
+        """({param: (exp_avg, exp_avg_sq)} shaped like each local parameter, step count) for a
+        checkpoint: zeros for a parameter not stepped yet. May all-gather over replica groups."""
+
+    @abc.abstractmethod
+    def load_param_moments(self, moments: dict, step: float) -> None:
+        """Install per-parameter moments shaped as `param_moments` returns them (from a
+        checkpoint, on any device). No communication."""
+
+    def mark_weights_changed(self) -> None:
+        """The parameters were written outside `step()` (a checkpoint load): an optimizer
+        holding its own copy of the weights re-reads them. The others read the parameters at
+        every step: nothing to do."""
+
+    @abc.abstractmethod
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds on the training device."""
 
 
 def fused_supported(params) -> bool:
@@ -19,9 +97,39 @@ def fused_supported(params) -> bool:
     return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
-def adamw(param_groups: list[dict], *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
-    """torch.optim.AdamW over `param_groups` (dicts with "params" and "weight_decay"), fused
+class ReplicatedAdamW(torch.optim.AdamW, TrainingOptimizer):
+    """torch's AdamW over local tensors, with the `TrainingOptimizer` interface; build it with
+    `adamw`. Its state is torch's (`state[param]`: step, exp_avg, exp_avg_sq). No communication."""
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def param_moments(self) -> tuple[dict, float]:
+        """The live moments of every parameter (zeros before its first step) and the step count."""
+        moments, step = {}, 0.0
+        for param in self._params():
+            state = self.state.get(param, {})
+            if "exp_avg" in state:
+                moments[param] = (state["exp_avg"], state["exp_avg_sq"])
+                step = float(state["step"])
+            else:
+                moments[param] = (torch.zeros_like(param), torch.zeros_like(param))
+        return moments, step
+
+    def load_param_moments(self, moments: dict, step: float) -> None:
+        for param in self._params():
+            exp_avg, exp_avg_sq = moments[param]
+            self.state[param] = {"step": torch.tensor(step, dtype=torch.float32),
+                                 "exp_avg": exp_avg.to(param.device), "exp_avg_sq": exp_avg_sq.to(param.device)}
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if torch.is_tensor(t) and t.dim() > 0)
+
+
+def adamw(param_groups: list[dict], *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8) -> ReplicatedAdamW:
+    """`ReplicatedAdamW` over `param_groups` (dicts with "params" and "weight_decay"), fused
     when `fused_supported`. No communication."""
     params = [p for g in param_groups for p in g["params"]]
-    return torch.optim.AdamW(param_groups, lr=lr, betas=tuple(betas), eps=eps,
-                             fused=True if fused_supported(params) else None)
+    return ReplicatedAdamW(param_groups, lr=lr, betas=tuple(betas), eps=eps,
+                           fused=True if fused_supported(params) else None)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.mpu.adamw import adamw
+from meshtron.mpu.adamw import TrainingOptimizer, adamw
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
-from meshtron.mpu.mappings import _all_gather_into
+from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
 
 
@@ -40,13 +40,15 @@ def flatten_bucket_params(bucket) -> torch.Tensor:
     return flat
 
 
-class ShardedAdamW:
+class ShardedAdamW(TrainingOptimizer):
     """AdamW over this rank's shards of the reducer's buckets; `step` all-gathers the result
-    over each bucket's replica group. Exposes `param_groups` and `state` like an optimizer."""
+    over each bucket's replica group. Exposes `param_groups` and `state` like an optimizer;
+    reads the reducer's gradient shards when it reduce-scatters them (ZeRO-2)."""
 
     def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8):
         self.buckets = reducer.buckets
+        self.grad_shards_of = reducer if reducer.shard_grads else None
         decay, no_decay = [], []
         self._shards = []
         for bucket in self.buckets:
@@ -73,7 +75,7 @@ class ShardedAdamW:
         for bucket, _, start, size in self._shards:
             if group_size(bucket.group) > 1:
                 own = bucket.param_buffer[start: start + size].clone()
-                _all_gather_into(bucket.param_buffer, own, group=bucket.group)
+                all_gather_into(bucket.param_buffer, own, bucket.group)
 
     def param_moments(self) -> tuple[dict, float]:
         """({param: (exp_avg, exp_avg_sq)} shaped like each parameter, step count): every
@@ -87,7 +89,7 @@ class ShardedAdamW:
                 if key in state:
                     own = state[key]
                     if group_size(bucket.group) > 1:
-                        _all_gather_into(flat, own.contiguous(), group=bucket.group)
+                        all_gather_into(flat, own.contiguous(), bucket.group)
                     else:
                         flat.copy_(own)
                 full.append(flat)

@@ -10,8 +10,17 @@
     all_to_all              fwd: all-to-all          bwd: the reverse all-to-all
     all_to_all_start / all_to_all_wait: the same all-to-all, asynchronous (fwd and bwd)
 
+and the non-differentiable collectives of everything outside mpu (no other module calls
+torch.distributed's collectives; tests/test_module_boundaries.py checks it):
+
+    all_reduce_stats, all_gather_stats, all_to_all_stats   statistics (returns new tensors)
+    all_gather_into, reduce_scatter_into                   into preallocated flat buffers
+    barrier, broadcast_object, gather_object               synchronisation, Python objects
+
 Sequence-parallel tensors are laid out [s, b, h] so a sequence shard is a contiguous chunk
-of dim 0. Every function is the identity when the group has one member (or is None).
+of dim 0. Every function is the identity (or a local copy) when the group has one member or
+is None: None is the trivial group of one process, as everywhere in mpu (torch reads None as
+the default group); `world_group()` is the default group when several processes run.
 """
 
 from __future__ import annotations
@@ -22,7 +31,10 @@ import torch.distributed as dist
 from meshtron.mpu.mesh import group_rank, group_size
 
 
-# torch >= 2.13 renames the tensor collectives; keep working on older releases.
+# torch >= 2.13 renames the tensor collectives; keep working on older releases. The
+# functions of this file call them through these names (the collective-count test of
+# tests/distributed/dense_cases.py patches them); elsewhere use `all_gather_into` and
+# `reduce_scatter_into`.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -166,6 +178,9 @@ def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return scatter_to_region(x, 0, group)
 
 
+# ------------------------------------------------------------ non-differentiable collectives
+
+
 @torch.no_grad()
 def all_reduce_stats(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """Non-differentiable all-reduce of statistics (counts, maxima) over `group`; returns a new tensor."""
@@ -197,6 +212,62 @@ def all_to_all_stats(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty_like(x.contiguous())
     dist.all_to_all_single(out, x.contiguous(), group=group)
     return out
+
+
+def world_group():
+    """The default (world) process group when more than one process runs, else None (the
+    trivial group: the functions here then do no communication)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Fill the flat `output` with the equal-size `input` of every rank of `group`, in rank
+    order (`output.numel() == group size * input.numel()`). Returns the work handle with
+    `async_op`, else None; a group of one copies `input` into `output`."""
+    if group_size(group) == 1:
+        output.view(-1).copy_(input.reshape(-1))
+        return None
+    return _all_gather_into(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Sum the flat `input` over `group` and write this rank's chunk (rank order, `output.numel()`
+    elements each) into `output`. Returns the work handle with `async_op`, else None; a group
+    of one copies `input` into `output`."""
+    if group_size(group) == 1:
+        output.view(-1).copy_(input.reshape(-1))
+        return None
+    return _reduce_scatter_into(output, input, group=group, async_op=async_op)
+
+
+def barrier(group) -> None:
+    """Return once every rank of `group` has called it."""
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def broadcast_object(obj, group, src: int = 0):
+    """Rank `src`'s (global rank) picklable `obj`, on every rank of `group`."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather_object(obj, group, dst: int = 0) -> list | None:
+    """On rank `dst` (global rank): the picklable `obj` of every rank of `group`, in group rank
+    order; None on the other ranks."""
+    if group_size(group) == 1:
+        return [obj]
+    gathered = [None] * group_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+    return gathered
+
+
+# ----------------------------------------------------------------- differentiable all-to-all
 
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:

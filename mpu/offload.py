@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshtron.mpu.adamw import TrainingOptimizer
 from meshtron.mpu.distributed_optimizer import flatten_bucket_params
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
-from meshtron.mpu.mappings import _all_gather_into
+from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
 
 
@@ -59,17 +60,17 @@ class _Slot:
     event: object = None
 
 
-class OffloadedAdamW:
+class OffloadedAdamW(TrainingOptimizer):
     """AdamW whose main weights and moments live in (pinned) CPU memory; see the module doc.
 
     `zero=0`: every bucket in full on the host (replicated AdamW). `zero=1`/`2`: this rank's
     shard of every bucket (`bucket.shard_start`, `bucket.shard`), all-gathered after the update
-    (ZeRO-1; ZeRO-2 when the reducer was built with `shard_grads=True`). Interface as
-    `ShardedAdamW`: `param_groups` (settable "lr"), `step()`, `state_bytes()` (device bytes
-    of optimizer state: 0), `host_state_bytes()`, `param_moments()`, `load_param_moments()`.
+    (ZeRO-1; ZeRO-2 when the reducer was built with `shard_grads=True`). A `TrainingOptimizer`
+    (mpu/adamw.py) with `offloaded` True and `state_bytes()` (device bytes of optimizer
+    state) 0; `host_state_bytes()` and `host_grad_bytes()` count what lives on the host.
     """
 
-    offloaded = True  # lets callers (checkpoints, memory reports) tell it apart
+    offloaded = True
 
     def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, zero: int = 0, fused: bool = True, pin_memory: bool | None = None):
@@ -81,8 +82,9 @@ class OffloadedAdamW:
         self._param_groups: list[dict] = []
         self._weights_stale = True  # main weights are read from the device at the first step
         kwargs = dict(lr=lr, betas=tuple(betas), eps=eps, **({"fused": True} if fused else {"foreach": True}))
-        if getattr(reducer, "shard_grads", False) and zero == 0:
+        if reducer.shard_grads and zero == 0:
             raise ValueError("the reducer shards gradients (ZeRO-2): use OffloadedAdamW(zero=2)")
+        self.grad_shards_of = reducer if reducer.shard_grads else None
         for bucket in self.buckets:
             device = bucket.shard.device
             pin = (device.type == "cuda") if pin_memory is None else bool(pin_memory)
@@ -145,7 +147,7 @@ class OffloadedAdamW:
             main = slot.main.detach()
             if slot.sharded:
                 own = main.to(slot.device_weights.device, non_blocking=self._pin)
-                _all_gather_into(slot.bucket.param_buffer, own, group=slot.bucket.group)
+                all_gather_into(slot.bucket.param_buffer, own, slot.bucket.group)
             else:
                 slot.device_weights.copy_(main, non_blocking=self._pin)
         # The next writer of a pinned host buffer is the next step(), which first waits for its
@@ -160,7 +162,7 @@ class OffloadedAdamW:
             return own
         device = slot.device_weights.device
         full = torch.empty(slot.bucket.param_buffer.numel(), dtype=own.dtype, device=device)
-        _all_gather_into(full, own.to(device), group=slot.bucket.group)
+        all_gather_into(full, own.to(device), slot.bucket.group)
         return full.cpu()
 
     def param_moments(self) -> tuple[dict, float]:

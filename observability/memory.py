@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 
-from meshtron.mpu.mesh import collective_device
+from meshtron.mpu.mappings import all_gather_stats, world_group
+from meshtron.mpu.mesh import collective_device, group_size
 
 __all__ = ["peak_memory_bytes", "peak_memory_per_rank", "format_bytes"]
 
@@ -51,15 +51,11 @@ def peak_memory_per_rank(device: torch.device | str, group=None) -> list[int]:
     """
     device = torch.device(device)
     own = peak_memory_bytes(device)
-    if not (dist.is_available() and dist.is_initialized()):
-        return [own]
-    world = dist.get_world_size(group)
-    if world == 1:
+    group = world_group() if group is None else group
+    if group_size(group) == 1:
         return [own]
     mine = torch.tensor([own], dtype=torch.int64, device=collective_device(group))  # NCCL: CUDA, gloo: CPU
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    return [int(t.item()) for t in gathered]
+    return [int(n) for n in all_gather_stats(mine, group).view(-1).tolist()]
 
 
 def format_bytes(n: float | int | None) -> str:

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from meshtron.mpu.mesh import single_process_mesh
+from meshtron.mpu.adamw import TrainingOptimizer
+from meshtron.mpu.mappings import barrier, world_group
+from meshtron.mpu.mesh import group_rank, single_process_mesh
 from meshtron.mpu.random import get_rng_tracker
 from meshtron.mpu.sharded_state import ShardLoadPlanner, ShardSavePlanner, global_shape, shard_piece
 
@@ -69,12 +70,7 @@ def step_dir_name(step: int) -> str:
 
 
 def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    return group_rank(world_group()) == 0
 
 
 def _fsync_dir(path: Path) -> None:
@@ -121,32 +117,19 @@ def model_state(chunks: list[nn.Module], mesh, *, for_load: bool = False) -> dic
     return state
 
 
-def _adam_moments(chunks, optimizer) -> tuple[dict, float]:
-    """{param: (exp_avg, exp_avg_sq)} shaped like each local parameter, and the step count."""
-    if hasattr(optimizer, "param_moments"):  # ZeRO (sharded) and offloaded AdamW
-        return optimizer.param_moments()
-    moments, step = {}, 0.0
-    for _, param in _own_parameters(chunks):
-        state = optimizer.state.get(param, {})
-        if "exp_avg" in state:
-            moments[param] = (state["exp_avg"], state["exp_avg_sq"])
-            step = float(state["step"])
-        else:
-            moments[param] = (torch.zeros_like(param), torch.zeros_like(param))
-    return moments, step
-
-
-def optimizer_state(chunks: list[nn.Module], optimizer, mesh, *, for_load: bool = False) -> tuple[dict, dict]:
-    """`optim/<name>/exp_avg|exp_avg_sq` -> ShardPiece and `optim/step`. For loading, fresh
-    zero tensors are returned (filled by DCP, then installed by `_install_moments`). Also returns
-    the {param: (exp_avg, exp_avg_sq)} the pieces view."""
+def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh, *,
+                    for_load: bool = False) -> tuple[dict, dict]:
+    """`optim/<name>/exp_avg|exp_avg_sq` -> ShardPiece and `optim/step`, from the optimizer's
+    `param_moments` (ZeRO shards all-gathered over their replica groups). For loading, fresh
+    zero tensors are returned (filled by DCP, then installed with `load_param_moments`). Also
+    returns the {param: (exp_avg, exp_avg_sq)} the pieces view."""
     if for_load:  # an offloaded optimizer keeps its moments on the host: read them there
-        device = "cpu" if getattr(optimizer, "offloaded", False) else None
+        device = "cpu" if optimizer.offloaded else None
         moments = {p: (torch.zeros_like(p, device=device), torch.zeros_like(p, device=device))
                    for _, p in _own_parameters(chunks)}
         step = 0.0
     else:
-        moments, step = _adam_moments(chunks, optimizer)
+        moments, step = optimizer.param_moments()
     state = {"optim/step": torch.tensor(step, dtype=torch.float64)}
     for name, param in _own_parameters(chunks):
         if getattr(param, "tied_embedding_copy", False) and not for_load:
@@ -156,16 +139,6 @@ def optimizer_state(chunks: list[nn.Module], optimizer, mesh, *, for_load: bool 
             if piece is not None:
                 state[f"optim/{name}/{key}"] = piece
     return state, moments
-
-
-def _install_moments(chunks, optimizer, moments: dict, step: float) -> None:
-    if hasattr(optimizer, "load_param_moments"):
-        optimizer.load_param_moments(moments, step)
-        return
-    for _, param in _own_parameters(chunks):
-        exp_avg, exp_avg_sq = moments[param]
-        optimizer.state[param] = {"step": torch.tensor(step, dtype=torch.float32),
-                                  "exp_avg": exp_avg.to(param.device), "exp_avg_sq": exp_avg_sq.to(param.device)}
 
 
 def _rng_bytes() -> bytes:
@@ -187,7 +160,8 @@ def _restore_rng(blob: bytes) -> None:
 # ---------------------------------------------------------------------------------- save
 
 
-def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.Module], optimizer, mesh, *,
+def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.Module],
+                    optimizer: TrainingOptimizer | None, mesh, *,
                     model_config: dict, keep: int | None = None) -> Path:
     """Save everything needed to resume at `train_state.step` into `root/step_N`, atomically;
     then keep only the newest `keep` checkpoints. `optimizer=None` saves weights only (usable
@@ -198,14 +172,14 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
     if _is_main():
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier(world_group())
     state = model_state(chunks, mesh)
     if optimizer is not None:
         state.update(optimizer_state(chunks, optimizer, mesh)[0])
         state[f"rng/rank{mesh.rank}"] = _rng_bytes()
     with _single_process_quiet():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ShardSavePlanner(flatten_state_dict=False))
-    _barrier()
+    barrier(world_group())
     if _is_main():
         meta = {"format": FORMAT, "version": VERSION, "train_state": dataclasses.asdict(train_state),
                 "weights_only": optimizer is None,
@@ -224,7 +198,7 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
             for old in list_checkpoints(root)[:-keep]:
                 (old / META_FILE).unlink(missing_ok=True)
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    barrier(world_group())
     return final
 
 
@@ -358,7 +332,7 @@ def _config_diff(saved: dict, current: dict) -> str:
 # ---------------------------------------------------------------------------------- load
 
 
-def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer, mesh, *,
+def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh, *,
                     weights_only: bool = False) -> TrainState:
     """Load `path` into this rank's chunks (and optimizer), resharding from whatever layout it
     was saved under. Returns the saved TrainState (a fresh one with `weights_only`). RNG states
@@ -386,11 +360,11 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer, mesh, 
         loaded = state[f"model/{name}"]
         if loaded is not buf:
             buf.copy_(loaded)
-    if hasattr(optimizer, "mark_weights_changed"):  # an offloaded optimizer re-reads its main weights
+    if optimizer is not None:  # an offloaded optimizer re-reads its main weights
         optimizer.mark_weights_changed()
     if weights_only:
         return TrainState()
-    _install_moments(chunks, optimizer, moments, float(state["optim/step"]))
+    optimizer.load_param_moments(moments, float(state["optim/step"]))
     if same_layout:
         _restore_rng(state[rng_key])
     return TrainState(**meta["train_state"])

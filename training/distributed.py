@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtron.mpu.mappings import broadcast_object, world_group
+
 
 @dataclass
 class DistEnv:
@@ -81,11 +83,10 @@ def agree_on_run_dir(local_dir: str | os.PathLike) -> Path:
     """Broadcast rank 0's run dir to all ranks; drop this rank's own dir if it differs and
     contains only Hydra's files (nothing a user could lose)."""
     local = Path(local_dir)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    group = world_group()
+    if group is None:
         return local
-    chosen = [str(local)]
-    dist.broadcast_object_list(chosen, src=0)
-    agreed = Path(chosen[0])
+    agreed = Path(broadcast_object(str(local), group, src=0))
     if agreed.resolve() != local.resolve() and local.is_dir():
         entries = {p.name for p in local.iterdir()}
         if entries <= _HYDRA_ONLY:

@@ -20,9 +20,7 @@ from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED, resolve_backend
 from meshtron.kernels.tf32 import set_tf32_mode
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
-from meshtron.mpu.offload import OffloadedAdamW
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mappings import gather_object, world_group
 from meshtron.mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
@@ -34,7 +32,7 @@ from meshtron.planning.flops import model_flops_per_token
 from meshtron.training.host_malloc import keep_freed_host_memory
 from meshtron.observability.memory import peak_memory_per_rank
 from meshtron.observability.metrics import MetricsWriter, ProgressBar, TensorBoardWriter, format_step_line, require_tensorboard
-from meshtron.training.optim import build_optimizer
+from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import LossScaler, Precision
 from meshtron.training.preemption import StopRequest
 from meshtron.planning.peak import peak_flops
@@ -154,17 +152,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     mesh = build_mesh(par, cfg, device_type=env.device.type)
     chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device)
     model = nn.ModuleList(chunks)
-    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
-                                      shard_grads=run.optim.zero == 2,
-                                      comm_dtype=torch.bfloat16 if run.optim.grad_comm_dtype == "bf16" else None)
-    o = run.optim
-    if o.offload:
-        optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
-                                   zero=o.zero)
-    elif o.zero:
-        optimizer = ShardedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
-    else:
-        optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
+    reducer, optimizer = build_reducer_and_optimizer(run.optim, chunks, mesh)
     executor = None
     if mesh.pp_size > 1:
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
@@ -340,8 +328,7 @@ def _val_microbatches(dataset: TokenDataset, t, mesh, micro: int, env) -> list:
 def _export_pipeline_trace(result, mesh, par, num_microbatches: int, run_dir: Path, env) -> None:
     """Gather every rank's timeline of this step to rank 0, write trace.json (Chrome trace)
     and print the measured bubble beside the theoretical one."""
-    gathered = [None] * env.world_size if env.is_main else None
-    torch.distributed.gather_object(result.timeline, gathered, dst=0)
+    gathered = gather_object(result.timeline, world_group(), dst=0)
     if not env.is_main:
         return
     path = write_trace(run_dir / "trace.json", dict(enumerate(gathered)))

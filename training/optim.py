@@ -1,15 +1,22 @@
-"""AdamW with decoupled weight decay on matrices only (not norms, biases)."""
+"""The run's gradient reducer and optimizer from its `optim` config: replicated AdamW,
+ZeRO-1/2 (`ShardedAdamW`) or CPU-offloaded AdamW (`OffloadedAdamW`), every one a
+`TrainingOptimizer` (mpu/adamw.py), with decoupled weight decay on matrices only."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from meshtron.mpu.adamw import adamw
+from meshtron.mpu.adamw import ReplicatedAdamW, TrainingOptimizer, adamw
+from meshtron.mpu.distributed_optimizer import ShardedAdamW
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mesh import Mesh
+from meshtron.mpu.offload import OffloadedAdamW
+from meshtron.training.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                    eps: float = 1e-8) -> torch.optim.AdamW:
+                    eps: float = 1e-8) -> ReplicatedAdamW:
     """AdamW over `model`'s trainable parameters; weight decay applies to parameters with ndim >= 2.
 
     The update is element-wise, so it gives the same result on any shard of a parameter
@@ -24,3 +31,23 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+
+def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
+                                mesh: Mesh) -> tuple[DataParallelGradReducer, TrainingOptimizer]:
+    """The data-parallel gradient reducer of `chunks` (reduce-scattering with `o.zero == 2`,
+    in bf16 with `o.grad_comm_dtype == "bf16"`) and the optimizer `o` asks for:
+    `OffloadedAdamW` with `o.offload` (at ZeRO stage `o.zero`), else `ShardedAdamW` with
+    `o.zero` 1 or 2, else the replicated AdamW of `build_optimizer`."""
+    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
+                                      shard_grads=o.zero == 2,
+                                      comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None)
+    if o.offload:
+        optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
+                                   zero=o.zero)
+    elif o.zero:
+        optimizer = ShardedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
+    else:
+        optimizer = build_optimizer(nn.ModuleList(chunks), lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
+                                    eps=o.eps)
+    return reducer, optimizer

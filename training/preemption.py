@@ -11,8 +11,8 @@ import signal
 import threading
 
 import torch
-import torch.distributed as dist
 
+from meshtron.mpu.mappings import all_reduce_stats, world_group
 from meshtron.mpu.mesh import collective_device
 
 
@@ -32,12 +32,12 @@ class StopRequest:
     def agreed(self, device: torch.device | str | None = None) -> bool:
         """True on every rank when any rank has been asked to stop; one all-reduce over the
         default group (`device`: where its collectives run; default `collective_device()`)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        group = world_group()
+        if group is None:
             return self.requested
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32,
                             device=collective_device() if device is None else device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(all_reduce_stats(flag, group, "max").item())
 
     def close(self) -> None:
         if self._previous is not None:

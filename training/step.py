@@ -4,16 +4,15 @@ bucketed DP reduction, global-norm clipping and the AdamW update."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshtron.kernels.operands import weight_copy_scope
 from meshtron.moe.scope import AuxLossScope, aux_loss_scope
+from meshtron.mpu.adamw import TrainingOptimizer
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
-from meshtron.mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats
-from meshtron.mpu.mesh import Mesh, group_size
+from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.pipeline import PipelineExecutor
 from meshtron.mpu.pipeline_schedules import build_all_ranks
 from meshtron.training.precision import FP32, Precision
@@ -22,12 +21,10 @@ from meshtron.training.precision import FP32, Precision
 def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
     """Number of non-ignored target tokens in the global batch (sum over the dp group)."""
     count = sum((y != IGNORE_INDEX).sum() for _, y in microbatches).to(torch.float32)
-    if group_size(mesh.dp) > 1:
-        dist.all_reduce(count, group=mesh.dp)
-    return count.clamp(min=1.0)
+    return all_reduce_stats(count, mesh.dp).clamp(min=1.0)
 
 
-def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: torch.optim.Optimizer,
+def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: TrainingOptimizer,
                microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh, *,
                lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict[str, torch.Tensor]:
     """Forward/backward every microbatch of this rank's share of the global batch, then update.
@@ -65,12 +62,12 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: to
             loss_sum = loss_sum + loss.detach().to(loss_sum.device)
             moe.add(model.moe_stats(), n_micro, model.pooled_aux_value)
     reducer.finish()
-    return _finish_step([model], reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
+    return _finish_step([model], optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
                         precision=precision)
 
 
 def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReducer,
-                        optimizer: torch.optim.Optimizer, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                        optimizer: TrainingOptimizer, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
                         mesh: Mesh, executor: PipelineExecutor, *, schedule: str, lr: float,
                         max_grad_norm: float, precision: Precision = FP32) -> dict:
     """`train_step` for pipeline parallelism: run `schedule` over this rank's model chunks.
@@ -113,31 +110,24 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
         result = executor.run(schedules, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
-    out = _finish_step(chunks, reducer, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
+    out = _finish_step(chunks, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
                        precision=precision)
     out["pipeline"] = result
     return out
 
 
-def _finish_step(chunks, reducer, optimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: "MoEStepStats", *,
+def _finish_step(chunks, optimizer: TrainingOptimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: "MoEStepStats", *,
                  lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict:
-    _unscale_gradients(chunks, reducer, precision.loss_scale)
-    if getattr(reducer, "shard_grads", False):  # ZeRO-2: norm and clipping on the reduced gradient shards
-        grad_norm = clip_sharded_grad_norm(reducer, max_grad_norm, mesh)
-    else:
-        params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm(params, max_grad_norm, mesh)
-    if group_size(mesh.dp) > 1:
-        dist.all_reduce(loss_sum, group=mesh.dp)
-    if group_size(mesh.pp) > 1:  # only the last stage has the loss
-        dist.all_reduce(loss_sum, group=mesh.pp)
+    """Unscale and clip the reduced gradients, reduce the loss over dp and pp (only the last
+    stage has it), then update unless the loss or the gradient norm is not finite."""
+    _unscale_gradients(chunks, optimizer, precision.loss_scale)
+    grad_norm = optimizer.clip_grad_norm(chunks, max_grad_norm, mesh)
+    loss_sum = all_reduce_stats(all_reduce_stats(loss_sum, mesh.dp), mesh.pp)
     # Both values are global (identical on every rank), so every rank takes the same decision.
     # This is the step's one host sync outside logging (as in torch's GradScaler).
     finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))
     if finite:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
+        optimizer.update(lr)
         for chunk in chunks:
             chunk.update_expert_bias()
     else:
@@ -148,16 +138,12 @@ def _finish_step(chunks, reducer, optimizer, mesh: Mesh, loss_sum: torch.Tensor,
     return {"loss": loss_sum, "grad_norm": grad_norm, "skipped": not finite, **moe.summary(mesh, loss_sum.device)}
 
 
-def _unscale_gradients(chunks, reducer, scale: float) -> None:
-    """Divide the reduced gradients by the loss scale (fp16). The scale is a power of two, so
-    this is exact and commutes with the data-parallel sums."""
+def _unscale_gradients(chunks, optimizer: TrainingOptimizer, scale: float) -> None:
+    """Divide the reduced gradients the optimizer reads by the loss scale (fp16). The scale is
+    a power of two, so this is exact and commutes with the data-parallel sums."""
     if scale == 1.0:
         return
-    if getattr(reducer, "shard_grads", False):  # ZeRO-2: the reduced gradients are the bucket shards
-        grads = [bucket.shard for bucket in reducer.buckets]
-    else:
-        grads = [p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None]
-    torch._foreach_mul_(grads, 1.0 / scale)
+    torch._foreach_mul_(optimizer.gradients(chunks), 1.0 / scale)
 
 
 class MoEStepStats:
@@ -198,12 +184,11 @@ class MoEStepStats:
             table = torch.zeros(len(self.layer_ids), 3 + self.num_experts, device=device)
         pooled = self.pooled
         if self.scope.replicas > 1:  # other microbatches' figures live on the replica ranks
-            dist.all_reduce(table, group=self.scope.replica_group)
+            table = all_reduce_stats(table, self.scope.replica_group)
             table[:, :3] /= self.scope.replicas
             if pooled is not None:
                 pooled = all_reduce_stats(pooled, self.scope.replica_group) / self.scope.replicas
-        if group_size(mesh.pp) > 1:
-            dist.all_reduce(table, group=mesh.pp)
+        table = all_reduce_stats(table, mesh.pp)
         layers = [{"layer": layer, "aux_loss": row[0], "z_loss": row[1], "dropped_fraction": row[2],
                    "tokens_per_expert": row[3:]} for layer, row in zip(self.layer_ids, table)]
         aux = table[:, 0].sum() if pooled is None else pooled
@@ -231,11 +216,7 @@ def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, tor
                                   lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
                                   forward_only=True)
         loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
-    loss = loss.to(torch.float32)
-    if group_size(mesh.dp) > 1:
-        dist.all_reduce(loss, group=mesh.dp)
-    if group_size(mesh.pp) > 1:
-        dist.all_reduce(loss, group=mesh.pp)
+    loss = all_reduce_stats(all_reduce_stats(loss.to(torch.float32), mesh.dp), mesh.pp)
     for chunk in chunks:
         chunk.train()
     return loss
