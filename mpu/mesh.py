@@ -85,21 +85,23 @@ def expert_shard_checks(num_experts: int, moe_ffn_hidden_size: int, shared_exper
     ]
 
 
+def tensor_shard_checks(cfg, tp: int) -> list[tuple[bool, str]]:
+    """How the dense layers split over tp, as (holds, message) pairs: attention heads, KV
+    heads and the MLP's ffn dim."""
+    return [
+        (cfg.num_heads % tp == 0, f"tp={tp} does not divide num_heads={cfg.num_heads}; choose parallel.tp dividing it"),
+        (cfg.num_kv_heads % tp == 0, f"tp={tp} does not divide num_kv_heads={cfg.num_kv_heads}; choose parallel.tp "
+                                     "dividing it (or raise model.num_kv_heads)"),
+        (cfg.ffn_hidden_size % tp == 0,
+         f"tp={tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}; choose parallel.tp dividing it"),
+    ]
+
+
 def check_model_fits(par: ParallelConfig, cfg) -> None:
     """Raise ParallelConfigError when the model's shape cannot be split by the layout."""
-    if cfg.num_heads % par.tp:
-        raise ParallelConfigError(
-            f"tp={par.tp} does not divide num_heads={cfg.num_heads}; choose parallel.tp dividing it"
-        )
-    if cfg.num_kv_heads % par.tp:
-        raise ParallelConfigError(
-            f"tp={par.tp} does not divide num_kv_heads={cfg.num_kv_heads}; choose parallel.tp dividing it "
-            f"(or raise model.num_kv_heads)"
-        )
-    if cfg.ffn_hidden_size % par.tp:
-        raise ParallelConfigError(
-            f"tp={par.tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}; choose parallel.tp dividing it"
-        )
+    for ok, message in tensor_shard_checks(cfg, par.tp):
+        if not ok:
+            raise ParallelConfigError(message)
     if par.sp and par.tp > 1 and cfg.seq_len % par.tp:
         raise ParallelConfigError(
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"

@@ -1,6 +1,7 @@
 """Analytic FLOP and parameter counts for meshtron's GPT (dense and MoE).
 
-Everything here is pure arithmetic on a `GPTConfig`: no torch, no process groups. The
+Everything here is pure arithmetic on a `GPTConfig` (the sharding rules are mpu.mesh's): no
+process groups. The
 formulas follow the model as built in `models/` (pre-norm blocks, fused QKV, GQA, gelu or
 swiglu MLP, optional MoE layers every `moe_every` layers, optional tied LM head):
 
@@ -15,6 +16,7 @@ Memory (model states, activations) has one model: `planning.plan`.
 from __future__ import annotations
 
 from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import expert_shard_checks, tensor_shard_checks
 
 __all__ = [
     "model_flops_per_token",
@@ -34,11 +36,6 @@ def moe_layer_indices(cfg: GPTConfig) -> list[int]:
     if cfg.moe_every < 1:
         raise ValueError(f"model.moe_every={cfg.moe_every} must be >= 1")
     return [i for i in range(cfg.num_layers) if (i + 1) % cfg.moe_every == 0]
-
-
-def _check_moe(cfg: GPTConfig) -> None:
-    if cfg.is_moe and not 1 <= cfg.top_k <= cfg.num_experts:
-        raise ValueError(f"model.top_k={cfg.top_k} must be in [1, model.num_experts={cfg.num_experts}]")
 
 
 def _mlp_matrices(cfg: GPTConfig, ffn: int) -> int:
@@ -88,7 +85,7 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     computed; using tp=1's padding keeps the figure independent of the layout).
     Norms, softmax, activations, RoPE and the embedding lookup are not counted.
     """
-    _check_moe(cfg)
+    cfg.validate()
     h, s = cfg.hidden_size, cfg.seq_len
     moe = set(moe_layer_indices(cfg))
     attn = 2 * h * _qkv_out(cfg) + 4 * s * h + 2 * h * h
@@ -137,7 +134,7 @@ def param_count(cfg: GPTConfig) -> dict[str, int]:
       ((num_experts - top_k) experts per MoE layer); equals `total` for a dense model;
     * `embedding`: token + position embedding + untied LM head (for "non-embedding" counts).
     """
-    _check_moe(cfg)
+    cfg.validate()
     h = cfg.hidden_size
     vocab = cfg.padded_vocab_size(1)
     moe = set(moe_layer_indices(cfg))
@@ -172,24 +169,13 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
     the final norm and LM head (with tied embeddings and pp > 1, a copy of the embedding).
     Returns the maximum over stages. Raises ValueError when a size does not divide.
     """
-    _check_moe(cfg)
     h = cfg.hidden_size
-    checks = [
-        (tp >= 1 and ep >= 1 and etp >= 1, f"parallel sizes must be >= 1 (tp={tp}, ep={ep}, etp={etp})"),
-        (cfg.num_heads % tp == 0, f"model.num_heads={cfg.num_heads} is not divisible by parallel.tp={tp}"),
-        (cfg.num_kv_heads % tp == 0, f"model.num_kv_heads={cfg.num_kv_heads} is not divisible by parallel.tp={tp}"),
-        (cfg.ffn_hidden_size % tp == 0,
-         f"model.ffn_hidden_size={cfg.ffn_hidden_size} is not divisible by parallel.tp={tp}"),
-    ]
+    if min(tp, ep, etp, pp) < 1:
+        raise ValueError(f"parallel sizes must be >= 1 (tp={tp}, ep={ep}, etp={etp}, pp={pp})")
+    checks = tensor_shard_checks(cfg, tp)
     if cfg.is_moe:
-        checks += [
-            (cfg.num_experts % ep == 0, f"model.num_experts={cfg.num_experts} is not divisible by parallel.ep={ep}"),
-            (cfg.moe_ffn_hidden_size % etp == 0,
-             f"model.moe_ffn_hidden_size={cfg.moe_ffn_hidden_size} is not divisible by parallel.etp={etp}"),
-            (cfg.moe_ffn_hidden_size * cfg.shared_experts % tp == 0,
-             f"shared experts: model.moe_ffn_hidden_size * model.shared_experts = "
-             f"{cfg.moe_ffn_hidden_size * cfg.shared_experts} is not divisible by parallel.tp={tp}"),
-        ]
+        checks += expert_shard_checks(cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.shared_experts, ep=ep, etp=etp,
+                                      tp=tp)
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
