@@ -10,8 +10,8 @@
     all_to_all              fwd: all-to-all          bwd: the reverse all-to-all
     all_to_all_start / all_to_all_wait: the same all-to-all, asynchronous (fwd and bwd)
 
-and the non-differentiable collectives of everything outside mpu (no other module calls
-torch.distributed's collectives; tests/test_module_boundaries.py checks it):
+and the non-differentiable collectives that code outside mpu/ calls instead of
+torch.distributed's (tests/test_module_boundaries.py checks that it does):
 
     all_reduce_stats, all_gather_stats, all_to_all_stats   statistics (returns new tensors)
     all_gather_into, reduce_scatter_into                   into preallocated flat buffers
