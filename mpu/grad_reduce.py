@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.mpu.mappings import _reduce_scatter_into
+from meshtron.mpu.mappings import reduce_scatter_into
 from meshtron.mpu.mesh import Mesh, group_rank, group_size
 
 
@@ -220,7 +220,7 @@ class DataParallelGradReducer:
             bucket.comm = (result, target)
             source, target = wire, result
         if self.shard_grads:
-            bucket.work = _reduce_scatter_into(target, source, group=bucket.group, async_op=True)
+            bucket.work = reduce_scatter_into(target, source, group=bucket.group, async_op=True)
         else:
             bucket.work = dist.all_reduce(source, group=bucket.group, async_op=True)
 

@@ -27,7 +27,6 @@ COLLECTIVES = {
 }
 PENDING = {
     ("models/hf/weights.py", "torch.distributed.gather_object"),  # models/ owner: use mpu.mappings.gather_object
-    ("mpu/grad_reduce.py", "meshtron.mpu.mappings._reduce_scatter_into"),  # use mappings.reduce_scatter_into
     ("textdata/prepare.py", "meshtron.textdata.data._expand_paths"),  # textdata/ owner: make it public
 }
 
