@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
 from meshtron.moe.config import MoEConfig, score_check, scope_checks
+from meshtron.schema import allowed, field_checks
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
 
 ARCH_DEFAULTS = {
     # arch: (norm, activation, position, bias)
     "gpt2": ("layernorm", "gelu", "learned", True),
     "llama": ("rmsnorm", "swiglu", "rope", False),
 }
+
+
+def _raise_first(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 @dataclass
@@ -24,28 +36,28 @@ class GPTConfig:
     MoE fields are parsed now and used by the MoE layers (see `moe/`).
     """
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    ffn_hidden_size: int | None = None
-    vocab_size: int = 256
-    seq_len: int = 64
-    dropout: float = 0.0
-    arch: str = "gpt2"
-    norm: str | None = None
-    activation: str | None = None
-    position: str | None = None
+    num_layers: int = field(default=2, metadata=allowed(ge=1))
+    hidden_size: int = field(default=64, metadata=allowed(ge=1))
+    num_heads: int = field(default=4, metadata=allowed(ge=1))
+    num_kv_heads: int | None = field(default=None, metadata=allowed(ge=1))
+    ffn_hidden_size: int | None = field(default=None, metadata=allowed(ge=1))
+    vocab_size: int = field(default=256, metadata=allowed(ge=2))
+    seq_len: int = field(default=64, metadata=allowed(ge=1))
+    dropout: float = field(default=0.0, metadata=allowed(ge=0, lt=1))
+    arch: str = field(default="gpt2", metadata=allowed(choices=tuple(ARCH_DEFAULTS)))
+    norm: str | None = field(default=None, metadata=allowed(choices=NORMS + (None,)))
+    activation: str | None = field(default=None, metadata=allowed(choices=ACTIVATIONS + (None,)))
+    position: str | None = field(default=None, metadata=allowed(choices=POSITIONS + (None,)))
     bias: bool | None = None
     tie_embeddings: bool = True
-    init_std: float = 0.02
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    init_std: float = field(default=0.02, metadata=allowed(gt=0))
+    norm_eps: float = field(default=1e-5, metadata=allowed(gt=0))
+    rope_theta: float = field(default=10000.0, metadata=allowed(gt=0))
     # Mixture of Experts (0 experts = dense model).
-    num_experts: int = 0
+    num_experts: int = field(default=0, metadata=allowed(ge=0))
     top_k: int = 2
-    moe_every: int = 1
-    moe_ffn_hidden_size: int | None = None
+    moe_every: int = field(default=1, metadata=allowed(ge=1))
+    moe_ffn_hidden_size: int | None = field(default=None, metadata=allowed(ge=1))
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
@@ -61,21 +73,20 @@ class GPTConfig:
     aux_loss_layers: str = "sum"
     # Group-limited routing (DeepSeek-V3): experts form `router_groups` equal groups; each token
     # picks its top-k experts inside its best `router_topk_groups` groups (0 = no limit).
-    router_groups: int = 0
-    router_topk_groups: int = 0
-    shared_experts: int = 0
+    router_groups: int = field(default=0, metadata=allowed(ge=0))
+    router_topk_groups: int = field(default=0, metadata=allowed(ge=0))
+    shared_experts: int = field(default=0, metadata=allowed(ge=0))
     # Set by models/hf/ on import: the Mixtral config's {"router_aux_loss_coef",
     # "output_router_logits"}, written back on export while aux_loss_coef still equals what
     # they import as (None: not imported). The model never reads it.
     hf_router_fields: dict | None = None
     # Execution choices that do not change the math (set from trainer.* / kernels.*).
-    recompute: str = "none"
-    recompute_layers: int | None = None
-    kernel_backend: str = "torch"
+    recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
+    recompute_layers: int | None = field(default=None, metadata=allowed(ge=1))
+    kernel_backend: str = field(default="torch", metadata=allowed(choices=RESOLVED_BACKENDS))
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCH_DEFAULTS:
-            raise ValueError(f"model.arch={self.arch!r} is unknown; use one of {sorted(ARCH_DEFAULTS)}")
+        _raise_first(field_checks("model", self))  # types and ranges before any arithmetic on them
         norm, act, pos, bias = ARCH_DEFAULTS[self.arch]
         self.norm = self.norm or norm
         self.activation = self.activation or act
@@ -90,32 +101,18 @@ class GPTConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the field and what to change for an inconsistent shape."""
-        checks = [
-            (self.norm in ("layernorm", "rmsnorm"), f"model.norm={self.norm!r} must be layernorm or rmsnorm"),
-            (self.activation in ("gelu", "swiglu"), f"model.activation={self.activation!r} must be gelu or swiglu"),
-            (self.position in ("learned", "rope"), f"model.position={self.position!r} must be learned or rope"),
-            (self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1"),
+        """Raise ValueError naming the field and what to change: each field's type and range
+        (meshtron/schema.py), then the rules between fields."""
+        _raise_first(field_checks("model", self))
+        _raise_first([
             (self.hidden_size % self.num_heads == 0,
              f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"),
             (self.num_heads % self.num_kv_heads == 0,
              f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}"),
             (self.position != "rope" or self.head_dim % 2 == 0,
              f"RoPE needs an even head dim; hidden_size/num_heads={self.head_dim}"),
-            (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
-            (self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2"),
-            (self.seq_len >= 1, f"model.seq_len={self.seq_len} must be >= 1"),
-            (self.num_experts >= 0 and self.shared_experts >= 0, "model.num_experts and model.shared_experts must be >= 0"),
-            (self.moe_every >= 1, f"model.moe_every={self.moe_every} must be >= 1"),
             *self._moe_checks(),
-            (self.recompute in ("none", "selective", "full"),
-             f"trainer.recompute={self.recompute!r} must be none, selective or full"),
-            (self.kernel_backend in RESOLVED_BACKENDS,
-             f"kernel backend {self.kernel_backend!r} must be one of {', '.join(RESOLVED_BACKENDS)}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        ])
 
     def _moe_checks(self) -> list[tuple[bool, str]]:
         """moe/config.py's rules on the MoE fields (the router score and aux-loss scope are

@@ -4,7 +4,8 @@ Ranks are laid out with tp fastest-varying (a TP group sits inside one node). Ex
 fold the same ranks into pp x edp x ep x etp (etp fastest), independently of the dense layout,
 so 8 ranks can run attention at tp=4, dp=2 and experts at ep=8 ("parallel folding").
 
-`ParallelConfig.validate` checks every size before any process group exists and raises
+`ParallelConfig` checks its fields when built (meshtron/schema.py) and `resolved` every size
+against the world and raises
 `ParallelConfigError` with a message that names the numbers and what to change.
 A `Mesh` with world size 1 needs no process group at all: every group is `None` and every
 collective in `mpu` is skipped for groups of size 1.
@@ -12,11 +13,14 @@ collective in `mpu` is skipped for groups of size 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from meshtron.mpu.pipeline_schedules import SCHEDULES
+from meshtron.schema import Allowed, allowed, field_checks
 
 
 class ParallelConfigError(ValueError):
@@ -27,23 +31,28 @@ class ParallelConfigError(ValueError):
 class ParallelConfig:
     """Parallel sizes. `dp=None` means world // (tp * pp); `ep`/`etp` describe the expert mesh."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None
-    ep: int = 1
-    etp: int = 1
+    tp: int = field(default=1, metadata=allowed(ge=1))
+    pp: int = field(default=1, metadata=allowed(ge=1))
+    dp: int | None = field(default=None, metadata=allowed(ge=1))
+    ep: int = field(default=1, metadata=allowed(ge=1))
+    etp: int = field(default=1, metadata=allowed(ge=1))
     sp: bool = False
-    vpp: int = 1
-    schedule: str = "1f1b"
-    stage_layers: list[int] | None = None  # layers per virtual stage (pp * vpp entries); None = even
+    vpp: int = field(default=1, metadata=allowed(ge=1))
+    schedule: str = field(default="1f1b", metadata=allowed(choices=SCHEDULES))
+    # layers per virtual stage (pp * vpp entries); None = even
+    stage_layers: list[int] | None = field(default=None, metadata=allowed(items=Allowed(ge=1)))
+
+    def __post_init__(self) -> None:
+        checks = [*field_checks("parallel", self),
+                  (self.vpp == 1 or self.schedule == "interleaved",
+                   f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved")]
+        for ok, message in checks:
+            if not ok:
+                raise ParallelConfigError(message)
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp filled in and every size checked against `world_size`."""
         out = ParallelConfig(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()})
-        for name in ("tp", "pp", "ep", "etp", "vpp"):
-            value = getattr(out, name)
-            if not isinstance(value, int) or value < 1:
-                raise ParallelConfigError(f"parallel.{name}={value} must be a positive integer")
         if world_size % (out.tp * out.pp) != 0:
             raise ParallelConfigError(
                 f"world size {world_size} is not divisible by tp*pp={out.tp * out.pp} "

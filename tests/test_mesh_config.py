@@ -12,7 +12,6 @@ from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError, check_model_f
     (ParallelConfig(tp=4), 6, r"world size 6 is not divisible by tp\*pp=4"),
     (ParallelConfig(tp=2, pp=2), 6, r"world size 6 is not divisible by tp\*pp=4"),
     (ParallelConfig(tp=2, dp=3), 4, r"tp\*pp\*dp=2\*1\*3=6 does not equal world size 4; set parallel.dp=2"),
-    (ParallelConfig(tp=0), 4, r"parallel.tp=0 must be a positive integer"),
     (ParallelConfig(tp=2, ep=4, etp=2), 4, r"ep\*etp=4\*2=8 does not divide the 4 ranks"),
 ])
 def test_bad_layouts_name_the_numbers(par, world, message):
@@ -29,7 +28,7 @@ def test_bad_layouts_name_the_numbers(par, world, message):
     (ParallelConfig(pp=2), GPTConfig(num_layers=3), r"pp\*vpp=2\*1 does not divide num_layers=3"),
     (ParallelConfig(pp=2, stage_layers=[1, 1]), GPTConfig(num_layers=3),
      r"stage_layers=\[1, 1\] must list 2 positive layer counts .* summing to num_layers=3"),
-    (ParallelConfig(vpp=2), GPTConfig(num_layers=4), r"parallel.vpp=2 needs pipeline parallelism"),
+    (ParallelConfig(vpp=2, schedule="interleaved"), GPTConfig(num_layers=4), r"parallel.vpp=2 needs pipeline parallelism"),
     (ParallelConfig(ep=3), GPTConfig(num_experts=8), r"ep=3 does not divide num_experts=8"),
     (ParallelConfig(ep=2, etp=2), GPTConfig(num_experts=4, moe_ffn_hidden_size=33, hidden_size=64),
      r"etp=2 does not divide moe_ffn_hidden_size=33"),
@@ -37,6 +36,20 @@ def test_bad_layouts_name_the_numbers(par, world, message):
 def test_model_shape_checks(par, cfg, message):
     with pytest.raises(ParallelConfigError, match=message):
         check_model_fits(par.resolved(par.tp * par.pp * par.ep * par.etp), cfg)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tp=0), "parallel.tp=0 must be an integer >= 1"),
+    (dict(tp=True), "parallel.tp=True must be an integer >= 1"),   # a bool is not a size
+    (dict(pp=2.5), "parallel.pp=2.5 must be an integer >= 1"),
+    (dict(sp="yes"), "parallel.sp='yes' must be true or false"),
+    (dict(schedule="zigzag"), "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved"),
+    (dict(stage_layers=[2, 0]), r"parallel.stage_layers=\[2, 0\]: every element must be >= 1"),
+    (dict(vpp=2), "parallel.vpp=2 needs parallel.schedule=interleaved"),
+])
+def test_parallel_fields_are_checked_when_built(kwargs, message):
+    with pytest.raises(ParallelConfigError, match=message):
+        ParallelConfig(**kwargs)
 
 
 def test_dp_defaults_to_world_over_tp_pp():
@@ -66,7 +79,18 @@ def test_model_config_errors():
         GPTConfig(num_experts=2, top_k=3)
     with pytest.raises(ValueError, match="model.router_score='relu' must be softmax or sigmoid"):
         GPTConfig(num_experts=2, router_score="relu")
-    with pytest.raises(ValueError, match="model.arch='bert' is unknown"):
+    with pytest.raises(ValueError, match="model.arch='bert' must be one of gpt2, llama"):
         GPTConfig(arch="bert")
+    # Issue 14's values that used to reach arithmetic or torch: one message naming key and range.
+    with pytest.raises(ValueError, match="model.num_heads=0 must be an integer >= 1"):
+        GPTConfig(num_heads=0)
+    with pytest.raises(ValueError, match="model.hidden_size=-128 must be an integer >= 1"):
+        GPTConfig(hidden_size=-128)
+    with pytest.raises(ValueError, match=r"model.num_layers=2.5 must be an integer >= 1"):
+        GPTConfig(num_layers=2.5)
+    with pytest.raises(ValueError, match=r"model.dropout=1.0 must be a finite number in \[0, 1\)"):
+        GPTConfig(dropout=1.0)
+    with pytest.raises(ValueError, match="model.init_std=nan must be a finite number > 0"):
+        GPTConfig(init_std=float("nan"))
     assert GPTConfig(vocab_size=50257).padded_vocab_size(4) == 50688
     assert GPTConfig(vocab_size=256).padded_vocab_size(1) == 256

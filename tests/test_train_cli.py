@@ -57,6 +57,10 @@ def test_default_training_learns_on_real_text(tmp_path):
     (["model.num_heads=5"], 1, "hidden_size=128 is not divisible by model.num_heads=5"),
     (["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus"),
     (["kernels.tf32=yes"], 2, "kernels.tf32='yes' must be one of auto, on, off"),
+    (["optim.lr=inf"], 1, "optim.lr=inf must be a finite number > 0"),
+    (["parallel.tp=true"], 1, "parallel.tp=True must be an integer >= 1"),
+    (["parallel.tpp=2"], 2, "unknown key parallel.tpp; did you mean parallel.tp?"),
+    (["trainer.global_batch_size=16.5"], 1, "trainer.global_batch_size=16.5 must be an integer"),
 ])
 def test_bad_config_fails_before_any_process_group(tmp_path, overrides, world, message):
     """Validation runs before init_process_group: a lone rank of a world that never forms

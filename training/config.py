@@ -13,75 +13,81 @@ from typing import Any
 
 from meshtron.errors import ConfigError
 from meshtron.rules import batch_size_checks, first_failure, precision_check
+from meshtron.schema import Allowed, allowed, field_checks, nearest_key
 from meshtron.kernels.tf32 import TF32_MODES
-from meshtron.models.config import GPTConfig
-from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
-from meshtron.mpu.pipeline_schedules import SCHEDULES
+from meshtron.models.config import RECOMPUTE_MODES, GPTConfig
+from meshtron.mpu.mesh import ParallelConfig
+from meshtron.training.schedule import DECAY_STYLES
+
+
+def _field(default, **rule):
+    """A config field with its default and its declared range/choices (meshtron/schema.py)."""
+    return field(default=default, metadata=allowed(**rule) if rule else {})
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 200
-    seed: int = 1234
-    device: str = "auto"
-    global_batch_size: int = 16
+    max_steps: int = _field(200, ge=1)
+    seed: int = _field(1234, ge=0)
+    device: str = _field("auto", choices=("auto", "cpu", "cuda"))
+    global_batch_size: int = 16             # ranges: meshtron/rules.py batch_size_checks (shared with the planner)
     micro_batch_size: int | None = None
     dry_run: bool = False
-    log_every: int = 10
-    max_grad_norm: float = 1.0
-    precision: str = "fp32"                  # fp32 | bf16 | fp16 (autocast compute, fp32 main weights and grads)
-    initial_loss_scale: float = 65536.0      # fp16 only: dynamic loss scale to start from
-    loss_scale_window: int = 1000            # fp16 only: clean steps before the scale doubles
-    num_threads: int | None = None
+    log_every: int = _field(10, ge=1)
+    max_grad_norm: float = _field(1.0, ge=0)                  # 0 = no clipping
+    precision: str = "fp32"    # fp32 | bf16 | fp16 (meshtron/rules.py): autocast compute, fp32 main weights and grads
+    initial_loss_scale: float = _field(65536.0, ge=1)        # fp16 only: dynamic loss scale to start from
+    loss_scale_window: int = _field(1000, ge=1)              # fp16 only: clean steps before the scale doubles
+    num_threads: int | None = _field(None, ge=1)
     progress: bool = True
-    trace_step: int | None = None
-    recompute: str = "none"
-    recompute_layers: int | None = None
-    eval_every: int = 0
-    eval_batches: int = 2
-    max_skipped: int = 5
-    collective_timeout_s: float = 300.0
-    watchdog_timeout_s: float | None = None  # report a phase stuck this long (None = collective_timeout_s / 2; 0 = off)
-    tensorboard: bool = False                # also write TensorBoard events to <run dir>/tb
+    trace_step: int | None = _field(None, ge=1)
+    recompute: str = _field("none", choices=RECOMPUTE_MODES)
+    recompute_layers: int | None = _field(None, ge=1)
+    eval_every: int = _field(0, ge=0)                        # 0 = off
+    eval_batches: int = _field(2, ge=1)
+    max_skipped: int = _field(5, ge=0)
+    collective_timeout_s: float = _field(300.0, gt=0)
+    watchdog_timeout_s: float | None = _field(None, ge=0)    # a phase stuck this long is reported (None = collective_timeout_s / 2; 0 = off)
+    tensorboard: bool = False                                # also write TensorBoard events to <run dir>/tb
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int | None = None
-    min_lr_ratio: float = 0.1
-    decay: str = "cosine"
-    zero: int = 0
+    lr: float = _field(3e-3, gt=0)
+    weight_decay: float = _field(0.1, ge=0)
+    betas: tuple[float, float] = _field((0.9, 0.95), items=Allowed(ge=0, lt=1))
+    eps: float = _field(1e-8, gt=0)
+    warmup_steps: int | None = _field(None, ge=0)
+    min_lr_ratio: float = _field(0.1, ge=0, le=1)
+    decay: str = _field("cosine", choices=DECAY_STYLES)
+    zero: int = _field(0, choices=(0, 1, 2))  # 0 replicated AdamW, 1 optimizer state sharded over the replicas, 2 + gradients
     offload: bool = False   # AdamW state and fp32 main weights in CPU memory; the update runs on the CPU
-    grad_comm_dtype: str = "fp32"  # fp32 | bf16: dtype gradients are reduced in over dp (compression)
+    grad_comm_dtype: str = _field("fp32", choices=("fp32", "bf16"))  # dtype gradients are reduced in over dp
 
 
 @dataclass
 class DataConfig:
     paths: list[str] | None = None
-    max_bytes: int = 16_000_000
-    val_fraction: float = 0.01
-    # A directory written by `python -m meshtron.textdata.prepare` (tokens.bin + index.json), memory-
-    # mapped; when set, `paths` and `max_bytes` are ignored. See textdata.data.build_dataset.
+    max_bytes: int = _field(16_000_000, ge=1)
+    val_fraction: float = _field(0.01, ge=0, lt=1)
+    # A directory written by `meshtron-prepare` (tokens.bin + index.json), memory-mapped; when
+    # set, `paths` and `max_bytes` are ignored. See textdata.data.build_dataset.
     prepared: str | None = None
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None          # where step_N folders are written (shared by all ranks)
-    every: int = 0                  # save every N steps (0 = only at the end and on SIGTERM)
-    keep: int | None = 3            # newest checkpoints kept (null = all)
-    resume: str | None = None       # null | auto (newest valid in dir, else fresh) | a step_N folder
-    init_from: str | None = None    # start from these weights only (step 0, fresh optimizer)
+    dir: str | None = None                      # where step_N folders are written (shared by all ranks)
+    every: int = _field(0, ge=0)                # save every N steps (0 = only at the end and on SIGTERM)
+    keep: int | None = _field(3, ge=1)          # newest checkpoints kept (null = all)
+    resume: str | None = None                   # null | auto (newest valid in dir, else fresh) | a step_N folder
+    init_from: str | None = None                # start from these weights only (step 0, fresh optimizer)
 
 
 @dataclass
 class KernelsConfig:
-    backend: str = "auto"
-    tf32: str = "auto"  # fp32 dots of the Triton GEMMs: auto (follow torch's matmul policy) | on | off
+    backend: str = _field("auto", choices=("auto", "torch", "triton"))
+    tf32: str = _field("auto", choices=TF32_MODES)  # fp32 dots of the Triton GEMMs: follow torch's policy | on | off
 
 
 @dataclass
@@ -97,82 +103,48 @@ class RunConfig:
     @staticmethod
     def from_dict(tree: dict[str, Any]) -> "RunConfig":
         """Build from a plain nested dict (e.g. `OmegaConf.to_container(cfg, resolve=True)`)."""
-        kinds = {"model": GPTConfig, "parallel": ParallelConfig, "trainer": TrainerConfig,
-                 "optim": OptimConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-                 "kernels": KernelsConfig}
+        kinds = SECTIONS
         built = {}
         for key, value in tree.items():
             if key == "hydra":
                 continue
             if key not in kinds:
-                raise ConfigError(f"unknown config section {key!r}; known: {', '.join(kinds)}")
+                raise ConfigError(_unknown(key, list(kinds)).replace("unknown key", "unknown config section", 1))
             built[key] = _build_section(key, kinds[key], value or {})
         run = RunConfig(**built)
+        run.validate()
         try:  # execution choices the model needs to know about
             run.model = dataclasses.replace(run.model, recompute=run.trainer.recompute,
                                             recompute_layers=run.trainer.recompute_layers)
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        run.validate()
         return run
 
     def validate(self) -> None:
-        t, o = self.trainer, self.optim
-        if t.max_steps < 1:
-            raise ConfigError(f"trainer.max_steps={t.max_steps} must be >= 1")
-        if t.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"trainer.device={t.device!r} must be auto, cpu or cuda")
-        ok, message = precision_check(t.precision)
-        if not ok:
+        """Every field's type and range (meshtron/schema.py; model and parallel check their own
+        when built), then the rules that tie fields together. Raises ConfigError."""
+        t, o, c = self.trainer, self.optim, self.checkpoint
+        message = first_failure([check for name in ("trainer", "optim", "data", "checkpoint", "kernels")
+                                 for check in field_checks(name, getattr(self, name))])
+        if message:
             raise ConfigError(message)
-        if t.initial_loss_scale < 1 or t.loss_scale_window < 1:
-            raise ConfigError(f"trainer.initial_loss_scale={t.initial_loss_scale} and trainer.loss_scale_window="
-                              f"{t.loss_scale_window} must be >= 1")
-        message = first_failure(batch_size_checks(t.global_batch_size, t.micro_batch_size))
-        if message:  # how the batch splits needs the layout: training/loop.py checks batch_checks
+        checks = [
+            precision_check(t.precision),
+            *batch_size_checks(t.global_batch_size, t.micro_batch_size),
+            (o.warmup_steps is None or o.warmup_steps <= t.max_steps,
+             f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}"),
+            (t.trace_step is None or t.trace_step <= t.max_steps,
+             f"trainer.trace_step={t.trace_step} must be a step in 1..trainer.max_steps={t.max_steps}"),
+            (not c.every or bool(c.dir),
+             f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)"),
+            (c.resume != "auto" or bool(c.dir), "checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)"),
+            (not (c.resume and c.init_from),
+             "checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run (optimizer, step, data "
+             "position), init_from only takes weights; set one of them"),
+        ]
+        message = first_failure(checks)
+        if message:
             raise ConfigError(message)
-        if t.eval_every < 0 or t.eval_batches < 1:
-            raise ConfigError(f"trainer.eval_every={t.eval_every} must be >= 0 (0 = off) and "
-                              f"trainer.eval_batches={t.eval_batches} >= 1")
-        if t.collective_timeout_s <= 0:
-            raise ConfigError(f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
-        if t.watchdog_timeout_s is not None and t.watchdog_timeout_s < 0:
-            raise ConfigError(f"trainer.watchdog_timeout_s={t.watchdog_timeout_s} must be >= 0 (0 = off)")
-        if t.max_skipped < 0:
-            raise ConfigError(f"trainer.max_skipped={t.max_skipped} must be >= 0")
-        if t.log_every < 1:
-            raise ConfigError(f"trainer.log_every={t.log_every} must be >= 1")
-        if o.lr <= 0:
-            raise ConfigError(f"optim.lr={o.lr} must be > 0")
-        if o.zero not in (0, 1, 2):
-            raise ConfigError(f"optim.zero={o.zero}: choose 0 (replicated AdamW), 1 (optimizer state sharded over "
-                              f"the replicas) or 2 (optimizer state and gradients sharded)")
-        if o.grad_comm_dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"optim.grad_comm_dtype={o.grad_comm_dtype!r} must be fp32 or bf16")
-        if o.warmup_steps is not None and o.warmup_steps > t.max_steps:
-            raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}")
-        c = self.checkpoint
-        if c.every < 0:
-            raise ConfigError(f"checkpoint.every={c.every} must be >= 0 (0 = save only at the end and on SIGTERM)")
-        if c.every and not c.dir:
-            raise ConfigError(f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)")
-        if c.keep is not None and c.keep < 1:
-            raise ConfigError(f"checkpoint.keep={c.keep} must be >= 1 (or null to keep all)")
-        if c.resume == "auto" and not c.dir:
-            raise ConfigError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
-        if c.resume and c.init_from:
-            raise ConfigError("checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run "
-                              "(optimizer, step, data position), init_from only takes weights; set one of them")
-        if self.kernels.backend not in ("auto", "torch", "triton"):
-            raise ConfigError(f"kernels.backend={self.kernels.backend!r} must be auto, torch or triton")
-        if self.kernels.tf32 not in TF32_MODES:
-            raise ConfigError(f"kernels.tf32={self.kernels.tf32!r} must be one of {', '.join(TF32_MODES)}")
-        if self.parallel.schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.schedule={self.parallel.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
-        if self.parallel.vpp > 1 and self.parallel.schedule != "interleaved":
-            raise ConfigError(f"parallel.vpp={self.parallel.vpp} needs parallel.schedule=interleaved")
-        if t.trace_step is not None and not 1 <= t.trace_step <= t.max_steps:
-            raise ConfigError(f"trainer.trace_step={t.trace_step} must be a step in 1..trainer.max_steps={t.max_steps}")
 
     @property
     def warmup_steps(self) -> int:
@@ -182,16 +154,43 @@ class RunConfig:
         return max(1, self.trainer.max_steps // 10)
 
 
+SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "trainer": TrainerConfig, "optim": OptimConfig,
+            "data": DataConfig, "checkpoint": CheckpointConfig, "kernels": KernelsConfig}
+
+
+def unknown_override(overrides: list[str]) -> str | None:
+    """The error for the first command-line override `section.key=value` naming no config key
+    (Hydra would refuse it with a multi-line struct error), suggesting the nearest key; None
+    if all are known. Appending (`+`), deleting (`~`), flags and `hydra.*` are Hydra's."""
+    known = [f"{section}.{f.name}" for section, kind in SECTIONS.items() for f in dataclasses.fields(kind)]
+    for arg in overrides:
+        key = arg.split("=", 1)[0]
+        if "=" not in arg or arg.startswith(("+", "~", "-")) or key.startswith("hydra.") or "." not in key:
+            continue
+        if key not in known and key.split(".")[0] in SECTIONS:
+            return _unknown(key, known)
+        if key.split(".")[0] not in SECTIONS:
+            return _unknown(key.split(".")[0], list(SECTIONS)).replace("unknown key", "unknown config section", 1)
+    return None
+
+
 def _build_section(section: str, kind: type, values: dict[str, Any]):
+    """The dataclass of one config section; unknown keys name the nearest known one."""
     names = {f.name for f in dataclasses.fields(kind)}
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ConfigError(f"unknown key {section}.{unknown[0]}; known keys: {', '.join(sorted(names))}")
-    if kind is ParallelConfig and not isinstance(values.get("sp", False), bool):
-        raise ConfigError(f"parallel.sp={values['sp']!r} must be true or false")
+        raise ConfigError(_unknown(f"{section}.{unknown[0]}", [f"{section}.{n}" for n in names]))
+    if kind is OptimConfig and isinstance(values.get("betas"), list):
+        values = dict(values, betas=tuple(values["betas"]))
     try:
-        if kind is OptimConfig and "betas" in values:
-            values = dict(values, betas=tuple(values["betas"]))
         return kind(**values)
-    except (ValueError, TypeError, ParallelConfigError) as err:
-        raise ConfigError(f"{section}: {err}") from err
+    except (ValueError, TypeError) as err:  # GPTConfig / ParallelConfig check their fields when built
+        message = str(err)
+        raise ConfigError(message if message.startswith(f"{section}.") else f"{section}: {message}") from err
+
+
+def _unknown(key: str, known: list[str]) -> str:
+    """One line for an unknown key: the nearest known key, or all of them."""
+    near = nearest_key(key, known)
+    hint = f"did you mean {near}?" if near else f"known: {', '.join(sorted(known))}"
+    return f"unknown key {key}; {hint}"

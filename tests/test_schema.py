@@ -1,0 +1,67 @@
+"""The config schema (meshtron/schema.py): every bad value issue 14 found is refused by the
+typed config with one message naming the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.schema import Allowed, nearest_key
+from meshtron.training.config import ConfigError, RunConfig, unknown_override
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    ("optim", "lr", float("inf"), "optim.lr=inf must be a finite number > 0"),
+    ("optim", "lr", float("nan"), "optim.lr=nan must be a finite number > 0"),
+    ("optim", "lr", 0.0, "optim.lr=0.0 must be a finite number > 0"),
+    ("trainer", "max_steps", "abc", "trainer.max_steps='abc' must be an integer >= 1"),
+    ("optim", "decay", "bogus", "optim.decay='bogus' must be one of cosine, linear, constant"),
+    ("optim", "min_lr_ratio", 2, "optim.min_lr_ratio=2 must be a finite number in [0, 1]"),
+    ("optim", "warmup_steps", -3, "optim.warmup_steps=-3 must be an integer >= 0"),
+    ("optim", "betas", [1.5, 0.9], "optim.betas=(1.5, 0.9): every element must be in [0, 1)"),
+    ("optim", "betas", [0.9], "optim.betas=(0.9,) must be a list of 2 finite numbers"),
+    ("optim", "eps", -1, "optim.eps=-1 must be a finite number > 0"),
+    ("optim", "weight_decay", -5, "optim.weight_decay=-5 must be a finite number >= 0"),
+    ("optim", "zero", 3, "optim.zero=3 must be one of 0, 1, 2"),
+    ("trainer", "num_threads", -1, "trainer.num_threads=-1 must be an integer >= 1"),
+    ("trainer", "progress", 1, "trainer.progress=1 must be true or false"),
+    ("trainer", "device", "tpu", "trainer.device='tpu' must be one of auto, cpu, cuda"),
+    ("trainer", "max_grad_norm", -1.0, "trainer.max_grad_norm=-1.0 must be a finite number >= 0"),
+    ("data", "val_fraction", 1.0, "data.val_fraction=1.0 must be a finite number in [0, 1)"),
+    ("checkpoint", "keep", 0, "checkpoint.keep=0 must be an integer >= 1"),
+    ("model", "num_layers", 2.5, "model.num_layers=2.5 must be an integer >= 1"),
+    ("model", "hidden_size", -128, "model.hidden_size=-128 must be an integer >= 1"),
+    ("model", "num_heads", 0, "model.num_heads=0 must be an integer >= 1"),
+    ("parallel", "tp", True, "parallel.tp=True must be an integer >= 1"),
+    ("trainer", "global_batch_size", 16.5, "trainer.global_batch_size=16.5 must be an integer"),
+])
+def test_bad_values_name_key_value_and_what_is_allowed(section, key, value, message):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_dict({section: {key: value}})
+    assert str(err.value) == message
+
+
+def test_cross_field_rules_and_defaults():
+    RunConfig.from_dict({})  # the defaults pass
+    with pytest.raises(ConfigError, match=r"^optim.warmup_steps=50 exceeds trainer.max_steps=10$"):
+        RunConfig.from_dict({"trainer": {"max_steps": 10}, "optim": {"warmup_steps": 50}})
+    with pytest.raises(ConfigError, match="checkpoint.resume=auto needs checkpoint.dir"):
+        RunConfig.from_dict({"checkpoint": {"resume": "auto"}})
+
+
+def test_unknown_keys_suggest_the_nearest():
+    with pytest.raises(ConfigError, match=r"^unknown key optim.lrr; did you mean optim.lr\?$"):
+        RunConfig.from_dict({"optim": {"lrr": 1e-3}})
+    with pytest.raises(ConfigError, match=r"^unknown config section trainr; did you mean trainer\?$"):
+        RunConfig.from_dict({"trainr": {}})
+    assert unknown_override(["parallel.tpp=2"]) == "unknown key parallel.tpp; did you mean parallel.tp?"
+    assert unknown_override(["parallel.tp=2", "+model=gpt_1b", "~data.paths", "hydra.run.dir=x", "-m",
+                             "--config-dir", "d", "trainer.max_steps=3"]) is None
+    assert unknown_override(["optimm.lr=1"]) == "unknown config section optimm; did you mean optim?"
+    assert nearest_key("zzz", ["optim.lr"]) is None
+
+
+def test_allowed_describes_its_range():
+    assert Allowed(ge=0, lt=1).describe() == "in [0, 1)"
+    assert Allowed(gt=0).describe() == "> 0"
+    assert Allowed(choices=(None, True, "a")).describe() == "one of null, true, a"
+    assert Allowed(ge=1).holds(1) and not Allowed(ge=1).holds(0)
