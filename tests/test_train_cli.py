@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -71,6 +72,16 @@ def test_bad_config_fails_before_any_process_group(tmp_path, overrides, world, m
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("meshtron: configuration error")]
     assert len(lines) == 1 and message in lines[0], out.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_requested_without_a_gpu_is_one_line(tmp_path):
+    out = run([sys.executable, "train.py", "trainer.device=cuda", f"hydra.run.dir={tmp_path}"], timeout=100)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("meshtron: configuration error")]
+    assert lines == ["meshtron: configuration error: trainer.device=cuda but this machine has no usable CUDA "
+                     "device (torch.cuda.is_available() is False); use trainer.device=auto or cpu"], out.stderr[-3000:]
 
 
 @pytest.mark.distributed

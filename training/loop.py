@@ -37,6 +37,7 @@ from meshtron.training.precision import LossScaler, Precision
 from meshtron.training.preemption import StopRequest
 from meshtron.planning.peak import peak_flops
 from meshtron.training.schedule import lr_at
+from meshtron.rules import batch_checks, first_failure, microbatches
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from meshtron.observability.watchdog import StepWatchdog, is_collective_failure, mesh_coords
 
@@ -52,29 +53,20 @@ def check_run_config(run: RunConfig, world_size: int) -> tuple:
     except ParallelConfigError as err:
         raise ConfigError(str(err)) from err
     t = run.trainer
-    if t.global_batch_size % par.dp:
-        raise ConfigError(
-            f"trainer.global_batch_size={t.global_batch_size} is not divisible by dp={par.dp}; "
-            f"use a multiple of {par.dp}"
-        )
-    per_rank = t.global_batch_size // par.dp
-    micro = t.micro_batch_size or per_rank
-    if per_rank % micro:
-        raise ConfigError(
-            f"trainer.micro_batch_size={micro} does not divide the per-rank batch {per_rank} "
-            f"(global_batch_size={t.global_batch_size} / dp={par.dp})"
-        )
-    if par.schedule == "interleaved" and par.pp > 1 and (per_rank // micro) % par.pp:
-        raise ConfigError(
-            f"the interleaved schedule needs the microbatches per rank ({per_rank // micro} = global_batch_size "
-            f"{t.global_batch_size} / dp {par.dp} / micro_batch_size {micro}) divisible by pp={par.pp}"
-        )
+    message = first_failure(batch_checks(t.global_batch_size, t.micro_batch_size, par.dp, pp=par.pp,
+                                         schedule=par.schedule))
+    if message:
+        raise ConfigError(message)
+    micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
+    if t.device == "cuda" and not t.dry_run and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device "
+                          "(torch.cuda.is_available() is False); use trainer.device=auto or cpu")
     if t.tensorboard and not t.dry_run:
         require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra
     if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
                           f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}")
-    return par, micro, per_rank // micro
+    return par, micro, n_micro
 
 
 def run_training(run: RunConfig, run_dir: str | Path) -> dict:
