@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.mpu.mappings import reduce_scatter_into
+from meshtron.mpu.waits import wait_for
 from meshtron.mpu.mesh import Mesh, group_rank, group_size
 
 
@@ -251,9 +252,11 @@ class DataParallelGradReducer:
             self._sum_tied_embedding()
             for bucket in self.buckets:
                 self._launch(bucket)
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
             if bucket.work is not None:
-                bucket.work.wait()
+                op = "reduce_scatter" if self.shard_grads else "all_reduce"
+                wait_for(bucket.work, f"{op} of gradient bucket {index + 1}/{len(self.buckets)} over {bucket.key} "
+                                      f"({bucket.numel * bucket.shard.element_size() / 2**20:.1f} MiB)")
             if bucket.comm is not None:  # compressed: back into the fp32 gradient
                 result, target = bucket.comm
                 target.copy_(result)

@@ -26,6 +26,7 @@ from torch import nn
 from meshtron.mpu.mesh import Mesh, collective_device
 from meshtron.mpu.pipeline_p2p import GRADIENT, Batch, Message, RankPlan, cached_plan, needed_message, produced_message
 from meshtron.mpu.pipeline_schedules import Action
+from meshtron.mpu.waits import wait_for
 
 # loss_fn(chunk, output, microbatch_index) -> scalar loss to back-propagate (already scaled)
 LossFn = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
@@ -110,8 +111,9 @@ class PipelineExecutor:
                 inbox[op.message] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, tag=self._tag(op.message)))
         start = time.perf_counter()
+        peers = ", ".join(str(op) for op in batch.ops)
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            wait_for(work, f"pipeline p2p over pp ({peers})")
         result.timeline.append(TimelineEvent(name, microbatch, chunk, start, time.perf_counter()))
 
     def run(self, schedules: Sequence[Sequence[Action]], inputs: list[torch.Tensor], loss_fn: LossFn,

@@ -8,7 +8,9 @@ rank's place in the mesh nor what the step was doing. Two tools fix that:
   (``watchdog.phase("step 12: forward/backward")``); if one phase lasts longer than
   ``timeout_s`` it writes one line ``meshtron: rank R (tp=.., pp=.., dp=..) stuck for T s in
   <phase>`` followed by the stack of every thread, so the frame of the blocking collective
-  (e.g. ``all_reduce`` called from ``mpu/mappings.py``) is visible. It only reports; the
+  (e.g. ``all_reduce`` called from ``mpu/mappings.py``) is visible; a rank blocked in a wait
+  on an asynchronous collective is named by its label (``mpu/waits.py``: "waiting in
+  all_reduce of gradient bucket 2/3 over dp (24.0 MiB)"). It only reports; the
   process group's timeout still ends the run.
 * ``describe_collective_error``: turns the timeout / connection error a collective raises
   into one message naming the rank, its mesh coordinates, the phase, the collective and the
@@ -24,6 +26,8 @@ import threading
 import time
 import traceback
 from typing import TextIO
+
+from meshtron.mpu.waits import current_wait, wait_label
 
 __all__ = [
     "StepWatchdog",
@@ -183,7 +187,9 @@ class StepWatchdog:
     def _report(self, label: str, elapsed: float) -> None:
         stream = self._stream if self._stream is not None else sys.stderr
         try:
-            stream.write(f"meshtron: {_who(self.rank, self.coords)} stuck for {elapsed:.1f} s in {label} "
+            waiting = current_wait()
+            where = f"{label}, waiting in {waiting}" if waiting else label
+            stream.write(f"meshtron: {_who(self.rank, self.coords)} stuck for {elapsed:.1f} s in {where} "
                          f"(watchdog timeout {self.timeout_s:g} s); stacks of all threads follow\n")
             _dump_stacks(stream, skip_thread=threading.get_ident())
             self.reports += 1
@@ -256,7 +262,7 @@ def describe_collective_error(err: BaseException, rank: int, coords: str, phase:
     """
     text = str(err).strip().replace("\n", " | ")
     lowered = text.lower()
-    collective = collective_in_traceback(err)
+    collective = collective_in_traceback(err) or wait_label(err)
     where = f"collective {collective}" if collective else "a collective"
     if "timed out" in lowered or "timeout" in lowered:
         limit = f" within trainer.collective_timeout_s={timeout_s:g}" if timeout_s else ""

@@ -145,3 +145,62 @@ def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
     assert "did not join within trainer.collective_timeout_s=2 " in failure and "timed out" in failure.lower()
     seconds = float(lines[-1].split()[2])
     assert 1.5 <= seconds < 10
+
+
+class _BlockingWork:
+    """An asynchronous collective's work handle that completes when `done` is set (or fails)."""
+
+    def __init__(self, error: Exception | None = None):
+        self.done, self.error = threading.Event(), error
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+        self.done.wait(10)
+
+
+def test_report_names_the_labelled_wait_the_rank_is_blocked_in():
+    from meshtron.mpu.waits import current_wait, wait_for
+
+    stream = io.StringIO()
+    work = _BlockingWork()
+    with StepWatchdog(1, "tp=0, pp=0, dp=1", timeout_s=0.2, stream=stream) as watchdog:
+        with watchdog.phase("step 4: gradient reduction"):
+            threading.Timer(1.0, work.done.set).start()
+            wait_for(work, "all_reduce of gradient bucket 2/3 over dp (24.0 MiB)")
+    assert current_wait() is None  # cleared once the wait returns
+    first = stream.getvalue().splitlines()[0]
+    assert "s in step 4: gradient reduction, waiting in all_reduce of gradient bucket 2/3 over dp (24.0 MiB) " \
+           "(watchdog timeout 0.2 s)" in first
+
+
+def test_failed_wait_names_its_collective():
+    from meshtron.mpu.waits import current_wait, wait_for
+
+    work = _BlockingWork(RuntimeError("[gloo] Timed out waiting 2000ms for recv operation to complete"))
+    with pytest.raises(RuntimeError) as caught:
+        wait_for(work, "reduce_scatter of gradient bucket 1/1 over edp (1.0 MiB)")
+    assert current_wait() is None
+    message = describe_collective_error(caught.value, 0, "tp=0, pp=0, dp=0", "step 2: finish", timeout_s=2)
+    assert ("failed in collective reduce_scatter of gradient bucket 1/1 over edp (1.0 MiB) during step 2: finish: "
+            "a peer rank did not join within trainer.collective_timeout_s=2") in message
+
+
+def test_gradient_reducer_labels_its_bucket_waits(monkeypatch):
+    """Every bucket wait of `finish()` carries the op, bucket index, group key and size."""
+    import torch
+    from torch import nn
+
+    from meshtron.mpu import grad_reduce
+    from meshtron.mpu.mesh import single_process_mesh
+
+    labels = []
+    monkeypatch.setattr(grad_reduce, "wait_for", lambda work, label: labels.append(label))
+    model = nn.Linear(256, 256)
+    reducer = grad_reduce.DataParallelGradReducer(list(model.named_parameters()), single_process_mesh())
+    for bucket in reducer.buckets:  # a group of one launches nothing: hand each bucket a pending work
+        bucket.work = _BlockingWork()
+    model(torch.ones(2, 256)).sum().backward()
+    reducer.finish()
+    assert labels == ["all_reduce of gradient bucket 1/2 over dp (0.2 MiB)",
+                      "all_reduce of gradient bucket 2/2 over dp (0.0 MiB)"]
