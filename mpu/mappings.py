@@ -21,14 +21,22 @@ Sequence-parallel tensors are laid out [s, b, h] so a sequence shard is a contig
 of dim 0. Every function is the identity (or a local copy) when the group has one member or
 is None: None is the trivial group of one process, as everywhere in mpu (torch reads None as
 the default group); `world_group()` is the default group when several processes run.
+
+Shape-only mode: over a `mpu.mesh.VirtualGroup` (the groups of `virtual_mesh`, a layout
+without processes) the autograd collectives and `all_gather_stats`, given a tensor without
+data (meta, or fake while `planning.activations` traces a model), allocate their output as
+over `size` ranks and skip the communication: a gather multiplies the dim by the size, a
+reduce-scatter or scatter keeps this rank's share, an all-to-all returns the rows its split
+sizes name. Tensors with data pass a virtual group as the trivial group (as before).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
-from meshtron.mpu.mesh import group_rank, group_size
+from meshtron.mpu.mesh import VirtualGroup, group_rank, group_size
 
 
 # torch >= 2.13 renames the tensor collectives; keep working on older releases. The
@@ -39,42 +47,63 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _shape_only(group) -> bool:
+    """A virtual group: outputs are allocated, nothing is communicated (see the module doc)."""
+    return isinstance(group, VirtualGroup)
+
+
+def _size(group, x: torch.Tensor) -> int:
+    """Ranks a collective of `x` over `group` spans: `group_size`, or a virtual group's planned
+    size when `x` has no data (meta or fake tensors)."""
+    if _shape_only(group):
+        return group.size if (x.is_meta or is_fake(x)) else 1
+    return group_size(group)
+
+
+def _rank(group) -> int:
+    """This rank's place in `group` (a virtual group's planned one)."""
+    return group.rank if _shape_only(group) else group_rank(group)
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
+    if _size(group, x) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    if not _shape_only(group):
+        dist.all_reduce(x, group=group)
     return x
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = group_size(group)
+    world = _size(group, x)
     if world == 1:
         return x
     if x.shape[dim] % world:
         raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over {world} ranks")
-    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+    return x.chunk(world, dim=dim)[_rank(group)].contiguous()
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = group_size(group)
+    world = _size(group, x)
     if world == 1:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_into(out, x, group=group)
+    if not _shape_only(group):
+        _all_gather_into(out, x, group=group)
     return out.movedim(0, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = group_size(group)
+    world = _size(group, x)
     if world == 1:
         return x
     if x.shape[dim] % world:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} ranks")
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_into(out, x, group=group)
+    if not _shape_only(group):
+        _reduce_scatter_into(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -145,32 +174,32 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient over `group` backward."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if _size(group, x) == 1 else _CopyToRegion.apply(x, group)
 
 
 def reduce_from_region(x: torch.Tensor, group) -> torch.Tensor:
     """All-reduce (sum) over `group` forward; identity backward."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if _size(group, x) == 1 else _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_region(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Keep this rank's chunk of `dim` forward; all-gather the gradient over `group` backward."""
-    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, dim, group)
+    return x if _size(group, x) == 1 else _ScatterToRegion.apply(x, dim, group)
 
 
 def gather_from_region(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather chunks along `dim` over `group` forward; keep own gradient chunk backward."""
-    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, dim, group)
+    return x if _size(group, x) == 1 else _GatherFromRegion.apply(x, dim, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """SP: all-gather sequence shards ([s/tp, b, h] -> [s, b, h]); reduce-scatter backward."""
-    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group)
+    return x if _size(group, x) == 1 else _GatherFromSequence.apply(x, group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """SP: sum partial [s, b, h] over `group` and keep own sequence shard; all-gather backward."""
-    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+    return x if _size(group, x) == 1 else _ReduceScatterToSequence.apply(x, group)
 
 
 def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -194,11 +223,12 @@ def all_reduce_stats(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 def all_gather_stats(x: torch.Tensor, group) -> torch.Tensor:
     """Non-differentiable all-gather of equal-shape statistics: [group_size, *x.shape], in rank order."""
     x = x.detach().contiguous()
-    world = group_size(group)
+    world = _size(group, x)
     if world == 1:
         return x.unsqueeze(0).clone()
     out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_into(out, x.reshape(-1), group=group)
+    if not _shape_only(group):
+        _all_gather_into(out, x.reshape(-1), group=group)
     return out.view((world,) + tuple(x.shape))
 
 
@@ -273,7 +303,9 @@ def gather_object(obj, group, dst: int = 0) -> list | None:
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((sum(output_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    if not _shape_only(group):
+        dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group)
     return out
 
 
@@ -292,7 +324,7 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Rows of `x` in chunks of `input_splits` go to the ranks of `group` in order; returns the
     rows received (`output_splits` from each rank). Backward: the reverse all-to-all."""
-    if group_size(group) == 1:
+    if _size(group, x) == 1:
         return x
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
@@ -303,14 +335,15 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
     out = torch.empty((len(sizes) * longest,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_into(out, padded.contiguous(), group=group)
+    if not _shape_only(group):
+        _all_gather_into(out, padded.contiguous(), group=group)
     blocks = out.split(longest)
     return torch.cat([block[:n] for block, n in zip(blocks, sizes)])
 
 
 def _own_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    start = sum(sizes[: group_rank(group)])
-    return x[start: start + sizes[group_rank(group)]].contiguous()
+    start = sum(sizes[: _rank(group)])
+    return x[start: start + sizes[_rank(group)]].contiguous()
 
 
 class _GatherRows(torch.autograd.Function):
@@ -338,13 +371,13 @@ class _ReduceScatterRows(torch.autograd.Function):
 def gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """All-gather row blocks of uneven lengths (`sizes[r]` rows from rank r) over `group`;
     backward: sum the gradient over `group` and keep own rows (a reduce-scatter)."""
-    return x if group_size(group) == 1 else _GatherRows.apply(x, sizes, group)
+    return x if _size(group, x) == 1 else _GatherRows.apply(x, sizes, group)
 
 
 def reduce_scatter_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Sum partial results over `group` and keep own block of `sizes[rank]` rows;
     backward: all-gather the row blocks."""
-    return x if group_size(group) == 1 else _ReduceScatterRows.apply(x, sizes, group)
+    return x if _size(group, x) == 1 else _ReduceScatterRows.apply(x, sizes, group)
 
 
 class _SequenceGathered(torch.autograd.Function):
@@ -363,7 +396,7 @@ def sequence_gathered(local: torch.Tensor, full: torch.Tensor, group) -> torch.T
     the all-gather of the sequence shards `local` over `group` (tp > 1 without SP, where the
     shard was cut from a replicated input). Forward returns `full` without communication (no
     gradient flows into `full` itself); backward reduce-scatters the gradient into `local`."""
-    if group_size(group) == 1:
+    if _size(group, local) == 1:
         return local
     return _SequenceGathered.apply(local, full.detach(), group)
 
@@ -410,8 +443,9 @@ def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int]
     for x in tensors:
         x = x.contiguous()
         out = torch.empty((sum(output_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        works.append(dist.all_to_all_single(out, x, output_split_sizes=output_splits,
-                                            input_split_sizes=input_splits, group=group, async_op=True))
+        if not _shape_only(group):
+            works.append(dist.all_to_all_single(out, x, output_split_sizes=output_splits,
+                                                input_split_sizes=input_splits, group=group, async_op=True))
         outs.append((out, x))
     return outs, works
 
@@ -474,7 +508,7 @@ def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], inpu
     only. Every rank of `group` must start and wait in the same order, as for any collective.
     """
     handle = AllToAllHandle(output_splits, input_splits, group)
-    if group_size(group) == 1:
+    if _size(group, tensors[0]) == 1:
         return tuple(tensors), handle
     return _AllToAllStart.apply(handle, *tensors), handle
 
@@ -482,6 +516,6 @@ def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], inpu
 def all_to_all_wait(tensors: tuple[torch.Tensor, ...], handle: AllToAllHandle) -> tuple[torch.Tensor, ...]:
     """Wait for the all-to-all `handle` (from `all_to_all_start`) and return its received
     `tensors`, now filled; see `all_to_all_start` for the backward."""
-    if group_size(handle.group) == 1:
+    if _size(handle.group, tensors[0]) == 1:
         return tuple(tensors)
     return _AllToAllWait.apply(handle, *tensors)

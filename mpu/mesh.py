@@ -146,14 +146,27 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
         )
 
 
+@dataclass(eq=False, frozen=True)
+class VirtualGroup:
+    """A group of a layout planned without processes (`virtual_mesh`): its planned `size` and
+    this rank's place in it (`rank`). No process communicates over it, so `group_size` and
+    `group_rank` read it as the trivial group of one; only the collectives of `mpu.mappings`
+    read `size` and `rank`, and only on tensors without data (meta or fake: the planner's
+    shape-only tracing), to return outputs shaped as the real collective's."""
+
+    size: int
+    rank: int
+
+
 def group_size(group) -> int:
-    """Size of a process group; `None` stands for a group of one (no distributed setup)."""
-    return 1 if group is None else dist.get_world_size(group)
+    """Size of a process group; `None` (no distributed setup) and a `VirtualGroup` stand for a
+    group of one."""
+    return 1 if group is None or isinstance(group, VirtualGroup) else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    """This process's rank in `group`; 0 for the trivial group `None`."""
-    return 0 if group is None else dist.get_rank(group)
+    """This process's rank in `group`; 0 for the trivial group `None` and a `VirtualGroup`."""
+    return 0 if group is None or isinstance(group, VirtualGroup) else dist.get_rank(group)
 
 
 def collective_device(group=None) -> torch.device:
@@ -279,8 +292,21 @@ def build_mesh(par: ParallelConfig, model_cfg=None, device_type: str = "cpu") ->
 
 def virtual_mesh(par: ParallelConfig, world_size: int, rank: int) -> Mesh:
     """Coordinates of `rank` in a layout without any process group: for planning on the meta
-    device (building a rank's shards without running collectives)."""
-    return Mesh(par.resolved(world_size), world_size, rank, create_groups=False)
+    device (building a rank's shards without running collectives). Each group of more than one
+    rank is a `VirtualGroup` of its planned size and this rank's place in it."""
+    mesh = Mesh(par.resolved(world_size), world_size, rank, create_groups=False)
+    p = mesh.par
+
+    def group(size: int, index: int) -> VirtualGroup | None:
+        return VirtualGroup(size, index) if size > 1 else None
+
+    mesh.tp, mesh.dp, mesh.pp = group(p.tp, mesh.tp_rank), group(p.dp, mesh.dp_rank), group(p.pp, mesh.pp_rank)
+    mesh.ep, mesh.etp, mesh.edp = group(p.ep, mesh.ep_rank), group(p.etp, mesh.etp_rank), group(p.edp, mesh.edp_rank)
+    mesh.tp_dp = group(p.tp * p.dp, mesh.dp_rank * p.tp + mesh.tp_rank)
+    mesh.ep_etp = group(p.ep * p.etp, mesh.ep_rank * p.etp + mesh.etp_rank)
+    if p.pp > 1 and mesh.pp_rank in (0, p.pp - 1):
+        mesh.embedding = VirtualGroup(2, 0 if mesh.pp_rank == 0 else 1)
+    return mesh
 
 
 def single_process_mesh(par: ParallelConfig | None = None) -> Mesh:

@@ -1,29 +1,371 @@
-"""Bytes autograd saves for backward, measured with saved-tensor hooks (`saved_activation_bytes`):
-the measurement `bench/memory.py`, `bench/activation_memory.py` and the planner's tests compare
-the plan with."""
+"""Bytes autograd saves for backward, measured with saved-tensor hooks.
+
+`saved_activation_bytes` measures a real model's forward and loss (the benches and tests use
+it). The planner measures without running anything: `trace_layer`, `trace_pre` and
+`trace_post` build one transformer block (dense or MoE), the embedding chunk or the final
+norm + LM head + loss with the real modules of `models.gpt` and `moe/` on the meta device,
+turn their parameters into meta-backed fake tensors labelled with the run's device
+(`torch._subclasses.FakeTensorMode`: shapes and dtypes only, nothing allocated, but every
+kernel choice is the device's: CPU attention falls back to the math path with dropout, CPU
+dropout keeps a float noise tensor) and count the distinct storages packed by
+`torch.autograd.graph.saved_tensors_hooks` during one forward, parameters and autocast's
+weight copies excluded (the planner counts those as model states). Recompute none /
+selective / full is the model's own: `cfg.recompute` is set for the traced block. The pieces
+are built on a `virtual_mesh` TP rank: its collectives (`mpu.mappings`) allocate outputs of
+the real collective's shape without communicating, so a sequence-parallel all-gather gives
+the full sequence and a reduce-scatter this rank's shard, as in a run. A trace is cached per
+(piece, config, layout, precision, device): a model of L layers costs one trace per layer
+kind, whatever L.
+
+What cannot be traced on fake tensors, stated once here:
+* MoE dispatch over ep / etp > 1 sizes its buffers from data (the split sizes), so an MoE
+  block is traced on the pair path of an ep = etp = 1 mesh with the same tp / sp: under
+  balanced routing without capacity drops every (token, choice) pair is one row, as there;
+  etp > 1 gathers each row etp times (`etp_row_bytes`). A capacity factor is ignored (no pair
+  dropped: the upper bound).
+* device="cuda" on a CPU-only host: the CUDA kernels' saved sets are stood in for
+  (`_CudaKernels`): flash attention saves q, k, v, the output and the fp32 log-sum-exp;
+  dropout a bool mask; the fused RMSNorm its input and fp32 rstd. Autocast is CPU autocast.
+"""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
 
-__all__ = ["saved_activation_bytes"]
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
+from meshtron.mpu.random import TENSOR_PARALLEL, get_rng_tracker
+
+__all__ = ["saved_activation_bytes", "SavedTrace", "trace_layer", "trace_pre", "trace_post", "etp_row_bytes",
+           "clear_trace_cache"]
+
+
+class _SavedStorages:
+    """Distinct storages packed for backward (each counted once, `excluded` ones never), by
+    the term active when first packed; tensors are kept referenced so no storage id is reused."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded = excluded
+        self.term = self.outer = ""
+        self.terms: dict[str, int] = {}
+        self._seen: set[int] = set()
+        self.saved_excluded: set[int] = set()
+        self._alive: list[torch.Tensor] = []
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.excluded:
+            self.saved_excluded.add(key)
+        elif key not in self._seen:
+            self._seen.add(key)
+            self._alive.append(t)
+            self.terms[self.term] = self.terms.get(self.term, 0) + storage.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @contextlib.contextmanager
+    def children_as_terms(self, module: nn.Module):
+        """Attribute what each direct child of `module` saves to the child's name; the rest to
+        the current term."""
+        handles = []
+        for name, child in module.named_children():
+            def enter(_m, _args, name=name):
+                self.outer, self.term = self.term, name
+
+            def leave(_m, _args, _out):
+                self.term = self.outer
+
+            handles += [child.register_forward_pre_hook(enter), child.register_forward_hook(leave)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _storage_ids(tensors) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors}
 
 
 def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd saves for backward during one forward and loss
-    (parameters excluded); runs the backward afterwards to free them."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    of a real model (parameters excluded); runs the backward afterwards to free them."""
+    saved = _SavedStorages(_storage_ids(model.parameters()))
+    with saved.hooks():
         loss = model.loss_per_token(model(inputs), targets).sum()
         aux = model.aux_loss()
     (loss if aux is None else loss + aux).backward()
-    return sum(seen.values())
+    return sum(saved.terms.values())
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+@dataclass
+class SavedTrace:
+    """Saved bytes of one traced piece for one microbatch: `total`, `terms` by submodule (or
+    step), `after_mark`: the bytes first saved from the marked point on (a block: from norm2,
+    the MLP half; the head: from the loss), and `shared`: bytes saved by every block of a chunk
+    alike (the RoPE tables, one storage per chunk), not in `total`."""
+
+    total: int
+    terms: dict[str, int] = field(default_factory=dict)
+    after_mark: int = 0
+    shared: int = 0
+
+
+class _WeightCopies(TorchDispatchMode):
+    """Records the storages autocast casts parameters into (its 16-bit weight copies)."""
+
+    def __init__(self, params: set[int], copies: set[int]):
+        super().__init__()
+        self.params, self.copies = params, copies
+        self._alive: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.params:
+            self.copies.add(out.untyped_storage()._cdata)
+            self._alive.append(out)
+        return out
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """Stands in for CUDA's fused RMSNorm: saves its input and the fp32 rstd [..., 1]."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        rstd = x.new_empty(x.shape[:-1] + (1,), dtype=torch.float32)
+        ctx.save_for_backward(x, rstd)
+        return torch.empty_like(x) if weight is None else torch.empty_like(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a traced stand-in is never differentiated")
+
+
+class _GroupedMM(torch.autograd.Function):
+    """Stands in for CPU `torch._grouped_mm` (torch's meta kernel accepts only bf16): saves both
+    operands and the offsets, as the real op does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs):
+        ctx.save_for_backward(x, weight, offs)
+        return x.new_empty(x.shape[0], weight.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a traced stand-in is never differentiated")
+
+
+class _MetaGaps(TorchFunctionMode):
+    """Ops whose meta kernel rejects what the CPU kernel runs, replaced by `_GroupedMM`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._grouped_mm:
+            return _GroupedMM.apply(args[0], args[1], kwargs.get("offs"))
+        return func(*args, **kwargs)
+
+
+class _CudaKernels(TorchFunctionMode):
+    """What CUDA runs where the CPU would not: flash attention (with dropout, GQA native),
+    dropout keeping a bool mask, the fused RMSNorm."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False))
+            return out
+        if func is F.dropout:
+            x, p, training = (list(args) + [kwargs.get("p", 0.5), kwargs.get("training", True)])[:3]
+            return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+        if func is F.rms_norm:
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            return _FusedRMSNorm.apply(args[0], weight)
+        return func(*args, **kwargs)
+
+
+def _fake_module(module: nn.Module, mode: FakeTensorMode) -> set[int]:
+    """Replace the meta parameters and buffers of `module` by fake CPU tensors (a tied
+    parameter stays one); returns the storage ids of the parameters."""
+    fakes: dict[int, nn.Parameter] = {}
+    dev = torch.device("cpu")
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                if id(p) not in fakes:
+                    fake = nn.Parameter(FakeTensor(mode, p.data, dev), requires_grad=p.requires_grad)
+                    fake.__dict__.update(p.__dict__)
+                    fakes[id(p)] = fake
+                sub._parameters[name] = fakes[id(p)]
+        for name, b in sub._buffers.items():
+            if b is not None:
+                sub._buffers[name] = FakeTensor(mode, b, dev)
+    return _storage_ids(fakes.values())
+
+
+@contextlib.contextmanager
+def _traced(module: nn.Module, precision: str, device: str):
+    """Fake `module` for `device` and yield (mode, counter): the counter excludes parameters
+    and autocast's weight copies; autocast under bf16/fp16 (bf16 stands for both: same sizes);
+    a tensor-parallel RNG stream exists for dropout (the caller's RNG state is restored)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    params = _fake_module(module, mode)
+    tracker, cpu_rng = get_rng_tracker(), torch.get_rng_state()
+    states = tracker.get_states()
+    if TENSOR_PARALLEL not in states:
+        tracker.add(TENSOR_PARALLEL, 0)
+    excluded = set(params)  # grows with each weight copy autocast makes
+    copies = _WeightCopies(params, excluded)
+    counter = _SavedStorages(excluded)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mode)
+            stack.enter_context(copies)
+            stack.enter_context(_MetaGaps())
+            if device == "cuda":
+                stack.enter_context(_CudaKernels())
+            if precision != "fp32":
+                stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            yield counter
+    finally:
+        tracker.set_states(states)
+        torch.set_rng_state(cpu_rng)
+
+
+_CACHE: dict[tuple, SavedTrace] = {}
+
+
+def _cached(key: tuple, measure) -> SavedTrace:
+    if key not in _CACHE:
+        _CACHE[key] = measure()
+    return _CACHE[key]
+
+
+def clear_trace_cache() -> None:
+    """Forget every cached trace (for a process whose model code changed, e.g. a test's patch)."""
+    _CACHE.clear()
+
+
+def _mesh(cfg: GPTConfig, tp: int, sp: bool, tp_rank: int = 0):
+    """TP rank `tp_rank` of a tp (x sp) layout without process groups (dp = pp = ep = etp = 1);
+    ParallelConfigError when `cfg` does not split over tp."""
+    par = ParallelConfig(tp=tp, sp=sp).resolved(tp)
+    check_model_fits(par, cfg)
+    return virtual_mesh(par, tp, tp_rank)
+
+
+def _tokens_sp(cfg: GPTConfig, tp: int, sp: bool) -> int:
+    return cfg.seq_len // tp if sp else cfg.seq_len
+
+
+def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int, tp: int = 1, sp: bool = False,
+                precision: str = "fp32", device: str = "cpu") -> SavedTrace:
+    """Saved bytes of block `index` (dense or MoE as `cfg` makes it) under recompute `mode`
+    (none | selective | full) for one microbatch on a tp (x sp) rank. Terms: norm1, attn,
+    norm2, mlp and "block" (the block's own ops: residual dropout masks; its input under full
+    recompute); `after_mark` is what the MLP half (from norm2 on) saves."""
+    from meshtron.models.gpt import Block, rope_tables
+
+    traced_cfg = dataclasses.replace(cfg, recompute=mode, recompute_layers=None,
+                                     **({"capacity_factor": None} if cfg.is_moe_layer(index) else {}))
+    key = ("layer", repr(traced_cfg), cfg.is_moe_layer(index), micro_batch_size, tp, sp, precision, device)
+
+    def measure() -> SavedTrace:
+        block = Block(traced_cfg, _mesh(cfg, tp, sp), index, device="meta")
+        block.train()
+        with _traced(block, precision, device) as saved:
+            x = torch.empty(_tokens_sp(cfg, tp, sp), micro_batch_size, cfg.hidden_size, requires_grad=True)
+            rope = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else ()
+            rope_ids = _storage_ids(rope)
+            saved.excluded |= rope_ids
+            saved.term = "block"
+            marked = {}
+
+            def mark(_m, _args):
+                marked["before"] = sum(saved.terms.values())
+
+            handle = block.norm2.register_forward_pre_hook(mark)
+            with saved.hooks(), saved.children_as_terms(block):
+                block(x, rope or None)
+            handle.remove()
+            shared = sum(t.untyped_storage().nbytes() for t in rope if t.untyped_storage()._cdata in saved.saved_excluded)
+            total = sum(saved.terms.values())
+            # Under full recompute the first pass runs without grad: nothing is saved after norm2.
+            after = total - marked.get("before", total)
+            return SavedTrace(total, dict(saved.terms), after, shared)
+
+    return _cached(key, measure)
+
+
+def trace_pre(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
+              precision: str = "fp32", device: str = "cpu") -> SavedTrace:
+    """Saved bytes of the embedding step (token ids, positions, dropout) for one microbatch."""
+    from meshtron.models.gpt import GPT
+
+    key = ("pre", repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device)
+
+    def measure() -> SavedTrace:
+        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank), device="meta", layers=range(0), pre_process=True,
+                    post_process=False)
+        model.train()
+        with _traced(model, precision, device) as saved:
+            ids = torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long)
+            saved.term = "embedding"
+            with saved.hooks():
+                model(ids)
+            return SavedTrace(sum(saved.terms.values()), dict(saved.terms))
+
+    return _cached(key, measure)
+
+
+def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
+               precision: str = "fp32", device: str = "cpu") -> SavedTrace:
+    """Saved bytes of the final norm, LM head and loss for one microbatch on TP rank
+    `tp_rank`. Terms: final_norm, head (the head's input) and loss (its softmax, targets and
+    masks: `after_mark`)."""
+    from meshtron.models.gpt import GPT
+
+    key = ("post", repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device)
+
+    def measure() -> SavedTrace:
+        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank), device="meta", layers=range(0), pre_process=False,
+                    post_process=True)
+        model.train()
+        with _traced(model, precision, device) as saved:
+            x = torch.empty(_tokens_sp(cfg, tp, sp), micro_batch_size, cfg.hidden_size, requires_grad=True)
+            targets = torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long)
+            saved.term = "head"
+            with saved.hooks():
+                with saved.children_as_terms(model):
+                    logits = model(x)
+                saved.term = "loss"
+                model.loss_per_token(logits, targets)
+            return SavedTrace(sum(saved.terms.values()), dict(saved.terms), saved.terms.get("loss", 0))
+
+    return _cached(key, measure)
+
+
+def etp_row_bytes(cfg: GPTConfig, *, micro_batch_size: int, tp: int, etp: int, precision: str) -> int:
+    """Bytes an MoE layer saves beyond its ep = etp = 1 trace when experts are tensor-parallel:
+    the dispatched rows are all-gathered over etp, each of the layer's T_l * top_k rows
+    (T_l = tokens / tp: the layer's tokens are distinct per TP rank) kept etp times, h
+    elements of the activation dtype each. Arithmetic: the gathered sizes are data-dependent."""
+    tokens = cfg.seq_len * micro_batch_size
+    local = tokens // tp if tp > 1 else tokens
+    return (etp - 1) * local * cfg.top_k * cfg.hidden_size * (4 if precision == "fp32" else 2)

@@ -14,8 +14,9 @@ plan a 64-GPU layout).
 * Model states (`model_state_bytes`): fp32 weights, fp32 gradients, AdamW state, under
   ZeRO 0/1/2 and CPU offload, plus the 16-bit weight copies autocast holds under bf16/fp16.
 * Activations (`chunk_activations`, `activation_estimate`): the tensors autograd saves for
-  backward, term by term for this code base's blocks (measured with saved-tensor hooks,
-  `planning.activations.saved_activation_bytes`), and the transient buffers alive at the step's peak (the
+  backward, measured by tracing the real modules on meta-backed fake tensors with saved-tensor
+  hooks (`planning.activations`: one block per kind, scaled by the layer count), and the
+  transient buffers alive at the step's peak (the
   logits the step holds, the cross-entropy's gradient, a recomputed layer, the backward's
   working set), combined over the microbatches the pipeline schedule keeps in flight by
   replaying this rank's action list (`mpu.pipeline_schedules.build_schedule`).
@@ -42,6 +43,7 @@ from meshtron.models.config import GPTConfig
 from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule
+from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 from meshtron.rules import PRECISIONS, batch_checks, first_failure, microbatches, precision_check
 
@@ -218,124 +220,58 @@ class ChunkActivations:
 def _attention_path(cfg: GPTConfig, device: str) -> str:
     """Which scaled_dot_product_attention kernel runs in training: on CPU, dropout on the
     probabilities selects the math path (it materializes softmax, dropout mask and dropped
-    probabilities); otherwise a fused kernel (CPU flash, CUDA flash / memory-efficient) that
-    saves q, k, v, the output and the fp32 log-sum-exp."""
+    probabilities); otherwise a fused kernel (CPU flash, CUDA flash / memory-efficient)."""
     return "math" if device == "cpu" and cfg.dropout > 0 else "fused"
 
 
-def _layer_terms(cfg: GPTConfig, *, is_moe: bool, mode: str, tokens: int, tp: int, sp: bool, ep: int, etp: int,
-                 precision: str, device: str) -> tuple[dict[str, float], float]:
-    """(saved terms, backward transient) in bytes for one block and one microbatch.
+def _layer_mode(cfg: GPTConfig, index: int) -> str:
+    """Recompute mode of layer `index`: full for the first `recompute_layers` (all when None)."""
+    if cfg.recompute == "full" and (cfg.recompute_layers is None or index < cfg.recompute_layers):
+        return "full"
+    return "selective" if cfg.recompute == "selective" else "none"
 
-    `mode` is none | selective | full for this layer. Notation: T tokens of the microbatch, T_sp =
-    T/tp under SP (else T), a/g/d heads, kv heads, head dim, a_l = a/tp, g_l = g/tp, qkv_l =
-    (a_l + 2 g_l) d, f_l = f/tp, c = bytes of matmul outputs (4 fp32, 2 under autocast), 4 for
-    tensors that stay fp32 (residual stream, norm statistics, log-sum-exp).
-    """
+
+def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTrace, mode: str, *, is_moe: bool,
+                    tokens: int, tp: int, ep: int, etp: int, precision: str, device: str) -> float:
+    """Largest transient of one block's backward beyond what it saved, when it is the top of
+    the stack (lower layers run with less saved). A step transient, so arithmetic on shapes;
+    the saved parts come from the traces (`saved_none`: the block without recompute).
+
+    The incoming residual gradient (fp32, T tokens), then
+    * MLP: the down projection's weight gradient (built before AccumulateGrad adds it to the
+      bucket) and its input gradient (gelu f; swiglu: the up and gate gradients, 2 f);
+      an MoE layer: one expert's hidden gradient rows and the expert weight gradients;
+    * attention (after the MLP half's saved tensors were freed): the q/k/v gradients and the
+      zero-filled QKV-shaped gradients of the select/slice views (about 3 x the QKV output),
+      or on the math path one [a_l, s] probability gradient plus the QKV output.
+    Selective recompute replays the attention core (what it did not save) before its
+    backward; full recompute replays the whole block first."""
     h, s, a, g, d = cfg.hidden_size, cfg.seq_len, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     c = 4 if precision == "fp32" else 2
     a_l, g_l = a // tp, g // tp
     qkv_l = (a_l + 2 * g_l) * d
     T = tokens
-    T_sp = T / tp if sp else T
-    gqa = g < a
-    rope = cfg.position == "rope"
-    drop = cfg.dropout > 0
-    # Dropout on CPU multiplies by a float noise tensor of the input's dtype (the row-parallel
-    # output: 16-bit under autocast unless an fp32 bias was added to it); CUDA keeps a bool mask.
-    mask_b = 1 if device == "cuda" else (4 if cfg.bias else c)
-
-    def norm() -> float:
-        """LayerNorm: input + fp32 mean/rstd. RMSNorm: input and normalized input + rstd on CPU
-        (composite F.rms_norm), input + rstd on CUDA (fused kernel). Under SP on T/tp tokens."""
-        if cfg.norm == "layernorm":
-            return T_sp * (4 * h + 8)
-        return T_sp * ((8 if device == "cpu" else 4) * h + 4)
-
-    full: dict[str, float] = {}
-    full["norm1"] = norm()
-    # The matmul input: the norm output (all-gathered over the sequence under SP, so always T tokens).
-    full["qkv_input"] = T * c * h
-    path = _attention_path(cfg, device)
-    # q is a view of the fused QKV output unless GQA (the (g r) merge copies) or RoPE (new tensor);
-    # k is a view unless RoPE; v is always a view, so the whole QKV output stays alive.
-    q_new = c * a_l * d if (rope or gqa) else 0
-    k_new = c * g_l * d if rope else 0
-    if path == "fused":
-        # qkv storage, new q/k, output, fp32 log-sum-exp; the output is a copy for the out
-        # projection when its layout is head-major (q contiguous: GQA), else a view of it.
-        attn = c * qkv_l + q_new + k_new + c * a_l * d + 4 * a_l + (c * a_l * d if gqa else 0)
-        full["attention"] = T * attn
-    else:
-        # math path (it computes in fp32 on CPU, upcasting 16-bit q, k, v): q and k scaled copies
-        # (k expanded to a heads under GQA), v (a view of the QKV output in fp32, else an
-        # expanded or upcast copy), softmax, dropout mask and dropped probabilities [a_l, s] per
-        # token, and the head-major output copied (16-bit under autocast) for the out projection.
-        v = c * qkv_l if (not gqa and c == 4) else 4 * a_l * d
-        attn = 2 * 4 * a_l * d + v + 3 * 4 * a_l * s + c * a_l * d
-        full["attention"] = T * attn
-    if drop:
-        full["dropout_masks"] = 2 * T_sp * mask_b * h
-    full["norm2"] = norm()
-    act = 2 if cfg.activation == "gelu" else 4  # gelu: fc1 out, gelu out; swiglu: gate, silu, up, product
-    fm = cfg.moe_ffn_hidden_size
-    if not is_moe:
-        f_l = cfg.ffn_hidden_size // tp
-        # gate and up share the fp32 input; under autocast each casts its own 16-bit copy.
-        full["mlp_input"] = T * c * h * (2 if (cfg.activation == "swiglu" and c != 4) else 1)
-        full["mlp"] = T * c * act * f_l
-    else:
-        # Tokens inside the MoE layer are distinct per TP rank (T/tp at tp > 1, with or without SP).
-        T_l = T / tp if tp > 1 else T
-        k = cfg.top_k
-        router = 4 * cfg.num_experts * (1 if cfg.router_score == "softmax" else 2)
-        full["moe_input"] = T_l * 4 * h            # router / shared-expert input (norm2 output or its TP chunk)
-        full["moe_router"] = T_l * (router + 40 * k)  # fp32 probabilities + routing indices and weights
-        full["moe_rows"] = T_l * k * etp * c * h     # dispatched (token, choice) rows, gathered over etp
-        full["moe_experts"] = T_l * k * act * fm * c  # expert hidden (ffn split over etp, rows x etp)
-        full["moe_combine"] = T_l * k * c * h        # expert outputs kept for the weighted combine
-        if cfg.shared_experts:
-            # tensor-parallel over tp: hidden [T, f/tp] (= T_l x f), and under SP the input
-            # all-gathered over the sequence (without SP it is the replicated norm2 output)
-            full["moe_shared"] = T_l * act * cfg.shared_experts * fm * c + (T * c * h if sp else 0)
-
-    # Backward transient of one layer when it is the top of the stack (the largest moment; lower
-    # layers run with less saved): the incoming residual gradient (fp32, T tokens), then
-    # * MLP: the down projection's weight gradient (built before AccumulateGrad adds it to the
-    #   bucket) and its input gradient (gelu f; swiglu: the up and gate gradients, 2 f);
-    #   an MoE layer: one expert's hidden gradient rows and the expert weight gradients;
-    # * attention (after the MLP's tensors were freed): the q/k/v gradients and the zero-filled
-    #   QKV-shaped gradients of the select/slice views (about 3 x the QKV output), or on the
-    #   math path one [a_l, s] probability gradient plus the QKV output.
     grad_in = T * 4 * h
-    mlp_part = full["norm2"] + full.get("mlp_input", 0) + full.get("mlp", 0) + (T_sp * mask_b * h if drop else 0)
-    mlp_part += sum(v for k_, v in full.items() if k_.startswith("moe_"))
+    mlp_part = saved_none.after_mark
     if not is_moe:
         f_l = cfg.ffn_hidden_size // tp
         ws_mlp = grad_in + 4 * h * f_l + T * c * f_l * (1 if cfg.activation == "gelu" else 2)
     else:
+        fm = cfg.moe_ffn_hidden_size
         T_l = T / tp if tp > 1 else T
         ws_mlp = grad_in + T_l * cfg.top_k * c * fm * (1 if cfg.activation == "gelu" else 2) \
             + 4 * (cfg.num_experts // ep) * h * fm // etp
-    if path == "fused":
+    if _attention_path(cfg, device) == "fused":
         ws_attn = grad_in + 3 * T * c * qkv_l
     else:
         ws_attn = grad_in + T * c * (a_l * s + qkv_l)
     working = max(ws_mlp, ws_attn - mlp_part)
-
     if mode == "none":
-        return full, working
+        return working
     if mode == "selective":
-        # recompute(_core, q, k, v) keeps q, k, v (the QKV output plus RoPE/GQA copies) and the
-        # output the out projection saves; backward replays the core (its full saved set) once
-        # the MLP's tensors are freed.
-        sel = dict(full)
-        sel["attention"] = T * (c * qkv_l + q_new + k_new + c * a_l * d)
-        replay = full["attention"] - sel["attention"]
-        return sel, max(ws_mlp, replay + ws_attn - mlp_part)
-    # full: the block keeps only its input (fp32 residual stream); backward replays the whole
-    # block (all of its saved tensors) before running its backward.
-    return {"block_input": T_sp * 4 * h}, sum(full.values()) + working
+        replay = saved_none.total - saved_mode.total
+        return max(ws_mlp, replay + ws_attn - mlp_part)
+    return saved_none.total + working
 
 
 def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_process: bool, post_process: bool,
@@ -345,31 +281,16 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
     """`ChunkActivations` of one model chunk holding global layer indices `layers` (embeddings
     when `pre_process`, final norm + LM head + loss when `post_process`), for one microbatch.
 
-    The terms (bytes, summed over the chunk's layers; see `_layer_terms` for a block) were
-    derived from the tensors autograd saves in this code base (torch backend) and checked
-    against saved-tensor-hook measurements (`bench/activation_memory.py`, `bench/memory.py`):
-    * embedding: token ids (int64; at tp > 1 also the local ids and the out-of-range mask) and,
-      with dropout, the embedding dropout mask (T_sp tokens);
-    * per block: norm inputs (and RMSNorm's normalized input on CPU), the matmul inputs (norm
-      outputs, gathered over the sequence under SP), the attention tensors of the kernel that
-      runs (fused or math path; selective recompute keeps only q, k, v and the output), the
-      residual dropout masks, the MLP hidden tensors (gelu 2 f, unfused swiglu 4 f) or the MoE
-      layer's router, dispatched rows, expert hidden and outputs; full recompute keeps only
-      the block input (layers >= `recompute_layers` keep everything);
-    * head: final norm, the LM head input (gathered), the cross-entropy's fp32 softmax of the
-      local vocabulary shard, targets and masks.
-    A non-last chunk also keeps its output for the pipeline's backward.
-    Mask bytes follow the device: CPU dropout keeps a float mask of the input's dtype, CUDA a
-    bool mask. Under bf16/fp16 autocast, matmul and fused-attention outputs and the matmul
-    inputs (16-bit copies of the fp32 norm outputs, one per linear: SwiGLU's gate and up each
-    cast their own) are 2 bytes; the residual stream, norm inputs and statistics, log-sum-exp,
-    the CPU math attention path (it upcasts to fp32), router probabilities and the loss's
-    softmax stay fp32 (4 bytes), as does a dropout mask whose input had an fp32 bias added; the
-    logits are 2 bytes and the loss makes an fp32 copy. The saved bytes were checked on CPU
-    under bf16 autocast (within 1%, weight copies excluded: `model_state_bytes` counts them);
-    the step transients under autocast are not measured. On CUDA (not measured here) the fused
-    attention kernels (flash / memory-efficient, with dropout too) and a fused RMSNorm
-    (input + rstd) are assumed.
+    Saved bytes are measured, not derived: `planning.activations` traces one block of each
+    kind (dense / MoE, recompute mode of the layer) and the embedding and head steps with the
+    real modules on meta-backed fake tensors, and the chunk sums them per layer. Terms:
+    "embedding"; "layer_<part>" summed over the layers (norm1, attn, norm2, mlp, and "block":
+    the block's own ops, i.e. residual dropout masks, or its input under full recompute);
+    "rope_tables" (saved once per chunk by every block); "final_norm", "head" (the LM head's
+    input) and "loss" (softmax, targets, masks); "stage_output" for a non-last chunk (the
+    pipeline executor keeps it for backward). What a trace cannot see is arithmetic, each in
+    one place: MoE rows gathered over etp (`planning.activations.etp_row_bytes`), and the step
+    transients below (logits held, the loss's copies, backward working sets).
     """
     _require(precision_check(precision))
     if device not in DEVICES:
@@ -378,40 +299,37 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
     T = cfg.seq_len * b
     T_sp = T / tp if sp else T
     c = 4 if precision == "fp32" else 2
-    mask_b = 1 if device == "cuda" else 4  # the embedding output is fp32 in every precision
+    trace = dict(micro_batch_size=b, tp=tp, sp=sp, precision=precision, device=device)
     terms: dict[str, float] = {}
 
     def add(name: str, value: float) -> None:
         terms[name] = terms.get(name, 0.0) + value
 
     if pre_process:
-        add("embedding_ids", T * (8 if tp == 1 else 17))
-        if cfg.dropout > 0:
-            add("embedding_dropout_mask", T_sp * mask_b * h)
+        add("embedding", trace_pre(cfg, tp_rank=tp_rank, **trace).total)
     layer_backward = 0.0
     for i in layers:
-        if cfg.recompute == "full" and (cfg.recompute_layers is None or i < cfg.recompute_layers):
-            mode = "full"
-        else:
-            mode = "selective" if cfg.recompute == "selective" else "none"
-        layer, transient = _layer_terms(cfg, is_moe=cfg.is_moe_layer(i), mode=mode, tokens=T, tp=tp, sp=sp,
-                                        ep=ep, etp=etp, precision=precision, device=device)
-        for name, value in layer.items():
+        mode, is_moe = _layer_mode(cfg, i), cfg.is_moe_layer(i)
+        saved_none = trace_layer(cfg, i, "none", **trace)
+        saved = trace_layer(cfg, i, mode, **trace)
+        for name, value in saved.terms.items():
             add(f"layer_{name}", value)
+        if is_moe and etp > 1 and mode != "full":
+            add("layer_mlp", etp_row_bytes(cfg, micro_batch_size=b, tp=tp, etp=etp, precision=precision))
+        transient = _layer_backward(cfg, saved_none, saved, mode, is_moe=is_moe, tokens=T, tp=tp, ep=ep, etp=etp,
+                                    precision=precision, device=device)
         layer_backward = max(layer_backward, transient)
+    if len(layers) and cfg.position == "rope":
+        add("rope_tables", trace_layer(cfg, layers[0], _layer_mode(cfg, layers[0]), **trace).shared)
     logits = forward_extra = head_saved = 0
     backward_extra = layer_backward
     if post_process:
         vocab_l = cfg.padded_vocab_size(tp) // tp
-        if cfg.norm == "layernorm":
-            add("final_norm", T_sp * (4 * h + 8))
-        else:
-            add("final_norm", T_sp * ((8 if device == "cpu" else 4) * h + 4))
-        add("head_input", T * c * h)
-        add("loss_softmax", T * 4 * vocab_l)
-        add("loss_targets", T * 10)
+        head_trace = trace_post(cfg, tp_rank=tp_rank, **trace)
+        for name, value in head_trace.terms.items():
+            add(name, value)
         logits = math.ceil(T * c * vocab_l)
-        head_saved = T * 4 * vocab_l + T * 10  # what the cross-entropy holds until its backward ran
+        head_saved = head_trace.after_mark  # what the cross-entropy holds until its backward ran
         # The model's forward returns the logits before the loss runs: the cross-entropy's masked
         # copy (a shard holding vocabulary padding) and the fp32 copy of 16-bit logits exist
         # only inside the loss's forward, beside the shifted logits it keeps as its softmax.
@@ -426,10 +344,8 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         # tensors. A tied embedding used by the head and the lookup of the same chunk gets ONE
         # AccumulateGrad: the head's weight gradient [V/tp, h] waits in autograd's input buffer
         # until the embedding backward adds its own.
-        head_total = sum(v for k_, v in terms.items() if k_ in ("final_norm", "head_input", "loss_softmax",
-                                                                "loss_targets"))
         tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0
-        backward_extra = max(ce_grad, head, layer_backward - head_total + tied_wait)
+        backward_extra = max(ce_grad, head, layer_backward - head_trace.total + tied_wait)
     else:
         add("stage_output", T_sp * 4 * h)
     saved_total = sum(terms.values())
@@ -437,10 +353,9 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         # The dense embedding backward builds two [V/tp, h] fp32 tensors (zeros + index_add) before
         # AccumulateGrad, when the chunk's other saved tensors are already freed; with a tied
         # head in the same chunk, the head's weight gradient is still waiting beside them.
-        embed_saved = sum(v for k_, v in terms.items() if k_.startswith("embedding"))
         tables = 3 if (cfg.tie_embeddings and post_process) else 2
         backward_extra = max(backward_extra,
-                             tables * 4 * (cfg.padded_vocab_size(tp) // tp) * h - (saved_total - embed_saved))
+                             tables * 4 * (cfg.padded_vocab_size(tp) // tp) * h - (saved_total - terms["embedding"]))
     rounded = {k: math.ceil(v) for k, v in terms.items()}
     return ChunkActivations(saved=sum(rounded.values()), logits=logits, forward_extra=forward_extra,
                             backward_extra=math.ceil(backward_extra), head_saved=math.ceil(head_saved),

@@ -110,11 +110,11 @@ def test_precision_and_device_terms():
     fp32 = chunk_activations(cfg, 2, **chunk)
     bf16 = chunk_activations(cfg, 2, precision="bf16", **chunk)
     assert bf16.saved < fp32.saved and bf16.logits * 2 == fp32.logits
-    assert bf16.terms["loss_softmax"] == fp32.terms["loss_softmax"]      # the loss's softmax stays fp32
+    assert bf16.terms["loss"] == fp32.terms["loss"]      # the loss's softmax stays fp32
     assert bf16.terms["final_norm"] == fp32.terms["final_norm"]          # norm inputs stay fp32
     cuda = chunk_activations(cfg, 2, device="cuda", **chunk)
-    assert cuda.terms["layer_dropout_masks"] * 4 == fp32.terms["layer_dropout_masks"]  # bool vs float masks
-    assert cuda.terms["layer_attention"] < fp32.terms["layer_attention"]  # fused kernel vs math path
+    assert cuda.terms["layer_block"] * 4 == fp32.terms["layer_block"]  # bool vs float masks
+    assert cuda.terms["layer_attn"] < fp32.terms["layer_attn"]  # fused kernel vs math path
 
 
 # ----------------------------------------------------------------------------- activations
@@ -123,7 +123,7 @@ def test_precision_and_device_terms():
 SHAPES = [
     # (config, micro batch, tp): GPT-2 / Llama, recompute none / selective / full, dropout on / off,
     # GQA, a padded vocabulary, tp = 2 through a virtual mesh (collectives are skipped, shapes are
-    # those of a real tp=2 rank).
+    # those of a real tp=2 rank without SP; tests/test_plan_trace.py has SP).
     (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1), 2, 1),
     (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1, recompute="selective"), 2, 1),
     (gpt2_tiny(num_layers=3, hidden_size=96, num_heads=6, seq_len=48, vocab_size=512, recompute="full"), 3, 1),
@@ -135,22 +135,24 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("cfg,micro,tp", SHAPES)
-def test_saved_activations_within_10_percent(cfg, micro, tp):
+def test_saved_activations_equal_measured(cfg, micro, tp):
+    """The planner's traced bytes equal a real forward's to the byte (inputs contiguous: a
+    sliced view would keep the whole token window's storage)."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), generator=gen)
     for rank in range(tp):
         mesh = virtual_mesh(ParallelConfig(tp=tp), tp, rank)
         model, = init_model_chunks(cfg, mesh, 0)
         model.train()
-        measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
+        measured = saved_activation_bytes(model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         planned = chunk_activations(cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True,
                                     tp=tp, tp_rank=rank).saved
-        assert abs(planned / measured - 1) < 0.10, (planned, measured)
+        assert planned == measured
 
 
 @pytest.mark.parametrize("cfg", [gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1),
                                  llama_tiny(hidden_size=128, seq_len=64, vocab_size=500)])
-def test_bf16_saved_activations_within_10_percent(cfg):
+def test_bf16_saved_activations_within_half_percent(cfg):
     """Under CPU bf16 autocast; autocast's weight copies (also saved by the matmuls) are the
     planner's `autocast_weight_copies`, so they are taken out of the measurement."""
     from meshtron.planning.plan import meta_param_counts
@@ -159,11 +161,11 @@ def test_bf16_saved_activations_within_10_percent(cfg):
     model.train()
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
+        measured = saved_activation_bytes(model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     measured -= 2 * meta_param_counts(cfg, ParallelConfig().resolved(1), 1, 0)["matmul"]
     planned = chunk_activations(cfg, 2, layers=range(cfg.num_layers), pre_process=True, post_process=True,
                                 precision="bf16").saved
-    assert abs(planned / measured - 1) < 0.10, (planned, measured)
+    assert abs(planned / measured - 1) < 0.005, (planned, measured)
 
 
 @pytest.mark.parametrize("argv", [
