@@ -7,8 +7,10 @@ Counts the bytes of the tensors autograd saves for backward during one forward a
 one microbatch (through `torch.autograd.graph.saved_tensors_hooks`, each storage counted once,
 parameters excluded), for trainer.recompute = none, selective and full, single process, and
 prints them beside the dry-run planner's estimate of the same quantity
-(`planning.plan.chunk_activations(...).saved`, the planner's `activations_per_microbatch`)
-with the ratio planned / measured. `bench/memory.py` measures a whole step's peak instead.
+(`planning.plan.chunk_activations(...).saved`, the planner's `activations_per_microbatch`:
+the same hooks on the real modules traced on the meta device, `planning.activations`)
+with the ratio planned / measured (the measurement also counts the whole token window
+its input ids are a view of: 8 bytes per sample). `bench/memory.py` measures a whole step's peak instead.
 """
 
 from __future__ import annotations
