@@ -55,9 +55,9 @@ from meshtron.models.gpt import init_model_chunks  # noqa: E402
 from meshtron.mpu.distributed_optimizer import ShardedAdamW  # noqa: E402
 from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from meshtron.training.optim import build_optimizer  # noqa: E402
 from meshtron.planning.activations import saved_activation_bytes  # noqa: E402
 from meshtron.planning.plan import plan_rank  # noqa: E402
+from meshtron.training.optim import build_optimizer  # noqa: E402
 
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "total")
 

@@ -41,9 +41,9 @@ from meshtron.models.gpt import init_model_chunks  # noqa: E402
 from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.planning.flops import model_flops_per_token  # noqa: E402
+from meshtron.planning.peak import peak_flops  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 from meshtron.training.optim import build_optimizer  # noqa: E402
-from meshtron.planning.peak import peak_flops  # noqa: E402
 from meshtron.training.precision import Precision  # noqa: E402
 from meshtron.training.step import pipeline_train_step, train_step  # noqa: E402
 

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.mpu.mappings import reduce_scatter_into
-from meshtron.mpu.waits import wait_for
 from meshtron.mpu.mesh import Mesh, group_rank, group_size
+from meshtron.mpu.waits import wait_for
 
 
 @dataclass

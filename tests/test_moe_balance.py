@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from meshtron.moe import router as router_module
 from meshtron.models.config import GPTConfig
+from meshtron.moe import router as router_module
 from meshtron.moe.scope import aux_loss_scope
 from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from tests.test_moe_router import FakeGroup, router_with_weight

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from meshtron.mpu import init as mpu_init
 from meshtron.models.config import GPTConfig
+from meshtron.mpu import init as mpu_init
 from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 from meshtron.planning.plan import (

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.training.config import ConfigError
 from meshtron.observability.metrics import TensorBoardWriter, record_scalars, require_tensorboard
+from meshtron.training.config import ConfigError
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshtron.errors import ConfigError
-from meshtron.rules import batch_size_checks, first_failure, precision_check
-from meshtron.schema import Allowed, allowed, field_checks, nearest_key
 from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import RECOMPUTE_MODES, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig
+from meshtron.rules import batch_size_checks, first_failure, precision_check
+from meshtron.schema import Allowed, allowed, field_checks, nearest_key
 from meshtron.training.schedule import DECAY_STYLES
 
 
