@@ -1,10 +1,18 @@
 """Single-process checkpoints: exact round trip of weights, AdamW state and RNG; atomic
-folders; keep; resume discovery; clear errors for corrupt and mismatched checkpoints."""
+folders; keep; resume discovery; clear errors for corrupt and mismatched checkpoints;
+per-file CRC32 checksums; failed saves that keep the previous checkpoint; the
+checkpoint.dir lock."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
+import socket
+import subprocess
+import sys
+import zlib
 
 import pytest
 import torch
@@ -13,16 +21,20 @@ from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config
 from tests.distributed.moe_cases import moe_config
+from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
+    LOCK_FILE,
     META_FILE,
     CheckpointError,
     TrainState,
     check_compatible,
+    hold_checkpoint_dir,
     list_checkpoints,
     load_checkpoint,
     read_meta,
     resolve_resume,
     save_checkpoint,
+    verify_checkpoint,
 )
 from meshtron.training.step import train_step
 
@@ -140,3 +152,166 @@ def test_vocab_padding_is_not_saved(tmp_path):
     assert tuple(md["model/head.weight"].size) == (200, cfg.hidden_size)
     assert tuple(md["optim/head.weight/exp_avg"].size) == (200, cfg.hidden_size)
     assert json.loads((path / META_FILE).read_text())["layout"]["tp"] == 1
+
+
+# ------------------------------------------------------------------ checksums, save failures, the lock
+
+
+def _corrupt(file, offset: int = 100, length: int = 64 << 10) -> None:
+    """Overwrite `length` bytes of `file` from `offset` with random ones, keeping its size."""
+    data = bytearray(file.read_bytes())
+    length = min(length, len(data) - offset)
+    data[offset: offset + length] = os.urandom(length)
+    file.write_bytes(bytes(data))
+
+
+def test_manifest_holds_each_file_crc32_and_corruption_is_named(tmp_path, capsys):
+    cfg = model_config("gpt2")
+    model, _, optimizer, mesh, _ = _trained(cfg, 1)
+    first = _save(tmp_path, model, optimizer, mesh, cfg, 1)
+    newest = _save(tmp_path, model, optimizer, mesh, cfg, 2)
+    files = json.loads((newest / META_FILE).read_text())["files"]
+    assert set(files) == {p.name for p in newest.iterdir()} - {META_FILE}
+    for name, entry in files.items():  # computed while writing, equal to the bytes on disk
+        data = (newest / name).read_bytes()
+        assert entry == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+    verify_checkpoint(newest)
+    shard = newest / "__0_0.distcp"
+    _corrupt(shard)
+    read_meta(newest)  # sizes unchanged: only the checksum sees it
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {shard} is corrupt: its CRC32 is"):
+        verify_checkpoint(newest)
+    with pytest.raises(CheckpointError, match=rf"{shard} is corrupt"):
+        resolve_resume(str(tmp_path), str(newest))
+    assert resolve_resume(str(tmp_path), "auto") == first
+    err = capsys.readouterr().err
+    assert f"meshtron: warning: skipping checkpoint {newest}: checkpoint file {shard} is corrupt" in err
+    _corrupt(first / ".metadata", offset=10, length=16)
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint .*__0_0.distcp is corrupt"):
+        resolve_resume(str(tmp_path), "auto")
+
+
+def test_version_1_checkpoints_still_load(tmp_path):
+    cfg = model_config("gpt2")
+    model, _, optimizer, mesh, _ = _trained(cfg, 1)
+    path = _save(tmp_path, model, optimizer, mesh, cfg, 1)
+    meta = json.loads((path / META_FILE).read_text())
+    meta["version"], meta["files"] = 1, {name: entry["bytes"] for name, entry in meta["files"].items()}
+    (path / META_FILE).write_text(json.dumps(meta))
+    assert resolve_resume(str(tmp_path), "auto") == path
+    fresh, _, fresh_opt = build(cfg, mesh)
+    assert load_checkpoint(path, [fresh], fresh_opt, mesh).step == 1
+
+
+class _FillingDisk:
+    """A file whose disk is full after 50 kB: further writes fail with ENOSPC."""
+
+    def __init__(self, file):
+        self.file, self.written = file, 0
+
+    def write(self, data) -> int:
+        size = len(memoryview(data).cast("B"))
+        if self.written + size > 50_000:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.written += size
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_failed_save_names_the_file_and_keeps_the_previous(tmp_path, monkeypatch):
+    """Disk full in the middle of a shard: one CheckpointError naming the file and the cause; the
+    partial folder is removed and the previous checkpoint still verifies and loads."""
+    cfg = model_config("gpt2")
+    model, _, optimizer, mesh, _ = _trained(cfg, 1)
+    previous = _save(tmp_path, model, optimizer, mesh, cfg, 1)
+    real_init = checkpoint._ChecksummedFile.__init__
+    monkeypatch.setattr(checkpoint._ChecksummedFile, "__init__",
+                        lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error))
+    with pytest.raises(CheckpointError, match=r"could not save the checkpoint of step 2 .*: rank 0: "
+                                              r"\S+/\.tmp-step_00000002/__0_0\.distcp: No space left on device"):
+        _save(tmp_path, model, optimizer, mesh, cfg, 2, keep=1)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name]
+    verify_checkpoint(previous)
+    fresh, _, fresh_opt = build(cfg, mesh)
+    assert load_checkpoint(previous, [fresh], fresh_opt, mesh).step == 1
+
+
+def test_keep_never_removes_the_checkpoint_just_saved(tmp_path):
+    """Checkpoints of later steps (left by an earlier run) do not count against keep."""
+    cfg = model_config("gpt2")
+    model, _, optimizer, mesh, _ = _trained(cfg, 1)
+    for step in (1, 2, 5):
+        _save(tmp_path, model, optimizer, mesh, cfg, step)
+    _save(tmp_path, model, optimizer, mesh, cfg, 3, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003", "step_00000005"]
+
+
+def _write_lock(root, **fields):
+    record = {"pid": os.getpid(), "pid_start": None, "host": socket.gethostname(), "started": "earlier", **fields}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / LOCK_FILE).write_text(json.dumps(record))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_checkpoint_dir_lock(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    with hold_checkpoint_dir(root):
+        lock = json.loads((root / LOCK_FILE).read_text())
+        assert lock["pid"] == os.getpid() and lock["host"] == socket.gethostname() and lock["started"]
+        with pytest.raises(CheckpointError, match=rf"checkpoint.dir {root} is in use by another run "
+                                                  rf"\(pid {os.getpid()} on host"):
+            with hold_checkpoint_dir(root):
+                pass
+        assert (root / LOCK_FILE).exists()  # the refused holder leaves it alone
+    assert not (root / LOCK_FILE).exists()
+
+    _write_lock(root, pid=_dead_pid())
+    with hold_checkpoint_dir(root):
+        assert json.loads((root / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"meshtron: warning: taking over the stale lock {root / LOCK_FILE}" in capsys.readouterr().err
+    assert sorted(p.name for p in root.iterdir()) == []
+
+    _write_lock(root, pid_start="1")  # a live pid that another process held before (pid reuse)
+    with hold_checkpoint_dir(root):
+        pass
+    assert "taking over the stale lock" in capsys.readouterr().err
+
+    _write_lock(root, host="elsewhere")
+    with pytest.raises(CheckpointError, match=rf"in use by pid \d+ on host elsewhere .*rm {root / LOCK_FILE}"):
+        with hold_checkpoint_dir(root):
+            pass
+    (root / LOCK_FILE).write_text("")
+    with pytest.raises(CheckpointError, match="unreadable lock file"):
+        with hold_checkpoint_dir(root):
+            pass
+
+
+def test_unwritable_checkpoint_dir_is_refused(tmp_path, monkeypatch):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(CheckpointError, match=rf"checkpoint.dir {a_file} is a file, not a directory"):
+        with hold_checkpoint_dir(a_file):
+            pass
+    with pytest.raises(CheckpointError, match=rf"checkpoint.dir {a_file / 'sub'} cannot be created: .*Not a directory"):
+        with hold_checkpoint_dir(a_file / "sub"):
+            pass
+    real_open = os.open
+
+    def denied(path, *args):
+        if str(path).endswith(LOCK_FILE):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(checkpoint.os, "open", denied)  # root ignores permission bits: simulate them
+    with pytest.raises(CheckpointError, match=rf"checkpoint.dir {tmp_path} is not writable: "
+                                              rf"{tmp_path / LOCK_FILE}: Permission denied"):
+        with hold_checkpoint_dir(tmp_path):
+            pass

@@ -24,7 +24,8 @@ from meshtron.mpu.mappings import gather_object, world_group
 from meshtron.mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
-from meshtron.training.checkpoint import CheckpointError, TrainState, check_compatible, load_checkpoint, resolve_resume, save_checkpoint
+from meshtron.training.checkpoint import (CheckpointError, TrainState, check_compatible, hold_checkpoint_dir,
+                                         load_checkpoint, resolve_resume, save_checkpoint)
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.textdata.data import ByteTokenizer, TokenDataset, build_dataset
 from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
@@ -96,7 +97,8 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
         run_dir = agree_on_run_dir(run_dir)
         if run.trainer.dry_run:
             return _dry_run(run, par, env, run_dir, micro)
-        return _train(run, par, env, run_dir, dataset, micro, n_micro, start_from)
+        with hold_checkpoint_dir(run.checkpoint.dir):  # one writer per dir, writable: before any step
+            return _train(run, par, env, run_dir, dataset, micro, n_micro, start_from)
     finally:
         teardown_distributed()
 
@@ -349,12 +351,15 @@ def moe_metrics(out: dict) -> dict:
 
 
 def main_entry(tree: dict, run_dir: str) -> dict:
-    """Entry for train.py: turn a config error into one clear line and exit code 2."""
+    """Entry for train.py: turn a config or checkpoint error into one clear line and exit code 2."""
     keep_freed_host_memory()  # CPU steps reuse the previous step's pages (training/host_malloc.py)
     try:
         run = RunConfig.from_dict(tree)
         return run_training(run, run_dir)
     except ConfigError as err:
         print(f"meshtron: configuration error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except CheckpointError as err:
+        print(f"meshtron: checkpoint error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

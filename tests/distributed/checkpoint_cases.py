@@ -1,5 +1,8 @@
 """Resharding checkpoints: train 2 steps under one layout, save, load under other layouts.
 
+Faults reach every rank: a disk filling up on one rank mid-save, and a checkpoint.dir locked by
+another run, raise the same CheckpointError on all ranks (no rank left waiting in a collective).
+
 The checkpoint loaded into a single process continues like the uninterrupted run (the next two
 losses within 1e-6). After loading under another layout, every parameter (all-gathered) equals, bit for bit, the same checkpoint loaded
 into a single-process model; the next step's loss equals that unsharded continuation within
@@ -9,9 +12,12 @@ into a single-process model; the next step's loss equals that unsharded continua
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import tempfile
 from pathlib import Path
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -34,7 +40,17 @@ from tests.distributed.dense_cases import (
 )
 from tests.distributed.moe_cases import moe_config
 from tests.distributed.pipeline_cases import pipeline_config
-from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from meshtron.training import checkpoint
+from meshtron.training.checkpoint import (
+    LOCK_FILE,
+    CheckpointError,
+    TrainState,
+    hold_checkpoint_dir,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from meshtron.training.optim import build_optimizer
 from meshtron.training.step import pipeline_train_step, train_step
 
@@ -146,7 +162,76 @@ def moe_ep2_to_ep4_and_tp2_etp2() -> None:
                    save_zero=True)
 
 
+def _same_on_every_rank(message: str) -> None:
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, messages
+
+
+def save_failure_on_one_rank_reaches_every_rank() -> None:
+    """Rank 1's disk fills up while it writes its shard of step 2: every rank raises the same
+    CheckpointError naming rank 1's file; step 1 stays the only (intact) checkpoint."""
+    from tests.test_checkpoint import _FillingDisk
+
+    root = _shared_tmpdir()
+    cfg = pipeline_config("gpt2", False)
+    run = _Run(cfg, ParallelConfig(tp=2, pp=2))
+    try:
+        run.step(0)
+        save_checkpoint(root, TrainState(step=1), run.chunks, run.optimizer, run.mesh,
+                        model_config=dataclasses.asdict(cfg))
+        if dist.get_rank() == 1:
+            real_init = checkpoint._ChecksummedFile.__init__
+            checkpoint._ChecksummedFile.__init__ = (
+                lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error))
+        try:
+            with pytest.raises(CheckpointError) as failure:
+                save_checkpoint(root, TrainState(step=2), run.chunks, run.optimizer, run.mesh,
+                                model_config=dataclasses.asdict(cfg))
+        finally:
+            if dist.get_rank() == 1:
+                checkpoint._ChecksummedFile.__init__ = real_init
+        message = str(failure.value)
+        assert (f"could not save the checkpoint of step 2 (earlier checkpoints are intact): rank 1: "
+                f"{root / '.tmp-step_00000002' / '__1_0.distcp'}: No space left on device") == message, message
+        _same_on_every_rank(message)
+        dist.barrier()
+        assert [p.name for p in root.iterdir()] == ["step_00000001"]
+        assert list_checkpoints(root) == [root / "step_00000001"]
+        verify_checkpoint(root / "step_00000001")
+    finally:
+        run.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def locked_dir_is_refused_on_every_rank() -> None:
+    """Global rank 0 takes the lock for all ranks; a lock held on another host makes every rank
+    raise the same CheckpointError."""
+    root = _shared_tmpdir()
+    try:
+        with hold_checkpoint_dir(root):
+            holder = json.loads((root / LOCK_FILE).read_text())
+            _same_on_every_rank(json.dumps(holder))
+        dist.barrier()
+        assert not (root / LOCK_FILE).exists()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (root / LOCK_FILE).write_text(json.dumps({**holder, "host": "elsewhere"}))
+        dist.barrier()
+        with pytest.raises(CheckpointError, match="in use by pid .* on host elsewhere") as refused:
+            with hold_checkpoint_dir(root):
+                pass
+        _same_on_every_rank(str(refused.value))
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 4:
-        return ["gpt2_tp2_pp2_to_tp1_tp4_zero", "llama_tp2_pp2_zero_to_tp4_pp1", "moe_ep2_to_ep4_and_tp2_etp2"]
+        return ["gpt2_tp2_pp2_to_tp1_tp4_zero", "llama_tp2_pp2_zero_to_tp4_pp1", "moe_ep2_to_ep4_and_tp2_etp2",
+                "save_failure_on_one_rank_reaches_every_rank", "locked_dir_is_refused_on_every_rank"]
     return []
