@@ -19,8 +19,6 @@ import torch
 
 from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config
-from tests.distributed.moe_cases import moe_config
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     LOCK_FILE,
@@ -37,6 +35,8 @@ from meshtron.training.checkpoint import (
     verify_checkpoint,
 )
 from meshtron.training.step import train_step
+from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config
+from tests.distributed.moe_cases import moe_config
 
 
 def _trained(cfg, steps: int, zero: bool = False):

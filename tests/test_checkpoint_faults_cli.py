@@ -21,7 +21,7 @@ import pytest
 from meshtron.training.checkpoint import LOCK_FILE, list_checkpoints, verify_checkpoint
 from tests.test_checkpoint import _corrupt, _dead_pid
 from tests.test_resume_cli import COMMON, _losses, _start, _wait_for
-from tests.test_train_cli import ROOT, metrics, run
+from tests.test_train_cli import metrics, run
 
 SHORT = [*COMMON, "trainer.max_steps=4"]
 

@@ -28,18 +28,6 @@ from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
-from tests.distributed.dense_cases import (
-    ADAM_EPS,
-    LR,
-    SEED,
-    assert_close,
-    compare_parameters,
-    full_tensor,
-    global_batch,
-    trim_vocab,
-)
-from tests.distributed.moe_cases import moe_config
-from tests.distributed.pipeline_cases import pipeline_config
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     LOCK_FILE,
@@ -53,6 +41,18 @@ from meshtron.training.checkpoint import (
 )
 from meshtron.training.optim import build_optimizer
 from meshtron.training.step import pipeline_train_step, train_step
+from tests.distributed.dense_cases import (
+    ADAM_EPS,
+    LR,
+    SEED,
+    assert_close,
+    compare_parameters,
+    full_tensor,
+    global_batch,
+    trim_vocab,
+)
+from tests.distributed.moe_cases import moe_config
+from tests.distributed.pipeline_cases import pipeline_config
 
 BATCH = 4  # global rows per step; one row per microbatch
 
