@@ -59,9 +59,6 @@ def check_run_config(run: RunConfig, world_size: int) -> tuple:
     if message:
         raise ConfigError(message)
     micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
-    if t.device == "cuda" and not t.dry_run and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device "
-                          "(torch.cuda.is_available() is False); use trainer.device=auto or cpu")
     if t.tensorboard and not t.dry_run:
         require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra
     if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
@@ -78,6 +75,9 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     world_size, _, _, _ = launcher_env()
     par, micro, n_micro = check_run_config(run, world_size)
     wants_cuda = run.trainer.device == "cuda" or (run.trainer.device == "auto" and torch.cuda.is_available())
+    if run.trainer.device == "cuda" and not run.trainer.dry_run and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device "
+                          "(torch.cuda.is_available() is False); use trainer.device=auto or cpu")
     try:
         backend = resolve_backend(run.kernels.backend, "cuda" if wants_cuda else "cpu")
     except (RuntimeError, ValueError) as err:
