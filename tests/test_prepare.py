@@ -293,3 +293,115 @@ def test_load_prepared_checksum(byte_dir: pathlib.Path):
     load_prepared(byte_dir)  # size still matches: only the checksum notices
     with pytest.raises(ValueError, match="does not match the SHA-256"):
         load_prepared(byte_dir, verify_checksum=True)
+
+
+# ---------------------------------------------------------------- token ids vs the vocabulary
+
+
+def _hand_made_dir(directory: pathlib.Path, ids: list[int], vocab_size: int) -> pathlib.Path:
+    """A prepared directory written without meshtron-prepare: an index without max_token_id."""
+    directory.mkdir()
+    (directory / "tokens.bin").write_bytes(np.asarray(ids, dtype="<u2").tobytes())
+    index = {"format": "meshtron-tokens", "version": 1, "dtype": "uint16", "n_tokens": len(ids),
+             "vocab_size": vocab_size, "tokenizer": "byte"}
+    (directory / "index.json").write_text(json.dumps(index))
+    return directory
+
+
+def test_prepare_records_the_max_token_id(corpus: pathlib.Path, byte_dir: pathlib.Path, tmp_path: pathlib.Path):
+    index = json.loads((byte_dir / "index.json").read_text())
+    tokens, info = load_prepared(byte_dir)
+    assert index["max_token_id"] == int(tokens.max()) == info["max_token_id"] == 0xC3  # UTF-8 lead byte
+    pytest.importorskip("tokenizers")
+    bpe = prepare([corpus], tmp_path / "bpe", tokenizer="bpe", vocab_size=300, min_frequency=1)
+    assert bpe["max_token_id"] == int(load_prepared(tmp_path / "bpe")[0].max()) < bpe["vocab_size"]
+
+
+def test_an_index_without_max_token_id_is_read_and_checked(byte_dir: pathlib.Path, tmp_path: pathlib.Path):
+    index = json.loads((byte_dir / "index.json").read_text())
+    del index["max_token_id"]  # written before prepare recorded it
+    (byte_dir / "index.json").write_text(json.dumps(index))
+    assert load_prepared(byte_dir)[1]["max_token_id"] == 0xC3
+    # ids inside the padded vocabulary (300 pads to 384) but not below the index's vocab_size
+    lying = _hand_made_dir(tmp_path / "lying", [1, 2, 383, 4] * 10, vocab_size=300)
+    with pytest.raises(ValueError, match=r"lying/tokens\.bin holds token ids up to 383 but index\.json says "
+                                         r"vocab_size=300: .*re-run"):
+        load_prepared(lying)
+    _edit_index(byte_dir, max_token_id=256)
+    with pytest.raises(ValueError, match=r"tokens\.bin holds token ids up to 256 but index\.json says vocab_size=256"):
+        load_prepared(byte_dir)
+    _edit_index(byte_dir, max_token_id=-1)
+    with pytest.raises(ValueError, match=r"field 'max_token_id' must be a non-negative int, got -1"):
+        load_prepared(byte_dir)
+
+
+def test_build_dataset_refuses_ids_the_model_cannot_embed(corpus: pathlib.Path, tmp_path: pathlib.Path):
+    from meshtron.errors import ConfigError
+
+    honest = _hand_made_dir(tmp_path / "honest", list(range(384)) * 2, vocab_size=384)
+    with pytest.raises(ConfigError, match=r"has vocab_size 384 but model.vocab_size=300; set model.vocab_size=384 "
+                                          r"or larger \(or re-run meshtron-prepare with a smaller --vocab-size\): "
+                                          r".*honest/tokens\.bin holds token ids up to 383"):
+        build_dataset(DataConfig(prepared=str(honest)), 16, 0, 300)
+    assert build_dataset(DataConfig(prepared=str(honest), val_fraction=0.1), 16, 0, 384).num_windows() > 0
+    # Raw files are checked as they are read: the message names the file with the id.
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_bytes(b"plain ascii " * 10)
+    (tmp_path / "raw" / "b.bin").write_bytes(bytes([1, 2, 250]) * 10)
+    with pytest.raises(ConfigError, match=r"data file '.*raw/b\.bin' has byte token ids up to 250, and the byte "
+                                          r"tokenizer has vocab_size 256 but model.vocab_size=200"):
+        build_dataset(DataConfig(paths=[str(tmp_path / "raw")]), 8, 0, 200)
+    assert build_dataset(DataConfig(paths=[str(tmp_path / "raw" / "a.txt")], val_fraction=0.1), 8, 0, 200).num_windows() > 0
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--src", "{tmp}/nofiles"], r"data directory '.*nofiles' contains no files"),
+    (["--src", "{tmp}/zero"], r"the corpus read from .*zero is empty"),
+    (["--src", "/dev/null"], r"data path '/dev/null' is neither a regular file nor a directory"),
+    (["--out", "{tmp}/afile"], r"--out '.*afile' exists and is not a directory"),
+    (["--out", "{tmp}/afile/sub"], r"--out '.*afile/sub': cannot write into '.*afile'"),
+    (["--out", "{byte_dir}"], r"--out '.*byte' exists and is not empty; pass --overwrite"),
+    (["--vocab-size", "300"], r"--vocab-size 300 does not apply to the byte tokenizer"),
+    (["--tokenizer", "bpe", "--vocab-size", "100"], r"--vocab-size 100 is too small .* at least 257"),
+    (["--tokenizer", "bpe", "--vocab-size", "99999999999"], r"--vocab-size 99999999999 is too large"),
+    (["--tokenizer", "bpe", "--min-frequency", "-1"], r"--min-frequency must be >= 0, got -1"),
+    (["--max-bytes", "0"], r"--max-bytes must be positive, got 0"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, expected, corpus, byte_dir, tmp_path, capsys):
+    import re
+
+    from meshtron.textdata.prepare import main
+
+    (tmp_path / "nofiles").mkdir()
+    (tmp_path / "nofiles" / ".hidden").write_text("skipped")
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "zero" / "e.txt").write_bytes(b"")
+    (tmp_path / "afile").write_text("a file, not a directory")
+    before = {p: p.read_bytes() for p in byte_dir.iterdir()}
+    argv = [a.format(tmp=tmp_path, byte_dir=byte_dir) for a in args]
+    argv = (["--src", str(corpus)] if "--src" not in argv else []) + argv
+    argv += ["--out", str(tmp_path / "new")] if "--out" not in argv else []
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshtron-prepare: error: "), lines
+    assert re.search(expected, lines[0]), lines[0]
+    assert {p: p.read_bytes() for p in byte_dir.iterdir()} == before  # nothing saved is touched
+    assert (tmp_path / "afile").read_text() == "a file, not a directory"
+    assert not (tmp_path / "new").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_cli_failed_overwrite_keeps_the_old_prepared_dir(byte_dir: pathlib.Path, tmp_path: pathlib.Path):
+    before = {p.name: p.read_bytes() for p in byte_dir.iterdir()}
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "zero" / "e.txt").write_bytes(b"")
+    done = _cli("--src", str(tmp_path / "zero"), "--out", str(byte_dir), "--overwrite")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"meshtron-prepare: error: the corpus read from {tmp_path / 'zero'} is empty (all files have 0 bytes)"]
+    assert {p.name: p.read_bytes() for p in byte_dir.iterdir()} == before
+    load_prepared(byte_dir, verify_checksum=True)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from meshtron.errors import ConfigError
+
 __all__ = [
     "ByteTokenizer",
     "TokenDataset",
@@ -178,7 +180,7 @@ def _expand_paths(
 
 
 def load_corpus(
-    paths: Sequence[str | os.PathLike[str]] | None, max_bytes: int
+    paths: Sequence[str | os.PathLike[str]] | None, max_bytes: int, vocab_size: int | None = None
 ) -> torch.Tensor:
     """Read files into a 1-D uint8 tensor of byte token ids, at most ``max_bytes`` long.
 
@@ -188,7 +190,9 @@ def load_corpus(
     ``max_bytes`` bytes are collected and the result is cut to exactly that length when the
     files hold more. Raises FileNotFoundError for a missing path or an empty directory,
     ValueError for ``max_bytes <= 0``, an empty ``paths`` list or an all-empty corpus.
-    Whether the corpus is long enough for a sequence length is checked by ``TokenDataset``.
+    With ``vocab_size`` (the model's), each file's byte ids are checked as it is read: one
+    at or above ``vocab_size`` raises ConfigError naming the file. Whether the corpus is long
+    enough for a sequence length is checked by ``TokenDataset``.
     """
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}; set data.max_bytes > 0")
@@ -214,6 +218,8 @@ def load_corpus(
             content = f.read(max_bytes - len(buffer))
         if not content:
             continue
+        if vocab_size is not None:
+            _check_byte_ids(path, content, vocab_size)
         if buffer:
             buffer += SEPARATOR
         buffer += content
@@ -221,6 +227,17 @@ def load_corpus(
     if not buffer:
         raise ValueError(f"the corpus read from {source} is empty (all files have 0 bytes)")
     return torch.frombuffer(buffer, dtype=torch.uint8).clone()
+
+
+def _check_byte_ids(path: pathlib.Path, content: bytes, vocab_size: int) -> None:
+    """Raise ConfigError when a byte of ``path``'s ``content`` is not below ``vocab_size``."""
+    max_id = int(np.frombuffer(content, dtype=np.uint8).max())
+    if max_id >= vocab_size:
+        raise ConfigError(
+            f"data file {str(path)!r} has byte token ids up to {max_id}, and the byte tokenizer has "
+            f"vocab_size {ByteTokenizer.vocab_size} but model.vocab_size={vocab_size}; set "
+            f"model.vocab_size={ByteTokenizer.vocab_size} or larger"
+        )
 
 
 # ---------------------------------------------------------------- prepared token files
@@ -262,9 +279,11 @@ def load_prepared(
 
     Returns ``(tokens, info)``: ``tokens`` a read-only 1-D ``np.memmap`` over ``tokens.bin``
     (uint16 or uint32, little-endian; nothing is read until a window is gathered) and
-    ``info`` the parsed ``index.json`` plus ``"dir"``. ``tokens.bin`` is checked against
-    the index (byte size == ``n_tokens`` * item size; the SHA-256 too when
-    ``verify_checksum``, which reads the whole file). A missing directory or file raises
+    ``info`` the parsed ``index.json`` plus ``"dir"`` and ``"max_token_id"`` (the largest id
+    in ``tokens.bin``: recorded by prepare, computed here for directories written before it
+    was). ``tokens.bin`` is checked against the index (byte size == ``n_tokens`` * item size,
+    every id below ``vocab_size``; the SHA-256 too when ``verify_checksum``, which reads the
+    whole file). A missing directory or file raises
     FileNotFoundError, anything else wrong (bad JSON, unknown format or dtype, an empty,
     truncated or wrongly typed token file) ValueError; every message names the file and
     says how to fix it.
@@ -343,7 +362,17 @@ def load_prepared(
     if verify_checksum and expected_sha is not None and _file_sha256(tokens_path) != expected_sha:
         raise ValueError(f"{tokens_path} does not match the SHA-256 in {INDEX_FILE} (corrupted?); {hint}")
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(n_tokens,))
-    return tokens, dict(info, dir=str(root))
+    max_token_id = info.get("max_token_id")
+    if max_token_id is None:  # written before prepare recorded it: one pass over the file
+        max_token_id = int(tokens.max())
+    elif not isinstance(max_token_id, int) or isinstance(max_token_id, bool) or max_token_id < 0:
+        raise ValueError(f"{index_path}: field 'max_token_id' must be a non-negative int, got {max_token_id!r}; {hint}")
+    if max_token_id >= vocab_size:
+        raise ValueError(
+            f"{tokens_path} holds token ids up to {max_token_id} but {INDEX_FILE} says vocab_size={vocab_size}: "
+            f"the token file was not written with this index's tokenizer; {hint}"
+        )
+    return tokens, dict(info, dir=str(root), max_token_id=max_token_id)
 
 
 # ---------------------------------------------------------------- sampling
@@ -600,21 +629,25 @@ def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDa
 
     ``data_cfg.prepared`` set: the memory-mapped output of ``textdata.prepare`` (``paths``
     and ``max_bytes`` are ignored); otherwise the byte-level in-memory corpus of
-    ``data_cfg.paths`` (None = the standard library sources) cut to ``max_bytes``. Raises
-    ValueError when the tokenizer's vocabulary does not fit ``model.vocab_size``, and the
-    errors of ``load_prepared``/``load_corpus``/``TokenDataset`` (OSError or ValueError).
+    ``data_cfg.paths`` (None = the standard library sources) cut to ``max_bytes``. Every
+    token id must be below ``vocab_size`` (ids at or above it, even inside the padded
+    vocabulary, would make the loss non-finite): ConfigError naming the file otherwise.
+    Also raises the errors of ``load_prepared``/``load_corpus``/``TokenDataset`` (OSError or
+    ValueError).
     """
     prepared = getattr(data_cfg, "prepared", None)
     if prepared:
         tokens, info = load_prepared(prepared)
-        need, what = info["vocab_size"], f"the {info['tokenizer']} tokenizer of data.prepared={prepared!r}"
+        need = info["vocab_size"]
+        # load_prepared checked max_token_id < need, so need <= vocab_size bounds every id.
+        if need > vocab_size:
+            tokens_path = pathlib.Path(info["dir"]) / TOKENS_FILE
+            raise ConfigError(
+                f"the {info['tokenizer']} tokenizer of data.prepared={prepared!r} has vocab_size {need} but "
+                f"model.vocab_size={vocab_size}; set model.vocab_size={need} or larger (or re-run "
+                f"meshtron-prepare with a smaller --vocab-size): {tokens_path} holds token ids up to "
+                f"{info['max_token_id']}"
+            )
     else:
-        tokens = load_corpus(data_cfg.paths, data_cfg.max_bytes)
-        need, what = ByteTokenizer.vocab_size, "the byte tokenizer"
-    if need > vocab_size:
-        raise ValueError(
-            f"{what} has vocab_size {need} but model.vocab_size={vocab_size}; set "
-            f"model.vocab_size={need} or larger"
-            + (" (or re-run textdata.prepare with a smaller --vocab-size)" if prepared else "")
-        )
+        tokens = load_corpus(data_cfg.paths, data_cfg.max_bytes, vocab_size=vocab_size)
     return TokenDataset(tokens, seq_len, seed, data_cfg.val_fraction)

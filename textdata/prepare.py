@@ -10,7 +10,8 @@ output directory holds
 
 * ``tokens.bin``: the token ids, raw little-endian uint16 (vocab_size <= 65536) or uint32;
 * ``index.json``: format and version, dtype, ``n_tokens``, the documents (path, start,
-  length), tokenizer kind and ``vocab_size``, the end-of-document ids, the sources, and the
+  length), tokenizer kind, ``vocab_size`` and ``max_token_id`` (the largest id written,
+  checked against the model's vocabulary at load), the end-of-document ids, the sources, and the
   byte size and SHA-256 of ``tokens.bin``;
 * ``tokenizer.json`` for ``--tokenizer bpe`` (a Hugging Face ``tokenizers`` file).
 
@@ -176,11 +177,14 @@ class _TokenWriter:
         self.file = open(path, "wb")
         self.sha = hashlib.sha256()
         self.n_tokens = 0
+        self.max_id = 0
 
     def write(self, ids) -> int:
         arr = np.asarray(ids)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        if arr.size:
+            self.max_id = max(self.max_id, int(arr.max()))
         data = arr.astype(self.dtype, copy=False).tobytes()
         self.file.write(data)
         self.sha.update(data)
@@ -299,7 +303,11 @@ def prepare(
                 f"--vocab-size {vocab_size} is too small for a byte-level BPE: it needs at least "
                 f"{MIN_BPE_VOCAB} (256 bytes + the end-of-document token)"
             )
-        token_dtype_for_vocab(vocab_size)  # fits uint32
+        if vocab_size > 1 << 32:
+            raise ValueError(f"--vocab-size {vocab_size} is too large: token ids are stored as uint32 "
+                             f"(at most {1 << 32})")
+        if min_frequency < 0:
+            raise ValueError(f"--min-frequency must be >= 0, got {min_frequency}")
         _import_tokenizers()  # fail before reading anything
 
     out = pathlib.Path(out).expanduser()
@@ -312,9 +320,11 @@ def prepare(
                 "or choose another directory"
             )
     files, sources = _source_files(None if src is None else [str(s) for s in src], out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as err:
+        raise OSError(f"--out {str(out)!r}: cannot write into {str(out.parent)!r} ({err.strerror})") from err
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -351,6 +361,7 @@ def prepare(
             "sha256": writer.sha.hexdigest(),
             "tokenizer": tokenizer,
             "vocab_size": vocab_size,
+            "max_token_id": writer.max_id,
             "tokenizer_file": TOKENIZER_FILE if tok is not None else None,
             "eod_ids": eod_ids,
             "eod_token": EOD_TOKEN if tok is not None else SEPARATOR.decode(),
