@@ -36,7 +36,10 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     `out_dir/model/imported.yaml`, the Hydra model config of it. Single process."""
 
     hf_config, state_dict = read_hf_folder(src_dir)
-    cfg = config_from_hf(hf_config, **({"seq_len": seq_len} if seq_len else {}))
+    try:
+        cfg = config_from_hf(hf_config, **({"seq_len": seq_len} if seq_len is not None else {}))
+    except HFConversionError as err:
+        raise HFConversionError(f"{Path(src_dir) / 'config.json'}: {err}") from None
     mesh = single_process_mesh()
     model = GPT(cfg, mesh)
     load_hf_state_dict(model, state_dict)
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = export_from_checkpoint(args.src, args.out)
             print(f"meshtron: wrote {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
-    except (HFConversionError, CheckpointError, FileNotFoundError) as err:
+    except (HFConversionError, CheckpointError, OSError) as err:  # bad input files, unwritable --out
         print(f"meshtron: {args.command} failed: {err}", file=sys.stderr)
         return 2
     return 0

@@ -88,16 +88,38 @@ def hf_router_fields(cfg: GPTConfig) -> dict:
     return {"router_aux_loss_coef": cfg.aux_loss_coef / cfg.top_k, "output_router_logits": cfg.aux_loss_coef > 0}
 
 
-def config_from_hf(hf_config, **overrides) -> GPTConfig:
-    """The GPTConfig of a Hugging Face GPT-2, Llama or Mixtral config (a `PretrainedConfig`
-    or its dict). Dropout is 0; `overrides` replace any GPTConfig field afterwards
-    (e.g. seq_len, dropout, kernel_backend). Raises HFConversionError naming the field for
-    any HF feature meshtron would not reproduce exactly."""
-    hf = hf_config
-    model_type = _get(hf, "model_type")
+def check_model_type(model_type) -> None:
+    """Raise HFConversionError unless `model_type` is one of SUPPORTED_MODEL_TYPES."""
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFConversionError(f"config field model_type={model_type!r} is not supported; "
                                 f"use one of {SUPPORTED_MODEL_TYPES}")
+
+
+def config_from_hf(hf_config, **overrides) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2, Llama or Mixtral config (a `PretrainedConfig`
+    or its dict). Dropout is 0; `overrides` replace any GPTConfig field afterwards
+    (e.g. seq_len, dropout, kernel_backend); a `seq_len` override must lie in 1..the model's
+    maximum positions. Raises HFConversionError naming the field for any HF feature meshtron
+    would not reproduce exactly, or for values that make no valid model."""
+    model_type = _get(hf_config, "model_type")
+    check_model_type(model_type)
+    try:
+        cfg = _gpt_config_from_hf(hf_config, model_type)
+    except HFConversionError:
+        raise
+    except ValueError as err:  # GPTConfig.validate: the HF shape makes no valid model
+        raise HFConversionError(f"{model_type} config describes a model meshtron cannot build: {err}") from None
+    seq_len = overrides.get("seq_len")
+    if seq_len is not None and not 1 <= seq_len <= cfg.seq_len:
+        field = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
+        raise HFConversionError(f"seq_len={seq_len} (meshtron-hf import --seq-len) must be between 1 and the "
+                                f"{model_type} config field {field}={cfg.seq_len}: the model has no positions "
+                                f"beyond it")
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
+    """config_from_hf without overrides, for a supported `model_type`."""
     if _get(hf, "is_encoder_decoder", False) or _get(hf, "add_cross_attention", False):
         raise _fail(model_type, "add_cross_attention", True, "decoder-only models only")
     tie = bool(_get(hf, "tie_word_embeddings", model_type == "gpt2"))
@@ -158,7 +180,7 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
             init_std=float(_get(hf, "initializer_range", 0.02)), norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(hf, model_type), **extra,
         )
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+    return cfg
 
 
 def hf_family(cfg: GPTConfig) -> str:
