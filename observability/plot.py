@@ -5,7 +5,8 @@
 Reads ``RUN_DIR/metrics.jsonl`` and writes ``RUN_DIR/curves.png`` (or ``--out``): loss (and
 ``val_loss`` where logged) and tokens/s against the step, plus the learning rate, the
 gradient norm, the peak memory and the MoE expert imbalance when the records have them.
-Errors (missing directory or file, an empty file, a malformed line) print one line
+Errors (missing directory or file, an empty or unreadable file, a malformed line, an unwritable
+``--out``) print one line
 ``observability.plot: error: ...`` and exit with status 2. Needs matplotlib (the ``viz`` extra).
 """
 
@@ -34,27 +35,38 @@ def load_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` file, one per step (the last one logged for it), in
     step order. Blank lines are ignored.
 
-    Raises PlotError for a missing file, a file without records, a line that is not a JSON
-    object (naming the line number) or a record without a numeric ``step``.
+    Raises PlotError for a missing or unreadable file, a file without records, a line that is
+    not UTF-8 or not a JSON object (naming the line number) or a record without a numeric
+    ``step``.
     """
     path = pathlib.Path(path)
     if not path.is_file():
         raise PlotError(f"{path} not found (is this a meshtron run directory?)")
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as err:
+        raise PlotError(f"cannot read {path}: {err.strerror}") from None
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise PlotError(f"{path} line {lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise PlotError(f"{path} line {lineno}: expected a JSON object, got {type(record).__name__}")
-            step = record.get("step")
-            if isinstance(step, bool) or not isinstance(step, (int, float)):
-                raise PlotError(f"{path} line {lineno}: the record has no numeric 'step'")
-            records.append(record)
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise PlotError(f"{path} line {lineno}: not UTF-8 text (byte {err.start + 1}); the file is corrupt") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PlotError(f"{path} line {lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(record, dict):
+            raise PlotError(f"{path} line {lineno}: expected a JSON object, got {type(record).__name__}")
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise PlotError(f"{path} line {lineno}: the record has no numeric 'step'")
+        if not math.isfinite(step):
+            raise PlotError(f"{path} line {lineno}: step={step} is not a finite number")
+        records.append(record)
     if not records:
         raise PlotError(f"{path} is empty: no metrics were logged yet")
     # A resumed run appends to the file and logs the steps after its checkpoint again: the
@@ -91,8 +103,10 @@ _ALWAYS = {"loss", "throughput"}
 def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None) -> pathlib.Path:
     """Write the curves of ``run_dir/metrics.jsonl`` to ``out`` (default ``run_dir/curves.png``)."""
     run_dir = pathlib.Path(run_dir)
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         raise PlotError(f"run directory {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise PlotError(f"{run_dir} is not a directory: give the run directory that holds {METRICS_FILENAME}")
     records = load_metrics(run_dir / METRICS_FILENAME)
     try:
         import matplotlib

@@ -77,23 +77,34 @@ def test_plot_in_process_minimal_records(tmp_path: pathlib.Path):
     ("bad_json", r"metrics.jsonl line 2: not valid JSON"),
     ("not_object", r"metrics.jsonl line 3: expected a JSON object, got list"),
     ("no_step", r"metrics.jsonl line 1: the record has no numeric 'step'"),
+    ("not_utf8", r"metrics.jsonl line 2: not UTF-8 text \(byte 13\); the file is corrupt"),
+    ("nan_step", r"metrics.jsonl line 1: step=nan is not a finite number"),
+    ("run_is_a_file", r"run is not a directory: give the run directory that holds metrics.jsonl"),
+    ("metrics_is_a_dir", r"metrics.jsonl not found"),
 ])
 def test_plot_errors_are_one_line_exit_2(tmp_path: pathlib.Path, case: str, expected: str):
     import re
 
     run = tmp_path / "run"
-    if case != "missing_dir":
+    if case == "run_is_a_file":
+        run.write_text("not a run")
+    elif case != "missing_dir":
         run.mkdir()
     contents = {"empty_file": "\n", "bad_json": '{"step": 1, "loss": 2}\n{"step": 2, "loss": \n',
-                "not_object": '{"step": 1}\n\n[1, 2]\n', "no_step": '{"loss": 2.0}\n'}
+                "not_object": '{"step": 1}\n\n[1, 2]\n', "no_step": '{"loss": 2.0}\n',
+                "nan_step": '{"step": NaN, "loss": 2.0}\n'}
     if case in contents:
         (run / "metrics.jsonl").write_text(contents[case])
+    elif case == "not_utf8":
+        (run / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2, \xff}\n')
+    elif case == "metrics_is_a_dir":
+        (run / "metrics.jsonl").mkdir()
     result = _plot(run, tmp_path=tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshtron-plot: error: "), result.stderr
     assert re.search(expected, lines[0]), lines[0]
-    assert not (run / "curves.png").exists()
+    assert case == "run_is_a_file" or not (run / "curves.png").exists()
 
 
 def test_resumed_runs_keep_the_last_record_of_each_step(tmp_path: pathlib.Path):
@@ -104,3 +115,18 @@ def test_resumed_runs_keep_the_last_record_of_each_step(tmp_path: pathlib.Path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert [(r["step"], r["loss"]) for r in load_metrics(path)] == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 3.0)]
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_out_is_one_line_and_the_old_png_stays(tmp_path: pathlib.Path):
+    run = tmp_path / "run"
+    _write_run(run)
+    (run / "curves.png").write_bytes(b"old png")
+    (tmp_path / "afile").write_text("a file")
+    for out in (tmp_path / "afile" / "c.png", run):  # parent is a file; out is a directory
+        result = _plot(run, "--out", out, tmp_path=tmp_path)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"meshtron-plot: error: cannot write {out}: "), result.stderr
+    assert (run / "curves.png").read_bytes() == b"old png"
+    assert (tmp_path / "afile").read_text() == "a file"
