@@ -5,9 +5,9 @@
 Reads ``RUN_DIR/metrics.jsonl`` and writes ``RUN_DIR/curves.png`` (or ``--out``): loss (and
 ``val_loss`` where logged) and tokens/s against the step, plus the learning rate, the
 gradient norm, the peak memory and the MoE expert imbalance when the records have them.
-Errors (missing directory or file, an empty or unreadable file, a malformed line, an unwritable
-``--out``) print one line
-``observability.plot: error: ...`` and exit with status 2. Needs matplotlib (the ``viz`` extra).
+Errors (missing directory or file, an empty or unreadable file, a malformed line, an
+unwritable ``--out``) print one line ``meshtron-plot: error: ...`` and exit with status 2.
+Needs matplotlib (the ``viz`` extra).
 """
 
 from __future__ import annotations
