@@ -25,10 +25,7 @@ COLLECTIVES = {
     "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all", "all_to_all_single", "send", "recv",
     "isend", "irecv", "batch_isend_irecv", "P2POp", "send_object_list", "recv_object_list",
 }
-PENDING = {
-    ("models/hf/weights.py", "torch.distributed.gather_object"),  # models/ owner: use mpu.mappings.gather_object
-    ("textdata/prepare.py", "meshtron.textdata.data._expand_paths"),  # textdata/ owner: make it public
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 def _python_files():

@@ -148,7 +148,7 @@ def _walk_files(directory: pathlib.Path) -> list[pathlib.Path]:
     return [path for _, path in found]
 
 
-def _expand_paths(
+def expand_paths(
     paths: Iterable[str | os.PathLike[str]], key: str = "data.paths"
 ) -> list[pathlib.Path]:
     """Files named by ``paths`` (directories walked, sorted); ``key`` names the setting
@@ -207,7 +207,7 @@ def load_corpus(
                 "data paths list is empty; give at least one file or directory, or leave "
                 "data.paths unset (null) to train on the Python standard library sources"
             )
-        files = _expand_paths(paths)
+        files = expand_paths(paths)
         source = ", ".join(repr(str(p)) for p in paths)
 
     buffer = bytearray()

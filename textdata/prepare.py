@@ -49,7 +49,7 @@ from meshtron.textdata.data import (
     TOKENIZER_FILE,
     TOKENS_FILE,
     ByteTokenizer,
-    _expand_paths,
+    expand_paths,
     default_corpus_files,
     load_prepared,
     token_dtype_for_vocab,
@@ -124,7 +124,7 @@ def _source_files(src: Sequence[str] | None, out: pathlib.Path) -> tuple[list[pa
     else:
         if len(src) == 0:
             raise ValueError("--src needs at least one file or directory")
-        files = _expand_paths(src, key="--src")
+        files = expand_paths(src, key="--src")
         sources = [str(pathlib.Path(s).expanduser().resolve()) for s in src]
     # Never read our own output (or its temporary siblings) back in.
     out_resolved = out.resolve()

@@ -14,7 +14,7 @@ from torch import nn
 from meshtron.models.config import GPTConfig
 from meshtron.models.hf.config import HFConversionError, hf_family
 from meshtron.mpu.init import local_shard
-from meshtron.mpu.mappings import gather_from_region
+from meshtron.mpu.mappings import gather_from_region, gather_object
 from meshtron.mpu.mesh import Mesh
 
 # Tensors of real checkpoints that are not weights (causal-mask buffers, cached RoPE tables).
@@ -301,9 +301,7 @@ def export_hf_state_dict(model, mesh: Mesh, moe_format: str | None = None) -> di
     if mesh.pp_size > 1:
         if mesh.dp_rank != 0 or mesh.tp_rank != 0:
             return None
-        import torch.distributed as dist
-        gathered = [None] * mesh.pp_size if mesh.rank == 0 else None
-        dist.gather_object(local, gathered, dst=0, group=mesh.pp)
+        gathered = gather_object(local, mesh.pp, dst=0)
         if mesh.rank != 0:
             return None
         full_params = {k: v for part in gathered for k, v in part.items()}
