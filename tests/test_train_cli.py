@@ -229,3 +229,22 @@ def test_torchrun_zero1_logs_the_replicated_adamw_losses(tmp_path):
         logs[zero] = metrics(run_dir)
     for a, b in zip(logs[1], logs[0], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a, b)
+
+
+@pytest.mark.timeout(120)
+def test_overflowing_update_is_not_saved_over_the_last_checkpoint(tmp_path):
+    """Issue 14: a step whose update overflows the weights (lr beyond fp32's range) must not
+    be checkpointed: exit 2 with one line, and the checkpoint saved before it stays the newest."""
+    ckpt = tmp_path / "ckpt"
+    common = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.seq_len=32",
+              "trainer.global_batch_size=2", "trainer.progress=false", "trainer.eval_every=0",
+              f"checkpoint.dir={ckpt}", "checkpoint.every=1", "data.max_bytes=200000"]
+    good = run([sys.executable, "train.py", *common, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'a'}"],
+               timeout=100)
+    assert good.returncode == 0, good.stderr[-3000:]
+    bad = run([sys.executable, "train.py", *common, "trainer.max_steps=2", "checkpoint.resume=auto",
+               "optim.lr=1e39", "optim.warmup_steps=0", f"hydra.run.dir={tmp_path / 'b'}"], timeout=100)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("meshtron: checkpoint error")]
+    assert len(lines) == 1 and "the weights after step 2 are not finite" in lines[0], bad.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_00000001"]

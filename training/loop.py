@@ -20,7 +20,7 @@ from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED, resolve_backend
 from meshtron.kernels.tf32 import set_tf32_mode
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.mappings import gather_object, world_group
+from meshtron.mpu.mappings import all_reduce_stats, gather_object, world_group
 from meshtron.mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
@@ -41,6 +41,13 @@ from meshtron.training.schedule import lr_at
 from meshtron.rules import batch_checks, first_failure, microbatches
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from meshtron.observability.watchdog import StepWatchdog, is_collective_failure, mesh_coords
+
+
+def weights_are_finite(chunks) -> bool:
+    """Whether every weight of every rank is finite: one flag all-reduced (max) over the world."""
+    flags = [torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()]
+    bad = torch.stack(flags).logical_not().any().float().reshape(1) if flags else torch.zeros(1)
+    return all_reduce_stats(bad, world_group(), op="max").item() == 0
 
 
 def check_run_config(run: RunConfig, world_size: int) -> tuple:
@@ -193,6 +200,10 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
 
     def save() -> None:
         watchdog.phase(f"step {state.step}: checkpoint save")
+        if not weights_are_finite(chunks):
+            raise CheckpointError(f"the weights after step {state.step} are not finite (an update overflowed: "
+                                  f"optim.lr={run.optim.lr:g} is likely too large); they were not saved, so the "
+                                  "last checkpoint stays the newest: lower optim.lr and resume from it")
         path = save_checkpoint(ckpt.dir, state, chunks, optimizer, mesh, model_config=dataclasses.asdict(cfg),
                                keep=ckpt.keep)
         if env.is_main:
