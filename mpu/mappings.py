@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from meshtron.mpu.mesh import VirtualGroup, group_rank, group_size
+from meshtron.mpu.waits import wait_for
 
 
 # torch >= 2.13 renames the tensor collectives; keep working on older releases. The
@@ -425,14 +426,19 @@ class AllToAllHandle:
         self.grad_works: list = []
         self.grads: tuple = ()
 
+    def label(self, direction: str) -> str:
+        """What a wait on this exchange is for, in hang reports (mpu/waits.py)."""
+        return (f"all_to_all ({direction}) of {sum(self.input_splits)} rows out, {sum(self.output_splits)} in "
+                f"over a group of {len(self.input_splits)}")
+
     def wait(self) -> None:
         for work in self.works:
-            work.wait()
+            wait_for(work, self.label("forward"))
         self.works, self.keep = [], []
 
     def wait_grads(self) -> tuple:
         for work in self.grad_works:
-            work.wait()
+            wait_for(work, self.label("backward"))
         grads, self.grad_works, self.grads = self.grads, [], ()
         return grads
 
@@ -487,7 +493,7 @@ class _AllToAllWait(torch.autograd.Function):
             # Complete the exchange here, at the point a blocking all-to-all would run, so
             # collectives in backward keep the order they have in a blocking graph.
             for work in handle.grad_works:
-                work.wait()
+                wait_for(work, handle.label("backward"))
             handle.grad_works = []
         # Identity: the gradients flow on unchanged to _AllToAllStart.backward, which returns
         # the received buffers (waiting first if the exchange is still in flight).

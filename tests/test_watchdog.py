@@ -204,3 +204,17 @@ def test_gradient_reducer_labels_its_bucket_waits(monkeypatch):
     reducer.finish()
     assert labels == ["all_reduce of gradient bucket 1/2 over dp (0.2 MiB)",
                       "all_reduce of gradient bucket 2/2 over dp (0.0 MiB)"]
+
+
+def test_all_to_all_waits_are_labelled(monkeypatch):
+    """The MoE dispatcher's asynchronous all-to-alls wait through wait_for with their sizes."""
+    from meshtron.mpu import mappings
+
+    labels = []
+    monkeypatch.setattr(mappings, "wait_for", lambda work, label: labels.append(label))
+    handle = mappings.AllToAllHandle(output_splits=[3, 1], input_splits=[2, 4], group=None)
+    handle.works, handle.grad_works = [_BlockingWork()], [_BlockingWork()]
+    handle.wait()
+    handle.wait_grads()
+    assert labels == ["all_to_all (forward) of 6 rows out, 4 in over a group of 2",
+                      "all_to_all (backward) of 6 rows out, 4 in over a group of 2"]
