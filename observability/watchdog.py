@@ -31,6 +31,7 @@ from meshtron.mpu.waits import current_wait, wait_label
 
 __all__ = [
     "StepWatchdog",
+    "collective_in_stack",
     "collective_in_traceback",
     "describe_collective_error",
     "is_collective_failure",
@@ -187,7 +188,7 @@ class StepWatchdog:
     def _report(self, label: str, elapsed: float) -> None:
         stream = self._stream if self._stream is not None else sys.stderr
         try:
-            waiting = current_wait()
+            waiting = current_wait() or collective_in_stack()
             where = f"{label}, waiting in {waiting}" if waiting else label
             stream.write(f"meshtron: {_who(self.rank, self.coords)} stuck for {elapsed:.1f} s in {where} "
                          f"(watchdog timeout {self.timeout_s:g} s); stacks of all threads follow\n")
@@ -233,7 +234,18 @@ def collective_in_traceback(err: BaseException) -> str | None:
     """``'all_reduce (from mpu/mappings.py:31 in _all_reduce)'``: the innermost
     ``torch.distributed`` collective in ``err``'s traceback and the first caller outside
     torch, or None when the traceback holds no collective."""
-    frames = traceback.extract_tb(err.__traceback__)
+    return _collective_in_frames(traceback.extract_tb(err.__traceback__))
+
+
+def collective_in_stack(thread_id: int | None = None) -> str | None:
+    """The same for the live stack of thread ``thread_id`` (default: the main thread): the
+    blocking collective it is inside right now, or None."""
+    ident = threading.main_thread().ident if thread_id is None else thread_id
+    frame = sys._current_frames().get(ident)
+    return None if frame is None else _collective_in_frames(traceback.extract_stack(frame))
+
+
+def _collective_in_frames(frames) -> str | None:
     found = None
     for index, frame in enumerate(frames):
         path = frame.filename.replace("\\", "/")

@@ -135,6 +135,8 @@ def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
     #    stacks with the blocking collective and where the code called it.
     (report,) = [line for line in lines if " stuck for " in line]
     assert report.startswith("meshtron: rank 0 (tp=0, pp=0, dp=0) stuck for ") and "in step 3: routing stats" in report
+    # the one line names the blocking collective and its caller (read from the live stack)
+    assert "in step 3: routing stats, waiting in all_reduce (from mpu/mappings.py:" in report
     stacks = "\n".join(lines[lines.index(report):])
     assert "in all_reduce" in stacks and "mpu/mappings.py" in stacks
     # 2) The failure message: rank, coordinates, phase, collective and the original gloo error.
