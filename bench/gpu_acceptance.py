@@ -148,8 +148,7 @@ def step_config(family: str):
 def train_steps(cfg, backend: str, precision_name: str, device: torch.device, steps: int = 1):
     """`steps` training steps of `cfg` with `backend` kernels on one GPU (same seed and data
     for every call); returns (per-step outputs, {name: (weight, grad)} after the last step)."""
-    import dataclasses
-
+    from meshtron.models.config import ExecutionConfig
     from meshtron.models.gpt import init_model_chunks
     from meshtron.mpu.grad_reduce import DataParallelGradReducer
     from meshtron.mpu.mesh import ParallelConfig, build_mesh
@@ -157,9 +156,8 @@ def train_steps(cfg, backend: str, precision_name: str, device: torch.device, st
     from meshtron.training.precision import Precision
     from meshtron.training.step import train_step
 
-    cfg = dataclasses.replace(cfg, kernel_backend=backend)
     mesh = build_mesh(ParallelConfig(), cfg, device_type=device.type)
-    model, = init_model_chunks(cfg, mesh, 1234, device=device)
+    model, = init_model_chunks(cfg, mesh, 1234, device=device, execution=ExecutionConfig(kernel_backend=backend))
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, eps=1e-4)
     precision = Precision(precision_name, device.type)

@@ -51,6 +51,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.config import ExecutionConfig  # noqa: E402
 from meshtron.models.gpt import init_model_chunks  # noqa: E402
 from meshtron.mpu.distributed_optimizer import ShardedAdamW  # noqa: E402
 from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
@@ -97,7 +98,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     arch = "gpt2" if args.model == "gpt2" else "llama"
     kw = dict(arch=arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
               num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq_len=args.seq,
-              dropout=args.dropout, recompute=args.recompute, recompute_layers=args.recompute_layers,
+              dropout=args.dropout,
               tie_embeddings=arch == "gpt2")
     if args.model == "moe":
         kw.update(num_experts=args.experts, top_k=args.top_k)
@@ -199,7 +200,8 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
                          schedule=schedule)
     mesh = build_mesh(par, cfg, device_type=device.type)
     res = mesh.par
-    chunks = init_model_chunks(cfg, mesh, args.seed, device=device)
+    execution = ExecutionConfig(recompute=args.recompute, recompute_layers=args.recompute_layers)
+    chunks = init_model_chunks(cfg, mesh, args.seed, device=device, execution=execution)
     model = nn.ModuleList(chunks)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
     reducer = (DataParallelGradReducer(named, mesh, shard_grads=True) if args.zero == 2
@@ -243,7 +245,7 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
     measured = dict(states, activations=above, total=persistent + above, activations_saved=saved)
 
     plan = plan_rank(cfg, res, world, rank, micro_batch_size=micro, global_batch_size=global_batch,
-                     precision="fp32", zero=args.zero, device=device.type)
+                     precision="fp32", zero=args.zero, device=device.type, execution=execution)
     b = plan["memory"]["bytes"]
     planned = {"weights": b["weights"], "grads": b["grads"], "optimizer": b["optimizer"],
                "activations": b["activations"], "total": b["total"],

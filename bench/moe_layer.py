@@ -362,7 +362,7 @@ def main(argv=None) -> None:
                    "top_k": args.top_k, "shared_experts": args.shared_experts, "activation": cfg.activation,
                    "router": cfg.router_score, "renormalize": cfg.router_renormalize,
                    "aux_loss_coef": cfg.aux_loss_coef, "capacity_factor": cfg.capacity_factor,
-                   "dtype": "fp32", "kernels": cfg.kernel_backend,
+                   "dtype": "fp32", "kernels": "torch",
                    "timed": "forward + backward (input and all weights; aux-loss term included when coef > 0)"},
         "layout": {"world": world, "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
                    "tokens_per_rank": local_tokens,

@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from meshtron.kernels import selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
-from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from meshtron.models.gpt import init_model_chunks  # noqa: E402
 from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
@@ -243,7 +243,7 @@ def main(argv=None) -> None:
         backend = resolve_backend(args.kernels, device.type)
         cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
-                        seq_len=args.seq, dropout=0.0, kernel_backend=backend,
+                        seq_len=args.seq, dropout=0.0,
                         num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.moe_ffn,
                         shared_experts=args.shared_experts)
         mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp, pp=args.pp, ep=args.ep, etp=args.etp,
@@ -259,7 +259,7 @@ def main(argv=None) -> None:
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
-    chunks = init_model_chunks(cfg, mesh, SEED, device=device)
+    chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=ExecutionConfig(kernel_backend=backend))
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)
     optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)

@@ -20,6 +20,27 @@ ARCH_DEFAULTS = {
 }
 
 
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How a model runs, not what it computes: activation recomputation (`trainer.recompute`,
+    the first `trainer.recompute_layers` layers under full) and the resolved kernel backend
+    (`kernels.backend`). Given to `GPT` beside its `GPTConfig`; never saved with the weights."""
+
+    recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
+    recompute_layers: int | None = field(default=None, metadata=allowed(ge=1))
+    kernel_backend: str = field(default="torch", metadata=allowed(choices=RESOLVED_BACKENDS))
+
+    def __post_init__(self) -> None:
+        _raise_first(field_checks("trainer", self))
+
+    def layer_mode(self, index: int) -> str:
+        """Recompute mode of layer `index`: full for the first `recompute_layers` (all when
+        None), else selective or none."""
+        if self.recompute == "full" and (self.recompute_layers is None or index < self.recompute_layers):
+            return "full"
+        return "selective" if self.recompute == "selective" else "none"
+
+
 def _raise_first(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
@@ -80,10 +101,6 @@ class GPTConfig:
     # "output_router_logits"}, written back on export while aux_loss_coef still equals what
     # they import as (None: not imported). The model never reads it.
     hf_router_fields: dict | None = None
-    # Execution choices that do not change the math (set from trainer.* / kernels.*).
-    recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
-    recompute_layers: int | None = field(default=None, metadata=allowed(ge=1))
-    kernel_backend: str = field(default="torch", metadata=allowed(choices=RESOLVED_BACKENDS))
 
     def __post_init__(self) -> None:
         _raise_first(field_checks("model", self))  # types and ranges before any arithmetic on them
@@ -130,8 +147,7 @@ class GPTConfig:
             z_loss_coef=self.z_loss_coef, router_score=self.router_score, router_renormalize=self.router_renormalize,
             router_bias_update_rate=self.router_bias_update_rate, aux_loss_scope=self.aux_loss_scope,
             aux_loss_layers=self.aux_loss_layers, router_groups=self.router_groups,
-            router_topk_groups=self.router_topk_groups, shared_experts=self.shared_experts,
-            kernel_backend=self.kernel_backend)
+            router_topk_groups=self.router_topk_groups, shared_experts=self.shared_experts)
 
     @property
     def head_dim(self) -> int:

@@ -22,7 +22,7 @@ from einops import rearrange
 from torch import nn
 
 from meshtron.kernels import selfcheck
-from meshtron.models.config import GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
@@ -38,11 +38,11 @@ class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dim; replicated over TP (sequence-parallel under SP).
     With a Triton backend it runs `kernels.norms` (self-checked under triton_checked)."""
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch"):
         super().__init__()
         h, sp = cfg.hidden_size, mesh.sequence_parallel
         self.kind, self.eps = cfg.norm, cfg.norm_eps
-        self.backend = cfg.kernel_backend
+        self.backend = backend
         self.weight = tag(nn.Parameter(torch.empty(h, device=device, dtype=dtype)),
                           constant_init((h,), 1.0), sequence_parallel=sp)
         self.bias = None
@@ -93,11 +93,12 @@ def _dropout(x: torch.Tensor, p: float, training: bool, mesh: Mesh) -> torch.Ten
 
 
 class Attention(nn.Module):
-    """Causal self-attention with heads split over TP; grouped-query when num_kv_heads < num_heads."""
+    """Causal self-attention with heads split over TP; grouped-query when num_kv_heads < num_heads.
+    `selective`: recompute the attention core in backward instead of saving its internals."""
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, selective: bool = False):
         super().__init__()
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh, self.selective = cfg, mesh, selective
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_heads // cfg.num_kv_heads
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -115,7 +116,7 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.training and self.cfg.recompute == "selective":
+        if self.training and self.selective:
             out = recompute(self._core, q, k, v)
         else:
             out = self._core(q, k, v)
@@ -133,9 +134,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GeLU MLP (h -> ffn -> h) or SwiGLU (gate and up column-parallel, down row-parallel)."""
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch"):
         super().__init__()
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh, self.backend = cfg, mesh, backend
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         kw = dict(bias=cfg.bias, init_std=cfg.init_std, device=device, dtype=dtype)
@@ -145,7 +146,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
-        backend = self.cfg.kernel_backend
+        backend = self.backend
         if self.gate is None:
             hidden = selfcheck.dispatch("linear_gelu", backend, _linear_gelu_triton, _linear_gelu_torch,
                                         x, self.up.weight, self.up.bias)
@@ -177,18 +178,20 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)));
     the MLP is an MoE layer for the layers `cfg.is_moe_layer` selects."""
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, index: int, device=None, dtype=None):
+    def __init__(self, cfg: GPTConfig, mesh: Mesh, index: int, device=None, dtype=None, *,
+                 execution: ExecutionConfig = ExecutionConfig()):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
-        self.norm1 = Norm(cfg, mesh, device, dtype)
-        self.attn = Attention(cfg, mesh, device, dtype)
-        self.norm2 = Norm(cfg, mesh, device, dtype)
+        backend, self.mode = execution.kernel_backend, execution.layer_mode(index)
+        self.norm1 = Norm(cfg, mesh, device, dtype, backend=backend)
+        self.attn = Attention(cfg, mesh, device, dtype, selective=self.mode == "selective")
+        self.norm2 = Norm(cfg, mesh, device, dtype, backend=backend)
         self.index = index
-        self.mlp = MoELayer(cfg.moe(), mesh, device, dtype) if cfg.is_moe_layer(index) else MLP(cfg, mesh, device, dtype)
+        self.mlp = (MoELayer(cfg.moe(), mesh, device, dtype, backend=backend) if cfg.is_moe_layer(index)
+                    else MLP(cfg, mesh, device, dtype, backend=backend))
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        cfg = self.cfg
-        full = cfg.recompute == "full" and (cfg.recompute_layers is None or self.index < cfg.recompute_layers)
+        full = self.mode == "full"
         self.recomputed_aux = self.recomputed_prob_sum = None
         if self.training and full and x.requires_grad:
             if isinstance(self.mlp, MoELayer):
@@ -225,9 +228,9 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, layers=None,
-                 pre_process: bool = True, post_process: bool = True):
+                 pre_process: bool = True, post_process: bool = True, execution: ExecutionConfig = ExecutionConfig()):
         super().__init__()
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh, self.execution = cfg, mesh, execution
         self.pre_process, self.post_process = pre_process, post_process
         self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.pooled_aux_value: torch.Tensor | None = None  # set by aux_loss() with aux_loss_layers=pooled
@@ -249,10 +252,10 @@ class GPT(nn.Module):
                 normal_init((cfg.seq_len, cfg.hidden_size), cfg.init_std),
                 sequence_parallel=mesh.sequence_parallel,
             )
-        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, i, device, dtype) for i in layers})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, i, device, dtype, execution=execution) for i in layers})
         self.final_norm = self.head = None
         if post_process:
-            self.final_norm = Norm(cfg, mesh, device, dtype)
+            self.final_norm = Norm(cfg, mesh, device, dtype, backend=execution.kernel_backend)
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, mesh, bias=False,
                                                  init_std=cfg.init_std, device=device, dtype=dtype)
@@ -322,7 +325,7 @@ class GPT(nn.Module):
             return vocab_parallel_cross_entropy(lg, tg, vocab_start=start, vocab_size=vocab, group=group)
 
         check_fns = None
-        if self.cfg.kernel_backend == selfcheck.CHECKED:
+        if self.execution.kernel_backend == selfcheck.CHECKED:
             # The shard alone as the whole vocabulary; a shard of padding only is checked
             # unpadded (its real loss would be -inf/NaN in isolation).
             local_vocab = vocab if start < vocab else start + logits.shape[-1]
@@ -336,7 +339,7 @@ class GPT(nn.Module):
                 return vocab_parallel_cross_entropy(lg, tg, vocab_start=start, vocab_size=local_vocab, group=None)
 
             check_fns = (triton_local, torch_local)
-        return selfcheck.dispatch("cross_entropy", self.cfg.kernel_backend, triton, torch_path, logits, targets,
+        return selfcheck.dispatch("cross_entropy", self.execution.kernel_backend, triton, torch_path, logits, targets,
                                   check_fns=check_fns)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -403,17 +406,19 @@ def virtual_stage_layers(num_layers: int, pp: int, vpp: int, virtual_stage: int,
     return range(start, start + counts[virtual_stage])
 
 
-def init_model_chunks(cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=None) -> list[GPT]:
+def init_model_chunks(cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=None, *,
+                      execution: ExecutionConfig = ExecutionConfig()) -> list[GPT]:
     """This rank's model chunks with their layout-independent initial values, after seeding
     the default and tensor-parallel RNG streams from `seed` (what every run does first)."""
     seed_parallel_rng(seed, mesh.tp_rank, mesh.pp_rank, torch.device(device or "cpu").type)
-    chunks = build_model_chunks(cfg, mesh, device, dtype)
+    chunks = build_model_chunks(cfg, mesh, device, dtype, execution=execution)
     for chunk in chunks:
         initialize_parameters(chunk, seed, mesh)
     return chunks
 
 
-def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None) -> list[GPT]:
+def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *,
+                       execution: ExecutionConfig = ExecutionConfig()) -> list[GPT]:
     """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (one chunk without
     interleaving). The first virtual stage embeds, the last one holds the norm and head."""
     pp, vpp = mesh.pp_size, mesh.par.vpp
@@ -422,5 +427,5 @@ def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None) -> l
         stage = c * pp + mesh.pp_rank
         layers = virtual_stage_layers(cfg.num_layers, pp, vpp, stage, mesh.par.stage_layers)
         chunks.append(GPT(cfg, mesh, device, dtype, layers=layers,
-                          pre_process=stage == 0, post_process=stage == pp * vpp - 1))
+                          pre_process=stage == 0, post_process=stage == pp * vpp - 1, execution=execution))
     return chunks

@@ -76,7 +76,7 @@ class MoEConfig:
     """One MoE layer: router, experts of width `ffn_hidden_size`, capacity, shared experts.
 
     `hidden_size`, `activation`, `init_std` and `num_layers` (the scaled init of the second
-    expert matrix) come from the model; `kernel_backend` picks the grouped-GEMM implementation.
+    expert matrix) come from the model.
     """
 
     hidden_size: int
@@ -97,7 +97,6 @@ class MoEConfig:
     router_groups: int = 0
     router_topk_groups: int = 0
     shared_experts: int = 0
-    kernel_backend: str = "torch"
 
     def validate(self) -> None:
         """Raise ValueError naming the field of the first rule that does not hold."""

@@ -93,7 +93,7 @@ class MoELayer(nn.Module):
     and `last_dropped` the global fraction of (token, choice) pairs dropped by capacity.
     """
 
-    def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None):
+    def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch"):
         super().__init__()
         cfg.validate()
         self.cfg, self.mesh = cfg, mesh
@@ -108,7 +108,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.activation, mesh,
                                       init_std=cfg.init_std,
                                       out_init_std=expert_out_init_std(cfg.init_std, cfg.num_layers),
-                                      backend=cfg.kernel_backend, device=device, dtype=dtype)
+                                      backend=backend, device=device, dtype=dtype)
         self.shared = SharedExperts(cfg, mesh, device, dtype) if cfg.shared_experts else None
         self.dispatcher = AllToAllDispatcher(cfg.num_experts, cfg.top_k, mesh)
         self.last_router: RouterOutput | None = None

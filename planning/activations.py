@@ -10,7 +10,7 @@ kernel choice is the device's: CPU attention falls back to the math path with dr
 dropout keeps a float noise tensor) and count the distinct storages packed by
 `torch.autograd.graph.saved_tensors_hooks` during one forward, parameters and autocast's
 weight copies excluded (the planner counts those as model states). Recompute none /
-selective / full is the model's own: `cfg.recompute` is set for the traced block. The pieces
+selective / full is the model's own: the traced block is built with that `ExecutionConfig`. The pieces
 are built on a `virtual_mesh` TP rank: its collectives (`mpu.mappings`) allocate outputs of
 the real collective's shape without communicating, so a sequence-parallel all-gather gives
 the full sequence and a reduce-scatter this rank's shard, as in a run. A trace is cached per
@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshtron.models.config import GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from meshtron.mpu.random import TENSOR_PARALLEL, get_rng_tracker
 
@@ -282,12 +282,11 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
     recompute); `after_mark` is what the MLP half (from norm2 on) saves."""
     from meshtron.models.gpt import Block, rope_tables
 
-    traced_cfg = dataclasses.replace(cfg, recompute=mode, recompute_layers=None,
-                                     **({"capacity_factor": None} if cfg.is_moe_layer(index) else {}))
-    key = ("layer", repr(traced_cfg), cfg.is_moe_layer(index), micro_batch_size, tp, sp, precision, device)
+    traced_cfg = dataclasses.replace(cfg, **({"capacity_factor": None} if cfg.is_moe_layer(index) else {}))
+    key = ("layer", repr(traced_cfg), mode, cfg.is_moe_layer(index), micro_batch_size, tp, sp, precision, device)
 
     def measure() -> SavedTrace:
-        block = Block(traced_cfg, _mesh(cfg, tp, sp), index, device="meta")
+        block = Block(traced_cfg, _mesh(cfg, tp, sp), index, device="meta", execution=ExecutionConfig(recompute=mode))
         block.train()
         with _traced(block, precision, device) as saved:
             x = torch.empty(_tokens_sp(cfg, tp, sp), micro_batch_size, cfg.hidden_size, requires_grad=True)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from meshtron.models.config import GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule
@@ -224,13 +224,6 @@ def _attention_path(cfg: GPTConfig, device: str) -> str:
     return "math" if device == "cpu" and cfg.dropout > 0 else "fused"
 
 
-def _layer_mode(cfg: GPTConfig, index: int) -> str:
-    """Recompute mode of layer `index`: full for the first `recompute_layers` (all when None)."""
-    if cfg.recompute == "full" and (cfg.recompute_layers is None or index < cfg.recompute_layers):
-        return "full"
-    return "selective" if cfg.recompute == "selective" else "none"
-
-
 def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTrace, mode: str, *, is_moe: bool,
                     tokens: int, tp: int, ep: int, etp: int, precision: str, device: str) -> float:
     """Largest transient of one block's backward beyond what it saved, when it is the top of
@@ -276,8 +269,8 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
 
 def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_process: bool, post_process: bool,
                       tp: int = 1, sp: bool = False, ep: int = 1, etp: int = 1, tp_rank: int = 0,
-                      precision: str = "fp32",
-                      device: str = "cpu") -> ChunkActivations:
+                      precision: str = "fp32", device: str = "cpu",
+                      execution: ExecutionConfig = ExecutionConfig()) -> ChunkActivations:
     """`ChunkActivations` of one model chunk holding global layer indices `layers` (embeddings
     when `pre_process`, final norm + LM head + loss when `post_process`), for one microbatch.
 
@@ -309,7 +302,7 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         add("embedding", trace_pre(cfg, tp_rank=tp_rank, **trace).total)
     layer_backward = 0.0
     for i in layers:
-        mode, is_moe = _layer_mode(cfg, i), cfg.is_moe_layer(i)
+        mode, is_moe = execution.layer_mode(i), cfg.is_moe_layer(i)
         saved_none = trace_layer(cfg, i, "none", **trace)
         saved = trace_layer(cfg, i, mode, **trace)
         for name, value in saved.terms.items():
@@ -320,7 +313,7 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
                                     precision=precision, device=device)
         layer_backward = max(layer_backward, transient)
     if len(layers) and cfg.position == "rope":
-        add("rope_tables", trace_layer(cfg, layers[0], _layer_mode(cfg, layers[0]), **trace).shared)
+        add("rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
     logits = forward_extra = head_saved = 0
     backward_extra = layer_backward
     if post_process:
@@ -378,7 +371,7 @@ def _chunk_layout(cfg: GPTConfig, res: ParallelConfig, pp_rank: int) -> list[tup
 
 def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size: int, num_microbatches: int,
                         pp_rank: int = 0, tp_rank: int = 0, precision: str = "fp32",
-                        device: str = "cpu") -> dict[str, Any]:
+                        device: str = "cpu", execution: ExecutionConfig = ExecutionConfig()) -> dict[str, Any]:
     """Activation memory of one rank over one training step (`res` resolved).
 
     Replays this rank's pipeline action list (`build_schedule`; at pp = 1 the train step's
@@ -396,7 +389,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
     sp = bool(res.sp and res.tp > 1)
     chunks = [chunk_activations(cfg, micro_batch_size, layers=layers, pre_process=pre, post_process=post,
                                 tp=res.tp, sp=sp, ep=res.ep, etp=res.etp, tp_rank=tp_rank, precision=precision,
-                                device=device)
+                                device=device, execution=execution)
               for layers, pre, post in _chunk_layout(cfg, res, pp_rank)]
     if res.pp == 1:
         actions = [(kind, m, 0) for m in range(num_microbatches) for kind in ("F", "B")]
@@ -502,6 +495,7 @@ def plan_rank(
     offload: bool = False,
     device: str = "cpu",
     zero_dp: int | None = None,
+    execution: ExecutionConfig = ExecutionConfig(),
 ) -> dict[str, Any]:
     """Plan of one rank: coordinates, parameters, memory and FLOPs per step. No communication.
 
@@ -513,8 +507,8 @@ def plan_rank(
     `precision` fp32 | bf16 | fp16 (trainer.precision), `zero` 0 | 1 | 2 (optim.zero),
     `offload` (optim.offload: AdamW state and fp32 main weights on the host), `device` cpu |
     cuda (what the run trains on: selects the attention kernel and dropout-mask size the
-    activation estimate assumes). Recompute comes from `model_cfg.recompute` /
-    `recompute_layers`. `zero_dp` is the legacy argument (> 1 meant ZeRO-1), used only when
+    activation estimate assumes). Recompute comes from `execution` (trainer.recompute /
+    recompute_layers). `zero_dp` is the legacy argument (> 1 meant ZeRO-1), used only when
     `zero` is None. The activation terms model the torch kernels (kernels.backend=torch, what
     CPU runs use); the fused Triton kernels save less.
 
@@ -573,7 +567,7 @@ def plan_rank(
     states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision)
     act = activation_estimate(model_cfg, res, micro_batch_size=micro_batch_size,
                               num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
-                              precision=precision, device=device)
+                              precision=precision, device=device, execution=execution)
     # Peak of the step: during forward/backward (persistent states + ZeRO-2's full gradient
     # buckets + autocast's weight copies + activations), or during the optimizer step (states +
     # logits still held + AdamW temporaries).
@@ -608,7 +602,7 @@ def plan_rank(
         "zero": zero,
         "offload": offload,
         "device": device,
-        "recompute": model_cfg.recompute,
+        "recompute": execution.recompute,
         "microbatches_in_flight": in_flight,
         "activation_note": act_note,
         "peak_phase": "optimizer step" if opt_phase > fwd_bwd else act["peak_phase"],

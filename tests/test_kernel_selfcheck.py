@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from meshtron.kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
-from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from tests.distributed.harness import run_world  # noqa: E402
 from tests.distributed.selfcheck_cases import TripledGrad  # noqa: E402
 from tests.test_kernels_in_model import build_training  # noqa: E402
@@ -81,7 +81,7 @@ def test_backend_modes():
     assert resolve_backend("auto", "cpu") == "torch"
     assert resolve_backend("triton", "cpu") == "triton"  # strict, interpreter
     assert resolve_backend(CHECKED, "cpu") == CHECKED  # tests force the checked mode on CPU
-    assert GPTConfig(kernel_backend=CHECKED).kernel_backend == CHECKED
+    assert ExecutionConfig(kernel_backend=CHECKED).kernel_backend == CHECKED
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("fast", "cuda")
 

@@ -4,7 +4,6 @@ families and an MoE model (fused norms, linear+activation, cross-entropy, groupe
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
@@ -12,7 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in th
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from meshtron.models.gpt import GPT  # noqa: E402
 from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
@@ -31,9 +30,8 @@ CONFIGS = {
 
 def build_training(cfg: GPTConfig, backend: str):
     """(model, reducer, optimizer, mesh) of a single-process tiny model with `backend` kernels."""
-    cfg = dataclasses.replace(cfg, kernel_backend=backend)
     mesh = single_process_mesh()
-    model = GPT(cfg, mesh)
+    model = GPT(cfg, mesh, execution=ExecutionConfig(kernel_backend=backend))
     initialize_parameters(model, 11, mesh)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, eps=1e-4)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from meshtron.models.config import GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule, max_in_flight
@@ -121,32 +121,33 @@ def test_precision_and_device_terms():
 
 
 SHAPES = [
-    # (config, micro batch, tp): GPT-2 / Llama, recompute none / selective / full, dropout on / off,
-    # GQA, a padded vocabulary, tp = 2 through a virtual mesh (collectives are skipped, shapes are
-    # those of a real tp=2 rank without SP; tests/test_plan_trace.py has SP).
-    (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1), 2, 1),
-    (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1, recompute="selective"), 2, 1),
-    (gpt2_tiny(num_layers=3, hidden_size=96, num_heads=6, seq_len=48, vocab_size=512, recompute="full"), 3, 1),
-    (llama_tiny(hidden_size=128, seq_len=64, vocab_size=500), 3, 1),
-    (llama_tiny(hidden_size=128, seq_len=64, vocab_size=500, dropout=0.1, recompute="selective"), 2, 1),
-    (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1), 2, 2),
-    (llama_tiny(hidden_size=128, seq_len=64, vocab_size=500, recompute="selective"), 2, 2),
+    # (config, recompute, micro batch, tp): GPT-2 / Llama, recompute none / selective / full, dropout
+    # on / off, GQA, a padded vocabulary, tp = 2 through a virtual mesh (collectives are skipped,
+    # shapes are those of a real tp=2 rank without SP; tests/test_plan_trace.py has SP).
+    (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1), "none", 2, 1),
+    (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1), "selective", 2, 1),
+    (gpt2_tiny(num_layers=3, hidden_size=96, num_heads=6, seq_len=48, vocab_size=512), "full", 3, 1),
+    (llama_tiny(hidden_size=128, seq_len=64, vocab_size=500), "none", 3, 1),
+    (llama_tiny(hidden_size=128, seq_len=64, vocab_size=500, dropout=0.1), "selective", 2, 1),
+    (gpt2_tiny(hidden_size=128, seq_len=64, vocab_size=1000, dropout=0.1), "none", 2, 2),
+    (llama_tiny(hidden_size=128, seq_len=64, vocab_size=500), "selective", 2, 2),
 ]
 
 
-@pytest.mark.parametrize("cfg,micro,tp", SHAPES)
-def test_saved_activations_equal_measured(cfg, micro, tp):
+@pytest.mark.parametrize("cfg,recompute,micro,tp", SHAPES)
+def test_saved_activations_equal_measured(cfg, recompute, micro, tp):
     """The planner's traced bytes equal a real forward's to the byte (inputs contiguous: a
     sliced view would keep the whole token window's storage)."""
+    execution = ExecutionConfig(recompute=recompute)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), generator=gen)
     for rank in range(tp):
         mesh = virtual_mesh(ParallelConfig(tp=tp), tp, rank)
-        model, = init_model_chunks(cfg, mesh, 0)
+        model, = init_model_chunks(cfg, mesh, 0, execution=execution)
         model.train()
         measured = saved_activation_bytes(model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         planned = chunk_activations(cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True,
-                                    tp=tp, tp_rank=rank).saved
+                                    tp=tp, tp_rank=rank, execution=execution).saved
         assert planned == measured
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from meshtron.models import gpt
+from meshtron.models.config import ExecutionConfig
 from meshtron.moe import experts
 from meshtron.mpu.mesh import ParallelConfig
 from meshtron.planning.activations import clear_trace_cache
@@ -85,11 +86,12 @@ def test_change_scales_with_microbatches_in_flight(monkeypatch):
     assert after["bytes"]["activations_peak"] - before["bytes"]["activations_peak"] == 2 * per_microbatch
 
 
-@pytest.mark.parametrize("cfg", [gpt2_tiny(dropout=0.1), llama_tiny(num_kv_heads=2, recompute="selective")])
-def test_sequence_parallel_trace_shards_the_sequence(cfg):
+@pytest.mark.parametrize("cfg,recompute", [(gpt2_tiny(dropout=0.1), "none"), (llama_tiny(num_kv_heads=2), "selective")])
+def test_sequence_parallel_trace_shards_the_sequence(cfg, recompute):
     """Under SP the norms, residual dropout and block input hold s/tp tokens (the virtual mesh's
     collectives gather and scatter shapes); attention and MLP work on the gathered sequence."""
-    kw = dict(layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=2)
+    kw = dict(layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=2,
+              execution=ExecutionConfig(recompute=recompute))
     plain, sp = chunk_activations(cfg, 2, **kw), chunk_activations(cfg, 2, sp=True, **kw)
     for term in ("layer_norm1", "layer_norm2", "final_norm", "layer_block"):
         assert 2 * sp.terms.get(term, 0) == plain.terms.get(term, 0), term

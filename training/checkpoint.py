@@ -577,9 +577,10 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
 
 
 def _config_diff(saved: dict, current: dict) -> str:
-    ignored = {"kernel_backend", "recompute", "recompute_layers"}
+    # Keys only one side has (fields added later, or run settings older checkpoints saved with
+    # the model: recompute, kernel_backend) are not shape: they never make a difference.
     diffs = [f"{k} {saved[k]!r} -> {current[k]!r}" for k in sorted(current)
-             if k in saved and k not in ignored and saved[k] != current[k]]
+             if k in saved and saved[k] != current[k]]
     return ", ".join(diffs)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from meshtron.errors import ConfigError
 from meshtron.kernels.tf32 import TF32_MODES
-from meshtron.models.config import RECOMPUTE_MODES, GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig
 from meshtron.rules import batch_size_checks, first_failure, precision_check
 from meshtron.schema import Allowed, allowed, field_checks, nearest_key
@@ -41,8 +41,8 @@ class TrainerConfig:
     num_threads: int | None = _field(None, ge=1)
     progress: bool = True
     trace_step: int | None = _field(None, ge=1)
-    recompute: str = _field("none", choices=RECOMPUTE_MODES)
-    recompute_layers: int | None = _field(None, ge=1)
+    recompute: str = "none"                  # none | selective | full (rules: models.config.ExecutionConfig)
+    recompute_layers: int | None = None      # full recompute for the first N layers only (None = all)
     eval_every: int = _field(0, ge=0)                        # 0 = off
     eval_batches: int = _field(2, ge=1)
     max_skipped: int = _field(5, ge=0)
@@ -113,12 +113,13 @@ class RunConfig:
             built[key] = _build_section(key, kinds[key], value or {})
         run = RunConfig(**built)
         run.validate()
-        try:  # execution choices the model needs to know about
-            run.model = dataclasses.replace(run.model, recompute=run.trainer.recompute,
-                                            recompute_layers=run.trainer.recompute_layers)
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
         return run
+
+    def execution(self, kernel_backend: str = "torch") -> ExecutionConfig:
+        """How the model runs (not part of what is saved): trainer.recompute and
+        trainer.recompute_layers, and the kernel backend `kernels.backend` resolved to."""
+        return ExecutionConfig(recompute=self.trainer.recompute, recompute_layers=self.trainer.recompute_layers,
+                               kernel_backend=kernel_backend)
 
     def validate(self) -> None:
         """Every field's type and range (meshtron/schema.py; model and parallel check their own
@@ -128,6 +129,10 @@ class RunConfig:
                                  for check in field_checks(name, getattr(self, name))])
         if message:
             raise ConfigError(message)
+        try:
+            self.execution()
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         checks = [
             precision_check(t.precision),
             *batch_size_checks(t.global_batch_size, t.micro_batch_size),

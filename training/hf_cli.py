@@ -47,8 +47,7 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     path = save_checkpoint(out, TrainState(), [model], None, mesh, model_config=dataclasses.asdict(cfg))
     (out / "model").mkdir(parents=True, exist_ok=True)
     lines = ["# @package model", f"# imported from {Path(src_dir).resolve()} by meshtron-hf import"]
-    lines += [f"{k}: {json.dumps(v)}" for k, v in dataclasses.asdict(cfg).items()
-              if k not in ("kernel_backend", "recompute", "recompute_layers")]
+    lines += [f"{k}: {json.dumps(v)}" for k, v in dataclasses.asdict(cfg).items()]
     (out / "model" / "imported.yaml").write_text("\n".join(lines) + "\n")
     return path
 

@@ -19,6 +19,7 @@ from torch import nn
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED, resolve_backend
 from meshtron.kernels.tf32 import set_tf32_mode
+from meshtron.models.config import ExecutionConfig
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.mappings import all_reduce_stats, gather_object, world_group
 from meshtron.mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
@@ -89,7 +90,7 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
         backend = resolve_backend(run.kernels.backend, "cuda" if wants_cuda else "cpu")
     except (RuntimeError, ValueError) as err:
         raise ConfigError(str(err)) from err
-    run.model = dataclasses.replace(run.model, kernel_backend=backend)
+    execution = run.execution(backend)
     set_tf32_mode(run.kernels.tf32)
     dataset = None
     if not run.trainer.dry_run:
@@ -103,9 +104,9 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     try:
         run_dir = agree_on_run_dir(run_dir)
         if run.trainer.dry_run:
-            return _dry_run(run, par, env, run_dir, micro)
+            return _dry_run(run, par, env, run_dir, micro, execution)
         with hold_checkpoint_dir(run.checkpoint.dir):  # one writer per dir, writable: before any step
-            return _train(run, par, env, run_dir, dataset, micro, n_micro, start_from)
+            return _train(run, par, env, run_dir, dataset, micro, n_micro, start_from, execution)
     finally:
         teardown_distributed()
 
@@ -131,12 +132,13 @@ def _checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
     return kind, path
 
 
-def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
+def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int, execution: ExecutionConfig) -> dict:
     from meshtron.planning.plan import format_rank_line, plan_all_ranks, write_plan
 
     plan = plan_all_ranks(run.model, par, env.world_size, micro_batch_size=micro,
                           global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision,
-                          zero=run.optim.zero, offload=run.optim.offload, device=env.device.type)
+                          zero=run.optim.zero, offload=run.optim.offload, device=env.device.type,
+                          execution=execution)
     mine = plan["ranks"][env.rank]
     print(f"[dry run] rank {env.rank}: {format_rank_line(mine)}", flush=True)
     if env.is_main:
@@ -146,12 +148,12 @@ def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int) -> dict:
 
 
 def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro: int, n_micro: int,
-           start_from: tuple[str, Path] | None) -> dict:
+           start_from: tuple[str, Path] | None, execution: ExecutionConfig) -> dict:
     cfg, t = run.model, run.trainer
     tokens = dataset.split_tokens("train")
 
     mesh = build_mesh(par, cfg, device_type=env.device.type)
-    chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device)
+    chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device, execution=execution)
     model = nn.ModuleList(chunks)
     reducer, optimizer = build_reducer_and_optimizer(run.optim, chunks, mesh)
     executor = None
@@ -230,7 +232,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                 if t.trace_step == step + 1:
                     watchdog.phase(f"step {step + 1}: pipeline trace gather_object")
                     _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
-            if step == first_step and cfg.kernel_backend == CHECKED:
+            if step == first_step and execution.kernel_backend == CHECKED:
                 # Every kernel of the model ran (and was checked) in this step: make the
                 # verdicts final and the same on every rank (a collective, every rank, here).
                 watchdog.phase(f"step {step + 1}: kernel self-check agreement all_reduce")

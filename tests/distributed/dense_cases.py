@@ -16,12 +16,11 @@ eps=1e-8 and 1e-6 at eps=1e-6; the 8-layer GPT-2 of the pipeline cases 1.6e-4 at
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.distributed as dist
 
-from meshtron.models.config import GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import GPT, init_model_chunks
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.init import initialize_parameters
@@ -99,8 +98,8 @@ def compare_parameters(named, ref_params: dict, mesh: Mesh, cfg: GPTConfig, what
         assert_close(f"{what} {name}", trim_vocab(name, full_tensor(got, p.shards, mesh), cfg), trim_vocab(name, want, cfg))
 
 
-def build(cfg: GPTConfig, mesh: Mesh):
-    model, = init_model_chunks(cfg, mesh, SEED)
+def build(cfg: GPTConfig, mesh: Mesh, execution: ExecutionConfig = ExecutionConfig()):
+    model, = init_model_chunks(cfg, mesh, SEED, execution=execution)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01)
     optimizer = build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     return model, reducer, optimizer
@@ -112,7 +111,7 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: s
     cfg = model_config(arch)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
     serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(dataclasses.replace(cfg, kernel_backend=kernel_backend), mesh)
+    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend))
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
 
     # Forward: logits of this rank's rows and loss of the global batch.
@@ -231,10 +230,10 @@ def recompute_matches_with_dropout() -> None:
     for sp in (False, True):
         grads = {}
         for mode in ("none", "selective", "full"):
-            cfg = GPTConfig(**{**model_config("gpt2").__dict__, "dropout": 0.1, "recompute": mode})
+            cfg = GPTConfig(**{**model_config("gpt2").__dict__, "dropout": 0.1})
             mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
             seed_parallel_rng(SEED, mesh.tp_rank, mesh.pp_rank)
-            model = GPT(cfg, mesh)
+            model = GPT(cfg, mesh, execution=ExecutionConfig(recompute=mode))
             initialize_parameters(model, SEED, mesh)
             inputs, targets = global_batch(cfg, 0)
             model.loss_per_token(model(inputs), targets).mean().backward()

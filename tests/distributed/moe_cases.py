@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from meshtron.models.config import GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from tests.distributed.dense_cases import (
     LR,
@@ -100,7 +100,7 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     cfg = moe_config(arch, top_k, score, cf, scope, variant)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
     serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(dataclasses.replace(cfg, kernel_backend=kernel_backend), mesh)
+    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend))
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
 
     batch = mesh.dp_size * MICRO * MICRO_PER_RANK
@@ -161,9 +161,9 @@ def full_recompute_moe_matches() -> None:
         results = {}
         for mode in ("none", "full"):
             cfg = dataclasses.replace(moe_config("llama", 2, "sigmoid", None, variant=variant), dropout=0.1,
-                                      recompute=mode, moe_every=1)
+                                      moe_every=1)
             mesh = build_mesh(par, cfg)
-            model, reducer, optimizer = build(cfg, mesh)
+            model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(recompute=mode))
             out = train_step(model, reducer, optimizer, microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 1), mesh,
                              lr=LR, max_grad_norm=0.0)
             reducer.remove_hooks()

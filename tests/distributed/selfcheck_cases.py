@@ -7,7 +7,6 @@ TRITON_INTERPRET=1 set by the harness); not part of the shared registry worlds.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from meshtron.kernels import cross_entropy, selfcheck
 from meshtron.kernels.backend import CHECKED
+from meshtron.models.config import ExecutionConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from tests.distributed.dense_cases import (GLOBAL_BATCH, LR, assert_close, build, compare_parameters, microbatches,
                                            model_config)
@@ -104,7 +104,7 @@ def llama_tp2_cross_entropy_broken_on_rank1() -> None:
     try:
         cfg = model_config("llama")
         mesh = build_mesh(ParallelConfig(tp=dist.get_world_size(), sp=True), cfg)
-        model, reducer, optimizer = build(dataclasses.replace(cfg, kernel_backend=CHECKED), mesh)
+        model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=CHECKED))
         serial = single_process_mesh()
         ref, ref_reducer, ref_optimizer = build(cfg, serial)
         with warnings.catch_warnings(record=True) as caught:
