@@ -9,8 +9,9 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+
+from tests.test_prepare import _hand_made_dir as _prepared_dir  # one writer of hand-made prepared dirs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,14 +22,6 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _prepared_dir(directory: pathlib.Path, ids: list[int], vocab_size: int) -> pathlib.Path:
-    """A prepared directory written by hand (another tool): its index has no max_token_id."""
-    directory.mkdir()
-    (directory / "tokens.bin").write_bytes(np.asarray(ids, dtype="<u2").tobytes())
-    index = {"format": "meshtron-tokens", "version": 1, "dtype": "uint16", "n_tokens": len(ids),
-             "vocab_size": vocab_size, "tokenizer": "byte"}
-    (directory / "index.json").write_text(json.dumps(index))
-    return directory
 
 
 @pytest.mark.timeout(120)
