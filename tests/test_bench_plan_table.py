@@ -1,0 +1,28 @@
+"""bench/plan_table.py: the README's gpt_1b memory table is the planner's, and its rows move
+the way the layout choices say they must."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(240)
+def test_plan_table_prints_the_planned_layouts():
+    out = subprocess.run([sys.executable, "bench/plan_table.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {row["layout"]: row["bytes"] for row in json.loads(out.stdout)["rows"]}
+    card, zero1, zero2 = rows["tp=4 ep=8 (card)"], rows["tp=4 ep=8, zero=1"], rows["tp=4 ep=8, zero=2"]
+    assert zero1["optimizer"] < card["optimizer"] and zero1["weights"] == card["weights"]  # states shard over dp
+    assert zero2["grads"] < zero1["grads"]                                                # and gradients too
+    assert rows["tp=4 ep=8, zero=1, recompute=full"]["activations"] < zero1["activations"]
+    assert rows["tp=8 ep=8"]["weights"] < card["weights"] < rows["tp=1 dp=8 ep=8, zero=1"]["weights"]
+    for row in rows.values():
+        assert row["total"] >= row["weights"] + row["grads"] + row["optimizer"]
