@@ -1,7 +1,7 @@
 """Run rules shared by the training entry and the planner, each stated once with its message.
 
 Each rule is a (holds, message) pair; callers raise their own error type (`ConfigError` at the
-run's edge, ValueError in library calls) with `first_failure`. Model-shape rules live with the
+run's edge, ValueError in library calls) with `raise_first`. Model-shape rules live with the
 model (`models/config.py`, `moe/config.py`), layout rules with the mesh (`mpu/mesh.py`).
 """
 
@@ -15,6 +15,14 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 def first_failure(checks: list[Check]) -> str | None:
     """The message of the first rule that does not hold, or None."""
     return next((message for ok, message in checks if not ok), None)
+
+
+def raise_first(checks: list[Check], error: type[Exception] = ValueError) -> None:
+    """Raise `error` with the message of the first rule that does not hold (every module that
+    validates raises through here, each with the error type of its edge)."""
+    message = first_failure(checks)
+    if message is not None:
+        raise error(message)
 
 
 def precision_check(precision: str) -> Check:

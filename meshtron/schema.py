@@ -24,7 +24,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-Check = tuple[bool, str]
+from meshtron.rules import Check
+
 
 
 @dataclass(frozen=True)

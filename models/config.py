@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
 from meshtron.moe.config import MoEConfig, score_check, scope_checks
+from meshtron.rules import raise_first
 from meshtron.schema import allowed, field_checks
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -31,7 +32,7 @@ class ExecutionConfig:
     kernel_backend: str = field(default="torch", metadata=allowed(choices=RESOLVED_BACKENDS))
 
     def __post_init__(self) -> None:
-        _raise_first(field_checks("trainer", self))
+        raise_first(field_checks("trainer", self))
 
     def layer_mode(self, index: int) -> str:
         """Recompute mode of layer `index`: full for the first `recompute_layers` (all when
@@ -39,12 +40,6 @@ class ExecutionConfig:
         if self.recompute == "full" and (self.recompute_layers is None or index < self.recompute_layers):
             return "full"
         return "selective" if self.recompute == "selective" else "none"
-
-
-def _raise_first(checks: list[tuple[bool, str]]) -> None:
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
 
 
 @dataclass
@@ -103,7 +98,7 @@ class GPTConfig:
     hf_router_fields: dict | None = None
 
     def __post_init__(self) -> None:
-        _raise_first(field_checks("model", self))  # types and ranges before any arithmetic on them
+        raise_first(field_checks("model", self))  # types and ranges before any arithmetic on them
         norm, act, pos, bias = ARCH_DEFAULTS[self.arch]
         self.norm = self.norm or norm
         self.activation = self.activation or act
@@ -115,13 +110,17 @@ class GPTConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
-        self.validate()
+        raise_first(self._cross_field_checks())
 
     def validate(self) -> None:
         """Raise ValueError naming the field and what to change: each field's type and range
-        (meshtron/schema.py), then the rules between fields."""
-        _raise_first(field_checks("model", self))
-        _raise_first([
+        (meshtron/schema.py), then the rules between fields (for a config changed after it was built)."""
+        raise_first(field_checks("model", self))
+        raise_first(self._cross_field_checks())
+
+    def _cross_field_checks(self) -> list[tuple[bool, str]]:
+        """The rules between fields (types and ranges already hold)."""
+        return [
             (self.hidden_size % self.num_heads == 0,
              f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"),
             (self.num_heads % self.num_kv_heads == 0,
@@ -129,7 +128,7 @@ class GPTConfig:
             (self.position != "rope" or self.head_dim % 2 == 0,
              f"RoPE needs an even head dim; hidden_size/num_heads={self.head_dim}"),
             *self._moe_checks(),
-        ])
+        ]
 
     def _moe_checks(self) -> list[tuple[bool, str]]:
         """moe/config.py's rules on the MoE fields (the router score and aux-loss scope are

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtron.rules import Check, raise_first
+
 ROUTER_SCORES = ("softmax", "sigmoid")
 # Which tokens one load-balancing statistic pools (moe/scope.py).
 AUX_LOSS_SCOPES = ("microbatch", "sequence", "global")
 # One aux loss per MoE layer, summed, or one over the statistics pooled across MoE layers.
 AUX_LOSS_LAYERS = ("sum", "pooled")
-
-Check = tuple[bool, str]
-
 
 def score_check(score: str) -> Check:
     """The router score function is one meshtron implements."""
@@ -64,13 +63,6 @@ def scope_checks(aux_loss_scope: str, aux_loss_layers: str = "sum") -> list[Chec
     ]
 
 
-def raise_first_failure(checks: list[Check]) -> None:
-    """Raise ValueError with the message of the first rule that does not hold."""
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-
-
 @dataclass(frozen=True)
 class MoEConfig:
     """One MoE layer: router, experts of width `ffn_hidden_size`, capacity, shared experts.
@@ -100,7 +92,7 @@ class MoEConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field of the first rule that does not hold."""
-        raise_first_failure(self.checks())
+        raise_first(self.checks())
 
     def checks(self) -> list[Check]:
         """Every rule of an MoE layer's fields."""

@@ -19,6 +19,7 @@ from torch import nn
 from meshtron.kernels import selfcheck
 from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mesh import expert_shard_checks
+from meshtron.rules import raise_first
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -86,9 +87,7 @@ class GroupedExperts(nn.Module):
                  init_std: float, out_init_std: float, backend: str = "torch", device=None, dtype=None):
         super().__init__()
         ep, etp = mesh.par.ep, mesh.par.etp
-        for ok, message in expert_shard_checks(num_experts, ffn_hidden_size, 0, ep=ep, etp=etp, tp=1):
-            if not ok:
-                raise ValueError(message)
+        raise_first(expert_shard_checks(num_experts, ffn_hidden_size, 0, ep=ep, etp=etp, tp=1))
         self.activation = activation
         self.backend = backend
         local_e, local_f = num_experts // ep, ffn_hidden_size // etp

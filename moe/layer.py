@@ -29,6 +29,7 @@ from meshtron.mpu.mappings import (
     sequence_gathered,
 )
 from meshtron.mpu.mesh import Mesh, expert_shard_checks
+from meshtron.rules import raise_first
 
 
 class SharedExperts(nn.Module):
@@ -51,9 +52,7 @@ class SharedExperts(nn.Module):
         self.mesh = mesh
         h, f = cfg.hidden_size, cfg.ffn_hidden_size * cfg.shared_experts
         tp = mesh.tp_size
-        for ok, message in expert_shard_checks(0, cfg.ffn_hidden_size, cfg.shared_experts, ep=1, etp=1, tp=tp):
-            if not ok:
-                raise ValueError(message)
+        raise_first(expert_shard_checks(0, cfg.ffn_hidden_size, cfg.shared_experts, ep=1, etp=1, tp=tp))
         out_std = expert_out_init_std(cfg.init_std, cfg.num_layers)
 
         def weight(full, local, std, dim):

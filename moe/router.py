@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.moe.config import raise_first_failure, routing_checks
+from meshtron.moe.config import routing_checks
 from meshtron.mpu.init import normal_init, stable_seed, tag
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.recompute import is_replaying
+from meshtron.rules import raise_first
 
 
 @dataclass
@@ -88,7 +89,7 @@ class TopKRouter(nn.Module):
                  bias_update_rate: float = 0.0, groups: int = 0, topk_groups: int = 0, pooled_aux: bool = False,
                  init_std: float = 0.02, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        raise_first_failure(routing_checks(num_experts, top_k, score=score, renormalize=renormalize, groups=groups,
+        raise_first(routing_checks(num_experts, top_k, score=score, renormalize=renormalize, groups=groups,
                                            topk_groups=topk_groups, aux_loss_coef=aux_loss_coef,
                                            z_loss_coef=z_loss_coef, bias_update_rate=bias_update_rate))
         self.hidden_size = hidden_size

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtron.moe.config import raise_first_failure, scope_checks
+from meshtron.moe.config import scope_checks
 from meshtron.mpu.mesh import Mesh, group_size
+from meshtron.rules import raise_first
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class AuxLossScope:
 
 def aux_loss_scope(name: str, mesh: Mesh) -> AuxLossScope:
     """The groups of scope `name` ("microbatch", "sequence" or "global") on `mesh`."""
-    raise_first_failure(scope_checks(name))
+    raise_first(scope_checks(name))
     if name == "global":
         return AuxLossScope(name, mesh.tp_dp, None, per_sequence=False)
     return AuxLossScope(name, mesh.tp, mesh.dp, per_sequence=name == "sequence")

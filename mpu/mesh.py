@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.mpu.pipeline_schedules import SCHEDULES
+from meshtron.rules import raise_first
 from meshtron.schema import Allowed, allowed, field_checks
 
 
@@ -43,12 +44,9 @@ class ParallelConfig:
     stage_layers: list[int] | None = field(default=None, metadata=allowed(items=Allowed(ge=1)))
 
     def __post_init__(self) -> None:
-        checks = [*field_checks("parallel", self),
-                  (self.vpp == 1 or self.schedule == "interleaved",
-                   f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved")]
-        for ok, message in checks:
-            if not ok:
-                raise ParallelConfigError(message)
+        raise_first([*field_checks("parallel", self),
+                     (self.vpp == 1 or self.schedule == "interleaved",
+                      f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved")], ParallelConfigError)
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp filled in and every size checked against `world_size`."""
@@ -108,9 +106,7 @@ def tensor_shard_checks(cfg, tp: int) -> list[tuple[bool, str]]:
 
 def check_model_fits(par: ParallelConfig, cfg) -> None:
     """Raise ParallelConfigError when the model's shape cannot be split by the layout."""
-    for ok, message in tensor_shard_checks(cfg, par.tp):
-        if not ok:
-            raise ParallelConfigError(message)
+    raise_first(tensor_shard_checks(cfg, par.tp), ParallelConfigError)
     if par.sp and par.tp > 1 and cfg.seq_len % par.tp:
         raise ParallelConfigError(
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"
@@ -136,10 +132,8 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
                 "model.aux_loss_layers=pooled pools the routing statistics of every MoE layer into one "
                 f"loss, which parallel.pp={par.pp} stages do not share; use parallel.pp=1 or aux_loss_layers=sum"
             )
-        for ok, message in expert_shard_checks(cfg.num_experts, cfg.moe_ffn_hidden_size,
-                                               getattr(cfg, "shared_experts", 0), ep=par.ep, etp=par.etp, tp=par.tp):
-            if not ok:
-                raise ParallelConfigError(message)
+        raise_first(expert_shard_checks(cfg.num_experts, cfg.moe_ffn_hidden_size, getattr(cfg, "shared_experts", 0),
+                                        ep=par.ep, etp=par.etp, tp=par.tp), ParallelConfigError)
     elif par.ep > 1 or par.etp > 1:
         raise ParallelConfigError(
             f"parallel.ep={par.ep}/etp={par.etp} need an MoE model (model.num_experts > 0); set them to 1"

@@ -312,25 +312,32 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
     return _cached(key, measure)
 
 
+def _trace_end_chunk(kind: str, cfg: GPTConfig, micro_batch_size: int, tp: int, sp: bool, tp_rank: int,
+                     precision: str, device: str, run) -> SavedTrace:
+    """`run(model, saved)` on a layer-less chunk (kind "pre": embeddings; "post": final norm,
+    head and loss) built on meta for TP rank `tp_rank`; cached per shape."""
+    from meshtron.models.gpt import GPT
+
+    def measure() -> SavedTrace:
+        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank), device="meta", layers=range(0), pre_process=kind == "pre",
+                    post_process=kind == "post")
+        model.train()
+        with _traced(model, precision, device) as saved:
+            return run(model, saved)
+
+    return _cached((kind, repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device), measure)
+
+
 def trace_pre(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
               precision: str = "fp32", device: str = "cpu") -> SavedTrace:
     """Saved bytes of the embedding step (token ids, positions, dropout) for one microbatch."""
-    from meshtron.models.gpt import GPT
+    def run(model, saved) -> SavedTrace:
+        saved.term = "embedding"
+        with saved.hooks():
+            model(torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long))
+        return SavedTrace(sum(saved.terms.values()), dict(saved.terms))
 
-    key = ("pre", repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device)
-
-    def measure() -> SavedTrace:
-        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank), device="meta", layers=range(0), pre_process=True,
-                    post_process=False)
-        model.train()
-        with _traced(model, precision, device) as saved:
-            ids = torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long)
-            saved.term = "embedding"
-            with saved.hooks():
-                model(ids)
-            return SavedTrace(sum(saved.terms.values()), dict(saved.terms))
-
-    return _cached(key, measure)
+    return _trace_end_chunk("pre", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run)
 
 
 def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
@@ -338,26 +345,18 @@ def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool =
     """Saved bytes of the final norm, LM head and loss for one microbatch on TP rank
     `tp_rank`. Terms: final_norm, head (the head's input) and loss (its softmax, targets and
     masks: `after_mark`)."""
-    from meshtron.models.gpt import GPT
+    def run(model, saved) -> SavedTrace:
+        x = torch.empty(_tokens_sp(cfg, tp, sp), micro_batch_size, cfg.hidden_size, requires_grad=True)
+        targets = torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long)
+        saved.term = "head"
+        with saved.hooks():
+            with saved.children_as_terms(model):
+                logits = model(x)
+            saved.term = "loss"
+            model.loss_per_token(logits, targets)
+        return SavedTrace(sum(saved.terms.values()), dict(saved.terms), saved.terms.get("loss", 0))
 
-    key = ("post", repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device)
-
-    def measure() -> SavedTrace:
-        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank), device="meta", layers=range(0), pre_process=False,
-                    post_process=True)
-        model.train()
-        with _traced(model, precision, device) as saved:
-            x = torch.empty(_tokens_sp(cfg, tp, sp), micro_batch_size, cfg.hidden_size, requires_grad=True)
-            targets = torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long)
-            saved.term = "head"
-            with saved.hooks():
-                with saved.children_as_terms(model):
-                    logits = model(x)
-                saved.term = "loss"
-                model.loss_per_token(logits, targets)
-            return SavedTrace(sum(saved.terms.values()), dict(saved.terms), saved.terms.get("loss", 0))
-
-    return _cached(key, measure)
+    return _trace_end_chunk("post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run)
 
 
 def etp_row_bytes(cfg: GPTConfig, *, micro_batch_size: int, tp: int, etp: int, precision: str) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.mesh import expert_shard_checks, tensor_shard_checks
+from meshtron.rules import raise_first
 
 __all__ = [
     "model_flops_per_token",
@@ -176,9 +177,7 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
     if cfg.is_moe:
         checks += expert_shard_checks(cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.shared_experts, ep=ep, etp=etp,
                                       tp=tp)
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+    raise_first(checks)
     moe = set(moe_layer_indices(cfg))
     vocab_local = cfg.padded_vocab_size(tp) // tp
     stages = _stage_layers(cfg.num_layers, pp)

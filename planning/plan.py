@@ -45,7 +45,7 @@ from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
-from meshtron.rules import PRECISIONS, batch_checks, first_failure, microbatches, precision_check
+from meshtron.rules import PRECISIONS, batch_checks, microbatches, precision_check, raise_first
 
 __all__ = [
     "plan_rank", "plan_all_ranks", "format_rank_line", "format_plan", "write_plan", "meta_param_counts",
@@ -154,7 +154,7 @@ def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero:
       forward's matmuls until their backward), 0 for fp32.
     Bucket padding (fewer than R_g elements per bucket) is ignored.
     """
-    _require(precision_check(precision))
+    raise_first([precision_check(precision)])
     if zero not in (0, 1, 2):
         raise ValueError(f"optim.zero={zero} must be 0, 1 or 2")
     n = counts["total"]
@@ -285,7 +285,7 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
     one place: MoE rows gathered over etp (`planning.activations.etp_row_bytes`), and the step
     transients below (logits held, the loss's copies, backward working sets).
     """
-    _require(precision_check(precision))
+    raise_first([precision_check(precision)])
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
     h, b = cfg.hidden_size, micro_batch_size
@@ -458,18 +458,11 @@ def _optimizer_transient(counts: dict[str, Any], replicas: dict[str, int], zero:
 # --------------------------------------------------------------------------- plans
 
 
-def _require(*checks) -> None:
-    """Raise ValueError with the message of the first failing rule (meshtron/rules.py)."""
-    message = first_failure(list(checks))
-    if message:
-        raise ValueError(message)
-
-
 def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
     """Microbatches per rank; ValueError naming the fields if the batch does not split."""
     if micro_batch_size is None:
         raise ValueError("trainer.micro_batch_size=None: the planner needs the micro batch size")
-    _require(*batch_checks(global_batch_size, micro_batch_size, dp))
+    raise_first(batch_checks(global_batch_size, micro_batch_size, dp))
     return microbatches(global_batch_size, micro_batch_size, dp)[1]
 
 
@@ -518,7 +511,7 @@ def plan_rank(
     model_states: everything above the persistent states at the peak), total (the step's
     peak) and host (offload). `bench/memory.py` measures the same categories.
     """
-    _require(precision_check(precision))
+    raise_first([precision_check(precision)])
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
     zero = _resolve_zero(zero, zero_dp)

@@ -15,7 +15,7 @@ from meshtron.errors import ConfigError
 from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig
-from meshtron.rules import batch_size_checks, first_failure, precision_check
+from meshtron.rules import batch_size_checks, precision_check, raise_first
 from meshtron.schema import Allowed, allowed, field_checks, nearest_key
 from meshtron.training.schedule import DECAY_STYLES
 
@@ -125,10 +125,8 @@ class RunConfig:
         """Every field's type and range (meshtron/schema.py; model and parallel check their own
         when built), then the rules that tie fields together. Raises ConfigError."""
         t, o, c = self.trainer, self.optim, self.checkpoint
-        message = first_failure([check for name in ("trainer", "optim", "data", "checkpoint", "kernels")
-                                 for check in field_checks(name, getattr(self, name))])
-        if message:
-            raise ConfigError(message)
+        raise_first([check for name in ("trainer", "optim", "data", "checkpoint", "kernels")
+                     for check in field_checks(name, getattr(self, name))], ConfigError)
         try:
             self.execution()
         except ValueError as err:
@@ -147,9 +145,7 @@ class RunConfig:
              "checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run (optimizer, step, data "
              "position), init_from only takes weights; set one of them"),
         ]
-        message = first_failure(checks)
-        if message:
-            raise ConfigError(message)
+        raise_first(checks, ConfigError)
 
     @property
     def warmup_steps(self) -> int:

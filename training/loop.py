@@ -39,7 +39,7 @@ from meshtron.training.precision import LossScaler, Precision
 from meshtron.training.preemption import StopRequest
 from meshtron.planning.peak import peak_flops
 from meshtron.training.schedule import lr_at
-from meshtron.rules import batch_checks, first_failure, microbatches
+from meshtron.rules import batch_checks, microbatches, raise_first
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from meshtron.observability.watchdog import StepWatchdog, is_collective_failure, mesh_coords
 
@@ -62,10 +62,8 @@ def check_run_config(run: RunConfig, world_size: int) -> tuple:
     except ParallelConfigError as err:
         raise ConfigError(str(err)) from err
     t = run.trainer
-    message = first_failure(batch_checks(t.global_batch_size, t.micro_batch_size, par.dp, pp=par.pp,
-                                         schedule=par.schedule))
-    if message:
-        raise ConfigError(message)
+    raise_first(batch_checks(t.global_batch_size, t.micro_batch_size, par.dp, pp=par.pp, schedule=par.schedule),
+                ConfigError)
     micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
     if t.tensorboard and not t.dry_run:
         require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshtron.rules import precision_check
+from meshtron.rules import precision_check, raise_first
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,9 +53,7 @@ class Precision:
     """The compute precision of a run: `autocast()` for forward passes and the loss scale."""
 
     def __init__(self, name: str = "fp32", device_type: str = "cpu", scaler: LossScaler | None = None):
-        ok, message = precision_check(name)
-        if not ok:
-            raise ValueError(message)
+        raise_first([precision_check(name)])
         self.name, self.device_type = name, device_type
         self.dtype = COMPUTE_DTYPES[name]
         self.scaler = (scaler or LossScaler()) if name == "fp16" else None
