@@ -1,0 +1,119 @@
+"""Blockwise softmax attention: one q block against one kv block, the online log-sum-exp merge
+of partial results, and the flash-attention style backward of a block. No communication: the
+ring attention of `mpu.context_parallel` calls these on the blocks it holds, so the full
+s x s score matrix never exists on one rank.
+
+Layout: q [b, h, sq, d], k and v [b, hkv, sk, d] with h a multiple of hkv (grouped-query:
+q head g*r .. g*r+r-1 uses kv head g, as `models.gpt.Attention` lays them out). Masks come
+from global token positions (causal: a key is visible when its position is <= the query's)
+and optional per-token document ids (a key is visible only within the query's document).
+All math accumulates in fp32; outputs are fp32.
+
+Packed documents: `document_ids(tokens, eos_id)` gives the per-token document ids and the
+positions within each document (reset after every end-of-document token), for the document
+mask with or without context parallelism and for RoPE / learned positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token document ids and positions within the document for packed sequences
+    `tokens` [b, s]: an `eos_id` token ends its document (it belongs to the document it ends),
+    the next token starts a new one. Returns (doc_ids, positions), both int64 [b, s]."""
+    eos = (tokens == eos_id).long()
+    doc = torch.cumsum(eos, dim=-1) - eos  # exclusive: the eos itself stays in its document
+    idx = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    starts = torch.zeros_like(eos, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = eos[..., :-1].bool()
+    first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=-1).values
+    return doc, idx - first
+
+
+def attention_mask(q_pos: torch.Tensor | None, k_pos: torch.Tensor | None,
+                   q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Boolean visibility mask (True = attend) broadcastable to [b, 1, sq, sk]: causal by global
+    positions `q_pos` [sq] / `k_pos` [sk] when given, within documents `q_doc` [b, sq] /
+    `k_doc` [b, sk] when given; None when nothing is masked."""
+    mask = None
+    if q_pos is not None and k_pos is not None:
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if q_doc is not None and k_doc is not None:
+        same = (q_doc[:, :, None] == k_doc[:, None, :])[:, None]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _rows(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """fp32 [b, h, s, ...] -> [b, hkv, (h/hkv)*s, ...]: the rows of the q heads that share one kv
+    head stacked, so each kv head is one plain batched matmul (no expanded k/v, no permute copies)."""
+    b, h = x.shape[:2]
+    if h % hkv:
+        raise ValueError(f"query heads {h} are not a multiple of kv heads {hkv}")
+    return x.float().reshape((b, hkv, -1) + tuple(x.shape[3:]))
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
+           lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, lse) of one block, fp32, P [b, hkv, r*sq, sk] = exp(scores - lse) (0 where masked);
+    lse [b, hkv, r*sq] is computed here when not given (forward) or the final one (backward)."""
+    s = torch.matmul(_rows(q, k.shape[1]), k.float().transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        b, g = s.shape[:2]
+        s.view(b, g, -1, q.shape[2], s.shape[-1]).masked_fill_(~mask.unsqueeze(2), float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    return s.sub_(_finite(lse).unsqueeze(-1)).exp_(), lse
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows with nothing visible) replaced by 0, so exp(s - lse) gives 0, not NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [b, h, sq, d] over one kv block (k, v [b, hkv, sk, d]) with the
+    visibility `mask` (see `attention_mask`). Returns (out [b, h, sq, d], lse [b, h, sq]), fp32:
+    out is normalised within the block and lse = log sum_k exp(score) per query row, so blocks
+    merge with `merge_blocks`. A row with no visible key gets out 0 and lse -inf."""
+    p, lse = _probs(q, k, scale, mask, None)
+    out = torch.matmul(p, v.float())
+    b, h, sq = q.shape[:3]
+    return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
+
+
+def merge_blocks(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                 block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax merge of two partial results over disjoint key sets: the attention over
+    their union, (out [b, h, sq, d], lse [b, h, sq]). Rows where both lse are -inf stay 0 / -inf."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = _finite(new)
+    merged = (torch.exp(lse - safe).unsqueeze(-1) * out + torch.exp(block_lse - safe).unsqueeze(-1) * block_out)
+    return merged, new
+
+
+def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                             dout: torch.Tensor, delta: torch.Tensor, *, scale: float,
+                             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradient contributions of one kv block to the attention whose final (all blocks merged)
+    log-sum-exp is `lse` [b, h, sq]: recomputes P = exp(q k^T * scale - lse) for this block only,
+    then dV = P^T dout, dP = dout V^T, dS = P * (dP - delta), dQ = dS K * scale, dK = dS^T Q * scale.
+    `delta` [b, h, sq] = rowsum(dout * out) over the final out. Returns (dq [b, h, sq, d],
+    dk, dv [b, hkv, sk, d]) in fp32; dk/dv sum over the q heads that share a kv head."""
+    hkv = k.shape[1]
+    p, _ = _probs(q, k, scale, mask, _rows(lse, hkv))
+    do = _rows(dout, hkv)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = torch.matmul(do, v.float().transpose(-1, -2)).sub_(_rows(delta, hkv).unsqueeze(-1)).mul_(p)
+    dq = torch.matmul(ds, k.float()).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), _rows(q, hkv)).mul_(scale)
+    return dq.reshape(q.shape), dk, dv
+
+
+def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dout * out) [b, h, sq] in fp32: the D term of the flash-attention backward."""
+    return (dout.float() * out.float()).sum(-1)
