@@ -26,7 +26,7 @@ Method (fp32; the numbers are tensor bytes, not the process's RSS):
   not seen by the profiler: at most an over-estimate of the small leftovers of the previous
   step). CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`.
 * activations: peak - (weights + grads + optimizer): the saved activations, the logits the
-  step holds, the loss's buffers and backward's working set (and ZeRO-2's full gradient
+  step holds, the loss's buffers and backward's working set (and ZeRO-2/3's full gradient
   buckets, which exist only during forward/backward).
 * activations_saved (pp = 1 only): unique storages packed by
   `torch.autograd.graph.saved_tensors_hooks` during one microbatch's forward and loss, in a
@@ -35,7 +35,7 @@ Method (fp32; the numbers are tensor bytes, not the process's RSS):
 
 Options: --model gpt2|llama|moe --layers --hidden --heads --kv-heads --ffn --vocab --seq
 --micro-batch --microbatches (per rank, per step) --tp --pp --sp --vpp --schedule --ep --etp
---experts --top-k --zero 0|1|2 --recompute none|selective|full --recompute-layers --dropout
+--experts --top-k --zero 0|1|2|3 --recompute none|selective|full --recompute-layers --dropout
 --device cpu|cuda --seed --threads.
 """
 
@@ -58,7 +58,8 @@ from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.planning.activations import saved_activation_bytes  # noqa: E402
 from meshtron.planning.plan import plan_rank  # noqa: E402
-from meshtron.training.optim import build_optimizer  # noqa: E402
+from meshtron.training.config import OptimConfig  # noqa: E402
+from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer  # noqa: E402
 
 CATEGORIES = ("weights", "grads", "optimizer", "activations", "total")
 
@@ -84,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--etp", type=int, default=1)
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0)
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--recompute-layers", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.1)
@@ -116,14 +117,17 @@ def _storage_bytes(tensors) -> int:
 
 
 def state_bytes(chunks, reducer, optimizer) -> dict[str, int]:
-    """Exact bytes of weights, gradients and optimizer state held now (unique storages)."""
+    """Exact bytes of weights, gradients and optimizer state held now (unique storages; under
+    ZeRO-3 the parameters' full storages are empty between steps and the shards hold them)."""
     params = [p for c in chunks for p in c.parameters()]
     grads = [p.grad for p in params if p.grad is not None]
     for bucket in reducer.buckets:
         grads += [getattr(bucket, "buffer", None), getattr(bucket, "shard", None)]
     state = optimizer.state.values() if hasattr(optimizer, "state") else []
     opt = [t for s in state for t in s.values() if torch.is_tensor(t)]
-    return {"weights": _storage_bytes(params), "grads": _storage_bytes(g for g in grads if g is not None),
+    shards = [getattr(bucket, "param_shard", None) for bucket in reducer.buckets]
+    return {"weights": _storage_bytes(params + [s for s in shards if s is not None]),
+            "grads": _storage_bytes(g for g in grads if g is not None),
             "optimizer": _storage_bytes(opt)}
 
 
@@ -204,10 +208,13 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
     chunks = init_model_chunks(cfg, mesh, args.seed, device=device, execution=execution)
     model = nn.ModuleList(chunks)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    reducer = (DataParallelGradReducer(named, mesh, shard_grads=True) if args.zero == 2
-               else DataParallelGradReducer(named, mesh))
     opt_kw = dict(lr=1e-3, weight_decay=0.1)
-    optimizer = ShardedAdamW(reducer, **opt_kw) if args.zero else build_optimizer(model, **opt_kw)
+    if args.zero == 3:  # the run's own builder: the reducer, mpu.zero3's sharding, ShardedAdamW
+        reducer, optimizer = build_reducer_and_optimizer(OptimConfig(zero=3, **opt_kw), chunks, mesh)
+    else:
+        reducer = (DataParallelGradReducer(named, mesh, shard_grads=True) if args.zero == 2
+                   else DataParallelGradReducer(named, mesh))
+        optimizer = ShardedAdamW(reducer, **opt_kw) if args.zero else build_optimizer(model, **opt_kw)
 
     micro, n_micro = args.micro_batch, args.microbatches
     global_batch = micro * n_micro * res.dp

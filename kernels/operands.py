@@ -64,3 +64,11 @@ def weight_copy(weight: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor
     copy = weight.detach().to(dtype)
     _scope[id(weight)] = (weight, dtype, copy)  # holding `weight` keeps its id from being reused
     return copy
+
+
+def forget_weight_copies(weights) -> None:
+    """Drop the cached copies of `weights` (ZeRO-3 frees a unit's full weights after use; a
+    later use casts the re-gathered weights afresh, with the same values)."""
+    if _scope is not None:
+        for weight in weights:
+            _scope.pop(id(weight), None)

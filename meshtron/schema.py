@@ -121,7 +121,7 @@ def field_checks(section: str, obj) -> list[Check]:
     for f in dataclasses.fields(obj):
         value, hint = getattr(obj, f.name), hints[f.name]
         rule: Allowed | None = f.metadata.get("allowed")
-        key = f"{section}.{f.name}={value!r}"
+        key = f"{section}.{f.metadata.get('key', f.name)}={value!r}"  # metadata key: a keyword (checkpoint.async)
         if not _type_matches(value, hint):
             expected = _describe_type(hint)
             if rule is not None and rule.items is None:

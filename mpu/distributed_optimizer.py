@@ -1,4 +1,4 @@
-"""ZeRO-1 distributed optimizer: AdamW state for one shard of every gradient bucket.
+"""ZeRO-1/2/3 distributed optimizer: AdamW state for one shard of every gradient bucket.
 
 Each bucket of `DataParallelGradReducer` is homogeneous (one replica group, one weight-decay
 class) and padded to a multiple of its replica count, so it splits into equal contiguous
@@ -12,6 +12,8 @@ ZeRO-1 (reducer without `shard_grads`): gradients are all-reduced in full and th
 gradient is a view of the bucket buffer, so clipping and the gradient norm are unchanged.
 ZeRO-2 (reducer with `shard_grads=True`): the gradient is the reducer's reduce-scattered
 `bucket.shard`; norm and clipping work on the shards (`mpu.grad_norm.clip_sharded_grad_norm`).
+ZeRO-3 (`mpu.zero3.Zero3` built on the reducer first): the parameter shards are the buckets'
+`param_shard` tensors, updated in place and not all-gathered after the step.
 """
 
 from __future__ import annotations
@@ -51,10 +53,16 @@ class ShardedAdamW(TrainingOptimizer):
         self.grad_shards_of = reducer if reducer.shard_grads else None
         decay, no_decay = [], []
         self._shards = []
+        # ZeRO-3 (mpu/zero3.py, built before the optimizer): every bucket already keeps only
+        # its shard; the optimizer updates it in place and the next forward gathers it.
+        self.zero3 = all(getattr(bucket, "param_shard", None) is not None for bucket in self.buckets)
         for bucket in self.buckets:
-            flat = flatten_bucket_params(bucket)
             start, size = bucket.shard_start, bucket.shard.numel()
-            shard = nn.Parameter(flat[start: start + size])
+            if self.zero3:
+                shard = nn.Parameter(bucket.param_shard)
+            else:
+                flat = flatten_bucket_params(bucket)
+                shard = nn.Parameter(flat[start: start + size])
             shard.grad = bucket.shard  # ZeRO-1: a view of the bucket buffer; ZeRO-2: the reduced shard
             self._shards.append((bucket, shard, start, size))
             (decay if bucket.decay else no_decay).append(shard)
@@ -70,8 +78,11 @@ class ShardedAdamW(TrainingOptimizer):
         return self.optimizer.state
 
     def step(self) -> None:
-        """Update this rank's shards, then all-gather every bucket over its replica group."""
+        """Update this rank's shards, then all-gather every bucket over its replica group
+        (ZeRO-3: not here, the next forward gathers each unit)."""
         self.optimizer.step()
+        if self.zero3:
+            return
         for bucket, _, start, size in self._shards:
             if group_size(bucket.group) > 1:
                 own = bucket.param_buffer[start: start + size].clone()
@@ -79,7 +90,8 @@ class ShardedAdamW(TrainingOptimizer):
 
     def param_moments(self) -> tuple[dict, float]:
         """({param: (exp_avg, exp_avg_sq)} shaped like each parameter, step count): every
-        bucket's state shards all-gathered over its replica group (for checkpoints)."""
+        bucket's state shards all-gathered over its replica group (checkpoints save
+        `moment_shards` instead, without gathering)."""
         moments, step = {}, 0.0
         for bucket, shard, start, size in self._shards:
             state = self.optimizer.state.get(shard, {})
@@ -117,7 +129,34 @@ class ShardedAdamW(TrainingOptimizer):
                                            "exp_avg": flats[0][start: start + size].clone(),
                                            "exp_avg_sq": flats[1][start: start + size].clone()}
 
+    def moment_shards(self) -> tuple[list, float]:
+        """([(param, first, (exp_avg, exp_avg_sq))], step count): this rank's slice of each
+        parameter's flattened moments (1-D views of the shard state, zeros before the first
+        step), starting at element `first` of the flattened local parameter; for checkpoints
+        that save shards without gathering them. No communication."""
+        return bucket_moment_shards((bucket, start, size, self.optimizer.state.get(shard, {}))
+                                    for bucket, shard, start, size in self._shards)
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
         return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                    if torch.is_tensor(t) and t.dim() > 0)
+
+
+def bucket_moment_shards(slots) -> tuple[list, float]:
+    """`moment_shards` of an optimizer whose state for elements [start, start + size) of each
+    bucket lives in one AdamW state dict: `slots` yields (bucket, start, size, state)."""
+    out, step = [], 0.0
+    for bucket, start, size, state in slots:
+        if "step" in state:
+            step = float(state["step"])
+        flats = [state[key] if key in state else torch.zeros(size, dtype=torch.float32)
+                 for key in ("exp_avg", "exp_avg_sq")]
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            lo, hi = max(offset, start), min(offset + n, start + size)
+            if lo < hi:
+                out.append((p, lo - offset, tuple(f[lo - start: hi - start] for f in flats)))
+            offset += n
+    return out, step

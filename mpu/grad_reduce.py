@@ -27,6 +27,16 @@ its parameters) once the reduce-scatter is done, `zero_grad()` re-creates it and
 every `p.grad` at it, so outside forward/backward a rank holds 1/replicas of the gradients.
 Buckets whose group has one member are not sharded (their shard is the whole buffer).
 
+ZeRO-3 (`unit_buffers()`, called by `mpu.zero3.Zero3`): a sharded bucket's full buffer exists
+only while its unit's backward runs. `ensure_buffers` allocates it (Zero3 calls it before the
+unit's backward); once all its parameters' gradients are in, it is reduce-scattered — after
+every microbatch, not only the last — into a temporary that is added to `bucket.shard` (the
+step's accumulator, zeroed by `zero_grad()`), and freed when the next bucket is launched (or
+in `finish()`). So during backward a rank holds the gradients of about two units in full
+instead of the whole model's. Summing per microbatch instead of per step changes only the
+order of the fp32 additions. Tied-embedding buckets under pipeline parallelism keep the
+ZeRO-2 behaviour (summed over the stages first, in `finish()`).
+
 Tied embeddings under pipeline parallelism (parameters tagged `tied_across_stages`: the
 embedding weight of the first stage and its copy on the last stage): both copies' gradients
 are summed over `mesh.embedding` in `finish()`. With `shard_grads` their buckets (tied parameters get buckets
@@ -67,6 +77,7 @@ class _Bucket:
     shard_start: int = 0
     deferred: bool = False  # holds a tied embedding: launched by finish() after the pp sum
     comm: tuple | None = None  # (wire buffer, its result) while a compressed reduction is in flight
+    lazy: bool = False  # ZeRO-3: full buffer only during its unit's backward, reduced every microbatch
 
 
 GRAD_GROUPS = ("dp", "tp_dp", "edp")
@@ -100,14 +111,16 @@ class BucketSpec:
 
 
 def bucket_layout(named_params, replicas: dict[str, int], bucket_mb: float = 25.0, *,
-                  tied_apart: bool = False) -> list[BucketSpec]:
+                  tied_apart: bool = False, unit_of=None) -> list[BucketSpec]:
     """The buckets `DataParallelGradReducer` fills (pure: no tensor is touched, so meta
     parameters work): parameters needing a gradient, classed by replica group (`grad_group`),
     by weight decay (ndim >= 2, so a ZeRO shard of a bucket belongs to one optimizer group) and,
     when `tied_apart` (the tied embedding's copies live on different ranks), into buckets of
     their own for tied embeddings; each class is taken in reverse registration order and a
     bucket closed once it reaches `bucket_mb` MiB of fp32. `replicas[key]` is the size of the
-    group each bucket's buffer is padded to a multiple of."""
+    group each bucket's buffer is padded to a multiple of. `unit_of(name)` (ZeRO-3: the unit of
+    parameters gathered together, mpu/zero3.py) also closes a bucket where the unit changes, so
+    every bucket belongs to one unit."""
     by_class: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
         if p.requires_grad:
@@ -125,6 +138,9 @@ def bucket_layout(named_params, replicas: dict[str, int], bucket_mb: float = 25.
         current: list[tuple[str, nn.Parameter]] = []
         size = 0
         for name, p in reversed(items):
+            if current and unit_of is not None and unit_of(name) != unit_of(current[-1][0]):
+                close(key, decay, tied, current)
+                current, size = [], 0
             current.append((name, p))
             size += p.numel() * 4
             if size >= limit:
@@ -147,19 +163,21 @@ class DataParallelGradReducer:
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
-                 shard_grads: bool = False, comm_dtype: torch.dtype | None = None):
+                 shard_grads: bool = False, comm_dtype: torch.dtype | None = None, unit_of=None):
         self.mesh = mesh
         self.shard_grads = shard_grads
         # Gradient compression: buckets travel (and are summed) in `comm_dtype`, e.g. bf16, while
         # microbatch accumulation and the result stay fp32 (as DDP's bf16 compression hook).
         self.comm_dtype = comm_dtype
         self._sync_enabled = True
+        self._in_flight: list[_Bucket] = []  # ZeRO-3 unit buckets launched, not yet added to their shards
+        self.peak_buffer_bytes = 0  # most bytes of full gradient buffers at once (ZeRO-3 unit buffers)
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         tied_apart = group_size(mesh.embedding) > 1
         self.tied_embedding = [p for _, p in named_params if p.requires_grad and is_tied_embedding(p) and tied_apart]
         replicas = {key: group_size(getattr(mesh, key)) for key in GRAD_GROUPS}
-        for spec in bucket_layout(named_params, replicas, bucket_mb, tied_apart=tied_apart):
+        for spec in bucket_layout(named_params, replicas, bucket_mb, tied_apart=tied_apart, unit_of=unit_of):
             self._make_bucket(getattr(mesh, spec.key), spec)
         self._hooks = []
         for bucket in self.buckets:
@@ -197,11 +215,73 @@ class DataParallelGradReducer:
             p.grad = bucket.buffer[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
 
+    def unit_buffers(self) -> None:
+        """ZeRO-3: from now on a sharded bucket's full buffer exists only while its unit's
+        backward runs (module doc); frees them now. Needs `shard_grads`."""
+        if not self.shard_grads:
+            raise ValueError("per-unit gradient buffers need shard_grads=True")
+        for bucket in self.buckets:
+            if self._sharded(bucket) and not bucket.deferred:
+                bucket.lazy = True
+                self._free_buffer(bucket)
+
+    def ensure_buffers(self, buckets) -> None:
+        """Allocate (zeroed) the full buffers of those of `buckets` that are ZeRO-3 unit
+        buckets without one, and point their parameters' `.grad` at them. No communication."""
+        for bucket in buckets:
+            if bucket.lazy and bucket.buffer is None:
+                bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
+                self._point_grads(bucket)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
+
+    def buffer_bytes(self) -> int:
+        """Bytes of full gradient buffers allocated now."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets if b.buffer is not None)
+
+    @staticmethod
+    def _free_buffer(bucket: _Bucket) -> None:
+        for p in bucket.params:
+            p.grad = None
+        bucket.buffer = None
+
+    def complete_unit_buckets(self) -> None:
+        """Wait for the ZeRO-3 unit buckets in flight, add each result to its shard, free its buffer."""
+        for bucket in self._in_flight:
+            if bucket.work is not None:
+                wait_for(bucket.work, f"reduce_scatter of a ZeRO-3 gradient bucket over {bucket.key} "
+                                      f"({bucket.numel * bucket.shard.element_size() / 2**20:.1f} MiB)")
+            result, _ = bucket.comm
+            bucket.shard.add_(result)
+            self._free_buffer(bucket)
+            bucket.work, bucket.ready, bucket.launched, bucket.comm = None, 0, False, None
+        self._in_flight = []
+
+    def _launch_unit_bucket(self, bucket: _Bucket) -> None:
+        """Reduce-scatter a ZeRO-3 unit bucket into a temporary (in `comm_dtype` if set)
+        after completing the previous one (one bucket in flight)."""
+        self.complete_unit_buckets()
+        bucket.launched = True
+        source = bucket.buffer
+        if self.comm_dtype is not None and self.comm_dtype != source.dtype:
+            source = source.to(self.comm_dtype)
+        result = torch.empty(bucket.shard.numel(), dtype=source.dtype, device=source.device)
+        bucket.comm = (result, bucket.shard)
+        bucket.work = reduce_scatter_into(result, source, group=bucket.group, async_op=True)
+        self._in_flight.append(bucket)
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
+        if bucket.buffer is None and bucket.lazy:
+            raise RuntimeError("a ZeRO-3 gradient bucket has no buffer: mpu.zero3.Zero3 allocates it before its "
+                               "unit's backward (is the model's Zero3 installed and its hooks in place?)")
         if bucket.buffer is None:
             raise RuntimeError("gradient buckets are freed after finish() with shard_grads=True: call "
                                "reducer.zero_grad() before backward")
+        if bucket.lazy:  # ZeRO-3: reduced after every microbatch
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch_unit_bucket(bucket)
+            return
         if not self._sync_enabled:
             return
         bucket.ready += 1
@@ -244,14 +324,21 @@ class DataParallelGradReducer:
         """Launch any bucket not yet reduced (in a fixed order on every rank) and wait for all.
         Tied embedding gradients are summed over `mesh.embedding` (before their buckets'
         reduce-scatter with `shard_grads`, after all reductions otherwise). With `shard_grads`
-        the full buffers of sharded buckets are then freed: the result is in `bucket.shard`."""
+        the full buffers of sharded buckets are then freed: the result is in `bucket.shard`.
+        ZeRO-3 unit buckets: those in flight are completed, any still holding gradients (a
+        parameter without one) reduced now."""
         for bucket in self.buckets:
-            if not bucket.deferred:
+            if bucket.lazy and bucket.buffer is not None and not bucket.launched:
+                self._launch_unit_bucket(bucket)
+        self.complete_unit_buckets()
+        for bucket in self.buckets:
+            if not bucket.deferred and not bucket.lazy:
                 self._launch(bucket)
         if self.shard_grads:
             self._sum_tied_embedding()
             for bucket in self.buckets:
-                self._launch(bucket)
+                if not bucket.lazy:
+                    self._launch(bucket)
         for index, bucket in enumerate(self.buckets):
             if bucket.work is not None:
                 op = "reduce_scatter" if self.shard_grads else "all_reduce"
@@ -274,7 +361,11 @@ class DataParallelGradReducer:
         """Zero every gradient buffer (gradients stay views into the buckets); with
         `shard_grads` re-create the buffers freed by `finish()` and re-point `p.grad`."""
         for bucket in self.buckets:
-            if bucket.buffer is None:
+            if bucket.lazy:  # ZeRO-3: the shard accumulates the step; buffers come with the unit's backward
+                if bucket.buffer is not None:
+                    self._free_buffer(bucket)
+                bucket.shard.zero_()
+            elif bucket.buffer is None:
                 bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
                 self._point_grads(bucket)
             else:

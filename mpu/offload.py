@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from meshtron.mpu.adamw import TrainingOptimizer
-from meshtron.mpu.distributed_optimizer import flatten_bucket_params
+from meshtron.mpu.distributed_optimizer import bucket_moment_shards, flatten_bucket_params
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
@@ -65,7 +65,8 @@ class OffloadedAdamW(TrainingOptimizer):
 
     `zero=0`: every bucket in full on the host (replicated AdamW). `zero=1`/`2`: this rank's
     shard of every bucket (`bucket.shard_start`, `bucket.shard`), all-gathered after the update
-    (ZeRO-1; ZeRO-2 when the reducer was built with `shard_grads=True`). A `TrainingOptimizer`
+    (ZeRO-1; ZeRO-2 when the reducer was built with `shard_grads=True`). `zero=3`: the same
+    shard, copied into the bucket's `param_shard` (mpu/zero3.py) and not all-gathered. A `TrainingOptimizer`
     (mpu/adamw.py) with `offloaded` True and `state_bytes()` (device bytes of optimizer
     state) 0; `host_state_bytes()` and `host_grad_bytes()` count what lives on the host.
     """
@@ -74,8 +75,8 @@ class OffloadedAdamW(TrainingOptimizer):
 
     def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, zero: int = 0, fused: bool = True, pin_memory: bool | None = None):
-        if zero not in (0, 1, 2):
-            raise ValueError(f"zero={zero}: OffloadedAdamW supports 0 (replicated), 1 and 2 (sharded over replicas)")
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={zero}: OffloadedAdamW supports 0 (replicated), 1, 2 and 3 (sharded over replicas)")
         self.zero = zero
         self.buckets = reducer.buckets
         self._slots: list[_Slot] = []
@@ -88,7 +89,10 @@ class OffloadedAdamW(TrainingOptimizer):
         for bucket in self.buckets:
             device = bucket.shard.device
             pin = (device.type == "cuda") if pin_memory is None else bool(pin_memory)
-            flat = flatten_bucket_params(bucket)
+            # ZeRO-3 (mpu/zero3.py sharded the parameters first): the device keeps only the
+            # bucket's `param_shard`; the update is copied into it, the next forward gathers it.
+            zero3 = getattr(bucket, "param_shard", None) is not None
+            flat = bucket.param_buffer if zero3 else flatten_bucket_params(bucket)
             sharded = zero >= 1 and group_size(bucket.group) > 1
             start, size = (bucket.shard_start, bucket.shard.numel()) if sharded else (0, bucket.numel)
             main = nn.Parameter(torch.empty(size, dtype=torch.float32, pin_memory=pin))
@@ -97,8 +101,8 @@ class OffloadedAdamW(TrainingOptimizer):
             optimizer = torch.optim.AdamW([{"params": [main], "weight_decay": weight_decay if bucket.decay else 0.0}],
                                           **kwargs)
             self._param_groups += optimizer.param_groups
-            self._slots.append(_Slot(bucket, start, size, sharded, flat[start: start + size], main, host_grad,
-                                     optimizer))
+            device_weights = bucket.param_shard if zero3 else flat[start: start + size]
+            self._slots.append(_Slot(bucket, start, size, sharded, device_weights, main, host_grad, optimizer))
         self._pin = any(s.main.is_pinned() for s in self._slots)
 
     # ------------------------------------------------------------------ optimizer interface
@@ -145,7 +149,7 @@ class OffloadedAdamW(TrainingOptimizer):
                 slot.event = None
             slot.optimizer.step()
             main = slot.main.detach()
-            if slot.sharded:
+            if slot.sharded and self.zero != 3:
                 own = main.to(slot.device_weights.device, non_blocking=self._pin)
                 all_gather_into(slot.bucket.param_buffer, own, slot.bucket.group)
             else:
@@ -184,6 +188,14 @@ class OffloadedAdamW(TrainingOptimizer):
                 moments[p] = tuple(f[offset: offset + n].view(p.shape) for f in full)
                 offset += n
         return moments, step
+
+    def moment_shards(self) -> tuple[list, float]:
+        """([(param, first, (exp_avg, exp_avg_sq))], step count) on the host: the part of each
+        parameter's flattened moments this rank updates (its shard with zero=1/2, all of it with
+        zero=0), starting at element `first`; for checkpoints that save shards without
+        gathering them. No communication."""
+        return bucket_moment_shards((slot.bucket, slot.start, slot.size, slot.optimizer.state.get(slot.main, {}))
+                                    for slot in self._slots)
 
     @torch.no_grad()
     def load_param_moments(self, moments: dict, step: float) -> None:

@@ -12,11 +12,21 @@ or DeviceMesh is needed and uneven blocks (a TP rank whose vocabulary slice is p
 wholly padding) are fine. `ShardSavePlanner` / `ShardLoadPlanner` teach DCP's default
 planners about pieces; everything else in a state dict (plain tensors = replicated values,
 other objects = pickled bytes) keeps DCP's default handling.
+
+A value may also be a list of pieces of one tensor (saving only): `flat_range_pieces` turns a
+contiguous range of a local tensor's flattened elements (a ZeRO shard of a gradient bucket
+cuts parameters that way) into the boxes of the global tensor it covers: a partial first row,
+the full rows in between and a partial last row, recursively over the trailing dims (at most
+2·ndim - 1 boxes). Decision: boxes rather than 1-D flattened tensors, so a ZeRO shard is
+stored under the same name and global shape as the unsharded moments and any layout, ZeRO
+stage or optimizer reads it back with the same load code (DCP reads a block from however many
+saved boxes overlap it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -82,32 +92,81 @@ def shard_piece(param: nn.Parameter, local: torch.Tensor, mesh) -> ShardPiece | 
     return ShardPiece(local, tuple(offsets), global_shape(param, mesh))
 
 
+def _boxes(shape: tuple[int, ...], first: int, last: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(start index, box shape) of the boxes that elements [first, last) of a row-major tensor
+    of `shape` make up, in flat order (each box is a contiguous run of those elements)."""
+    if first >= last:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    if first % inner == 0 and last % inner == 0:  # whole rows
+        return [((first // inner,) + (0,) * (len(shape) - 1), (last // inner - first // inner,) + tuple(shape[1:]))]
+    row = first // inner
+    if row == (last - 1) // inner:  # inside one row
+        return [((row,) + start, (1,) + box)
+                for start, box in _boxes(tuple(shape[1:]), first - row * inner, last - row * inner)]
+    head_end, tail_start = (row + 1) * inner, (last // inner) * inner
+    return (_boxes(shape, first, head_end) + _boxes(shape, head_end, tail_start)
+            + _boxes(shape, tail_start, last))
+
+
+def flat_range_pieces(param: nn.Parameter, first: int, values: torch.Tensor, mesh) -> list[ShardPiece]:
+    """The pieces of the global tensor of `param` that `values` covers: `values` (1-D) holds
+    elements [first, first + len) of this rank's flattened local tensor of `param` (e.g. its
+    slice of a ZeRO bucket shard). Vocabulary padding is left out; each piece's `local` is a
+    view of `values`."""
+    whole = shard_piece(param, param.data, mesh)
+    if whole is None:
+        return []
+    shape = tuple(whole.local.shape)  # padding rows trimmed: they are the flat tail
+    last = min(first + values.numel(), math.prod(shape))
+    pieces, at = [], first
+    for start, box in _boxes(shape, first, last):
+        n = math.prod(box)
+        local = values[at - first: at - first + n].view(box)
+        pieces.append(ShardPiece(local, tuple(o + s for o, s in zip(whole.offsets, start)), whole.global_shape))
+        at += n
+    return pieces
+
+
+def _as_pieces(value) -> list[ShardPiece] | None:
+    if isinstance(value, ShardPiece):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, ShardPiece) for v in value):
+        return value
+    return None
+
+
 class ShardSavePlanner(DefaultSavePlanner):
-    """DCP save planner that writes `ShardPiece` values as chunks of their global tensor."""
+    """DCP save planner that writes `ShardPiece` values (or lists of pieces of one tensor) as
+    chunks of their global tensor."""
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self._pieces = {k: v for k, v in state_dict.items() if isinstance(v, ShardPiece)}
-        plain = {k: (v.local if isinstance(v, ShardPiece) else v) for k, v in state_dict.items()}
+        self._pieces = {k: p for k, v in state_dict.items() if (p := _as_pieces(v)) is not None}
+        self._by_index = {MetadataIndex(k, torch.Size(p.offsets)): p for k, ps in self._pieces.items() for p in ps}
+        plain = {k: (self._pieces[k][0].local if k in self._pieces else v) for k, v in state_dict.items()
+                 if k in self._pieces or not isinstance(v, list) or v}
         super().set_up_planner(plain, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         items = []
         for item in plan.items:
-            piece = self._pieces.get(item.index.fqn)
-            if piece is not None:
-                offsets = torch.Size(piece.offsets)
-                tensor_data = dataclasses.replace(item.tensor_data, chunk=piece.chunk(),
-                                                  size=torch.Size(piece.global_shape))
-                item = dataclasses.replace(item, index=MetadataIndex(item.index.fqn, offsets),
-                                           type=WriteItemType.SHARD, tensor_data=tensor_data)
-            items.append(item)
+            for piece in self._pieces.get(item.index.fqn, [None]):
+                if piece is not None:
+                    offsets = torch.Size(piece.offsets)
+                    tensor_data = dataclasses.replace(item.tensor_data, chunk=piece.chunk(),
+                                                      size=torch.Size(piece.global_shape))
+                    item = dataclasses.replace(item, index=MetadataIndex(item.index.fqn, offsets),
+                                               type=WriteItemType.SHARD, tensor_data=tensor_data)
+                items.append(item)
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex):
         if index.fqn in self._pieces:
-            return self._pieces[index.fqn].local
+            return self._by_index[MetadataIndex(index.fqn, index.offset)].local
         return super().lookup_object(index)
 
 

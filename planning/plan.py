@@ -42,6 +42,7 @@ import torch
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
+from meshtron.mpu.zero3 import unit_of
 from meshtron.mpu.pipeline_schedules import build_schedule
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
@@ -104,7 +105,11 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     * "matmul": parameters autocast copies to 16 bits (see `_matmul_param_ids`);
     * "largest": elements of the largest parameter tensor;
     * "buckets": (replica group, elements) of each gradient bucket, laid out by
-      `mpu.grad_reduce.bucket_layout` (the reducer's own function).
+      `mpu.grad_reduce.bucket_layout` (the reducer's own function);
+    * "zero3_gathered": ZeRO-3's most bytes of full parameters gathered at once beyond the
+      shards (`zero3_gathered_bytes` of the rank's largest chunk);
+    * "zero3_grad_buffers": ZeRO-3's most bytes of full gradient buffers at once
+      (`zero3_grad_buffer_bytes`).
     Nothing is allocated and no parameter is initialized; no communication.
     """
     from meshtron.models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
@@ -127,7 +132,69 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     tied_apart = par.pp > 1 and model_cfg.tie_embeddings  # the copies on the first and last stage
     out["buckets"] = [(spec.key, spec.numel) for spec in
                       bucket_layout(named, _replicas(par), tied_apart=tied_apart)]
+    # One chunk runs at a time; each frees its units when its forward or backward ends.
+    out["zero3_gathered"] = max(zero3_gathered_bytes(chunk, _replicas(par), tied_apart) for chunk in chunks)
+    out["zero3_grad_buffers"] = max(zero3_grad_buffer_bytes(chunk, _replicas(par), tied_apart) for chunk in chunks)
     return out
+
+
+def _zero3_units(model, replicas: dict[str, int], tied_apart: bool):
+    """({unit: fp32 bytes of its buckets sharded over > 1 replica}, the same without the
+    tied-embedding buckets of pipeline stages (`tied_apart`: they keep ZeRO-2 gradient buffers),
+    those buckets' bytes, {unit: bytes of the sharded bucket holding its first registered
+    parameter}, ZeRO-3 unit order)."""
+    named = list(model.named_parameters())
+    specs = bucket_layout(named, replicas, unit_of=unit_of, tied_apart=tied_apart)
+    full: dict[str, int] = {}
+    lazy: dict[str, int] = {}
+    tied = 0
+    bucket_of: dict[str, int] = {}
+    for spec in specs:
+        if replicas[spec.key] > 1:
+            unit, size = unit_of(spec.items[0][0]), 4 * spec.padded_numel
+            full[unit] = full.get(unit, 0) + size
+            if spec.tied:
+                tied += size
+                continue
+            lazy[unit] = lazy.get(unit, 0) + size
+            for name, _ in spec.items:
+                bucket_of[name] = size
+    first: dict[str, int] = {}
+    for name, _ in named:
+        first.setdefault(unit_of(name), bucket_of.get(name, 0))
+    order = (["embed"] if model.embed is not None else []) + [f"layers.{i}" for i in model.layers]
+    return full, lazy, tied, first, order + (["head"] if model.post_process else [])
+
+
+def zero3_grad_buffer_bytes(model, replicas: dict[str, int], tied_apart: bool = False) -> int:
+    """Most bytes of full gradient buffers ZeRO-3's reducer (`unit_buffers`) holds at once: a
+    unit's buckets are allocated before its backward, and the previous unit's last bucket (the
+    one holding its first registered parameter, whose gradient comes last) is still being
+    reduce-scattered; a tied embedding's buffer lives from the head's backward to the end (not
+    under pipeline parallelism, where its buckets keep full ZeRO-2 buffers, counted apart)."""
+    _, lazy, tied_buckets, first, order = _zero3_units(model, replicas, tied_apart)
+    backward = order[::-1]
+    tied = model.post_process and model.head is None and not tied_apart
+    held = []
+    for k, unit in enumerate(backward):
+        extra = lazy.get("embed", 0) if tied and unit != "embed" else 0
+        held.append(lazy.get(unit, 0) + (first.get(backward[k - 1], 0) if k else 0) + extra)
+    return max(held or [0]) + tied_buckets
+
+
+def zero3_gathered_bytes(model, replicas: dict[str, int], tied_apart: bool = False) -> int:
+    """Most bytes of full parameter buffers ZeRO-3 (mpu/zero3.py) holds at once beyond the
+    shards: two adjacent units (the one running and the prefetched one, in forward or backward
+    order: embedding, blocks, head; the head with the tied embedding), each the fp32 bytes of its
+    padded buckets over more than one replica, laid out as the ZeRO-3 reducer lays them out
+    (`tied_apart`: the tied embedding's copies live on different pipeline stages)."""
+    units, _, _, _, order = _zero3_units(model, replicas, tied_apart)
+    if not model.pre_process and "embed" in order:
+        order.remove("embed")  # the last stage's copy of a tied embedding: gathered with the head only
+    sizes = [units.get(u, 0) for u in order]
+    if model.post_process and model.head is None:
+        sizes[-1] += units.get("embed", 0)
+    return max([a + b for a, b in zip(sizes, sizes[1:])] or sizes or [0])
 
 
 def _replicas(res: ParallelConfig) -> dict[str, int]:
@@ -143,10 +210,14 @@ def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero:
     gradient group g in {dp, tp_dp, edp}; share = sum_g N_g / R_g under ZeRO >= 1, else N):
     * weights = 4 N: parameters stay fp32 in every precision (they are the main weights;
       bf16/fp16 compute runs under torch.autocast);
-    * grads (persistent) = 4 N for ZeRO 0/1 (fp32 bucket buffers); ZeRO-2 keeps only the
+    * ZeRO-3: weights = 4 * sum_g (N_g / R_g if R_g > 1 else N_g) (the shards), and
+      weights_gathered = `counts["zero3_gathered"]` (two adjacent units in full, during
+      forward/backward: in the peak, not in the persistent states); 0 for ZeRO 0-2;
+    * grads (persistent) = 4 N for ZeRO 0/1 (fp32 bucket buffers); ZeRO-2/3 keep only the
       reduce-scattered shards, 4 * sum_g (N_g / R_g if R_g > 1 else N_g);
     * grad_buffers_backward: ZeRO-2's full fp32 buckets (4 N), alive from `zero_grad()` to the
-      end of backward (in the peak, not in the persistent states); 0 otherwise;
+      end of backward (in the peak, not in the persistent states); ZeRO-3's per-unit buffers
+      (`counts["zero3_grad_buffers"]`); 0 otherwise;
     * optimizer = AdamW exp_avg + exp_avg_sq, 8 bytes x share; 0 on the device with offload;
     * host (offload only) = 12 bytes x share: AdamW state and fp32 main weights on the host;
     * main_params = 0: fp32 weights are the main weights (kept for the plan's schema);
@@ -155,20 +226,22 @@ def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero:
     Bucket padding (fewer than R_g elements per bucket) is ignored.
     """
     raise_first([precision_check(precision)])
-    if zero not in (0, 1, 2):
-        raise ValueError(f"optim.zero={zero} must be 0, 1 or 2")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"optim.zero={zero} must be 0, 1, 2 or 3")
     n = counts["total"]
     groups = {"dp": counts["group_dp"], "tp_dp": counts["group_tp_dp"], "edp": counts["group_edp"]}
     share = n if zero == 0 else sum(math.ceil(v / replicas[g]) for g, v in groups.items())
     grads = 4 * n
     grad_buffers = 0
-    if zero == 2:
-        grads = 4 * sum(math.ceil(v / replicas[g]) if replicas[g] > 1 else v for g, v in groups.items())
-        grad_buffers = 4 * n
+    sharded = 4 * sum(math.ceil(v / replicas[g]) if replicas[g] > 1 else v for g, v in groups.items())
+    if zero >= 2:
+        grads = sharded
+        grad_buffers = 4 * n if zero == 2 else counts.get("zero3_grad_buffers", 4 * n)
     out = {
         "params": n,
         "optimizer_share_params": share,
-        "weights": 4 * n,
+        "weights": sharded if zero == 3 else 4 * n,
+        "weights_gathered": counts.get("zero3_gathered", 0) if zero == 3 else 0,
         "grads": grads,
         "grad_buffers_backward": grad_buffers,
         "main_params": 0,
@@ -468,8 +541,8 @@ def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
 
 def _resolve_zero(zero: int | None, zero_dp: int | None) -> int:
     if zero is not None:
-        if zero not in (0, 1, 2):
-            raise ValueError(f"optim.zero={zero} must be 0, 1 or 2")
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"optim.zero={zero} must be 0, 1, 2 or 3")
         return zero
     # Legacy callers passed the ZeRO-1 data-parallel size (1 = no ZeRO).
     return 1 if zero_dp is not None and zero_dp > 1 else 0
@@ -497,7 +570,7 @@ def plan_rank(
     change. Raises ValueError when the global batch does not split into microbatches over dp,
     and RuntimeError when the meta-built parameter count disagrees with the analytic one.
 
-    `precision` fp32 | bf16 | fp16 (trainer.precision), `zero` 0 | 1 | 2 (optim.zero),
+    `precision` fp32 | bf16 | fp16 (trainer.precision), `zero` 0 | 1 | 2 | 3 (optim.zero),
     `offload` (optim.offload: AdamW state and fp32 main weights on the host), `device` cpu |
     cuda (what the run trains on: selects the attention kernel and dropout-mask size the
     activation estimate assumes). Recompute comes from `execution` (trainer.recompute /
@@ -506,8 +579,8 @@ def plan_rank(
     CPU runs use); the fused Triton kernels save less.
 
     memory["bytes"]: weights, grads (persistent), optimizer, model_states (their sum),
-    grad_buffers_backward (ZeRO-2), autocast_weight_copies, activations_per_microbatch (saved
-    by one microbatch), activations_peak, optimizer_transient, activations (= total -
+    grad_buffers_backward (ZeRO-2/3), weights_gathered (ZeRO-3), autocast_weight_copies,
+    activations_per_microbatch (saved by one microbatch), activations_peak, optimizer_transient, activations (= total -
     model_states: everything above the persistent states at the peak), total (the step's
     peak) and host (offload). `bench/memory.py` measures the same categories.
     """
@@ -561,10 +634,11 @@ def plan_rank(
     act = activation_estimate(model_cfg, res, micro_batch_size=micro_batch_size,
                               num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
                               precision=precision, device=device, execution=execution)
-    # Peak of the step: during forward/backward (persistent states + ZeRO-2's full gradient
+    # Peak of the step: during forward/backward (persistent states + ZeRO-2/3's full gradient
     # buckets + autocast's weight copies + activations), or during the optimizer step (states +
     # logits still held + AdamW temporaries).
-    fwd_bwd = states["total"] + states["grad_buffers_backward"] + states["autocast_weight_copies"] + act["peak"]
+    fwd_bwd = (states["total"] + states["grad_buffers_backward"] + states["weights_gathered"]
+               + states["autocast_weight_copies"] + act["peak"])
     opt_tmp = _optimizer_transient(meta, replicas, zero, offload, device)
     opt_phase = states["total"] + act["held_after_backward"] + opt_tmp
     total = max(fwd_bwd, opt_phase)
@@ -582,6 +656,7 @@ def plan_rank(
         "optimizer": states["optimizer"],
         "model_states": states["total"],
         "grad_buffers_backward": states["grad_buffers_backward"],
+        "weights_gathered": states["weights_gathered"],
         "autocast_weight_copies": states["autocast_weight_copies"],
         "activations_per_microbatch": act["saved_per_microbatch"],
         "activations_peak": act["peak"],

@@ -99,7 +99,7 @@ def test_legacy_zero_dp_argument_and_defaults():
     plain = plan_rank(cfg, ParallelConfig(), 4, 0, **BATCH)["memory"]
     assert (plain["zero"], plain["offload"], plain["precision"], plain["device"]) == (0, False, "fp32", "cpu")
     with pytest.raises(ValueError, match="optim.zero"):
-        plan_rank(cfg, ParallelConfig(), 4, 0, zero=3, **BATCH)
+        plan_rank(cfg, ParallelConfig(), 4, 0, zero=4, **BATCH)
     with pytest.raises(ValueError, match="device"):
         plan_rank(cfg, ParallelConfig(), 4, 0, device="tpu", **BATCH)
 

@@ -34,8 +34,8 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return losses
 
 
-def _start(ckpt: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+def _start(ckpt: Path, run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="2", **(env or {}))
     return subprocess.Popen([sys.executable, "train.py", *COMMON, f"checkpoint.dir={ckpt}", *extra,
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -170,15 +170,19 @@ def test_checkpoint_of_a_tp2_run_resumes_in_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path, background):
     """torchrun forwards SIGTERM to its workers; they agree on the step, save one complete
-    checkpoint (both ranks' files) and stop (torchrun itself then reports the signal)."""
+    checkpoint (both ranks' files) and stop (torchrun itself then reports the signal). With
+    checkpoint.async=true (and a save every 2 steps, written while training goes on) the stop
+    waits for the save in flight, then writes the last one."""
     from tests.test_train_cli import TORCHRUN
     from meshtron.training.checkpoint import list_checkpoints, read_meta
 
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
     args = [*TORCHRUN, "--nproc_per_node=2", "train.py", *COMMON, "trainer.max_steps=5000", "parallel.tp=2",
-            f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}"]
+            f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}",
+            *(["checkpoint.async=true", "checkpoint.every=2"] if background else [])]
     proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, proc)
@@ -186,7 +190,9 @@ def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     step = max(r["step"] for r in metrics(run_dir))
     assert step < 5000 and f"SIGTERM: stopped after step {step}" in stdout, (stdout[-2000:], stderr[-2000:])
-    assert list_checkpoints(ckpt) == [ckpt / f"step_{step:08d}"]
+    saved = list_checkpoints(ckpt)
+    assert saved[-1] == ckpt / f"step_{step:08d}" and (background or len(saved) == 1), saved
+    assert not any(p.name.startswith(".tmp-") for p in ckpt.iterdir())
     meta = read_meta(ckpt / f"step_{step:08d}")
     assert meta["train_state"]["step"] == step and meta["world_size"] == 2
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(meta["files"])

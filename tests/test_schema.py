@@ -21,7 +21,7 @@ from meshtron.training.config import ConfigError, RunConfig, unknown_override
     ("optim", "betas", [0.9], "optim.betas=(0.9,) must be a list of 2 finite numbers"),
     ("optim", "eps", -1, "optim.eps=-1 must be a finite number > 0"),
     ("optim", "weight_decay", -5, "optim.weight_decay=-5 must be a finite number >= 0"),
-    ("optim", "zero", 3, "optim.zero=3 must be one of 0, 1, 2"),
+    ("optim", "zero", 4, "optim.zero=4 must be one of 0, 1, 2, 3"),
     ("trainer", "num_threads", -1, "trainer.num_threads=-1 must be an integer >= 1"),
     ("trainer", "progress", 1, "trainer.progress=1 must be true or false"),
     ("trainer", "device", "tpu", "trainer.device='tpu' must be one of auto, cpu, cuda"),

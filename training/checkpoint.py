@@ -9,10 +9,27 @@ layout-free shape (see `mpu.sharded_state`), so a checkpoint loads under any
 tp/pp/ep/etp/dp/zero.
 
 What is saved: model parameters and persistent buffers (e.g. the MoE routers' expert bias),
-AdamW moments per parameter and the step count (ZeRO-1 shards are gathered into
-per-parameter moments, so the optimizer layout does not matter either), the per-rank RNG
-states (restored only under the same world size and layout; others reseed), and the loop
-counters in `TrainState`. The learning rate is a pure function of the step and the config.
+AdamW moments per parameter and the step count, the per-rank RNG states (restored only under
+the same world size and layout; others reseed), and the loop counters in `TrainState`. The
+learning rate is a pure function of the step and the config. ZeRO-1/2 (and offloaded)
+moments are saved without gathering: each rank writes its shard of every bucket as the boxes
+of the global moment tensors it covers (`mpu.sharded_state.flat_range_pieces`), under the same
+names and global shapes as unsharded moments, so the optimizer layout does not matter either:
+a load reads each rank's local moments from whichever boxes overlap them.
+
+Asynchronous saves (`checkpoint.async=true`, `AsyncCheckpointer`): the state is copied to host
+memory on the training thread, then written by a background thread with the very same code
+(`_write_checkpoint`), so atomicity, checksums, the manifest and `keep` are unchanged; one
+save in flight, the next save (and the end of the run, SIGTERM, an error) waits for it.
+Decision: our own thread rather than DCP's `async_save`. `async_save` (torch 2.13) also runs
+`dcp.save` in a thread over a given process group, but its stager copies plain state dicts
+(not our `ShardPiece`s) and it stops at the DCP files, while a meshtron checkpoint is only
+complete after the checksum gather, rank 0's manifest, the rename and `keep`: those need
+collectives too, in the same thread, after the write. That thread talks only over a gloo
+group of all ranks created at startup for checkpoint coordination (`new_checkpoint_group`),
+never over the groups training uses concurrently. A background failure is kept and raised
+by the next `wait` (the next save or the end of the run) as the same CheckpointError on every
+rank. A process killed mid-write leaves only `.tmp-step_N/`, which is never valid.
 
 Atomicity: ranks write into `.tmp-step_N/`; rank 0 writes `meshtron.json` last and then
 renames the folder to `step_N`. A folder is a valid checkpoint only if its name is
@@ -56,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import io
 import json
 import os
@@ -63,6 +81,7 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -70,6 +89,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -78,8 +98,10 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from meshtron.mpu.adamw import TrainingOptimizer
 from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
 from meshtron.mpu.mesh import group_rank, single_process_mesh
+from meshtron.mpu import zero3
 from meshtron.mpu.random import get_rng_tracker
-from meshtron.mpu.sharded_state import ShardLoadPlanner, ShardSavePlanner, global_shape, shard_piece
+from meshtron.mpu.sharded_state import (ShardLoadPlanner, ShardPiece, ShardSavePlanner, flat_range_pieces, global_shape,
+                                        shard_piece)
 from meshtron.training.distributed import launcher_env
 
 FORMAT = "meshtron-checkpoint"
@@ -89,6 +111,12 @@ META_FILE = "meshtron.json"
 LOCK_FILE = ".meshtron.lock"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _READ_CHUNK = 8 << 20
+WRITE_DELAY_ENV = "MESHTRON_TEST_CHECKPOINT_WRITE_DELAY_S"  # test hook: seconds before each file's first write
+_SINGLE_PROCESS_WARNING = ".*assuming the intent is to .* in a single process.*"
+# DCP warns that it assumes a single process when no group is initialised: intended here. A
+# background save cannot use `warnings.catch_warnings` (not thread-safe), hence a filter for
+# that one message, process-wide.
+warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
 
 
 class CheckpointError(ValueError):
@@ -165,22 +193,41 @@ def model_state(chunks: list[nn.Module], mesh, *, for_load: bool = False) -> dic
 
 def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh, *,
                     for_load: bool = False) -> tuple[dict, dict]:
-    """`optim/<name>/exp_avg|exp_avg_sq` -> ShardPiece and `optim/step`, from the optimizer's
-    `param_moments` (ZeRO shards all-gathered over their replica groups). For loading, fresh
-    zero tensors are returned (filled by DCP, then installed with `load_param_moments`). Also
-    returns the {param: (exp_avg, exp_avg_sq)} the pieces view."""
+    """`optim/<name>/exp_avg|exp_avg_sq` -> ShardPiece (or a list of pieces) and `optim/step`.
+
+    Saving: an optimizer with `moment_shards` (ZeRO-1/2, offload) gives this rank's slice of
+    every parameter's moments, saved as the boxes of the global tensor it covers
+    (`mpu.sharded_state.flat_range_pieces`): nothing is gathered, each rank writes its shards.
+    Others (replicated AdamW) give full per-parameter moments (`param_moments`). For loading,
+    fresh zero tensors shaped like the local parameters are returned (filled by DCP from
+    whichever boxes were saved, then installed with `load_param_moments`). Also returns the
+    {param: (exp_avg, exp_avg_sq)} the pieces view (empty when saving shards)."""
+    keys = ("exp_avg", "exp_avg_sq")
     if for_load:  # an offloaded optimizer keeps its moments on the host: read them there
         device = "cpu" if optimizer.offloaded else None
         moments = {p: (torch.zeros_like(p, device=device), torch.zeros_like(p, device=device))
                    for _, p in _own_parameters(chunks)}
         step = 0.0
+    elif hasattr(optimizer, "moment_shards"):
+        names = {p: name for name, p in _own_parameters(chunks)
+                 if not getattr(p, "tied_embedding_copy", False)}
+        shards, step = optimizer.moment_shards()
+        state = {"optim/step": torch.tensor(step, dtype=torch.float64)}
+        for param, first, tensors in shards:
+            if param not in names:
+                continue
+            for key, tensor in zip(keys, tensors):
+                pieces = flat_range_pieces(param, first, tensor, mesh)
+                if pieces:
+                    state.setdefault(f"optim/{names[param]}/{key}", []).extend(pieces)
+        return state, {}
     else:
         moments, step = optimizer.param_moments()
     state = {"optim/step": torch.tensor(step, dtype=torch.float64)}
     for name, param in _own_parameters(chunks):
         if getattr(param, "tied_embedding_copy", False) and not for_load:
             continue
-        for key, tensor in zip(("exp_avg", "exp_avg_sq"), moments[param]):
+        for key, tensor in zip(keys, moments[param]):
             piece = shard_piece(param, tensor, mesh)
             if piece is not None:
                 state[f"optim/{name}/{key}"] = piece
@@ -215,6 +262,8 @@ class _ChecksummedFile:
         self.crc, self.size = 0, 0
 
     def write(self, data) -> int:
+        if self.size == 0 and os.environ.get(WRITE_DELAY_ENV):  # tests: a writer slow enough to interrupt
+            time.sleep(float(os.environ[WRITE_DELAY_ENV]))
         written = self._io(self._file.write, data)
         self.crc = zlib.crc32(memoryview(data).cast("B")[:written], self.crc)
         self.size += written
@@ -310,10 +359,11 @@ def _os_error_in(err: CheckpointException) -> str | None:
     return None
 
 
-def _on_main_agreed(action, what: str) -> None:
-    """Run `action` on global rank 0 and broadcast its outcome over the world group; an OSError
-    or CheckpointError there becomes the same CheckpointError ('<what>: <file>: <cause>') on
-    every rank."""
+def _on_main_agreed(action, what: str, group="world") -> None:
+    """Run `action` on global rank 0 and broadcast its outcome over `group` (the world group by
+    default); an OSError or CheckpointError there becomes the same CheckpointError ('<what>:
+    <file>: <cause>') on every rank."""
+    group = world_group() if group == "world" else group
     error = None
     if _is_main():
         try:
@@ -322,9 +372,43 @@ def _on_main_agreed(action, what: str) -> None:
             error = f"{what}: {_describe_os_error(err)}"
         except CheckpointError as err:
             error = f"{what}: {err}"
-    error = broadcast_object(error, world_group())
+    error = broadcast_object(error, group)
     if error is not None:
         raise CheckpointError(error)
+
+
+def checkpoint_state(chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh) -> dict:
+    """What a checkpoint of this rank holds: `model/...` and `optim/...` pieces viewing the live
+    tensors (no copies), `optim/step` and this rank's RNG states as bytes. With ZeRO the
+    moments are this rank's shards (no communication)."""
+    state = model_state(chunks, mesh)
+    if optimizer is not None:
+        state.update(optimizer_state(chunks, optimizer, mesh)[0])
+        state[f"rng/rank{mesh.rank}"] = _rng_bytes()
+    return state
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
+    return out.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+
+
+def stage_to_host(state: dict) -> dict:
+    """A copy of `state` in host memory that later training steps do not change: every tensor
+    (piece) copied to the CPU (pinned, from CUDA, then synchronised); bytes as they are."""
+    def copy(value):
+        if isinstance(value, ShardPiece):
+            return dataclasses.replace(value, local=_host_copy(value.local))
+        if isinstance(value, list):
+            return [copy(v) for v in value]
+        if torch.is_tensor(value):
+            return _host_copy(value)
+        return value
+
+    staged = {key: copy(value) for key, value in state.items()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the non-blocking copies have landed before anyone reads them
+    return staged
 
 
 def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.Module],
@@ -335,24 +419,36 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
     newest `keep`. `optimizer=None` saves weights only (usable with `checkpoint.init_from`, not
     for resuming). Collective over the default group. An I/O failure raises CheckpointError on
     every rank naming the file and the cause; earlier checkpoints are untouched."""
-    root = Path(root)
+    with zero3.gathered(chunks):  # ZeRO-3: the full local parameters while they are written
+        state = checkpoint_state(chunks, optimizer, mesh)
+        return _write_checkpoint(Path(root), state, train_state, mesh, weights_only=optimizer is None,
+                                 model_config=model_config, keep=keep, group="world")
+
+
+def _write_checkpoint(root: Path, state: dict, train_state: TrainState, mesh, *, weights_only: bool,
+                      model_config: dict, keep: int | None, group) -> Path:
+    """Write `state` into `root/.tmp-step_N/` with DCP, publish it as `root/step_N` (rank 0:
+    manifest last, then the rename) and apply `keep`. Collective over `group` ("world": the
+    default group, as a synchronous save; else the checkpoint group of `AsyncCheckpointer`,
+    None in a single process)."""
     name = step_dir_name(train_state.step)
     final, tmp = root / name, root / f".tmp-{name}"
     failed = f"could not save the checkpoint of step {train_state.step} (earlier checkpoints are intact)"
+    coordination = world_group() if group == "world" else group
 
     def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
-    _on_main_agreed(prepare, failed)
-    state = model_state(chunks, mesh)
-    if optimizer is not None:
-        state.update(optimizer_state(chunks, optimizer, mesh)[0])
-        state[f"rng/rank{mesh.rank}"] = _rng_bytes()
+    _on_main_agreed(prepare, failed, coordination)
     writer = _ChecksummingWriter(tmp)
     try:
-        with _single_process_quiet():
-            dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(flatten_state_dict=False))
+        if group == "world":
+            with _single_process_quiet():
+                dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(flatten_state_dict=False))
+        else:  # a background thread: an explicit group; DCP's single-process warning is filtered for good below
+            dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(flatten_state_dict=False),
+                     process_group=group, no_dist=group is None)
     except CheckpointException as err:
         cause = _os_error_in(err)
         if cause is None:
@@ -360,7 +456,7 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
         if _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{failed}: {cause}") from None
-    sums_per_rank = gather_object(writer.fs.sums, world_group())
+    sums_per_rank = gather_object(writer.fs.sums, coordination)
 
     def publish() -> None:
         sums = {file: entry for rank_sums in sums_per_rank for file, entry in rank_sums.items()}
@@ -369,7 +465,7 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
             raise CheckpointError(f"{tmp} holds files {sorted(on_disk)} but this save wrote {sorted(sums)} "
                                   f"(another run writing into {root}?)")
         meta = {"format": FORMAT, "version": VERSION, "train_state": dataclasses.asdict(train_state),
-                "weights_only": optimizer is None,
+                "weights_only": weights_only,
                 "world_size": mesh.world_size, "layout": dataclasses.asdict(mesh.par), "model": model_config,
                 "files": {file: {"bytes": size, "crc32": f"{crc:08x}"} for file, (crc, size) in sorted(sums.items())}}
         _write_json_durably(tmp / META_FILE, meta)
@@ -389,15 +485,98 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
             shutil.rmtree(old, ignore_errors=True)
 
     try:
-        _on_main_agreed(publish, failed)
+        _on_main_agreed(publish, failed, coordination)
     except CheckpointError:
         if _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep is not None:
         _on_main_agreed(remove_older, f"the checkpoint of step {train_state.step} is saved in {final}, but "
-                                      f"removing the ones beyond checkpoint.keep={keep} failed")
+                                      f"removing the ones beyond checkpoint.keep={keep} failed", coordination)
     return final
+
+
+# ------------------------------------------------------------------------ asynchronous save
+
+
+def new_checkpoint_group(timeout_s: float):
+    """A gloo process group over the whole world for `AsyncCheckpointer` (None in a single
+    process). Collective: every rank calls it at the same point, at startup."""
+    if world_group() is None:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class AsyncCheckpointer:
+    """Checkpoints written in a background thread while training goes on (checkpoint.async).
+
+    `save` waits for the previous save (raising its error), copies this rank's state to host
+    memory (`stage_to_host`, on the calling thread: later steps change the weights, not the
+    copy), then writes and publishes it in a thread exactly as `save_checkpoint` does
+    (`.tmp-step_N/`, checksums, rank 0's manifest last, the rename, then `keep`). At most one
+    save is in flight. `wait` blocks until it is done and raises its failure as the
+    CheckpointError a synchronous save would have raised; every rank raises the same one,
+    since the ranks' threads agree on the outcome among themselves. Call `wait` (or `close`)
+    before the process groups go.
+
+    The thread communicates only over `group`, a gloo group of all ranks created at startup
+    for checkpoint coordination (`new_checkpoint_group`): collectives of two threads on one
+    process group could interleave, while separate groups have their own connections. It
+    carries DCP's planning, the checksum gather and rank 0's outcome broadcasts."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._thread: threading.Thread | None = None
+        self._result: Path | BaseException | None = None
+
+    def save(self, root: str | Path, train_state: TrainState, chunks: list[nn.Module],
+             optimizer: TrainingOptimizer | None, mesh, *, model_config: dict, keep: int | None = None,
+             on_done=None) -> None:
+        """Wait for the previous save, stage this one to host memory and start writing it;
+        `on_done(path)` runs in the writer thread once it is published."""
+        self.wait()
+        with zero3.gathered(chunks):  # ZeRO-3: the full local parameters while they are staged
+            staged = stage_to_host(checkpoint_state(chunks, optimizer, mesh))
+        train_state = dataclasses.replace(train_state)  # the loop goes on changing its own
+        args = (Path(root), staged, train_state, mesh)
+        kwargs = dict(weights_only=optimizer is None, model_config=model_config, keep=keep, group=self.group)
+
+        def write() -> None:
+            try:
+                path = _write_checkpoint(*args, **kwargs)
+                if on_done is not None:
+                    on_done(path)
+                self._result = path
+            except BaseException as err:  # noqa: BLE001 (handed to the caller by wait)
+                self._result = err
+
+        self._result = None
+        self._thread = threading.Thread(target=write, name=f"meshtron-checkpoint-{train_state.step}", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is written; its path, or None when there was
+        none. Its failure is raised here (CheckpointError for I/O errors)."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread, result = None, self._result
+        self._result = None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        """`wait`, reporting a failure on stderr instead of raising it (for cleanup paths where
+        another error is already on its way)."""
+        try:
+            self.wait()
+        except Exception as err:  # noqa: BLE001
+            print(f"meshtron: checkpoint error: {err}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -725,6 +904,12 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: Traini
     """Load `path` into this rank's chunks (and optimizer), resharding from whatever layout it
     was saved under. Returns the saved TrainState (a fresh one with `weights_only`). RNG states
     are restored only under the saved world size and layout. Collective over the default group."""
+    with zero3.gathered(chunks):  # ZeRO-3: loaded into the gathered parameters, re-sharded on exit
+        return _load_checkpoint(path, chunks, optimizer, mesh, weights_only=weights_only)
+
+
+def _load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh, *,
+                     weights_only: bool) -> TrainState:
     path = Path(path)
     meta = read_meta(path)
     if meta.get("weights_only") and not weights_only:

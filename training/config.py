@@ -60,7 +60,7 @@ class OptimConfig:
     warmup_steps: int | None = _field(None, ge=0)
     min_lr_ratio: float = _field(0.1, ge=0, le=1)
     decay: str = _field("cosine", choices=DECAY_STYLES)
-    zero: int = _field(0, choices=(0, 1, 2))  # 0 replicated AdamW, 1 optimizer state sharded over the replicas, 2 + gradients
+    zero: int = _field(0, choices=(0, 1, 2, 3))  # 0 replicated AdamW, 1 optimizer state sharded over the replicas, 2 + gradients, 3 + parameters (mpu/zero3.py)
     offload: bool = False   # AdamW state and fp32 main weights in CPU memory; the update runs on the CPU
     grad_comm_dtype: str = _field("fp32", choices=("fp32", "bf16"))  # dtype gradients are reduced in over dp
 
@@ -82,6 +82,9 @@ class CheckpointConfig:
     keep: int | None = _field(3, ge=1)          # newest checkpoints kept (null = all)
     resume: str | None = None                   # null | auto (newest valid in dir, else fresh) | a step_N folder
     init_from: str | None = None                # start from these weights only (step 0, fresh optimizer)
+    # checkpoint.async (a Python keyword, hence the field name): stage to host memory, write in
+    # a background thread while training goes on (training/checkpoint.py AsyncCheckpointer)
+    async_: bool = field(default=False, metadata={"key": "async"})
 
 
 @dataclass
@@ -141,6 +144,7 @@ class RunConfig:
             (not c.every or bool(c.dir),
              f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)"),
             (c.resume != "auto" or bool(c.dir), "checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)"),
+            (not c.async_ or bool(c.dir), "checkpoint.async=true needs checkpoint.dir (where to write the checkpoints)"),
             (not (c.resume and c.init_from),
              "checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run (optimizer, step, data "
              "position), init_from only takes weights; set one of them"),
@@ -163,7 +167,7 @@ def unknown_override(overrides: list[str]) -> str | None:
     """The error for the first command-line override `section.key=value` naming no config key
     (Hydra would refuse it with a multi-line struct error), suggesting the nearest key; None
     if all are known. Appending (`+`), deleting (`~`), flags and `hydra.*` are Hydra's."""
-    known = [f"{section}.{f.name}" for section, kind in SECTIONS.items() for f in dataclasses.fields(kind)]
+    known = [f"{section}.{config_key(f)}" for section, kind in SECTIONS.items() for f in dataclasses.fields(kind)]
     for arg in overrides:
         key = arg.split("=", 1)[0]
         if "=" not in arg or arg.startswith(("+", "~", "-")) or key.startswith("hydra.") or "." not in key:
@@ -175,12 +179,19 @@ def unknown_override(overrides: list[str]) -> str | None:
     return None
 
 
+def config_key(f: dataclasses.Field) -> str:
+    """The config key of a dataclass field: its name, or `metadata["key"]` where the key is a
+    Python keyword (`checkpoint.async` is the field `async_`)."""
+    return f.metadata.get("key", f.name)
+
+
 def _build_section(section: str, kind: type, values: dict[str, Any]):
     """The dataclass of one config section; unknown keys name the nearest known one."""
-    names = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(values) - names)
+    names = {config_key(f): f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - set(names))
     if unknown:
         raise ConfigError(_unknown(f"{section}.{unknown[0]}", [f"{section}.{n}" for n in names]))
+    values = {names[key]: value for key, value in values.items()}
     if kind is OptimConfig and isinstance(values.get("betas"), list):
         values = dict(values, betas=tuple(values["betas"]))
     try:

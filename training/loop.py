@@ -25,8 +25,10 @@ from meshtron.mpu.mappings import all_reduce_stats, gather_object, world_group
 from meshtron.mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
-from meshtron.training.checkpoint import (CheckpointError, TrainState, check_compatible, hold_checkpoint_dir,
-                                         load_checkpoint, resolve_resume, save_checkpoint)
+from meshtron.mpu import zero3
+from meshtron.training.checkpoint import (AsyncCheckpointer, CheckpointError, TrainState, check_compatible,
+                                         hold_checkpoint_dir, load_checkpoint, new_checkpoint_group, resolve_resume,
+                                         save_checkpoint)
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.textdata.data import ByteTokenizer, TokenDataset, build_dataset
 from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
@@ -46,7 +48,8 @@ from meshtron.observability.watchdog import StepWatchdog, is_collective_failure,
 
 def weights_are_finite(chunks) -> bool:
     """Whether every weight of every rank is finite: one flag all-reduced (max) over the world."""
-    flags = [torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()]
+    with zero3.gathered(chunks):  # ZeRO-3: the parameters are sharded between steps
+        flags = [torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()]
     bad = torch.stack(flags).logical_not().any().float().reshape(1) if flags else torch.zeros(1)
     return all_reduce_stats(bad, world_group(), op="max").item() == 0
 
@@ -151,6 +154,10 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     tokens = dataset.split_tokens("train")
 
     mesh = build_mesh(par, cfg, device_type=env.device.type)
+    # checkpoint.async: the writer thread coordinates over its own gloo group, made here, at
+    # startup, by every rank alike (training/checkpoint.py AsyncCheckpointer)
+    checkpointer = (AsyncCheckpointer(new_checkpoint_group(t.collective_timeout_s))
+                    if run.checkpoint.dir and run.checkpoint.async_ else None)
     chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device, execution=execution)
     model = nn.ModuleList(chunks)
     reducer, optimizer = build_reducer_and_optimizer(run.optim, chunks, mesh)
@@ -204,10 +211,17 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
             raise CheckpointError(f"the weights after step {state.step} are not finite (an update overflowed: "
                                   f"optim.lr={run.optim.lr:g} is likely too large); they were not saved, so the "
                                   "last checkpoint stays the newest: lower optim.lr and resume from it")
-        path = save_checkpoint(ckpt.dir, state, chunks, optimizer, mesh, model_config=dataclasses.asdict(cfg),
-                               keep=ckpt.keep)
+        if checkpointer is not None:  # waits for the previous save, stages to host memory, writes in the background
+            watchdog.phase(f"step {state.step}: checkpoint save (waiting for the previous one, staging)")
+            checkpointer.save(ckpt.dir, state, chunks, optimizer, mesh, model_config=dataclasses.asdict(cfg),
+                              keep=ckpt.keep, on_done=announce)
+            return
+        announce(save_checkpoint(ckpt.dir, state, chunks, optimizer, mesh, model_config=dataclasses.asdict(cfg),
+                                 keep=ckpt.keep))
+
+    def announce(path: Path) -> None:
         if env.is_main:
-            print(f"meshtron: checkpoint of step {state.step} saved to {path}", flush=True)
+            print(f"meshtron: checkpoint of step {_step_of_dir(path)} saved to {path}", flush=True)
 
     first_step = state.step
     try:
@@ -291,12 +305,17 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                     print(f"meshtron: SIGTERM: stopped after step {step + 1}; resume with checkpoint.resume=auto",
                           flush=True)
                 break
+        if checkpointer is not None:
+            watchdog.phase(f"step {state.step}: waiting for the background checkpoint write")
+            checkpointer.wait()  # its failure is this run's failure
         watchdog.idle()
     except Exception as err:
         if is_collective_failure(err):
             print(watchdog.describe_error(err, timeout_s=t.collective_timeout_s), file=sys.stderr, flush=True)
         raise
     finally:
+        if checkpointer is not None:
+            checkpointer.close()  # an error on its way: still finish (or report) the write in flight
         watchdog.close()
         stopper.close()
         tb.close()
@@ -313,6 +332,10 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         else:
             print(f"meshtron: nothing to do: the run is already at step {state.step} = trainer.max_steps", flush=True)
     return summary
+
+
+def _step_of_dir(path: Path) -> int:
+    return int(path.name.split("_")[1])
 
 
 def _split_microbatches(inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> list:

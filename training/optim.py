@@ -1,5 +1,5 @@
 """The run's gradient reducer and optimizer from its `optim` config: replicated AdamW,
-ZeRO-1/2 (`ShardedAdamW`) or CPU-offloaded AdamW (`OffloadedAdamW`), every one a
+ZeRO-1/2/3 (`ShardedAdamW`, with `mpu.zero3` for 3) or CPU-offloaded AdamW (`OffloadedAdamW`), every one a
 `TrainingOptimizer` (mpu/adamw.py), with decoupled weight decay on matrices only."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtron.kernels.operands import forget_weight_copies
+from meshtron.mpu import zero3
 from meshtron.mpu.adamw import ReplicatedAdamW, TrainingOptimizer, adamw
 from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
@@ -35,13 +37,19 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(
 
 def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
                                 mesh: Mesh) -> tuple[DataParallelGradReducer, TrainingOptimizer]:
-    """The data-parallel gradient reducer of `chunks` (reduce-scattering with `o.zero == 2`,
+    """The data-parallel gradient reducer of `chunks` (reduce-scattering with `o.zero` >= 2,
     in bf16 with `o.grad_comm_dtype == "bf16"`) and the optimizer `o` asks for:
     `OffloadedAdamW` with `o.offload` (at ZeRO stage `o.zero`), else `ShardedAdamW` with
-    `o.zero` 1 or 2, else the replicated AdamW of `build_optimizer`."""
+    `o.zero` 1, 2 or 3 (3: the parameters are sharded too and gathered per unit by
+    `mpu.zero3.Zero3`, which this installs on the model), else the replicated AdamW of
+    `build_optimizer`."""
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
-                                      shard_grads=o.zero == 2,
-                                      comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None)
+                                      shard_grads=o.zero >= 2,
+                                      comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None,
+                                      unit_of=zero3.unit_of if o.zero == 3 else None)
+    if o.zero == 3:  # shards the parameters (one sharder per model chunk) before the optimizer takes the shards
+        for chunk in chunks:
+            zero3.Zero3(chunk, reducer, on_free=forget_weight_copies)
     if o.offload:
         optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
                                    zero=o.zero)

@@ -11,8 +11,10 @@ into a single-process model; the next step's loss equals that unsharded continua
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,9 +23,11 @@ import pytest
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu import distributed_optimizer
 from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
@@ -31,11 +35,14 @@ from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     LOCK_FILE,
+    WRITE_DELAY_ENV,
+    AsyncCheckpointer,
     CheckpointError,
     TrainState,
     hold_checkpoint_dir,
     list_checkpoints,
     load_checkpoint,
+    new_checkpoint_group,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -49,6 +56,7 @@ from tests.distributed.dense_cases import (
     compare_parameters,
     full_tensor,
     global_batch,
+    model_config,
     trim_vocab,
 )
 from tests.distributed.moe_cases import moe_config
@@ -60,12 +68,12 @@ BATCH = 4  # global rows per step; one row per microbatch
 class _Run:
     """A model, reducer and optimizer for one layout (pp > 1: 1F1B pipeline)."""
 
-    def __init__(self, cfg, par: ParallelConfig | None, zero: bool = False):
+    def __init__(self, cfg, par: ParallelConfig | None, zero: int = 0):
         self.cfg = cfg
         self.mesh = build_mesh(par, cfg) if par is not None else single_process_mesh()
         self.chunks = init_model_chunks(cfg, self.mesh, SEED)
         self.named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
-        self.reducer = DataParallelGradReducer(self.named, self.mesh, bucket_mb=0.01)
+        self.reducer = DataParallelGradReducer(self.named, self.mesh, bucket_mb=0.01, shard_grads=zero == 2)
         if zero:
             self.optimizer = ShardedAdamW(self.reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
         else:
@@ -230,7 +238,145 @@ def locked_dir_is_refused_on_every_rank() -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _no_moment_gather():
+    """Any all-gather of ZeRO moments (or of anything in the distributed optimizer) raises."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the ZeRO checkpoint save all-gathered moments")
+
+    real = ShardedAdamW.param_moments, distributed_optimizer.all_gather_into
+    ShardedAdamW.param_moments, distributed_optimizer.all_gather_into = refuse, refuse
+    try:
+        yield
+    finally:
+        ShardedAdamW.param_moments, distributed_optimizer.all_gather_into = real
+
+
+def _full_state(run: _Run) -> dict[str, torch.Tensor]:
+    """Every parameter and its AdamW moments as full, unpadded tensors (all-gathered over tp;
+    ZeRO moments over dp) and the step count: what any layout must agree on."""
+    moments, step = run.optimizer.param_moments()
+    out = {"step": torch.tensor(step)}
+    for name, p in run.named:
+        shards = getattr(p, "shards", ())
+        out[name] = trim_vocab(name, full_tensor(p, shards, run.mesh), run.cfg)
+        for key, m in zip(("exp_avg", "exp_avg_sq"), moments[p]):
+            out[f"{name}/{key}"] = trim_vocab(name, full_tensor(m, shards, run.mesh), run.cfg)
+    return out
+
+
+def _moment_bytes_per_file(path: Path) -> dict[str, int]:
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    per_file: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("optim/") and index.fqn != "optim/step":
+            per_file[info.relative_path] = per_file.get(info.relative_path, 0) + info.length
+    return per_file
+
+
+def zero_shards_saved_without_gather_load_anywhere() -> None:
+    """ZeRO-1 and ZeRO-2 at dp=2 save their moment shards with every moment all-gather patched
+    to raise; each rank's file holds half of the moment bytes. The checkpoint loads exactly
+    (weights and moments equal bit for bit) into one process (zero=0), tp=2, and dp=2 at the
+    other ZeRO stage; a tp=2 zero=0 checkpoint loads exactly into dp=2 at zero=1 and 2."""
+    cfg = dataclasses.replace(model_config("gpt2"), seq_len=15)  # pos_embed (15, 32): dp shards cut a row
+    root = _shared_tmpdir()
+    plans = [(ParallelConfig(), 1, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 2)]),
+             (ParallelConfig(), 2, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 1)]),
+             (ParallelConfig(tp=2), 0, [(ParallelConfig(), 1), (ParallelConfig(), 2)])]
+    try:
+        for save_par, save_zero, loads in plans:
+            source = _Run(cfg, save_par, save_zero)
+            for step in range(2):
+                source.step(step)
+            with _no_moment_gather() if save_zero else contextlib.nullcontext():
+                path = save_checkpoint(root / f"zero{save_zero}", TrainState(step=2), source.chunks,
+                                       source.optimizer, source.mesh, model_config=dataclasses.asdict(cfg))
+            want = _full_state(source)
+            source.close()
+            if save_zero:
+                per_file = _moment_bytes_per_file(path)
+                share = min(per_file.values()) / sum(per_file.values())
+                assert len(per_file) == 2 and share > 0.45, per_file  # each rank wrote its shard
+                metadata = dcp.FileSystemReader(path).read_metadata()
+                chunks = metadata.state_dict_metadata["optim/pos_embed/exp_avg"].chunks
+                assert any(tuple(c.sizes)[0] == 1 and tuple(c.sizes)[1] < 32 for c in chunks), chunks  # partial row
+            for par, zero in loads:
+                target = _Run(cfg, par, zero)
+                load_checkpoint(path, target.chunks, target.optimizer, target.mesh)
+                got = _full_state(target)
+                for key in want:
+                    if not torch.equal(got[key], want[key]):
+                        raise AssertionError(f"saved at {save_par} zero={save_zero}, loaded at {par} zero={zero}: "
+                                             f"{key} differs")
+                target.close()
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def async_save_while_training_in_a_world() -> None:
+    """dp=2 ZeRO-1: a background save (slowed writer) while two more steps run writes the same
+    data files as a synchronous save of the same state; a disk filling up on rank 1 during a
+    background write raises the same CheckpointError on both ranks at the next wait, and the
+    earlier checkpoint stays the newest."""
+    from tests.test_checkpoint import _FillingDisk
+
+    cfg = model_config("gpt2")
+    root = _shared_tmpdir()
+    run = _Run(cfg, ParallelConfig(), 1)
+    saver = AsyncCheckpointer(new_checkpoint_group(30.0))
+    try:
+        for step in range(2):
+            run.step(step)
+        state = TrainState(step=2, consumed_samples=2 * BATCH)
+        sync = save_checkpoint(root / "sync", state, run.chunks, run.optimizer, run.mesh,
+                               model_config=dataclasses.asdict(cfg))
+        os.environ[WRITE_DELAY_ENV] = "0.5"
+        try:
+            saver.save(root / "async", state, run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg))
+            for step in (2, 3):
+                run.step(step)
+            assert saver.in_flight, "the background write ended before two steps ran"
+        finally:
+            del os.environ[WRITE_DELAY_ENV]
+        background = saver.wait()
+        verify_checkpoint(background)
+        for name in checkpoint.read_meta(sync)["files"]:
+            if name.endswith(".distcp"):
+                assert (sync / name).read_bytes() == (background / name).read_bytes(), name
+
+        if dist.get_rank() == 1:
+            real_init = checkpoint._ChecksummedFile.__init__
+            checkpoint._ChecksummedFile.__init__ = (
+                lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error))
+        try:
+            saver.save(root / "async", TrainState(step=4), run.chunks, run.optimizer, run.mesh,
+                       model_config=dataclasses.asdict(cfg))
+            with pytest.raises(CheckpointError) as failure:
+                saver.wait()
+        finally:
+            if dist.get_rank() == 1:
+                checkpoint._ChecksummedFile.__init__ = real_init
+        message = str(failure.value)
+        partial = root / "async" / ".tmp-step_00000004" / "__1_0.distcp"
+        assert message == (f"could not save the checkpoint of step 4 (earlier checkpoints are intact): rank 1: "
+                           f"{partial}: No space left on device"), message
+        _same_on_every_rank(message)
+        dist.barrier()
+        assert list_checkpoints(root / "async") == [background]
+    finally:
+        saver.close()
+        run.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def cases_for_world(world_size: int) -> list[str]:
+    if world_size == 2:
+        return ["zero_shards_saved_without_gather_load_anywhere", "async_save_while_training_in_a_world"]
     if world_size == 4:
         return ["gpt2_tp2_pp2_to_tp1_tp4_zero", "llama_tp2_pp2_zero_to_tp4_pp1", "moe_ep2_to_ep4_and_tp2_etp2",
                 "save_failure_on_one_rank_reaches_every_rank", "locked_dir_is_refused_on_every_rank"]

@@ -14,9 +14,11 @@ CASE_MODULES = (
     "tests.distributed.moe_dispatch_cases",
     "tests.distributed.pipeline_cases",
     "tests.distributed.zero_cases",
+    "tests.distributed.zero3_cases",
     "tests.distributed.checkpoint_cases",
     "tests.distributed.hf_cases",
     "tests.distributed.offload_cases",
+    "tests.distributed.cp_cases",
 )
 WORLD_SIZES = (2, 4, 8)
 WORLD_TIMEOUT_S = 600.0
