@@ -1,1 +1,1 @@
-"""Hydra configs (`train.yaml` and the `model/` group), importable as `meshtron.configs` so the entry finds them in any install."""
+"""Hydra configs (`train.yaml`; the groups `model/`, `parallel/`, `optim/`, `data/`; `hydra/launcher/torchrun.yaml`), importable as `meshtron.configs` so the entry finds them in any install."""

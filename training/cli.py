@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import meshtron.configs
+from meshtron.schema import nearest_key
 from meshtron.training.config import unknown_override
 from meshtron.training.loop import main_entry
 
@@ -20,10 +23,63 @@ def _hydra_main(cfg: DictConfig) -> None:
     main_entry(tree, HydraConfig.get().runtime.output_dir)
 
 
+CONFIG_DIR = Path(meshtron.configs.__file__).parent
+_CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
+
+
+def config_groups(config_dirs: list[Path]) -> dict[str, set[str]]:
+    """Option names of every config group (a folder of .yaml files, `hydra/` aside) in
+    configs/ and the given --config-dir folders."""
+    groups: dict[str, set[str]] = {}
+    for root in [CONFIG_DIR, *config_dirs]:
+        for path in root.glob("*/*.yaml"):
+            if path.parent.name != "hydra":
+                groups.setdefault(path.parent.name, set()).add(path.stem)
+    return groups
+
+
+def default_list_groups() -> set[str]:
+    """The groups train.yaml's defaults list names (selected without `+`: parallel=tp2)."""
+    defaults = OmegaConf.load(CONFIG_DIR / "train.yaml").get("defaults", [])
+    return {key for entry in defaults if isinstance(entry, (dict, DictConfig)) for key in entry}
+
+
+def group_selection_error(argv: list[str]) -> str | None:
+    """The one-line error for the first group selection Hydra would refuse with a multi-line
+    message: an unknown option (`parallel=tp3`), `+` on a group of the defaults list
+    (`+parallel=tp2`) or a missing `+` on one that is not (`model=gpt_1b`); None if all fine.
+    Sweep lists (`parallel=tp2,tp2_sp`) are checked option by option."""
+    if any(arg.split("=", 1)[0] in ("--config-path", "-cp", "--config-name", "-cn") for arg in argv):
+        return None  # another primary config: its groups are not ours to judge
+    config_dirs = [Path(value) for flag, value in zip(argv, argv[1:]) if flag in _CONFIG_DIR_FLAGS]
+    config_dirs += [Path(arg.split("=", 1)[1]) for arg in argv if arg.split("=", 1)[0] in _CONFIG_DIR_FLAGS
+                    and "=" in arg]
+    groups, in_defaults = config_groups(config_dirs), default_list_groups()
+    for arg in argv:
+        if "=" not in arg or arg.startswith(("-", "~")):
+            continue
+        key, value = arg.split("=", 1)
+        plus, group = key.startswith("+"), key.lstrip("+")
+        if group not in groups:
+            continue
+        if plus and group in in_defaults:
+            return f"{group} is in the defaults list: select a preset without `+`, e.g. {group}={value}"
+        if not plus and group not in in_defaults:
+            return f"{group} is not in the defaults list: add it with `+`, e.g. +{group}={value}"
+        if any(c in value for c in "()[]{}$"):
+            continue  # a sweep function or interpolation: Hydra's to judge
+        for option in value.split(","):
+            if option not in groups[group]:
+                near = nearest_key(option, sorted(groups[group]))
+                hint = f"did you mean {group}={near}? " if near else ""
+                return f"unknown {group} option {option!r}; {hint}known: {', '.join(sorted(groups[group]))}"
+    return None
+
+
 def main() -> None:
-    """Refuse an override naming no config key in one line (exit 2) before Hydra composes
-    the config, then run Hydra's entry."""
-    error = unknown_override(sys.argv[1:])
+    """Refuse an override naming no config key, or a group selection Hydra would refuse, in
+    one line (exit 2) before Hydra composes the config, then run Hydra's entry."""
+    error = unknown_override(sys.argv[1:]) or group_selection_error(sys.argv[1:])
     if error:
         print(f"meshtron: configuration error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -4,6 +4,12 @@ Under torchrun every rank runs Hydra, and Hydra names the run dir from each rank
 which can differ by a second between ranks. `agree_on_run_dir` makes every rank use rank
 0's directory and removes a rank's own stray directory when it holds nothing but Hydra's
 bookkeeping.
+
+Hydra multirun under torchrun runs several jobs in one process, each with its own default
+process group. torch names every default group "0" under the prefix "default_pg" of the
+launcher's store, so a second group read the first one's stale gloo addresses ("Gloo
+connectFullMesh: connection refused"). `init_distributed` therefore opens the launcher's
+store once per process and gives each job a fresh key prefix over it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from meshtron.mpu.mappings import broadcast_object, world_group
 
@@ -66,8 +73,25 @@ def init_distributed(device_preference: str, timeout_s: float = 300.0, num_threa
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout, **kwargs)
     return DistEnv(world, rank, local_rank, local_world, device)
+
+
+_LAUNCHER_STORE: dist.Store | None = None  # the env:// store, kept for the life of the process
+_JOBS_STARTED = 0  # process groups created so far; every rank runs the same jobs in the same order
+
+
+def _job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """A store for the next job's process group: the launcher's env:// store (MASTER_ADDR,
+    MASTER_PORT; torchrun's agent store) opened once, under a prefix no earlier job used."""
+    global _LAUNCHER_STORE, _JOBS_STARTED
+    if _LAUNCHER_STORE is None:
+        _LAUNCHER_STORE, _, _ = next(rendezvous("env://", rank, world, timeout=timeout))
+    _LAUNCHER_STORE.set_timeout(timeout)
+    _JOBS_STARTED += 1
+    return dist.PrefixStore(f"meshtron/job{_JOBS_STARTED}", _LAUNCHER_STORE)
 
 
 def teardown_distributed() -> None:
@@ -91,5 +115,11 @@ def agree_on_run_dir(local_dir: str | os.PathLike) -> Path:
         entries = {p.name for p in local.iterdir()}
         if entries <= _HYDRA_ONLY:
             shutil.rmtree(local, ignore_errors=True)
+            # A multirun job: this rank's own sweep dir (its clock's name) then holds only
+            # Hydra's multirun.yaml; the sweep lives in rank 0's.
+            sweep = local.parent
+            if (sweep.is_dir() and sweep.resolve() != agreed.parent.resolve()
+                    and {p.name for p in sweep.iterdir()} <= {"multirun.yaml"}):
+                shutil.rmtree(sweep, ignore_errors=True)
     agreed.mkdir(parents=True, exist_ok=True)
     return agreed
