@@ -36,7 +36,9 @@ Method (fp32; the numbers are tensor bytes, not the process's RSS):
 Options: --model gpt2|llama|moe --layers --hidden --heads --kv-heads --ffn --vocab --seq
 --micro-batch --microbatches (per rank, per step) --tp --pp --sp --vpp --schedule --ep --etp
 --experts --top-k --zero 0|1|2|3 --recompute none|selective|full --recompute-layers --dropout
---device cpu|cuda --seed --threads.
+--device cpu|cuda --seed --threads --param-dtype fp32|bf16 (bf16: 16-bit resident weights,
+mpu/resident.py, built by the run's own builder under trainer.precision=bf16; "optimizer" is then
+the AdamW moments and "main_params" the fp32 main weights).
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ from meshtron.planning.activations import saved_activation_bytes  # noqa: E402
 from meshtron.planning.plan import plan_rank  # noqa: E402
 from meshtron.training.config import OptimConfig  # noqa: E402
 from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer  # noqa: E402
+from meshtron.training.precision import Precision  # noqa: E402
 
-CATEGORIES = ("weights", "grads", "optimizer", "activations", "total")
+CATEGORIES = ("weights", "grads", "optimizer", "main_params", "activations", "total")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32")
     return p.parse_args(argv)
 
 
@@ -125,10 +129,13 @@ def state_bytes(chunks, reducer, optimizer) -> dict[str, int]:
         grads += [getattr(bucket, "buffer", None), getattr(bucket, "shard", None)]
     state = optimizer.state.values() if hasattr(optimizer, "state") else []
     opt = [t for s in state for t in s.values() if torch.is_tensor(t)]
+    main = []
+    if hasattr(optimizer, "state_tensors"):  # 16-bit resident weights: fp32 main weights + moments
+        main, opt = optimizer.state_tensors()
     shards = [getattr(bucket, "param_shard", None) for bucket in reducer.buckets]
     return {"weights": _storage_bytes(params + [s for s in shards if s is not None]),
             "grads": _storage_bytes(g for g in grads if g is not None),
-            "optimizer": _storage_bytes(opt)}
+            "optimizer": _storage_bytes(opt), "main_params": _storage_bytes(main)}
 
 
 def profiled_peak(fn, device: torch.device) -> int:
@@ -209,8 +216,10 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
     model = nn.ModuleList(chunks)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]
     opt_kw = dict(lr=1e-3, weight_decay=0.1)
-    if args.zero == 3:  # the run's own builder: the reducer, mpu.zero3's sharding, ShardedAdamW
-        reducer, optimizer = build_reducer_and_optimizer(OptimConfig(zero=3, **opt_kw), chunks, mesh)
+    precision = Precision(args.param_dtype if args.param_dtype == "bf16" else "fp32", device.type)
+    if args.zero == 3 or args.param_dtype == "bf16":  # the run's own builder (ZeRO-3 sharding, ResidentAdamW)
+        reducer, optimizer = build_reducer_and_optimizer(
+            OptimConfig(zero=args.zero, param_dtype=args.param_dtype, **opt_kw), chunks, mesh)
     else:
         reducer = (DataParallelGradReducer(named, mesh, shard_grads=True) if args.zero == 2
                    else DataParallelGradReducer(named, mesh))
@@ -233,17 +242,18 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
 
     def step():
         if executor is None:
-            out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=1e-3, max_grad_norm=1.0)
+            out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=1e-3, max_grad_norm=1.0,
+                             precision=precision)
         else:
             out = pipeline_train_step(chunks, reducer, optimizer, microbatches, mesh, executor, schedule=schedule,
-                                      lr=1e-3, max_grad_norm=1.0)
+                                      lr=1e-3, max_grad_norm=1.0, precision=precision)
         return float(out["loss"])
 
     saved = None
     if res.pp == 1:  # one microbatch's saved tensors, before the warm-up (no reduction launched)
         chunks[0].train()
         reducer.zero_grad()
-        with reducer.sync(False):
+        with reducer.sync(False), precision.autocast():
             saved = saved_activation_bytes(chunks[0], *microbatches[0])
     step()  # warm-up: AdamW state exists from here on
     states = state_bytes(chunks, reducer, optimizer)
@@ -252,9 +262,11 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
     measured = dict(states, activations=above, total=persistent + above, activations_saved=saved)
 
     plan = plan_rank(cfg, res, world, rank, micro_batch_size=micro, global_batch_size=global_batch,
-                     precision="fp32", zero=args.zero, device=device.type, execution=execution)
+                     precision=precision.name, zero=args.zero, param_dtype=args.param_dtype, device=device.type,
+                     execution=execution)
     b = plan["memory"]["bytes"]
     planned = {"weights": b["weights"], "grads": b["grads"], "optimizer": b["optimizer"],
+               "main_params": b["main_params"],
                "activations": b["activations"], "total": b["total"],
                "activations_saved": b["activations_per_microbatch"]}
     keys = CATEGORIES + (("activations_saved",) if saved is not None else ())

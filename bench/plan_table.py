@@ -24,8 +24,10 @@ LAYOUTS = [  # (name, parallel sizes, optim.zero, trainer.recompute)
     ("tp=4 ep=8 (card)", dict(tp=4, ep=8), 0, "none"),
     ("tp=4 ep=8, zero=1", dict(tp=4, ep=8), 1, "none"),
     ("tp=4 ep=8, zero=2", dict(tp=4, ep=8), 2, "none"),
+    ("tp=4 ep=8, zero=3", dict(tp=4, ep=8), 3, "none"),
     ("tp=4 ep=8, zero=1, recompute=full", dict(tp=4, ep=8), 1, "full"),
     ("tp=1 dp=8 ep=8, zero=1", dict(tp=1, ep=8), 1, "none"),
+    ("tp=1 dp=8 ep=8, zero=3", dict(tp=1, ep=8), 3, "none"),
     ("tp=8 ep=8", dict(tp=8, ep=8), 0, "none"),
     ("tp=4 pp=2 ep=4 (1f1b), zero=1", dict(tp=4, pp=2, ep=4), 1, "none"),
 ]

@@ -31,6 +31,19 @@ def precision_check(precision: str) -> Check:
             f"trainer.precision={precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
 
 
+def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1) -> list[Check]:
+    """`optim.param_dtype=bf16` (16-bit resident weights, mpu/resident.py) needs bf16 compute and
+    is not built for pipeline parallelism yet. (`zero` is kept for rules to come: every stage works.)"""
+    if param_dtype == "fp32":
+        return []
+    return [
+        (param_dtype == "bf16", f"optim.param_dtype={param_dtype!r} is unknown; use fp32 or bf16"),
+        (precision == "bf16", f"optim.param_dtype=bf16 needs trainer.precision=bf16 (got {precision!r})"),
+        (pp == 1, f"optim.param_dtype=bf16 does not support parallel.pp={pp} yet (tied-embedding sums across "
+                  f"stages are untested); use parallel.pp=1 or optim.param_dtype=fp32"),
+    ]
+
+
 def batch_size_checks(global_batch_size: int, micro_batch_size: int | None) -> list[Check]:
     """Both batch sizes are positive integers (micro may be None: the whole per-rank batch)."""
     return [

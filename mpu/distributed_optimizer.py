@@ -42,6 +42,20 @@ def flatten_bucket_params(bucket) -> torch.Tensor:
     return flat
 
 
+@torch.no_grad()
+def cast_bucket_params(bucket, dtype: torch.dtype) -> torch.Tensor:
+    """Replace a flattened bucket's parameter buffer (`flatten_bucket_params`) by one of
+    `dtype` holding the rounded values, the parameters becoming views into it; returns it."""
+    flat = bucket.param_buffer.to(dtype)
+    offset = 0
+    for p in bucket.params:
+        n = p.numel()
+        p.data = flat[offset: offset + n].view(p.shape)
+        offset += n
+    bucket.param_buffer = flat
+    return flat
+
+
 class ShardedAdamW(TrainingOptimizer):
     """AdamW over this rank's shards of the reducer's buckets; `step` all-gathers the result
     over each bucket's replica group. Exposes `param_groups` and `state` like an optimizer;

@@ -37,6 +37,12 @@ instead of the whole model's. Summing per microbatch instead of per step changes
 order of the fp32 additions. Tied-embedding buckets under pipeline parallelism keep the
 ZeRO-2 behaviour (summed over the stages first, in `finish()`).
 
+16-bit resident weights (`main_grads=True`, mpu/resident.py): torch requires a gradient's
+dtype to equal its parameter's, so a bf16 parameter's `.grad` cannot be a view of an fp32
+bucket. Instead each parameter's `main_grad` (Megatron's name) is the fp32 view; a
+post-accumulate-grad hook on every parameter adds the bf16 `.grad` autograd produced into it
+and drops `.grad`, so microbatch accumulation and the dp reduction (or reduce-scatter) stay fp32.
+
 Tied embeddings under pipeline parallelism (parameters tagged `tied_across_stages`: the
 embedding weight of the first stage and its copy on the last stage): both copies' gradients
 are summed over `mesh.embedding` in `finish()`. With `shard_grads` their buckets (tied parameters get buckets
@@ -163,9 +169,12 @@ class DataParallelGradReducer:
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
-                 shard_grads: bool = False, comm_dtype: torch.dtype | None = None, unit_of=None):
+                 shard_grads: bool = False, comm_dtype: torch.dtype | None = None, unit_of=None,
+                 main_grads: bool = False):
         self.mesh = mesh
         self.shard_grads = shard_grads
+        # 16-bit resident weights: gradients land in `p.main_grad` (fp32 bucket views), see the module doc
+        self.main_grads = main_grads
         # Gradient compression: buckets travel (and are summed) in `comm_dtype`, e.g. bf16, while
         # microbatch accumulation and the result stay fp32 (as DDP's bf16 compression hook).
         self.comm_dtype = comm_dtype
@@ -181,7 +190,7 @@ class DataParallelGradReducer:
             self._make_bucket(getattr(mesh, spec.key), spec)
         self._hooks = []
         for bucket in self.buckets:
-            if group_size(bucket.group) > 1:
+            if group_size(bucket.group) > 1 or main_grads:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -193,7 +202,7 @@ class DataParallelGradReducer:
         bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in spec.items],
                          decay=spec.decay, key=spec.key, numel=spec.padded_numel,
                          deferred=spec.tied and self.shard_grads)
-        self._point_grads(bucket)
+        self._point_grads(bucket, self.main_grads)
         size = spec.padded_numel // replicas
         bucket.shard_start = rank * size
         if self._sharded(bucket):
@@ -209,10 +218,14 @@ class DataParallelGradReducer:
         return self.shard_grads and group_size(bucket.group) > 1
 
     @staticmethod
-    def _point_grads(bucket: _Bucket) -> None:
+    def _point_grads(bucket: _Bucket, main_grads: bool = False) -> None:
         offset = 0
         for p in bucket.params:
-            p.grad = bucket.buffer[offset: offset + p.numel()].view_as(p)
+            view = bucket.buffer[offset: offset + p.numel()].view(p.shape)
+            if main_grads:
+                p.main_grad = view
+            else:
+                p.grad = view
             offset += p.numel()
 
     def unit_buffers(self) -> None:
@@ -231,7 +244,7 @@ class DataParallelGradReducer:
         for bucket in buckets:
             if bucket.lazy and bucket.buffer is None:
                 bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
-                self._point_grads(bucket)
+                self._point_grads(bucket, self.main_grads)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
 
     def buffer_bytes(self) -> int:
@@ -242,6 +255,8 @@ class DataParallelGradReducer:
     def _free_buffer(bucket: _Bucket) -> None:
         for p in bucket.params:
             p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad = None
         bucket.buffer = None
 
     def complete_unit_buckets(self) -> None:
@@ -271,6 +286,14 @@ class DataParallelGradReducer:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
+        if self.main_grads:  # 16-bit weights: accumulate the 16-bit gradient into the fp32 bucket
+            if param.main_grad is None:
+                raise RuntimeError("gradient buckets are freed after finish() with shard_grads=True: call "
+                                   "reducer.zero_grad() before backward")
+            param.main_grad.add_(param.grad)
+            param.grad = None
+            if group_size(bucket.group) <= 1:
+                return
         if bucket.buffer is None and bucket.lazy:
             raise RuntimeError("a ZeRO-3 gradient bucket has no buffer: mpu.zero3.Zero3 allocates it before its "
                                "unit's backward (is the model's Zero3 installed and its hooks in place?)")
@@ -308,7 +331,7 @@ class DataParallelGradReducer:
     def _sum_tied_embedding(self) -> None:
         if self.tied_embedding and group_size(self.mesh.embedding) > 1:
             for p in self.tied_embedding:
-                dist.all_reduce(p.grad, group=self.mesh.embedding)
+                dist.all_reduce(p.main_grad if self.main_grads else p.grad, group=self.mesh.embedding)
 
     @contextlib.contextmanager
     def sync(self, enabled: bool):
@@ -353,9 +376,7 @@ class DataParallelGradReducer:
             return
         for bucket in self.buckets:
             if self._sharded(bucket):
-                for p in bucket.params:
-                    p.grad = None
-                bucket.buffer = None
+                self._free_buffer(bucket)
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (gradients stay views into the buckets); with
@@ -367,7 +388,7 @@ class DataParallelGradReducer:
                 bucket.shard.zero_()
             elif bucket.buffer is None:
                 bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
-                self._point_grads(bucket)
+                self._point_grads(bucket, self.main_grads)
             else:
                 bucket.buffer.zero_()
             bucket.ready, bucket.launched, bucket.work = 0, False, None

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from meshtron.mpu.adamw import TrainingOptimizer
-from meshtron.mpu.distributed_optimizer import bucket_moment_shards, flatten_bucket_params
+from meshtron.mpu.distributed_optimizer import bucket_moment_shards, cast_bucket_params, flatten_bucket_params
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
@@ -55,7 +55,9 @@ class _Slot:
     sharded: bool               # all-gather over bucket.group after the update
     device_weights: torch.Tensor  # view of bucket.param_buffer
     main: nn.Parameter            # host fp32 main weights (pinned on CUDA)
-    host_grad: torch.Tensor       # host staging buffer for the gradients (pinned on CUDA)
+    host_grad: torch.Tensor | None  # host staging buffer for the gradients (pinned on CUDA); None when
+                                    # the main weights live on the device (mpu/resident.py): main.grad
+                                    # is then the reduced gradient itself
     optimizer: torch.optim.AdamW
     event: object = None
 
@@ -74,7 +76,8 @@ class OffloadedAdamW(TrainingOptimizer):
     offloaded = True
 
     def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, zero: int = 0, fused: bool = True, pin_memory: bool | None = None):
+                 eps: float = 1e-8, zero: int = 0, fused: bool = True, pin_memory: bool | None = None,
+                 host: bool = True, param_dtype: torch.dtype | None = None):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={zero}: OffloadedAdamW supports 0 (replicated), 1, 2 and 3 (sharded over replicas)")
         self.zero = zero
@@ -82,28 +85,43 @@ class OffloadedAdamW(TrainingOptimizer):
         self._slots: list[_Slot] = []
         self._param_groups: list[dict] = []
         self._weights_stale = True  # main weights are read from the device at the first step
+        # `host=False` keeps the main weights on the training device; `param_dtype` (16-bit
+        # resident weights, mpu/resident.py) reads them now, from the fp32 parameters, and then
+        # casts each bucket's parameters to `param_dtype`.
+        self.host, self.param_dtype = host, param_dtype
         kwargs = dict(lr=lr, betas=tuple(betas), eps=eps, **({"fused": True} if fused else {"foreach": True}))
         if reducer.shard_grads and zero == 0:
             raise ValueError("the reducer shards gradients (ZeRO-2): use OffloadedAdamW(zero=2)")
         self.grad_shards_of = reducer if reducer.shard_grads else None
         for bucket in self.buckets:
             device = bucket.shard.device
-            pin = (device.type == "cuda") if pin_memory is None else bool(pin_memory)
+            pin = host and ((device.type == "cuda") if pin_memory is None else bool(pin_memory))
             # ZeRO-3 (mpu/zero3.py sharded the parameters first): the device keeps only the
             # bucket's `param_shard`; the update is copied into it, the next forward gathers it.
             zero3 = getattr(bucket, "param_shard", None) is not None
             flat = bucket.param_buffer if zero3 else flatten_bucket_params(bucket)
             sharded = zero >= 1 and group_size(bucket.group) > 1
             start, size = (bucket.shard_start, bucket.shard.numel()) if sharded else (0, bucket.numel)
-            main = nn.Parameter(torch.empty(size, dtype=torch.float32, pin_memory=pin))
-            host_grad = torch.zeros(size, dtype=torch.float32, pin_memory=pin)
+            main_device = torch.device("cpu") if host else device
+            main = nn.Parameter(torch.empty(size, dtype=torch.float32, device=main_device, pin_memory=pin))
+            host_grad = torch.zeros(size, dtype=torch.float32, pin_memory=pin) if host else None
             main.grad = host_grad
             optimizer = torch.optim.AdamW([{"params": [main], "weight_decay": weight_decay if bucket.decay else 0.0}],
                                           **kwargs)
             self._param_groups += optimizer.param_groups
+            if param_dtype is not None and zero3:  # Zero3 cast the shards and kept their fp32 values
+                with torch.no_grad():
+                    main.copy_(bucket.main_init)
+                del bucket.main_init
+            elif param_dtype is not None:
+                with torch.no_grad():
+                    main.copy_(flat[start: start + size])
+                flat = cast_bucket_params(bucket, param_dtype)
             device_weights = bucket.param_shard if zero3 else flat[start: start + size]
             self._slots.append(_Slot(bucket, start, size, sharded, device_weights, main, host_grad, optimizer))
         self._pin = any(s.main.is_pinned() for s in self._slots)
+        if param_dtype is not None:
+            self._weights_stale = False
 
     # ------------------------------------------------------------------ optimizer interface
 
@@ -139,6 +157,9 @@ class OffloadedAdamW(TrainingOptimizer):
             self._refresh_main_weights()
         for slot in self._slots:
             grads = self._device_grads(slot)
+            if slot.host_grad is None:  # main weights on the device: no staging copy
+                slot.main.grad = grads
+                continue
             slot.host_grad.copy_(grads, non_blocking=self._pin)
             if grads.is_cuda:
                 slot.event = torch.cuda.Event()
@@ -150,7 +171,8 @@ class OffloadedAdamW(TrainingOptimizer):
             slot.optimizer.step()
             main = slot.main.detach()
             if slot.sharded and self.zero != 3:
-                own = main.to(slot.device_weights.device, non_blocking=self._pin)
+                # in the parameters' dtype: a bf16 gather moves half the bytes of an fp32 one
+                own = main.to(slot.device_weights.device, dtype=slot.device_weights.dtype, non_blocking=self._pin)
                 all_gather_into(slot.bucket.param_buffer, own, slot.bucket.group)
             else:
                 slot.device_weights.copy_(main, non_blocking=self._pin)
@@ -234,4 +256,5 @@ class OffloadedAdamW(TrainingOptimizer):
 
     def host_grad_bytes(self) -> int:
         """Host bytes of the gradient staging buffers (4 per updated element)."""
-        return sum(slot.host_grad.numel() * slot.host_grad.element_size() for slot in self._slots)
+        return sum(slot.host_grad.numel() * slot.host_grad.element_size() for slot in self._slots
+                   if slot.host_grad is not None)

@@ -106,9 +106,12 @@ class Zero3:
     buckets and gathers them per unit around forward and backward (module doc). The reducer
     must have been built with `unit_of` and `shard_grads=True`. Communicates over each
     bucket's replica group. `on_free(params)` runs when a unit's full weights are freed
-    (training passes `kernels.operands.forget_weight_copies`: mpu does not import kernels)."""
+    (training passes `kernels.operands.forget_weight_copies`: mpu does not import kernels).
+    `param_dtype` (16-bit resident weights, mpu/resident.py): the buffers and shards are cast to
+    it; each bucket's fp32 shard values are kept as `bucket.main_init` for the optimizer's
+    main weights (which takes and drops them)."""
 
-    def __init__(self, model: nn.Module, reducer, *, on_free=None):
+    def __init__(self, model: nn.Module, reducer, *, on_free=None, param_dtype: torch.dtype | None = None):
         if not reducer.shard_grads:
             raise ValueError("ZeRO-3 needs a reducer built with shard_grads=True (reduce-scattered gradients)")
         self.model = model
@@ -123,7 +126,7 @@ class Zero3:
             units = {unit_of(names.get(id(p), "?")) for p in bucket.params}
             if len(units) != 1:
                 raise ValueError(f"gradient bucket spans ZeRO-3 units {sorted(units)}: build the reducer with unit_of")
-            slot = self._shard(bucket)
+            slot = self._shard(bucket, param_dtype)
             self.slots.append(slot)
             by_unit.setdefault(units.pop(), []).append(slot)
         self.units: list[_Unit] = []
@@ -151,12 +154,16 @@ class Zero3:
 
     # ---- sharding -------------------------------------------------------------------------
     @staticmethod
-    def _shard(bucket) -> _Slot:
-        """Flatten the bucket's parameters into `bucket.param_buffer` and keep this rank's
-        range of it as `bucket.param_shard` (own storage when the group has > 1 member)."""
-        from meshtron.mpu.distributed_optimizer import flatten_bucket_params
+    def _shard(bucket, param_dtype: torch.dtype | None = None) -> _Slot:
+        """Flatten the bucket's parameters into `bucket.param_buffer` (cast to `param_dtype`,
+        the fp32 range kept as `bucket.main_init`) and keep this rank's range of it as
+        `bucket.param_shard` (own storage when the group has > 1 member)."""
+        from meshtron.mpu.distributed_optimizer import cast_bucket_params, flatten_bucket_params
         flat = flatten_bucket_params(bucket)
         start, size = bucket.shard_start, bucket.shard.numel()
+        if param_dtype is not None:
+            bucket.main_init = flat[start: start + size].clone()
+            flat = cast_bucket_params(bucket, param_dtype)
         sharded = group_size(bucket.group) > 1
         shard = flat[start: start + size].clone() if sharded else flat[start: start + size]
         bucket.param_shard = shard

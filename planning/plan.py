@@ -46,7 +46,7 @@ from meshtron.mpu.zero3 import unit_of
 from meshtron.mpu.pipeline_schedules import build_schedule
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
-from meshtron.rules import PRECISIONS, batch_checks, microbatches, precision_check, raise_first
+from meshtron.rules import PRECISIONS, batch_checks, microbatches, param_dtype_checks, precision_check, raise_first
 
 __all__ = [
     "plan_rank", "plan_all_ranks", "format_rank_line", "format_plan", "write_plan", "meta_param_counts",
@@ -203,7 +203,7 @@ def _replicas(res: ParallelConfig) -> dict[str, int]:
 
 
 def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero: int = 0, offload: bool = False,
-                      precision: str = "fp32") -> dict[str, int]:
+                      precision: str = "fp32", param_dtype: str = "fp32") -> dict[str, int]:
     """Bytes of this rank's model states from `meta_param_counts` and `_replicas`.
 
     Explicit terms (N = parameters of this rank; N_g and R_g = parameters and replicas of each
@@ -223,9 +223,15 @@ def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero:
     * main_params = 0: fp32 weights are the main weights (kept for the plan's schema);
     * autocast_weight_copies = 2 bytes x matmul parameters under bf16/fp16 (saved by the
       forward's matmuls until their backward), 0 for fp32.
+    * `param_dtype="bf16"` (16-bit resident weights, mpu/resident.py): weights = 2 N (bf16),
+      main_params = 4 bytes x share (fp32 main weights, in the total; 0 on the device with
+      offload, where `host` holds them), autocast_weight_copies = 0 (the weights are bf16
+      already); under ZeRO-3 the bf16 shards and gathered units are half the fp32 bytes. Per
+      parameter at dp = R: 18 (zero=0), 6 + 12/R (zero=1), 2 + 16/R (zero=2), 18/R (zero=3).
     Bucket padding (fewer than R_g elements per bucket) is ignored.
     """
-    raise_first([precision_check(precision)])
+    raise_first([precision_check(precision), *param_dtype_checks(param_dtype, precision, zero)])
+    resident = param_dtype == "bf16"
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"optim.zero={zero} must be 0, 1, 2 or 3")
     n = counts["total"]
@@ -240,16 +246,18 @@ def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero:
     out = {
         "params": n,
         "optimizer_share_params": share,
-        "weights": sharded if zero == 3 else 4 * n,
-        "weights_gathered": counts.get("zero3_gathered", 0) if zero == 3 else 0,
+        # resident bf16 weights: half the fp32 bytes, shards and gathered units alike
+        "weights": (sharded if zero == 3 else 4 * n) // (2 if resident else 1),
+        "weights_gathered": counts.get("zero3_gathered", 0) // (2 if resident else 1) if zero == 3 else 0,
         "grads": grads,
         "grad_buffers_backward": grad_buffers,
-        "main_params": 0,
+        "main_params": 4 * share if resident and not offload else 0,
         "optimizer": 0 if offload else 8 * share,
         "host": 12 * share if offload else 0,
-        "autocast_weight_copies": 0 if precision == "fp32" else 2 * counts["matmul"],
+        "autocast_weight_copies": 0 if precision == "fp32" or resident else 2 * counts["matmul"],
     }
-    out["total"] = out["weights"] + out["grads"] + out["optimizer"]  # persistent device states
+    # persistent device states
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["main_params"]
     return out
 
 
@@ -559,6 +567,7 @@ def plan_rank(
     precision: str = "fp32",
     zero: int | None = None,
     offload: bool = False,
+    param_dtype: str = "fp32",
     device: str = "cpu",
     zero_dp: int | None = None,
     execution: ExecutionConfig = ExecutionConfig(),
@@ -571,7 +580,8 @@ def plan_rank(
     and RuntimeError when the meta-built parameter count disagrees with the analytic one.
 
     `precision` fp32 | bf16 | fp16 (trainer.precision), `zero` 0 | 1 | 2 | 3 (optim.zero),
-    `offload` (optim.offload: AdamW state and fp32 main weights on the host), `device` cpu |
+    `offload` (optim.offload: AdamW state and fp32 main weights on the host), `param_dtype`
+    fp32 | bf16 (optim.param_dtype: 16-bit resident weights, `model_state_bytes`), `device` cpu |
     cuda (what the run trains on: selects the attention kernel and dropout-mask size the
     activation estimate assumes). Recompute comes from `execution` (trainer.recompute /
     recompute_layers). `zero_dp` is the legacy argument (> 1 meant ZeRO-1), used only when
@@ -630,7 +640,8 @@ def plan_rank(
 
     # ---- memory
     replicas = _replicas(res)
-    states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision)
+    states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision,
+                               param_dtype=param_dtype)
     act = activation_estimate(model_cfg, res, micro_batch_size=micro_batch_size,
                               num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
                               precision=precision, device=device, execution=execution)
@@ -669,6 +680,7 @@ def plan_rank(
         "precision": precision,
         "zero": zero,
         "offload": offload,
+        "param_dtype": param_dtype,
         "device": device,
         "recompute": execution.recompute,
         "microbatches_in_flight": in_flight,

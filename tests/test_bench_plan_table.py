@@ -22,6 +22,9 @@ def test_plan_table_prints_the_planned_layouts():
     card, zero1, zero2 = rows["tp=4 ep=8 (card)"], rows["tp=4 ep=8, zero=1"], rows["tp=4 ep=8, zero=2"]
     assert zero1["optimizer"] < card["optimizer"] and zero1["weights"] == card["weights"]  # states shard over dp
     assert zero2["grads"] < zero1["grads"]                                                # and gradients too
+    zero3 = rows["tp=4 ep=8, zero=3"]
+    assert zero3["weights"] < zero2["weights"] and zero3["grads"] <= zero2["grads"]      # and parameters too
+    assert rows["tp=1 dp=8 ep=8, zero=3"]["weights"] < rows["tp=1 dp=8 ep=8, zero=1"]["weights"] / 3
     assert rows["tp=4 ep=8, zero=1, recompute=full"]["activations"] < zero1["activations"]
     assert rows["tp=8 ep=8"]["weights"] < card["weights"] < rows["tp=1 dp=8 ep=8, zero=1"]["weights"]
     for row in rows.values():

@@ -205,8 +205,9 @@ def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh,
     keys = ("exp_avg", "exp_avg_sq")
     if for_load:  # an offloaded optimizer keeps its moments on the host: read them there
         device = "cpu" if optimizer.offloaded else None
-        moments = {p: (torch.zeros_like(p, device=device), torch.zeros_like(p, device=device))
-                   for _, p in _own_parameters(chunks)}
+        # fp32 even for bf16 resident parameters (mpu/resident.py): moments are fp32 state
+        moments = {p: (torch.zeros_like(p, device=device, dtype=torch.float32),
+                       torch.zeros_like(p, device=device, dtype=torch.float32)) for _, p in _own_parameters(chunks)}
         step = 0.0
     elif hasattr(optimizer, "moment_shards"):
         names = {p: name for name, p in _own_parameters(chunks)
@@ -377,12 +378,31 @@ def _on_main_agreed(action, what: str, group="world") -> None:
         raise CheckpointError(error)
 
 
+def main_weight_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh) -> dict:
+    """16-bit resident weights (mpu/resident.py): `model/<name>` -> this rank's pieces of the fp32
+    main weights, replacing the bf16 parameters, so the checkpoint holds what an fp32 run
+    saves. Empty for other optimizers. No communication."""
+    if not hasattr(optimizer, "main_weight_shards"):
+        return {}
+    names = {p: name for name, p in _own_parameters(chunks) if not getattr(p, "tied_embedding_copy", False)}
+    state = {f"model/{name}": [] for name in names.values()}
+    for param, first, values in optimizer.main_weight_shards():
+        if param in names:
+            state[f"model/{names[param]}"] += flat_range_pieces(param, first, values, mesh)
+    return state
+
+
 def checkpoint_state(chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh) -> dict:
     """What a checkpoint of this rank holds: `model/...` and `optim/...` pieces viewing the live
     tensors (no copies), `optim/step` and this rank's RNG states as bytes. With ZeRO the
     moments are this rank's shards (no communication)."""
     state = model_state(chunks, mesh)
     if optimizer is not None:
+        for key, pieces in main_weight_state(chunks, optimizer, mesh).items():
+            if pieces:
+                state[key] = pieces
+            else:  # this rank holds none of the parameter's main weights
+                state.pop(key, None)
         state.update(optimizer_state(chunks, optimizer, mesh)[0])
         state[f"rng/rank{mesh.rank}"] = _rng_bytes()
     return state
@@ -916,6 +936,13 @@ def _load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: Train
         raise CheckpointError(f"checkpoint {path} holds weights only (no optimizer state or step): start from it "
                               f"with checkpoint.init_from instead of checkpoint.resume")
     state = model_state(chunks, mesh, for_load=True)
+    mains = None
+    if hasattr(optimizer, "load_main_weights"):  # 16-bit resident weights: read fp32 values, not bf16
+        mains = {p: torch.zeros_like(p, dtype=torch.float32) for _, p in _own_parameters(chunks)}
+        for name, param in _own_parameters(chunks):
+            piece = shard_piece(param, mains[param], mesh)
+            if piece is not None:
+                state[f"model/{name}"] = piece
     moments = None
     if not weights_only:
         opt, moments = optimizer_state(chunks, optimizer, mesh, for_load=True)
@@ -938,6 +965,8 @@ def _load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: Train
             buf.copy_(loaded)
     if optimizer is not None:  # an offloaded optimizer re-reads its main weights
         optimizer.mark_weights_changed()
+    if mains is not None:  # fp32 main weights and their bf16 rounding into the parameters
+        optimizer.load_main_weights(mains)
     if weights_only:
         return TrainState()
     optimizer.load_param_moments(moments, float(state["optim/step"]))

@@ -15,7 +15,7 @@ from meshtron.errors import ConfigError
 from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig
-from meshtron.rules import batch_size_checks, precision_check, raise_first
+from meshtron.rules import batch_size_checks, param_dtype_checks, precision_check, raise_first
 from meshtron.schema import Allowed, allowed, field_checks, nearest_key
 from meshtron.training.schedule import DECAY_STYLES
 
@@ -63,6 +63,8 @@ class OptimConfig:
     zero: int = _field(0, choices=(0, 1, 2, 3))  # 0 replicated AdamW, 1 optimizer state sharded over the replicas, 2 + gradients, 3 + parameters (mpu/zero3.py)
     offload: bool = False   # AdamW state and fp32 main weights in CPU memory; the update runs on the CPU
     grad_comm_dtype: str = _field("fp32", choices=("fp32", "bf16"))  # dtype gradients are reduced in over dp
+    # bf16 = 16-bit resident weights: bf16 model weights, fp32 main weights only in the optimizer (mpu/resident.py)
+    param_dtype: str = _field("fp32", choices=("fp32", "bf16"))
 
 
 @dataclass
@@ -143,6 +145,7 @@ class RunConfig:
              f"trainer.trace_step={t.trace_step} must be a step in 1..trainer.max_steps={t.max_steps}"),
             (not c.every or bool(c.dir),
              f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)"),
+            *param_dtype_checks(o.param_dtype, t.precision, o.zero, self.parallel.pp),
             (c.resume != "auto" or bool(c.dir), "checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)"),
             (not c.async_ or bool(c.dir), "checkpoint.async=true needs checkpoint.dir (where to write the checkpoints)"),
             (not (c.resume and c.init_from),

@@ -138,7 +138,8 @@ def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int, execution: Exe
 
     plan = plan_all_ranks(run.model, par, env.world_size, micro_batch_size=micro,
                           global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision,
-                          zero=run.optim.zero, offload=run.optim.offload, device=env.device.type,
+                          zero=run.optim.zero, offload=run.optim.offload, param_dtype=run.optim.param_dtype,
+                          device=env.device.type,
                           execution=execution)
     mine = plan["ranks"][env.rank]
     print(f"[dry run] rank {env.rank}: {format_rank_line(mine)}", flush=True)
@@ -153,7 +154,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     cfg, t = run.model, run.trainer
     tokens = dataset.split_tokens("train")
 
-    mesh = build_mesh(par, cfg, device_type=env.device.type)
+    mesh = build_mesh(par, cfg, device_type=env.device.type, ranks_per_node=env.local_world_size)
     # checkpoint.async: the writer thread coordinates over its own gloo group, made here, at
     # startup, by every rank alike (training/checkpoint.py AsyncCheckpointer)
     checkpointer = (AsyncCheckpointer(new_checkpoint_group(t.collective_timeout_s))
@@ -188,6 +189,8 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     if env.is_main:
         n_params = sum(p.numel() for p in model.parameters())  # this rank's shards
         print(f"meshtron: {mesh.describe()}", flush=True)
+        for warning in mesh.placement_warnings():  # spanning nodes is allowed, only slower (mpu/mesh.py)
+            print(f"meshtron: warning: {warning}", flush=True)
         print(f"meshtron: {cfg.arch} {cfg.num_layers}L h={cfg.hidden_size} heads={cfg.num_heads} "
               f"seq={cfg.seq_len} vocab={cfg.vocab_size}; {n_params:,} parameters on rank 0; "
               f"{len(tokens):,} tokens of text; global batch {t.global_batch_size} = dp {par.dp} x "

@@ -14,6 +14,7 @@ from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.offload import OffloadedAdamW
+from meshtron.mpu.resident import ResidentAdamW
 from meshtron.training.config import OptimConfig
 
 
@@ -42,15 +43,22 @@ def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
     `OffloadedAdamW` with `o.offload` (at ZeRO stage `o.zero`), else `ShardedAdamW` with
     `o.zero` 1, 2 or 3 (3: the parameters are sharded too and gathered per unit by
     `mpu.zero3.Zero3`, which this installs on the model), else the replicated AdamW of
-    `build_optimizer`."""
+    `build_optimizer`. `o.param_dtype == "bf16"`: `ResidentAdamW` (mpu/resident.py), which casts
+    the parameters to bf16 and keeps fp32 main weights for this rank's shard (on the host with
+    `o.offload`); the reducer then accumulates into fp32 `main_grad`s."""
+    resident = o.param_dtype == "bf16"
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
                                       shard_grads=o.zero >= 2,
                                       comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None,
-                                      unit_of=zero3.unit_of if o.zero == 3 else None)
+                                      unit_of=zero3.unit_of if o.zero == 3 else None, main_grads=resident)
     if o.zero == 3:  # shards the parameters (one sharder per model chunk) before the optimizer takes the shards
         for chunk in chunks:
-            zero3.Zero3(chunk, reducer, on_free=forget_weight_copies)
-    if o.offload:
+            zero3.Zero3(chunk, reducer, on_free=forget_weight_copies,
+                        param_dtype=torch.bfloat16 if resident else None)
+    if resident:
+        optimizer = ResidentAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
+                                  zero=o.zero, offload=o.offload)
+    elif o.offload:
         optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
                                    zero=o.zero)
     elif o.zero:

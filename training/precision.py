@@ -7,6 +7,10 @@ updates fp32 values. Reductions autocast keeps in fp32 (softmax, norms, the cros
 stay fp32. The cost is a 16-bit copy of each weight used in a matmul, held by autocast while
 the forward runs; the saving is in activations and matmul time (tensor cores on GPUs).
 
+`optim.param_dtype=bf16` (only with bf16) makes the weights themselves bf16 and keeps the fp32
+main weights in the optimizer (16-bit resident weights, mpu/resident.py): autocast then has
+no weight copies to make, gradients are still accumulated and reduced in fp32.
+
 fp16 has a narrow exponent range, so its gradients are computed on a scaled loss
 (`LossScaler`): the loss is multiplied by the scale before backward and the gradients are
 divided by it before clipping; a step whose gradients overflow (non-finite norm) is skipped

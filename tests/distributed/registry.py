@@ -19,6 +19,7 @@ CASE_MODULES = (
     "tests.distributed.hf_cases",
     "tests.distributed.offload_cases",
     "tests.distributed.cp_cases",
+    "tests.distributed.resident_cases",
 )
 WORLD_SIZES = (2, 4, 8)
 WORLD_TIMEOUT_S = 600.0
