@@ -9,10 +9,20 @@ against the world and raises
 `ParallelConfigError` with a message that names the numbers and what to change.
 A `Mesh` with world size 1 needs no process group at all: every group is `None` and every
 collective in `mpu` is skipped for groups of size 1.
+
+Placement over nodes: torchrun gives each node (agent) consecutive global ranks, so with
+`ranks_per_node` (LOCAL_WORLD_SIZE, checked equal on every node by training/distributed.py)
+node = rank // ranks_per_node. The rank order is never changed: tp (fastest-varying) stays
+inside a node exactly when tp divides ranks_per_node, and ep x etp likewise. `placement`
+computes from the groups' rank lists which groups span nodes; `Mesh.describe` shows it and
+`Mesh.placement_warnings` names tp/ep/etp groups that cross nodes. A spanning layout is
+warned about, never refused: it runs correctly, only slower, and a user may want it (e.g. ep
+across nodes for many experts, or tp=2 over two single-GPU machines).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +150,85 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
         )
 
 
+def dim_groups(par: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
+    """The rank lists of every group of each mesh dim (`par` resolved for `world_size`), in the
+    order torch's DeviceMesh forms them: dense pp x dp x tp, expert pp x edp x ep x etp."""
+    ranks = torch.arange(world_size)
+    dense = ranks.view(par.pp, par.dp, par.tp)
+    expert = ranks.view(par.pp, par.edp, par.ep, par.etp)
+
+    def groups(grid: torch.Tensor, dim: int) -> list[list[int]]:
+        moved = grid.movedim(dim, -1)
+        return moved.reshape(-1, moved.shape[-1]).tolist()
+
+    return {"tp": groups(dense, 2), "dp": groups(dense, 1), "pp": groups(dense, 0),
+            "ep": groups(expert, 2), "etp": groups(expert, 3), "edp": groups(expert, 1)}
+
+
+@dataclass(frozen=True)
+class DimPlacement:
+    """How the groups of one mesh dim lie over nodes: `spanning` of `groups` groups hold
+    ranks of more than one node, the widest over `max_nodes` nodes."""
+
+    name: str
+    size: int
+    groups: int
+    spanning: int
+    max_nodes: int
+
+    @property
+    def intra_node(self) -> bool:
+        return self.spanning == 0
+
+    def label(self) -> str:
+        """e.g. "tp=2 (intra-node)", "dp=4 (spans 2 nodes)", "tp=3 (2 of 4 groups span 2 nodes)"."""
+        if self.size == 1:
+            return f"{self.name}=1"
+        if self.intra_node:
+            return f"{self.name}={self.size} (intra-node)"
+        if self.spanning == self.groups:
+            return f"{self.name}={self.size} (spans {self.max_nodes} nodes)"
+        return f"{self.name}={self.size} ({self.spanning} of {self.groups} groups span {self.max_nodes} nodes)"
+
+
+def placement(par: ParallelConfig, world_size: int, ranks_per_node: int) -> dict[str, DimPlacement]:
+    """For each mesh dim, which of its groups span nodes when node = rank // ranks_per_node
+    (torchrun's assignment); computed from the rank lists, no process group needed."""
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ParallelConfigError(f"{ranks_per_node} ranks per node do not divide world size {world_size}")
+    out = {}
+    for name, groups in dim_groups(par, world_size).items():
+        nodes = [len({r // ranks_per_node for r in g}) for g in groups]
+        out[name] = DimPlacement(name, len(groups[0]), len(groups), sum(n > 1 for n in nodes), max(nodes))
+    return out
+
+
+# dims whose groups should stay inside a node, and what crossing the inter-node link costs
+_INTRA_NODE_DIMS = {"tp": "TP all-reduces cross the inter-node link",
+                    "ep": "expert all-to-alls cross the inter-node link (allowed; common when experts need many ranks)",
+                    "etp": "expert TP all-reduces cross the inter-node link"}
+
+
+def placement_warnings(par: ParallelConfig, world_size: int, ranks_per_node: int) -> list[str]:
+    """One line per tp/ep/etp dim with a group spanning nodes, e.g. "parallel.tp=8 spans 2
+    nodes of 4 ranks: TP all-reduces cross the inter-node link; use tp <= 4"."""
+    lines = []
+    of = f"of {ranks_per_node} rank{'s' if ranks_per_node > 1 else ''}"
+    for name, where in placement(par, world_size, ranks_per_node).items():
+        if name not in _INTRA_NODE_DIMS or where.intra_node:
+            continue
+        if where.spanning == where.groups:
+            span = f"spans {where.max_nodes} nodes {of}"
+        else:
+            span = f"has {where.spanning} of {where.groups} groups spanning {where.max_nodes} nodes {of}"
+        line = f"parallel.{name}={where.size} {span}: {_INTRA_NODE_DIMS[name]}"
+        if name != "ep":
+            line += (f"; use {name} <= {ranks_per_node}" if where.size > ranks_per_node
+                     else f"; use a {name} that divides {ranks_per_node}")
+        lines.append(line)
+    return lines
+
+
 @dataclass(eq=False, frozen=True)
 class VirtualGroup:
     """A group of a layout planned without processes (`virtual_mesh`): its planned `size` and
@@ -188,11 +277,17 @@ class Mesh:
     """
 
     def __init__(self, par: ParallelConfig, world_size: int, rank: int, device_type: str = "cpu",
-                 create_groups: bool = True):
+                 create_groups: bool = True, ranks_per_node: int | None = None):
         self.par = par
         self.world_size = world_size
         self.rank = rank
         self.device_type = device_type
+        # node = rank // ranks_per_node (torchrun's consecutive ranks per agent); None: one node
+        self.ranks_per_node = ranks_per_node or world_size
+        if world_size % self.ranks_per_node:
+            raise ParallelConfigError(f"{self.ranks_per_node} ranks per node do not divide world size {world_size}")
+        self.num_nodes = world_size // self.ranks_per_node
+        self.node = rank // self.ranks_per_node
         pp, dp, tp = par.pp, par.dp, par.tp
         ep, etp, edp = par.ep, par.etp, par.edp
         self.pp_rank, rem = divmod(rank, dp * tp)
@@ -242,6 +337,12 @@ class Mesh:
                 if rank in blocks[index].tolist():
                     self.ep_etp = group
 
+    @functools.cached_property
+    def nodes(self) -> dict[str, DimPlacement]:
+        """Per mesh dim: how many of its groups span nodes (computed on first use: the planner
+        builds a virtual mesh per rank and never asks)."""
+        return placement(self.par, self.world_size, self.ranks_per_node)
+
     @property
     def tp_size(self) -> int:
         return self.par.tp
@@ -263,12 +364,32 @@ class Mesh:
         return (
             f"rank {self.rank}/{self.world_size}: dense pp={p.pp} dp={p.dp} tp={p.tp} "
             f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} tp_rank={self.tp_rank}); "
-            f"expert edp={p.edp} ep={p.ep} etp={p.etp}; sp={self.sequence_parallel}"
+            f"expert edp={p.edp} ep={p.ep} etp={p.etp}; sp={self.sequence_parallel}; {self.describe_placement()}"
         )
 
+    def describe_placement(self) -> str:
+        """Nodes x ranks per node and, per dim (dense | expert), whether its groups stay inside a
+        node, e.g. "placement 2 nodes x 4 ranks: tp=2 (intra-node) dp=4 (spans 2 nodes) pp=1 |
+        edp=8 (spans 2 nodes) ep=1 etp=1"."""
+        n = self.num_nodes
+        r = self.ranks_per_node
+        head = f"placement {n} node{'s' if n > 1 else ''} x {r} rank{'s' if r > 1 else ''}"
+        if n == 1:
+            return head + " (every group intra-node)"
+        dense = " ".join(self.nodes[d].label() for d in ("tp", "dp", "pp"))
+        expert = " ".join(self.nodes[d].label() for d in ("edp", "ep", "etp"))
+        return f"{head}: {dense} | {expert}"
 
-def build_mesh(par: ParallelConfig, model_cfg=None, device_type: str = "cpu") -> Mesh:
+    def placement_warnings(self) -> list[str]:
+        """tp/ep/etp dims with groups spanning nodes, one line each (printed once by rank 0)."""
+        return placement_warnings(self.par, self.world_size, self.ranks_per_node)
+
+
+def build_mesh(par: ParallelConfig, model_cfg=None, device_type: str = "cpu",
+               ranks_per_node: int | None = None) -> Mesh:
     """Validate `par` (and the model shape) against the current world, then build the groups.
+    `ranks_per_node` (LOCAL_WORLD_SIZE, equal on every node) places ranks on nodes for
+    `describe` and the placement warnings; None means one node.
 
     Requires `torch.distributed` to be initialized when the world has more than one process.
     Validation happens identically on every rank before any group is created, so a bad
@@ -281,7 +402,7 @@ def build_mesh(par: ParallelConfig, model_cfg=None, device_type: str = "cpu") ->
     resolved = par.resolved(world_size)
     if model_cfg is not None:
         check_model_fits(resolved, model_cfg)
-    return Mesh(resolved, world_size, rank, device_type)
+    return Mesh(resolved, world_size, rank, device_type, ranks_per_node=ranks_per_node)
 
 
 def virtual_mesh(par: ParallelConfig, world_size: int, rank: int) -> Mesh:

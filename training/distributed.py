@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from meshtron.mpu.mappings import broadcast_object, world_group
+from meshtron.errors import ConfigError
+from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
 
 
 @dataclass
@@ -36,6 +38,7 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     device: torch.device
+    num_nodes: int = 1  # nodes (torchrun agents) of local_world_size ranks each, checked by `check_nodes`
 
     @property
     def is_main(self) -> bool:
@@ -76,7 +79,51 @@ def init_distributed(device_preference: str, timeout_s: float = 300.0, num_threa
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
                                 timeout=timeout, **kwargs)
-    return DistEnv(world, rank, local_rank, local_world, device)
+    num_nodes = 1
+    if world > 1:
+        try:
+            num_nodes = discover_nodes(local_rank, local_world)
+        except ConfigError:
+            teardown_distributed()  # every rank raises alike (same gathered list): no rank waits
+            raise
+    return DistEnv(world, rank, local_rank, local_world, device, num_nodes)
+
+
+def discover_nodes(local_rank: int, local_world: int) -> int:
+    """Gather every rank's (node, local_rank, LOCAL_WORLD_SIZE) on rank 0 and broadcast the
+    list over the default group, once at startup; return the number of nodes after
+    `check_nodes`. The node is torchrun's GROUP_RANK (the agent: two agents on one host are
+    two nodes), else the hostname."""
+    node = os.environ.get("GROUP_RANK") or socket.gethostname()
+    group = world_group()
+    members = broadcast_object(gather_object((node, local_rank, local_world), group, dst=0), group, src=0)
+    return check_nodes(members)
+
+
+def check_nodes(members: list[tuple[str, int, int]]) -> int:
+    """Number of nodes, given each global rank's (node, local_rank, local_world_size) in rank
+    order; raises ConfigError unless every node runs the same number of ranks and holds
+    consecutive global ranks with local_rank = rank % local_world_size (torchrun's
+    assignment), so that node = rank // LOCAL_WORLD_SIZE holds for the mesh's placement."""
+    per_node: dict[str, int] = {}
+    for node, _, _ in members:
+        per_node[str(node)] = per_node.get(str(node), 0) + 1
+    if len(set(per_node.values())) > 1 or len({lw for _, _, lw in members}) > 1:
+        counts = ", ".join(f"node {n}: {c}" for n, c in per_node.items())
+        raise ConfigError(f"nodes run different numbers of ranks ({counts}); meshtron places ranks by "
+                          f"node = rank // LOCAL_WORLD_SIZE: start every node with the same --nproc_per_node")
+    local_world = members[0][2]
+    if any(count != local_world for count in per_node.values()):
+        counts = ", ".join(f"node {n}: {c}" for n, c in per_node.items())
+        raise ConfigError(f"ranks per node ({counts}) differ from LOCAL_WORLD_SIZE={local_world}; "
+                          f"give every node its own torchrun GROUP_RANK (or host) and --nproc_per_node ranks")
+    for rank, (node, local_rank, _) in enumerate(members):
+        first = members[rank - rank % local_world][0]
+        if local_rank != rank % local_world or str(node) != str(first):
+            raise ConfigError(f"rank {rank} is local rank {local_rank} of node {node}, not local rank "
+                              f"{rank % local_world} of node {first} (LOCAL_WORLD_SIZE={local_world}): "
+                              f"the launcher did not give each node consecutive ranks as torchrun does")
+    return len(per_node)
 
 
 _LAUNCHER_STORE: dist.Store | None = None  # the env:// store, kept for the life of the process
