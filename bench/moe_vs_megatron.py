@@ -11,9 +11,11 @@ time, so both systems see the same machine load in every round.
     python bench/moe_vs_megatron.py                     # ep=1 and ep=2, 3 rounds
     python bench/moe_vs_megatron.py --layouts 1 --rounds 5
 
-Prints ONE JSON object: per layout the tokens/s of every round for both systems, their
-medians and meshtron / Megatron-Core (median of the per-round ratios, which cancels slow
-drifts of the host load).
+Prints ONE JSON object: per layout the tokens/s of every round for both systems (from each
+run's median step: bench/peer_rounds.py), their medians and meshtron / Megatron-Core (median
+of the per-round ratios, which cancels slow drifts of the host load). On one host meshtron's
+blocking CPU collectives (MoE statistics, the dispatch's backward all-to-alls, TP) go through
+shared memory (mpu/shm_collectives.py); `--gloo` adds meshtron with them on gloo at ep=2.
 
 meshtron's processes keep freed host memory for reuse (training/host_malloc.py: mallopt, as
 train.py runs do). To show what that alone is worth, `megatron_core_keep_freed` runs
@@ -26,14 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PEERS = ROOT.parent / "shared" / "peers"
+from peer_rounds import DEFAULT_MCORE_VENV, PEERS, ROOT, interleaved_rounds, launch, mcore_python
+
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192, experts=8, topk=2, moe_ffn=512)
 
 
@@ -46,23 +44,13 @@ def commands(ep: int, steps: int, warmup: int, mcore_python: str) -> dict[str, l
     common = ["--layers", str(s["layers"]), "--hidden", str(s["hidden"]), "--heads", str(s["heads"]),
               "--seq", str(s["seq"]), "--batch", str(s["batch"]), "--vocab", str(s["vocab"]),
               "--steps", str(steps), "--warmup", str(warmup), "--threads", str(2 // ep)]
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ep}"]
-    mcore = [mcore_python, *launch, str(PEERS / "mcore_moe.py"), *common, "--ep", str(ep),
+    mcore = [*launch(mcore_python, ep), str(PEERS / "mcore_moe.py"), *common, "--ep", str(ep),
              "--experts", str(s["experts"]), "--topk", str(s["topk"]), "--moe-ffn", str(s["moe_ffn"]),
              "--aux-loss-coeff", "0.01"]
-    meshtron = [sys.executable, *launch, str(ROOT / "bench" / "throughput.py"), *common, "--arch", "llama",
+    meshtron = [*launch(sys.executable, ep), str(ROOT / "bench" / "throughput.py"), *common, "--arch", "llama",
                 "--experts", str(s["experts"]), "--top-k", str(s["topk"]), "--moe-ffn", str(s["moe_ffn"]),
                 "--ep", str(ep)]
     return {"megatron_core": mcore, "meshtron": meshtron}
-
-
-def run_json(cmd: list[str], threads: int, extra_env: dict | None = None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(extra_env or {}))
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])
 
 
 def main(argv=None) -> None:
@@ -73,35 +61,23 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-peer-keep-freed", action="store_true",
                    help="skip the Megatron-Core run with meshtron's glibc malloc settings")
-    p.add_argument("--mcore-venv", default=os.environ.get("MCORE_VENV",
-                                                          str(Path.home() / ".cache/meshtron-peers/mcore")))
+    p.add_argument("--gloo", action="store_true",
+                   help="at ep=2 also run meshtron with its CPU collectives on gloo (MESHTRON_SHM_COLLECTIVES=0)")
+    p.add_argument("--mcore-venv", default=DEFAULT_MCORE_VENV)
     args = p.parse_args(argv)
-    mcore_python = str(Path(args.mcore_venv) / "bin" / "python")
-    if not Path(mcore_python).exists():
-        sys.exit(f"no Megatron-Core venv at {args.mcore_venv}: run ../shared/peers/setup (or set MCORE_VENV)")
+    python = mcore_python(args.mcore_venv)
     result = {"bench": "moe_vs_megatron", "shape": SHAPE, "rounds": args.rounds, "layouts": {}}
     for ep in args.layouts:
-        cmds = commands(ep, args.steps, args.warmup, mcore_python)
+        cmds = commands(ep, args.steps, args.warmup, python)
         envs = {}
         if not args.no_peer_keep_freed:
             cmds["megatron_core_keep_freed"] = cmds["megatron_core"]
             envs["megatron_core_keep_freed"] = KEEP_FREED_ENV
-        rounds = {name: [] for name in cmds}
-        for r in range(args.rounds):
-            order = list(cmds) if r % 2 == 0 else list(reversed(cmds))  # alternate who goes first
-            for name in order:
-                record = run_json(cmds[name], 2 // ep, envs.get(name))
-                rounds[name].append(float(record["tokens_per_s"]))
-                print(f"ep={ep} round {r} {name}: {record['tokens_per_s']} tokens/s", file=sys.stderr)
-        ratios = {peer: [m / c for m, c in zip(rounds["meshtron"], rounds[peer])] for peer in rounds
-                  if peer != "meshtron"}
-        result["layouts"][f"ep{ep}"] = {
-            "processes_x_threads": f"{ep}x{2 // ep}",
-            "tokens_per_s": rounds,
-            "median_tokens_per_s": {name: statistics.median(v) for name, v in rounds.items()},
-            "meshtron_over": {peer: round(statistics.median(r), 3) for peer, r in ratios.items()},
-            "per_round_ratio": {peer: [round(x, 3) for x in r] for peer, r in ratios.items()},
-        }
+        if args.gloo and ep > 1:
+            cmds["meshtron_gloo"] = cmds["meshtron"]
+            envs["meshtron_gloo"] = {"MESHTRON_SHM_COLLECTIVES": "0"}
+        summary = interleaved_rounds(cmds, 2 // ep, args.rounds, baseline="meshtron", envs=envs, label=f"ep={ep}")
+        result["layouts"][f"ep{ep}"] = {"processes_x_threads": f"{ep}x{2 // ep}", **summary}
     print(json.dumps(result))
 
 

@@ -213,7 +213,8 @@ def profile_step(step, micro, device, rank: int) -> None:
               "_VocabParallelCrossEntropyBackward", "_VocabParallelCrossEntropy",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-              "aten::addmm", "aten::mm", "aten::linear", "gloo:all_reduce", "c10d::allreduce_"]
+              "_ColumnParallelLinear", "_RowParallelLinear",
+              "aten::addmm", "aten::mm", "aten::linear", "gloo:", "c10d::", "shm::"]
     rows = {e.key: e for e in events}
     print("phase/op cpu totals (ms):", file=sys.stderr)
     for key in wanted:

@@ -7,10 +7,9 @@ vocabulary; columns at or past `vocab_size` (the real vocabulary) are padding an
     kernel 1 (`_ce_partials_kernel`, one program per row): loops over the local vocab in
         blocks with an online max / sum-exp -> local max, sum_exp (relative to the local
         max) and the raw target logit (0 when the target is not in this shard or ignored).
-    combine (`combine_partials`, plain torch): all-reduce MAX of the maxima, rescale each
-        rank's sum_exp to the global max, then ONE stacked all-reduce SUM of
-        [sum_exp, target_logit] over the TP group -> two all-reduces per forward, as in
-        `mpu.cross_entropy`.
+    combine (`combine_partials`, plain torch): ONE all-gather of the stacked [3, N] partials
+        over the TP group, then every rank rescales each rank's sum_exp to the global max and
+        sums -> one collective per forward, as in `mpu.cross_entropy`.
     kernel 2 (`_ce_backward_kernel`, one program per row): grad = (softmax - onehot) * dloss,
         recomputed from the logits and the saved per-row log-sum-exp, written in place
         into the logits' storage by default (`inplace_backward=True`).
@@ -27,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from meshtron.kernels.backend import interpreting, triton_available
-from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from meshtron.mpu.mappings import all_reduce_stats
+from meshtron.mpu.cross_entropy import IGNORE_INDEX, combine_gathered_partials, vocab_parallel_cross_entropy
+from meshtron.mpu.mappings import all_gather_stats
 
 __all__ = [
     "IGNORE_INDEX",
@@ -47,8 +46,8 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, vocab_st
                             vocab_size: int | None = None, group=None) -> torch.Tensor:
     """Plain-torch reference: per-token fp32 cross-entropy of target's shape for logits
     [..., V_local] holding vocab columns [vocab_start, vocab_start + V_local); columns at or
-    past `vocab_size` are padding. Communicates over `group` (TP): two all-reduces forward
-    (max, then stacked sum-exp/target logit), none backward. Stores the fp32 softmax."""
+    past `vocab_size` are padding. Communicates over `group` (TP): one all-gather of [3, N]
+    statistics forward, none backward. Stores the fp32 exponentials (the unnormalised softmax)."""
     return vocab_parallel_cross_entropy(logits, target, vocab_start=vocab_start,
                                         vocab_size=vocab_size, group=group)
 
@@ -61,25 +60,12 @@ def combine_partials(local_max: torch.Tensor, sum_exp: torch.Tensor, target_logi
 
     local_max, sum_exp (relative to local_max), target_logit: fp32 [N] from this rank.
     Returns (global_max, global_sum_exp relative to global_max, global target logit).
-    Communication: one all-reduce MAX of the maxima, then ONE all-reduce SUM of the stacked
-    [rescaled sum_exp, target_logit] over `group` (`all_reduce_stats` is a no-op copy when
-    `group` is None or has one member). Non-differentiable; the autograd Function owns grads.
+    Communication: ONE all-gather of the stacked [3, N] partials over `group` (a local copy
+    when `group` is None or has one member), then `combine_gathered_partials` on every rank.
+    Non-differentiable; the autograd Function owns grads.
     """
-    global_max = all_reduce_stats(local_max, group, "max")
-    # A shard that is all padding has local_max = -inf and sum_exp = 0; exp(-inf - finite) = 0.
-    scale = torch.exp(local_max - global_max)
-    both = all_reduce_stats(torch.stack([sum_exp * scale, target_logit]), group, "sum")
-    return global_max, both[0], both[1]
-
-
-def combine_gathered_partials(local_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same as `combine_partials` for partials already gathered from every rank: inputs are
-    [world, N] (rank-major); returns the global (max, sum_exp, target_logit), each [N].
-    No communication (used for tests and for debugging a split by hand)."""
-    global_max = local_max.max(dim=0).values
-    scaled = sum_exp * torch.exp(local_max - global_max.unsqueeze(0))
-    return global_max, scaled.sum(dim=0), target_logit.sum(dim=0)
+    gathered = all_gather_stats(torch.stack([local_max, sum_exp, target_logit]), group)  # [world, 3, N]
+    return combine_gathered_partials(*gathered.unbind(1))
 
 
 def loss_from_stats(global_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor,
@@ -245,10 +231,10 @@ def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_sta
     padding (treated as -inf, exactly zero gradient); default vocab_start + V_local.
     Returns fp32 losses of target's shape, identical on every rank of `group`.
 
-    Communication over `group` (TP; None = single rank): forward two all-reduces (MAX of the
-    row maxima, then one stacked SUM of sum-exp and target logit); backward none.
+    Communication over `group` (TP; None = single rank): forward one all-gather of the [3, N]
+    per-row partials (max, sum-exp, target logit); backward none.
 
-    backend: "torch" -> `cross_entropy_reference` (stores the fp32 softmax);
+    backend: "torch" -> `cross_entropy_reference` (stores the fp32 exponentials);
     "triton" -> fused kernels with an online log-sum-exp (saves only the logits and per-row
     fp32 lse). With inplace_backward=True (default, triton only) the gradient is written into
     the logits' own storage and returned as their gradient: the forward's input logits are

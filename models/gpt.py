@@ -28,7 +28,7 @@ from meshtron.moe.router import pooled_aux_loss
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
-from meshtron.mpu.mappings import all_reduce_stats, gather_from_region
+from meshtron.mpu.mappings import all_reduce_stats, column_parallel_linear, gather_from_region
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.random import get_rng_tracker, seed_parallel_rng
 from meshtron.mpu.recompute import recompute
@@ -145,8 +145,12 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(f, h, mesh, bias=cfg.bias, init_std=out_std, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
         backend = self.backend
+        if self.gate is None and backend == "torch":
+            # One node for the region entry and the GEMM: backward overlaps the input gradient's
+            # all-reduce with the weight-gradient GEMM (same math as _linear_gelu_torch).
+            return self.down(F.gelu(self.up(x), approximate="tanh"))
+        x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
         if self.gate is None:
             hidden = selfcheck.dispatch("linear_gelu", backend, _linear_gelu_triton, _linear_gelu_torch,
                                         x, self.up.weight, self.up.bias)
@@ -305,13 +309,16 @@ class GPT(nn.Module):
         weight = self.embed.weight if self.head is None else self.head.weight
         # Batch-major before the head: transposing [s, b, h] costs h per token, transposing
         # the logits V/tp per token (on the CPU a 32 MiB copy at the reference shape).
-        x = enter_tp_region(x, self.mesh).transpose(0, 1).contiguous()
-        return F.linear(x, weight)  # [b, s, V_pad/tp], contiguous
+        if self.mesh.sequence_parallel:  # the sequence all-gather needs [s, b, h] order
+            x = enter_tp_region(x, self.mesh).transpose(0, 1).contiguous()
+            return F.linear(x, weight)  # [b, s, V_pad/tp], contiguous
+        # Backward overlaps the input gradient's all-reduce with the LM head's weight-gradient GEMM.
+        return column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded.
-        Two all-reduces over the TP group forward. With a Triton backend the fused kernel
-        overwrites `logits` with their gradient in backward (they are used for nothing else).
+        One all-gather of [3, tokens] statistics over the TP group forward. With a Triton backend
+        the fused kernel overwrites `logits` with their gradient in backward (they are used for nothing else).
         Under triton_checked the check runs on this rank's shard alone (group=None, separate
         gradient buffer), so it never communicates; the real call keeps group=TP."""
         start, vocab, group = self.vocab_start, self.cfg.vocab_size, self.mesh.tp

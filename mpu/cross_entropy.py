@@ -1,64 +1,115 @@
 """Cross-entropy over vocab-parallel logits, without materializing full logits on any rank.
 
-Each TP rank holds logits for its slice [start, start + V/tp) of the padded vocabulary.
-Two all-reduces over the TP group: the max (for a stable log-sum-exp), then the sum of
-exponentials together with the target logit. Columns past the real vocabulary (padding)
-are masked to -inf, so they never take part in the loss and get zero gradient.
+Each TP rank holds logits for its slice [start, start + V/tp) of the padded vocabulary; the
+columns past the real vocabulary (padding) are simply not read, so they never take part in
+the loss and get exactly zero gradient.
+
+One pass over the logits, in row chunks small enough to stay in cache between the passes
+over a chunk (max, then exp(x - local max) written once, then its row sum): per row the
+local max, the sum of exponentials relative to it and the raw target logit. ONE all-gather of
+those [3, rows] statistics over the TP group replaces separate max and sum all-reduces; each
+rank combines them (`combine_gathered_partials`). The stored exponentials, rescaled per row,
+are the softmax the backward needs; backward writes the gradient in one pass and needs no
+communication.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
+from meshtron.mpu.mappings import all_gather_stats
 from meshtron.mpu.mesh import group_size
 
 IGNORE_INDEX = -100
+
+# Elements per chunk of rows: 128 Ki fp32 = 512 KiB, read by the max and the exp pass and
+# summed while still in a core's L2 cache.
+CHUNK_ELEMENTS = 1 << 17
+
+
+def combine_gathered_partials(local_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global per-row (max, sum_exp relative to it, target logit) from every rank's partials,
+    each [world, N] (rank-major): sum_exp of rank k is relative to its local_max. A rank whose
+    shard is all padding has local_max -inf and sum_exp 0 and adds nothing. No communication."""
+    global_max = local_max.max(dim=0).values
+    scaled = sum_exp * torch.exp(local_max - global_max.unsqueeze(0))
+    return global_max, scaled.sum(dim=0), target_logit.sum(dim=0)
+
+
+def local_statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int,
+                     exp_out: torch.Tensor | None = None, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """fp32 [3, N] per-row (local max, sum of exp(x - local max), raw target logit) of this
+    rank's shard `rows` [N, V_local], reading only its first `n_valid` (non-padding) columns.
+    The target logit is 0 where the target is ignored or in another shard, -inf where it
+    points at padding. With `exp_out` ([N, n_valid] fp32) the exponentials are left there.
+    No communication."""
+    n = rows.shape[0]
+    stats = torch.empty(3, n, dtype=torch.float32, device=rows.device)
+    if n_valid <= 0:  # a shard of padding only
+        stats[0].fill_(float("-inf"))
+        stats[1].zero_()
+    else:
+        # Tensors without data (the planner's traces) take one chunk: same buffers, few ops.
+        step = n if (rows.is_meta or is_fake(rows)) else max(1, chunk_elements // n_valid)
+        scratch = None
+        for i in range(0, n, step):
+            x = rows[i:i + step, :n_valid]
+            x = x if x.dtype == torch.float32 else x.float()
+            m = x.amax(dim=1, keepdim=True)
+            if exp_out is not None:
+                e = exp_out[i:i + step]
+            else:
+                if scratch is None:
+                    scratch = torch.empty(min(step, n), n_valid, dtype=torch.float32, device=rows.device)
+                e = scratch[: x.shape[0]]
+            torch.sub(x, m, out=e).exp_()
+            torch.sum(e, dim=1, out=stats[1, i:i + step])
+            stats[0, i:i + step] = m.squeeze(1)
+    local_t = target - vocab_start
+    in_shard = (local_t >= 0) & (local_t < rows.shape[1]) & (target != IGNORE_INDEX)
+    safe_t = local_t.masked_fill(~in_shard, 0)
+    t_logit = rows.gather(1, safe_t.unsqueeze(1)).squeeze(1).float()
+    t_logit = t_logit.masked_fill(~in_shard, 0.0).masked_fill(in_shard & (local_t >= n_valid), float("-inf"))
+    stats[2] = t_logit
+    return stats
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start, vocab_size, group):
-        ctx.input_dtype = logits.dtype
-        logits = logits.float()
+        ctx.input_dtype, ctx.shape = logits.dtype, logits.shape
         local_vocab = logits.shape[-1]
-        if vocab_start + local_vocab > vocab_size:  # this shard holds padding (decided on the host, no sync)
-            cols = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-            logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
-        distributed = group_size(group) > 1
-
-        logits_max = logits.max(dim=-1).values
-        if distributed:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        ignored = target == IGNORE_INDEX
-        local_target = target - vocab_start
-        in_range = (local_target >= 0) & (local_target < local_vocab) & ~ignored
-        safe_target = local_target.masked_fill(~in_range, 0)
-        target_logit = shifted.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(~in_range, 0.0)
-
-        exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
-        if distributed:
-            both = torch.stack([sum_exp, target_logit])
-            dist.all_reduce(both, group=group)
-            sum_exp, target_logit = both[0], both[1]
-
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, safe_target, in_range, ignored)
-        return loss
+        rows = logits.reshape(-1, local_vocab)
+        tgt = target.reshape(-1)
+        n_valid = max(0, min(local_vocab, vocab_size - vocab_start))  # decided on the host, no sync
+        exp = torch.empty(rows.shape[0], n_valid, dtype=torch.float32, device=logits.device)
+        stats = local_statistics(rows, tgt, vocab_start, n_valid, exp_out=exp)
+        if group_size(group) > 1:
+            global_max, sum_exp, target_logit = combine_gathered_partials(*all_gather_stats(stats, group).unbind(1))
+        else:
+            global_max, sum_exp, target_logit = stats
+        ignored = tgt == IGNORE_INDEX
+        loss = (torch.log(sum_exp) + global_max - target_logit).masked_fill(ignored, 0.0)
+        # softmax = exp * row_scale: exp is relative to this rank's max, the sum to the global one.
+        row_scale = torch.exp(stats[0] - global_max) / sum_exp
+        local_t = tgt - vocab_start
+        hit = (local_t >= 0) & (local_t < n_valid) & ~ignored
+        ctx.save_for_backward(exp, row_scale, local_t.masked_fill(~hit, 0), hit, ignored)
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, safe_target, in_range, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        hit = in_range.to(grad.dtype)
-        grad.scatter_add_(-1, safe_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        exp, row_scale, safe_target, hit, ignored = ctx.saved_tensors
+        n, n_valid = exp.shape
+        local_vocab = ctx.shape[-1]
+        g = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0)
+        grad = torch.empty(n, local_vocab, dtype=torch.float32, device=exp.device)
+        torch.mul(exp, (row_scale * g).unsqueeze(1), out=grad[:, :n_valid])
+        grad[:, n_valid:].zero_()
+        grad.scatter_add_(1, safe_target.unsqueeze(1), -(g * hit).unsqueeze(1))
+        return grad.to(ctx.input_dtype).view(ctx.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
@@ -69,6 +120,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     target: [...] global token ids (IGNORE_INDEX = -100 gives loss 0 and no gradient);
     vocab_size: the real vocabulary size, columns at or past it are padding and excluded.
     Returns fp32 losses of the target's shape, identical on every rank of `group`.
+    Communication over `group` (TP): one all-gather of [3, N] statistics forward, none backward.
     """
     if vocab_size is None:
         vocab_size = vocab_start + logits.shape[-1]

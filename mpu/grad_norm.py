@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.mesh import Mesh, collective_device, group_size
 
 
@@ -39,7 +40,7 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor:
     replicated = [p.grad for p in dense if getattr(p, "tp_shard_dim", None) is None]
     total = _sum_squares(sharded, device)
     if group_size(mesh.tp) > 1:
-        dist.all_reduce(total, group=mesh.tp)
+        total = all_reduce_stats(total, mesh.tp)  # shared memory for CPU ranks of one host
     if expert:
         expert_total = _sum_squares(expert, device)
         if group_size(mesh.ep_etp) > 1:

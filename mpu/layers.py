@@ -14,11 +14,13 @@ from torch import nn
 
 from meshtron.mpu.init import constant_init, normal_init, tag
 from meshtron.mpu.mappings import (
+    column_parallel_linear,
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
     reduce_from_region,
     reduce_scatter_to_sequence,
+    row_parallel_linear,
 )
 from meshtron.mpu.mesh import Mesh
 
@@ -50,8 +52,10 @@ class ColumnParallelLinear(nn.Module):
                             constant_init((out_features,), 0.0), tp_shard_dim=0)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        x = enter_tp_region(x, self.mesh)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+        # One autograd node for the region entry and the GEMM: its backward overlaps the input
+        # gradient's TP collective with the weight-gradient GEMM.
+        y = column_parallel_linear(x, self.weight if weight is None else weight, self.bias, self.mesh.tp,
+                                   sequence_parallel=self.mesh.sequence_parallel)
         if self.gather_output:
             y = gather_from_region(y, -1, self.mesh.tp)
         return y
@@ -78,7 +82,7 @@ class RowParallelLinear(nn.Module):
                             sequence_parallel=mesh.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(F.linear(x, self.weight), self.mesh)
+        y = row_parallel_linear(x, self.weight, self.mesh.tp, sequence_parallel=self.mesh.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 

@@ -9,6 +9,10 @@
     sequence_gathered       fwd: none (the gathered tensor is at hand)  bwd: reduce-scatter (dim 0)
     all_to_all              fwd: all-to-all          bwd: the reverse all-to-all
     all_to_all_start / all_to_all_wait: the same all-to-all, asynchronous (fwd and bwd)
+    column_parallel_linear  fwd: copy (SP: all-gather) + linear   bwd: all-reduce (SP: reduce-scatter)
+                            of the input gradient, asynchronous beside the weight-gradient GEMM
+    row_parallel_linear     fwd: linear + all-reduce (SP: reduce-scatter) in place   bwd: identity
+                            (SP: all-gather) + linear
 
 and the non-differentiable collectives that code outside mpu/ calls instead of
 torch.distributed's (tests/test_module_boundaries.py checks that it does):
@@ -16,6 +20,10 @@ torch.distributed's (tests/test_module_boundaries.py checks that it does):
     all_reduce_stats, all_gather_stats, all_to_all_stats   statistics (returns new tensors)
     all_gather_into, reduce_scatter_into                   into preallocated flat buffers
     barrier, broadcast_object, gather_object               synchronisation, Python objects
+
+Transport: CPU tensors of at most 4 MiB over a gloo group whose ranks share one x86-64 host
+go through shared memory (`mpu/shm_collectives.py`: all-reduce, all-gather, blocking
+all-to-all; MESHTRON_SHM_COLLECTIVES=0 turns it off); everything else through torch.distributed.
 
 Sequence-parallel tensors are laid out [s, b, h] so a sequence shard is a contiguous chunk
 of dim 0. Every function is the identity (or a local copy) when the group has one member or
@@ -34,8 +42,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from meshtron.mpu import shm_collectives as shm
 from meshtron.mpu.mesh import VirtualGroup, group_rank, group_size
 from meshtron.mpu.waits import wait_for
 
@@ -70,7 +80,11 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _size(group, x) == 1:
         return x
     x = x.contiguous()
-    if not _shape_only(group):
+    if _shape_only(group):
+        return x
+    if shm.eligible(group, x):  # CPU ranks of one host: through shared memory
+        shm.all_reduce(x, group)
+    else:
         dist.all_reduce(x, group=group)
     return x
 
@@ -90,7 +104,11 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if not _shape_only(group):
+    if _shape_only(group):
+        pass
+    elif shm.eligible(group, x):
+        shm.all_gather_into(out, x, group)
+    else:
         _all_gather_into(out, x, group=group)
     return out.movedim(0, dim)
 
@@ -173,6 +191,114 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather(grad, 0, ctx.group), None
 
 
+def _autocast_dtype(device_type: str):
+    """The autocast compute dtype active for `device_type`, or None."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """enter the TP region (copy, or the SP all-gather) + y = x W^T + b, with the backward
+    collective of the input gradient issued asynchronously and overlapped with the weight and
+    bias gradient GEMMs (Megatron's async grad all-reduce / reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        dtype = _autocast_dtype(x.device.type)
+        if dtype is not None:  # what autocast does for F.linear: compute and save 16-bit copies
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        if sequence_parallel:
+            x = _gather(x, 0, group)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group, sp = ctx.group, ctx.sequence_parallel
+        grad = grad.contiguous()
+        grad_input = work = label = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad.matmul(weight)
+            if _shape_only(group):
+                grad_input = _reduce_scatter(grad_input, 0, group) if sp else grad_input
+            elif sp:
+                full = grad_input
+                grad_input = torch.empty((full.shape[0] // _size(group, full),) + tuple(full.shape[1:]),
+                                         dtype=full.dtype, device=full.device)
+                work = _reduce_scatter_into(grad_input, full, group=group, async_op=True)
+                label = "reduce_scatter of a column-parallel input gradient over tp"
+            elif not shm.eligible(group, grad_input):
+                work = dist.all_reduce(grad_input, group=group, async_op=True)
+                label = "all_reduce of a column-parallel input gradient over tp"
+        # Independent of the collective in flight: the weight and bias gradients.
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if work is not None:
+            wait_for(work, label)
+        elif grad_input is not None and not sp and not _shape_only(group):
+            # Shared memory is synchronous: reduce after the weight gradient, by when the
+            # other ranks have their part ready too.
+            shm.all_reduce(grad_input, group)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, *,
+                           sequence_parallel: bool = False) -> torch.Tensor:
+    """`F.linear(enter(x), weight, bias)` for a weight split by output rows over `group`, where
+    enter is `copy_to_region` (or `gather_from_sequence` with `sequence_parallel`: x is a
+    sequence shard [s/tp, b, h]). Same values and gradients as those two calls; backward starts
+    the input gradient's all-reduce (reduce-scatter) over `group` asynchronously and computes
+    the weight and bias gradients while it is in flight. A group of one is plain F.linear."""
+    if _size(group, x) == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel)
+
+
+class _RowParallelLinear(torch.autograd.Function):
+    """y = all-reduce(x W^T) over the TP group (SP: reduce-scatter along dim 0), the GEMM's
+    output reduced in place (no copy); backward: identity (SP: all-gather) of the output
+    gradient, then the input and weight gradient GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        dtype = _autocast_dtype(x.device.type)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x, weight)
+        # Splitting the GEMM into row chunks whose all-reduces overlap the next chunk's GEMM
+        # was measured no faster at tp=2 on the 2-core CPU (bench/README.md), so one GEMM.
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, weight)
+        return _reduce_scatter(y, 0, group) if sequence_parallel else _all_reduce(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = _gather(grad, 0, ctx.group) if ctx.sequence_parallel else grad.contiguous()
+        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_input, grad_weight, None, None
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group, *,
+                        sequence_parallel: bool = False) -> torch.Tensor:
+    """`reduce_from_region(F.linear(x, weight))` (with `sequence_parallel`:
+    `reduce_scatter_to_sequence`) for a weight split by input columns over `group`, x this
+    rank's slice of the features; same values and gradients, without the copy of the GEMM's
+    output. A group of one is plain F.linear."""
+    if _size(group, x) == 1:
+        return F.linear(x, weight)
+    return _RowParallelLinear.apply(x, weight, group, sequence_parallel)
+
+
 def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient over `group` backward."""
     return x if _size(group, x) == 1 else _CopyToRegion.apply(x, group)
@@ -214,9 +340,12 @@ def scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
 @torch.no_grad()
 def all_reduce_stats(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """Non-differentiable all-reduce of statistics (counts, maxima) over `group`; returns a new tensor."""
-    out = x.detach().clone()
+    out = x.detach().clone(memory_format=torch.contiguous_format)
     if group_size(group) > 1:
-        dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+        if op == "sum" and shm.eligible(group, out):
+            shm.all_reduce(out, group)
+        else:
+            dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return out
 
 
@@ -228,7 +357,11 @@ def all_gather_stats(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x.unsqueeze(0).clone()
     out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-    if not _shape_only(group):
+    if _shape_only(group):
+        pass
+    elif shm.eligible(group, x):
+        shm.all_gather_into(out, x.reshape(-1), group)
+    else:
         _all_gather_into(out, x.reshape(-1), group=group)
     return out.view((world,) + tuple(x.shape))
 
@@ -241,7 +374,9 @@ def all_to_all_stats(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x.clone()
     out = torch.empty_like(x.contiguous())
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    chunk = x.shape[0] // world
+    if not (shm.eligible(group, out[:0]) and shm.all_to_all(out, x, [chunk] * world, [chunk] * world, group)):
+        dist.all_to_all_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -304,7 +439,9 @@ def gather_object(obj, group, dst: int = 0) -> list | None:
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((sum(output_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if not _shape_only(group):
+    if _shape_only(group):
+        pass
+    elif not (shm.eligible(group, x[:0]) and shm.all_to_all(out, x, output_splits, input_splits, group)):
         dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
                                group=group)
     return out
@@ -443,13 +580,19 @@ class AllToAllHandle:
         return grads
 
 
-def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int], group):
-    """Issue one asynchronous `all_to_all_single` per tensor (same splits); (outputs, works)."""
+def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int], group, *,
+                      blocking: bool = False):
+    """Issue one asynchronous `all_to_all_single` per tensor (same splits); (outputs, works).
+    `blocking` (the caller waits at once anyway): through shared memory where eligible."""
     outs, works = [], []
     for x in tensors:
         x = x.contiguous()
         out = torch.empty((sum(output_splits),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        if not _shape_only(group):
+        if _shape_only(group):
+            pass
+        elif blocking and shm.eligible(group, x[:0]) and shm.all_to_all(out, x, output_splits, input_splits, group):
+            pass
+        else:
             works.append(dist.all_to_all_single(out, x, output_split_sizes=output_splits,
                                                 input_split_sizes=input_splits, group=group, async_op=True))
         outs.append((out, x))
@@ -485,7 +628,8 @@ class _AllToAllWait(torch.autograd.Function):
     def backward(ctx, *grads):
         handle = ctx.handle
         send = [g for g, d in zip(grads, handle.differentiable) if d]
-        outs, handle.grad_works = _start_all_to_all(send, handle.input_splits, handle.output_splits, handle.group)
+        outs, handle.grad_works = _start_all_to_all(send, handle.input_splits, handle.output_splits, handle.group,
+                                                    blocking=not ASYNC_BACKWARD)
         received = iter(outs)
         handle.grads = tuple(next(received)[0] if d else None for d in handle.differentiable)
         handle.keep = outs  # the gradients being sent stay alive until wait_grads

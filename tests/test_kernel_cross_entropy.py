@@ -128,31 +128,28 @@ def test_two_way_split_partials_combined_by_hand(vocab, padded):
 
 
 @pytest.mark.parametrize("vocab,padded", [(100, 128), (300, 384)])
-def test_two_way_split_full_autograd_with_fake_all_reduce(monkeypatch, vocab, padded):
-    """Run the whole Function on each half, with `all_reduce_stats` replaced by a fake that
-    adds the other rank's (precomputed) contribution: loss and gradient slices match the full."""
+def test_two_way_split_full_autograd_with_fake_all_gather(monkeypatch, vocab, padded):
+    """Run the whole Function on each half, with `all_gather_stats` replaced by a fake that
+    returns both ranks' (precomputed) partials: loss and gradient slices match the full."""
     logits, target = _case(17, vocab, padded, seed=vocab + 1)
     want, ref = _expected(logits, target, vocab)
     want.sum().backward()
     width = padded // 2
     shards = _split(logits, target, vocab, width)
-    parts = [cross_entropy_partials(shard, target, start, vocab) for shard, start in shards]
+    parts = [torch.stack(cross_entropy_partials(shard, target, start, vocab)) for shard, start in shards]
     grads = []
     for rank, (shard, start) in enumerate(shards):
-        peer_max, peer_sum, peer_tgt = parts[1 - rank]
         calls = []
 
-        def fake(x, group, op="sum"):
-            calls.append(op)
-            if op == "max":
-                fake.gmax = torch.maximum(x, peer_max)
-                return fake.gmax
-            return x + torch.stack([peer_sum * torch.exp(peer_max - fake.gmax), peer_tgt])
+        def fake(x, group):
+            calls.append(tuple(x.shape))
+            torch.testing.assert_close(x, parts[rank])  # this rank's own partials go out
+            return torch.stack(parts)
 
-        monkeypatch.setattr(kce, "all_reduce_stats", fake)
+        monkeypatch.setattr(kce, "all_gather_stats", fake)
         x = shard.clone().requires_grad_(True)
         loss = fused_cross_entropy(x * 1.0, target, vocab_start=start, vocab_size=vocab, backend="triton")
-        assert calls == ["max", "sum"]  # two all-reduces, the second one stacked
+        assert calls == [(3, 17)]  # one collective: the stacked [3, rows] partials
         torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
         loss.sum().backward()
         grads.append(x.grad)

@@ -119,7 +119,8 @@ os._exit(0)
 def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # gloo itself: the shared-memory path (mpu/shm_collectives.py) has its own test below
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MESHTRON_SHM_COLLECTIVES": "0"}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
@@ -145,6 +146,41 @@ def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
                               "(from mpu/mappings.py:")
     assert "during step 3: routing stats" in failure and "Original error: " in failure
     assert "did not join within trainer.collective_timeout_s=2 " in failure and "timed out" in failure.lower()
+    seconds = float(lines[-1].split()[2])
+    assert 1.5 <= seconds < 10
+
+
+_SHM_WORKER = _WORKER.replace(
+    "if rank == 1:  # never joins",
+    "from meshtron.mpu import shm_collectives\n"
+    "shm_collectives.set_timeout(2)\n"
+    "all_reduce_stats(torch.ones(4), dist.group.WORLD)  # both ranks: the group's segment is made\n"
+    "if rank == 1:  # never joins")
+
+
+@pytest.mark.timeout(60)
+def test_rank_stuck_in_a_shared_memory_all_reduce_fails_after_the_collective_timeout(tmp_path: pathlib.Path):
+    """CPU ranks of one host all-reduce through shared memory: a peer that never arrives is
+    named by the watchdog and fails the wait after the process group's timeout, as gloo would."""
+    script = tmp_path / "worker.py"
+    script.write_text(_SHM_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MESHTRON_SHM_COLLECTIVES": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _, err0 = procs[0].communicate(timeout=40)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 3, err0
+    lines = err0.splitlines()
+    (report,) = [line for line in lines if " stuck for " in line]
+    assert "in step 3: routing stats, waiting in all_reduce over a shared-memory group of 2 (call 2)" in report
+    (failure,) = [line for line in lines if " failed in " in line]
+    assert "all_reduce over a shared-memory group of 2 (call 2)" in failure
+    assert "timed out: ranks [1] of the group did not arrive within 2 s" in failure
     seconds = float(lines[-1].split()[2])
     assert 1.5 <= seconds < 10
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
 from meshtron.errors import ConfigError
+from meshtron.mpu import shm_collectives
 from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
 
 
@@ -45,8 +46,31 @@ class DistEnv:
         return self.rank == 0
 
 
+def submitit_torch_env(job_env) -> dict[str, str]:
+    """torchrun's variables for one task of a submitit job (one task per GPU, e.g. Hydra's
+    `hydra/launcher=slurm_gpu` or `submitit_local`), from a `submitit.JobEnvironment`: ranks as
+    Slurm (or the local executor) numbers them, rendezvous on the first host at MASTER_PORT if
+    set, else at a port derived from the job id as `submitit.helpers.TorchDistributedEnvironment`
+    does (every task of a job derives the same one; sweep points, being jobs of their own, differ)."""
+    import random
+
+    if job_env.num_tasks % job_env.num_nodes:
+        raise ConfigError(f"submitit job runs {job_env.num_tasks} tasks on {job_env.num_nodes} nodes: "
+                          f"give every node the same hydra.launcher.tasks_per_node")
+    port = os.environ.get("MASTER_PORT") or str(random.Random(job_env.job_id).randint(20000, 60000))
+    return {"WORLD_SIZE": str(job_env.num_tasks), "RANK": str(job_env.global_rank),
+            "LOCAL_RANK": str(job_env.local_rank), "LOCAL_WORLD_SIZE": str(job_env.num_tasks // job_env.num_nodes),
+            "GROUP_RANK": str(job_env.node), "MASTER_ADDR": job_env.hostnames[0], "MASTER_PORT": port}
+
+
 def launcher_env() -> tuple[int, int, int, int]:
-    """(world, rank, local_rank, local_world) from torchrun's variables; (1, 0, 0, 1) without."""
+    """(world, rank, local_rank, local_world) from torchrun's variables; (1, 0, 0, 1) without.
+    In a submitit task not started by torchrun (SUBMITIT_EXECUTOR set, no WORLD_SIZE), first
+    exports `submitit_torch_env` into os.environ, where env:// rendezvous reads MASTER_ADDR/PORT."""
+    if "WORLD_SIZE" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
+        import submitit  # present: SUBMITIT_EXECUTOR is set by submitit's own job script
+
+        os.environ.update(submitit_torch_env(submitit.JobEnvironment()))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -77,6 +101,7 @@ def init_distributed(device_preference: str, timeout_s: float = 300.0, num_threa
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         timeout = datetime.timedelta(seconds=timeout_s)
+        shm_collectives.set_timeout(timeout_s)  # CPU collectives through shared memory fail alike
         dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
                                 timeout=timeout, **kwargs)
     num_nodes = 1
@@ -143,6 +168,7 @@ def _job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store
 
 def teardown_distributed() -> None:
     """Destroy the default process group (between Hydra multirun jobs, and at exit)."""
+    shm_collectives.reset()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

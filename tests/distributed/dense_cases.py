@@ -179,10 +179,11 @@ for _arch in ("gpt2", "llama"):
 def _count_collectives(cfg: GPTConfig, mesh: Mesh) -> dict[str, int]:
     """Collectives issued by one forward + backward of the loss, by kind."""
     counts = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-    import meshtron.mpu.cross_entropy as ce_mod
     import meshtron.mpu.mappings as mappings_mod
+    import meshtron.mpu.shm_collectives as shm_mod
 
-    originals = (mappings_mod.dist.all_reduce, mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into)
+    originals = (mappings_mod.dist.all_reduce, mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into,
+                 shm_mod.all_reduce, shm_mod.all_gather_into)
 
     def counted(kind, fn):
         def wrapper(*args, **kwargs):
@@ -196,12 +197,14 @@ def _count_collectives(cfg: GPTConfig, mesh: Mesh) -> dict[str, int]:
     dist.all_reduce = counted("all_reduce", originals[0])
     mappings_mod._all_gather_into = counted("all_gather", originals[1])
     mappings_mod._reduce_scatter_into = counted("reduce_scatter", originals[2])
+    shm_mod.all_reduce = counted("all_reduce", originals[3])  # CPU ranks of one host: shared memory
+    shm_mod.all_gather_into = counted("all_gather", originals[4])
     try:
         model.loss_per_token(model(inputs), targets).sum().backward()
     finally:
         dist.all_reduce = originals[0]
         mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into = originals[1], originals[2]
-    assert ce_mod.dist is dist
+        shm_mod.all_reduce, shm_mod.all_gather_into = originals[3], originals[4]
     return counts
 
 
@@ -221,6 +224,8 @@ def collectives_per_layer() -> None:
                     else {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0})
             if per_layer != want:
                 raise AssertionError(f"{arch} sp={sp}: collectives per layer {per_layer}, want {want}")
+            if not sp and small["all_gather"] != 1:  # the loss: one all-gather of [3, tokens] statistics
+                raise AssertionError(f"{arch}: {small['all_gather']} all-gathers, want 1 (the cross-entropy's)")
 
 
 def recompute_matches_with_dropout() -> None:

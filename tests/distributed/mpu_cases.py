@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import (
+    column_parallel_linear,
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
     reduce_from_region,
     reduce_scatter_to_sequence,
+    row_parallel_linear,
     scatter_to_region,
 )
 from meshtron.mpu.mesh import ParallelConfig, build_mesh
@@ -107,6 +109,111 @@ def mappings_forward_backward() -> None:
     _check(torch.equal(x.grad, want), "reduce_scatter_to_sequence backward all-gathers")
 
 
+def column_parallel_linear_matches_copy_and_linear() -> None:
+    """The fused column-parallel linear (async input-gradient collective) gives the values and
+    gradients of copy_to_region / gather_from_sequence followed by F.linear, bit for bit, with
+    and without bias and sequence parallelism, and its input gradient is the sum over ranks;
+    row_parallel_linear those of F.linear + reduce_from_region / reduce_scatter_to_sequence."""
+    mesh = build_mesh(ParallelConfig(tp=dist.get_world_size()))
+    g, n, r = mesh.tp, mesh.tp_size, mesh.tp_rank
+    gen = torch.Generator().manual_seed(11)
+    full_x = torch.randn(4 * n, 3, 8, generator=gen)
+    weights = torch.randn(n, 6, 8, generator=gen)  # rank k holds rows weights[k]
+    biases = torch.randn(n, 6, generator=gen)
+    grad_y = torch.randn(n, 4 * n, 3, 6, generator=gen)  # a different output gradient per rank
+    for sp in (False, True):
+        for with_bias in (False, True):
+            results = []
+            for fused in (False, True):
+                x = (full_x.chunk(n, 0)[r] if sp else full_x).clone().requires_grad_()
+                w = weights[r].clone().requires_grad_()
+                b = biases[r].clone().requires_grad_() if with_bias else None
+                if fused:
+                    y = column_parallel_linear(x, w, b, g, sequence_parallel=sp)
+                else:
+                    y = F.linear(gather_from_sequence(x, g) if sp else copy_to_region(x, g), w, b)
+                y.backward(grad_y[r])
+                results.append((y.detach(), x.grad, w.grad, None if b is None else b.grad))
+            what = f"sp={sp} bias={with_bias}"
+            for name, a, c in zip(("y", "x.grad", "w.grad", "b.grad"), *results):
+                _check((a is None and c is None) or torch.equal(a, c), f"{what}: {name} differs from copy + linear")
+            want_gx = sum(grad_y[k] @ weights[k] for k in range(n))
+            if sp:
+                want_gx = want_gx.chunk(n, 0)[r]
+            _check(torch.allclose(results[1][1], want_gx, rtol=1e-5, atol=1e-5), f"{what}: x.grad != sum over ranks")
+    # The row-parallel counterpart: linear + all-reduce (SP: reduce-scatter) without the copy.
+    for sp in (False, True):
+        results = []
+        for fused in (False, True):
+            x = torch.randn(4 * n, 3, 8, generator=torch.Generator().manual_seed(r)).requires_grad_()
+            w = torch.randn(5, 8, generator=torch.Generator().manual_seed(20 + r)).requires_grad_()
+            if fused:
+                y = row_parallel_linear(x, w, g, sequence_parallel=sp)
+            else:
+                y = (reduce_scatter_to_sequence if sp else reduce_from_region)(F.linear(x, w), g)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(30 + r)))
+            results.append((y.detach(), x.grad, w.grad))
+        for name, a, c in zip(("y", "x.grad", "w.grad"), *results):
+            _check(torch.equal(a, c), f"row_parallel_linear sp={sp}: {name} differs from linear + reduce")
+    # Under autocast it computes in 16 bits as autocast's F.linear does; gradients come back fp32.
+    results = []
+    for fused in (False, True):
+        x = full_x.clone().requires_grad_()
+        w, b = weights[r].clone().requires_grad_(), biases[r].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = column_parallel_linear(x, w, b, g) if fused else F.linear(copy_to_region(x, g), w, b)
+        y.float().backward(grad_y[r])
+        results.append((y.detach(), x.grad, w.grad, b.grad))
+    for name, a, c in zip(("y", "x.grad", "w.grad", "b.grad"), *results):
+        _check(a.dtype == c.dtype and torch.allclose(a, c, rtol=1e-2, atol=1e-2),
+               f"bf16 autocast: {name} differs from copy + linear ({a.dtype} vs {c.dtype})")
+
+
+def shm_collectives_match_gloo() -> None:
+    """The shared-memory all-reduce, all-gather and all-to-all (CPU ranks of one host) give
+    gloo's results: several dtypes, an empty tensor, the largest tensor a slot holds, uneven
+    all-to-all splits with zero-row chunks; the same bits on every rank. Larger tensors are
+    not eligible, and an all-to-all too large for one rank's slot reports so on every rank."""
+    import meshtron.mpu.shm_collectives as shm
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    n, r = dist.get_world_size(), dist.get_rank()
+    _check(shm.eligible(group, torch.zeros(1)), "a gloo group on one host is not eligible for shared memory")
+    _check(not shm.eligible(group, torch.zeros(shm.SLOT_BYTES // 4 + 1)), "a tensor larger than a slot is eligible")
+    gen = torch.Generator().manual_seed(100 + r)
+    for dtype, numel in ((torch.float32, 1000), (torch.float64, 7), (torch.int64, 5), (torch.float32, 0),
+                         (torch.float32, shm.SLOT_BYTES // 4), (torch.bfloat16, 513)):
+        x = (torch.randn(numel, generator=gen) * 100).to(dtype)
+        _check(shm.eligible(group, x), f"{dtype} x{numel} not eligible")
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        got = x.clone()
+        shm.all_reduce(got, group)
+        tol = dict(rtol=1e-2, atol=2.0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-4)  # sum order
+        _check(torch.allclose(got.double(), want.double(), **tol), f"shm all_reduce {dtype} x{numel}")
+        first = got.clone()
+        dist.broadcast(first, src=0, group=group)
+        _check(torch.equal(got, first), f"shm all_reduce {dtype} x{numel}: ranks disagree")
+        out, ref = torch.empty(n * numel, dtype=dtype), torch.empty(n * numel, dtype=dtype)
+        dist.all_gather_into_tensor(ref, x, group=group)
+        shm.all_gather_into(out, x, group)
+        _check(torch.equal(out, ref), f"shm all_gather {dtype} x{numel}")
+    # uneven all-to-all: rank r sends (r + j) % 3 rows of width 4 to rank j
+    send = [(r + j) % 3 for j in range(n)]
+    recv = [(j + r) % 3 for j in range(n)]
+    x = torch.arange(sum(send) * 4, dtype=torch.float32).reshape(-1, 4) + 1000 * r
+    want = torch.empty(sum(recv), 4)
+    dist.all_to_all_single(want, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    got = torch.empty(sum(recv), 4)
+    _check(shm.all_to_all(got, x, recv, send, group), "a small all-to-all did not fit")
+    _check(torch.equal(got, want), f"shm all_to_all: {got} != {want}")
+    # only the last rank's rows exceed a slot: every rank must answer False
+    rows = shm.SLOT_BYTES // 4 if r == n - 1 else 1
+    big = torch.zeros(rows * n, 1)
+    _check(not shm.all_to_all(torch.empty(rows * n, 1), big, [rows] * n, [rows] * n, group),
+           "an all-to-all larger than a slot was exchanged")
+
+
 def vocab_parallel_cross_entropy_matches_torch() -> None:
     """Loss and logit gradients over a vocab split on TP equal F.cross_entropy on full logits,
     with a padded vocabulary (real 200 of 256 columns) and ignored targets."""
@@ -188,7 +295,8 @@ def grad_reducer_overlaps_and_sums() -> None:
 
 
 def cases_for_world(world_size: int) -> list[str]:
-    names = ["mappings_forward_backward", "vocab_parallel_cross_entropy_matches_torch", "rng_streams",
+    names = ["mappings_forward_backward", "column_parallel_linear_matches_copy_and_linear",
+             "shm_collectives_match_gloo", "vocab_parallel_cross_entropy_matches_torch", "rng_streams",
              "grad_reducer_overlaps_and_sums"]
     if world_size in (4, 8):
         names.insert(0, "mesh_groups")

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtron.mpu import shm_collectives
+
 
 def _destroy_case_groups() -> None:
     """Destroy every process group a case created (its meshes' tp/dp/ep/... groups). Each
@@ -23,6 +25,7 @@ def _destroy_case_groups() -> None:
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
+    shm_collectives.reset()  # their shared-memory segments too (every rank resets at the same point)
 
 
 def main() -> None:
@@ -42,6 +45,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                             world_size=args.world_size,
                             timeout=datetime.timedelta(seconds=args.collective_timeout))
+    shm_collectives.set_timeout(args.collective_timeout)
     results: dict[str, str] = {}
     out = Path(args.out) / f"result{args.rank}.json"
     for case in args.cases.split(","):

@@ -1,0 +1,122 @@
+"""Round-robin runner shared by the side-by-side benchmarks (moe_vs_megatron.py,
+dense_vs_megatron.py): runs several commands that each print one JSON object with their
+step times (bench/throughput.py's or ../shared/peers/common.py's format), one at a time, in
+alternating order for a number of rounds, so every system sees the same machine load in every
+round; records the host's load (1-minute average, other processes' busy CPUs) beside every
+figure and summarises medians and the median of per-round ratios (which cancels slow
+drifts of the host load).
+
+Not a script: the benchmarks import it (`python bench/X.py` puts bench/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers"
+DEFAULT_MCORE_VENV = os.environ.get("MCORE_VENV", str(Path.home() / ".cache/meshtron-peers/mcore"))
+
+
+def mcore_python(venv: str) -> str:
+    """The Megatron-Core venv's python; exits with a one-line reason when it is missing."""
+    python = str(Path(venv) / "bin" / "python")
+    if not Path(python).exists():
+        sys.exit(f"no Megatron-Core venv at {venv}: run ../shared/peers/setup (or set MCORE_VENV)")
+    return python
+
+
+def launch(python: str, nproc: int) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=N` (the torchrun of that venv)."""
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_json(cmd: list[str], threads: int, extra_env: dict | None = None) -> dict:
+    """Run `cmd` with OMP_NUM_THREADS=threads; return the last JSON object it printed."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(extra_env or {}))
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds all processes of the host spent busy so far (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measured_run(cmd: list[str], threads: int, extra_env: dict | None = None) -> tuple[dict, float]:
+    """`run_json` plus the CPUs other processes kept busy meanwhile (host busy CPU time minus
+    this command's own, per second of wall time; near 0 on a quiet host, 2 = both cores taken)."""
+    busy0, own0, t0 = _busy_cpu_seconds(), _children_cpu_seconds(), time.perf_counter()
+    record = run_json(cmd, threads, extra_env)
+    wall = time.perf_counter() - t0
+    other = (_busy_cpu_seconds() - busy0) - (_children_cpu_seconds() - own0)
+    return record, max(0.0, other / wall)
+
+
+def step_rates(record: dict) -> tuple[float, float]:
+    """(tokens/s of the median step, tokens/s of the fastest step) from either JSON format:
+    bench/throughput.py (`step_time_s` median/min, seconds) or ../shared/peers/common.py
+    (`ms_per_step_median` / `ms_per_step_min`, whose own `tokens_per_s` is from the mean)."""
+    tokens = float(record["tokens_per_step"])
+    if "step_time_s" in record:
+        return tokens / record["step_time_s"]["median"], tokens / record["step_time_s"]["min"]
+    return tokens / (record["ms_per_step_median"] / 1e3), tokens / (record["ms_per_step_min"] / 1e3)
+
+
+def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *, baseline: str,
+                       envs: dict[str, dict] | None = None, label: str = "") -> dict:
+    """Run every command of `cmds` once per round (order reversed every other round) and
+    summarise: tokens/s of every run from its median step (`step_rates`: the same statistic
+    for both formats), the 1-minute load average (the larger of before/after) and the CPUs
+    other processes kept busy (`measured_run`); medians over rounds; `<baseline>_over`: the
+    median over rounds of baseline tokens/s divided by each other command's; and the same
+    from each run's fastest step (`fastest_step_*`: the least disturbed figure on a busy host)."""
+    envs = envs or {}
+    tokens = {name: [] for name in cmds}
+    fastest = {name: [] for name in cmds}
+    loads = {name: [] for name in cmds}
+    others = {name: [] for name in cmds}
+    for r in range(rounds):
+        order = list(cmds) if r % 2 == 0 else list(reversed(cmds))  # alternate who goes first
+        for name in order:
+            load_before = os.getloadavg()[0]
+            record, other = measured_run(cmds[name], threads, envs.get(name))
+            median_rate, fastest_rate = step_rates(record)
+            tokens[name].append(round(median_rate, 1))
+            fastest[name].append(round(fastest_rate, 1))
+            loads[name].append(round(max(load_before, os.getloadavg()[0]), 2))
+            others[name].append(round(other, 2))
+            print(f"{label} round {r} {name}: {median_rate:.0f} tokens/s median step, {fastest_rate:.0f} fastest "
+                  f"(load {loads[name][-1]}, other busy CPUs {others[name][-1]})", file=sys.stderr)
+
+    def over(rates):
+        return {peer: [m / c for m, c in zip(rates[baseline], rates[peer])] for peer in rates if peer != baseline}
+
+    ratios, fastest_ratios = over(tokens), over(fastest)
+    return {
+        "tokens_per_s": tokens,
+        "fastest_step_tokens_per_s": fastest,
+        "loadavg_1min": loads,
+        "other_busy_cpus": others,
+        "median_tokens_per_s": {name: statistics.median(v) for name, v in tokens.items()},
+        f"{baseline}_over": {peer: round(statistics.median(r), 3) for peer, r in ratios.items()},
+        "per_round_ratio": {peer: [round(x, 3) for x in r] for peer, r in ratios.items()},
+        f"fastest_step_{baseline}_over": {peer: round(statistics.median(r), 3) for peer, r in fastest_ratios.items()},
+    }
