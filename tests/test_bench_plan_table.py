@@ -24,6 +24,8 @@ def test_plan_table_prints_the_planned_layouts():
     assert zero2["grads"] < zero1["grads"]                                                # and gradients too
     zero3 = rows["tp=4 ep=8, zero=3"]
     assert zero3["weights"] < zero2["weights"] and zero3["grads"] <= zero2["grads"]      # and parameters too
+    resident1, resident3 = rows["tp=4 ep=8, zero=1, bf16 weights"], rows["tp=4 ep=8, zero=3, bf16 weights"]
+    assert resident1["weights"] < zero1["weights"] and resident3["weights"] < zero3["weights"]  # 16-bit weights
     assert rows["tp=1 dp=8 ep=8, zero=3"]["weights"] < rows["tp=1 dp=8 ep=8, zero=1"]["weights"] / 3
     assert rows["tp=4 ep=8, zero=1, recompute=full"]["activations"] < zero1["activations"]
     assert rows["tp=8 ep=8"]["weights"] < card["weights"] < rows["tp=1 dp=8 ep=8, zero=1"]["weights"]
