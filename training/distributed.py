@@ -46,9 +46,9 @@ class DistEnv:
         return self.rank == 0
 
 
-def submitit_torch_env(job_env) -> dict[str, str]:
+def submitit_torch_env(job_env: "submitit.JobEnvironment") -> dict[str, str]:  # noqa: F821 (imported lazily)
     """torchrun's variables for one task of a submitit job (one task per GPU, e.g. Hydra's
-    `hydra/launcher=slurm_gpu` or `submitit_local`), from a `submitit.JobEnvironment`: ranks as
+    `hydra/launcher=slurm_gpu` or `slurm_local`), from a `submitit.JobEnvironment`: ranks as
     Slurm (or the local executor) numbers them, rendezvous on the first host at MASTER_PORT if
     set, else at a port derived from the job id as `submitit.helpers.TorchDistributedEnvironment`
     does (every task of a job derives the same one; sweep points, being jobs of their own, differ)."""
