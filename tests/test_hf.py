@@ -351,3 +351,53 @@ def test_mixtral_cross_layer_pooling_gap_is_as_documented():
     assert abs(sum(per_layer) / 2 / pooled - 1) < 0.02
     assert min(two["router_grad_err"]) > 0.1
     assert abs(two["lm_mt"][0] / two["lm_hf"][0] - 1) < 1e-6  # same weights, same LM loss: only the aux differs
+
+
+# ------------------------------------------------------------ shorter seq_len, original config fields
+
+def test_gpt2_imported_at_a_shorter_seq_len_keeps_the_first_positions():
+    """seq_len below n_positions: meshtron's table is wpe[:seq_len] and the logits on
+    seq_len tokens are HF's; above n_positions it still refuses."""
+    hf = hf_model("gpt2")
+    cfg = mhf.config_from_hf(hf.config, seq_len=8)
+    model = GPT(cfg, single_process_mesh()).eval()
+    mhf.load_hf_state_dict(model, hf.state_dict())
+    assert torch.equal(model.pos_embed, hf.state_dict()["transformer.wpe.weight"][:8])
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (hf(ids).logits - logits(model, ids)).abs().max().item() <= ATOL
+    with pytest.raises(mhf.HFConversionError, match="n_positions=32"):
+        mhf.config_from_hf(hf.config, seq_len=33)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral"])
+def test_config_written_over_the_original_keeps_its_fields(family):
+    """Every original field is kept (dtype, ids, dropout, unknown fields, Mixtral's
+    output_router_logits, the longer maximum positions); the shape comes from the model."""
+    original = hf_config(family, pad_token_id=2, **({"output_router_logits": False, "router_aux_loss_coef": 0.02}
+                                                    if family == "mixtral" else {})).to_dict()
+    arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}[family]
+    original.update(dtype="bfloat16", custom_field=[1, {"a": None}], architectures=[arch])  # as save_pretrained
+    cfg = dataclasses.replace(mhf.config_from_hf(original), seq_len=16)
+    merged = mhf.hf_config_dict_over(cfg, original)
+    assert merged == original | ({"rope_theta": cfg.rope_theta} if "rope_theta" in original else {})
+    wider = dataclasses.replace(cfg, hidden_size=128)
+    assert mhf.hf_config_dict_over(wider, original)["n_embd" if family == "gpt2" else "hidden_size"] == 128
+    longer = dataclasses.replace(cfg, seq_len=48)
+    assert mhf.hf_config_dict_over(longer, original)[mhf.MAX_POSITION_FIELDS[family]] == 48
+    other = "llama" if family == "gpt2" else "gpt2"
+    with pytest.raises(mhf.HFConversionError, match=f"model_type='{other}'"):
+        mhf.hf_config_dict_over(cfg, dict(original, model_type=other))
+
+
+def test_export_without_base_writes_seq_len_positions_and_in_vocab_ids(tmp_path):
+    """Without --base the config is meshtron's alone: n_positions = seq_len, and
+    generation_config.json keeps only ids inside the vocabulary."""
+    cfg = GPTConfig(arch="gpt2", num_layers=1, hidden_size=32, num_heads=4, vocab_size=200, seq_len=16)
+    model = GPT(cfg, single_process_mesh())
+    path = hf_cli.save_checkpoint(tmp_path / "ckpt", hf_cli.TrainState(), [model], None, model.mesh,
+                                  model_config=dataclasses.asdict(cfg))
+    out = hf_cli.export_from_checkpoint(path, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["n_positions"] == 16
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert "eos_token_id" not in gen and "pad_token_id" not in gen  # GPT2Config's 50256 is no id of this model

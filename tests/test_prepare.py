@@ -405,3 +405,55 @@ def test_cli_failed_overwrite_keeps_the_old_prepared_dir(byte_dir: pathlib.Path,
     assert {p.name: p.read_bytes() for p in byte_dir.iterdir()} == before
     load_prepared(byte_dir, verify_checksum=True)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+# ---------------------------------------------------------------- a model's own tokenizer (hf:FOLDER)
+
+
+def _hf_tokenizer_folder(folder: pathlib.Path, eos: bool = True) -> pathlib.Path:
+    """A tiny byte-level BPE saved as a transformers fast tokenizer (eos <|endoftext|>, or none)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<pad>", "<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS.values(), trainer=trainer)
+    special = {"eos_token": "<|endoftext|>"} if eos else {}
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(folder)
+    return folder
+
+
+def test_hf_tokenizer_prepare_records_it(corpus: pathlib.Path, tmp_path: pathlib.Path):
+    folder = _hf_tokenizer_folder(tmp_path / "tok")
+    info = prepare([corpus], tmp_path / "out", tokenizer=f"hf:{folder}")
+    assert (info["tokenizer"], info["vocab_size"], info["eos_id"], info["eod_ids"]) == ("hf", 280, 1, [1])
+    assert info["tokenizer_source"] == str(folder.resolve()) and info["eod_token"] == "<|endoftext|>"
+    saved = (tmp_path / "out" / "tokenizer.json").read_bytes()
+    assert info["tokenizer_sha256"] == hashlib.sha256(saved).hexdigest()
+    tokens, _ = load_prepared(tmp_path / "out")
+    tok = load_tokenizer(tmp_path / "out")
+    ids = np.asarray(tokens)
+    assert (ids == 1).sum() == len(ORDER)  # one eos per document; the spelled-out one in c.md is text
+    first = ids[: info["documents"][0]["length"]]
+    assert tok.decode(first) == DOCS["a.txt"]
+
+
+def test_hf_tokenizer_errors(corpus: pathlib.Path, tmp_path: pathlib.Path):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        prepare([corpus], tmp_path / "x", tokenizer=f"hf:{tmp_path / 'nope'}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        prepare([corpus], tmp_path / "x", tokenizer=f"hf:{tmp_path / 'empty'}")
+    with pytest.raises(ValueError, match="needs a folder"):
+        prepare([corpus], tmp_path / "x", tokenizer="hf:")
+    folder = _hf_tokenizer_folder(tmp_path / "tok")
+    with pytest.raises(ValueError, match="does not apply to --tokenizer hf:"):
+        prepare([corpus], tmp_path / "x", tokenizer=f"hf:{folder}", vocab_size=300)
+    no_eos = _hf_tokenizer_folder(tmp_path / "no_eos", eos=False)
+    with pytest.raises(ValueError, match="has no eos_token"):
+        prepare([corpus], tmp_path / "x", tokenizer=f"hf:{no_eos}")
+    assert not (tmp_path / "x").exists()

@@ -3,6 +3,7 @@
     python -m meshtron.textdata.prepare --src corpus/ notes.txt --out data/corpus              # byte tokens
     python -m meshtron.textdata.prepare --src corpus/ --out data/bpe --tokenizer bpe --vocab-size 8192
     python -m meshtron.textdata.prepare --out data/stdlib --max-bytes 16000000                 # stdlib sources
+    python -m meshtron.textdata.prepare --src corpus/ --out data/gpt2 --tokenizer hf:models/gpt2   # a model's own
 
 Each file is one document (folders are walked recursively in sorted order, hidden files and
 ``__pycache__`` skipped, like ``data.paths``), followed by an end-of-document separator. The
@@ -13,13 +14,22 @@ output directory holds
   length), tokenizer kind, ``vocab_size`` and ``max_token_id`` (the largest id written,
   checked against the model's vocabulary at load), the end-of-document ids, the sources, and the
   byte size and SHA-256 of ``tokens.bin``;
-* ``tokenizer.json`` for ``--tokenizer bpe`` (a Hugging Face ``tokenizers`` file).
+* ``tokenizer.json`` for ``--tokenizer bpe`` and ``hf:FOLDER`` (a Hugging Face ``tokenizers`` file).
 
 Tokenizers: ``byte`` (built in, ids are the bytes, vocab 256, the separator is
 ``b"\\n\\n"`` exactly as in the in-memory corpus) or ``bpe``: a byte-level BPE trained
 offline on the same corpus with Hugging Face ``tokenizers`` (``pip install tokenizers``),
 whose separator is the special token ``<|endoftext|>`` (id 0). BPE input is decoded as
 UTF-8 (invalid bytes become U+FFFD).
+
+``hf:FOLDER`` tokenizes with a model's own tokenizer: FOLDER is a Hugging Face folder
+(``tokenizer.json``, or ``vocab.json`` + ``merges.txt``, with ``tokenizer_config.json``) loaded
+with ``transformers.AutoTokenizer`` (fast tokenizers only, local files only). Documents are
+encoded without special tokens (no BOS) and each is followed by the tokenizer's EOS token,
+which must exist; text that spells a special token is encoded as text. ``index.json`` records
+``tokenizer: "hf"``, the folder (``tokenizer_source``), the tokenizer class, ``vocab_size``
+(every id of the tokenizer, added tokens included), ``eos_id``/``eos_token``, ``bos_id`` and the
+SHA-256 of the tokenizer file copied into the output.
 
 Everything is written into a hidden temporary directory beside ``--out`` which is renamed
 into place at the end, so an interrupted run never leaves a directory that looks valid.
@@ -55,9 +65,10 @@ from meshtron.textdata.data import (
     token_dtype_for_vocab,
 )
 
-__all__ = ["BPETokenizer", "load_prepared", "load_tokenizer", "main", "prepare"]
+__all__ = ["BPETokenizer", "HFTokenizer", "load_prepared", "load_tokenizer", "main", "prepare"]
 
-TOKENIZERS = ("byte", "bpe")
+TOKENIZERS = ("byte", "bpe", "hf:FOLDER")
+HF_PREFIX = "hf:"
 EOD_TOKEN = "<|endoftext|>"
 DEFAULT_BPE_VOCAB = 8192
 # 256 byte symbols + the end-of-document token.
@@ -80,13 +91,13 @@ def _import_tokenizers():
 class BPETokenizer:
     """A trained byte-level BPE (``tokenizer.json``) with ``ByteTokenizer``'s interface."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], eod_id: int | None = None) -> None:
         tokenizers = _import_tokenizers()
         self._tok = tokenizers.Tokenizer.from_file(str(path))
         if hasattr(self._tok, "encode_special_tokens"):
             self._tok.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size()
-        self.eod_id = self._tok.token_to_id(EOD_TOKEN)
+        self.eod_id = self._tok.token_to_id(EOD_TOKEN) if eod_id is None else eod_id
 
     def encode(self, text: str | bytes):
         import torch
@@ -101,16 +112,56 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class HFTokenizer:
+    """A Hugging Face model folder's fast tokenizer (``transformers.AutoTokenizer``, local
+    files only): ``backend`` is its ``tokenizers.Tokenizer``; ``vocab_size`` covers every id
+    (added tokens included); ``eod_id`` is its EOS id. ValueError naming the folder when it
+    has no readable fast tokenizer or no EOS token."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        root = pathlib.Path(folder).expanduser()
+        if not root.is_dir():
+            raise FileNotFoundError(f"--tokenizer hf:{folder}: {str(root)!r} is not a directory (give a Hugging "
+                                    f"Face model folder with tokenizer.json or vocab.json + merges.txt)")
+        try:
+            import transformers
+        except ImportError as err:
+            raise ImportError("--tokenizer hf:FOLDER needs `transformers`; pip install 'meshtron[hf]'") from err
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"--tokenizer hf:{folder}: transformers cannot load a tokenizer from it ({err})") from None
+        if not getattr(tok, "is_fast", False):
+            raise ValueError(f"--tokenizer hf:{folder}: {type(tok).__name__} is not a fast tokenizer; save the "
+                             f"folder with a tokenizer.json (a *TokenizerFast)")
+        if tok.eos_token_id is None:
+            raise ValueError(f"--tokenizer hf:{folder}: the tokenizer has no eos_token, which prepare writes "
+                             f"after every document; set eos_token in its tokenizer_config.json")
+        self.source = str(root.resolve())
+        self.class_name = type(tok).__name__
+        self.backend = tok.backend_tokenizer
+        if hasattr(self.backend, "encode_special_tokens"):
+            self.backend.encode_special_tokens = True  # a literal "<|endoftext|>" in a file is just text
+        self.vocab_size = max(len(tok), max(tok.get_vocab().values()) + 1)
+        self.eod_id = int(tok.eos_token_id)
+        self.eos_token = str(tok.eos_token)
+        self.bos_id = tok.bos_token_id
+
+    def encode_batch(self, texts: list[str]):
+        """Ids of each text, without special tokens."""
+        return self.backend.encode_batch(texts, add_special_tokens=False)
+
+
 def load_tokenizer(directory: str | os.PathLike[str]) -> ByteTokenizer | BPETokenizer:
     """The tokenizer a prepared directory was written with (validates the directory)."""
     _, info = load_prepared(directory)
     if info["tokenizer"] == "byte":
         return ByteTokenizer()
-    if info["tokenizer"] == "bpe":
+    if info["tokenizer"] in ("bpe", "hf"):
         path = pathlib.Path(directory) / TOKENIZER_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing; re-run python -m meshtron.textdata.prepare --tokenizer bpe")
-        return BPETokenizer(path)
+            raise FileNotFoundError(f"{path} is missing; re-run python -m meshtron.textdata.prepare")
+        return BPETokenizer(path, eod_id=info["eod_ids"][0] if info["tokenizer"] == "hf" else None)
     raise ValueError(f"{pathlib.Path(directory) / INDEX_FILE}: unknown tokenizer {info['tokenizer']!r}")
 
 
@@ -230,6 +281,7 @@ def _train_bpe(files, max_bytes, vocab_size: int, min_frequency: int):
 
 
 def _write_bpe_tokens(tok, files, max_bytes, writer: _TokenWriter, eod_id: int) -> list[dict]:
+    """`tok`: a tokenizers.Tokenizer or an HFTokenizer (anything with encode_batch)."""
     documents = []
     batch: list[tuple[pathlib.Path, str]] = []
 
@@ -283,13 +335,28 @@ def prepare(
     8192, at least 257; the trained vocabulary can be smaller on a small corpus) and must
     be left unset (or 256) for the byte tokenizer. ``max_bytes`` caps the source bytes
     read (the last file is cut). An existing non-empty ``out`` is only replaced with
-    ``overwrite``. Raises ValueError/FileNotFoundError/ImportError with a clear message.
+    ``overwrite``. ``tokenizer="hf:FOLDER"`` uses a Hugging Face folder's own tokenizer
+    (``HFTokenizer``; ``vocab_size`` must be left unset, ``min_frequency`` does not apply).
+    Raises ValueError/FileNotFoundError/ImportError with a clear message.
     """
-    if tokenizer not in TOKENIZERS:
+    hf_tok = None
+    if tokenizer.startswith(HF_PREFIX):
+        if not tokenizer[len(HF_PREFIX):]:
+            raise ValueError("--tokenizer hf:FOLDER needs a folder after 'hf:'")
+        if vocab_size is not None:
+            raise ValueError(f"--vocab-size {vocab_size} does not apply to --tokenizer {tokenizer} (its vocabulary "
+                             f"is the tokenizer's own); leave it out")
+        hf_tok = HFTokenizer(tokenizer[len(HF_PREFIX):])  # fails before reading anything
+        vocab_size = hf_tok.vocab_size
+        if vocab_size > 1 << 32:
+            raise ValueError(f"--tokenizer {tokenizer}: vocabulary of {vocab_size} does not fit uint32 token ids")
+    elif tokenizer not in TOKENIZERS[:2]:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {', '.join(TOKENIZERS)}")
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"--max-bytes must be positive, got {max_bytes}")
-    if tokenizer == "byte":
+    if hf_tok is not None:
+        pass  # the vocabulary is the tokenizer's, checked above
+    elif tokenizer == "byte":
         if vocab_size not in (None, ByteTokenizer.vocab_size):
             raise ValueError(
                 f"--vocab-size {vocab_size} does not apply to the byte tokenizer (its vocabulary is "
@@ -330,7 +397,10 @@ def prepare(
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary dir
         tok = None
-        if tokenizer == "bpe":
+        if hf_tok is not None:
+            tok = hf_tok
+            eod_ids = [hf_tok.eod_id]
+        elif tokenizer == "bpe":
             tok = _train_bpe(files, max_bytes, vocab_size, min_frequency)
             vocab_size = tok.get_vocab_size()
             eod_ids = [tok.token_to_id(EOD_TOKEN)]
@@ -349,7 +419,13 @@ def prepare(
             raise ValueError(
                 f"the corpus read from {', '.join(sources)} is empty (all files have 0 bytes)"
             )
-        if tok is not None:
+        hf_fields = {}
+        if hf_tok is not None:
+            hf_tok.backend.save(str(tmp / TOKENIZER_FILE))
+            tokenizer_sha = hashlib.sha256((tmp / TOKENIZER_FILE).read_bytes()).hexdigest()
+            hf_fields = {"tokenizer_source": hf_tok.source, "tokenizer_class": hf_tok.class_name,
+                         "tokenizer_sha256": tokenizer_sha, "eos_id": hf_tok.eod_id, "bos_id": hf_tok.bos_id}
+        elif tok is not None:
             tok.save(str(tmp / TOKENIZER_FILE))
         info = {
             "format": PREPARED_FORMAT,
@@ -359,12 +435,14 @@ def prepare(
             "n_tokens": writer.n_tokens,
             "bytes": writer.n_tokens * PREPARED_DTYPES[dtype_name].itemsize,
             "sha256": writer.sha.hexdigest(),
-            "tokenizer": tokenizer,
+            "tokenizer": "hf" if hf_tok is not None else tokenizer,
             "vocab_size": vocab_size,
             "max_token_id": writer.max_id,
             "tokenizer_file": TOKENIZER_FILE if tok is not None else None,
             "eod_ids": eod_ids,
-            "eod_token": EOD_TOKEN if tok is not None else SEPARATOR.decode(),
+            "eod_token": (hf_tok.eos_token if hf_tok is not None else EOD_TOKEN if tok is not None
+                          else SEPARATOR.decode()),
+            **hf_fields,
             "sources": sources,
             "max_bytes": max_bytes,
             "n_documents": len(documents),
@@ -393,8 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--src", nargs="+", metavar="PATH",
                         help="files or folders (walked recursively); default: the Python stdlib .py sources")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="byte",
-                        help="byte (built in, vocab 256) or bpe (trained here with HF tokenizers)")
+    parser.add_argument("--tokenizer", default="byte", metavar="{byte,bpe,hf:FOLDER}",
+                        help="byte (built in, vocab 256), bpe (trained here with HF tokenizers) or hf:FOLDER "
+                             "(a Hugging Face model folder's own tokenizer, e.g. the one meshtron-hf import reads)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help=f"BPE vocabulary size (default {DEFAULT_BPE_VOCAB})")
     parser.add_argument("--max-bytes", type=int, default=None, help="read at most this many source bytes")

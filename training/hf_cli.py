@@ -8,16 +8,22 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from meshtron.models.config import GPTConfig
 from meshtron.models.hf import (
+    MAX_POSITION_FIELDS,
     HFConversionError,
     config_from_hf,
     export_hf_state_dict,
+    hf_config_dict_over,
     hf_config_from_gpt,
     hf_family,
     load_hf_state_dict,
     read_hf_folder,
+    read_import_base,
     save_hf_folder,
+    save_import_base,
 )
 from meshtron.models.gpt import GPT
 from meshtron.mpu.mesh import single_process_mesh
@@ -33,7 +39,10 @@ from meshtron.training.checkpoint import (
 def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     """Convert a `save_pretrained` folder into a weights-only meshtron checkpoint in `out_dir`
     (`out_dir/step_00000000`, loadable under any layout with `checkpoint.init_from`), plus
-    `out_dir/model/imported.yaml`, the Hydra model config of it. Single process."""
+    `out_dir/model/imported.yaml`, the Hydra model config of it, and `out_dir/hf/`, the source's
+    own config.json, generation_config.json, tokenizer files and (GPT-2) whole position table,
+    which `export --base out_dir` writes back. A `seq_len` below the model's maximum positions
+    keeps GPT-2's first `seq_len` learned positions. Single process."""
 
     hf_config, state_dict = read_hf_folder(src_dir)
     try:
@@ -45,6 +54,7 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     load_hf_state_dict(model, state_dict)
     out = Path(out_dir)
     path = save_checkpoint(out, TrainState(), [model], None, mesh, model_config=dataclasses.asdict(cfg))
+    save_import_base(src_dir, out / "hf", state_dict)
     (out / "model").mkdir(parents=True, exist_ok=True)
     lines = ["# @package model", f"# imported from {Path(src_dir).resolve()} by meshtron-hf import"]
     lines += [f"{k}: {json.dumps(v)}" for k, v in dataclasses.asdict(cfg).items()]
@@ -52,9 +62,19 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     return path
 
 
-def export_from_checkpoint(src, out_dir) -> Path:
+def export_from_checkpoint(src, out_dir, base=None) -> Path:
     """Write the weights of a meshtron checkpoint (a step_N folder, or a checkpoint.dir: its
-    newest) as a Hugging Face folder loadable by `AutoModelForCausalLM.from_pretrained`."""
+    newest) as a Hugging Face folder loadable by `AutoModelForCausalLM.from_pretrained`, with
+    a generation_config.json (bos/eos/pad ids).
+
+    `base`: the `--out` of `meshtron-hf import` (or the original Hugging Face folder) of the
+    model this checkpoint was trained from. Then config.json is the original one with the
+    model's shape fields written over it (`hf_config_dict_over`: dtype, bos/eos ids,
+    output_router_logits and unknown fields kept), the maximum positions stay the original's
+    and GPT-2 positions beyond the trained seq_len are the original rows, the generation
+    config is the original's (pad = eos when it has none) and the tokenizer files are copied.
+    Without `base` the config is meshtron's alone (n_positions = seq_len) and the generation
+    config holds the config's bos/eos ids that lie inside the vocabulary."""
 
     path = resolve_resume(None, str(src))
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -64,7 +84,53 @@ def export_from_checkpoint(src, out_dir) -> Path:
     mesh = single_process_mesh()
     model = GPT(cfg, mesh)
     load_checkpoint(path, [model], None, mesh, weights_only=True)
-    return save_hf_folder(export_hf_state_dict(model, mesh), hf_config_from_gpt(cfg), out_dir)
+    state_dict = export_hf_state_dict(model, mesh)
+    if base is None:
+        hf_config = hf_config_from_gpt(cfg)
+        return save_hf_folder(state_dict, hf_config, out_dir,
+                              generation_config=_generation_config(hf_config.to_dict(), None, cfg.vocab_size))
+    original = read_import_base(base)
+    config = hf_config_dict_over(cfg, original["config"])
+    positions = original["positions"]
+    if positions is not None:
+        _append_original_positions(state_dict, positions, config[MAX_POSITION_FIELDS["gpt2"]], cfg, base)
+    return save_hf_folder(state_dict, config, out_dir,
+                          generation_config=_generation_config(config, original["generation"], cfg.vocab_size),
+                          copy_files=tuple(original["tokenizer_files"]))
+
+
+def _append_original_positions(state_dict: dict, positions, n_positions: int, cfg: GPTConfig, base) -> None:
+    """Extend the trained GPT-2 position table (cfg.seq_len rows) to `n_positions` rows with
+    the original table's rows beyond it (they were never trained)."""
+    key = "transformer.wpe.weight"
+    trained = state_dict[key]
+    if n_positions == trained.shape[0]:
+        return
+    if tuple(positions.shape) != (n_positions, cfg.hidden_size):
+        raise HFConversionError(f"--base {base}: the original position table has shape {tuple(positions.shape)}, "
+                                f"expected ({n_positions}, {cfg.hidden_size}) from its config.json")
+    state_dict[key] = torch.cat([trained, positions[cfg.seq_len:].to(trained.dtype)], dim=0)
+
+
+def _generation_config(config: dict, original: dict | None, vocab_size: int) -> dict:
+    """generation_config.json: the original one (if any) completed with config.json's
+    bos/eos/pad ids, pad = eos when there is no pad token (what `generate` falls back to).
+    Without an original, ids outside the vocabulary (transformers' GPT-2 defaults on a
+    smaller model) are left out."""
+    gen = dict(original or {})
+    # transformers rebuilds a generation config marked as derived from config.json at generate
+    # time, which would drop the pad id added here.
+    gen.pop("_from_model_config", None)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        if gen.get(key) is None and value is not None:
+            ids = value if isinstance(value, list) else [value]
+            if original is not None or all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+                gen[key] = value
+    eos = gen.get("eos_token_id")
+    if gen.get("pad_token_id") is None and eos is not None:
+        gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    return gen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,15 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="meshtron checkpoint -> Hugging Face folder")
     exp.add_argument("--src", required=True, help="a step_N checkpoint folder or a checkpoint.dir (newest)")
     exp.add_argument("--out", required=True, help="folder to write config.json + model.safetensors into")
+    exp.add_argument("--base", default=None, help="the --out of `meshtron-hf import` (or the original Hugging Face "
+                                                  "folder) of the model trained: keeps its config fields, "
+                                                  "generation config, tokenizer files and untrained positions")
     args = parser.parse_args(argv)
 
     try:
         if args.command == "import":
             path = import_to_checkpoint(args.src, args.out, args.seq_len)
             print(f"meshtron: wrote {path}; train from it with\n  python train.py --config-dir {Path(args.out)} "
-                  f"+model=imported checkpoint.init_from={path}")
+                  f"+model=imported checkpoint.init_from={path}\nand export the result with\n  meshtron-hf export "
+                  f"--src CHECKPOINT_DIR --out FOLDER --base {Path(args.out)}")
         else:
-            out = export_from_checkpoint(args.src, args.out)
+            out = export_from_checkpoint(args.src, args.out, args.base)
             print(f"meshtron: wrote {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     except (HFConversionError, CheckpointError, OSError) as err:  # bad input files, unwritable --out
         print(f"meshtron: {args.command} failed: {err}", file=sys.stderr)

@@ -12,6 +12,9 @@ Supported families (transformers 4.40+ and 5.x naming):
     export_hf_state_dict(model, mesh) -> dict | None the full HF dict on global rank 0
     save_hf_folder(state_dict, hf_config, out_dir)   model.safetensors + config.json
     read_hf_folder(src_dir) -> (hf_config, state_dict)
+    save_import_base / read_import_base              the imported folder's own config.json,
+                                                     generation config, tokenizer and positions
+    hf_config_dict_over(cfg, original) -> dict       config.json written over the original one
 
 Layout conversions (all exact, so import -> export is bitwise the identity):
 - GPT-2 Conv1D weights are [in, out]: transposed into meshtron's [out, in].
@@ -64,16 +67,19 @@ training it further in transformers then balances the pooled load.
 
 from meshtron.models.hf.config import (
     SUPPORTED_MODEL_TYPES,
+    MAX_POSITION_FIELDS,
     HFConversionError,
     aux_loss_coef_from_hf,
     config_from_hf,
+    hf_config_dict_over,
     hf_config_from_gpt,
     hf_family,
     hf_router_fields,
 )
-from meshtron.models.hf.files import read_hf_folder, save_hf_folder
+from meshtron.models.hf.files import read_hf_folder, read_import_base, save_hf_folder, save_import_base
 from meshtron.models.hf.weights import export_hf_state_dict, load_hf_state_dict
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFConversionError", "aux_loss_coef_from_hf", "config_from_hf",
            "hf_config_from_gpt", "hf_family", "hf_router_fields", "read_hf_folder", "save_hf_folder",
+           "MAX_POSITION_FIELDS", "hf_config_dict_over", "read_import_base", "save_import_base",
            "export_hf_state_dict", "load_hf_state_dict"]

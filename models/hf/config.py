@@ -212,18 +212,16 @@ def hf_family(cfg: GPTConfig) -> str:
     return "mixtral"
 
 
-def hf_config_from_gpt(cfg: GPTConfig, **overrides):
-    """A transformers config (GPT2Config, LlamaConfig or MixtralConfig) describing `cfg`'s
-    model; `overrides` are passed to the config class (e.g. bos_token_id)."""
+def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
+    """(family, the transformers config fields that describe `cfg`'s model)."""
     transformers = require_transformers()
     family = hf_family(cfg)
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std)
     if family == "gpt2":
-        kw = dict(n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
-                  n_inner=cfg.ffn_hidden_size, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
-                  resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-                  architectures=["GPT2LMHeadModel"], **common)
-        return transformers.GPT2Config(**{**kw, **overrides})
+        return family, dict(n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
+                            n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size, activation_function="gelu_new",
+                            layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                            attn_pdrop=cfg.dropout, architectures=["GPT2LMHeadModel"], **common)
     kw = dict(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
               num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
               hidden_act="silu", attention_dropout=cfg.dropout, **common)
@@ -234,8 +232,49 @@ def hf_config_from_gpt(cfg: GPTConfig, **overrides):
     if family == "llama":
         kw.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.bias, mlp_bias=cfg.bias,
                   head_dim=cfg.head_dim, architectures=["LlamaForCausalLM"])
-        return transformers.LlamaConfig(**{**kw, **overrides})
+        return family, kw
     kw.update(intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=cfg.num_experts,
               num_experts_per_tok=cfg.top_k, sliding_window=None, architectures=["MixtralForCausalLM"],
               **hf_router_fields(cfg))
-    return transformers.MixtralConfig(**{**kw, **overrides})
+    return family, kw
+
+
+_CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mixtral": "MixtralConfig"}
+
+
+def hf_config_from_gpt(cfg: GPTConfig, **overrides):
+    """A transformers config (GPT2Config, LlamaConfig or MixtralConfig) describing `cfg`'s
+    model; `overrides` are passed to the config class (e.g. bos_token_id)."""
+    family, kw = _hf_fields(cfg)
+    return getattr(require_transformers(), _CONFIG_CLASSES[family])(**{**kw, **overrides})
+
+
+# Fields of the original config.json that export keeps although meshtron has a value for them:
+# training-only hyperparameters (an imported model trains with dropout 0 unless told otherwise,
+# which says nothing about the checkpoint) and the maximum positions (below).
+_KEEP_ORIGINAL = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "initializer_range")
+MAX_POSITION_FIELDS = {"gpt2": "n_positions", "llama": "max_position_embeddings", "mixtral": "max_position_embeddings"}
+
+
+def hf_config_dict_over(cfg: GPTConfig, original: dict) -> dict:
+    """The config.json of `cfg`'s model written over `original`, the imported model's own
+    config.json: every original field is kept (dtype, bos/eos/pad ids, output_router_logits,
+    fields meshtron does not know) except those that describe the model's shape, which come
+    from `cfg`; dropout and initializer_range stay the original's, and the maximum positions
+    are max(original, cfg.seq_len) (a model imported at a shorter seq_len keeps its context:
+    GPT-2's untrained rows come from the original table, see training/hf_cli.py). Raises
+    HFConversionError when `original` is of another model_type than `cfg`'s family."""
+    family, kw = _hf_fields(cfg)
+    if original.get("model_type") != family:
+        raise HFConversionError(f"the original config.json has model_type={original.get('model_type')!r} but "
+                                f"this model exports as {family!r}: --base names another model")
+    merged = dict(original)
+    merged.update({k: v for k, v in kw.items() if k not in _KEEP_ORIGINAL or k not in original})
+    if family == "gpt2" and original.get("n_inner") is None and cfg.ffn_hidden_size == 4 * cfg.hidden_size:
+        merged["n_inner"] = None  # the original's spelling of 4 x n_embd
+    positions = MAX_POSITION_FIELDS[family]
+    if isinstance(original.get(positions), int):
+        merged[positions] = max(original[positions], cfg.seq_len)
+    if family != "gpt2" and "rope_parameters" in kw and "rope_theta" in original:
+        merged["rope_theta"] = cfg.rope_theta  # a 4.x config: keep both spellings equal
+    return merged

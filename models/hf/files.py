@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,24 +21,101 @@ from meshtron.models.hf.config import (
 # Folders
 # --------------------------------------------------------------------------------------------
 
-def save_hf_folder(state_dict: dict[str, torch.Tensor], hf_config, out_dir) -> Path:
+def save_hf_folder(state_dict: dict[str, torch.Tensor], hf_config, out_dir, *,
+                   generation_config: dict | None = None, copy_files: tuple[Path, ...] = ()) -> Path:
     """Write `model.safetensors` and `config.json` into `out_dir` so that
-    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads the model. A tied
-    `lm_head.weight` is left out (as `save_pretrained` does). OSError naming `out_dir` when
-    it cannot be written."""
-    require_transformers()
+    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads the model. `hf_config`
+    is a transformers config (saved with `save_pretrained`) or a config.json dict (written as
+    it is, after checking transformers can build a config from it). A tied `lm_head.weight`
+    is left out (as `save_pretrained` does). `generation_config` (a dict) is written as
+    `generation_config.json`; `copy_files` (tokenizer files) are copied in. OSError naming
+    `out_dir` when it cannot be written."""
+    transformers = require_transformers()
     st = require_safetensors()
     out = Path(out_dir)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if isinstance(hf_config, dict):
+        try:
+            config_object = transformers.AutoConfig.for_model(**hf_config)
+        except (TypeError, ValueError, KeyError) as err:
+            raise HFConversionError(f"the exported config.json would not load in transformers: {err}") from None
+    else:
+        config_object = hf_config
+    tied = bool(getattr(config_object, "tie_word_embeddings", False))
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()
                if not (tied and k == "lm_head.weight")}
     try:
         out.mkdir(parents=True, exist_ok=True)
         st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        hf_config.save_pretrained(str(out))
+        if isinstance(hf_config, dict):
+            (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        else:
+            hf_config.save_pretrained(str(out))
+        if generation_config is not None:
+            (out / GENERATION_FILE).write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
+        for path in copy_files:
+            shutil.copyfile(path, out / path.name)
     except OSError as err:
         raise OSError(f"cannot write the Hugging Face folder {out}: {err.strerror or err}") from err
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The imported model's own files, kept beside a meshtron checkpoint for export ("--base")
+# --------------------------------------------------------------------------------------------
+
+GENERATION_FILE = "generation_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+POSITIONS_FILE = "original_positions.safetensors"
+_WPE = "transformer.wpe.weight"
+
+
+def save_import_base(src_dir, base_dir, state_dict: dict[str, torch.Tensor]) -> Path:
+    """Keep what export needs from the Hugging Face folder `src_dir` in `base_dir`: its
+    config.json verbatim, its generation_config.json and tokenizer files when present, and a
+    GPT-2's whole position table (`original_positions.safetensors`, so a model imported at a
+    shorter seq_len exports its untrained positions unchanged). OSError naming the folder."""
+    src, base = Path(src_dir), Path(base_dir)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", GENERATION_FILE) + TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, base / name)
+        wpe = state_dict.get(_WPE, state_dict.get("wpe.weight"))
+        if wpe is not None:
+            require_safetensors().save_file({_WPE: wpe.contiguous()}, str(base / POSITIONS_FILE))
+    except OSError as err:
+        raise OSError(f"cannot write {base}: {err.strerror or err}") from err
+    return base
+
+
+def read_import_base(base_dir) -> dict:
+    """The imported model's own files for export: `base_dir` is the `--out` of
+    `meshtron-hf import` (its `hf/` folder) or the original Hugging Face folder. Returns
+    {"config": the config.json dict, "generation": the generation_config.json dict or None,
+    "positions": GPT-2's full position table or None, "tokenizer_files": [paths]}.
+    FileNotFoundError when neither holds a config.json."""
+    base = Path(base_dir)
+    if (base / "hf" / "config.json").is_file():
+        base = base / "hf"
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"--base {base_dir}: no config.json in it or in its hf/ folder (give the --out of "
+                                f"meshtron-hf import or the original Hugging Face folder)")
+    config = _read_json_object(base / "config.json")
+    generation = _read_json_object(base / GENERATION_FILE) if (base / GENERATION_FILE).is_file() else None
+    positions = None
+    if config.get("model_type") == "gpt2":
+        if (base / POSITIONS_FILE).is_file():
+            positions = _load_safetensors(base / POSITIONS_FILE)[_WPE]
+        else:
+            weights = {}
+            for path in _weight_files(base):
+                weights.update(_load_safetensors(path))
+            positions = weights.get(_WPE, weights.get("wpe.weight"))
+            if positions is None:
+                raise HFConversionError(f"--base {base_dir}: its weights hold no {_WPE}")
+    tokenizer_files = [base / name for name in TOKENIZER_FILES if (base / name).is_file()]
+    return {"config": config, "generation": generation, "positions": positions, "tokenizer_files": tokenizer_files}
 
 
 def read_hf_folder(src_dir) -> tuple[object, dict[str, torch.Tensor]]:

@@ -203,7 +203,8 @@ def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
 
     `model` is one `GPT` chunk or this rank's list of pipeline chunks; every rank passes the
     same full dict and keeps its own shards (tp / ep / etp), vocabulary tensors zero-padded.
-    Tied embedding copies on the last pipeline stage get the embedding too. Router expert
+    Tied embedding copies on the last pipeline stage get the embedding too. A GPT-2 position
+    table longer than `cfg.seq_len` gives its first `seq_len` rows. Router expert
     biases (aux-loss-free balancing state, not in HF) are reset to zero. Missing, unexpected
     or wrongly shaped tensors raise HFConversionError naming the tensor (on every rank, before
     anything is copied).
@@ -213,6 +214,11 @@ def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
     mesh: Mesh = chunks[0].mesh
     family = hf_family(cfg)
     sd = _normalize_keys(state_dict, family)
+    wpe = "transformer.wpe.weight"
+    if family == "gpt2" and wpe in sd and sd[wpe].dim() == 2 and sd[wpe].shape[0] > cfg.seq_len:
+        # Imported at a seq_len below n_positions: the model keeps the first positions (export
+        # can put the rest back: training/hf_cli.py export --base).
+        sd[wpe] = sd[wpe][: cfg.seq_len]
     moe_format = "per_expert" if any(".block_sparse_moe." in k for k in sd) else "fused"
     units = _units(cfg, moe_format)
 
