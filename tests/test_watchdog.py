@@ -115,12 +115,12 @@ os._exit(0)
 """
 
 
-@pytest.mark.timeout(60)
-def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
+def _rank0_failure(tmp_path: pathlib.Path, worker: str, *, shm: str) -> str:
+    """Run `worker` as ranks 0 and 1 (MESHTRON_SHM_COLLECTIVES=`shm`); rank 0 must fail with
+    exit 3 while rank 1 stays away; returns rank 0's stderr."""
     script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    # gloo itself: the shared-memory path (mpu/shm_collectives.py) has its own test below
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MESHTRON_SHM_COLLECTIVES": "0"}
+    script.write_text(worker)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MESHTRON_SHM_COLLECTIVES": shm}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
@@ -131,6 +131,13 @@ def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
                 p.kill()
             p.communicate()
     assert procs[0].returncode == 3, err0
+    return err0
+
+
+@pytest.mark.timeout(60)
+def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
+    # gloo itself: the shared-memory path (mpu/shm_collectives.py) has its own test below
+    err0 = _rank0_failure(tmp_path, _WORKER, shm="0")
     lines = err0.splitlines()
     # 1) The watchdog report (at 1 s, before the 2 s collective timeout), then faulthandler's
     #    stacks with the blocking collective and where the code called it.
@@ -162,19 +169,7 @@ _SHM_WORKER = _WORKER.replace(
 def test_rank_stuck_in_a_shared_memory_all_reduce_fails_after_the_collective_timeout(tmp_path: pathlib.Path):
     """CPU ranks of one host all-reduce through shared memory: a peer that never arrives is
     named by the watchdog and fails the wait after the process group's timeout, as gloo would."""
-    script = tmp_path / "worker.py"
-    script.write_text(_SHM_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MESHTRON_SHM_COLLECTIVES": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        _, err0 = procs[0].communicate(timeout=40)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-    assert procs[0].returncode == 3, err0
+    err0 = _rank0_failure(tmp_path, _SHM_WORKER, shm="1")
     lines = err0.splitlines()
     (report,) = [line for line in lines if " stuck for " in line]
     assert "in step 3: routing stats, waiting in all_reduce over a shared-memory group of 2 (call 2)" in report
