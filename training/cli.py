@@ -81,7 +81,8 @@ def main() -> None:
     one line (exit 2) before Hydra composes the config, then run Hydra's entry."""
     error = unknown_override(sys.argv[1:]) or group_selection_error(sys.argv[1:])
     if error:
-        print(f"meshtron: configuration error: {error}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"meshtron: configuration error: {error}\n")  # one write: ranks share torchrun's pipe
+        sys.stderr.flush()
         sys.exit(2)
     _hydra_main()
 
