@@ -23,7 +23,8 @@ import argparse
 import json
 import sys
 
-from peer_rounds import DEFAULT_MCORE_VENV, PEERS, ROOT, interleaved_rounds, launch, mcore_python
+from peer_rounds import (DEFAULT_MCORE_VENV, PEERS, ROOT, add_gloo_variant, interleaved_rounds, launch,
+                         mcore_python)
 
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192)
 
@@ -53,8 +54,7 @@ def main(argv=None) -> None:
     for tp in args.layouts:
         cmds, envs = commands(tp, args.steps, args.warmup, python), {}
         if args.gloo and tp > 1:
-            cmds["meshtron_gloo"] = cmds["meshtron"]
-            envs["meshtron_gloo"] = {"MESHTRON_SHM_COLLECTIVES": "0"}
+            add_gloo_variant(cmds, envs)
         summary = interleaved_rounds(cmds, 2 // tp, args.rounds, baseline="meshtron", envs=envs, label=f"tp={tp}")
         result["layouts"][f"tp{tp}"] = {"processes_x_threads": f"{tp}x{2 // tp}", **summary}
     print(json.dumps(result))

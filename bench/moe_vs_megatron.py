@@ -30,7 +30,8 @@ import argparse
 import json
 import sys
 
-from peer_rounds import DEFAULT_MCORE_VENV, PEERS, ROOT, interleaved_rounds, launch, mcore_python
+from peer_rounds import (DEFAULT_MCORE_VENV, PEERS, ROOT, add_gloo_variant, interleaved_rounds, launch,
+                         mcore_python)
 
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192, experts=8, topk=2, moe_ffn=512)
 
@@ -74,8 +75,7 @@ def main(argv=None) -> None:
             cmds["megatron_core_keep_freed"] = cmds["megatron_core"]
             envs["megatron_core_keep_freed"] = KEEP_FREED_ENV
         if args.gloo and ep > 1:
-            cmds["meshtron_gloo"] = cmds["meshtron"]
-            envs["meshtron_gloo"] = {"MESHTRON_SHM_COLLECTIVES": "0"}
+            add_gloo_variant(cmds, envs)
         summary = interleaved_rounds(cmds, 2 // ep, args.rounds, baseline="meshtron", envs=envs, label=f"ep={ep}")
         result["layouts"][f"ep{ep}"] = {"processes_x_threads": f"{ep}x{2 // ep}", **summary}
     print(json.dumps(result))

@@ -120,3 +120,10 @@ def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *,
         "per_round_ratio": {peer: [round(x, 3) for x in r] for peer, r in ratios.items()},
         f"fastest_step_{baseline}_over": {peer: round(statistics.median(r), 3) for peer, r in fastest_ratios.items()},
     }
+
+
+def add_gloo_variant(cmds: dict, envs: dict) -> None:
+    """Add "meshtron_gloo": meshtron's command again with its CPU collectives on gloo instead of
+    shared memory (MESHTRON_SHM_COLLECTIVES=0), to measure what the shared-memory path is worth."""
+    cmds["meshtron_gloo"] = cmds["meshtron"]
+    envs["meshtron_gloo"] = {"MESHTRON_SHM_COLLECTIVES": "0"}

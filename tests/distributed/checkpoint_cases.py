@@ -100,10 +100,18 @@ class _Run:
         self.reducer.remove_hooks()
 
 
-def _shared_tmpdir() -> Path:
+def shared_tmpdir() -> Path:
+    """A temporary folder made by rank 0 and named to every rank (checkpoints need one dir)."""
     chosen = [tempfile.mkdtemp(prefix="meshtron-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
     return Path(chosen[0])
+
+
+def remove_shared_tmpdir(root: Path) -> None:
+    """Remove `shared_tmpdir`'s folder once every rank is done with it."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, bool]], save_zero: bool = False,
@@ -111,7 +119,7 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
     """Train 2 steps at `save`, save, then load at each of `loads` ((layout, ZeRO-1)) and
     compare with the same checkpoint loaded into one process. `check_continuation` also
     compares the saving layout's own steps 3-4 with the serial continuation (1e-6)."""
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     try:
         source = _Run(cfg, save, save_zero)
         for step in range(2):
@@ -146,9 +154,7 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
             target.close()
             serial.close()
     finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 def gpt2_tp2_pp2_to_tp1_tp4_zero() -> None:
@@ -181,7 +187,7 @@ def save_failure_on_one_rank_reaches_every_rank() -> None:
     CheckpointError naming rank 1's file; step 1 stays the only (intact) checkpoint."""
     from tests.test_checkpoint import _FillingDisk
 
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     cfg = pipeline_config("gpt2", False)
     run = _Run(cfg, ParallelConfig(tp=2, pp=2))
     try:
@@ -209,15 +215,13 @@ def save_failure_on_one_rank_reaches_every_rank() -> None:
         verify_checkpoint(root / "step_00000001")
     finally:
         run.close()
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 def locked_dir_is_refused_on_every_rank() -> None:
     """Global rank 0 takes the lock for all ranks; a lock held on another host makes every rank
     raise the same CheckpointError."""
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     try:
         with hold_checkpoint_dir(root):
             holder = json.loads((root / LOCK_FILE).read_text())
@@ -233,9 +237,7 @@ def locked_dir_is_refused_on_every_rank() -> None:
                 pass
         _same_on_every_rank(str(refused.value))
     finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 @contextlib.contextmanager
@@ -280,7 +282,7 @@ def zero_shards_saved_without_gather_load_anywhere() -> None:
     (weights and moments equal bit for bit) into one process (zero=0), tp=2, and dp=2 at the
     other ZeRO stage; a tp=2 zero=0 checkpoint loads exactly into dp=2 at zero=1 and 2."""
     cfg = dataclasses.replace(model_config("gpt2"), seq_len=15)  # pos_embed (15, 32): dp shards cut a row
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     plans = [(ParallelConfig(), 1, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 2)]),
              (ParallelConfig(), 2, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 1)]),
              (ParallelConfig(tp=2), 0, [(ParallelConfig(), 1), (ParallelConfig(), 2)])]
@@ -311,9 +313,7 @@ def zero_shards_saved_without_gather_load_anywhere() -> None:
                                              f"{key} differs")
                 target.close()
     finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 def async_save_while_training_in_a_world() -> None:
@@ -324,7 +324,7 @@ def async_save_while_training_in_a_world() -> None:
     from tests.test_checkpoint import _FillingDisk
 
     cfg = model_config("gpt2")
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     run = _Run(cfg, ParallelConfig(), 1)
     saver = AsyncCheckpointer(new_checkpoint_group(30.0))
     try:
@@ -369,9 +369,7 @@ def async_save_while_training_in_a_world() -> None:
     finally:
         saver.close()
         run.close()
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 def cases_for_world(world_size: int) -> list[str]:

@@ -7,7 +7,6 @@ exactly, and a resumed resident run continues exactly)."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import Precision
 from meshtron.training.step import train_step
-from tests.distributed.checkpoint_cases import _shared_tmpdir
+from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
 from tests.distributed.dense_cases import (ADAM_EPS, LR, SEED, assert_close, full_tensor, microbatches, model_config,
                                           trim_vocab)
 
@@ -137,7 +136,7 @@ def resident_checkpoint_round_trip() -> None:
     """zero=1 resident saves fp32 main weights; an fp32 run (zero=0) loads exactly them, saves,
     and resident runs (zero=2 from the first, zero=3 from the second) load them back exactly (main weights equal, bf16 = rounding);
     a resident run resumed from step 2 continues exactly like the uninterrupted run."""
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     mesh = build_mesh(ParallelConfig(), model_config("gpt2"))
     cfg = dataclasses.asdict(model_config("gpt2"))
     try:
@@ -178,9 +177,7 @@ def resident_checkpoint_round_trip() -> None:
                     assert_close(f"resumed main weights {name}", resumed[name], after[name], rtol=0)
             target.close()
     finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 def cases_for_world(world_size: int) -> list[str]:

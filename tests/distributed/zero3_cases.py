@@ -10,12 +10,8 @@ parameters, gradients and optimizer state; during a step at most two units of pa
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from meshtron.models.config import ExecutionConfig
 from meshtron.models.gpt import init_model_chunks
@@ -30,6 +26,7 @@ from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import Precision
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
+from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
 from tests.distributed.dense_cases import (ADAM_EPS, GLOBAL_BATCH, LR, SEED, assert_close, full_tensor, microbatches,
                                           model_config, trim_vocab)
 from tests.distributed.moe_cases import moe_config
@@ -232,12 +229,6 @@ def _continue(model, reducer, optimizer, cfg, step: int):
                       lr=LR, max_grad_norm=1.0)
 
 
-def _shared_tmpdir() -> Path:
-    chosen = [tempfile.mkdtemp(prefix="meshtron-zero3-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
-    return Path(chosen[0])
-
-
 def zero3_checkpoint_roundtrip() -> None:
     """A checkpoint saved at zero=3 loads at zero=0 (and the reverse) into the same weights
     and moments (exactly), and the next step matches (1e-6). The zero=3 save is asynchronous
@@ -245,7 +236,7 @@ def zero3_checkpoint_roundtrip() -> None:
     the checkpoint still holds the weights it had when `save` returned."""
     cfg = model_config("gpt2")
     par = ParallelConfig(tp=1)
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     writer = AsyncCheckpointer(new_checkpoint_group(60.0))
     try:
         for save_zero, load_zero in ((3, 0), (0, 3)):
@@ -287,9 +278,7 @@ def zero3_checkpoint_roundtrip() -> None:
             dst_reducer.remove_hooks()
     finally:
         writer.close()
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 def zero3_checkpoint_reshard() -> None:
@@ -297,7 +286,7 @@ def zero3_checkpoint_reshard() -> None:
     full weight is the saved one (exactly), and the next step's loss matches the saving run's
     (1e-5: the two layouts sum the same products in different orders across tp)."""
     cfg = model_config("llama")
-    root = _shared_tmpdir()
+    root = shared_tmpdir()
     try:
         (src,), src_reducer, src_opt, _, _ = _run(cfg, ParallelConfig(tp=2, sp=True), 3, steps=2)
         path = save_checkpoint(root, TrainState(step=2, consumed_samples=8), [src], src_opt, src.mesh,
@@ -317,9 +306,7 @@ def zero3_checkpoint_reshard() -> None:
         src_reducer.remove_hooks()
         dst_reducer.remove_hooks()
     finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(root, ignore_errors=True)
+        remove_shared_tmpdir(root)
 
 
 def cases_for_world(world_size: int) -> list[str]:
