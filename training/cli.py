@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 import meshtron.configs
 from meshtron.schema import nearest_key
 from meshtron.training.config import unknown_override
-from meshtron.training.loop import main_entry
+from meshtron.training.loop import main_entry, say_one_line
 
 
 # configs/ is the package meshtron.configs (pyproject.toml maps it), so Hydra finds it in any install.
@@ -81,8 +81,7 @@ def main() -> None:
     one line (exit 2) before Hydra composes the config, then run Hydra's entry."""
     error = unknown_override(sys.argv[1:]) or group_selection_error(sys.argv[1:])
     if error:
-        sys.stderr.write(f"meshtron: configuration error: {error}\n")  # one write: ranks share torchrun's pipe
-        sys.stderr.flush()
+        say_one_line(f"meshtron: configuration error: {error}")
         sys.exit(2)
     _hydra_main()
 

@@ -394,14 +394,14 @@ def main_entry(tree: dict, run_dir: str) -> dict:
         run = RunConfig.from_dict(tree)
         return run_training(run, run_dir)
     except ConfigError as err:
-        _say_one_line(f"meshtron: configuration error: {err}")
+        say_one_line(f"meshtron: configuration error: {err}")
         raise SystemExit(2) from None
     except CheckpointError as err:
-        _say_one_line(f"meshtron: checkpoint error: {err}")
+        say_one_line(f"meshtron: checkpoint error: {err}")
         raise SystemExit(2) from None
 
 
-def _say_one_line(line: str) -> None:
+def say_one_line(line: str) -> None:
     """Write `line` to stderr in one write: ranks sharing a pipe (torchrun) never interleave
     inside it (print writes the text and the newline separately)."""
     sys.stderr.write(line + "\n")
