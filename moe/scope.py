@@ -3,14 +3,15 @@ that means for a layout.
 
 - "microbatch" (default, Megatron-Core's default): the statistics f_i, P_i of the Switch aux
   loss pool the tokens of one rank's microbatch. The microbatch's sequence may be split over
-  the tensor-parallel ranks inside the MoE layer (always: with or without SP), so the pooled
-  statistics are all-reduced over `mesh.tp`. The step's objective is the mean over every
+  the tensor-parallel ranks inside the MoE layer (always: with or without SP) and over the
+  context-parallel ranks (cp chunks), so the pooled statistics are all-reduced over
+  `mesh.tp_cp` (cp x tp). The step's objective is the mean over every
   microbatch of the global batch (dp x local microbatches).
   Invariance: any tp/sp/dp/ep/etp/pp layout equals one process run at the same
   micro_batch_size (the same microbatches, in any order).
 - "sequence" (DeepSeek-V2/V3 sequence-wise balance loss): one statistic per sequence,
   averaged over the sequences of the microbatch, then over microbatches; statistics are
-  all-reduced over `mesh.tp` (the sequence shards).
+  all-reduced over `mesh.tp_cp` (the sequence shards).
   Invariance: any layout and any micro_batch_size equal one process with any micro batch.
 - "global" (the all-ranks pooling of Qwen's global-batch balancing at one microbatch): the
   statistics pool microbatch j of every dp rank (all-reduced over `mesh.tp_dp`); the step's
@@ -64,4 +65,4 @@ def aux_loss_scope(name: str, mesh: Mesh) -> AuxLossScope:
     raise_first(scope_checks(name))
     if name == "global":
         return AuxLossScope(name, mesh.tp_dp, None, per_sequence=False)
-    return AuxLossScope(name, mesh.tp, mesh.dp, per_sequence=name == "sequence")
+    return AuxLossScope(name, mesh.tp_cp, mesh.dp, per_sequence=name == "sequence")

@@ -11,11 +11,12 @@ tokens in the global batch, so summing over data-parallel replicas (and accumula
 microbatches) gives exactly the single-process gradient.
 
 Groups:
-  * ordinary parameters: the data-parallel group `mesh.dp`;
+  * ordinary parameters (key "dp"): the data replicas, `mesh.dp_cp` (dp x cp: with context
+    parallelism each cp rank saw other tokens of the same sequences; `mesh.dp` without);
   * sequence-parallel replicated parameters (norms, row-parallel biases, position
     embeddings under SP; MoE routers at tp > 1), whose gradient on each
-    TP rank covers only its tokens: the flattened `mesh.tp_dp` group, summing over TP and DP
-    in one collective;
+    TP rank covers only its tokens: the flattened `mesh.tp_dp` group (every rank of the
+    stage), summing over TP, CP and DP in one collective;
   * expert parameters: the expert-data-parallel group `mesh.edp` (replicas of the same
     expert shard that saw different tokens).
 
@@ -87,6 +88,13 @@ class _Bucket:
 
 
 GRAD_GROUPS = ("dp", "tp_dp", "edp")
+
+
+def replica_group(mesh, key: str):
+    """The process group of gradient group `key`: "dp" sums over the data replicas, which
+    with context parallelism are dp x cp (`mesh.dp_cp`: each cp rank saw other tokens of the
+    same sequences); "tp_dp" over every rank of the stage; "edp" over expert replicas."""
+    return mesh.dp_cp if key == "dp" else getattr(mesh, key)
 
 
 def grad_group(p: nn.Parameter) -> str:
@@ -185,9 +193,9 @@ class DataParallelGradReducer:
         self._bucket_of: dict[int, _Bucket] = {}
         tied_apart = group_size(mesh.embedding) > 1
         self.tied_embedding = [p for _, p in named_params if p.requires_grad and is_tied_embedding(p) and tied_apart]
-        replicas = {key: group_size(getattr(mesh, key)) for key in GRAD_GROUPS}
+        replicas = {key: group_size(replica_group(mesh, key)) for key in GRAD_GROUPS}
         for spec in bucket_layout(named_params, replicas, bucket_mb, tied_apart=tied_apart, unit_of=unit_of):
-            self._make_bucket(getattr(mesh, spec.key), spec)
+            self._make_bucket(replica_group(mesh, spec.key), spec)
         self._hooks = []
         for bucket in self.buckets:
             if group_size(bucket.group) > 1 or main_grads:

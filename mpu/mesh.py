@@ -1,8 +1,15 @@
-"""The device mesh: dense dims pp x dp x tp and expert dims pp x edp x ep x etp over the same ranks.
+"""The device mesh: dense dims pp x dp x cp x tp and expert dims pp x edp x ep x etp over the same ranks.
 
-Ranks are laid out with tp fastest-varying (a TP group sits inside one node). Expert layers
-fold the same ranks into pp x edp x ep x etp (etp fastest), independently of the dense layout,
-so 8 ranks can run attention at tp=4, dp=2 and experts at ep=8 ("parallel folding").
+Ranks are laid out with tp fastest-varying (a TP group sits inside one node), then cp
+(context parallelism: each rank of a cp group holds 2 of the 2*cp load-balanced chunks of
+every sequence, `mpu.context_parallel`), then dp. Expert layers fold the same ranks into
+pp x edp x ep x etp (etp fastest), independently of the dense layout, so 8 ranks can run
+attention at tp=4, dp=2 and experts at ep=8 ("parallel folding"); cp folds in the way dp
+does (edp = dp*cp*tp / (ep*etp)), so MoE layers see distinct tokens on every rank.
+
+Groups that follow from cp: parameters replicated over cp see different tokens on each cp
+rank, so their gradients are summed over `dp_cp` (dp x cp), as are the loss and the token
+count of the global batch; the ranks holding one microbatch's sequence are `tp_cp`.
 
 `ParallelConfig` checks its fields when built (meshtron/schema.py) and `resolved` every size
 against the world and raises
@@ -40,11 +47,15 @@ class ParallelConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    """Parallel sizes. `dp=None` means world // (tp * pp); `ep`/`etp` describe the expert mesh."""
+    """Parallel sizes. `dp=None` means world // (tp * cp * pp); `ep`/`etp` describe the expert
+    mesh; `cp`/`cp_comm` context parallelism (ring: KV blocks passed around the cp group;
+    a2a: Ulysses all-to-all from sequence to head shards)."""
 
     tp: int = field(default=1, metadata=allowed(ge=1))
     pp: int = field(default=1, metadata=allowed(ge=1))
     dp: int | None = field(default=None, metadata=allowed(ge=1))
+    cp: int = field(default=1, metadata=allowed(ge=1))
+    cp_comm: str = field(default="ring", metadata=allowed(choices=("ring", "a2a")))
     ep: int = field(default=1, metadata=allowed(ge=1))
     etp: int = field(default=1, metadata=allowed(ge=1))
     sp: bool = False
@@ -61,17 +72,22 @@ class ParallelConfig:
     def resolved(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp filled in and every size checked against `world_size`."""
         out = ParallelConfig(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()})
-        if world_size % (out.tp * out.pp) != 0:
+        model = out.tp * out.cp * out.pp
+        if world_size % model != 0:
+            sizes = f"tp*cp*pp={model} (tp={out.tp}, cp={out.cp}, pp={out.pp})" if out.cp > 1 else \
+                f"tp*pp={model} (tp={out.tp}, pp={out.pp})"
             raise ParallelConfigError(
-                f"world size {world_size} is not divisible by tp*pp={out.tp * out.pp} "
-                f"(tp={out.tp}, pp={out.pp}); change parallel.tp/parallel.pp or the number of processes"
+                f"world size {world_size} is not divisible by {sizes}; "
+                f"change parallel.tp/parallel.pp{'/parallel.cp' if out.cp > 1 else ''} or the number of processes"
             )
         if out.dp is None:
-            out.dp = world_size // (out.tp * out.pp)
-        if out.dp < 1 or out.tp * out.pp * out.dp != world_size:
+            out.dp = world_size // model
+        if out.dp < 1 or model * out.dp != world_size:
+            names = "tp*cp*pp*dp" if out.cp > 1 else "tp*pp*dp"
+            values = f"{out.tp}*{out.cp}*{out.pp}*{out.dp}" if out.cp > 1 else f"{out.tp}*{out.pp}*{out.dp}"
             raise ParallelConfigError(
-                f"tp*pp*dp={out.tp}*{out.pp}*{out.dp}={out.tp * out.pp * out.dp} does not equal "
-                f"world size {world_size}; set parallel.dp={world_size // (out.tp * out.pp)} or leave it unset"
+                f"{names}={values}={model * out.dp} does not equal "
+                f"world size {world_size}; set parallel.dp={world_size // model} or leave it unset"
             )
         if (world_size // out.pp) % (out.ep * out.etp) != 0:
             raise ParallelConfigError(
@@ -85,7 +101,7 @@ class ParallelConfig:
     def edp(self) -> int:
         """Expert-data-parallel size: ranks per stage not used by ep*etp."""
         assert self.dp is not None, "call resolved() first"
-        return self.dp * self.tp // (self.ep * self.etp)
+        return self.dp * self.cp * self.tp // (self.ep * self.etp)
 
 
 def expert_shard_checks(num_experts: int, moe_ffn_hidden_size: int, shared_experts: int, *, ep: int, etp: int,
@@ -117,6 +133,8 @@ def tensor_shard_checks(cfg, tp: int) -> list[tuple[bool, str]]:
 def check_model_fits(par: ParallelConfig, cfg) -> None:
     """Raise ParallelConfigError when the model's shape cannot be split by the layout."""
     raise_first(tensor_shard_checks(cfg, par.tp), ParallelConfigError)
+    if par.cp > 1:
+        raise ParallelConfigError(f"parallel.cp={par.cp}: context parallelism is not wired into the model yet; use cp=1")
     if par.sp and par.tp > 1 and cfg.seq_len % par.tp:
         raise ParallelConfigError(
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"
@@ -152,16 +170,16 @@ def check_model_fits(par: ParallelConfig, cfg) -> None:
 
 def dim_groups(par: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
     """The rank lists of every group of each mesh dim (`par` resolved for `world_size`), in the
-    order torch's DeviceMesh forms them: dense pp x dp x tp, expert pp x edp x ep x etp."""
+    order torch's DeviceMesh forms them: dense pp x dp x cp x tp, expert pp x edp x ep x etp."""
     ranks = torch.arange(world_size)
-    dense = ranks.view(par.pp, par.dp, par.tp)
+    dense = ranks.view(par.pp, par.dp, par.cp, par.tp)
     expert = ranks.view(par.pp, par.edp, par.ep, par.etp)
 
     def groups(grid: torch.Tensor, dim: int) -> list[list[int]]:
         moved = grid.movedim(dim, -1)
         return moved.reshape(-1, moved.shape[-1]).tolist()
 
-    return {"tp": groups(dense, 2), "dp": groups(dense, 1), "pp": groups(dense, 0),
+    return {"tp": groups(dense, 3), "cp": groups(dense, 2), "dp": groups(dense, 1), "pp": groups(dense, 0),
             "ep": groups(expert, 2), "etp": groups(expert, 3), "edp": groups(expert, 1)}
 
 
@@ -269,11 +287,14 @@ class Mesh:
     """Process groups of one parallel layout.
 
     Attributes are torch process groups (or None when the dim has size 1 and no
-    communication is needed): `tp`, `dp`, `pp`, `ep`, `etp`, `edp`, `tp_dp` (the
-    flattened dp x tp group of a stage: gradients of sequence-parallel replicated parameters,
-    MoE routing statistics), `ep_etp` (one replica's expert shards: expert gradient norm) and
-    `embedding` (first and last pipeline stage of one (dp, tp) position: tied embeddings).
-    Coordinates: `tp_rank`, `dp_rank`, `pp_rank`, `edp_rank`, `ep_rank`, `etp_rank`.
+    communication is needed): `tp`, `cp`, `dp`, `pp`, `ep`, `etp`, `edp`, `dp_cp` (dp x cp:
+    gradients of replicated parameters, the global batch's loss and token count), `tp_cp`
+    (cp x tp: the ranks holding one microbatch's sequence; MoE routing statistics), `tp_dp`
+    (every rank of a stage, dp x cp x tp: gradients of sequence-parallel replicated
+    parameters, global MoE statistics), `ep_etp` (one replica's expert shards: expert gradient
+    norm) and `embedding` (first and last pipeline stage of one (dp, cp, tp) position: tied
+    embeddings). Without cp, `dp_cp` is `dp` and `tp_cp` is `tp` (the same group objects).
+    Coordinates: `tp_rank`, `cp_rank`, `dp_rank`, `pp_rank`, `edp_rank`, `ep_rank`, `etp_rank`.
     """
 
     def __init__(self, par: ParallelConfig, world_size: int, rank: int, device_type: str = "cpu",
@@ -288,43 +309,51 @@ class Mesh:
             raise ParallelConfigError(f"{self.ranks_per_node} ranks per node do not divide world size {world_size}")
         self.num_nodes = world_size // self.ranks_per_node
         self.node = rank // self.ranks_per_node
-        pp, dp, tp = par.pp, par.dp, par.tp
+        pp, dp, cp, tp = par.pp, par.dp, par.cp, par.tp
         ep, etp, edp = par.ep, par.etp, par.edp
-        self.pp_rank, rem = divmod(rank, dp * tp)
-        self.dp_rank, self.tp_rank = divmod(rem, tp)
+        self.pp_rank, rem = divmod(rank, dp * cp * tp)
+        self.dp_rank, rem = divmod(rem, cp * tp)
+        self.cp_rank, self.tp_rank = divmod(rem, tp)
         _, rem = divmod(rank, edp * ep * etp)
         self.edp_rank, rem = divmod(rem, ep * etp)
         self.ep_rank, self.etp_rank = divmod(rem, etp)
         self.dense_mesh: DeviceMesh | None = None
         self.expert_mesh: DeviceMesh | None = None
         self.tp = self.dp = self.pp = self.ep = self.etp = self.edp = self.tp_dp = self.ep_etp = None
+        self.cp = self.dp_cp = self.tp_cp = None
         self.embedding = None
         if world_size == 1 or not create_groups:
             return
         ranks = torch.arange(world_size)
-        self.dense_mesh = DeviceMesh(device_type, ranks.view(pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.dense_mesh = DeviceMesh(device_type, ranks.view(pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
         self.expert_mesh = DeviceMesh(
             device_type, ranks.view(pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp")
         )
         dense, expert = self.dense_mesh, self.expert_mesh
         self.tp = dense.get_group("tp") if tp > 1 else None
         self.dp = dense.get_group("dp") if dp > 1 else None
+        self.cp = dense.get_group("cp") if cp > 1 else None
         self.pp = dense.get_group("pp") if pp > 1 else None
         self.ep = expert.get_group("ep") if ep > 1 else None
         self.etp = expert.get_group("etp") if etp > 1 else None
         self.edp = expert.get_group("edp") if edp > 1 else None
-        # dp x tp flattened: every rank of a pipeline stage.
+        # dp x cp x tp flattened: every rank of a pipeline stage.
         self.tp_dp = None
-        if tp * dp > 1:
+        if tp * cp * dp > 1:
             for stage in range(pp):
-                members = ranks.view(pp, dp * tp)[stage].tolist()
+                members = ranks.view(pp, dp * cp * tp)[stage].tolist()
                 group = dist.new_group(members)
                 if stage == self.pp_rank:
                     self.tp_dp = group
-        # First and last pipeline stage at the same (dp, tp) position: tied embedding copies.
+        # Without cp these are the dp and tp groups themselves (no extra communicators).
+        self.dp_cp, self.tp_cp = self.dp, self.tp
+        if cp > 1:
+            self.dp_cp = self._flattened_groups(ranks.view(pp, dp, cp, tp).permute(0, 3, 1, 2).reshape(-1, dp * cp))
+            self.tp_cp = self._flattened_groups(ranks.view(-1, cp * tp)) if cp * tp > 1 else None
+        # First and last pipeline stage at the same (dp, cp, tp) position: tied embedding copies.
         if pp > 1:
-            grid = ranks.view(pp, dp * tp)
-            for position in range(dp * tp):
+            grid = ranks.view(pp, dp * cp * tp)
+            for position in range(dp * cp * tp):
                 members = [int(grid[0, position]), int(grid[pp - 1, position])]
                 group = dist.new_group(members)
                 if rank in members:
@@ -336,6 +365,18 @@ class Mesh:
                 group = dist.new_group(blocks[index].tolist())
                 if rank in blocks[index].tolist():
                     self.ep_etp = group
+
+    def _flattened_groups(self, rows: torch.Tensor):
+        """Create one group per row of `rows` (every rank takes part in every creation, as torch
+        requires) and return the one holding this rank (None when a row has one rank)."""
+        mine = None
+        for row in rows.tolist():
+            if len(row) == 1:
+                continue
+            group = dist.new_group(row)
+            if self.rank in row:
+                mine = group
+        return mine
 
     @functools.cached_property
     def nodes(self) -> dict[str, DimPlacement]:
@@ -356,14 +397,23 @@ class Mesh:
         return self.par.pp
 
     @property
+    def cp_size(self) -> int:
+        return self.par.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks of a stage holding distinct tokens at one tp position: the gradient replicas."""
+        return self.par.dp * self.par.cp
+
+    @property
     def sequence_parallel(self) -> bool:
         return bool(self.par.sp and self.par.tp > 1)
 
     def describe(self) -> str:
         p = self.par
         return (
-            f"rank {self.rank}/{self.world_size}: dense pp={p.pp} dp={p.dp} tp={p.tp} "
-            f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} tp_rank={self.tp_rank}); "
+            f"rank {self.rank}/{self.world_size}: dense pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp} "
+            f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} cp_rank={self.cp_rank} tp_rank={self.tp_rank}); "
             f"expert edp={p.edp} ep={p.ep} etp={p.etp}; sp={self.sequence_parallel}; {self.describe_placement()}"
         )
 
@@ -376,7 +426,7 @@ class Mesh:
         head = f"placement {n} node{'s' if n > 1 else ''} x {r} rank{'s' if r > 1 else ''}"
         if n == 1:
             return head + " (every group intra-node)"
-        dense = " ".join(self.nodes[d].label() for d in ("tp", "dp", "pp"))
+        dense = " ".join(self.nodes[d].label() for d in ("tp", "cp", "dp", "pp") if d != "cp" or self.par.cp > 1)
         expert = " ".join(self.nodes[d].label() for d in ("edp", "ep", "etp"))
         return f"{head}: {dense} | {expert}"
 
@@ -416,8 +466,11 @@ def virtual_mesh(par: ParallelConfig, world_size: int, rank: int) -> Mesh:
         return VirtualGroup(size, index) if size > 1 else None
 
     mesh.tp, mesh.dp, mesh.pp = group(p.tp, mesh.tp_rank), group(p.dp, mesh.dp_rank), group(p.pp, mesh.pp_rank)
+    mesh.cp = group(p.cp, mesh.cp_rank)
     mesh.ep, mesh.etp, mesh.edp = group(p.ep, mesh.ep_rank), group(p.etp, mesh.etp_rank), group(p.edp, mesh.edp_rank)
-    mesh.tp_dp = group(p.tp * p.dp, mesh.dp_rank * p.tp + mesh.tp_rank)
+    mesh.tp_dp = group(p.tp * p.cp * p.dp, (mesh.dp_rank * p.cp + mesh.cp_rank) * p.tp + mesh.tp_rank)
+    mesh.dp_cp = group(p.dp * p.cp, mesh.dp_rank * p.cp + mesh.cp_rank) if p.cp > 1 else mesh.dp
+    mesh.tp_cp = group(p.cp * p.tp, mesh.cp_rank * p.tp + mesh.tp_rank) if p.cp > 1 else mesh.tp
     mesh.ep_etp = group(p.ep * p.etp, mesh.ep_rank * p.etp + mesh.etp_rank)
     if p.pp > 1 and mesh.pp_rank in (0, p.pp - 1):
         mesh.embedding = VirtualGroup(2, 0 if mesh.pp_rank == 0 else 1)

@@ -199,7 +199,7 @@ def zero3_gathered_bytes(model, replicas: dict[str, int], tied_apart: bool = Fal
 
 def _replicas(res: ParallelConfig) -> dict[str, int]:
     """Replica count of each gradient group: the ranks one bucket is sharded over under ZeRO."""
-    return {"dp": res.dp, "tp_dp": res.tp * res.dp, "edp": res.edp}
+    return {"dp": res.dp * res.cp, "tp_dp": res.tp * res.cp * res.dp, "edp": res.edp}
 
 
 def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero: int = 0, offload: bool = False,

@@ -19,9 +19,10 @@ from meshtron.training.precision import FP32, Precision
 
 
 def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
-    """Number of non-ignored target tokens in the global batch (sum over the dp group)."""
+    """Number of non-ignored target tokens in the global batch (sum over dp x cp: each cp rank
+    holds its chunks of the sequences)."""
     count = sum((y != IGNORE_INDEX).sum() for _, y in microbatches).to(torch.float32)
-    return all_reduce_stats(count, mesh.dp).clamp(min=1.0)
+    return all_reduce_stats(count, mesh.dp_cp).clamp(min=1.0)
 
 
 def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: TrainingOptimizer,
@@ -122,7 +123,7 @@ def _finish_step(chunks, optimizer: TrainingOptimizer, mesh: Mesh, loss_sum: tor
     stage has it), then update unless the loss or the gradient norm is not finite."""
     _unscale_gradients(chunks, optimizer, precision.loss_scale)
     grad_norm = optimizer.clip_grad_norm(chunks, max_grad_norm, mesh)
-    loss_sum = all_reduce_stats(all_reduce_stats(loss_sum, mesh.dp), mesh.pp)
+    loss_sum = all_reduce_stats(all_reduce_stats(loss_sum, mesh.dp_cp), mesh.pp)
     # Both values are global (identical on every rank), so every rank takes the same decision.
     # This is the step's one host sync outside logging (as in torch's GradScaler).
     finite = bool(torch.isfinite(grad_norm) & torch.isfinite(loss_sum))
@@ -216,7 +217,7 @@ def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, tor
                                   lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
                                   forward_only=True)
         loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
-    loss = all_reduce_stats(all_reduce_stats(loss.to(torch.float32), mesh.dp), mesh.pp)
+    loss = all_reduce_stats(all_reduce_stats(loss.to(torch.float32), mesh.dp_cp), mesh.pp)
     for chunk in chunks:
         chunk.train()
     return loss

@@ -16,7 +16,7 @@ import torch
 from meshtron.models.config import ExecutionConfig
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu import zero3
-from meshtron.mpu.grad_reduce import GRAD_GROUPS
+from meshtron.mpu.grad_reduce import GRAD_GROUPS, replica_group
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.planning.plan import zero3_gathered_bytes, zero3_grad_buffer_bytes
@@ -210,7 +210,7 @@ def zero3_memory() -> None:
                              f"({bound} B; units {z.unit_bytes()})")
     if max(peaks) < max(sizes):
         raise AssertionError(f"zero=3: peak {max(peaks)} B is below the largest unit {max(sizes)} B: not measured")
-    replicas = {key: group_size(getattr(model.mesh, key)) for key in GRAD_GROUPS}
+    replicas = {key: group_size(replica_group(model.mesh, key)) for key in GRAD_GROUPS}
     planned = zero3_gathered_bytes(model, replicas)
     if planned != max(peaks):
         raise AssertionError(f"zero=3: the planner's gathered units {planned} B, measured peak {max(peaks)} B")
