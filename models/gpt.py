@@ -6,6 +6,12 @@ projection and one row-parallel output projection in attention, and one column/r
 the MLP, so two all-reduces forward and two backward (or the SP all-gather/reduce-scatter
 pairs). All communication goes through `mpu` over the mesh's TP group.
 
+Context parallelism (`mesh.cp`): every rank holds 2 of the 2*cp load-balanced chunks of each
+sequence ([s/cp(/tp), b, h]); attention runs `mpu.context_parallel` (ring or all-to-all) and
+positions (learned, RoPE) are the tokens' global positions. Packed documents: `doc_ids` /
+`positions` per token (from `mpu.attention_blocks.document_ids`, sharded like the tokens)
+restrict attention to each document and restart positions at every document.
+
 Fused QKV weight layout (full, layout-independent): rows are grouped per KV head,
 [kv_group 0: q heads of the group, k, v | kv_group 1: ... ], each head_dim rows, so a
 contiguous TP chunk holds whole query groups with their k and v (tp must divide num_kv_heads).
@@ -25,6 +31,7 @@ from meshtron.kernels import selfcheck
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
+from meshtron.mpu.context_parallel import context_parallel_attention, sequence_positions
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
@@ -76,7 +83,8 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [b, heads, s, d] by position: x*cos + rotate_half(x)*sin."""
+    """Rotate [b, heads, s, d] by position: x*cos + rotate_half(x)*sin (cos/sin [s, d], or
+    [b, 1, s, d] for per-sequence positions)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -108,7 +116,8 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, mesh, bias=cfg.bias,
                                       init_std=out_std, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         qkv = rearrange(qkv, "s b (g r d) -> b g r s d", r=self.q_per_group + 2, d=self.head_dim)
         q = rearrange(qkv[:, :, : self.q_per_group], "b g r s d -> b (g r) s d")
@@ -117,17 +126,29 @@ class Attention(nn.Module):
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.training and self.selective:
-            out = recompute(self._core, q, k, v)
+            out = recompute(self._core, q, k, v, doc_ids)
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, doc_ids)
         return self.proj(rearrange(out, "b h s d -> s b (h d)"))
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask) v over this rank's heads (dropout on the
-        probabilities from the tensor-parallel RNG stream)."""
+        probabilities from the tensor-parallel RNG stream). With context parallelism the
+        sequence is sharded over `mesh.cp` and the ring / all-to-all attention of
+        `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s/cp] adds the
+        document mask of packed sequences."""
         p = self.cfg.dropout if self.training else 0.0
+        if self.mesh.cp_size > 1:
+            out = context_parallel_attention(q, k, v, self.mesh.cp, self.mesh.par.cp_comm, doc_ids=doc_ids,
+                                             dropout_p=p)
+            return out.to(q.dtype)
+        mask = None
+        if doc_ids is not None:  # causal within each document: [b, 1, s, s]
+            same = doc_ids[:, :, None] == doc_ids[:, None, :]
+            mask = (same & torch.ones_like(same).tril_())[:, None]
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                   enable_gqa=self.q_per_group > 1)
 
 
@@ -194,7 +215,7 @@ class Block(nn.Module):
         self.mlp = (MoELayer(cfg.moe(), mesh, device, dtype, backend=backend) if cfg.is_moe_layer(index)
                     else MLP(cfg, mesh, device, dtype, backend=backend))
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         full = self.mode == "full"
         self.recomputed_aux = self.recomputed_prob_sum = None
         if self.training and full and x.requires_grad:
@@ -202,19 +223,21 @@ class Block(nn.Module):
                 # The router's aux terms (and its summed probabilities, for a loss pooled across
                 # layers) leave the recomputed region as outputs, so their gradient flows
                 # through the replay (the first pass runs without grad).
-                out, self.recomputed_aux, self.recomputed_prob_sum = recompute(self._forward_with_aux, x, rope)
+                out, self.recomputed_aux, self.recomputed_prob_sum = recompute(self._forward_with_aux, x, rope,
+                                                                               doc_ids)
                 return out
-            return recompute(self._forward, x, rope)
-        return self._forward(x, rope)
+            return recompute(self._forward, x, rope, doc_ids)
+        return self._forward(x, rope, doc_ids)
 
-    def _forward_with_aux(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self._forward(x, rope)
+    def _forward_with_aux(self, x: torch.Tensor, rope,
+                          doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self._forward(x, rope, doc_ids)
         routed = self.mlp.last_router
         return out, routed.aux_loss + routed.z_loss, routed.set_prob_sum
 
-    def _forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, rope, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         p = self.cfg.dropout
-        x = x + _dropout(self.attn(self.norm1(x), rope), p, self.training, self.mesh)
+        x = x + _dropout(self.attn(self.norm1(x), rope, doc_ids), p, self.training, self.mesh)
         return x + _dropout(self.mlp(self.norm2(x)), p, self.training, self.mesh)
 
 
@@ -285,24 +308,58 @@ class GPT(nn.Module):
         local = seq // self.mesh.tp_size
         return slice(self.mesh.tp_rank * local, (self.mesh.tp_rank + 1) * local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, s] (first chunk) or hidden [s(/tp), b, h] -> logits [b, s, V_pad/tp]
-        (last chunk) or hidden [s(/tp), b, h]."""
+    def _token_positions(self, s: int, positions: torch.Tensor | None, device) -> torch.Tensor | None:
+        """Global positions of this rank's `s` tokens (s/cp of each sequence): `positions` [b, s]
+        when given (packed documents), the cp shard's positions [s] with cp > 1, None (0..s-1)
+        otherwise."""
+        if positions is not None:
+            return positions.to(device)
+        if self.mesh.cp_size > 1:
+            return sequence_positions(s * self.mesh.cp_size, self.mesh.cp_size, self.mesh.cp_rank, device)
+        return None
+
+    def _position_embedding(self, s: int, pos: torch.Tensor | None) -> torch.Tensor:
+        """Learned position embeddings to add to [s(/tp), b, h]: rows `pos` ([s] -> [s, 1, h],
+        [b, s] -> [s, b, h]), this tp rank's slice of the sequence under SP."""
+        if pos is None:
+            return self.pos_embed[self._positions_slice(s)].unsqueeze(1)
+        rows = self.pos_embed[pos]  # [s, h] or [b, s, h]
+        rows = rows.unsqueeze(1) if pos.dim() == 1 else rows.transpose(0, 1)
+        return rows[self._positions_slice(s)]
+
+    def _rope_at(self, s: int, pos: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin for this rank's `s` tokens: [s, d] (shared positions) or [b, 1, s, d]."""
+        if pos is None:
+            return self._rope(s, device)
+        cos, sin = self._rope(self.cfg.seq_len, device)
+        if pos.dim() == 1:
+            return cos[pos], sin[pos]
+        return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+
+    def forward(self, x: torch.Tensor, *, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [b, s/cp] (first chunk) or hidden [s/cp(/tp), b, h] -> logits [b, s/cp, V_pad/tp]
+        (last chunk) or hidden [s/cp(/tp), b, h]. `positions` / `doc_ids` [b, s/cp]: per-token
+        global positions and document ids of packed sequences (None: one document, positions of
+        this rank's cp shard)."""
+        cp = self.mesh.cp_size
         if self.pre_process:
             b, s = x.shape
-            if s > self.cfg.seq_len:
-                raise ValueError(f"sequence length {s} exceeds model.seq_len={self.cfg.seq_len}")
+            if s * cp > self.cfg.seq_len:
+                raise ValueError(f"sequence length {s * cp} exceeds model.seq_len={self.cfg.seq_len}")
             if self.mesh.sequence_parallel and s % self.mesh.tp_size:
                 raise ValueError(f"sequence parallelism needs tp={self.mesh.tp_size} to divide the sequence length {s}")
+            pos = self._token_positions(s, positions, x.device)
             x = self.embed(x.t())  # [s(/tp), b, h]
             if self.pos_embed is not None:
-                x = x + self.pos_embed[self._positions_slice(s)].unsqueeze(1)
+                x = x + self._position_embedding(s, pos)
             x = _dropout(x, self.cfg.dropout, self.training, self.mesh)
         else:
             s = x.shape[0] * (self.mesh.tp_size if self.mesh.sequence_parallel else 1)
-        rope = self._rope(s, x.device) if self.cfg.position == "rope" else None
+            pos = self._token_positions(s, positions, x.device)
+        rope = self._rope_at(s, pos, x.device) if self.cfg.position == "rope" else None
         for layer in self.layers.values():
-            x = layer(x, rope)
+            x = layer(x, rope, doc_ids)
         if not self.post_process:
             return x
         x = self.final_norm(x)

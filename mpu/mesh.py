@@ -130,11 +130,36 @@ def tensor_shard_checks(cfg, tp: int) -> list[tuple[bool, str]]:
     ]
 
 
+def context_parallel_checks(par: ParallelConfig, cfg) -> list[tuple[bool, str]]:
+    """How a sequence splits over cp (x tp under SP), as (holds, message) pairs: 2*cp
+    load-balanced chunks (each cut into tp pieces under SP), heads for the all-to-all, and what
+    context-parallel attention does not offer (attention dropout, expert capacity)."""
+    if par.cp == 1:
+        return []
+    cp, tp = par.cp, par.tp
+    split = 2 * cp * (tp if par.sp and tp > 1 else 1)
+    heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
+    return [
+        (cfg.seq_len % split == 0,
+         f"parallel.cp={cp} needs model.seq_len={cfg.seq_len} divisible by 2*cp"
+         + (f"*tp = {split} (sequence parallelism cuts each cp shard over tp={tp})" if split != 2 * cp else f" = {split}")
+         + "; change model.seq_len or parallel.cp"),
+        (par.cp_comm != "a2a" or heads % cp == 0,
+         f"parallel.cp_comm=a2a needs the attention heads per tensor-parallel rank (num_heads/tp = {heads}) "
+         f"divisible by cp={cp}; use parallel.cp_comm=ring or change parallel.cp"),
+        (cfg.dropout == 0,
+         f"parallel.cp={cp} with model.dropout={cfg.dropout}: context-parallel attention has no attention "
+         "dropout; set model.dropout=0"),
+        (getattr(cfg, "capacity_factor", None) is None,
+         f"parallel.cp={cp} with model.capacity_factor={getattr(cfg, 'capacity_factor', None)}: expert capacity "
+         "ranks a sequence's tokens in order, which cp shards do not hold together; set model.capacity_factor=null"),
+    ]
+
+
 def check_model_fits(par: ParallelConfig, cfg) -> None:
     """Raise ParallelConfigError when the model's shape cannot be split by the layout."""
     raise_first(tensor_shard_checks(cfg, par.tp), ParallelConfigError)
-    if par.cp > 1:
-        raise ParallelConfigError(f"parallel.cp={par.cp}: context parallelism is not wired into the model yet; use cp=1")
+    raise_first(context_parallel_checks(par, cfg), ParallelConfigError)
     if par.sp and par.tp > 1 and cfg.seq_len % par.tp:
         raise ParallelConfigError(
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"

@@ -55,8 +55,9 @@ class PipelineResult:
 
 
 def activation_shape(mesh: Mesh, seq_len: int, micro_batch: int, hidden: int) -> tuple[int, int, int]:
-    """Shape of the activations passed between stages: [s (/tp under SP), micro_batch, h]."""
-    return (seq_len // mesh.tp_size if mesh.sequence_parallel else seq_len, micro_batch, hidden)
+    """Shape of the activations passed between stages: [s/cp (/tp under SP), micro_batch, h]."""
+    local = seq_len // mesh.cp_size
+    return (local // mesh.tp_size if mesh.sequence_parallel else local, micro_batch, hidden)
 
 
 class PipelineExecutor:
@@ -117,14 +118,17 @@ class PipelineExecutor:
         result.timeline.append(TimelineEvent(name, microbatch, chunk, start, time.perf_counter()))
 
     def run(self, schedules: Sequence[Sequence[Action]], inputs: list[torch.Tensor], loss_fn: LossFn,
-            extra_fn: ExtraFn | None = None, before_backward=None, forward_only: bool = False) -> PipelineResult:
+            extra_fn: ExtraFn | None = None, before_backward=None, forward_only: bool = False,
+            forward_kwargs: Sequence[dict] | None = None) -> PipelineResult:
         """Execute this rank's actions `schedules[pp_rank]` (`schedules`: every pipeline rank's
         action list, from which both ends of each channel derive one message order; see
         `mpu.pipeline_p2p`). `inputs[m]` is microbatch m's input of virtual stage 0 (token ids;
         used only there). `before_backward(index, action)` may return a context manager wrapped
         around that backward (gradient-reduction sync). Returns the last stage's
         per-microbatch losses (detached), the timeline and the peak of live activations.
-        `forward_only` (evaluation): forwards only, nothing kept for backward."""
+        `forward_only` (evaluation): forwards only, nothing kept for backward.
+        `forward_kwargs[m]`: keyword arguments of every chunk's forward of microbatch m (per-token
+        positions and document ids of packed sequences)."""
         actions = schedules[self.rank]
         batches = self.plan(schedules)
         result = PipelineResult()
@@ -147,7 +151,7 @@ class PipelineExecutor:
                     x = inbox.pop(need)
                     x.requires_grad_(not forward_only)
                 start = time.perf_counter()
-                out = chunk(x)
+                out = chunk(x, **(forward_kwargs[m] if forward_kwargs else {}))
                 extra = extra_fn(chunk) if extra_fn is not None else None
                 if produced is None:
                     loss = loss_fn(chunk, out, m)

@@ -651,3 +651,30 @@ def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDa
     else:
         tokens = load_corpus(data_cfg.paths, data_cfg.max_bytes, vocab_size=vocab_size)
     return TokenDataset(tokens, seq_len, seed, data_cfg.val_fraction)
+
+
+def document_end_id(data_cfg, vocab_size: int) -> int | None:
+    """The end-of-document token that `data.reset_at_eos` restarts attention and positions at:
+    None when reset_at_eos is off; `data.eos_id` when set; else the single end-of-document id
+    that a prepared dataset's index.json records (bpe / hf tokenizers). The byte tokenizer's
+    separator is two tokens ("\\n\\n", which source text also holds), so it names no document
+    end: ConfigError saying what to set."""
+    if not getattr(data_cfg, "reset_at_eos", False):
+        return None
+    eos = getattr(data_cfg, "eos_id", None)
+    if eos is None and getattr(data_cfg, "prepared", None):
+        path = pathlib.Path(data_cfg.prepared) / INDEX_FILE
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"data.reset_at_eos=true: cannot read the end-of-document id from {path}: {err}") from err
+        ids = info.get("eod_ids") or []
+        if len(ids) == 1:
+            eos = int(ids[0])
+    if eos is None:
+        raise ConfigError(
+            "data.reset_at_eos=true needs one end-of-document token id: the byte tokenizer's separator is two "
+            "tokens; prepare the data with --tokenizer bpe or hf:FOLDER (data.prepared=DIR), or set data.eos_id=N")
+    if not 0 <= eos < vocab_size:
+        raise ConfigError(f"data.eos_id={eos} is not a token id of model.vocab_size={vocab_size}")
+    return eos

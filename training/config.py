@@ -75,6 +75,10 @@ class DataConfig:
     # A directory written by `meshtron-prepare` (tokens.bin + index.json), memory-mapped; when
     # set, `paths` and `max_bytes` are ignored. See textdata.data.build_dataset.
     prepared: str | None = None
+    # Packed documents: attention and positions restart after every end-of-document token
+    # (textdata.data.document_end_id: data.eos_id, or the prepared tokenizer's single EOS id).
+    reset_at_eos: bool = False
+    eos_id: int | None = _field(None, ge=0)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from meshtron.training.checkpoint import (AsyncCheckpointer, CheckpointError, Tr
                                          hold_checkpoint_dir, load_checkpoint, new_checkpoint_group, resolve_resume,
                                          save_checkpoint)
 from meshtron.training.config import ConfigError, RunConfig
-from meshtron.textdata.data import ByteTokenizer, TokenDataset, build_dataset
+from meshtron.textdata.data import ByteTokenizer, TokenDataset, build_dataset, document_end_id
 from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
 from meshtron.planning.flops import model_flops_per_token
 from meshtron.training.host_malloc import keep_freed_host_memory
@@ -94,6 +94,7 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     execution = run.execution(backend)
     set_tf32_mode(run.kernels.tf32)
     dataset = None
+    document_end_id(run.data, run.model.vocab_size)  # a reset_at_eos without a token fails here, before any group
     if not run.trainer.dry_run:
         try:
             dataset = build_dataset(run.data, run.model.seq_len, run.trainer.seed, run.model.vocab_size)
@@ -153,6 +154,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
            start_from: tuple[str, Path] | None, execution: ExecutionConfig) -> dict:
     cfg, t = run.model, run.trainer
     tokens = dataset.split_tokens("train")
+    eos_id = document_end_id(run.data, cfg.vocab_size)  # None unless data.reset_at_eos
 
     mesh = build_mesh(par, cfg, device_type=env.device.type, ranks_per_node=env.local_world_size)
     # checkpoint.async: the writer thread coordinates over its own gloo group, made here, at
@@ -239,11 +241,11 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                            + (f" ({par.schedule} pipeline)" if executor is not None else ""))
             if executor is None:
                 out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=lr,
-                                 max_grad_norm=t.max_grad_norm, precision=precision)
+                                 max_grad_norm=t.max_grad_norm, precision=precision, eos_id=eos_id)
             else:
                 out = pipeline_train_step(chunks, reducer, optimizer, microbatches, mesh, executor,
                                           schedule=par.schedule, lr=lr, max_grad_norm=t.max_grad_norm,
-                                          precision=precision)
+                                          precision=precision, eos_id=eos_id)
                 if t.trace_step == step + 1:
                     watchdog.phase(f"step {step + 1}: pipeline trace gather_object")
                     _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
@@ -285,7 +287,7 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                 if eval_now:
                     watchdog.phase(f"step {step + 1}: evaluation")
                     record["val_loss"] = evaluate(chunks, _val_microbatches(dataset, t, mesh, micro, env), mesh,
-                                                  executor, precision).item()
+                                                  executor, precision, eos_id=eos_id).item()
                 if "moe_layers" in out:
                     record.update(moe_metrics(out))
                 watchdog.phase(f"step {step + 1}: peak-memory all_gather")

@@ -15,20 +15,25 @@ from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.pipeline import PipelineExecutor
 from meshtron.mpu.pipeline_schedules import build_all_ranks
+from meshtron.training.packing import LocalMicrobatch, local_microbatches
 from meshtron.training.precision import FP32, Precision
 
 
-def global_token_count(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh) -> torch.Tensor:
+def global_token_count(microbatches: list[LocalMicrobatch], mesh: Mesh) -> torch.Tensor:
     """Number of non-ignored target tokens in the global batch (sum over dp x cp: each cp rank
     holds its chunks of the sequences)."""
-    count = sum((y != IGNORE_INDEX).sum() for _, y in microbatches).to(torch.float32)
+    count = sum((mb.targets != IGNORE_INDEX).sum() for mb in microbatches).to(torch.float32)
     return all_reduce_stats(count, mesh.dp_cp).clamp(min=1.0)
 
 
 def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: TrainingOptimizer,
                microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh, *,
-               lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict[str, torch.Tensor]:
+               lr: float, max_grad_norm: float, precision: Precision = FP32,
+               eos_id: int | None = None) -> dict[str, torch.Tensor]:
     """Forward/backward every microbatch of this rank's share of the global batch, then update.
+
+    `microbatches` hold full sequences; each rank runs its context-parallel shard of them, with
+    document masks and positions restarting after `eos_id` when given (training/packing.py).
 
     The loss of each microbatch is its summed token cross-entropy divided by the number of
     tokens in the *global* batch, so accumulated gradients summed over dp equal the
@@ -44,6 +49,7 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
     training/precision.py); an overflow skips the step like any non-finite gradient.
     """
     model.train()
+    microbatches = local_microbatches(microbatches, mesh, eos_id)
     tokens = global_token_count(microbatches, mesh)
     reducer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float32, device=tokens.device)
@@ -52,11 +58,11 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
     aux_divisor = scope.objective_divisor(n_micro)
     moe = MoEStepStats(model.cfg, scope)
     with weight_copy_scope():  # the Triton GEMMs' 16-bit weight copies: made once per step
-        for i, (inputs, targets) in enumerate(microbatches):
+        for i, mb in enumerate(microbatches):
             with reducer.sync(i == n_micro - 1):
                 with precision.autocast():
-                    logits = model(inputs)
-                    loss = model.loss_per_token(logits, targets).sum() / tokens
+                    logits = model(mb.inputs, **mb.forward_kwargs)
+                    loss = model.loss_per_token(logits, mb.targets).sum() / tokens
                     aux = model.aux_loss()
                 objective = loss if aux is None else loss + aux / aux_divisor
                 (objective * precision.loss_scale).backward()
@@ -70,7 +76,7 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
 def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReducer,
                         optimizer: TrainingOptimizer, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
                         mesh: Mesh, executor: PipelineExecutor, *, schedule: str, lr: float,
-                        max_grad_norm: float, precision: Precision = FP32) -> dict:
+                        max_grad_norm: float, precision: Precision = FP32, eos_id: int | None = None) -> dict:
     """`train_step` for pipeline parallelism: run `schedule` over this rank's model chunks.
 
     Losses are normalised exactly as in `train_step` (the last stage divides by the global
@@ -81,6 +87,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     """
     for chunk in chunks:
         chunk.train()
+    microbatches = local_microbatches(microbatches, mesh, eos_id)
     tokens = global_token_count(microbatches, mesh)
     reducer.zero_grad()
     n_micro = len(microbatches)
@@ -90,7 +97,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     scope = aux_loss_scope(chunks[0].cfg.aux_loss_scope, mesh)
     aux_divisor = scope.objective_divisor(n_micro)
     moe = MoEStepStats(chunks[0].cfg, scope)
-    targets = [y for _, y in microbatches]
+    targets = [mb.targets for mb in microbatches]
 
     scale = precision.loss_scale
 
@@ -108,7 +115,8 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
         return reducer.sync(last_backward[action.chunk] == index)
 
     with weight_copy_scope(), precision.autocast():
-        result = executor.run(schedules, [x for x, _ in microbatches], loss_fn, extra_fn, before_backward)
+        result = executor.run(schedules, [mb.inputs for mb in microbatches], loss_fn, extra_fn, before_backward,
+                              forward_kwargs=[mb.forward_kwargs for mb in microbatches])
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
     out = _finish_step(chunks, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
@@ -198,24 +206,28 @@ class MoEStepStats:
 
 @torch.no_grad()
 def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh,
-             executor: PipelineExecutor | None = None, precision: Precision = FP32) -> torch.Tensor:
-    """Mean LM cross-entropy of a held-out global batch (this rank's microbatches), without
-    gradients; reduced over dp (and pp: only the last stage computes it)."""
+             executor: PipelineExecutor | None = None, precision: Precision = FP32,
+             eos_id: int | None = None) -> torch.Tensor:
+    """Mean LM cross-entropy of a held-out global batch (this rank's microbatches of full
+    sequences, cut to its cp shard as in `train_step`), without gradients; reduced over dp x cp
+    (and pp: only the last stage computes it)."""
     for chunk in chunks:
         chunk.eval()
+    microbatches = local_microbatches(microbatches, mesh, eos_id)
     tokens = global_token_count(microbatches, mesh)
     if executor is None:
         model = chunks[0]
         with weight_copy_scope(), precision.autocast():
-            loss = sum(model.loss_per_token(model(x), y).sum() for x, y in microbatches) / tokens
+            loss = sum(model.loss_per_token(model(mb.inputs, **mb.forward_kwargs), mb.targets).sum()
+                       for mb in microbatches) / tokens
     else:
-        targets = [y for _, y in microbatches]
+        targets = [mb.targets for mb in microbatches]
         schedules = build_all_ranks(mesh.par.schedule, mesh.pp_size, len(microbatches), len(chunks),
                                     forward_only=True)
         with weight_copy_scope(), precision.autocast():
-            result = executor.run(schedules, [x for x, _ in microbatches],
+            result = executor.run(schedules, [mb.inputs for mb in microbatches],
                                   lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
-                                  forward_only=True)
+                                  forward_only=True, forward_kwargs=[mb.forward_kwargs for mb in microbatches])
         loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
     loss = all_reduce_stats(all_reduce_stats(loss.to(torch.float32), mesh.dp_cp), mesh.pp)
     for chunk in chunks:

@@ -1,0 +1,52 @@
+"""A microbatch as this rank feeds it to the model: its context-parallel shard of every
+sequence, and, for packed documents, per-token document ids and positions.
+
+The data loader hands every rank of a cp group the same full-length microbatch (token ids are
+small); `local_microbatch` computes document ids and positions over the full sequence (a
+document may span cp chunks) and then cuts inputs, targets, ids and positions into the
+load-balanced cp shard (`mpu.context_parallel.shard_sequence`: chunks cp_rank and
+2*cp-1-cp_rank). Targets are cut like inputs, so each rank's loss covers its own tokens and the
+sum over dp x cp is the global batch's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from meshtron.mpu.attention_blocks import document_ids
+from meshtron.mpu.context_parallel import shard_sequence
+from meshtron.mpu.mesh import Mesh
+
+
+@dataclass
+class LocalMicrobatch:
+    """Inputs [b, s/cp], targets [b, s/cp] and the model's keyword arguments (`positions`,
+    `doc_ids` [b, s/cp] for packed documents; empty otherwise)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    forward_kwargs: dict = field(default_factory=dict)
+
+
+def local_microbatch(inputs: torch.Tensor, targets: torch.Tensor, mesh: Mesh,
+                     eos_id: int | None = None) -> LocalMicrobatch:
+    """This rank's share of one microbatch of full sequences `inputs`/`targets` [b, s]: the cp
+    shard along the sequence and, when `eos_id` is given (packed documents, `data.reset_at_eos`),
+    document ids and positions restarting after every `eos_id` input token."""
+    kwargs = {}
+    if eos_id is not None:
+        doc, pos = document_ids(inputs, eos_id)
+        kwargs = {"doc_ids": doc, "positions": pos}
+    cp = mesh.cp_size
+    if cp > 1:
+        rank = mesh.cp_rank
+        inputs, targets = shard_sequence(inputs, 1, cp, rank), shard_sequence(targets, 1, cp, rank)
+        kwargs = {name: shard_sequence(t, 1, cp, rank) for name, t in kwargs.items()}
+    return LocalMicrobatch(inputs, targets, kwargs)
+
+
+def local_microbatches(microbatches, mesh: Mesh, eos_id: int | None = None) -> list[LocalMicrobatch]:
+    """`local_microbatch` of each (inputs, targets) pair."""
+    return [local_microbatch(x, y, mesh, eos_id) for x, y in microbatches]
