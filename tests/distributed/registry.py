@@ -19,6 +19,7 @@ CASE_MODULES = (
     "tests.distributed.hf_cases",
     "tests.distributed.offload_cases",
     "tests.distributed.cp_cases",
+    "tests.distributed.cp_model_cases",
     "tests.distributed.resident_cases",
 )
 WORLD_SIZES = (2, 4, 8)

@@ -1,0 +1,160 @@
+"""Context parallelism in the whole model equals one process: cp in {2, 4} x ring/a2a, alone and
+with tp/sp, pp, dp, ep, packed documents and recomputation.
+
+Each case trains the layout and, in the same process, the serial model (world of one) on the
+same microbatches (the serial run takes every dp rank's microbatches one after the other, which
+MoE's per-microbatch routing statistics need), and compares the logits of this rank's cp shard,
+the loss, the gradient norm (and MoE aux/z-loss), every gradient after the first step, every
+weight after three AdamW steps, and the evaluation loss, at 1e-5 (dense_cases.py explains the
+tolerance and the AdamW eps).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu.context_parallel import shard_sequence
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.training.optim import build_optimizer
+from meshtron.training.packing import local_microbatch
+from meshtron.training.step import evaluate, pipeline_train_step, train_step
+from tests.distributed.dense_cases import (
+    ADAM_EPS,
+    LR,
+    SEED,
+    STEPS,
+    assert_close,
+    build,
+    compare_parameters,
+    model_config,
+)
+from tests.distributed.moe_cases import moe_config
+from tests.distributed.pipeline_cases import pipeline_config
+
+EOS = 7
+MICRO = 2           # samples per microbatch
+MICRO_PER_RANK = 2  # microbatches per dp rank and step
+
+
+def _config(arch: str, moe: bool, pp: int) -> GPTConfig:
+    if pp > 1:
+        return pipeline_config(arch, moe)
+    if moe:
+        return moe_config(arch, 2, "softmax", None)
+    return model_config(arch)
+
+
+def _global_batch(cfg: GPTConfig, step: int, batch: int, docs: bool):
+    """Random tokens; with `docs`, end-of-document tokens at fixed places (documents that
+    cross cp chunk borders, one of a single token) and nowhere else."""
+    gen = torch.Generator().manual_seed(2000 + step)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+    tokens[tokens == EOS] = EOS + 1
+    if docs:
+        tokens[0::2, [2, 3, 9]] = EOS
+        tokens[1::2, [6]] = EOS
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _microbatches(inputs, targets, first_row: int, count: int):
+    return [(inputs[r: r + MICRO], targets[r: r + MICRO]) for r in range(first_row, first_row + count * MICRO, MICRO)]
+
+
+def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = False, pp: int = 1, ep: int = 1,
+                    moe: bool = False, docs: bool = False, recompute: str = "none") -> None:
+    cfg = _config(arch, moe, pp)
+    mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, pp=pp, ep=ep, cp=cp, cp_comm=comm), cfg)
+    eos = EOS if docs else None
+    execution = ExecutionConfig(recompute=recompute)
+    dp = mesh.dp_size
+    batch = dp * MICRO * MICRO_PER_RANK
+    serial_mesh = single_process_mesh()
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+    ref_params = dict(ref.named_parameters())
+    executor = None
+    if pp > 1:
+        chunks = init_model_chunks(cfg, mesh, SEED, execution=execution)
+        named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+        reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
+        optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, MICRO, cfg.hidden_size),
+                                    torch.float32, torch.device("cpu"), tags=False)
+    else:
+        model, reducer, optimizer = build(cfg, mesh, execution)
+        chunks, named = [model], list(model.named_parameters())
+        # Forward: the logits of this rank's cp shard equal the serial logits at those positions.
+        inputs, targets = _global_batch(cfg, 0, batch, docs)
+        mine = local_microbatch(inputs, targets, mesh, eos)
+        full = local_microbatch(inputs, targets, serial_mesh, eos)
+        with torch.no_grad():
+            got = model.full_logits(model(mine.inputs, **mine.forward_kwargs))
+            want = shard_sequence(ref.full_logits(ref(full.inputs, **full.forward_kwargs)), 1, cp, mesh.cp_rank)
+        assert_close("logits", got, want)
+
+    first = mesh.dp_rank * MICRO * MICRO_PER_RANK
+    for step in range(STEPS):
+        inputs, targets = _global_batch(cfg, step, batch, docs)
+        mine = _microbatches(inputs, targets, first, MICRO_PER_RANK)
+        serial = _microbatches(inputs, targets, 0, dp * MICRO_PER_RANK)
+        if executor is None:
+            out = train_step(chunks[0], reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0, eos_id=eos)
+        else:
+            out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule="1f1b", lr=LR,
+                                      max_grad_norm=1.0, eos_id=eos)
+        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0,
+                             eos_id=eos)
+        for key in ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ()):
+            assert_close(f"step {step} {key}", out[key], ref_out[key])
+        if step == 0:
+            compare_parameters(named, ref_params, mesh, cfg, "grad")
+    compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
+    assert_close("eval loss", evaluate(chunks, mine, mesh, executor, eos_id=eos),
+                 evaluate([ref], serial, serial_mesh, eos_id=eos))
+    reducer.remove_hooks()
+
+
+# name: (arch, cp, comm, keyword arguments), per world size
+LAYOUTS = {
+    2: {
+        "gpt2_cp2_ring": ("gpt2", 2, "ring", {}),
+        "llama_cp2_a2a": ("llama", 2, "a2a", {}),
+        "llama_cp2_ring_docs": ("llama", 2, "ring", {"docs": True}),
+        "gpt2_cp2_a2a_docs": ("gpt2", 2, "a2a", {"docs": True}),
+        "llama_cp2_ring_selective_recompute": ("llama", 2, "ring", {"recompute": "selective"}),
+        "gpt2_moe_cp2_ring_ep2": ("gpt2", 2, "ring", {"moe": True, "ep": 2}),
+    },
+    4: {
+        "gpt2_cp4_ring": ("gpt2", 4, "ring", {}),
+        "gpt2_cp4_a2a_docs": ("gpt2", 4, "a2a", {"docs": True}),
+        "llama_cp2_ring_tp2_sp": ("llama", 2, "ring", {"tp": 2, "sp": True}),
+        "gpt2_cp2_a2a_tp2": ("gpt2", 2, "a2a", {"tp": 2}),
+        "llama_cp2_a2a_dp2_docs": ("llama", 2, "a2a", {"docs": True}),
+        "gpt2_cp2_ring_pp2": ("gpt2", 2, "ring", {"pp": 2}),
+        "llama_cp2_a2a_pp2_docs": ("llama", 2, "a2a", {"pp": 2, "docs": True}),
+        "llama_moe_cp2_ring_dp2_ep4": ("llama", 2, "ring", {"moe": True, "ep": 4}),
+    },
+}
+
+
+def _make(name: str, layout):
+    arch, cp, comm, kwargs = layout
+
+    def case() -> None:
+        check_cp_layout(arch, cp, comm, **kwargs)
+
+    case.__name__ = name
+    return case
+
+
+for _layouts in LAYOUTS.values():
+    for _name, _layout in _layouts.items():
+        globals()[_name] = _make(_name, _layout)
+
+
+def cases_for_world(world_size: int) -> list[str]:
+    return list(LAYOUTS.get(world_size, {}))
