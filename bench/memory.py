@@ -4,6 +4,8 @@
     python bench/memory.py --model llama --kv-heads 2 --recompute selective
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/memory.py --tp 2 --sp
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/memory.py --pp 2 --microbatches 4
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/memory.py --model llama --hidden 64 \
+        --layers 2 --vocab 256 --seq 4096 --micro-batch 1 --dropout 0 --cp 4   # context parallelism
     python bench/memory.py --device cuda --zero 1          # CUDA: torch.cuda.max_memory_allocated
 
 Builds the model, gradient reducer and optimizer exactly as a training run does
@@ -34,7 +36,7 @@ Method (fp32; the numbers are tensor bytes, not the process's RSS):
   backward, compared with the planner's `activations_per_microbatch`.
 
 Options: --model gpt2|llama|moe --layers --hidden --heads --kv-heads --ffn --vocab --seq
---micro-batch --microbatches (per rank, per step) --tp --pp --sp --vpp --schedule --ep --etp
+--micro-batch --microbatches (per rank, per step) --tp --pp --sp --vpp --schedule --cp --cp-comm --ep --etp
 --experts --top-k --zero 0|1|2|3 --recompute none|selective|full --recompute-layers --dropout
 --device cpu|cuda --seed --threads --param-dtype fp32|bf16 (bf16: 16-bit resident weights,
 mpu/resident.py, built by the run's own builder under trainer.precision=bf16; "optimizer" is then
@@ -84,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sp", action="store_true")
     p.add_argument("--vpp", type=int, default=1)
     p.add_argument("--schedule", default=None, help="pipeline schedule (default 1f1b; interleaved when --vpp > 1)")
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--cp-comm", choices=("ring", "a2a"), default="ring")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
     p.add_argument("--experts", type=int, default=4)
@@ -203,12 +207,13 @@ def main(argv=None) -> None:
 
 
 def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -> dict:
+    from meshtron.training.packing import local_microbatch
     from meshtron.training.step import pipeline_train_step, train_step
 
     cfg = model_config(args)
     schedule = args.schedule or ("interleaved" if args.vpp > 1 else "1f1b")
     par = ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, ep=args.ep, etp=args.etp, vpp=args.vpp,
-                         schedule=schedule)
+                         schedule=schedule, cp=args.cp, cp_comm=args.cp_comm)
     mesh = build_mesh(par, cfg, device_type=device.type)
     res = mesh.par
     execution = ExecutionConfig(recompute=args.recompute, recompute_layers=args.recompute_layers)
@@ -254,7 +259,8 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
         chunks[0].train()
         reducer.zero_grad()
         with reducer.sync(False), precision.autocast():
-            saved = saved_activation_bytes(chunks[0], *microbatches[0])
+            local = local_microbatch(*microbatches[0], mesh)  # this rank's cp shard
+            saved = saved_activation_bytes(chunks[0], local.inputs, local.targets)
     step()  # warm-up: AdamW state exists from here on
     states = state_bytes(chunks, reducer, optimizer)
     persistent = sum(states.values())

@@ -7,7 +7,10 @@ Layout: q [b, h, sq, d], k and v [b, hkv, sk, d] with h a multiple of hkv (group
 q head g*r .. g*r+r-1 uses kv head g, as `models.gpt.Attention` lays them out). Masks come
 from global token positions (causal: a key is visible when its position is <= the query's)
 and optional per-token document ids (a key is visible only within the query's document).
-All math accumulates in fp32; outputs are fp32.
+All math accumulates in fp32; outputs are fp32. A block's fp32 scores are built a tile of query
+rows at a time (at most `TILE_SCORE_BYTES` of scores per tile: rows are independent in
+softmax), so the working set of a long block stays bounded instead of growing with its
+rows x keys.
 
 Packed documents: `document_ids(tokens, eos_id)` gives the per-token document ids and the
 positions within each document (reset after every end-of-document token), for the document
@@ -17,6 +20,8 @@ mask with or without context parallelism and for RoPE / learned positions.
 from __future__ import annotations
 
 import torch
+
+TILE_SCORE_BYTES = 4 << 20  # fp32 scores of one tile of query rows (P; backward also dS)
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,12 +79,29 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
+def row_tiles(q: torch.Tensor, sk: int) -> list[slice]:
+    """Slices of q's rows (dim 2 of [b, h, sq, d]) whose fp32 scores against `sk` keys take at
+    most TILE_SCORE_BYTES each (one slice when the whole block fits)."""
+    b, h, sq = q.shape[:3]
+    per_row = max(1, b * h * sk * 4)
+    rows = max(1, min(sq, TILE_SCORE_BYTES // per_row))
+    return [slice(i, min(i + rows, sq)) for i in range(0, sq, rows)]
+
+
+def _mask_rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if mask is None else mask[..., rows, :]
+
+
 def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [b, h, sq, d] over one kv block (k, v [b, hkv, sk, d]) with the
     visibility `mask` (see `attention_mask`). Returns (out [b, h, sq, d], lse [b, h, sq]), fp32:
     out is normalised within the block and lse = log sum_k exp(score) per query row, so blocks
     merge with `merge_blocks`. A row with no visible key gets out 0 and lse -inf."""
+    tiles = row_tiles(q, k.shape[2])
+    if len(tiles) > 1:
+        parts = [attention_block(q[:, :, t], k, v, scale=scale, mask=_mask_rows(mask, t)) for t in tiles]
+        return torch.cat([o for o, _ in parts], dim=2), torch.cat([l for _, l in parts], dim=2)
     p, lse = _probs(q, k, scale, mask, None)
     out = torch.matmul(p, v.float())
     b, h, sq = q.shape[:3]
@@ -104,6 +126,16 @@ def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     then dV = P^T dout, dP = dout V^T, dS = P * (dP - delta), dQ = dS K * scale, dK = dS^T Q * scale.
     `delta` [b, h, sq] = rowsum(dout * out) over the final out. Returns (dq [b, h, sq, d],
     dk, dv [b, hkv, sk, d]) in fp32; dk/dv sum over the q heads that share a kv head."""
+    tiles = row_tiles(q, k.shape[2])
+    if len(tiles) > 1:
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dk = dv = None
+        for t in tiles:
+            dq_t, dk_t, dv_t = attention_block_backward(q[:, :, t], k, v, lse[:, :, t], dout[:, :, t],
+                                                        delta[:, :, t], scale=scale, mask=_mask_rows(mask, t))
+            dq[:, :, t] = dq_t
+            dk, dv = (dk_t, dv_t) if dk is None else (dk.add_(dk_t), dv.add_(dv_t))
+        return dq, dk, dv
     hkv = k.shape[1]
     p, _ = _probs(q, k, scale, mask, _rows(lse, hkv))
     do = _rows(dout, hkv)

@@ -262,35 +262,42 @@ def clear_trace_cache() -> None:
     _CACHE.clear()
 
 
-def _mesh(cfg: GPTConfig, tp: int, sp: bool, tp_rank: int = 0):
-    """TP rank `tp_rank` of a tp (x sp) layout without process groups (dp = pp = ep = etp = 1);
-    ParallelConfigError when `cfg` does not split over tp."""
-    par = ParallelConfig(tp=tp, sp=sp).resolved(tp)
+def _mesh(cfg: GPTConfig, tp: int, sp: bool, tp_rank: int = 0, cp: int = 1, cp_comm: str = "ring"):
+    """TP rank `tp_rank` (cp rank 0) of a tp (x sp) x cp layout without process groups
+    (dp = pp = ep = etp = 1); ParallelConfigError when `cfg` does not split over tp and cp.
+    The cp group is virtual (size 1 to the collectives): attention runs on this rank's own
+    shard only, which saves what context-parallel attention saves (ring: q, k, v, out and the
+    log-sum-exp of the shard; a2a with the fused kernel: the same bytes in head shards)."""
+    par = ParallelConfig(tp=tp, sp=sp, cp=cp, cp_comm=cp_comm).resolved(tp * cp)
     check_model_fits(par, cfg)
-    return virtual_mesh(par, tp, tp_rank)
+    return virtual_mesh(par, tp * cp, tp_rank)
 
 
-def _tokens_sp(cfg: GPTConfig, tp: int, sp: bool) -> int:
-    return cfg.seq_len // tp if sp else cfg.seq_len
+def _tokens_sp(cfg: GPTConfig, tp: int, sp: bool, cp: int = 1) -> int:
+    local = cfg.seq_len // cp
+    return local // tp if sp else local
 
 
 def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                precision: str = "fp32", device: str = "cpu") -> SavedTrace:
+                precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
     """Saved bytes of block `index` (dense or MoE as `cfg` makes it) under recompute `mode`
-    (none | selective | full) for one microbatch on a tp (x sp) rank. Terms: norm1, attn,
+    (none | selective | full) for one microbatch on a tp (x sp) x cp rank (seq_len / cp tokens). Terms: norm1, attn,
     norm2, mlp and "block" (the block's own ops: residual dropout masks; its input under full
     recompute); `after_mark` is what the MLP half (from norm2 on) saves."""
     from meshtron.models.gpt import Block, rope_tables
 
     traced_cfg = dataclasses.replace(cfg, **({"capacity_factor": None} if cfg.is_moe_layer(index) else {}))
-    key = ("layer", repr(traced_cfg), mode, cfg.is_moe_layer(index), micro_batch_size, tp, sp, precision, device)
+    key = ("layer", repr(traced_cfg), mode, cfg.is_moe_layer(index), micro_batch_size, tp, sp, precision, device,
+           cp, cp_comm)
 
     def measure() -> SavedTrace:
-        block = Block(traced_cfg, _mesh(cfg, tp, sp), index, device="meta", execution=ExecutionConfig(recompute=mode))
+        block = Block(traced_cfg, _mesh(cfg, tp, sp, cp=cp, cp_comm=cp_comm), index, device="meta",
+                      execution=ExecutionConfig(recompute=mode))
         block.train()
         with _traced(block, precision, device) as saved:
-            x = torch.empty(_tokens_sp(cfg, tp, sp), micro_batch_size, cfg.hidden_size, requires_grad=True)
-            rope = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else ()
+            x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
+            rope = rope_tables(cfg.seq_len // cp, cfg.head_dim, cfg.rope_theta, x.device) \
+                if cfg.position == "rope" else ()
             rope_ids = _storage_ids(rope)
             saved.excluded |= rope_ids
             saved.term = "block"
@@ -313,41 +320,42 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
 
 
 def _trace_end_chunk(kind: str, cfg: GPTConfig, micro_batch_size: int, tp: int, sp: bool, tp_rank: int,
-                     precision: str, device: str, run) -> SavedTrace:
+                     precision: str, device: str, run, cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
     """`run(model, saved)` on a layer-less chunk (kind "pre": embeddings; "post": final norm,
     head and loss) built on meta for TP rank `tp_rank`; cached per shape."""
     from meshtron.models.gpt import GPT
 
     def measure() -> SavedTrace:
-        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank), device="meta", layers=range(0), pre_process=kind == "pre",
-                    post_process=kind == "post")
+        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank, cp, cp_comm), device="meta", layers=range(0),
+                    pre_process=kind == "pre", post_process=kind == "post")
         model.train()
         with _traced(model, precision, device) as saved:
             return run(model, saved)
 
-    return _cached((kind, repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device), measure)
+    return _cached((kind, repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device, cp, cp_comm), measure)
 
 
 def trace_pre(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
-              precision: str = "fp32", device: str = "cpu") -> SavedTrace:
-    """Saved bytes of the embedding step (token ids, positions, dropout) for one microbatch."""
+              precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
+    """Saved bytes of the embedding step (token ids, positions, dropout) for one microbatch
+    (this cp rank's seq_len / cp tokens of each sequence)."""
     def run(model, saved) -> SavedTrace:
         saved.term = "embedding"
         with saved.hooks():
-            model(torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long))
+            model(torch.zeros(micro_batch_size, cfg.seq_len // cp, dtype=torch.long))
         return SavedTrace(sum(saved.terms.values()), dict(saved.terms))
 
-    return _trace_end_chunk("pre", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run)
+    return _trace_end_chunk("pre", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm)
 
 
 def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
-               precision: str = "fp32", device: str = "cpu") -> SavedTrace:
+               precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
     """Saved bytes of the final norm, LM head and loss for one microbatch on TP rank
     `tp_rank`. Terms: final_norm, head (the head's input) and loss (its softmax, targets and
     masks: `after_mark`)."""
     def run(model, saved) -> SavedTrace:
-        x = torch.empty(_tokens_sp(cfg, tp, sp), micro_batch_size, cfg.hidden_size, requires_grad=True)
-        targets = torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long)
+        x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
+        targets = torch.zeros(micro_batch_size, cfg.seq_len // cp, dtype=torch.long)
         saved.term = "head"
         with saved.hooks():
             with saved.children_as_terms(model):
@@ -356,14 +364,14 @@ def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool =
             model.loss_per_token(logits, targets)
         return SavedTrace(sum(saved.terms.values()), dict(saved.terms), saved.terms.get("loss", 0))
 
-    return _trace_end_chunk("post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run)
+    return _trace_end_chunk("post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm)
 
 
-def etp_row_bytes(cfg: GPTConfig, *, micro_batch_size: int, tp: int, etp: int, precision: str) -> int:
+def etp_row_bytes(cfg: GPTConfig, *, micro_batch_size: int, tp: int, etp: int, precision: str, cp: int = 1) -> int:
     """Bytes an MoE layer saves beyond its ep = etp = 1 trace when experts are tensor-parallel:
     the dispatched rows are all-gathered over etp, each of the layer's T_l * top_k rows
     (T_l = tokens / tp: the layer's tokens are distinct per TP rank) kept etp times, h
     elements of the activation dtype each. Arithmetic: the gathered sizes are data-dependent."""
-    tokens = cfg.seq_len * micro_batch_size
+    tokens = cfg.seq_len // cp * micro_batch_size
     local = tokens // tp if tp > 1 else tokens
     return (etp - 1) * local * cfg.top_k * cfg.hidden_size * (4 if precision == "fp32" else 2)

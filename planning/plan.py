@@ -44,6 +44,7 @@ from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
 from meshtron.mpu.zero3 import unit_of
 from meshtron.mpu.pipeline_schedules import build_schedule
+from meshtron.mpu.attention_blocks import TILE_SCORE_BYTES
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 from meshtron.rules import PRECISIONS, batch_checks, microbatches, param_dtype_checks, precision_check, raise_first
@@ -306,7 +307,7 @@ def _attention_path(cfg: GPTConfig, device: str) -> str:
 
 
 def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTrace, mode: str, *, is_moe: bool,
-                    tokens: int, tp: int, ep: int, etp: int, precision: str, device: str) -> float:
+                    tokens: int, tp: int, ep: int, etp: int, precision: str, device: str, cp: int = 1) -> float:
     """Largest transient of one block's backward beyond what it saved, when it is the top of
     the stack (lower layers run with less saved). A step transient, so arithmetic on shapes;
     the saved parts come from the traces (`saved_none`: the block without recompute).
@@ -335,7 +336,14 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
         T_l = T / tp if tp > 1 else T
         ws_mlp = grad_in + T_l * cfg.top_k * c * fm * (1 if cfg.activation == "gelu" else 2) \
             + 4 * (cfg.num_experts // ep) * h * fm // etp
-    if _attention_path(cfg, device) == "fused":
+    if cp > 1:
+        # Context-parallel attention (no dropout): the q/k/v gradients, plus one tile of a
+        # block pair's fp32 probabilities and their gradient (mpu.attention_blocks: a q chunk of
+        # s/(2cp) rows against up to two kv chunks, at most TILE_SCORE_BYTES per tile).
+        b = T // (s // cp)
+        block = b * a_l * (s // (2 * cp)) * (s // cp) * 4
+        ws_attn = grad_in + 3 * T * c * qkv_l + 2 * min(block, TILE_SCORE_BYTES)
+    elif _attention_path(cfg, device) == "fused":
         ws_attn = grad_in + 3 * T * c * qkv_l
     else:
         ws_attn = grad_in + T * c * (a_l * s + qkv_l)
@@ -350,6 +358,7 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
 
 def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_process: bool, post_process: bool,
                       tp: int = 1, sp: bool = False, ep: int = 1, etp: int = 1, tp_rank: int = 0,
+                      cp: int = 1, cp_comm: str = "ring",
                       precision: str = "fp32", device: str = "cpu",
                       execution: ExecutionConfig = ExecutionConfig()) -> ChunkActivations:
     """`ChunkActivations` of one model chunk holding global layer indices `layers` (embeddings
@@ -370,10 +379,10 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
     h, b = cfg.hidden_size, micro_batch_size
-    T = cfg.seq_len * b
+    T = cfg.seq_len // cp * b  # this rank's tokens: its cp shard of each sequence
     T_sp = T / tp if sp else T
     c = 4 if precision == "fp32" else 2
-    trace = dict(micro_batch_size=b, tp=tp, sp=sp, precision=precision, device=device)
+    trace = dict(micro_batch_size=b, tp=tp, sp=sp, precision=precision, device=device, cp=cp, cp_comm=cp_comm)
     terms: dict[str, float] = {}
 
     def add(name: str, value: float) -> None:
@@ -389,9 +398,9 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         for name, value in saved.terms.items():
             add(f"layer_{name}", value)
         if is_moe and etp > 1 and mode != "full":
-            add("layer_mlp", etp_row_bytes(cfg, micro_batch_size=b, tp=tp, etp=etp, precision=precision))
+            add("layer_mlp", etp_row_bytes(cfg, micro_batch_size=b, tp=tp, etp=etp, precision=precision, cp=cp))
         transient = _layer_backward(cfg, saved_none, saved, mode, is_moe=is_moe, tokens=T, tp=tp, ep=ep, etp=etp,
-                                    precision=precision, device=device)
+                                    precision=precision, device=device, cp=cp)
         layer_backward = max(layer_backward, transient)
     if len(layers) and cfg.position == "rope":
         add("rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
@@ -470,7 +479,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
     sp = bool(res.sp and res.tp > 1)
     chunks = [chunk_activations(cfg, micro_batch_size, layers=layers, pre_process=pre, post_process=post,
                                 tp=res.tp, sp=sp, ep=res.ep, etp=res.etp, tp_rank=tp_rank, precision=precision,
-                                device=device, execution=execution)
+                                device=device, execution=execution, cp=res.cp, cp_comm=res.cp_comm)
               for layers, pre, post in _chunk_layout(cfg, res, pp_rank)]
     if res.pp == 1:
         actions = [(kind, m, 0) for m in range(num_microbatches) for kind in ("F", "B")]
@@ -730,10 +739,10 @@ def plan_rank(
 def _layout(res: ParallelConfig, world_size: int) -> dict[str, Any]:
     return {
         "world_size": world_size,
-        "tp": res.tp, "pp": res.pp, "dp": res.dp,
+        "tp": res.tp, "pp": res.pp, "dp": res.dp, "cp": res.cp, "cp_comm": res.cp_comm,
         "ep": res.ep, "etp": res.etp, "edp": res.edp,
         "sp": bool(res.sp and res.tp > 1), "vpp": res.vpp, "schedule": res.schedule,
-        "dense_mesh": "pp x dp x tp (tp fastest)",
+        "dense_mesh": "pp x dp x cp x tp (tp fastest)",
         "expert_mesh": "pp x edp x ep x etp (etp fastest)",
     }
 
@@ -804,7 +813,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     """Multi-line text of a `plan_all_ranks` result: layout, model totals, one line per rank."""
     lay, mod, s = plan["layout"], plan["model"], plan["summary"]
     head = (
-        f"layout: world={lay['world_size']} pp={lay['pp']} dp={lay['dp']} tp={lay['tp']} sp={lay['sp']} | "
+        f"layout: world={lay['world_size']} pp={lay['pp']} dp={lay['dp']} "
+        + (f"cp={lay['cp']} ({lay['cp_comm']}) " if lay.get("cp", 1) > 1 else "")
+        + f"tp={lay['tp']} sp={lay['sp']} | "
         f"edp={lay['edp']} ep={lay['ep']} etp={lay['etp']}\n"
         f"model: {_human(mod['total_params'])} params ({_human(mod['active_params_per_token'])} active per token), "
         f"{s['global_tflop_per_step']:.3f} TFLOP per global step; most loaded rank {s['most_loaded_rank']} "

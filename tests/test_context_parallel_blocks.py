@@ -193,3 +193,25 @@ def test_document_positions_shard_like_the_tokens():
     assert shard_sequence(pos, 1, 2, 0).tolist() == [[0, 1, 3, 0]]
     assert shard_sequence(pos, 1, 2, 1).tolist() == [[2, 0, 1, 2]]
     assert shard_sequence(docs, 1, 2, 1).tolist() == [[0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_row_tiles_give_the_untiled_block(monkeypatch, with_docs):
+    """A block computed a few query rows at a time (TILE_SCORE_BYTES small) equals the block in
+    one piece: outputs, log-sum-exp and the backward's dq, dk, dv (rows are independent)."""
+    import meshtron.mpu.attention_blocks as blocks
+
+    q, k, v = _qkv(2, seed=5)
+    docs = _docs(5) if with_docs else None
+    mask = _mask(docs)
+    dout = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(6))
+    whole, lse = attention_block(q, k, v, scale=0.3, mask=mask)
+    delta = attention_delta(whole, dout)
+    grads = attention_block_backward(q, k, v, lse, dout, delta, scale=0.3, mask=mask)
+    monkeypatch.setattr(blocks, "TILE_SCORE_BYTES", B * H * S * 4 * 5)  # 5 query rows per tile
+    assert len(blocks.row_tiles(q, S)) == math.ceil(S / 5)
+    tiled, tiled_lse = attention_block(q, k, v, scale=0.3, mask=mask)
+    torch.testing.assert_close(tiled, whole, **TOL)
+    torch.testing.assert_close(tiled_lse, lse, **TOL)
+    for got, want in zip(attention_block_backward(q, k, v, lse, dout, delta, scale=0.3, mask=mask), grads):
+        torch.testing.assert_close(got, want, **TOL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -225,3 +226,22 @@ def test_gpt_1b_all_ranks_fast(experts, tmp_path):
     write_plan(out, plan)
     assert json.loads(out.read_text()) == json.loads(json.dumps(plan))
     assert out.read_text().startswith('{\n  "layout"')
+
+
+def test_context_parallel_divides_saved_activations():
+    """Each cp rank holds seq/cp tokens: every saved term but attention falls by exactly cp; the
+    attention term by a little less (the ring keeps its fp32 output apart from the projection's
+    input, which SDPA's output shares); the model states do not change, and the AdamW state
+    is sharded over dp x cp under ZeRO-1."""
+    cfg = dataclasses.replace(gpt2_tiny(), dropout=0.0)
+    full = chunk_activations(cfg, 2, layers=range(2), pre_process=True, post_process=True).terms
+    one = plan_rank(cfg, ParallelConfig(), 4, 0, **BATCH)["memory"]["bytes"]
+    for cp in (2, 4):
+        terms = chunk_activations(cfg, 2, layers=range(2), pre_process=True, post_process=True, cp=cp).terms
+        for name in ("layer_norm1", "layer_norm2", "layer_mlp", "final_norm", "head", "loss"):
+            assert terms[name] * cp == full[name], (cp, name)
+        assert full["layer_attn"] / cp < terms["layer_attn"] < 1.25 * full["layer_attn"] / cp
+        got = plan_rank(cfg, ParallelConfig(cp=cp), 4, 0, **BATCH)["memory"]["bytes"]
+        assert got["weights"] == one["weights"] and got["activations"] < one["activations"]
+    zero1 = plan_rank(cfg, ParallelConfig(cp=2), 4, 0, zero=1, **BATCH)["memory"]["bytes"]
+    assert abs(zero1["optimizer"] - one["optimizer"] / 4) <= 8 * 4  # AdamW state over dp*cp = 4 replicas
