@@ -176,6 +176,14 @@ def moe_ep2_to_ep4_and_tp2_etp2() -> None:
                    save_zero=True)
 
 
+def llama_cp2_zero_to_tp2_cp2_a2a_and_dp4() -> None:
+    """Saved at cp=2 x dp=2 with ZeRO-1 (AdamW state sharded over the 4 gradient replicas,
+    dp x cp), loaded at tp=2 x cp=2 (all-to-all attention) and at dp=4 with ZeRO-1."""
+    cfg = model_config("llama")
+    _check_reshard(cfg, ParallelConfig(cp=2), [(ParallelConfig(tp=2, cp=2, cp_comm="a2a"), False),
+                                               (ParallelConfig(), True)], save_zero=True)
+
+
 def _same_on_every_rank(message: str) -> None:
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, message)
@@ -377,5 +385,6 @@ def cases_for_world(world_size: int) -> list[str]:
         return ["zero_shards_saved_without_gather_load_anywhere", "async_save_while_training_in_a_world"]
     if world_size == 4:
         return ["gpt2_tp2_pp2_to_tp1_tp4_zero", "llama_tp2_pp2_zero_to_tp4_pp1", "moe_ep2_to_ep4_and_tp2_etp2",
+                "llama_cp2_zero_to_tp2_cp2_a2a_and_dp4",
                 "save_failure_on_one_rank_reaches_every_rank", "locked_dir_is_refused_on_every_rank"]
     return []

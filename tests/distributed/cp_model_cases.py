@@ -20,7 +20,8 @@ from meshtron.mpu.context_parallel import shard_sequence
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
-from meshtron.training.optim import build_optimizer
+from meshtron.training.config import OptimConfig
+from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer
 from meshtron.training.packing import local_microbatch
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
@@ -66,7 +67,7 @@ def _microbatches(inputs, targets, first_row: int, count: int):
 
 
 def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = False, pp: int = 1, ep: int = 1,
-                    moe: bool = False, docs: bool = False, recompute: str = "none") -> None:
+                    moe: bool = False, docs: bool = False, recompute: str = "none", zero: int = 0) -> None:
     cfg = _config(arch, moe, pp)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, pp=pp, ep=ep, cp=cp, cp_comm=comm), cfg)
     eos = EOS if docs else None
@@ -78,16 +79,24 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
     ref_params = dict(ref.named_parameters())
     executor = None
     if pp > 1:
+        assert not zero, "pipeline cases here use the replicated optimizer"
         chunks = init_model_chunks(cfg, mesh, SEED, execution=execution)
         named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
         reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
         optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, MICRO, cfg.hidden_size),
                                     torch.float32, torch.device("cpu"), tags=False)
+    elif zero:  # the run's own builder: AdamW state (and grads, params) sharded over dp x cp
+        chunks = init_model_chunks(cfg, mesh, SEED, execution=execution)
+        reducer, optimizer = build_reducer_and_optimizer(
+            OptimConfig(zero=zero, lr=LR, weight_decay=0.1, eps=ADAM_EPS), chunks, mesh)
+        named = list(chunks[0].named_parameters())
     else:
         model, reducer, optimizer = build(cfg, mesh, execution)
         chunks, named = [model], list(model.named_parameters())
+    if pp == 1 and not zero:
         # Forward: the logits of this rank's cp shard equal the serial logits at those positions.
+        model = chunks[0]
         inputs, targets = _global_batch(cfg, 0, batch, docs)
         mine = local_microbatch(inputs, targets, mesh, eos)
         full = local_microbatch(inputs, targets, serial_mesh, eos)
@@ -110,9 +119,14 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
                              eos_id=eos)
         for key in ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ()):
             assert_close(f"step {step} {key}", out[key], ref_out[key])
-        if step == 0:
+        if step == 0 and zero < 2:  # ZeRO-2/3 keep only reduce-scattered shards (the norm is compared)
             compare_parameters(named, ref_params, mesh, cfg, "grad")
-    compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
+    if zero == 3:
+        from meshtron.mpu import zero3
+        with zero3.gathered(chunks):
+            compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
+    else:
+        compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
     assert_close("eval loss", evaluate(chunks, mine, mesh, executor, eos_id=eos),
                  evaluate([ref], serial, serial_mesh, eos_id=eos))
     reducer.remove_hooks()
@@ -137,6 +151,8 @@ LAYOUTS = {
         "gpt2_cp2_ring_pp2": ("gpt2", 2, "ring", {"pp": 2}),
         "llama_cp2_a2a_pp2_docs": ("llama", 2, "a2a", {"pp": 2, "docs": True}),
         "llama_moe_cp2_ring_dp2_ep4": ("llama", 2, "ring", {"moe": True, "ep": 4}),
+        "gpt2_cp2_ring_dp2_zero1": ("gpt2", 2, "ring", {"zero": 1}),
+        "llama_cp2_a2a_dp2_zero3": ("llama", 2, "a2a", {"zero": 3}),
     },
 }
 
