@@ -69,3 +69,19 @@ def capacity_keep_mask(topk_idx: torch.Tensor, num_experts: int, capacity: int, 
         pos = before_local[j] + offset[:, j].unsqueeze(0)  # [s, b, E]
         keep[:, :, j] = pos.gather(-1, topk_idx[:, :, j:j + 1]).squeeze(-1) < capacity
     return keep
+
+
+def capacity_keep_mask_at(topk_idx: torch.Tensor, positions: torch.Tensor, num_experts: int, capacity: int,
+                          seq_group) -> torch.Tensor:
+    """`capacity_keep_mask` for a sequence whose shards over `seq_group` are not consecutive
+    ranges (context parallelism: each cp rank holds 2 of the 2*cp load-balanced chunks, each tp
+    rank a piece of that). `positions` [s_local] are the global positions of this rank's rows
+    of `topk_idx` [s_local, b, k]. The routed experts and positions of every rank are
+    all-gathered over `seq_group` (s*b*k integers: small beside the hidden states), the mask
+    is computed on the whole sequence in position order, and this rank's rows are returned."""
+    s, b, k = topk_idx.shape
+    every_idx = all_gather_stats(topk_idx, seq_group)  # [W, s, b, k]
+    every_pos = all_gather_stats(positions.to(topk_idx.device), seq_group).reshape(-1)  # [W * s]
+    full = torch.empty_like(every_idx.reshape(-1, b, k))
+    full[every_pos] = every_idx.reshape(-1, b, k)
+    return capacity_keep_mask(full, num_experts, capacity, None)[positions.to(topk_idx.device)]

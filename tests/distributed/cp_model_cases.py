@@ -42,11 +42,11 @@ MICRO = 2           # samples per microbatch
 MICRO_PER_RANK = 2  # microbatches per dp rank and step
 
 
-def _config(arch: str, moe: bool, pp: int) -> GPTConfig:
+def _config(arch: str, moe: bool, pp: int, capacity=None, scope: str = "microbatch") -> GPTConfig:
     if pp > 1:
         return pipeline_config(arch, moe)
     if moe:
-        return moe_config(arch, 2, "softmax", None)
+        return moe_config(arch, 2, "softmax", capacity, scope)
     return model_config(arch)
 
 
@@ -67,8 +67,9 @@ def _microbatches(inputs, targets, first_row: int, count: int):
 
 
 def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = False, pp: int = 1, ep: int = 1,
-                    moe: bool = False, docs: bool = False, recompute: str = "none", zero: int = 0) -> None:
-    cfg = _config(arch, moe, pp)
+                    moe: bool = False, docs: bool = False, recompute: str = "none", zero: int = 0,
+                    capacity: float | None = None, scope: str = "microbatch") -> None:
+    cfg = _config(arch, moe, pp, capacity, scope)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, pp=pp, ep=ep, cp=cp, cp_comm=comm), cfg)
     eos = EOS if docs else None
     execution = ExecutionConfig(recompute=recompute)
@@ -119,6 +120,10 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
                              eos_id=eos)
         for key in ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ()):
             assert_close(f"step {step} {key}", out[key], ref_out[key])
+        for i, (a, b) in enumerate(zip(out.get("moe_layers", []), ref_out.get("moe_layers", []))):
+            assert_close(f"step {step} layer {i} tokens per expert", a["tokens_per_expert"], b["tokens_per_expert"])
+            assert_close(f"step {step} layer {i} dropped", a["dropped_fraction"] + 1, b["dropped_fraction"] + 1)
+            assert capacity is None or a["dropped_fraction"] > 0, "the capacity case must drop tokens"
         if step == 0 and zero < 2:  # ZeRO-2/3 keep only reduce-scattered shards (the norm is compared)
             compare_parameters(named, ref_params, mesh, cfg, "grad")
     if zero == 3:
@@ -141,6 +146,8 @@ LAYOUTS = {
         "gpt2_cp2_a2a_docs": ("gpt2", 2, "a2a", {"docs": True}),
         "llama_cp2_ring_selective_recompute": ("llama", 2, "ring", {"recompute": "selective"}),
         "gpt2_moe_cp2_ring_ep2": ("gpt2", 2, "ring", {"moe": True, "ep": 2}),
+        "gpt2_moe_cp2_a2a_capacity_sequence_scope": ("gpt2", 2, "a2a", {"moe": True, "capacity": 1.0,
+                                                                          "scope": "sequence"}),
     },
     4: {
         "gpt2_cp4_ring": ("gpt2", 4, "ring", {}),
@@ -152,6 +159,8 @@ LAYOUTS = {
         "llama_cp2_a2a_pp2_docs": ("llama", 2, "a2a", {"pp": 2, "docs": True}),
         "llama_moe_cp2_ring_dp2_ep4": ("llama", 2, "ring", {"moe": True, "ep": 4}),
         "gpt2_cp2_ring_dp2_zero1": ("gpt2", 2, "ring", {"zero": 1}),
+        "llama_moe_cp2_ring_tp2_sp_ep2_capacity": ("llama", 2, "ring", {"moe": True, "tp": 2, "sp": True, "ep": 2,
+                                                                         "capacity": 1.25}),
         "llama_cp2_a2a_dp2_zero3": ("llama", 2, "a2a", {"zero": 3}),
     },
 }
