@@ -40,9 +40,11 @@ __all__ = [
 
 
 def mesh_coords(mesh) -> str:
-    """``'tp=0, pp=1, dp=0'`` for a ``mpu.mesh.Mesh`` (plus ``ep=``/``etp=`` when the expert mesh is split)."""
+    """``'tp=0, pp=1, dp=0'`` for a ``mpu.mesh.Mesh`` (plus ``cp=`` with context parallelism, ``ep=``/``etp=`` when the expert mesh is split)."""
     parts = [f"tp={mesh.tp_rank}", f"pp={mesh.pp_rank}", f"dp={mesh.dp_rank}"]
     par = getattr(mesh, "par", None)
+    if par is not None and getattr(par, "cp", 1) > 1:
+        parts.append(f"cp={mesh.cp_rank}")
     if par is not None and getattr(par, "ep", 1) > 1:
         parts.append(f"ep={mesh.ep_rank}")
     if par is not None and getattr(par, "etp", 1) > 1:

@@ -718,7 +718,7 @@ def plan_rank(
         "rank": rank,
         "world_size": world_size,
         "coords": {
-            "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "tp_rank": mesh.tp_rank,
+            "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "cp_rank": mesh.cp_rank, "tp_rank": mesh.tp_rank,
             "edp_rank": mesh.edp_rank, "ep_rank": mesh.ep_rank, "etp_rank": mesh.etp_rank,
         },
         "layout": _layout(res, world_size),
@@ -798,7 +798,9 @@ def format_rank_line(plan: dict[str, Any]) -> str:
         acts += f" ({m['microbatches_in_flight']} mb in flight)"
     host = f", host {g['host']:.3f}" if m["bytes"]["host"] else ""
     return (
-        f"rank {plan['rank']:>3} [pp{c['pp_rank']} dp{c['dp_rank']} tp{c['tp_rank']} | "
+        f"rank {plan['rank']:>3} [pp{c['pp_rank']} dp{c['dp_rank']} "
+        + (f"cp{c['cp_rank']} " if plan["layout"].get("cp", 1) > 1 else "")
+        + f"tp{c['tp_rank']} | "
         f"edp{c['edp_rank']} ep{c['ep_rank']} etp{c['etp_rank']}]: "
         f"{_human(plan['params']['count'])} params ({src}); GiB: "
         f"weights {g['weights']:.3f} + grads {g['grads']:.3f} + optim {g['optimizer']:.3f} "
