@@ -60,6 +60,8 @@ class GPTConfig:
     vocab_size: int = field(default=256, metadata=allowed(ge=2))
     seq_len: int = field(default=64, metadata=allowed(ge=1))
     dropout: float = field(default=0.0, metadata=allowed(ge=0, lt=1))
+    # dropout on the attention probabilities; None = `dropout` (context parallelism needs 0)
+    attention_dropout: float | None = field(default=None, metadata=allowed(ge=0, lt=1))
     arch: str = field(default="gpt2", metadata=allowed(choices=tuple(ARCH_DEFAULTS)))
     norm: str | None = field(default=None, metadata=allowed(choices=NORMS + (None,)))
     activation: str | None = field(default=None, metadata=allowed(choices=ACTIVATIONS + (None,)))
@@ -147,6 +149,11 @@ class GPTConfig:
             router_bias_update_rate=self.router_bias_update_rate, aux_loss_scope=self.aux_loss_scope,
             aux_loss_layers=self.aux_loss_layers, router_groups=self.router_groups,
             router_topk_groups=self.router_topk_groups, shared_experts=self.shared_experts)
+
+    @property
+    def attention_dropout_p(self) -> float:
+        """Dropout on the attention probabilities: `attention_dropout`, else `dropout`."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
     def head_dim(self) -> int:

@@ -138,7 +138,7 @@ class Attention(nn.Module):
         sequence is sharded over `mesh.cp` and the ring / all-to-all attention of
         `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s/cp] adds the
         document mask of packed sequences."""
-        p = self.cfg.dropout if self.training else 0.0
+        p = self.cfg.attention_dropout_p if self.training else 0.0
         if self.mesh.cp_size > 1:
             out = context_parallel_attention(q, k, v, self.mesh.cp, self.mesh.par.cp_comm, doc_ids=doc_ids,
                                              dropout_p=p)
@@ -474,7 +474,7 @@ def init_model_chunks(cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=
                       execution: ExecutionConfig = ExecutionConfig()) -> list[GPT]:
     """This rank's model chunks with their layout-independent initial values, after seeding
     the default and tensor-parallel RNG streams from `seed` (what every run does first)."""
-    seed_parallel_rng(seed, mesh.tp_rank, mesh.pp_rank, torch.device(device or "cpu").type)
+    seed_parallel_rng(seed, mesh.tp_rank, mesh.pp_rank, torch.device(device or "cpu").type, cp_rank=mesh.cp_rank)
     chunks = build_model_chunks(cfg, mesh, device, dtype, execution=execution)
     for chunk in chunks:
         initialize_parameters(chunk, seed, mesh)

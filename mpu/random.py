@@ -4,6 +4,8 @@ The default generator is seeded identically on every rank of a TP group, so drop
 replicated activations (outside TP regions) draws the same mask on every TP rank. Inside a
 TP region (attention heads split over TP, or sequence shards under SP) dropout must differ
 per shard: `RNGTracker.fork("tensor-parallel")` swaps in a generator seeded per TP rank.
+Both streams are also offset per pipeline stage and per context-parallel rank (cp ranks hold
+other tokens of the same sequences).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 TENSOR_PARALLEL = "tensor-parallel"
 _TP_SEED_OFFSET = 2718
 _PP_SEED_OFFSET = 100
+_CP_SEED_OFFSET = 7919
 
 
 class RNGTracker:
@@ -73,10 +76,13 @@ def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int = 0, device_type: str = "cpu") -> None:
-    """Seed the default generator (same on all TP ranks of a stage) and the per-TP-rank stream."""
+def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int = 0, device_type: str = "cpu",
+                      cp_rank: int = 0) -> None:
+    """Seed the default generator (same on all TP ranks of a stage and cp rank) and the
+    per-TP-rank stream. Context-parallel ranks hold other tokens of the sequence, so both
+    streams differ per cp rank (else every cp shard would draw the same dropout mask)."""
     global _TRACKER
-    base = seed + _PP_SEED_OFFSET * pp_rank
+    base = seed + _PP_SEED_OFFSET * pp_rank + _CP_SEED_OFFSET * cp_rank
     torch.manual_seed(base)
     if device_type == "cuda":
         torch.cuda.manual_seed(base)

@@ -303,7 +303,7 @@ def _attention_path(cfg: GPTConfig, device: str) -> str:
     """Which scaled_dot_product_attention kernel runs in training: on CPU, dropout on the
     probabilities selects the math path (it materializes softmax, dropout mask and dropped
     probabilities); otherwise a fused kernel (CPU flash, CUDA flash / memory-efficient)."""
-    return "math" if device == "cpu" and cfg.dropout > 0 else "fused"
+    return "math" if device == "cpu" and cfg.attention_dropout_p > 0 else "fused"
 
 
 def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTrace, mode: str, *, is_moe: bool,

@@ -11,6 +11,8 @@ tolerance and the AdamW eps).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -137,6 +139,43 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
     reducer.remove_hooks()
 
 
+def hidden_dropout_under_cp_differs_per_shard_and_recomputes() -> None:
+    """Hidden dropout (model.dropout=0.1, attention dropout 0) at cp=2 x tp=world/2 with SP:
+    each cp rank draws its own masks (the default and tensor-parallel streams are seeded per
+    cp rank), and full / selective recomputation replay them exactly (gradients equal the run
+    without recomputation, 1e-6), the ring's collectives included."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        cfg = dataclasses.replace(model_config("llama"), dropout=0.1, attention_dropout=0.0)
+        mesh = build_mesh(ParallelConfig(cp=2, tp=world // 2, sp=world > 2), cfg)
+        model, = init_model_chunks(cfg, mesh, SEED, execution=ExecutionConfig(recompute=mode))
+        inputs, targets = _global_batch(cfg, 0, 2, docs=False)
+        mb = local_microbatch(inputs, targets, mesh)
+        model.loss_per_token(model(mb.inputs), mb.targets).mean().backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for mode in ("selective", "full"):
+        for name, grad in grads["none"].items():
+            if not torch.allclose(grads[mode][name], grad, rtol=1e-6, atol=1e-8):
+                raise AssertionError(f"recompute={mode}: gradient of {name} differs under cp with dropout")
+    # The streams differ between the cp ranks of one tp position (freshly seeded, as a run starts).
+    init_model_chunks(cfg, mesh, SEED)
+    draws = [torch.zeros(2, 4) for _ in range(world)]
+    mine = torch.stack([torch.rand(4), _tracker_rand()])
+    dist.all_gather(draws, mine)
+    peer = draws[mesh.rank + mesh.tp_size if mesh.cp_rank == 0 else mesh.rank - mesh.tp_size]
+    if torch.equal(peer[0], mine[0]) or torch.equal(peer[1], mine[1]):
+        raise AssertionError("cp ranks draw the same dropout masks")
+
+
+def _tracker_rand() -> torch.Tensor:
+    from meshtron.mpu.random import get_rng_tracker
+    with get_rng_tracker().fork():
+        return torch.rand(4)
+
+
 # name: (arch, cp, comm, keyword arguments), per world size
 LAYOUTS = {
     2: {
@@ -182,4 +221,5 @@ for _layouts in LAYOUTS.values():
 
 
 def cases_for_world(world_size: int) -> list[str]:
-    return list(LAYOUTS.get(world_size, {}))
+    extra = ["hidden_dropout_under_cp_differs_per_shard_and_recomputes"] if world_size in (2, 4) else []
+    return list(LAYOUTS.get(world_size, {})) + extra
