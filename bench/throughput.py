@@ -94,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-ffn", type=int, default=None,
                    help="model.moe_ffn_hidden_size (default: the dense --ffn)")
     p.add_argument("--shared-experts", type=int, default=0, help="model.shared_experts (with --experts)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism (parallel.cp)")
+    p.add_argument("--cp-comm", default="ring", choices=["ring", "a2a"], help="parallel.cp_comm")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (parallel.ep)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallelism (parallel.etp)")
     p.add_argument("--warmup", type=int, default=3)
@@ -248,13 +250,15 @@ def main(argv=None) -> None:
                         num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.moe_ffn,
                         shared_experts=args.shared_experts)
         mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp, pp=args.pp, ep=args.ep, etp=args.etp,
-                                         schedule=args.schedule), cfg, device_type=device.type)
+                                         schedule=args.schedule, cp=args.cp, cp_comm=args.cp_comm), cfg,
+                          device_type=device.type)
     except (ValueError, RuntimeError) as exc:  # ParallelConfigError is a ValueError
         fail(str(exc))
     precision = Precision(args.precision, device.type)
     dp = mesh.dp_size
     if args.batch % dp:
-        fail(f"--batch={args.batch} is not divisible by dp={dp} (world {world} / (tp={args.tp} * pp={args.pp}))")
+        fail(f"--batch={args.batch} is not divisible by dp={dp} "
+             f"(world {world} / (tp={args.tp} * cp={args.cp} * pp={args.pp}))")
     per_rank = args.batch // dp
     micro = per_rank if args.micro_batch is None else args.micro_batch
     if micro < 1 or per_rank % micro:

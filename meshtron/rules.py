@@ -44,6 +44,31 @@ def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1)
     ]
 
 
+def local_sgd_checks(local_steps: int, outer_optimizer: str, *, zero: int, offload: bool, param_dtype: str,
+                     num_experts: int, cp: int, checkpoint_dir: str | None, dp_mode: str = "allreduce") -> list[Check]:
+    """Local SGD / DiLoCo (`optim.local_steps` > 1 or an outer optimizer; training/local_sgd.py)
+    averages whole replicas' parameters over dp: what shards or hides them from it is refused."""
+    if local_steps <= 1 and outer_optimizer == "none":
+        return []
+    what = f"optim.local_steps={local_steps}" + (f" with optim.outer_optimizer={outer_optimizer}"
+                                                 if outer_optimizer != "none" else "")
+    return [
+        (zero == 0, f"{what} needs optim.zero=0 (got {zero}): ZeRO shards the optimizer state over the data "
+                    "replicas that local SGD keeps apart"),
+        (not offload, f"{what} does not support optim.offload=true (the host main weights would miss the "
+                      "parameter averaging)"),
+        (param_dtype == "fp32", f"{what} needs optim.param_dtype=fp32 (the fp32 main weights of "
+                                f"{param_dtype} resident weights live in the optimizer, outside the averaging)"),
+        (num_experts == 0, f"{what} does not support MoE models yet (expert replicas, edp, mix data replicas "
+                           "with ranks of one replica); use model.num_experts=0 or optim.local_steps=1"),
+        (cp == 1, f"{what} does not support parallel.cp={cp} yet (untested); use parallel.cp=1"),
+        (dp_mode == "allreduce", f"{what} averages all-reduce data replicas; parallel.dp_mode={dp_mode} has "
+                                 "parameter servers instead: use one of the two"),
+        (not checkpoint_dir, f"{what} does not save its outer state and per-replica optimizer state in "
+                             "checkpoints yet; unset checkpoint.dir or use optim.local_steps=1"),
+    ]
+
+
 def batch_size_checks(global_batch_size: int, micro_batch_size: int | None) -> list[Check]:
     """Both batch sizes are positive integers (micro may be None: the whole per-rank batch)."""
     return [

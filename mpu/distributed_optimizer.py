@@ -14,6 +14,10 @@ ZeRO-2 (reducer with `shard_grads=True`): the gradient is the reducer's reduce-s
 `bucket.shard`; norm and clipping work on the shards (`mpu.grad_norm.clip_sharded_grad_norm`).
 ZeRO-3 (`mpu.zero3.Zero3` built on the reducer first): the parameter shards are the buckets'
 `param_shard` tensors, updated in place and not all-gathered after the step.
+
+Overlap (`overlap_param_gather(chunks)`, optim.overlap_param_gather): the all-gathers are
+issued asynchronously, bucket by bucket in the order of first use in forward, and each is
+waited for by the first forward unit reading it (mpu/param_gather.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from meshtron.mpu.adamw import TrainingOptimizer, adamw
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
+from meshtron.mpu.param_gather import ParamGather
 
 
 def flatten_bucket_params(bucket) -> torch.Tensor:
@@ -82,6 +87,18 @@ class ShardedAdamW(TrainingOptimizer):
             (decay if bucket.decay else no_decay).append(shard)
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        self.param_gather: ParamGather | None = None  # set by overlap_param_gather
+
+    def overlap_param_gather(self, chunks: list[nn.Module]) -> ParamGather | None:
+        """From now on `step` launches the all-gathers asynchronously and forward pre-hooks on
+        `chunks` wait for them (mpu/param_gather.py); returns the `ParamGather` (None at ZeRO-3,
+        which gathers per unit anyway). Whoever reads the parameters outside forward calls
+        `param_gather.finish_param_gather(chunks)` first."""
+        if self.zero3:
+            return None
+        if self.param_gather is None:
+            self.param_gather = ParamGather(chunks, self.buckets)
+        return self.param_gather
 
     @property
     def param_groups(self):
@@ -92,15 +109,23 @@ class ShardedAdamW(TrainingOptimizer):
         return self.optimizer.state
 
     def step(self) -> None:
-        """Update this rank's shards, then all-gather every bucket over its replica group
+        """Update this rank's shards, then all-gather every bucket over its replica group:
+        blocking, or launched asynchronously in forward order with `overlap_param_gather`
         (ZeRO-3: not here, the next forward gathers each unit)."""
+        gather = self.param_gather
+        if gather is not None:
+            gather.finish()  # a gather still in flight would overwrite the shards updated now
         self.optimizer.step()
         if self.zero3:
             return
-        for bucket, _, start, size in self._shards:
+        for index in (gather.order if gather is not None else range(len(self._shards))):
+            bucket, _, start, size = self._shards[index]
             if group_size(bucket.group) > 1:
                 own = bucket.param_buffer[start: start + size].clone()
-                all_gather_into(bucket.param_buffer, own, bucket.group)
+                if gather is not None:
+                    gather.launch(index, bucket.param_buffer, own, bucket.group)
+                else:
+                    all_gather_into(bucket.param_buffer, own, bucket.group)
 
     def param_moments(self) -> tuple[dict, float]:
         """({param: (exp_avg, exp_avg_sq)} shaped like each parameter, step count): every

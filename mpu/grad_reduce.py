@@ -20,6 +20,11 @@ Groups:
   * expert parameters: the expert-data-parallel group `mesh.edp` (replicas of the same
     expert shard that saw different tokens).
 
+Hierarchical all-reduce (`parallel.dp_hierarchical`, mpu/hierarchical.py): with ZeRO 0/1 the
+"dp" buckets are reduce-scattered inside a node when launched; `finish()` then launches every
+bucket's all-reduce across nodes, then every all-gather inside the node (`pipeline_stages`). Local SGD (training/local_sgd.py) passes
+`replica_groups` that leave the data replicas out of every sum.
+
 ZeRO-2 (`shard_grads=True`): each bucket is reduce-scattered instead of all-reduced, into
 `bucket.shard` (this rank's `[rank*size, (rank+1)*size)` range of the bucket, size =
 buffer / replicas), which `ShardedAdamW` uses as its gradient. The full bucket buffer is only
@@ -63,6 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.mpu.hierarchical import dp_hierarchy, pipeline_stages, resolve_hierarchical
 from meshtron.mpu.mappings import reduce_scatter_into
 from meshtron.mpu.mesh import Mesh, group_rank, group_size
 from meshtron.mpu.waits import wait_for
@@ -178,7 +184,9 @@ class DataParallelGradReducer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
                  shard_grads: bool = False, comm_dtype: torch.dtype | None = None, unit_of=None,
-                 main_grads: bool = False):
+                 main_grads: bool = False, replica_groups: dict | None = None):
+        """`replica_groups` {key: group} replaces `replica_group(mesh, key)` for those keys (local
+        SGD, training/local_sgd.py: the data replicas left out of the sum)."""
         self.mesh = mesh
         self.shard_grads = shard_grads
         # 16-bit resident weights: gradients land in `p.main_grad` (fp32 bucket views), see the module doc
@@ -193,9 +201,16 @@ class DataParallelGradReducer:
         self._bucket_of: dict[int, _Bucket] = {}
         tied_apart = group_size(mesh.embedding) > 1
         self.tied_embedding = [p for _, p in named_params if p.requires_grad and is_tied_embedding(p) and tied_apart]
-        replicas = {key: group_size(replica_group(mesh, key)) for key in GRAD_GROUPS}
+        groups = {key: replica_group(mesh, key) for key in GRAD_GROUPS}
+        groups.update(replica_groups or {})
+        replicas = {key: group_size(group) for key, group in groups.items()}
+        # parallel.dp_hierarchical: "dp" buckets all-reduced in three stages (mpu/hierarchical.py)
+        self.hierarchy = None
+        if "dp" not in (replica_groups or {}) and mesh.dense_mesh is not None and resolve_hierarchical(
+                mesh.par.dp_hierarchical, mesh.par, mesh.world_size, mesh.ranks_per_node, shard_grads=shard_grads):
+            self.hierarchy = dp_hierarchy(mesh)
         for spec in bucket_layout(named_params, replicas, bucket_mb, tied_apart=tied_apart, unit_of=unit_of):
-            self._make_bucket(replica_group(mesh, spec.key), spec)
+            self._make_bucket(groups[spec.key], spec)
         self._hooks = []
         for bucket in self.buckets:
             if group_size(bucket.group) > 1 or main_grads:
@@ -333,6 +348,8 @@ class DataParallelGradReducer:
             source, target = wire, result
         if self.shard_grads:
             bucket.work = reduce_scatter_into(target, source, group=bucket.group, async_op=True)
+        elif self.hierarchy is not None and bucket.key == "dp":  # intra-node stage now, the rest in finish()
+            bucket.work = self.hierarchy.all_reduce(source, async_op=True)
         else:
             bucket.work = dist.all_reduce(source, group=bucket.group, async_op=True)
 
@@ -370,6 +387,8 @@ class DataParallelGradReducer:
             for bucket in self.buckets:
                 if not bucket.lazy:
                     self._launch(bucket)
+        if self.hierarchy is not None:  # every bucket's inter-node stage in flight before any all-gather
+            pipeline_stages([bucket.work for bucket in self.buckets])
         for index, bucket in enumerate(self.buckets):
             if bucket.work is not None:
                 op = "reduce_scatter" if self.shard_grads else "all_reduce"

@@ -61,17 +61,34 @@ class ParallelConfig:
     sp: bool = False
     vpp: int = field(default=1, metadata=allowed(ge=1))
     schedule: str = field(default="1f1b", metadata=allowed(choices=SCHEDULES))
+    # "dp" gradient buckets: reduce-scatter in a node, all-reduce across nodes, all-gather
+    # (mpu/hierarchical.py); auto = when the dp x cp groups span nodes with > 1 rank on each
+    dp_hierarchical: bool | str = field(default="auto", metadata=allowed(choices=(True, False, "auto")))
     # layers per virtual stage (pp * vpp entries); None = even
     stage_layers: list[int] | None = field(default=None, metadata=allowed(items=Allowed(ge=1)))
+    # allreduce: gradients all-reduced over dp; ps: `servers` extra ranks (the last ones) hold the
+    # parameters and AdamW state, dp = the workers (training/param_server.py)
+    dp_mode: str = field(default="allreduce", metadata=allowed(choices=("allreduce", "ps")))
+    servers: int = field(default=0, metadata=allowed(ge=0))
 
     def __post_init__(self) -> None:
         raise_first([*field_checks("parallel", self),
                      (self.vpp == 1 or self.schedule == "interleaved",
-                      f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved")], ParallelConfigError)
+                      f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved"),
+                     (self.dp_mode != "ps" or self.servers >= 1,
+                      "parallel.dp_mode=ps needs parallel.servers >= 1 (ranks holding the parameters)"),
+                     (self.dp_mode == "ps" or self.servers == 0,
+                      f"parallel.servers={self.servers} needs parallel.dp_mode=ps (or set parallel.servers=0)")],
+                    ParallelConfigError)
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """Return a copy with dp filled in and every size checked against `world_size`."""
         out = ParallelConfig(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()})
+        if out.dp_mode == "ps":  # the server ranks are outside the training mesh; dp counts the workers
+            if world_size <= out.servers:
+                raise ParallelConfigError(f"parallel.servers={out.servers} leaves no worker rank in world size "
+                                          f"{world_size}; start more processes or use fewer servers")
+            world_size -= out.servers
         model = out.tp * out.cp * out.pp
         if world_size % model != 0:
             sizes = f"tp*cp*pp={model} (tp={out.tp}, cp={out.cp}, pp={out.pp})" if out.cp > 1 else \
@@ -133,7 +150,7 @@ def tensor_shard_checks(cfg, tp: int) -> list[tuple[bool, str]]:
 def context_parallel_checks(par: ParallelConfig, cfg) -> list[tuple[bool, str]]:
     """How a sequence splits over cp (x tp under SP), as (holds, message) pairs: 2*cp
     load-balanced chunks (each cut into tp pieces under SP), heads for the all-to-all, and what
-    context-parallel attention does not offer (attention dropout, expert capacity)."""
+    context-parallel attention does not offer (attention dropout)."""
     if par.cp == 1:
         return []
     cp, tp = par.cp, par.tp
@@ -147,12 +164,10 @@ def context_parallel_checks(par: ParallelConfig, cfg) -> list[tuple[bool, str]]:
         (par.cp_comm != "a2a" or heads % cp == 0,
          f"parallel.cp_comm=a2a needs the attention heads per tensor-parallel rank (num_heads/tp = {heads}) "
          f"divisible by cp={cp}; use parallel.cp_comm=ring or change parallel.cp"),
-        (cfg.dropout == 0,
-         f"parallel.cp={cp} with model.dropout={cfg.dropout}: context-parallel attention has no attention "
-         "dropout; set model.dropout=0"),
-        (getattr(cfg, "capacity_factor", None) is None,
-         f"parallel.cp={cp} with model.capacity_factor={getattr(cfg, 'capacity_factor', None)}: expert capacity "
-         "ranks a sequence's tokens in order, which cp shards do not hold together; set model.capacity_factor=null"),
+        (cfg.attention_dropout_p == 0,
+         f"parallel.cp={cp} with attention dropout {cfg.attention_dropout_p} (model.attention_dropout, which "
+         "defaults to model.dropout): context-parallel attention has no attention dropout; set "
+         "model.attention_dropout=0 (hidden dropout, model.dropout, stays)"),
     ]
 
 

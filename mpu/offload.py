@@ -26,6 +26,11 @@ implementation, which rounds differently, ~1e-7).
 On a CPU-only machine the "device" is the CPU: the host copies are still separate tensors
 and the same code runs (plain copies, no pinning).
 
+Overlap (`overlap_param_gather(chunks)`, optim.overlap_param_gather, zero=1/2): buckets are
+updated in the order of their first use in forward and each bucket's all-gather is launched
+asynchronously right after its update (so it also overlaps the CPU update of the buckets after
+it); the first forward unit reading a bucket waits for it (mpu/param_gather.py).
+
 Main weights are (re)read from the device weights at the first `step()`, and again after
 `load_param_moments` (a checkpoint load writes the device weights) or `mark_weights_changed()`
 (anyone else who writes the device weights between steps must call it).
@@ -43,6 +48,7 @@ from meshtron.mpu.distributed_optimizer import bucket_moment_shards, cast_bucket
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
+from meshtron.mpu.param_gather import ParamGather
 
 
 @dataclass
@@ -122,6 +128,18 @@ class OffloadedAdamW(TrainingOptimizer):
         self._pin = any(s.main.is_pinned() for s in self._slots)
         if param_dtype is not None:
             self._weights_stale = False
+        self.param_gather: ParamGather | None = None  # set by overlap_param_gather
+
+    def overlap_param_gather(self, chunks: list[nn.Module]) -> ParamGather | None:
+        """zero=1/2: from now on `step` launches each bucket's all-gather asynchronously after
+        its update and forward pre-hooks on `chunks` wait for them (mpu/param_gather.py);
+        returns the `ParamGather`, None when nothing is gathered (zero 0 and 3). Whoever reads
+        the parameters outside forward calls `param_gather.finish_param_gather(chunks)` first."""
+        if not any(slot.sharded for slot in self._slots) or self.zero == 3:
+            return None
+        if self.param_gather is None:
+            self.param_gather = ParamGather(chunks, self.buckets)
+        return self.param_gather
 
     # ------------------------------------------------------------------ optimizer interface
 
@@ -152,7 +170,11 @@ class OffloadedAdamW(TrainingOptimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Gradients device -> host, AdamW on the host, weights host -> device (+ all-gather)."""
+        """Gradients device -> host, AdamW on the host, weights host -> device (+ all-gather,
+        asynchronous with `overlap_param_gather`)."""
+        gather = self.param_gather
+        if gather is not None:
+            gather.finish()  # a gather still in flight would overwrite the weights read or written now
         if self._weights_stale:
             self._refresh_main_weights()
         for slot in self._slots:
@@ -164,7 +186,9 @@ class OffloadedAdamW(TrainingOptimizer):
             if grads.is_cuda:
                 slot.event = torch.cuda.Event()
                 slot.event.record(torch.cuda.current_stream(grads.device))
-        for slot in self._slots:
+        # Updated (and gathered) in the order forward reads the buckets when gathers overlap.
+        for index in (gather.order if gather is not None else range(len(self._slots))):
+            slot = self._slots[index]
             if slot.event is not None:
                 slot.event.synchronize()  # this bucket's gradients are on the host
                 slot.event = None
@@ -173,7 +197,10 @@ class OffloadedAdamW(TrainingOptimizer):
             if slot.sharded and self.zero != 3:
                 # in the parameters' dtype: a bf16 gather moves half the bytes of an fp32 one
                 own = main.to(slot.device_weights.device, dtype=slot.device_weights.dtype, non_blocking=self._pin)
-                all_gather_into(slot.bucket.param_buffer, own, slot.bucket.group)
+                if gather is not None:
+                    gather.launch(index, slot.bucket.param_buffer, own, slot.bucket.group)
+                else:
+                    all_gather_into(slot.bucket.param_buffer, own, slot.bucket.group)
             else:
                 slot.device_weights.copy_(main, non_blocking=self._pin)
         # The next writer of a pinned host buffer is the next step(), which first waits for its

@@ -99,6 +99,7 @@ from meshtron.mpu.adamw import TrainingOptimizer
 from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
 from meshtron.mpu.mesh import group_rank, single_process_mesh
 from meshtron.mpu import zero3
+from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.mpu.random import get_rng_tracker
 from meshtron.mpu.sharded_state import (ShardLoadPlanner, ShardPiece, ShardSavePlanner, flat_range_pieces, global_shape,
                                         shard_piece)
@@ -439,6 +440,7 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
     newest `keep`. `optimizer=None` saves weights only (usable with `checkpoint.init_from`, not
     for resuming). Collective over the default group. An I/O failure raises CheckpointError on
     every rank naming the file and the cause; earlier checkpoints are untouched."""
+    finish_param_gather(chunks)  # ZeRO-1/2 overlapped gathers of the last update: done before reading
     with zero3.gathered(chunks):  # ZeRO-3: the full local parameters while they are written
         state = checkpoint_state(chunks, optimizer, mesh)
         return _write_checkpoint(Path(root), state, train_state, mesh, weights_only=optimizer is None,
@@ -555,6 +557,7 @@ class AsyncCheckpointer:
         """Wait for the previous save, stage this one to host memory and start writing it;
         `on_done(path)` runs in the writer thread once it is published."""
         self.wait()
+        finish_param_gather(chunks)  # ZeRO-1/2 overlapped gathers of the last update: done before reading
         with zero3.gathered(chunks):  # ZeRO-3: the full local parameters while they are staged
             staged = stage_to_host(checkpoint_state(chunks, optimizer, mesh))
         train_state = dataclasses.replace(train_state)  # the loop goes on changing its own
@@ -924,6 +927,7 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: Traini
     """Load `path` into this rank's chunks (and optimizer), resharding from whatever layout it
     was saved under. Returns the saved TrainState (a fresh one with `weights_only`). RNG states
     are restored only under the saved world size and layout. Collective over the default group."""
+    finish_param_gather(chunks)  # a gather still in flight would overwrite the loaded weights
     with zero3.gathered(chunks):  # ZeRO-3: loaded into the gathered parameters, re-sharded on exit
         return _load_checkpoint(path, chunks, optimizer, mesh, weights_only=weights_only)
 

@@ -15,7 +15,7 @@ from meshtron.errors import ConfigError
 from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig
-from meshtron.rules import batch_size_checks, param_dtype_checks, precision_check, raise_first
+from meshtron.rules import batch_size_checks, local_sgd_checks, param_dtype_checks, precision_check, raise_first
 from meshtron.schema import Allowed, allowed, field_checks, nearest_key
 from meshtron.training.schedule import DECAY_STYLES
 
@@ -63,8 +63,22 @@ class OptimConfig:
     zero: int = _field(0, choices=(0, 1, 2, 3))  # 0 replicated AdamW, 1 optimizer state sharded over the replicas, 2 + gradients, 3 + parameters (mpu/zero3.py)
     offload: bool = False   # AdamW state and fp32 main weights in CPU memory; the update runs on the CPU
     grad_comm_dtype: str = _field("fp32", choices=("fp32", "bf16"))  # dtype gradients are reduced in over dp
+    # ZeRO-1/2: each bucket's parameter all-gather runs asynchronously, waited for by the first
+    # layer that reads it in the next forward (mpu/param_gather.py); false = blocking after the step
+    overlap_param_gather: bool = True
+    bucket_mb: float = _field(25.0, gt=0)  # gradient (and ZeRO parameter-gather) bucket size, MiB of fp32
     # bf16 = 16-bit resident weights: bf16 model weights, fp32 main weights only in the optimizer (mpu/resident.py)
     param_dtype: str = _field("fp32", choices=("fp32", "bf16"))
+    # local SGD / DiLoCo (training/local_sgd.py): inner steps each data replica takes alone between
+    # parameter averages over dp; an outer Nesterov step on the averaged delta with nesterov
+    local_steps: int = _field(1, ge=1)
+    outer_optimizer: str = _field("none", choices=("none", "nesterov"))
+    outer_lr: float = _field(0.7, gt=0)
+    outer_momentum: float = _field(0.9, ge=0, lt=1)
+    # parameter-server synchronisation (parallel.dp_mode=ps; training/param_server.py): bsp waits for
+    # every worker, ssp lets a worker run at most `staleness` steps ahead of the slowest, asp never waits
+    sync: str = _field("bsp", choices=("bsp", "ssp", "asp"))
+    staleness: int = _field(0, ge=0)
 
 
 @dataclass
@@ -150,7 +164,18 @@ class RunConfig:
             (not c.every or bool(c.dir),
              f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)"),
             *param_dtype_checks(o.param_dtype, t.precision, o.zero, self.parallel.pp),
+            *local_sgd_checks(o.local_steps, o.outer_optimizer, zero=o.zero, offload=o.offload,
+                              param_dtype=o.param_dtype, num_experts=self.model.num_experts, cp=self.parallel.cp,
+                              checkpoint_dir=c.dir, dp_mode=getattr(self.parallel, "dp_mode", "allreduce")),
+            (not (self.parallel.dp_hierarchical is True and o.zero >= 2),
+             f"parallel.dp_hierarchical=true is built for all-reduced gradient buckets; optim.zero={o.zero} "
+             "reduce-scatters them: use optim.zero<=1 or parallel.dp_hierarchical=false"),
             (c.resume != "auto" or bool(c.dir), "checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)"),
+            (o.sync == "bsp" or self.parallel.dp_mode == "ps",
+             f"optim.sync={o.sync} needs parameter servers (parallel.dp_mode=ps parallel.servers=N); all-reduce "
+             "data parallelism is bulk-synchronous (optim.sync=bsp)"),
+            (o.staleness == 0 or o.sync == "ssp",
+             f"optim.staleness={o.staleness} applies only to optim.sync=ssp (got optim.sync={o.sync})"),
             (not c.async_ or bool(c.dir), "checkpoint.async=true needs checkpoint.dir (where to write the checkpoints)"),
             (not (c.resume and c.init_from),
              "checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run (optimizer, step, data "

@@ -21,9 +21,11 @@ from meshtron.kernels.backend import CHECKED, resolve_backend
 from meshtron.kernels.tf32 import set_tf32_mode
 from meshtron.models.config import ExecutionConfig
 from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu.hierarchical import resolve_hierarchical
 from meshtron.mpu.mappings import all_reduce_stats, gather_object, world_group
 from meshtron.mpu.mesh import ParallelConfigError, build_mesh, check_model_fits
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
 from meshtron.mpu import zero3
 from meshtron.training.checkpoint import (AsyncCheckpointer, CheckpointError, TrainState, check_compatible,
@@ -36,6 +38,7 @@ from meshtron.planning.flops import model_flops_per_token
 from meshtron.training.host_malloc import keep_freed_host_memory
 from meshtron.observability.memory import peak_memory_per_rank
 from meshtron.observability.metrics import MetricsWriter, ProgressBar, TensorBoardWriter, format_step_line, require_tensorboard
+from meshtron.training.local_sgd import build_local_sgd
 from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import LossScaler, Precision
 from meshtron.training.preemption import StopRequest
@@ -48,20 +51,24 @@ from meshtron.observability.watchdog import StepWatchdog, is_collective_failure,
 
 def weights_are_finite(chunks) -> bool:
     """Whether every weight of every rank is finite: one flag all-reduced (max) over the world."""
+    finish_param_gather(chunks)  # ZeRO-1/2 with optim.overlap_param_gather: gathers may be in flight
     with zero3.gathered(chunks):  # ZeRO-3: the parameters are sharded between steps
         flags = [torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()]
     bad = torch.stack(flags).logical_not().any().float().reshape(1) if flags else torch.zeros(1)
     return all_reduce_stats(bad, world_group(), op="max").item() == 0
 
 
-def check_run_config(run: RunConfig, world_size: int) -> tuple:
-    """Validate layout, model shape and batch sizes for `world_size`; return (parallel, micro, n_micro).
+def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None = None) -> tuple:
+    """Validate layout, model shape and batch sizes for `world_size` (`ranks_per_node`: torchrun's
+    LOCAL_WORLD_SIZE, for parallel.dp_hierarchical); return (parallel, micro, n_micro).
 
     Raises ConfigError (one line, names the numbers and what to change).
     """
     try:
         par = run.parallel.resolved(world_size)
         check_model_fits(par, run.model)
+        resolve_hierarchical(par.dp_hierarchical, par, world_size, ranks_per_node or world_size,
+                             shard_grads=run.optim.zero >= 2)
     except ParallelConfigError as err:
         raise ConfigError(str(err)) from err
     t = run.trainer
@@ -81,8 +88,12 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
 
     Talks over the default process group when launched by torchrun (WORLD_SIZE > 1).
     """
-    world_size, _, _, _ = launcher_env()
-    par, micro, n_micro = check_run_config(run, world_size)
+    if run.parallel.dp_mode == "ps":  # parameter servers: their own world layout and loop
+        from meshtron.training.param_server import run_parameter_server
+
+        return run_parameter_server(run, run_dir)
+    world_size, _, _, local_world = launcher_env()
+    par, micro, n_micro = check_run_config(run, world_size, local_world)
     wants_cuda = run.trainer.device == "cuda" or (run.trainer.device == "auto" and torch.cuda.is_available())
     if run.trainer.device == "cuda" and not run.trainer.dry_run and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device "
@@ -164,6 +175,10 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
     chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device, execution=execution)
     model = nn.ModuleList(chunks)
     reducer, optimizer = build_reducer_and_optimizer(run.optim, chunks, mesh)
+    # ZeRO-1/2: parameter all-gathers left in flight by each update, waited for in the next forward
+    # (mpu/param_gather.py); readers of the parameters outside forward call finish_param_gather first.
+    param_gather = (optimizer.overlap_param_gather(chunks)
+                    if run.optim.overlap_param_gather and hasattr(optimizer, "overlap_param_gather") else None)
     executor = None
     if mesh.pp_size > 1:
         executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
@@ -178,6 +193,8 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                   + (f" at step {state.step} ({state.consumed_samples:,} samples consumed)" if kind == "resume" else ""),
                   flush=True)
 
+    # None unless optim.local_steps > 1 or an outer optimizer; after loading: DiLoCo keeps the start weights
+    local_sgd = build_local_sgd(run.optim, chunks, mesh)
     scaler = LossScaler(scale=state.loss_scale or t.initial_loss_scale, growth_interval=t.loss_scale_window,
                         good_steps=state.loss_scale_good_steps)
     precision = Precision(t.precision, env.device.type, scaler)
@@ -193,6 +210,9 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         print(f"meshtron: {mesh.describe()}", flush=True)
         for warning in mesh.placement_warnings():  # spanning nodes is allowed, only slower (mpu/mesh.py)
             print(f"meshtron: warning: {warning}", flush=True)
+        if reducer.hierarchy is not None:
+            print(f"meshtron: hierarchical dp all-reduce: {reducer.hierarchy.nodes} nodes x "
+                  f"{reducer.hierarchy.local} ranks (parallel.dp_hierarchical={par.dp_hierarchical})", flush=True)
         print(f"meshtron: {cfg.arch} {cfg.num_layers}L h={cfg.hidden_size} heads={cfg.num_heads} "
               f"seq={cfg.seq_len} vocab={cfg.vocab_size}; {n_params:,} parameters on rank 0; "
               f"{len(tokens):,} tokens of text; global batch {t.global_batch_size} = dp {par.dp} x "
@@ -239,6 +259,9 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
             microbatches = _split_microbatches(inputs, targets, micro)
             watchdog.phase(f"step {step + 1}: forward/backward/grad reduce/optimizer"
                            + (f" ({par.schedule} pipeline)" if executor is not None else ""))
+            if param_gather is not None and t.trace_step in (step + 1, step + 2) and not param_gather.recording:
+                param_gather.record(True)  # the traced step's gathers are launched by the step before it
+            step_start = time.perf_counter()
             if executor is None:
                 out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=lr,
                                  max_grad_norm=t.max_grad_norm, precision=precision, eos_id=eos_id)
@@ -248,16 +271,25 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                                           precision=precision, eos_id=eos_id)
                 if t.trace_step == step + 1:
                     watchdog.phase(f"step {step + 1}: pipeline trace gather_object")
-                    _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env)
+                    _export_pipeline_trace(out["pipeline"], mesh, par, len(microbatches), run_dir, env,
+                                           param_gather, step_start)
+            if executor is None and param_gather is not None and t.trace_step == step + 1:
+                watchdog.phase(f"step {step + 1}: parameter-gather trace gather_object")
+                _export_pipeline_trace(None, mesh, par, len(microbatches), run_dir, env, param_gather, step_start)
             if step == first_step and execution.kernel_backend == CHECKED:
                 # Every kernel of the model ran (and was checked) in this step: make the
                 # verdicts final and the same on every rank (a collective, every rank, here).
                 watchdog.phase(f"step {step + 1}: kernel self-check agreement all_reduce")
                 selfcheck.agree(env.device)
+            if local_sgd is not None:  # every optim.local_steps steps: parameters averaged over dp
+                watchdog.phase(f"step {step + 1}: local SGD parameter sync over dp")
+                local_sgd.after_step(step + 1, final=step + 1 == t.max_steps)
             window_steps += 1
             state.step, state.consumed_samples = step + 1, state.consumed_samples + t.global_batch_size
             if precision.scaler is not None:
                 state.loss_scale, state.loss_scale_good_steps = precision.scaler.scale, precision.scaler.good_steps
+            if local_sgd is not None:  # each replica judged its own gradients: abort (max_skipped) together
+                out["skipped"] = local_sgd.agree_skipped(out["skipped"])
             if out["skipped"]:
                 state.skipped_total += 1
                 state.skipped_in_a_row += 1
@@ -282,6 +314,8 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
                           "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak_total,
                           "step_time_s": elapsed / window_steps}
                 record["skipped_steps"] = state.skipped_total
+                if local_sgd is not None:
+                    record["local_sgd_syncs"] = local_sgd.syncs
                 if precision.scaler is not None:
                     record["loss_scale"] = precision.loss_scale
                 if eval_now:
@@ -327,6 +361,14 @@ def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro
         bar.close()
         writer.close()
         reducer.remove_hooks()
+        if param_gather is not None:  # the last update's gathers: done before the groups are torn down
+            failing = sys.exc_info()[1] is not None
+            try:
+                param_gather.finish()
+            except Exception:  # noqa: BLE001 - an error already on its way is the one to report
+                if not failing:
+                    raise
+            param_gather.remove_hooks()
     summary = {"first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None, "steps": state.step,
                "stopped_early": stopped_early, "run_dir": str(run_dir), "history": history}
@@ -358,13 +400,28 @@ def _val_microbatches(dataset: TokenDataset, t, mesh, micro: int, env) -> list:
     return out
 
 
-def _export_pipeline_trace(result, mesh, par, num_microbatches: int, run_dir: Path, env) -> None:
-    """Gather every rank's timeline of this step to rank 0, write trace.json (Chrome trace)
-    and print the measured bubble beside the theoretical one."""
-    gathered = gather_object(result.timeline, world_group(), dst=0)
+def _export_pipeline_trace(result, mesh, par, num_microbatches: int, run_dir: Path, env, param_gather=None,
+                           step_start: float = 0.0) -> None:
+    """Gather every rank's timeline of this step (pipeline `result`, and with `param_gather`
+    the unit forwards and the ZeRO parameter all-gathers they waited for) to rank 0, write
+    trace.json (Chrome trace) and print the measured bubble beside the theoretical one."""
+    spans = []
+    if param_gather is not None:
+        spans = param_gather.spans_of_step(step_start)
+        param_gather.record(False)
+    gathered = gather_object((result.timeline if result is not None else [], spans), world_group(), dst=0)
     if not env.is_main:
         return
-    path = write_trace(run_dir / "trace.json", dict(enumerate(gathered)))
+    path = write_trace(run_dir / "trace.json", {r: g[0] for r, g in enumerate(gathered)},
+                       {r: g[1] for r, g in enumerate(gathered)})
+    if result is None:
+        overlapped = sum(s.lane == "param all-gather" and s.end > min((u.start for u in g[1] if u.lane == "compute"),
+                                                                      default=s.end)
+                         for g in gathered for s in g[1])
+        print(f"meshtron: trace of this step in {path}: {overlapped} ZeRO parameter all-gather(s) still running "
+              "after the forward started", flush=True)
+        return
+    gathered = [g[0] for g in gathered]
     measured = [measured_bubble(events) for events in gathered]
     expected = theoretical_bubble(par.pp, num_microbatches, par.vpp)
     print(f"meshtron: pipeline trace of this step in {path}; bubble measured "

@@ -16,6 +16,7 @@ from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.offload import OffloadedAdamW
 from meshtron.mpu.resident import ResidentAdamW
 from meshtron.training.config import OptimConfig
+from meshtron.training.local_sgd import LocalGradReducer, local_sgd_enabled
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
@@ -47,10 +48,11 @@ def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
     the parameters to bf16 and keeps fp32 main weights for this rank's shard (on the host with
     `o.offload`); the reducer then accumulates into fp32 `main_grad`s."""
     resident = o.param_dtype == "bf16"
-    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh,
-                                      shard_grads=o.zero >= 2,
-                                      comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None,
-                                      unit_of=zero3.unit_of if o.zero == 3 else None, main_grads=resident)
+    # local SGD / DiLoCo: gradients summed inside a data replica only (training/local_sgd.py)
+    kind = LocalGradReducer if local_sgd_enabled(o.local_steps, o.outer_optimizer) else DataParallelGradReducer
+    reducer = kind([(n, p) for c in chunks for n, p in c.named_parameters()], mesh, bucket_mb=o.bucket_mb,
+                   shard_grads=o.zero >= 2, comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None,
+                   unit_of=zero3.unit_of if o.zero == 3 else None, main_grads=resident)
     if o.zero == 3:  # shards the parameters (one sharder per model chunk) before the optimizer takes the shards
         for chunk in chunks:
             zero3.Zero3(chunk, reducer, on_free=forget_weight_copies,

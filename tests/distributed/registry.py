@@ -21,6 +21,8 @@ CASE_MODULES = (
     "tests.distributed.cp_cases",
     "tests.distributed.cp_model_cases",
     "tests.distributed.resident_cases",
+    "tests.distributed.local_sgd_cases",
+    "tests.distributed.ps_cases",
 )
 WORLD_SIZES = (2, 4, 8)
 WORLD_TIMEOUT_S = 600.0

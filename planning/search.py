@@ -1,0 +1,221 @@
+"""Layout search: every valid layout of a model on a cluster, priced for memory by the dry-run
+planner and ranked by the step-time model.
+
+`enumerate_layouts` lists the candidates (tp, pp, vpp, dp, cp with cp_comm, ep, etp, sp, zero,
+recompute, micro batch) that pass the cheap shape and batch rules the run itself applies
+(`mpu.mesh.ParallelConfig.resolved` and `check_model_fits`, `meshtron.rules.batch_checks` and
+`param_dtype_checks`), in a fixed order. Pruned by assumption, and said here: tp larger than a
+node (its all-reduces would cross the inter-node link on every layer), and optim.zero > 0 where
+it shards nothing (dp*cp = 1 and edp = 1); sp is on whenever tp > 1 divides seq_len (SP's
+all-gather and reduce-scatter move the bytes of the all-reduces they replace, and it saves
+activation memory); etp is at most a node, like tp.
+
+`layout_memory` is the planner's figure (`planning.plan.plan_rank`, the model built on the meta
+device) for the first and the last pipeline stage (the stages that hold the embedding and the
+head; middle stages hold less), the larger of the two.
+
+`search` prices every candidate's step time (`planning.step_time.step_time`, cheap), then its
+memory in order of modelled speed, and returns the candidates that fit, fastest first.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from meshtron.models.config import ExecutionConfig, GPTConfig, RECOMPUTE_MODES
+from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError, check_model_fits
+from meshtron.planning.flops import moe_layer_indices, params_per_rank
+from meshtron.planning.plan import plan_rank
+from meshtron.planning.step_time import Cluster, Layout, ModelCosts, StepTime, step_time
+from meshtron.rules import batch_checks, first_failure, param_dtype_checks
+
+__all__ = ["Candidate", "SearchResult", "enumerate_layouts", "layout_memory", "search", "divisors"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+CP_COMMS = ("ring", "a2a")
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Candidate:
+    """A layout with its planned peak memory per device (bytes, most loaded rank) and its
+    modelled step time."""
+
+    layout: Layout
+    time: StepTime
+    memory_bytes: int | None = None
+    memory_source: str = ""
+    fits: bool | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens_per_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"overrides": self.layout.overrides(), "layout": dataclasses.asdict(self.layout),
+                "memory_bytes": self.memory_bytes, "memory_gib": None if self.memory_bytes is None
+                else self.memory_bytes / 1024**3, "memory_source": self.memory_source,
+                "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu, "step_time_s": self.time.total,
+                "step_terms": {k: v for k, v in self.time.as_dict().items() if k != "terms"}}
+
+
+def _shape_ok(cfg: GPTConfig, par: ParallelConfig) -> bool:
+    """The model splits under the resolved layout `par` (`mpu.mesh.check_model_fits`)."""
+    try:
+        check_model_fits(par, cfg)
+    except ParallelConfigError:
+        return False
+    return True
+
+
+def enumerate_layouts(cfg: GPTConfig, world: int, *, global_batch_size: int, gpus_per_node: int,
+                      fixed: dict[str, Any] | None = None, param_dtype: str = "fp32",
+                      precision: str = "fp32") -> list[Layout]:
+    """Every `Layout` of `world` ranks the run's rules accept for `cfg` and the global batch
+    (module docstring: what is pruned). `fixed` pins fields of `Layout` (e.g. {"tp": 2,
+    "zero": 1}: what the user set on the command line). Pure arithmetic."""
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - {f.name for f in dataclasses.fields(Layout)}
+    if unknown:
+        raise ValueError(f"cannot pin {sorted(unknown)}: not a layout field")
+
+    def choices(name: str, values: Iterable) -> list:
+        return [fixed[name]] if name in fixed else list(values)
+
+    experts = cfg.num_experts if cfg.is_moe else 0
+    out: list[Layout] = []
+    for tp in choices("tp", [d for d in divisors(world) if d <= gpus_per_node]):
+        for cp in choices("cp", divisors(world // tp)):
+            for pp in choices("pp", divisors(world // (tp * cp))):
+                dp = world // (tp * cp * pp)
+                if fixed.get("dp", dp) != dp or first_failure(param_dtype_checks(param_dtype, precision, 0, pp)):
+                    continue
+                per_rank = global_batch_size // dp if global_batch_size % dp == 0 else 0
+                for ep, etp in itertools.product(
+                        choices("ep", divisors(experts) if experts else [1]),
+                        choices("etp", [d for d in divisors(cfg.moe_ffn_hidden_size) if d <= gpus_per_node]
+                                if experts else [1])):
+                    try:  # the sizes' own rules, once per shape; the variants below only change vpp, sp, cp_comm
+                        base = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp).resolved(world)
+                    except ParallelConfigError:
+                        continue
+                    for vpp, sp, cp_comm in itertools.product(
+                            choices("vpp", divisors(cfg.num_layers // pp) if pp > 1 else [1]),
+                            choices("sp", [tp > 1 and cfg.seq_len % tp == 0]),
+                            choices("cp_comm", CP_COMMS if cp > 1 else ["ring"])):
+                        par = copy.copy(base)  # ParallelConfig's field checks cost ~1 ms; the sizes passed them
+                        par.vpp, par.sp, par.cp_comm = vpp, sp, cp_comm
+                        par.schedule = "interleaved" if vpp > 1 else "1f1b"
+                        if not _shape_ok(cfg, par):
+                            continue
+                        shards = dp * cp > 1 or (experts and dp * cp * tp // (ep * etp) > 1)  # ZeRO has replicas
+                        zeros = ZERO_STAGES if shards else (0,)
+                        for mbs in choices("micro_batch_size", divisors(per_rank) if per_rank else []):
+                            if first_failure(batch_checks(global_batch_size, mbs, dp, pp=pp, schedule=par.schedule)):
+                                continue
+                            for zero, rec in itertools.product(choices("zero", zeros),
+                                                               choices("recompute", RECOMPUTE_MODES)):
+                                out.append(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp,
+                                                  cp_comm=cp_comm, zero=zero, recompute=rec, micro_batch_size=mbs))
+    return out
+
+
+def layout_memory(cfg: GPTConfig, layout: Layout, *, global_batch_size: int, precision: str = "fp32",
+                  device: str = "cuda", offload: bool = False, param_dtype: str = "fp32") -> dict[str, Any]:
+    """Planned peak bytes per device of `layout` (the larger of its first and last pipeline
+    stage, `planning.plan.plan_rank`), the parameters of that rank by gradient-reduction group
+    and where the figure comes from."""
+    world = layout.world
+    par = layout.parallel_config()
+    execution = ExecutionConfig(recompute=layout.recompute)
+    best = None
+    for stage in sorted({0, layout.pp - 1}):
+        plan = plan_rank(cfg, par, world, stage * (world // layout.pp), micro_batch_size=layout.micro_batch_size,
+                         global_batch_size=global_batch_size, precision=precision, zero=layout.zero, offload=offload,
+                         param_dtype=param_dtype, device=device, execution=execution)
+        total = plan["memory"]["bytes"]["total"]
+        if best is None or total > best[0]:
+            best = (total, plan["params"]["by_replica_group"])
+    source = "planning.plan.plan_rank (meta device), first and last stage"
+    return {"bytes": best[0], "grad_elements": dict(best[1]), "source": source}
+
+
+def _analytic_grad_elements(cfg: GPTConfig, layout: Layout) -> dict[str, int]:
+    """Parameters of the most loaded rank by gradient group, for ranking before the planner
+    runs (the planner's meta counts replace it for every candidate it prices)."""
+    total = params_per_rank(cfg, tp=layout.tp, ep=layout.ep, etp=layout.etp, pp=layout.pp)
+    if not cfg.is_moe:
+        return {"dp": total}
+    per_expert = (2 if cfg.activation == "gelu" else 3) * cfg.hidden_size * cfg.moe_ffn_hidden_size // layout.etp
+    moe_layers = -(-len(moe_layer_indices(cfg)) // layout.pp)  # the most loaded stage's
+    experts = moe_layers * (cfg.num_experts // layout.ep) * per_expert
+    return {"dp": total - experts, "edp": experts}
+
+
+@dataclass
+class SearchResult:
+    """Candidates that fit, fastest first, and what the search did."""
+
+    ranked: list[Candidate]
+    enumerated: int
+    priced: int
+    too_big: int
+    seconds: float
+
+
+def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precision: str = "fp32",
+           param_dtype: str = "fp32", offload: bool = False, fixed: dict[str, Any] | None = None,
+           limit: int | None = None) -> SearchResult:
+    """Rank the layouts of `cfg` on `cluster` that fit its memory by modelled tokens/s.
+
+    Every candidate of `enumerate_layouts` gets a step time from the analytic parameter count;
+    the memory planner then runs in order of that speed (cached per layout; `limit`: stop after
+    that many fitting candidates, None = price all) and each priced candidate's step time is
+    recomputed from the planner's own parameter counts. Raises ValueError when no layout is
+    valid. No communication.
+    """
+    start = time.perf_counter()
+    layouts = enumerate_layouts(cfg, cluster.gpus, global_batch_size=global_batch_size,
+                                gpus_per_node=cluster.gpus_per_node, fixed=fixed, param_dtype=param_dtype,
+                                precision=precision)
+    if not layouts:
+        raise ValueError(f"no valid layout of {cluster.gpus} devices for this model and global batch "
+                         f"{global_batch_size}" + (f" with {fixed}" if fixed else ""))
+    costs = ModelCosts.of(cfg)
+    grads: dict[tuple, dict[str, int]] = {}
+    timed = []
+    for lay in layouts:
+        key = (lay.tp, lay.ep, lay.etp, lay.pp)
+        if key not in grads:
+            grads[key] = _analytic_grad_elements(cfg, lay)
+        t = step_time(cfg, lay, cluster, global_batch_size=global_batch_size, costs=costs,
+                      grad_elements=grads[key], precision=precision, param_dtype=param_dtype)
+        timed.append(Candidate(lay, t))
+    timed.sort(key=lambda c: -c.tokens_per_s)
+    fitting: list[Candidate] = []
+    priced = too_big = 0
+    for cand in timed:
+        if limit is not None and len(fitting) >= limit:
+            break
+        mem = layout_memory(cfg, cand.layout, global_batch_size=global_batch_size, precision=precision,
+                            device=cluster.device, offload=offload, param_dtype=param_dtype)
+        priced += 1
+        cand.memory_bytes, cand.memory_source = mem["bytes"], mem["source"]
+        cand.fits = mem["bytes"] <= cluster.gpu_memory_bytes
+        if not cand.fits:
+            too_big += 1
+            continue
+        cand.time = step_time(cfg, cand.layout, cluster, global_batch_size=global_batch_size, costs=costs,
+                              grad_elements=mem["grad_elements"], precision=precision, param_dtype=param_dtype)
+        fitting.append(cand)
+    fitting.sort(key=lambda c: (-c.tokens_per_s, c.memory_bytes))
+    return SearchResult(fitting, len(layouts), priced, too_big, time.perf_counter() - start)

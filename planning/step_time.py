@@ -1,0 +1,441 @@
+"""Step-time model of one layout: how long a training step takes, term by term, from FLOP counts,
+message sizes and the cluster's peak FLOP/s and bandwidths. Pure arithmetic, no process group.
+
+A `Cluster` says what one device computes (`peak_flops` at the run's precision times
+`efficiency`, the fraction of peak the model's matmuls reach), how fast collectives move bytes
+inside a node (`intra_bw`) and across nodes (`inter_bw`), both the *bus bandwidth* a ring
+collective reaches per device, what each message of a collective costs before its first
+byte (`latency_s`, the alpha of the alpha-beta model: a ring all-reduce over n ranks pays
+2(n-1) of them), and how fast the device streams memory (`mem_bw`, for the optimizer step).
+`cluster_preset` holds h100 / a100 / h200 (datasheet peaks from `planning.peak`, NVLink and
+400/200 Gb/s InfiniBand per GPU) and cpu (calibrated on the 2-core development host, see
+`CPU_CALIBRATION`).
+
+`step_time` adds these terms (seconds per step; m microbatches per rank, pp stages, vpp
+virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
+
+* compute: the bottleneck stage's matmul FLOPs (`planning.flops.model_flops_per_token` split
+  into L equal layers plus the LM head on the last stage), plus recomputation (selective: the
+  attention core's forward, 4*s*h per token per layer; full: each layer's forward again, a
+  third of its training FLOPs), divided over the tp*cp ranks of a stage (experts balanced over
+  the folded expert mesh, so the same share) at peak_flops*efficiency;
+* tensor parallelism: per layer per microbatch 2 all-reduces forward and 2 backward of the
+  [mbs, s/cp, h] activation (SP's all-gather + reduce-scatter move the same bytes), 2 more
+  forward under full recompute, one for the vocab-parallel embedding (first stage) and one
+  for the LM head's input gradient (last stage); forward ones are exposed, backward ones hide
+  behind the weight-gradient GEMM they overlap in meshtron (a third of the layer's compute);
+* context parallelism: ring: 2*(cp-1) KV chunk passes per layer forward (K and V of one of
+  this rank's 2 chunks each: (cp-1) x this rank's K,V bytes) and twice that backward (kv and
+  the accumulating dk/dv), overlapped with the attention blocks' compute; a2a: 4 all-to-alls
+  (q, k, v, out) per layer forward and 4 backward, exposed;
+* expert parallelism: per MoE layer per microbatch, dispatch and combine all-to-alls of
+  top_k rows of h per token over ep, forward and backward (an upper bound: a token sent to
+  one rank for two experts is one row), and under etp an all-gather and a reduce-scatter of
+  the rows over etp; exposed (meshtron overlaps the forward ones only with shared experts);
+* pipeline: the microbatch time (compute + exposed communication + the p2p send of the
+  activation and the receive of its gradient per virtual stage) times m + (pp-1)/vpp, so the
+  bubble fraction is (pp-1)/(m*vpp + pp-1) ((pp-1)/(m+pp-1) at vpp=1);
+* data parallelism: gradients (fp32) all-reduced over the replicas of each gradient group
+  (dense dp*cp, sequence-parallel replicated tp*dp*cp, experts edp), overlapped with the
+  last microbatch's backward; ZeRO-1 all-reduces too and then all-gathers the updated fp32
+  parameters (exposed); ZeRO-2 reduce-scatters (overlapped) and all-gathers (exposed); ZeRO-3
+  all-gathers the parameters twice and reduce-scatters the gradients per microbatch,
+  prefetched behind that microbatch's compute;
+* overhead: `overhead_s` per layer per microbatch (host work compute does not hide: kernel
+  launches of small layers, Python on CPU), so fewer, larger microbatches run faster;
+* without `overlap` (CPU: the cores that compute also copy the bytes) every term above that
+  is "overlapped" is exposed in full;
+* optimizer: AdamW streams 28 bytes per parameter of its share (read weight, gradient and two
+  moments, write weight and moments) at `mem_bw`.
+
+Not modelled: kernel launch and host overheads other than `latency_s`, memory-bound
+elementwise work (norms, activations, softmax: inside `efficiency`), load imbalance between
+experts, the optimizer's gradient-norm all-reduce, uneven stage splits (`stage_layers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import ParallelConfig, placement
+from meshtron.planning.flops import model_flops_per_token, moe_layer_indices
+from meshtron.planning.peak import known_gpu_peak_flops
+
+__all__ = ["Cluster", "Layout", "ModelCosts", "StepTime", "cluster_preset", "CLUSTER_PRESETS", "CPU_CALIBRATION", "step_time",
+           "all_reduce_time", "all_gather_time", "all_to_all_time", "bubble_fraction", "compute_time"]
+
+GB = 1e9
+
+# The 2-core development host (Xeon VM, torch 2.13 CPU), fitted by bench/plan_calibration.py on
+# 2026-11-25 while other jobs kept ~1.2 of its 2 CPUs busy. flops_per_core: an idle 1024^2 fp32
+# matmul on one thread (DESIGN.md: 98 GFLOP/s on 2 threads; 17 GFLOP/s under that run's load);
+# mem_bw: a 64 MiB copy on one thread (read + write); efficiency and latency_oversubscribed_s:
+# solved from the measured tp=1 x dp=4 and tp=4 runs at world 4 (4 processes on 2 cores: a ring
+# step waits for a descheduled peer, ~15x the shared-memory collective's own latency_s); tp=2 x dp=2
+# and pp=2 x dp=2 are then predictions (README, "Choosing a layout": errors).
+CPU_CALIBRATION = {
+    "flops_per_core": 45e9,
+    "cores": 2,
+    "bw": 2.0e9,
+    "latency_s": 1e-4,
+    "latency_oversubscribed_s": 3e-3,
+    "mem_bw": 2.6e10,
+    "efficiency": 0.56,
+    "overhead_s": 0.0,
+    "date": "2026-11-25",
+}
+
+CLUSTER_PRESETS = ("h100", "a100", "h200", "cpu")
+# device name matched by planning.peak's datasheet table; bus bandwidths per GPU in bytes/s.
+_GPU_PRESETS = {
+    # NVLink 4 (900 GB/s bidirectional): NCCL reaches ~360 GB/s bus bandwidth; 400 Gb/s IB per GPU.
+    "h100": dict(device_name="NVIDIA H100 SXM", memory=80 * 1024**3, intra_bw=360 * GB, inter_bw=40 * GB,
+                 latency_s=2e-5, mem_bw=3.35e12),
+    # NVLink 3 (600 GB/s bidirectional): ~230 GB/s bus bandwidth; 200 Gb/s IB per GPU.
+    "a100": dict(device_name="NVIDIA A100", memory=80 * 1024**3, intra_bw=230 * GB, inter_bw=20 * GB,
+                 latency_s=2e-5, mem_bw=2.0e12),
+    "h200": dict(device_name="NVIDIA H200 SXM", memory=141 * 10**9, intra_bw=360 * GB, inter_bw=40 * GB,
+                 latency_s=2e-5, mem_bw=4.8e12),
+}
+GPU_EFFICIENCY = 0.5  # fraction of the dense datasheet peak large bf16 GEMMs of a training step reach
+GPU_OVERHEAD_S = 2e-5  # launch latency per layer per microbatch a small layer cannot hide
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a layout runs on: `gpus` devices, `gpus_per_node` per node (node = rank //
+    gpus_per_node, torchrun's order), `gpu_memory_bytes` each, `peak_flops` per device at the
+    run's precision, `efficiency` (achieved fraction of it), bus bandwidths `intra_bw` (inside a
+    node) and `inter_bw` (across nodes) in bytes/s per device, `latency_s` per collective,
+    `mem_bw` (device memory bytes/s), `overlap` (whether communication the model calls
+    overlapped can hide behind compute at all: on a CPU the same cores copy the bytes) and
+    `overhead_s` (host time per layer per microbatch that compute does not hide)."""
+
+    gpus: int
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    peak_flops: float
+    intra_bw: float
+    inter_bw: float
+    efficiency: float
+    latency_s: float = 0.0
+    mem_bw: float = float("inf")
+    overlap: bool = True  # communication runs beside compute (GPU copy engines); CPU cores do both
+    overhead_s: float = 0.0  # host time per layer per microbatch (forward + backward) not hidden by compute
+    name: str = "custom"
+    device: str = "cuda"  # what the memory planner assumes the run trains on (cpu | cuda)
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} is not divisible by --gpus-per-node {self.gpus_per_node}")
+        if not (0 < self.efficiency <= 1) or self.peak_flops <= 0 or min(self.intra_bw, self.inter_bw) <= 0:
+            raise ValueError(f"cluster {self.name}: efficiency in (0, 1], peak FLOP/s and bandwidths > 0 needed")
+
+
+def cluster_preset(name: str, gpus: int, gpus_per_node: int, gpu_memory_bytes: int | None = None,
+                   precision: str = "bf16") -> Cluster:
+    """The `Cluster` of a preset (h100 | a100 | h200 | cpu) for `gpus` devices, `precision`
+    fixing the peak (datasheet dense peak of bf16/fp16 tensor cores, plain FP32 for fp32;
+    cpu: `CPU_CALIBRATION`, the host's cores shared by the gpus_per_node processes on it).
+    ValueError names the known presets."""
+    if name not in CLUSTER_PRESETS:
+        raise ValueError(f"unknown --gpu {name!r}; use one of {', '.join(CLUSTER_PRESETS)}")
+    if precision not in _DTYPES:
+        raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {', '.join(_DTYPES)}")
+    if name == "cpu":
+        c = CPU_CALIBRATION
+        # processes of one host share its cores (4 processes on 2 cores: half a core each)
+        per_process = c["flops_per_core"] * min(1.0, c["cores"] / gpus_per_node)
+        latency = c["latency_s"] if gpus_per_node <= c["cores"] else c["latency_oversubscribed_s"]
+        return Cluster(gpus, gpus_per_node, gpu_memory_bytes or 16 * 1024**3, per_process, c["bw"], c["bw"],
+                       c["efficiency"], latency, c["mem_bw"] * min(1.0, c["cores"] / gpus_per_node),
+                       overlap=False, overhead_s=c["overhead_s"], name="cpu", device="cpu")
+    p = _GPU_PRESETS[name]
+    peak = known_gpu_peak_flops(p["device_name"], _DTYPES[precision], tf32=False)
+    return Cluster(gpus, gpus_per_node, gpu_memory_bytes or p["memory"], peak, p["intra_bw"], p["inter_bw"],
+                   GPU_EFFICIENCY, p["latency_s"], p["mem_bw"], overhead_s=GPU_OVERHEAD_S, name=name, device="cuda")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the parallel sizes (dp = world / (tp*cp*pp)), `sp`, `vpp` (interleaved
+    schedule when > 1, else 1f1b), `cp_comm`, `zero` (optim.zero), `recompute`
+    (trainer.recompute) and `micro_batch_size`."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: int = 1
+    sp: bool = False
+    cp_comm: str = "ring"
+    zero: int = 0
+    recompute: str = "none"
+    micro_batch_size: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+    def parallel_config(self) -> ParallelConfig:
+        """The `ParallelConfig` (resolved: dp set) of this layout."""
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
+                              etp=self.etp, sp=self.sp, vpp=self.vpp, schedule=self.schedule)
+
+    def overrides(self) -> str:
+        """Ready-to-paste command-line overrides of train.py for this layout."""
+        parts = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}"]
+        if self.cp > 1:
+            parts += [f"parallel.cp={self.cp}", f"parallel.cp_comm={self.cp_comm}"]
+        if self.ep > 1 or self.etp > 1:
+            parts += [f"parallel.ep={self.ep}", f"parallel.etp={self.etp}"]
+        if self.sp:
+            parts.append("parallel.sp=true")
+        if self.vpp > 1:
+            parts += [f"parallel.vpp={self.vpp}", "parallel.schedule=interleaved"]
+        parts += [f"optim.zero={self.zero}", f"trainer.recompute={self.recompute}",
+                  f"trainer.micro_batch_size={self.micro_batch_size}"]
+        return " ".join(parts)
+
+
+@dataclass
+class StepTime:
+    """Modelled seconds of one training step by term (see the module docstring), with
+    `total`, `tokens_per_s` and `mfu` (model FLOPs per token x tokens/s over world x peak)."""
+
+    microbatches: int
+    compute_per_microbatch: float
+    tp_per_microbatch: float
+    cp_per_microbatch: float
+    ep_per_microbatch: float
+    p2p_per_microbatch: float
+    bubble_fraction: float
+    pipeline: float
+    dp_exposed: float
+    zero_exposed: float
+    optimizer: float
+    total: float
+    tokens_per_s: float
+    mfu: float
+    terms: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def all_reduce_time(nbytes: float, n: int, bw: float, latency_s: float = 0.0) -> float:
+    """Ring all-reduce of `nbytes` over `n` ranks (alpha-beta model: 2(n-1) steps):
+    2(n-1) * latency + 2(n-1)/n * nbytes / bw; 0 for n = 1."""
+    return 0.0 if n <= 1 else 2 * (n - 1) * latency_s + 2 * (n - 1) / n * nbytes / bw
+
+
+def all_gather_time(nbytes: float, n: int, bw: float, latency_s: float = 0.0) -> float:
+    """Ring all-gather (or reduce-scatter) producing (consuming) `nbytes` per rank over `n` ranks:
+    (n-1) * latency + (n-1)/n * nbytes / bw; 0 for n = 1."""
+    return 0.0 if n <= 1 else (n - 1) * latency_s + (n - 1) / n * nbytes / bw
+
+
+def all_to_all_time(nbytes: float, n: int, bw: float, latency_s: float = 0.0) -> float:
+    """All-to-all of `nbytes` held per rank over `n` ranks: (n-1) messages, (n-1) * latency +
+    the (n-1)/n that leaves / bw; 0 for n = 1."""
+    return 0.0 if n <= 1 else (n - 1) * latency_s + (n - 1) / n * nbytes / bw
+
+
+def bubble_fraction(pp: int, microbatches: int, vpp: int = 1) -> float:
+    """Idle fraction of a pipelined step: (pp-1) / (m*vpp + pp-1); (pp-1)/(m+pp-1) at vpp = 1."""
+    return (pp - 1) / (microbatches * vpp + pp - 1)
+
+
+def compute_time(flops: float, cluster: Cluster) -> float:
+    """Seconds for `flops` at the cluster's peak times its efficiency."""
+    return flops / (cluster.peak_flops * cluster.efficiency)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@functools.lru_cache(maxsize=4096)
+def _bandwidths(tp: int, pp: int, dp: int, cp: int, ep: int, etp: int, cluster: Cluster) -> dict[str, float]:
+    """Bus bandwidth of each group kind: intra-node when none of its groups spans nodes (shared
+    cached dict: read only)."""
+    where = _inter_node(tp, pp, dp, cp, ep, etp, cluster.gpus_per_node)
+    return {name: (cluster.inter_bw if spans else cluster.intra_bw) for name, spans in where.items()}
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What the step-time model reads from a `GPTConfig` besides its shape, computed once per
+    search: training FLOPs per token, the LM head's share of them, and the MoE layer count."""
+
+    per_token: float
+    head: float
+    moe_layers: int
+
+    @staticmethod
+    def of(cfg: GPTConfig) -> "ModelCosts":
+        return ModelCosts(model_flops_per_token(cfg), 3 * 2 * cfg.hidden_size * cfg.padded_vocab_size(1),
+                          len(moe_layer_indices(cfg)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _inter_node(tp: int, pp: int, dp: int, cp: int, ep: int, etp: int, gpus_per_node: int) -> dict[str, bool]:
+    """Whether any group of each kind spans nodes (`mpu.mesh.placement`, plus dp x cp and a stage)."""
+    par = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
+    world, gpn = tp * pp * dp * cp, gpus_per_node
+    if world % gpn:
+        gpn = world  # a layout smaller than a node (tests): one node
+    where = placement(par, world, gpn)
+    # dp x cp (gradient replicas of dense weights): ranks of one (pp, tp) position
+    blocks = torch.arange(world).view(pp, dp * cp, tp).movedim(1, -1)
+    out = {name: not p.intra_node for name, p in where.items()}
+    out["dp_cp"] = any(len({int(r) // gpn for r in g}) > 1 for g in blocks.reshape(-1, dp * cp).tolist())
+    out["tp_dp"] = world // pp > gpn
+    return out
+
+
+def _act_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_size: int,
+              grad_elements: dict[str, int], precision: str = "fp32", param_dtype: str = "fp32",
+              costs: ModelCosts | None = None) -> StepTime:
+    """Modelled time of one training step of `layout` (terms: module docstring).
+
+    `grad_elements`: parameters of the bottleneck (most loaded) rank by gradient-reduction
+    group, {"dp": dense, "tp_dp": sequence-parallel replicated, "edp": experts}, as the memory
+    planner counts them (`plan_rank(...)["params"]["by_replica_group"]`). `precision` sets the
+    activation bytes (fp32: 4, bf16/fp16: 2); gradients are reduced in fp32 and parameters
+    gathered in fp32 (bf16 with `param_dtype="bf16"`). `costs`: `ModelCosts.of(cfg)` when the
+    caller has it already (a search over many layouts). No
+    communication.
+    """
+    L, h, s = cfg.num_layers, cfg.hidden_size, cfg.seq_len
+    tp, pp, dp, cp, vpp = layout.tp, layout.pp, layout.dp, layout.cp, layout.vpp
+    mbs = layout.micro_batch_size
+    if global_batch_size % (dp * mbs):
+        raise ValueError(f"global batch {global_batch_size} does not split into dp={dp} x micro batches of {mbs}")
+    m = global_batch_size // (dp * mbs)
+    lat = cluster.latency_s
+
+    def exposed(comm: float, compute: float) -> float:
+        """What of `comm` the overlapped `compute` does not hide (all of it without overlap)."""
+        return max(0.0, comm - compute) if cluster.overlap else comm
+    bw = _bandwidths(tp, pp, dp, cp, layout.ep, layout.etp, cluster)
+    costs = ModelCosts.of(cfg) if costs is None else costs
+    ab = _act_bytes(precision)
+
+    # ---- compute of one microbatch on the bottleneck stage (per rank)
+    per_token, head = costs.per_token, costs.head
+    layer = (per_token - head) / L
+    recompute = {"none": 0.0, "selective": 4 * s * h, "full": layer / 3}[layout.recompute]
+    tokens = mbs * s  # one microbatch's tokens of the stage, split over tp*cp ranks
+    stage_layers = L / pp
+    stage = stage_layers * (layer + recompute) + head  # the last stage (the bottleneck) holds the LM head
+    comp = compute_time(stage * tokens / (tp * cp), cluster)
+    layer_time = compute_time((layer + recompute) * tokens / (tp * cp), cluster)
+
+    # ---- tensor parallelism (per microbatch, this rank's stage)
+    act = mbs * (s / cp) * h * ab
+    ar = all_reduce_time(act, tp, bw["tp"], lat)
+    fwd_ar = 2 + (2 if layout.recompute == "full" else 0)
+    wgrad = layer_time / 3  # the weight-gradient GEMMs the backward all-reduces overlap
+    tp_layer = fwd_ar * ar + exposed(2 * ar, wgrad)
+    # the LM head's input-gradient all-reduce (last stage) and, when that stage is also the
+    # first (pp = 1), the vocab-parallel embedding's forward all-reduce
+    tp_edges = ar * (2 if pp == 1 else 1)
+    tp_mb = stage_layers * tp_layer + tp_edges
+
+    # ---- context parallelism
+    kv = 2 * mbs * (s / cp) * cfg.num_kv_heads * cfg.head_dim / tp * ab
+    cp_layer = 0.0
+    if cp > 1:
+        if layout.cp_comm == "ring":
+            chunk = kv / 2  # one of this rank's two load-balanced chunks
+            pass_t = chunk / bw["cp"] + lat
+            fwd, bwd = 2 * (cp - 1) * pass_t, 2 * 2 * (cp - 1) * pass_t
+            attn_fwd = compute_time(4 * s * h * tokens / (tp * cp), cluster)  # attention core: 4*s*h per token
+            cp_layer = exposed(fwd, attn_fwd) + exposed(bwd, 2 * attn_fwd)
+        else:
+            q = mbs * (s / cp) * h / tp * ab
+            one_pass = sum(all_to_all_time(x, cp, bw["cp"], lat) for x in (q, kv / 2, kv / 2, q))
+            cp_layer = 2 * one_pass
+    cp_mb = stage_layers * cp_layer
+
+    # ---- expert parallelism
+    moe_layers = costs.moe_layers / pp
+    ep_mb = 0.0
+    if cfg.is_moe and (layout.ep > 1 or layout.etp > 1):
+        rows = mbs * (s / cp) / tp * cfg.top_k * h * ab  # this rank's tokens' (token, choice) rows
+        a2a = all_to_all_time(rows, layout.ep, bw["ep"], lat)
+        etp_t = all_gather_time(rows * layout.etp, layout.etp, bw["etp"], lat)
+        ep_mb = moe_layers * 2 * (2 * a2a + 2 * etp_t)  # dispatch + combine (+ etp gather/scatter), fwd and bwd
+
+    # ---- pipeline
+    p2p = 0.0
+    if pp > 1:
+        boundary = act / (tp if layout.sp else 1)
+        p2p = vpp * 2 * (boundary / bw["pp"] + lat)  # activation out, its gradient back, per virtual stage
+    per_mb = comp + tp_mb + cp_mb + ep_mb + p2p + stage_layers * cluster.overhead_s
+    bubble = bubble_fraction(pp, m, vpp)
+    pipeline = per_mb * (m + (pp - 1) / vpp)
+
+    # ---- data parallelism and ZeRO
+    replicas = {"dp": dp * cp, "tp_dp": tp * dp * cp, "edp": dp * cp * tp // (layout.ep * layout.etp)}
+    bws = {"dp": bw["dp_cp"], "tp_dp": bw["tp_dp"], "edp": bw["edp"]}
+    pbytes = 2 if param_dtype == "bf16" else 4
+    backward_last = comp * 2 / 3
+    reduce = gather = zero3 = 0.0
+    for g, n in grad_elements.items():
+        r = replicas[g]
+        if r <= 1 or not n:
+            continue
+        if layout.zero <= 1:
+            reduce += all_reduce_time(4 * n, r, bws[g], lat)
+        else:
+            reduce += all_gather_time(4 * n, r, bws[g], lat)  # reduce-scatter
+        if layout.zero in (1, 2):
+            gather += all_gather_time(pbytes * n, r, bws[g], lat)
+        if layout.zero == 3:
+            zero3 += 2 * all_gather_time(pbytes * n, r, bws[g], lat)
+    if layout.zero == 3:
+        # per microbatch: parameters gathered for forward and backward, gradients reduce-scattered,
+        # prefetched behind that microbatch's compute
+        zero_exposed = m * exposed(zero3 + reduce, comp)
+        dp_exposed = 0.0
+    else:
+        dp_exposed = exposed(reduce, backward_last)
+        zero_exposed = gather
+
+    # ---- optimizer
+    total_params = sum(grad_elements.values())
+    share = total_params if layout.zero == 0 else sum(
+        math.ceil(n / replicas[g]) for g, n in grad_elements.items())
+    optimizer = 28 * share / cluster.mem_bw
+
+    total = pipeline + dp_exposed + zero_exposed + optimizer
+    tokens_per_s = global_batch_size * s / total
+    mfu = per_token * tokens_per_s / (layout.world * cluster.peak_flops)
+    return StepTime(
+        microbatches=m, compute_per_microbatch=comp, tp_per_microbatch=tp_mb, cp_per_microbatch=cp_mb,
+        ep_per_microbatch=ep_mb, p2p_per_microbatch=p2p, bubble_fraction=bubble, pipeline=pipeline,
+        dp_exposed=dp_exposed, zero_exposed=zero_exposed, optimizer=optimizer, total=total,
+        tokens_per_s=tokens_per_s, mfu=mfu,
+        terms={"bandwidths": bw, "replicas": replicas, "dp_reduce": reduce, "zero3_per_microbatch": zero3},
+    )

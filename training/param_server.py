@@ -1,0 +1,899 @@
+"""Parameter-server data parallelism (`parallel.dp_mode=ps`): bulk-synchronous (bsp),
+stale-synchronous (ssp, `optim.staleness=s`) and asynchronous (asp) updates over
+torch.distributed point-to-point messages (isend/irecv; gloo on CPU).
+
+Layout. The world is W*M worker ranks followed by S = `parallel.servers` server ranks (the
+last S). Worker w owns the M = tp consecutive ranks [w*M, (w+1)*M) and is a model-parallel
+group of its own (tp, sp, and MoE ep/etp inside it; its mesh has dp=1, built by
+`block_mesh`); it never talks to another worker. The servers are outside every training
+mesh. pp > 1, cp > 1, ZeRO, offload, 16-bit resident weights, fp16 loss scaling, bf16
+gradient compression, async checkpoints, init_from, MoE expert-bias balancing and
+non-microbatch aux-loss scopes are refused with one line (`ps_config_checks`).
+
+Shards. Each worker rank keeps its local parameters (its tp/ep shard) as one flat fp32
+vector in a fixed order: weight-decayed parameters (ndim >= 2) first, then the rest.
+Worker rank (w, t) exchanges only its own vector with the servers: server s holds the s-th
+of S contiguous, nearly equal ranges of tp position t's vector for every t, with the AdamW
+moments of that range (torch's AdamW, `mpu.adamw.adamw`, over the decayed and non-decayed
+pieces of the range: the update is element-wise, so it equals the replicated AdamW).
+
+Messages (per step, worker rank -> every server, then back): a float64 header (kind, step,
+parameter version the gradient was computed on, token count, loss, finite flag, the worker's
+gradient norm) and the fp32 gradient range; the reply is a header (version, grad norm, loss,
+staleness statistics, the server's state bytes, start step) and the parameter range. Servers
+receive headers from any source (`recv(src=None)`), so they serve pushes in arrival order.
+
+Synchronisation (a worker's gradient is normalised by its own token count n_w):
+  bsp  a server keeps every worker's gradient of step k until all have arrived, then applies
+       one update with g = sum_w g_w * n_w / N (N = sum_w n_w, w in index order: a fixed
+       order of summation), clipped by the global norm (summed over the servers: one
+       all-reduce of a scalar per step), at lr_at(k). The loss is normalised over the global
+       token count exactly as training/step.py does, so bsp equals all-reduce data parallelism.
+  ssp  the same per-step (clock) updates; a worker's push of step k is answered with the
+       parameters of version k - s + 1 (clocks 0..k-s applied), so a worker may start step
+       k+1 only when the slowest worker has pushed step k-s: it runs at most s steps ahead.
+       Replies hand out exactly that version (servers keep snapshots of the last s versions),
+       which makes every server and tp rank of a worker read one consistent version and makes
+       ssp deterministic; s = 0 is bsp (the same code path).
+  asp  a server applies each worker's gradient when all M ranks of that worker have pushed it,
+       as its own AdamW step on g_w / W, clipped by the worker's own norm / W, at
+       lr_at(updates // W), and answers at once with whatever parameters it holds (with S > 1
+       servers a worker may read shards of different versions: that is asynchrony).
+Staleness of a gradient = server updates (clocks under bsp/ssp, single worker updates under
+asp) applied between the version it was computed on and its own application: 0 under bsp,
+<= s under ssp. Replies carry the servers' running max and mean; the loop logs them as
+`staleness_max`/`staleness_mean`, beside `server_state_bytes` (params + moments + buffered
+gradients and snapshots of the largest server) and `worker_state_bytes` (model + gradients).
+
+Logging: global rank 0 (worker 0, tp rank 0) writes metrics.jsonl. Under bsp (and ssp with
+s=0) `loss` and `grad_norm` are the global batch's (as all-reduce DP logs them); under ssp
+(s>0) and asp they are worker 0's own batch and gradient. `val_loss` is worker 0's parameters on the held-out batches.
+
+Checkpoints: with `checkpoint.dir`, each server writes its shard, moments and version to
+`<dir>/ps_step_<N>/server_<s>_of_<S>.pt` (atomically: temporary file, then rename) every
+`checkpoint.every` steps and at the end; workers hold no state. A killed worker stops the run
+but leaves the last complete set intact; `checkpoint.resume=auto` (or a ps_step_N folder)
+loads it and every worker restarts at step N with the data position N * global batch.
+bsp resumes exactly; ssp/asp restart from the servers' current parameters (the snapshots and
+in-flight pushes are not saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.errors import ConfigError
+from meshtron.mpu.adamw import TrainingOptimizer, adamw
+from meshtron.mpu.cross_entropy import IGNORE_INDEX
+from meshtron.mpu.grad_norm import global_grad_norm
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, dim_groups
+
+HEADER = 12
+HELLO, PUSH, DONE = 0.0, 1.0, 2.0
+TAG_HEAD, TAG_BODY, TAG_REPLY_HEAD, TAG_REPLY_BODY = 71, 72, 73, 74
+# push header fields
+P_KIND, P_STEP, P_VERSION, P_TOKENS, P_LOSS, P_FINITE, P_NORM = range(7)
+# reply header fields
+R_VERSION, R_NORM, R_LOSS, R_STALE_MAX, R_STALE_SUM, R_STALE_COUNT, R_BYTES, R_START = range(8)
+
+DELAY_ENV = "MESHTRON_PS_TEST_DELAY"  # test hook: "worker:seconds" sleeps before each of its steps
+KILL_ENV = "MESHTRON_PS_TEST_KILL"    # test hook: "worker:step" SIGKILLs that worker's ranks at that step
+# The group of every ps message: None (the default group) on gloo, a gloo group over the world
+# when the default is NCCL (servers and messages stay in host memory). Set by `train_ps`.
+_P2P: list = [None]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def ps_config_checks(run) -> list[tuple[bool, str]]:
+    """(holds, message) pairs for a parameter-server run (`parallel.dp_mode=ps`): what the
+    workers and servers do not support is refused before any process group exists."""
+    p, o, t, c, m = run.parallel, run.optim, run.trainer, run.checkpoint, run.model
+    why = "with parallel.dp_mode=ps"
+    return [
+        (p.pp == 1, f"parallel.pp={p.pp} {why}: pipeline stages inside a worker are not supported; use pp=1"),
+        (p.cp == 1, f"parallel.cp={p.cp} {why}: context parallelism inside a worker is not supported; use cp=1"),
+        (o.zero == 0, f"optim.zero={o.zero} {why}: the servers already shard the AdamW state; use optim.zero=0"),
+        (not o.offload, f"optim.offload=true {why}: the AdamW state lives on the servers; use optim.offload=false"),
+        (o.param_dtype == "fp32", f"optim.param_dtype={o.param_dtype} {why}: servers keep fp32 weights; use fp32"),
+        (o.grad_comm_dtype == "fp32", f"optim.grad_comm_dtype={o.grad_comm_dtype} {why}: gradients are pushed in "
+                                      "fp32; use fp32"),
+        (t.precision != "fp16", f"trainer.precision=fp16 {why}: loss scaling is not supported; use bf16 or fp32"),
+        (not c.async_, f"checkpoint.async=true {why}: servers write their shards synchronously; use false"),
+        (not t.tensorboard, f"trainer.tensorboard=true {why}: the ps loop writes metrics.jsonl only; use false"),
+        (getattr(o, "local_steps", 1) == 1, f"optim.local_steps={getattr(o, 'local_steps', 1)} {why}: local SGD "
+                                            "averages over all-reduce; use optim.local_steps=1"),
+        (getattr(p, "dp_hierarchical", "auto") is not True,
+         f"parallel.dp_hierarchical=true {why}: workers reduce nothing over dp; leave it at auto"),
+        (not c.init_from, f"checkpoint.init_from {why} is not supported; start fresh or resume a ps checkpoint"),
+        (getattr(m, "router_bias_update_rate", 0.0) == 0.0,
+         f"model.router_bias_update_rate={getattr(m, 'router_bias_update_rate', 0.0)} {why}: each worker would "
+         "update its own expert bias; use 0"),
+        (not m.num_experts or getattr(m, "aux_loss_scope", "microbatch") == "microbatch",
+         f"model.aux_loss_scope={getattr(m, 'aux_loss_scope', None)} {why}: only the per-microbatch scope is "
+         "independent of the workers; use microbatch"),
+    ]
+
+
+def check_ps_run(run, world_size: int) -> tuple[ParallelConfig, int, int, int]:
+    """Validate a ps run for `world_size` processes; return (worker layout with dp=1,
+    workers W, ranks per worker M, micro batch size). Raises ConfigError (one line)."""
+    for holds, message in ps_config_checks(run):
+        if not holds:
+            raise ConfigError(message)
+    from meshtron.training.loop import check_run_config  # the allreduce checks, with dp = workers
+
+    if world_size <= run.parallel.servers:
+        raise ConfigError(f"parallel.servers={run.parallel.servers} leaves no worker rank in world size {world_size}; "
+                          "start more processes or use fewer servers")
+    workers_only = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, dp_mode="allreduce", servers=0))
+    par, micro, _ = check_run_config(workers_only, world_size - run.parallel.servers)
+    workers, per_worker = par.dp, par.tp
+    fields = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in par.__dict__.items()}
+    fields.update(dp=1, dp_mode="allreduce", servers=0)
+    try:
+        worker_par = ParallelConfig(**fields).resolved(per_worker)
+    except ParallelConfigError as err:
+        raise ConfigError(f"one worker of parallel.tp={par.tp} ranks: {err}") from err
+    return worker_par, workers, per_worker, micro
+
+
+# ----------------------------------------------------------------------------- meshes
+
+def block_mesh(par: ParallelConfig, offsets: list[int], rank: int) -> Mesh | None:
+    """The mesh of `par` (pp=1, cp=1; resolved for its own size n) on each block of ranks
+    [offset, offset + n) for `offsets`: every process of the world must call this (groups are
+    created collectively, in the same order); returns this rank's block's mesh (coordinates
+    relative to the block), or None when this rank is in no block. Communicates over the
+    default group (group creation only)."""
+    if par.pp != 1 or par.cp != 1:
+        raise ValueError("block_mesh supports pp=1, cp=1 layouts only")
+    n = par.tp * par.dp
+    groups = dim_groups(par, n)
+    mine = None
+    for offset in offsets:
+        inside = offset <= rank < offset + n
+        mesh = Mesh(par, n, rank - offset, create_groups=False) if inside else None
+
+        def make(members: list[int]):
+            if len(members) == 1:
+                return None
+            group = dist.new_group([offset + r for r in members])
+            return group if inside and (rank - offset) in members else None
+
+        def pick(name: str):
+            found = None
+            for members in groups[name]:
+                group = make(members)
+                found = group if group is not None else found
+            return found
+
+        tp, dp, ep, etp, edp = pick("tp"), pick("dp"), pick("ep"), pick("etp"), pick("edp")
+        tp_dp = make(list(range(n)))
+        ep_etp = None
+        width = par.ep * par.etp
+        for index in range(n // width):
+            group = make(list(range(index * width, (index + 1) * width)))
+            ep_etp = group if group is not None else ep_etp
+        if inside:
+            mesh.tp, mesh.dp, mesh.ep, mesh.etp, mesh.edp = tp, dp, ep, etp, edp
+            mesh.tp_dp, mesh.ep_etp, mesh.dp_cp, mesh.tp_cp = tp_dp, ep_etp, dp, tp
+            mine = mesh
+    return mine
+
+
+# ----------------------------------------------------------------------------- flat layout
+
+@dataclass
+class FlatLayout:
+    """A worker rank's local parameters as one flat vector: `params` in vector order
+    (weight-decayed first), the decayed prefix length `boundary`, and `counted`: whether each
+    parameter's squares enter the global gradient norm from this rank (tp-replicated ones only
+    on tp rank 0, expert shards only on edp rank 0: mpu/grad_norm.py counts them once)."""
+
+    params: list[nn.Parameter]
+    boundary: int
+    counted: list[bool]
+
+    @property
+    def numels(self) -> list[int]:
+        return [p.numel() for p in self.params]
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    def meta(self) -> dict:
+        return {"numels": self.numels, "boundary": self.boundary, "counted": self.counted}
+
+
+def flat_layout(chunks: list[nn.Module], mesh: Mesh) -> FlatLayout:
+    """The vector order of this rank's trainable parameters (see FlatLayout). No communication."""
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+
+    def counted(p) -> bool:
+        if getattr(p, "expert", False):
+            return mesh.edp_rank == 0
+        return getattr(p, "tp_shard_dim", None) is not None or mesh.tp_rank == 0
+
+    ordered = decay + rest
+    return FlatLayout(ordered, sum(p.numel() for p in decay), [counted(p) for p in ordered])
+
+
+def shard_range(total: int, servers: int, index: int) -> tuple[int, int]:
+    """[lo, hi) of server `index`'s contiguous range of a vector of `total` elements."""
+    size = math.ceil(total / servers)
+    return min(index * size, total), min((index + 1) * size, total)
+
+
+def _counted_mask(meta: dict, lo: int, hi: int) -> torch.Tensor:
+    mask = torch.zeros(hi - lo, dtype=torch.bool)
+    offset = 0
+    for numel, counted in zip(meta["numels"], meta["counted"]):
+        a, b = max(offset, lo), min(offset + numel, hi)
+        if a < b and counted:
+            mask[a - lo: b - lo] = True
+        offset += numel
+    return mask
+
+
+# ----------------------------------------------------------------------------- roles
+
+@dataclass
+class Roles:
+    """Who is who: W workers of M ranks (global ranks w*M + t), then S servers."""
+
+    workers: int
+    per_worker: int
+    servers: int
+
+    def worker_rank(self, w: int, t: int) -> int:
+        return w * self.per_worker + t
+
+    def server_rank(self, s: int) -> int:
+        return self.workers * self.per_worker + s
+
+    def peer_of(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.per_worker)
+
+    @property
+    def server_ranks(self) -> list[int]:
+        return [self.server_rank(s) for s in range(self.servers)]
+
+
+def _env_hook(name: str) -> dict[int, float]:
+    """{worker: value} from a test hook variable "w:value[,w:value]"."""
+    out = {}
+    for item in filter(None, os.environ.get(name, "").split(",")):
+        w, value = item.split(":")
+        out[int(w)] = float(value)
+    return out
+
+
+# ----------------------------------------------------------------------------- server
+
+@dataclass
+class ServerResult:
+    """What a server did: final version, staleness statistics and, per push from a worker's
+    tp rank 0 (bsp/ssp/asp alike), (worker, step, answered steps of every worker at arrival)."""
+
+    version: int
+    stale_max: int
+    stale_mean: float
+    trace: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    state_bytes: int = 0
+
+
+class ParameterServer:
+    """Server `index` of `roles.servers`: holds range `index` of every tp position's flat
+    vector with its AdamW moments, and serves the workers' pushes (module doc). Talks P2P to
+    every worker rank and all-reduces one scalar per clock over `server_group` (bsp/ssp)."""
+
+    def __init__(self, run, roles: Roles, index: int, server_group, schedule):
+        self.run, self.roles, self.index, self.group = run, roles, index, server_group
+        self.sync = run.optim.sync
+        self.s = run.optim.staleness if self.sync == "ssp" else 0
+        self.lr_at = schedule
+        self.version = 0
+        self.stale_max, self.stale_sum, self.stale_count = 0, 0.0, 0
+        self.trace: list = []
+        self.answered = [0] * roles.workers
+        self.last_norm, self.last_loss = 0.0, 0.0
+        self.pending: dict[int, dict[int, tuple]] = {}     # bsp/ssp: clock -> {peer rank: (header, body)}
+        self.asp_pending: dict[tuple[int, int], dict] = {}  # asp: (worker, step) -> {t: (header, body)}
+        self.deferred: list[tuple[int, int]] = []           # (peer rank, step) waiting for a version
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self.sends: list = []
+        self.saved_version = -1
+
+    # --- setup
+    def setup(self) -> int:
+        """Receive worker 0's layout and initial parameters, build the shards and AdamW, load
+        a checkpoint when resuming; returns the step the workers start at."""
+        r, M = self.roles, self.roles.per_worker
+        self.meta, self.lo, self.hi, self.params, self.masks = [], [], [], [], []
+        for t in range(M):
+            box = [None]
+            dist.recv_object_list(box, src=r.worker_rank(0, t), group=_P2P[0])
+            meta = box[0]
+            lo, hi = shard_range(sum(meta["numels"]), r.servers, self.index)
+            self.meta.append(meta)
+            self.lo.append(lo)
+            self.hi.append(hi)
+            self.masks.append(_counted_mask(meta, lo, hi))
+            self.params.append(torch.zeros(hi - lo))
+        decay, rest = [], []
+        self.pieces = []  # per t: [(a, b, parameter view)]
+        for t in range(M):
+            boundary, lo, hi = self.meta[t]["boundary"], self.lo[t], self.hi[t]
+            pieces = []
+            for a, b, out in ((lo, min(hi, boundary), decay), (max(lo, boundary), hi, rest)):
+                if a < b:
+                    view = nn.Parameter(self.params[t][a - lo: b - lo])  # shares the flat buffer
+                    pieces.append((a - lo, b - lo, view))
+                    out.append(view)
+            self.pieces.append(pieces)
+        o = self.run.optim
+        groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = adamw(groups, lr=o.lr, betas=o.betas, eps=o.eps) if groups else None
+        # hello from every worker rank: worker 0's bodies are the initial parameters
+        for _ in range(r.workers * M):
+            header, src, body = self._receive()
+            w, t = r.peer_of(src)
+            if header[P_KIND] != HELLO:
+                raise RuntimeError(f"parameter server {self.index}: expected a hello from rank {src}")
+            if w == 0:
+                self.params[t].copy_(body)
+        start = 0
+        resume = resume_dir(self.run.checkpoint, r.servers)
+        if resume is not None:
+            start = self._load(resume)
+        self.answered = [start] * r.workers
+        if self.s > 0:
+            self.snapshots[self.version] = [p.clone() for p in self.params]
+        self.start = start
+        for rank in range(r.workers * M):
+            self._reply(rank, None)
+        return start
+
+    def _receive(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        header = torch.empty(HEADER, dtype=torch.float64)
+        src = dist.recv(header, src=None, tag=TAG_HEAD, group=_P2P[0])
+        _, t = self.roles.peer_of(src)
+        body = torch.empty(self.hi[t] - self.lo[t])
+        dist.recv(body, src=src, tag=TAG_BODY, group=_P2P[0])
+        return header, src, body
+
+    # --- serving
+    def serve(self) -> ServerResult:
+        r = self.roles
+        peers = r.workers * r.per_worker
+        done = 0
+        while done < peers:
+            header, src, body = self._receive()
+            if header[P_KIND] == DONE:
+                done += 1
+                continue
+            w, t = r.peer_of(src)
+            step = int(header[P_STEP])
+            if t == 0:
+                self.trace.append((w, step, tuple(self.answered)))
+            if self.sync == "asp":
+                self._asp_push(w, t, step, header, body)
+            else:
+                self._clock_push(src, step, header, body)
+        self._drain()
+        if self.run.checkpoint.dir and self.saved_version != self.version:
+            self._save()
+        mean = self.stale_sum / self.stale_count if self.stale_count else 0.0
+        return ServerResult(self.version, self.stale_max, mean, self.trace, self.state_bytes())
+
+    def _clock_push(self, src: int, step: int, header, body) -> None:
+        r = self.roles
+        self.pending.setdefault(step, {})[src] = (header, body)
+        self.deferred.append((src, step))
+        while self.version in self.pending and len(self.pending[self.version]) == r.workers * r.per_worker:
+            self._apply_clock(self.pending.pop(self.version))
+        self._answer_ready()
+
+    def _needed(self, step: int) -> int:
+        """The parameter version a push of `step` is answered with (clocks 0..step-s applied)."""
+        return max(0, step - self.s + 1)
+
+    def _answer_ready(self) -> None:
+        still = []
+        for src, step in self.deferred:
+            version = self._needed(step)
+            if version <= self.version:
+                # A resumed ssp run has no snapshots of the versions before it: current parameters
+                snapshot = self.snapshots.get(version) if version < self.version else None
+                self._reply(src, snapshot, version if snapshot is not None else None)
+                self.answered[self.roles.peer_of(src)[0]] += self.roles.peer_of(src)[1] == 0
+            else:
+                still.append((src, step))
+        self.deferred = still
+        if self.snapshots:  # drop versions no push can still ask for
+            lowest = min([self._needed(step) for _, step in self.deferred]
+                         + [self._needed(a) for a in self.answered])
+            for version in [v for v in self.snapshots if v < lowest]:
+                del self.snapshots[version]
+
+    def _apply_clock(self, pushes: dict[int, tuple]) -> None:
+        """One update from every worker's gradient of clock `self.version` (bsp/ssp)."""
+        r = self.roles
+        clock = self.version
+        heads = {w: pushes[r.worker_rank(w, 0)][0] for w in range(r.workers)}
+        tokens = [float(heads[w][P_TOKENS]) for w in range(r.workers)]
+        total = sum(tokens)
+        grads = []
+        for t in range(r.per_worker):
+            acc = torch.zeros_like(self.params[t])
+            for w in range(r.workers):  # fixed order of summation
+                acc.add_(pushes[r.worker_rank(w, t)][1], alpha=tokens[w] / total)
+            grads.append(acc)
+        loss = sum(float(heads[w][P_LOSS]) * tokens[w] / total for w in range(r.workers))
+        finite = all(float(pushes[src][0][P_FINITE]) == 1.0 for src in pushes)
+        for w in range(r.workers):
+            self._staleness(clock - int(heads[w][P_VERSION]))
+        self._update(grads, self._global_norm(grads), finite, self.lr_at(clock))
+        self.last_loss = loss
+        self.version = clock + 1
+        if self.s > 0:
+            self.snapshots[self.version] = [p.clone() for p in self.params]
+        every = self.run.checkpoint.every
+        if self.run.checkpoint.dir and every and self.version % every == 0:
+            self._save()
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of the averaged gradient of the full model: this server's counted squares,
+        summed over the servers (one all-reduce over `self.group`)."""
+        sq = torch.zeros((), dtype=torch.float32)
+        for grad, mask in zip(grads, self.masks):
+            if grad.numel():
+                sq = sq + grad[mask].pow(2).sum()
+        if self.roles.servers > 1:
+            dist.all_reduce(sq, group=self.group)
+        return sq.sqrt()
+
+    def _update(self, grads: list[torch.Tensor], norm: torch.Tensor, finite: bool, lr: float) -> None:
+        """Clip `grads` to trainer.max_grad_norm by `norm` (as mpu/grad_norm.py), then one
+        AdamW step of the shards at `lr`; nothing when the step is not finite."""
+        finite = finite and bool(torch.isfinite(norm))
+        self.last_norm = float(norm)
+        if not finite or self.optimizer is None:
+            return
+        max_norm = self.run.trainer.max_grad_norm
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for grad in grads:
+                grad.mul_(coef)
+        for t, pieces in enumerate(self.pieces):
+            for a, b, view in pieces:
+                view.grad = grads[t][a:b]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def _asp_push(self, w: int, t: int, step: int, header, body) -> None:
+        r = self.roles
+        entry = self.asp_pending.setdefault((w, step), {})
+        entry[t] = (header, body)
+        if len(entry) < r.per_worker:
+            return
+        del self.asp_pending[(w, step)]
+        head = entry[0][0]
+        self._staleness(self.version - int(head[P_VERSION]))
+        grads = [entry[t][1] / r.workers for t in range(r.per_worker)]
+        norm = torch.tensor(float(head[P_NORM]) / r.workers)
+        finite = all(float(entry[t][0][P_FINITE]) == 1.0 for t in entry)
+        self._update(grads, norm, finite, self.lr_at(self.version // r.workers))
+        self.last_loss = float(head[P_LOSS])
+        self.version += 1
+        every = self.run.checkpoint.every
+        if self.run.checkpoint.dir and every and self.version % (every * r.workers) == 0:
+            self._save()
+        for tt in range(r.per_worker):
+            self._reply(r.worker_rank(w, tt), None)
+        self.answered[w] += 1
+
+    def _staleness(self, value: int) -> None:
+        self.stale_max = max(self.stale_max, value)
+        self.stale_sum += value
+        self.stale_count += 1
+
+    def _reply(self, rank: int, params: list[torch.Tensor] | None, version: int | None = None) -> None:
+        _, t = self.roles.peer_of(rank)
+        source = self.params if params is None else params
+        header = torch.zeros(HEADER, dtype=torch.float64)
+        header[R_VERSION] = self.version if version is None else version
+        header[R_NORM], header[R_LOSS] = self.last_norm, self.last_loss
+        header[R_STALE_MAX], header[R_STALE_SUM], header[R_STALE_COUNT] = self.stale_max, self.stale_sum, self.stale_count
+        header[R_BYTES], header[R_START] = self.state_bytes(), getattr(self, "start", 0)
+        body = source[t].clone()
+        self.sends.append((dist.isend(header, dst=rank, tag=TAG_REPLY_HEAD, group=_P2P[0]), header))
+        self.sends.append((dist.isend(body, dst=rank, tag=TAG_REPLY_BODY, group=_P2P[0]), body))
+        if len(self.sends) > 64:
+            self._drain()
+
+    def _drain(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
+
+    def state_bytes(self) -> int:
+        """Parameter shards, AdamW moments, buffered gradients and ssp snapshots held now."""
+        params = sum(p.numel() for p in self.params) * 4
+        moments = self.optimizer.state_bytes() if self.optimizer is not None else 0
+        buffered = sum(b.numel() * 4 for clock in self.pending.values() for _, b in clock.values())
+        buffered += sum(b.numel() * 4 for entry in self.asp_pending.values() for _, b in entry.values())
+        snapshots = sum(p.numel() * 4 for snap in self.snapshots.values() for p in snap)
+        return params + moments + buffered + snapshots
+
+    # --- checkpoints
+    def _step_of_version(self) -> int:
+        return self.version // self.roles.workers if self.sync == "asp" else self.version
+
+    def _save(self) -> None:
+        step = self._step_of_version()
+        folder = Path(self.run.checkpoint.dir) / f"ps_step_{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"server_{self.index}_of_{self.roles.servers}.pt"
+        state = {"version": self.version, "step": step, "sync": self.sync, "params": self.params,
+                 "layout": [(sum(m["numels"]), lo, hi) for m, lo, hi in zip(self.meta, self.lo, self.hi)],
+                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                 "staleness": (self.stale_max, self.stale_sum, self.stale_count)}
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # a killed run leaves the previous file or the new one, never half of one
+        self.saved_version = self.version
+        keep = self.run.checkpoint.keep
+        if keep:
+            folders = sorted(_ps_folders(Path(self.run.checkpoint.dir)), key=lambda f: f[0])
+            for _, old in folders[:-keep]:
+                (old / path.name).unlink(missing_ok=True)
+                try:
+                    old.rmdir()
+                except OSError:
+                    pass  # another server's file is still there
+
+    def _load(self, folder: Path) -> int:
+        path = folder / f"server_{self.index}_of_{self.roles.servers}.pt"
+        state = torch.load(path, weights_only=False)
+        layout = [(sum(m["numels"]), lo, hi) for m, lo, hi in zip(self.meta, self.lo, self.hi)]
+        if [tuple(x) for x in state["layout"]] != layout:
+            raise RuntimeError(f"{path} holds another layout {state['layout']} than this run's {layout}")
+        for mine, saved in zip(self.params, state["params"]):
+            mine.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.stale_max, self.stale_sum, self.stale_count = state["staleness"]
+        self.saved_version = self.version
+        return int(state["step"])
+
+
+def _ps_folders(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    return [(int(p.name.split("_")[-1]), p) for p in root.iterdir()
+            if p.is_dir() and p.name.startswith("ps_step_") and p.name.split("_")[-1].isdigit()]
+
+
+def latest_complete(root: Path, servers: int) -> Path | None:
+    """The newest ps_step_N folder of `root` holding every server's file (None: none)."""
+    for _, folder in sorted(_ps_folders(root), reverse=True):
+        if all((folder / f"server_{s}_of_{servers}.pt").exists() for s in range(servers)):
+            return folder
+    return None
+
+
+def resume_dir(c, servers: int) -> Path | None:
+    """The ps_step_N folder a run resumes from (checkpoint.resume = auto or a folder), or None."""
+    if not c.resume:
+        return None
+    if c.resume != "auto":
+        return Path(c.resume)
+    return latest_complete(Path(c.dir), servers) if c.dir else None
+
+
+# ----------------------------------------------------------------------------- worker client
+
+@dataclass
+class Reply:
+    """What a worker rank learnt from the servers after an exchange."""
+
+    version: int
+    grad_norm: float
+    loss: float
+    stale_max: float
+    stale_mean: float
+    server_bytes: int
+    start: int
+
+
+class ParameterServerClient(TrainingOptimizer):
+    """The `TrainingOptimizer` of a worker rank: `clip_grad_norm` only measures the worker's
+    gradient norm (the servers clip), `update` records the lr; `exchange` (called by the loop
+    after each step) pushes the gradient ranges to every server and installs the parameter
+    ranges of the replies. P2P with the servers only; the norm all-reduces over the worker's tp."""
+
+    def __init__(self, chunks: list[nn.Module], mesh: Mesh, roles: Roles, worker: int):
+        self.layout = flat_layout(chunks, mesh)
+        self.mesh, self.roles, self.worker = mesh, roles, worker
+        self.param_groups = [{"lr": 0.0}]
+        self.version = 0
+        self.local_norm = torch.zeros(())
+        total = self.layout.total
+        self.ranges = [shard_range(total, roles.servers, s) for s in range(roles.servers)]
+
+    def step(self) -> None:
+        """Nothing: the exchange with the servers happens in `exchange`, after the step's loss is known."""
+
+    def clip_grad_norm(self, chunks, max_norm: float, mesh: Mesh) -> torch.Tensor:
+        """The worker's own global gradient norm (mpu/grad_norm.py over its tp/ep groups), not clipped."""
+        self.local_norm = global_grad_norm(self.layout.params, mesh)
+        return self.local_norm
+
+    def param_moments(self):
+        raise RuntimeError("a parameter-server worker holds no optimizer state: the servers checkpoint it")
+
+    def load_param_moments(self, moments, step):
+        raise RuntimeError("a parameter-server worker holds no optimizer state: the servers checkpoint it")
+
+    def state_bytes(self) -> int:
+        return 0
+
+    def hello(self) -> Reply:
+        """Send the layout (worker 0 only) and this rank's parameters, install the servers'
+        parameters (fresh or resumed); returns the reply (its `start`: the first step)."""
+        if self.worker == 0:
+            for server in self.roles.server_ranks:
+                dist.send_object_list([self.layout.meta()], dst=server, group=_P2P[0])
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.layout.params])
+        return self._exchange(HELLO, 0, 0.0, 0.0, True, flat)
+
+    def exchange(self, step: int, tokens: float, loss: float, finite: bool) -> Reply:
+        """Push this step's gradient; wait for and install the parameters the servers answer with."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.layout.params]
+        flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in grads])
+        return self._exchange(PUSH, step, tokens, loss, finite, flat)
+
+    def done(self) -> None:
+        header = torch.zeros(HEADER, dtype=torch.float64)
+        header[P_KIND] = DONE
+        works = []
+        for s, server in enumerate(self.roles.server_ranks):
+            lo, hi = self.ranges[s]
+            works += [dist.isend(header, dst=server, tag=TAG_HEAD, group=_P2P[0]),
+                      dist.isend(torch.zeros(hi - lo), dst=server, tag=TAG_BODY, group=_P2P[0])]
+        for work in works:
+            work.wait()
+
+    def _exchange(self, kind: float, step: int, tokens: float, loss: float, finite: bool,
+                  flat: torch.Tensor) -> Reply:
+        header = torch.zeros(HEADER, dtype=torch.float64)
+        header[P_KIND], header[P_STEP], header[P_VERSION] = kind, step, self.version
+        header[P_TOKENS], header[P_LOSS], header[P_FINITE] = tokens, loss, 1.0 if finite else 0.0
+        header[P_NORM] = float(self.local_norm)
+        works, heads, bodies = [], [], []
+        for s, server in enumerate(self.roles.server_ranks):
+            lo, hi = self.ranges[s]
+            body = flat[lo:hi].contiguous()
+            works += [dist.isend(header, dst=server, tag=TAG_HEAD, group=_P2P[0]),
+                      dist.isend(body, dst=server, tag=TAG_BODY, group=_P2P[0])]
+            heads.append(torch.empty(HEADER, dtype=torch.float64))
+            bodies.append(torch.empty(hi - lo))
+            works += [dist.irecv(heads[-1], src=server, tag=TAG_REPLY_HEAD, group=_P2P[0]),
+                      dist.irecv(bodies[-1], src=server, tag=TAG_REPLY_BODY, group=_P2P[0])]
+        for work in works:
+            work.wait()
+        versions = {int(h[R_VERSION]) for h in heads}
+        self.version = min(versions)
+        fresh = torch.cat(bodies)
+        with torch.no_grad():
+            for p, piece in zip(self.layout.params, torch.split(fresh, self.layout.numels)):
+                p.copy_(piece.view_as(p))
+        first = heads[0]
+        return Reply(self.version, float(first[R_NORM]), float(first[R_LOSS]),
+                     max(float(h[R_STALE_MAX]) for h in heads),
+                     float(first[R_STALE_SUM]) / float(first[R_STALE_COUNT]) if first[R_STALE_COUNT] else 0.0,
+                     int(max(float(h[R_BYTES]) for h in heads)), int(first[R_START]))
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run_parameter_server(run, run_dir) -> dict:
+    """train.py's entry for `parallel.dp_mode=ps` (training/loop.py branches here): check the
+    config before any process group, start the world, then serve or train (`train_ps`)."""
+    from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
+    from meshtron.textdata.data import build_dataset
+
+    world_size, _, _, _ = launcher_env()
+    check_ps_run(run, world_size)
+    c = run.checkpoint
+    if c.resume and c.resume != "auto" and not Path(c.resume).is_dir():
+        raise ConfigError(f"checkpoint.resume={c.resume}: not a ps_step_N folder of a parameter-server run")
+    if run.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device; use auto or cpu")
+    dataset = None
+    if not run.trainer.dry_run:
+        try:
+            dataset = build_dataset(run.data, run.model.seq_len, run.trainer.seed, run.model.vocab_size)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"data: {err}") from err
+    env = init_distributed(run.trainer.device, timeout_s=run.trainer.collective_timeout_s,
+                           num_threads=run.trainer.num_threads)
+    try:
+        run_dir = agree_on_run_dir(run_dir)
+        if run.trainer.dry_run:
+            return ps_dry_run(run, env, run_dir)
+        return train_ps(run, env, run_dir, dataset)
+    finally:
+        teardown_distributed()
+
+
+def train_ps(run, env, run_dir, dataset) -> dict:
+    """Every rank of the world: build the worker meshes and the servers' group (collectively),
+    then serve (the last `parallel.servers` ranks) or train. Returns the worker's summary
+    (history of logged records) or {"server": ServerResult}. Needs the default group."""
+    from meshtron.training.schedule import lr_at
+
+    worker_par, workers, per_worker, micro = check_ps_run(run, env.world_size)
+    roles = Roles(workers, per_worker, run.parallel.servers)
+    rank = env.rank
+    _P2P[0] = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    mesh = block_mesh(worker_par, [roles.worker_rank(w, 0) for w in range(workers)], rank)
+    server_group = dist.new_group(roles.server_ranks, backend="gloo") if roles.servers > 1 else None
+    o, t = run.optim, run.trainer
+
+    def schedule(step: int) -> float:
+        return lr_at(step, lr=o.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
+                     min_lr_ratio=o.min_lr_ratio, decay=o.decay)
+
+    if mesh is None:
+        server = ParameterServer(run, roles, rank - roles.server_rank(0), server_group, schedule)
+        start = server.setup()
+        if env.is_main:
+            print(f"meshtron: parameter server starting at step {start}", flush=True)
+        result = server.serve()
+        dist.barrier()
+        return {"server": result}
+    out = _train_worker(run, env, Path(run_dir), dataset, mesh, roles, micro, schedule)
+    dist.barrier()
+    return out
+
+
+def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, micro: int, schedule) -> dict:
+    from meshtron.models.gpt import init_model_chunks
+    from meshtron.observability.metrics import MetricsWriter, format_step_line
+    from meshtron.planning.flops import model_flops_per_token
+    from meshtron.planning.peak import peak_flops
+    from meshtron.training.precision import Precision
+    from meshtron.training.step import evaluate, train_step
+
+    cfg, t = run.model, run.trainer
+    worker, tp_rank = roles.peer_of(env.rank)
+    chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device, execution=run.execution("torch"))
+    model = chunks[0]
+    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
+    client = ParameterServerClient(chunks, mesh, roles, worker)
+    precision = Precision(t.precision, env.device.type, None)
+    reply = client.hello()
+    start = reply.start
+    writer = MetricsWriter(run_dir, enabled=env.is_main)
+    tokens_per_step = t.global_batch_size * cfg.seq_len
+    peak, _ = peak_flops(env.device, torch.float32)
+    flops_per_token = model_flops_per_token(cfg)
+    worker_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 2  # weights + gradient buckets
+    delay, kill = _env_hook(DELAY_ENV).get(worker, 0.0), _env_hook(KILL_ENV).get(worker)
+    if env.is_main:
+        print(f"meshtron: parameter servers: {roles.workers} worker(s) of {roles.per_worker} rank(s) (tp={mesh.tp_size}), "
+              f"{roles.servers} server(s), optim.sync={run.optim.sync}"
+              + (f" staleness={run.optim.staleness}" if run.optim.sync == "ssp" else "")
+              + f"; starting at step {start}; run dir {run_dir}", flush=True)
+    history = []
+    window_start, window_steps = time.perf_counter(), 0
+    try:
+        for step in range(start, t.max_steps):
+            if kill is not None and step == int(kill):
+                os.kill(os.getpid(), signal.SIGKILL)  # test hook: a worker dies without a word
+            if delay:
+                time.sleep(delay)  # test hook: a slow worker
+            lr = schedule(step)
+            inputs, targets = dataset.local_batch_at(step * t.global_batch_size, t.global_batch_size, worker,
+                                                     roles.workers)
+            inputs, targets = inputs.to(env.device), targets.to(env.device)
+            microbatches = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+            tokens = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
+            out = train_step(model, reducer, client, microbatches, mesh, lr=lr, max_grad_norm=t.max_grad_norm,
+                             precision=precision)
+            local_loss = float(out["loss"])
+            reply = client.exchange(step, tokens, local_loss, finite=not out["skipped"])
+            window_steps += 1
+            if step == start or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+                bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                record = {"step": step + 1, "loss": reply.loss if bsp else local_loss, "lr": lr,
+                          "grad_norm": reply.grad_norm if bsp else float(client.local_norm),
+                          "tokens_per_s": tokens_per_s,
+                          "mfu": flops_per_token * tokens_per_s / (peak * roles.workers * roles.per_worker),
+                          "step_time_s": elapsed / window_steps, "staleness_max": reply.stale_max,
+                          "staleness_mean": reply.stale_mean, "server_state_bytes": reply.server_bytes,
+                          "worker_state_bytes": worker_bytes, "version": reply.version}
+                eval_now = t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
+                if eval_now and worker == 0:  # worker 0's parameters on the whole held-out batches
+                    val = []
+                    for index in range(t.eval_batches):
+                        x, y = dataset.local_batch(index, t.global_batch_size, 0, 1, split="val")
+                        x, y = x.to(env.device), y.to(env.device)
+                        val += [(x[i: i + micro], y[i: i + micro]) for i in range(0, len(x), micro)]
+                    record["val_loss"] = float(evaluate(chunks, val, mesh, None, precision))
+                if worker == 0:
+                    history.append(record)
+                    writer.log(record)
+                if env.is_main:
+                    print(format_step_line(record, total=t.max_steps), flush=True)
+                window_start, window_steps = time.perf_counter(), 0
+        client.done()
+    finally:
+        writer.close()
+        reducer.remove_hooks()
+    summary = {"first_loss": history[0]["loss"] if history else None,
+               "last_loss": history[-1]["loss"] if history else None, "steps": t.max_steps,
+               "run_dir": str(run_dir), "history": history, "model": chunks}
+    if env.is_main and history:
+        print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+              f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+    return summary
+
+
+def ps_dry_run(run, env, run_dir: Path) -> dict:
+    """Per-role memory of a ps layout, printed and written to plan.json by rank 0: each
+    server's parameter shard + AdamW moments (12 bytes per element) and the gradients it may
+    buffer (bsp: one per worker; ssp: s+1 clocks of them plus s parameter snapshots; asp: up
+    to one per worker), and each worker rank's weights + gradients (8 bytes per parameter).
+    Activation memory of a worker is the planner's (`trainer.dry_run` without ps), not repeated here."""
+    import json
+
+    from meshtron.planning.plan import meta_param_counts
+
+    worker_par, workers, per_worker, _ = check_ps_run(run, env.world_size)
+    servers = run.parallel.servers
+    counts = [meta_param_counts(run.model, worker_par, per_worker, t)["total"] for t in range(per_worker)]
+    shard = [sum(shard_range(n, servers, s)[1] - shard_range(n, servers, s)[0] for n in counts)
+             for s in range(servers)]
+    s_ = run.optim.staleness if run.optim.sync == "ssp" else 0
+    buffered = workers * (s_ + 1)
+    roles = {"servers": [{"server": s, "elements": shard[s], "params_and_moments_bytes": 12 * shard[s],
+                          "buffered_gradient_bytes": 4 * shard[s] * buffered, "snapshot_bytes": 4 * shard[s] * s_,
+                          "total_bytes": 4 * shard[s] * (3 + buffered + s_)} for s in range(servers)],
+             "worker_ranks": [{"tp_rank": t, "parameters": counts[t], "weights_and_grads_bytes": 8 * counts[t]}
+                              for t in range(per_worker)]}
+    plan = {"dp_mode": "ps", "sync": run.optim.sync, "workers": workers, "ranks_per_worker": per_worker,
+            "servers": servers, "roles": roles}
+    if env.is_main:
+        for entry in roles["servers"]:
+            print(f"[dry run] server {entry['server']}: {entry['elements']:,} elements, "
+                  f"{entry['total_bytes'] / 2**20:.1f} MiB (params+moments {entry['params_and_moments_bytes'] / 2**20:.1f}, "
+                  f"buffered grads {entry['buffered_gradient_bytes'] / 2**20:.1f}, snapshots "
+                  f"{entry['snapshot_bytes'] / 2**20:.1f})", flush=True)
+        for entry in roles["worker_ranks"]:
+            print(f"[dry run] worker tp rank {entry['tp_rank']}: {entry['parameters']:,} parameters, weights+grads "
+                  f"{entry['weights_and_grads_bytes'] / 2**20:.1f} MiB", flush=True)
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+    return {"dry_run": True, "plan": plan, "run_dir": str(run_dir)}

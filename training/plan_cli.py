@@ -1,0 +1,188 @@
+"""`python -m meshtron.plan`: choose a layout before a run.
+
+    python -m meshtron.plan +model=gpt_1b trainer.global_batch_size=512 trainer.precision=bf16 \\
+        --gpus 64 --gpus-per-node 8 --gpu-memory 80GiB --gpu h100 [--top 10] [--json plan.json]
+
+The overrides compose the run config exactly as train.py does (Hydra's compose API over
+`meshtron.configs`, then `RunConfig.from_dict`); `parallel.*`, `optim.zero`,
+`trainer.recompute` and `trainer.micro_batch_size` given on the command line pin that field of
+the search, everything else is searched (`planning.search`). Prints the top layouts as
+ready-to-paste overrides with the planned memory per device, modelled tokens/s and MFU;
+`--json` writes the fitting candidates, fastest first (memory is priced in order of modelled
+speed until --json-max of them fit; 0 prices every valid layout). Bad input (unknown --gpu, --gpus not divisible by
+--gpus-per-node, a bad override or memory size) exits 2 with one line; no layout fitting
+exits 1 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshtron.errors import ConfigError
+from meshtron.planning.search import search
+from meshtron.planning.step_time import CLUSTER_PRESETS, Cluster, cluster_preset
+from meshtron.training.config import RunConfig, unknown_override
+
+__all__ = ["main", "compose_run", "parse_bytes", "pinned_fields"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# command-line keys that pin a field of planning.step_time.Layout
+_PINNED = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.cp": "cp",
+           "parallel.cp_comm": "cp_comm", "parallel.ep": "ep", "parallel.etp": "etp", "parallel.sp": "sp",
+           "parallel.vpp": "vpp", "optim.zero": "zero", "trainer.recompute": "recompute",
+           "trainer.micro_batch_size": "micro_batch_size"}
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes of a size like "80GiB", "80GB", "1.5TiB" or "1024" (binary and decimal units)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--gpu-memory {text!r} is not a size; use e.g. 80GiB, 80GB or 85899345920")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def compose_run(overrides: list[str]) -> RunConfig:
+    """The RunConfig train.py would run with these overrides (Hydra compose; ConfigError with
+    one line for an unknown key, a group selection Hydra refuses, or a bad value)."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from meshtron.training.cli import group_selection_error
+
+    error = unknown_override(overrides) or group_selection_error(overrides)
+    if error:
+        raise ConfigError(error)
+    try:
+        with initialize_config_module(config_module="meshtron.configs", version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(str(err).splitlines()[0]) from err
+    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
+def pinned_fields(overrides: list[str], run: RunConfig) -> dict[str, Any]:
+    """Layout fields the command line sets (`parallel.tp=2` pins tp=2), read from the composed
+    `run` so the values are typed; `trainer.micro_batch_size=null` pins nothing."""
+    sections = {"parallel": run.parallel, "optim": run.optim, "trainer": run.trainer}
+    out = {}
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+")
+        if key in _PINNED:
+            section, name = key.split(".")
+            value = getattr(sections[section], name)
+            if value is not None:
+                out[_PINNED[key]] = value
+    return out
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print the usage first)
+        raise _ArgumentError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m meshtron.plan", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="train.py overrides, e.g. +model=gpt_1b trainer.global_batch_size=512")
+    p.add_argument("--gpus", type=int, required=True, help="devices in all")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: min(gpus, 8))")
+    p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GiB (default: the preset's)")
+    p.add_argument("--gpu", default="h100", help=f"device preset: {', '.join(CLUSTER_PRESETS)} (default h100)")
+    p.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak (default: the preset's)")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--json", default=None, help="write the ranked candidates (up to --json-max) to this JSON file")
+    p.add_argument("--json-max", type=int, default=200,
+                   help="fitting candidates to rank for --json (default 200; 0 = every valid layout, slow)")
+    return p
+
+
+def _cluster(args: argparse.Namespace, precision: str) -> Cluster:
+    if args.gpu not in CLUSTER_PRESETS:
+        raise ConfigError(f"unknown --gpu {args.gpu!r}; use one of {', '.join(CLUSTER_PRESETS)}")
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus} must be a positive integer")
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else min(args.gpus, 8)
+    if per_node < 1 or args.gpus % per_node:
+        raise ConfigError(f"--gpus {args.gpus} is not divisible by --gpus-per-node {per_node}")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top} must be >= 1")
+    try:
+        memory = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
+        cluster = cluster_preset(args.gpu, args.gpus, per_node, memory, precision=precision)
+        if args.efficiency is not None:
+            cluster = dataclasses.replace(cluster, efficiency=args.efficiency)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return cluster
+
+
+def format_table(ranked: list, top: int) -> str:
+    """The top `top` candidates: rank, GiB per device, modelled tokens/s, MFU, overrides."""
+    lines = [f"{'#':>3} {'GiB/dev':>8} {'tokens/s':>12} {'MFU':>6}  overrides"]
+    for i, cand in enumerate(ranked[:top], 1):
+        lines.append(f"{i:>3} {cand.memory_bytes / 1024**3:8.2f} {cand.tokens_per_s:12,.0f} {cand.time.mfu:6.1%}  "
+                     f"{cand.layout.overrides()}")
+    return "\n".join(lines)
+
+
+def run(argv: list[str]) -> int:
+    """Parse, compose, search, print; the exit code (raises ConfigError for bad input)."""
+    try:
+        args = _parser().parse_args(argv)
+    except _ArgumentError as err:
+        raise ConfigError(str(err)) from err
+    run_cfg = compose_run(args.overrides)
+    t, o = run_cfg.trainer, run_cfg.optim
+    cluster = _cluster(args, t.precision)
+    fixed = pinned_fields(args.overrides, run_cfg)
+    try:
+        result = search(run_cfg.model, cluster, global_batch_size=t.global_batch_size, precision=t.precision,
+                        param_dtype=o.param_dtype, offload=o.offload, fixed=fixed,
+                        limit=args.top if not args.json else (max(args.top, args.json_max) or None))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    head = (f"{cluster.gpus} x {cluster.name} ({cluster.gpus_per_node} per node, "
+            f"{cluster.gpu_memory_bytes / 1024**3:.1f} GiB, {cluster.peak_flops / 1e12:.1f} TFLOP/s {t.precision} peak "
+            f"at {cluster.efficiency:.0%}); global batch {t.global_batch_size} x seq {run_cfg.model.seq_len}; "
+            f"{result.enumerated} valid layouts, {result.priced} priced for memory, {result.too_big} too big, "
+            f"{result.seconds:.1f} s")
+    print(head)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"cluster": {k: v for k, v in vars(cluster).items()},
+                                    "global_batch_size": t.global_batch_size, "precision": t.precision,
+                                    "enumerated": result.enumerated, "priced": result.priced,
+                                    "too_big": result.too_big,
+                                    "candidates": [c.as_dict() for c in result.ranked]}, indent=1) + "\n")
+    if not result.ranked:
+        print(f"meshtron.plan: no layout fits {cluster.gpu_memory_bytes / 1024**3:.1f} GiB per device; "
+              "lower trainer.global_batch_size, or add devices", file=sys.stderr)
+        return 1
+    print(format_table(result.ranked, args.top))
+    if args.json:
+        print(f"{len(result.ranked)} fitting candidates written to {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry of `python -m meshtron.plan`: exit 0, 1 (nothing fits) or 2 (bad input, one line)."""
+    try:
+        code = run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        sys.stderr.write(f"meshtron.plan: {err}\n")
+        sys.exit(2)
+    sys.exit(code)
