@@ -45,7 +45,7 @@ def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1)
 
 
 def local_sgd_checks(local_steps: int, outer_optimizer: str, *, zero: int, offload: bool, param_dtype: str,
-                     num_experts: int, cp: int, checkpoint_dir: str | None, dp_mode: str = "allreduce") -> list[Check]:
+                     num_experts: int, checkpoint_dir: str | None, dp_mode: str = "allreduce") -> list[Check]:
     """Local SGD / DiLoCo (`optim.local_steps` > 1 or an outer optimizer; training/local_sgd.py)
     averages whole replicas' parameters over dp: what shards or hides them from it is refused."""
     if local_steps <= 1 and outer_optimizer == "none":
@@ -61,7 +61,6 @@ def local_sgd_checks(local_steps: int, outer_optimizer: str, *, zero: int, offlo
                                 f"{param_dtype} resident weights live in the optimizer, outside the averaging)"),
         (num_experts == 0, f"{what} does not support MoE models yet (expert replicas, edp, mix data replicas "
                            "with ranks of one replica); use model.num_experts=0 or optim.local_steps=1"),
-        (cp == 1, f"{what} does not support parallel.cp={cp} yet (untested); use parallel.cp=1"),
         (dp_mode == "allreduce", f"{what} averages all-reduce data replicas; parallel.dp_mode={dp_mode} has "
                                  "parameter servers instead: use one of the two"),
         (not checkpoint_dir, f"{what} does not save its outer state and per-replica optimizer state in "

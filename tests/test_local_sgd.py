@@ -40,7 +40,6 @@ def test_local_sgd_cases(world_size: int, case: str) -> None:
      "optim.local_steps=2 needs optim.param_dtype=fp32"),
     ({"optim": {"local_steps": 2}, "model": {"num_experts": 4}},
      "optim.local_steps=2 does not support MoE models yet"),
-    ({"optim": {"local_steps": 2}, "parallel": {"cp": 2}}, "optim.local_steps=2 does not support parallel.cp=2"),
     ({"optim": {"local_steps": 1, "outer_optimizer": "nesterov"}, "checkpoint": {"dir": "/tmp/x"}},
      "optim.local_steps=1 with optim.outer_optimizer=nesterov does not save its outer state"),
     ({"optim": {"outer_optimizer": "adam"}}, "optim.outer_optimizer='adam' must be one of none, nesterov"),

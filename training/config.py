@@ -165,8 +165,7 @@ class RunConfig:
              f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)"),
             *param_dtype_checks(o.param_dtype, t.precision, o.zero, self.parallel.pp),
             *local_sgd_checks(o.local_steps, o.outer_optimizer, zero=o.zero, offload=o.offload,
-                              param_dtype=o.param_dtype, num_experts=self.model.num_experts, cp=self.parallel.cp,
-                              checkpoint_dir=c.dir, dp_mode=getattr(self.parallel, "dp_mode", "allreduce")),
+                              param_dtype=o.param_dtype, num_experts=self.model.num_experts, checkpoint_dir=c.dir, dp_mode=getattr(self.parallel, "dp_mode", "allreduce")),
             (not (self.parallel.dp_hierarchical is True and o.zero >= 2),
              f"parallel.dp_hierarchical=true is built for all-reduced gradient buckets; optim.zero={o.zero} "
              "reduce-scatters them: use optim.zero<=1 or parallel.dp_hierarchical=false"),

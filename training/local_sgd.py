@@ -29,7 +29,7 @@ of the squared-gradient average), so AdamW local SGD at H=1 differs from AdamW D
 Not supported (refused by `meshtron.rules.local_sgd_checks` with one line): ZeRO >= 1 and
 offload/16-bit resident weights (the optimizer state, gradients or main weights are sharded
 over or kept apart from the replicas this averages), MoE (expert replicas, edp, mix data
-replicas with ranks of one replica), cp > 1 (untested), parameter servers (parallel.dp_mode=ps)
+replicas with ranks of one replica), parameter servers (parallel.dp_mode=ps)
 and checkpoints (the outer state and the replicas' differing AdamW moments are not saved yet).
 Between syncs an evaluation (trainer.eval_every) averages each replica's loss on its own share
 of the held-out batch; right after a sync all replicas hold the same weights.

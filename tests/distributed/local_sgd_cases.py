@@ -147,6 +147,11 @@ def local_sgd_h1_equals_dp_pp2_tied() -> None:
                   ParallelConfig(tp=1, pp=2, schedule="1f1b"))
 
 
+def local_sgd_h1_equals_dp_cp2() -> None:
+    """cp=2 (ring) x dp=2: gradients are summed over the cp shards inside each replica."""
+    _h1_equals_dp(model_config("llama"), ParallelConfig(cp=2))
+
+
 def local_sgd_h4_sync_and_bytes() -> None:
     """AdamW, 8 steps: H=4 replicas agree bit for bit after steps 4 and 8 only, and differ from
     DP; dp bytes: H=1 moves 8x the parameters (= DP's padded buckets up to padding), H=4 a quarter."""
@@ -255,5 +260,6 @@ def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
         return ["local_sgd_h1_equals_dp", "local_sgd_h4_sync_and_bytes", "diloco_outer_step_by_hand"]
     if world_size == 4:
-        return ["local_sgd_h1_equals_dp_tp2_sp", "local_sgd_h1_equals_dp_pp2_tied", "hierarchical_equals_flat"]
+        return ["local_sgd_h1_equals_dp_tp2_sp", "local_sgd_h1_equals_dp_pp2_tied", "local_sgd_h1_equals_dp_cp2",
+                "hierarchical_equals_flat"]
     return []
