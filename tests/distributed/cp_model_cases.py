@@ -202,6 +202,11 @@ LAYOUTS = {
                                                                          "capacity": 1.25}),
         "llama_cp2_a2a_dp2_zero3": ("llama", 2, "a2a", {"zero": 3}),
     },
+    8: {
+        "llama_cp4_ring_tp2_sp": ("llama", 4, "ring", {"tp": 2, "sp": True}),
+        "gpt2_moe_cp2_a2a_tp2_pp2_ep2_docs": ("gpt2", 2, "a2a", {"moe": True, "tp": 2, "pp": 2, "ep": 2,
+                                                                  "docs": True}),
+    },
 }
 
 
