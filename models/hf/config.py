@@ -221,10 +221,10 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
         return family, dict(n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
                             n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size, activation_function="gelu_new",
                             layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                            attn_pdrop=cfg.dropout, architectures=["GPT2LMHeadModel"], **common)
+                            attn_pdrop=cfg.attention_dropout_p, architectures=["GPT2LMHeadModel"], **common)
     kw = dict(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
               num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
-              hidden_act="silu", attention_dropout=cfg.dropout, **common)
+              hidden_act="silu", attention_dropout=cfg.attention_dropout_p, **common)
     if int(transformers.__version__.split(".")[0]) >= 5:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     else:
