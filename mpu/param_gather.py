@@ -29,6 +29,11 @@ the next forward (the global token count over dp x cp at the start of the step) 
 behind them. On NCCL one communicator's collectives run in issue order on one stream, so that
 count, and with it the compute stream, would otherwise wait for every bucket's gather.
 
+Memory: the shard each rank sends is a copy (gloo may not take an input inside its output),
+kept until the bucket's wait, so up to 1/R of the parameters' bytes (R replicas) stays
+allocated into the next forward, where the blocking gather frees each copy at once. (NCCL
+could gather in place from the shard's own slice of the bucket; not done, untested here.)
+
 Values are those of the blocking gather: the same bytes move, and nothing reads a bucket
 before its gather is waited for, so training is bit-identical (tests/distributed/zero_cases.py).
 Each unit waits only for its own buckets, in whatever order the collectives finish; on NCCL
@@ -165,8 +170,9 @@ class ParamGather:
             if pending is None:
                 continue
             bucket = self.buckets[index]
+            mib = pending.source.numel() * pending.source.element_size() * group_size(bucket.group) / 2**20
             wait_for(pending.work, f"ZeRO parameter all-gather of bucket {index + 1}/{len(self.buckets)} over "
-                                   f"{bucket.key} ({pending.source.numel() * pending.source.element_size() * group_size(bucket.group) / 2**20:.1f} MiB)")
+                                   f"{bucket.key} ({mib:.1f} MiB)")
             if pending.span is not None and pending.span.end == pending.span.start:
                 pending.span.end = time.perf_counter()  # no completion callback on this backend
 

@@ -21,10 +21,12 @@ from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, assert_close, build, microbatches, model_config
 from tests.distributed.moe_cases import moe_config
+from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
 from tests.distributed.pipeline_cases import pipeline_config
 from meshtron.mpu import param_gather
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.param_gather import finish_param_gather
+from meshtron.training.checkpoint import TrainState, save_checkpoint
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer
 from meshtron.training.precision import FP32, Precision
@@ -196,11 +198,14 @@ BUCKET_MB = 0.01  # many small buckets: most of them are still gathering when th
 SLOW_PEER_S = 0.1  # gathers issued this late: a forward reading a bucket before its wait reads stale values
 
 
-def _overlap_run(cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: float = 0.0, last_only: bool = False):
+def _overlap_run(cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: float = 0.0, last_only: bool = False,
+                 save_to=None):
     """Train 3 steps with `o` (blocking or overlapped gathers); return (losses, {name: weight}
     after `finish_param_gather`, the `ParamGather` or None, the recorded spans of the last step:
-    its unit forwards and the gathers launched by the update before it). `slow` (seconds): every rank issues its gathers that
-    much later (`_slow_down_gathers`; `last_only`: rank 1, the last bucket's only)."""
+    its unit forwards and the gathers launched by the update before it). `slow` (seconds):
+    every rank issues its gathers that much later (`_slow_down_gathers`; `last_only`: rank 1,
+    the last bucket's only). `save_to`: a weights-only checkpoint is saved there right after
+    the last update (before anything else waits for its gathers)."""
     mesh = build_mesh(par, cfg)
     chunks = init_model_chunks(cfg, mesh, SEED)
     reducer, optimizer = build_reducer_and_optimizer(o, chunks, mesh)
@@ -231,6 +236,9 @@ def _overlap_run(cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: 
             losses.append(out["loss"])
         if gather is not None and not gather.pending():
             raise AssertionError("no gather pending after the last update: they were not asynchronous")
+        if save_to is not None:  # a reader outside forward: must wait for the gathers itself
+            save_checkpoint(save_to, TrainState(step=STEPS_OVERLAP), chunks, None, mesh,
+                            model_config=dataclasses.asdict(cfg))
         finish_param_gather(chunks)
         weights = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
     finally:
@@ -346,16 +354,32 @@ def overlap_param_gather_tp2_sp_moe() -> None:
 def overlap_param_gather_in_flight() -> None:
     """The gathers run during the forward: with rank 1's last-bucket gather issued 0.5 s late,
     rank 0's first block starts (after waiting for its own buckets only) while the last bucket's
-    gather is still in flight, and results still equal the blocking gather's. The buckets are
-    launched in forward order: the embedding's first."""
+    gather is still in flight, and results still equal the blocking gather's; a checkpoint saved
+    right after the last update (that gather still in flight) is byte-identical to the blocking
+    run's. The buckets are launched in forward order: the embedding's first."""
     cfg = model_config("gpt2")
     par = ParallelConfig(tp=1)
     o = OptimConfig(lr=LR, eps=ADAM_EPS, bucket_mb=BUCKET_MB, zero=1)
-    want_losses, want, _, _ = _overlap_run(cfg, par, dataclasses.replace(o, overlap_param_gather=False), False)
+    root = shared_tmpdir()
     try:
-        losses, got, gather, spans = _overlap_run(cfg, par, o, True, slow=0.5, last_only=True)
+        want_losses, want, _, _ = _overlap_run(cfg, par, dataclasses.replace(o, overlap_param_gather=False), False,
+                                               save_to=root / "blocking")
+        try:
+            losses, got, gather, spans = _overlap_run(cfg, par, o, True, slow=0.5, last_only=True,
+                                                      save_to=root / "overlap")
+        finally:
+            param_gather.all_gather_into = all_gather_into
+        dist.barrier()
+        # The checkpoint saved while the last gather was still in flight holds the gathered weights.
+        if dist.get_rank() == 0:
+            for blocking in sorted((root / "blocking").glob("step_*/*.distcp")):
+                mine = root / "overlap" / blocking.parent.name / blocking.name
+                if blocking.read_bytes() != mine.read_bytes():
+                    raise AssertionError(f"{mine.name}: the checkpoint saved with a gather in flight differs")
+            if not list((root / "blocking").glob("step_*/*.distcp")):
+                raise AssertionError("no checkpoint files to compare")
     finally:
-        param_gather.all_gather_into = all_gather_into
+        remove_shared_tmpdir(root)
     if [loss.item() for loss in losses] != [loss.item() for loss in want_losses] or any(
             not torch.equal(got[n], t) for n, t in want.items()):
         raise AssertionError("a late gather changed the results")
