@@ -30,6 +30,7 @@ plan a 64-GPU layout).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -110,7 +111,9 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     * "zero3_gathered": ZeRO-3's most bytes of full parameters gathered at once beyond the
       shards (`zero3_gathered_bytes` of the rank's largest chunk);
     * "zero3_grad_buffers": ZeRO-3's most bytes of full gradient buffers at once
-      (`zero3_grad_buffer_bytes`).
+      (`zero3_grad_buffer_bytes`);
+    * "zero3_tied_grad_buffers": of those, the tied embedding copies' (pipeline stages keep
+      ZeRO-2 style buffers for them from `zero_grad()` on: alive in every phase).
     Nothing is allocated and no parameter is initialized; no communication.
     """
     from meshtron.models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
@@ -136,6 +139,7 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     # One chunk runs at a time; each frees its units when its forward or backward ends.
     out["zero3_gathered"] = max(zero3_gathered_bytes(chunk, _replicas(par), tied_apart) for chunk in chunks)
     out["zero3_grad_buffers"] = max(zero3_grad_buffer_bytes(chunk, _replicas(par), tied_apart) for chunk in chunks)
+    out["zero3_tied_grad_buffers"] = max(_zero3_units(chunk, _replicas(par), tied_apart)[2] for chunk in chunks)
     return out
 
 
@@ -281,6 +285,9 @@ class ChunkActivations:
       cross-entropy gradient, the LM head's weight gradient, a recomputed layer and one layer's
       gradient working set (minus what the cross-entropy already freed).
     head_saved: the part of `saved` the loss holds (its softmax), freed by the loss's backward.
+    loss_backward_extra / rest_backward_extra: `backward_extra` split by phase: the cross-entropy's
+      own backward (last chunk), and everything after it (LM head, layers, embedding tables);
+      ZeRO-3's gathered units and gradient buffers exist only in the second.
     pre / post: the chunk embeds / holds the LM head and loss.
     pipeline_recv: bytes of one activation or gradient message between pipeline stages
       [s (/tp under SP), b, h] fp32 (the received output gradient is alive during a non-last
@@ -293,6 +300,8 @@ class ChunkActivations:
     forward_extra: int = 0
     backward_extra: int = 0
     head_saved: int = 0
+    loss_backward_extra: int = 0
+    rest_backward_extra: int = 0
     pre: bool = False
     post: bool = False
     pipeline_recv: int = 0
@@ -404,8 +413,8 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         layer_backward = max(layer_backward, transient)
     if len(layers) and cfg.position == "rope":
         add("rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
-    logits = forward_extra = head_saved = 0
-    backward_extra = layer_backward
+    logits = forward_extra = head_saved = ce_grad = 0
+    backward_extra = rest_backward = layer_backward
     if post_process:
         vocab_l = cfg.padded_vocab_size(tp) // tp
         head_trace = trace_post(cfg, tp_rank=tp_rank, **trace)
@@ -428,7 +437,8 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         # AccumulateGrad: the head's weight gradient [V/tp, h] waits in autograd's input buffer
         # until the embedding backward adds its own.
         tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0
-        backward_extra = max(ce_grad, head, layer_backward - head_trace.total + tied_wait)
+        rest_backward = max(head, layer_backward - head_trace.total + tied_wait)
+        backward_extra = max(ce_grad, rest_backward)
     else:
         add("stage_output", T_sp * 4 * h)
     saved_total = sum(terms.values())
@@ -437,11 +447,13 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         # AccumulateGrad, when the chunk's other saved tensors are already freed; with a tied
         # head in the same chunk, the head's weight gradient is still waiting beside them.
         tables = 3 if (cfg.tie_embeddings and post_process) else 2
-        backward_extra = max(backward_extra,
-                             tables * 4 * (cfg.padded_vocab_size(tp) // tp) * h - (saved_total - terms["embedding"]))
+        tables_bytes = tables * 4 * (cfg.padded_vocab_size(tp) // tp) * h - (saved_total - terms["embedding"])
+        backward_extra = max(backward_extra, tables_bytes)
+        rest_backward = max(rest_backward, tables_bytes)
     rounded = {k: math.ceil(v) for k, v in terms.items()}
     return ChunkActivations(saved=sum(rounded.values()), logits=logits, forward_extra=forward_extra,
                             backward_extra=math.ceil(backward_extra), head_saved=math.ceil(head_saved),
+                            loss_backward_extra=math.ceil(ce_grad), rest_backward_extra=math.ceil(rest_backward),
                             pre=pre_process, post=post_process, pipeline_recv=math.ceil(T_sp * 4 * h),
                             terms=rounded)
 
@@ -461,8 +473,14 @@ def _chunk_layout(cfg: GPTConfig, res: ParallelConfig, pp_rank: int) -> list[tup
 
 def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size: int, num_microbatches: int,
                         pp_rank: int = 0, tp_rank: int = 0, precision: str = "fp32",
-                        device: str = "cpu", execution: ExecutionConfig = ExecutionConfig()) -> dict[str, Any]:
+                        device: str = "cpu", execution: ExecutionConfig = ExecutionConfig(),
+                        phase_extras: dict[str, int] | None = None) -> dict[str, Any]:
     """Activation memory of one rank over one training step (`res` resolved).
+
+    `phase_extras` {"forward", "loss_backward", "backward"}: bytes beyond the activations that
+    exist only in that phase (ZeRO-2's full gradient buckets in all three; ZeRO-3's gathered
+    units in forward and backward, its gradient buffers in backward after the loss's); they
+    are added to that phase's candidates, so the peak is taken where they really coexist.
 
     Replays this rank's pipeline action list (`build_schedule`; at pp = 1 the train step's
     forward, backward per microbatch) with the `ChunkActivations` of its chunks:
@@ -486,6 +504,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
     else:
         actions = [(a.kind, a.microbatch, a.chunk)
                    for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)]
+    extra = {"forward": 0, "loss_backward": 0, "backward": 0, **(phase_extras or {})}
     live = held = peak = 0
     in_flight = max_in_flight = 0
     phase = "none"
@@ -496,7 +515,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
             in_flight += 1
             # The previous output (held by the step's variable) is released only when the chunk's
             # forward returns; the loss then runs beside the new logits.
-            now = max(live - ch.head_saved + held + ch.logits, live + ch.logits + ch.forward_extra)
+            now = max(live - ch.head_saved + held + ch.logits, live + ch.logits + ch.forward_extra) + extra["forward"]
             held = ch.logits
             where = f"forward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
         else:
@@ -504,7 +523,12 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
                 # The pipeline executor rebinds its output variable to the saved loss before the
                 # backward runs, releasing the logits (train_step keeps them until the next forward).
                 held = 0
-            now = live + held + ch.backward_extra + (ch.pipeline_recv if not ch.post else 0)
+            if ch.post:  # the loss's backward, then the head and layers' (with ZeRO-3's buffers)
+                transient = max(ch.loss_backward_extra + extra["loss_backward"],
+                                ch.rest_backward_extra + extra["backward"])
+            else:
+                transient = ch.backward_extra + extra["backward"] + ch.pipeline_recv
+            now = live + held + transient
             live -= ch.saved
             if not ch.pre:
                 # The input gradient sent to the previous stage, and the input buffer the pending
@@ -651,14 +675,24 @@ def plan_rank(
     replicas = _replicas(res)
     states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision,
                                param_dtype=param_dtype)
-    act = activation_estimate(model_cfg, res, micro_batch_size=micro_batch_size,
-                              num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
-                              precision=precision, device=device, execution=execution)
-    # Peak of the step: during forward/backward (persistent states + ZeRO-2/3's full gradient
-    # buckets + autocast's weight copies + activations), or during the optimizer step (states +
-    # logits still held + AdamW temporaries).
-    fwd_bwd = (states["total"] + states["grad_buffers_backward"] + states["weights_gathered"]
-               + states["autocast_weight_copies"] + act["peak"])
+    # ZeRO-2's full gradient buckets live from zero_grad() to the end of backward; ZeRO-3 gathers
+    # units in forward and backward, and its per-unit gradient buffers exist only once the
+    # head's backward starts (after the loss's; the tied copies of a pipeline stage throughout).
+    if zero == 3:
+        tied = meta.get("zero3_tied_grad_buffers", 0)
+        phase_extras = {"forward": states["weights_gathered"] + tied, "loss_backward": tied,
+                        "backward": states["weights_gathered"] + states["grad_buffers_backward"]}
+    else:
+        phase_extras = dict.fromkeys(("forward", "loss_backward", "backward"), states["grad_buffers_backward"])
+    estimate = functools.partial(activation_estimate, model_cfg, res, micro_batch_size=micro_batch_size,
+                                 num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
+                                 precision=precision, device=device, execution=execution)
+    act = estimate(phase_extras=phase_extras)
+    activations_alone = estimate()["peak"] if any(phase_extras.values()) else act["peak"]  # traces are cached
+    # Peak of the step: during forward/backward (persistent states + autocast's weight copies +
+    # activations with each phase's ZeRO extras, see above), or during the optimizer step
+    # (states + logits still held + AdamW temporaries).
+    fwd_bwd = states["total"] + states["autocast_weight_copies"] + act["peak"]
     opt_tmp = _optimizer_transient(meta, replicas, zero, offload, device)
     opt_phase = states["total"] + act["held_after_backward"] + opt_tmp
     total = max(fwd_bwd, opt_phase)
@@ -679,7 +713,7 @@ def plan_rank(
         "weights_gathered": states["weights_gathered"],
         "autocast_weight_copies": states["autocast_weight_copies"],
         "activations_per_microbatch": act["saved_per_microbatch"],
-        "activations_peak": act["peak"],
+        "activations_peak": activations_alone,
         "optimizer_transient": opt_tmp,
         "activations": activations,
         "total": total,
