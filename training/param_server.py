@@ -21,14 +21,16 @@ Messages (per step, worker rank -> every server, then back): a float64 header (k
 parameter version the gradient was computed on, token count, loss, finite flag, the worker's
 gradient norm) and the fp32 gradient range; the reply is a header (version, grad norm, loss,
 staleness statistics, the server's state bytes, start step) and the parameter range. Servers
-receive headers from any source (`recv(src=None)`), so they serve pushes in arrival order.
+receive headers from any source (mpu/param_server_comm.py), so they serve pushes in arrival order.
 
-Synchronisation (a worker's gradient is normalised by its own token count n_w):
+Synchronisation. Each worker normalises its loss by the token count N of the step's whole
+global batch, which it counts from the data itself (`_global_tokens`), and averages MoE aux
+terms over the W workers too (train_step's `token_count`, `outer_replicas`): its gradient g_w
+is exactly an all-reduce DP rank's local gradient.
   bsp  a server keeps every worker's gradient of step k until all have arrived, then applies
-       one update with g = sum_w g_w * n_w / N (N = sum_w n_w, w in index order: a fixed
-       order of summation), clipped by the global norm (summed over the servers: one
-       all-reduce of a scalar per step), at lr_at(k). The loss is normalised over the global
-       token count exactly as training/step.py does, so bsp equals all-reduce data parallelism.
+       one update with g = sum_w g_w (w in index order: a fixed order of summation), clipped
+       by the global norm (summed over the servers: one all-reduce of a scalar per step), at
+       lr_at(k): bsp equals all-reduce data parallelism.
   ssp  the same per-step (clock) updates; a worker's push of step k is answered with the
        parameters of version k - s + 1 (clocks 0..k-s applied), so a worker may start step
        k+1 only when the slowest worker has pushed step k-s: it runs at most s steps ahead.
@@ -36,7 +38,8 @@ Synchronisation (a worker's gradient is normalised by its own token count n_w):
        which makes every server and tp rank of a worker read one consistent version and makes
        ssp deterministic; s = 0 is bsp (the same code path).
   asp  a server applies each worker's gradient when all M ranks of that worker have pushed it,
-       as its own AdamW step on g_w / W, clipped by the worker's own norm / W, at
+       as its own AdamW step on g_w (about 1/W of the worker's mean gradient: its share of the
+       global batch's normalisation), clipped by g_w's own norm (measured by the worker), at
        lr_at(updates // W), and answers at once with whatever parameters it holds (with S > 1
        servers a worker may read shards of different versions: that is asynchrony).
 Staleness of a gradient = server updates (clocks under bsp/ssp, single worker updates under
@@ -47,7 +50,8 @@ gradients and snapshots of the largest server) and `worker_state_bytes` (model +
 
 Logging: global rank 0 (worker 0, tp rank 0) writes metrics.jsonl. Under bsp (and ssp with
 s=0) `loss` and `grad_norm` are the global batch's (as all-reduce DP logs them); under ssp
-(s>0) and asp they are worker 0's own batch and gradient. `val_loss` is worker 0's parameters on the held-out batches.
+(s>0) and asp they are worker 0's own batch mean and its gradient's norm. `val_loss` is worker
+0's parameters on the held-out batches.
 
 Checkpoints: with `checkpoint.dir`, each server writes its shard, moments and version to
 `<dir>/ps_step_<N>/server_<s>_of_<S>.pt` (atomically: temporary file, then rename) every
@@ -77,6 +81,8 @@ from meshtron.mpu.adamw import TrainingOptimizer, adamw
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.grad_norm import global_grad_norm
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
+from meshtron.mpu.param_server_comm import PSChannel
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, dim_groups
 
 HEADER = 12
@@ -89,9 +95,6 @@ R_VERSION, R_NORM, R_LOSS, R_STALE_MAX, R_STALE_SUM, R_STALE_COUNT, R_BYTES, R_S
 
 DELAY_ENV = "MESHTRON_PS_TEST_DELAY"  # test hook: "worker:seconds" sleeps before each of its steps
 KILL_ENV = "MESHTRON_PS_TEST_KILL"    # test hook: "worker:step" SIGKILLs that worker's ranks at that step
-# The group of every ps message: None (the default group) on gloo, a gloo group over the world
-# when the default is NCCL (servers and messages stay in host memory). Set by `train_ps`.
-_P2P: list = [None]
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -302,8 +305,8 @@ class ParameterServer:
     vector with its AdamW moments, and serves the workers' pushes (module doc). Talks P2P to
     every worker rank and all-reduces one scalar per clock over `server_group` (bsp/ssp)."""
 
-    def __init__(self, run, roles: Roles, index: int, server_group, schedule):
-        self.run, self.roles, self.index, self.group = run, roles, index, server_group
+    def __init__(self, run, roles: Roles, index: int, server_group, schedule, channel: PSChannel):
+        self.run, self.roles, self.index, self.group, self.channel = run, roles, index, server_group, channel
         self.sync = run.optim.sync
         self.s = run.optim.staleness if self.sync == "ssp" else 0
         self.lr_at = schedule
@@ -326,9 +329,7 @@ class ParameterServer:
         r, M = self.roles, self.roles.per_worker
         self.meta, self.lo, self.hi, self.params, self.masks = [], [], [], [], []
         for t in range(M):
-            box = [None]
-            dist.recv_object_list(box, src=r.worker_rank(0, t), group=_P2P[0])
-            meta = box[0]
+            meta = self.channel.recv_object(r.worker_rank(0, t))
             lo, hi = shard_range(sum(meta["numels"]), r.servers, self.index)
             self.meta.append(meta)
             self.lo.append(lo)
@@ -372,10 +373,10 @@ class ParameterServer:
 
     def _receive(self) -> tuple[torch.Tensor, int, torch.Tensor]:
         header = torch.empty(HEADER, dtype=torch.float64)
-        src = dist.recv(header, src=None, tag=TAG_HEAD, group=_P2P[0])
+        src = self.channel.recv_any(header, TAG_HEAD)
         _, t = self.roles.peer_of(src)
         body = torch.empty(self.hi[t] - self.lo[t])
-        dist.recv(body, src=src, tag=TAG_BODY, group=_P2P[0])
+        self.channel.recv(body, src, TAG_BODY)
         return header, src, body
 
     # --- serving
@@ -437,15 +438,13 @@ class ParameterServer:
         r = self.roles
         clock = self.version
         heads = {w: pushes[r.worker_rank(w, 0)][0] for w in range(r.workers)}
-        tokens = [float(heads[w][P_TOKENS]) for w in range(r.workers)]
-        total = sum(tokens)
         grads = []
         for t in range(r.per_worker):
             acc = torch.zeros_like(self.params[t])
-            for w in range(r.workers):  # fixed order of summation
-                acc.add_(pushes[r.worker_rank(w, t)][1], alpha=tokens[w] / total)
+            for w in range(r.workers):  # fixed order of summation, as a sum over the dp ranks
+                acc.add_(pushes[r.worker_rank(w, t)][1])
             grads.append(acc)
-        loss = sum(float(heads[w][P_LOSS]) * tokens[w] / total for w in range(r.workers))
+        loss = float(sum(torch.tensor(float(heads[w][P_LOSS]), dtype=torch.float32) for w in range(r.workers)))
         finite = all(float(pushes[src][0][P_FINITE]) == 1.0 for src in pushes)
         for w in range(r.workers):
             self._staleness(clock - int(heads[w][P_VERSION]))
@@ -465,9 +464,7 @@ class ParameterServer:
         for grad, mask in zip(grads, self.masks):
             if grad.numel():
                 sq = sq + grad[mask].pow(2).sum()
-        if self.roles.servers > 1:
-            dist.all_reduce(sq, group=self.group)
-        return sq.sqrt()
+        return all_reduce_stats(sq, self.group).sqrt()
 
     def _update(self, grads: list[torch.Tensor], norm: torch.Tensor, finite: bool, lr: float) -> None:
         """Clip `grads` to trainer.max_grad_norm by `norm` (as mpu/grad_norm.py), then one
@@ -497,11 +494,11 @@ class ParameterServer:
         del self.asp_pending[(w, step)]
         head = entry[0][0]
         self._staleness(self.version - int(head[P_VERSION]))
-        grads = [entry[t][1] / r.workers for t in range(r.per_worker)]
-        norm = torch.tensor(float(head[P_NORM]) / r.workers)
+        grads = [entry[t][1] for t in range(r.per_worker)]  # already ~1/W of the worker's mean gradient
+        norm = torch.tensor(float(head[P_NORM]))
         finite = all(float(entry[t][0][P_FINITE]) == 1.0 for t in entry)
         self._update(grads, norm, finite, self.lr_at(self.version // r.workers))
-        self.last_loss = float(head[P_LOSS])
+        self.last_loss = float(head[P_LOSS]) * r.workers
         self.version += 1
         every = self.run.checkpoint.every
         if self.run.checkpoint.dir and every and self.version % (every * r.workers) == 0:
@@ -521,11 +518,12 @@ class ParameterServer:
         header = torch.zeros(HEADER, dtype=torch.float64)
         header[R_VERSION] = self.version if version is None else version
         header[R_NORM], header[R_LOSS] = self.last_norm, self.last_loss
-        header[R_STALE_MAX], header[R_STALE_SUM], header[R_STALE_COUNT] = self.stale_max, self.stale_sum, self.stale_count
+        header[R_STALE_MAX], header[R_STALE_SUM] = self.stale_max, self.stale_sum
+        header[R_STALE_COUNT] = self.stale_count
         header[R_BYTES], header[R_START] = self.state_bytes(), getattr(self, "start", 0)
         body = source[t].clone()
-        self.sends.append((dist.isend(header, dst=rank, tag=TAG_REPLY_HEAD, group=_P2P[0]), header))
-        self.sends.append((dist.isend(body, dst=rank, tag=TAG_REPLY_BODY, group=_P2P[0]), body))
+        self.sends.append((self.channel.isend(header, rank, TAG_REPLY_HEAD), header))
+        self.sends.append((self.channel.isend(body, rank, TAG_REPLY_BODY), body))
         if len(self.sends) > 64:
             self._drain()
 
@@ -631,8 +629,9 @@ class ParameterServerClient(TrainingOptimizer):
     after each step) pushes the gradient ranges to every server and installs the parameter
     ranges of the replies. P2P with the servers only; the norm all-reduces over the worker's tp."""
 
-    def __init__(self, chunks: list[nn.Module], mesh: Mesh, roles: Roles, worker: int):
+    def __init__(self, chunks: list[nn.Module], mesh: Mesh, roles: Roles, worker: int, channel: PSChannel):
         self.layout = flat_layout(chunks, mesh)
+        self.channel = channel
         self.mesh, self.roles, self.worker = mesh, roles, worker
         self.param_groups = [{"lr": 0.0}]
         self.version = 0
@@ -662,7 +661,7 @@ class ParameterServerClient(TrainingOptimizer):
         parameters (fresh or resumed); returns the reply (its `start`: the first step)."""
         if self.worker == 0:
             for server in self.roles.server_ranks:
-                dist.send_object_list([self.layout.meta()], dst=server, group=_P2P[0])
+                self.channel.send_object(self.layout.meta(), server)
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.layout.params])
         return self._exchange(HELLO, 0, 0.0, 0.0, True, flat)
 
@@ -678,8 +677,8 @@ class ParameterServerClient(TrainingOptimizer):
         works = []
         for s, server in enumerate(self.roles.server_ranks):
             lo, hi = self.ranges[s]
-            works += [dist.isend(header, dst=server, tag=TAG_HEAD, group=_P2P[0]),
-                      dist.isend(torch.zeros(hi - lo), dst=server, tag=TAG_BODY, group=_P2P[0])]
+            works += [self.channel.isend(header, server, TAG_HEAD),
+                      self.channel.isend(torch.zeros(hi - lo), server, TAG_BODY)]
         for work in works:
             work.wait()
 
@@ -693,12 +692,11 @@ class ParameterServerClient(TrainingOptimizer):
         for s, server in enumerate(self.roles.server_ranks):
             lo, hi = self.ranges[s]
             body = flat[lo:hi].contiguous()
-            works += [dist.isend(header, dst=server, tag=TAG_HEAD, group=_P2P[0]),
-                      dist.isend(body, dst=server, tag=TAG_BODY, group=_P2P[0])]
+            works += [self.channel.isend(header, server, TAG_HEAD), self.channel.isend(body, server, TAG_BODY)]
             heads.append(torch.empty(HEADER, dtype=torch.float64))
             bodies.append(torch.empty(hi - lo))
-            works += [dist.irecv(heads[-1], src=server, tag=TAG_REPLY_HEAD, group=_P2P[0]),
-                      dist.irecv(bodies[-1], src=server, tag=TAG_REPLY_BODY, group=_P2P[0])]
+            works += [self.channel.irecv(heads[-1], server, TAG_REPLY_HEAD),
+                      self.channel.irecv(bodies[-1], server, TAG_REPLY_BODY)]
         for work in works:
             work.wait()
         versions = {int(h[R_VERSION]) for h in heads}
@@ -755,7 +753,7 @@ def train_ps(run, env, run_dir, dataset) -> dict:
     worker_par, workers, per_worker, micro = check_ps_run(run, env.world_size)
     roles = Roles(workers, per_worker, run.parallel.servers)
     rank = env.rank
-    _P2P[0] = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    channel = PSChannel()  # the messages' group (host memory; gloo)
     mesh = block_mesh(worker_par, [roles.worker_rank(w, 0) for w in range(workers)], rank)
     server_group = dist.new_group(roles.server_ranks, backend="gloo") if roles.servers > 1 else None
     o, t = run.optim, run.trainer
@@ -765,24 +763,26 @@ def train_ps(run, env, run_dir, dataset) -> dict:
                      min_lr_ratio=o.min_lr_ratio, decay=o.decay)
 
     if mesh is None:
-        server = ParameterServer(run, roles, rank - roles.server_rank(0), server_group, schedule)
+        server = ParameterServer(run, roles, rank - roles.server_rank(0), server_group, schedule, channel)
         start = server.setup()
         if env.is_main:
             print(f"meshtron: parameter server starting at step {start}", flush=True)
         result = server.serve()
-        dist.barrier()
+        barrier(world_group())
         return {"server": result}
-    out = _train_worker(run, env, Path(run_dir), dataset, mesh, roles, micro, schedule)
-    dist.barrier()
+    out = _train_worker(run, env, Path(run_dir), dataset, mesh, roles, micro, schedule, channel)
+    barrier(world_group())
     return out
 
 
-def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, micro: int, schedule) -> dict:
+def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, micro: int, schedule,
+                  channel: PSChannel) -> dict:
     from meshtron.models.gpt import init_model_chunks
     from meshtron.observability.metrics import MetricsWriter, format_step_line
     from meshtron.planning.flops import model_flops_per_token
     from meshtron.planning.peak import peak_flops
     from meshtron.training.precision import Precision
+    from meshtron.textdata.data import document_end_id
     from meshtron.training.step import evaluate, train_step
 
     cfg, t = run.model, run.trainer
@@ -790,7 +790,7 @@ def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, mi
     chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device, execution=run.execution("torch"))
     model = chunks[0]
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
-    client = ParameterServerClient(chunks, mesh, roles, worker)
+    client = ParameterServerClient(chunks, mesh, roles, worker, channel)
     precision = Precision(t.precision, env.device.type, None)
     reply = client.hello()
     start = reply.start
@@ -800,8 +800,10 @@ def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, mi
     flops_per_token = model_flops_per_token(cfg)
     worker_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 2  # weights + gradient buckets
     delay, kill = _env_hook(DELAY_ENV).get(worker, 0.0), _env_hook(KILL_ENV).get(worker)
+    eos_id = document_end_id(run.data, cfg.vocab_size)
     if env.is_main:
-        print(f"meshtron: parameter servers: {roles.workers} worker(s) of {roles.per_worker} rank(s) (tp={mesh.tp_size}), "
+        print(f"meshtron: parameter servers: {roles.workers} worker(s) of {roles.per_worker} rank(s) "
+              f"(tp={mesh.tp_size}), "
               f"{roles.servers} server(s), optim.sync={run.optim.sync}"
               + (f" staleness={run.optim.staleness}" if run.optim.sync == "ssp" else "")
               + f"; starting at step {start}; run dir {run_dir}", flush=True)
@@ -818,31 +820,33 @@ def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, mi
                                                      roles.workers)
             inputs, targets = inputs.to(env.device), targets.to(env.device)
             microbatches = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
-            tokens = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
+            own = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
+            total = _global_tokens(dataset, step, t.global_batch_size, micro, mesh, eos_id).to(env.device)
             out = train_step(model, reducer, client, microbatches, mesh, lr=lr, max_grad_norm=t.max_grad_norm,
-                             precision=precision)
-            local_loss = float(out["loss"])
-            reply = client.exchange(step, tokens, local_loss, finite=not out["skipped"])
+                             precision=precision, eos_id=eos_id, token_count=total, outer_replicas=roles.workers)
+            share = float(out["loss"])  # this worker's share of the global batch's mean loss
+            local_loss = share * float(total) / max(own, 1.0)  # the mean over this worker's own batch
+            reply = client.exchange(step, own, share, finite=not out["skipped"])
             window_steps += 1
-            if step == start or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps:
+            eval_now = t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
+            if step == start or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps or eval_now:
                 bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 record = {"step": step + 1, "loss": reply.loss if bsp else local_loss, "lr": lr,
-                          "grad_norm": reply.grad_norm if bsp else float(client.local_norm),
+                          "grad_norm": reply.grad_norm if bsp else float(client.local_norm) * float(total) / own,
                           "tokens_per_s": tokens_per_s,
                           "mfu": flops_per_token * tokens_per_s / (peak * roles.workers * roles.per_worker),
                           "step_time_s": elapsed / window_steps, "staleness_max": reply.stale_max,
                           "staleness_mean": reply.stale_mean, "server_state_bytes": reply.server_bytes,
                           "worker_state_bytes": worker_bytes, "version": reply.version}
-                eval_now = t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
                 if eval_now and worker == 0:  # worker 0's parameters on the whole held-out batches
                     val = []
                     for index in range(t.eval_batches):
                         x, y = dataset.local_batch(index, t.global_batch_size, 0, 1, split="val")
                         x, y = x.to(env.device), y.to(env.device)
                         val += [(x[i: i + micro], y[i: i + micro]) for i in range(0, len(x), micro)]
-                    record["val_loss"] = float(evaluate(chunks, val, mesh, None, precision))
+                    record["val_loss"] = float(evaluate(chunks, val, mesh, None, precision, eos_id=eos_id))
                 if worker == 0:
                     history.append(record)
                     writer.log(record)
@@ -889,7 +893,8 @@ def ps_dry_run(run, env, run_dir: Path) -> dict:
     if env.is_main:
         for entry in roles["servers"]:
             print(f"[dry run] server {entry['server']}: {entry['elements']:,} elements, "
-                  f"{entry['total_bytes'] / 2**20:.1f} MiB (params+moments {entry['params_and_moments_bytes'] / 2**20:.1f}, "
+                  f"{entry['total_bytes'] / 2**20:.1f} MiB (params+moments "
+                  f"{entry['params_and_moments_bytes'] / 2**20:.1f}, "
                   f"buffered grads {entry['buffered_gradient_bytes'] / 2**20:.1f}, snapshots "
                   f"{entry['snapshot_bytes'] / 2**20:.1f})", flush=True)
         for entry in roles["worker_ranks"]:
@@ -897,3 +902,16 @@ def ps_dry_run(run, env, run_dir: Path) -> dict:
                   f"{entry['weights_and_grads_bytes'] / 2**20:.1f} MiB", flush=True)
         (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     return {"dry_run": True, "plan": plan, "run_dir": str(run_dir)}
+
+
+def _global_tokens(dataset, step: int, global_batch: int, micro: int, mesh: Mesh, eos_id) -> torch.Tensor:
+    """The token count of step `step`'s whole global batch, counted as training/step.py counts
+    it, from the data alone: a worker (mesh of one data replica) normalises its loss by it as an
+    all-reduce DP rank would, without talking to the other workers. Reads every row of the
+    global batch (the targets only matter)."""
+    from meshtron.training.packing import local_microbatches
+    from meshtron.training.step import global_token_count
+
+    inputs, targets = dataset.local_batch_at(step * global_batch, global_batch, 0, 1)
+    rows = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+    return global_token_count(local_microbatches(rows, mesh, eos_id), mesh)

@@ -29,7 +29,8 @@ def global_token_count(microbatches: list[LocalMicrobatch], mesh: Mesh) -> torch
 def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: TrainingOptimizer,
                microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh, *,
                lr: float, max_grad_norm: float, precision: Precision = FP32,
-               eos_id: int | None = None) -> dict[str, torch.Tensor]:
+               eos_id: int | None = None, token_count: torch.Tensor | None = None,
+               outer_replicas: int = 1) -> dict[str, torch.Tensor]:
     """Forward/backward every microbatch of this rank's share of the global batch, then update.
 
     `microbatches` hold full sequences; each rank runs its context-parallel shard of them, with
@@ -47,15 +48,18 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
     (unweighted, summed over layers) and per-layer `moe_layers` statistics.
     `precision` runs the forward under autocast and scales the loss (fp16; see
     training/precision.py); an overflow skips the step like any non-finite gradient.
+    Parameter-server workers (training/param_server.py), whose mesh holds one of
+    `outer_replicas` data replicas, pass the global batch's `token_count` (counted by the
+    caller) and have the aux objective averaged over the replicas outside the mesh too.
     """
     model.train()
     microbatches = local_microbatches(microbatches, mesh, eos_id)
-    tokens = global_token_count(microbatches, mesh)
+    tokens = global_token_count(microbatches, mesh) if token_count is None else token_count
     reducer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float32, device=tokens.device)
     n_micro = len(microbatches)
     scope = aux_loss_scope(model.cfg.aux_loss_scope, mesh)
-    aux_divisor = scope.objective_divisor(n_micro)
+    aux_divisor = scope.objective_divisor(n_micro) * outer_replicas
     moe = MoEStepStats(model.cfg, scope)
     with weight_copy_scope():  # the Triton GEMMs' 16-bit weight copies: made once per step
         for i, mb in enumerate(microbatches):

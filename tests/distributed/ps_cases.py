@@ -8,12 +8,14 @@ server, or 1 worker of tp=2 (with sp) + 2 servers.
 - tp=2 + sp inside the worker with two servers (each server holds half of each tp rank's
   vector; the clipping norm is summed over the servers) equals the same worker layout
   trained with the replicated AdamW, clipping active;
+- an MoE worker of tp=2 with ep=2 (experts sharded) and ep=1 (experts replicated over the
+  worker's edp ranks) with two servers likewise;
 - with one worker slowed by a sleep, ssp (s=2) blocks the fast workers at exactly s steps
   ahead of it (answered steps of every worker recorded by the server at each of the slow
   worker's pushes), asp never blocks them;
 - asp trains the tiny model to within 0.25 nats of bsp's held-out loss at equal samples
   (16 steps x global batch 12, lr 3e-3): asp <= bsp + 0.25, and both improve on the initial
-  loss by > 0.5. Measured: initial 5.54, bsp 4.33, asp 3.44: asp is ahead, because AdamW is
+  loss by > 0.5. Measured: initial 5.49, bsp 4.33, asp 3.44: asp is ahead, because AdamW is
   invariant to the 1/W gradient scale, so asp takes W=3 full-size steps per global batch.
 """
 
@@ -51,10 +53,12 @@ def _dataset(seq_len: int) -> TokenDataset:
 
 
 def _run(servers: int, sync: str = "bsp", staleness: int = 0, *, tp: int = 1, sp: bool = False, steps: int = 4,
-         batch: int = 12, max_grad_norm: float = 1.0, arch: str = "gpt2", eps: float = 1e-8) -> RunConfig:
+         batch: int = 12, max_grad_norm: float = 1.0, arch: str = "gpt2", eps: float = 1e-8, experts: int = 0,
+         ep: int = 1) -> RunConfig:
     return RunConfig.from_dict({
-        "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 256, "seq_len": 16},
-        "parallel": {"dp_mode": "ps", "servers": servers, "tp": tp, "sp": sp},
+        "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 256, "seq_len": 16,
+                  "num_experts": experts},
+        "parallel": {"dp_mode": "ps", "servers": servers, "tp": tp, "sp": sp, "ep": ep},
         "trainer": {"max_steps": steps, "global_batch_size": batch, "log_every": 1, "eval_every": 0,
                     "max_grad_norm": max_grad_norm, "progress": False, "seed": 7},
         "optim": {"sync": sync, "staleness": staleness, "lr": 3e-3, "eps": eps},
@@ -109,11 +113,21 @@ def _check_equal(got: dict, want: tuple[list, list] | None, what: str) -> None:
 
 
 def bsp_and_ssp0_equal_allreduce_dp() -> None:
-    """3 workers + 1 server: bsp and ssp(s=0) give all-reduce DP's losses and weights."""
+    """3 workers + 1 server: bsp and ssp(s=0) give all-reduce DP's losses and weights (and each
+    other's, bit for bit); so does bsp on an MoE model (4 experts, top-2: aux losses averaged
+    over the workers as over dp)."""
     dataset = _dataset(16)
     want = _reference(_run(1, eps=ADAM_EPS), dataset, workers=3, per_worker=1)
-    _check_equal(_train_ps(_run(1, "bsp", eps=ADAM_EPS), dataset), want, "bsp")
-    _check_equal(_train_ps(_run(1, "ssp", 0, eps=ADAM_EPS), dataset), want, "ssp s=0")
+    bsp = _train_ps(_run(1, "bsp", eps=ADAM_EPS), dataset)
+    ssp0 = _train_ps(_run(1, "ssp", 0, eps=ADAM_EPS), dataset)
+    _check_equal(bsp, want, "bsp")
+    _check_equal(ssp0, want, "ssp s=0")
+    if want is not None:  # ssp with s=0 is bsp bit for bit (one code path, one order of summation)
+        assert [r["loss"] for r in bsp["history"]] == [r["loss"] for r in ssp0["history"]]
+        for a, b in zip(bsp["model"][0].parameters(), ssp0["model"][0].parameters()):
+            assert torch.equal(a, b), "ssp s=0 weights differ from bsp's"
+    moe = _run(1, "bsp", eps=ADAM_EPS, experts=4)  # aux loss averaged over the workers as over dp
+    _check_equal(_train_ps(moe, dataset), _reference(moe, dataset, workers=3, per_worker=1), "MoE bsp")
 
 
 def tp2_sp_two_servers_equal_allreduce() -> None:
@@ -128,6 +142,17 @@ def tp2_sp_two_servers_equal_allreduce() -> None:
     if dist.get_rank() == 0:
         norms = [record["grad_norm"] for record in got["history"]]
         assert max(norms) > 0.3, f"clipping never active (grad norms {norms}): the case would not test it"
+
+
+def moe_tp2_workers_with_ep_equal_allreduce() -> None:
+    """1 MoE worker of tp=2 (4 experts, top-2) + 2 servers, bsp: with ep=2 (each rank holds 2
+    experts) and with ep=1 (experts replicated over the worker's edp=2 ranks, counted once in the
+    norm): the replicated AdamW's run of the same worker layout, clipping active."""
+    dataset = _dataset(16)
+    for ep in (2, 1):
+        run = _run(2, "bsp", tp=2, max_grad_norm=0.3, eps=ADAM_EPS, experts=4, ep=ep)
+        want = _reference(run, dataset, workers=1, per_worker=2)
+        _check_equal(_train_ps(run, dataset), want, f"MoE tp=2 ep={ep}, 2 servers")
 
 
 def ssp_blocks_fast_workers_at_s_asp_does_not() -> None:
@@ -199,4 +224,5 @@ def cases_for_world(world_size: int) -> list[str]:
     if world_size != 4:
         return []
     return ["bsp_and_ssp0_equal_allreduce_dp", "tp2_sp_two_servers_equal_allreduce",
+            "moe_tp2_workers_with_ep_equal_allreduce",
             "ssp_blocks_fast_workers_at_s_asp_does_not", "asp_trains_within_margin_of_bsp"]
