@@ -12,7 +12,7 @@ import torch
 from meshtron.mpu.context_parallel import shard_sequence
 from meshtron.mpu.mesh import Mesh, ParallelConfig
 from meshtron.training.packing import local_microbatch
-from tests.test_train_cli import TORCHRUN, metrics, run
+from tests.test_train_cli import TORCHRUN, assert_one_config_error_line, metrics, run
 
 
 @pytest.mark.timeout(120)
@@ -29,12 +29,7 @@ from tests.test_train_cli import TORCHRUN, metrics, run
     (["data.reset_at_eos=true", "data.eos_id=300"], 1, "data.eos_id=300 is not a token id of model.vocab_size=256"),
 ])
 def test_bad_context_parallel_config_fails_before_any_process_group(tmp_path, overrides, world, message):
-    env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    out = run([sys.executable, "train.py", *overrides, f"hydra.run.dir={tmp_path}"], timeout=100, env=env)
-    assert out.returncode == 2, out.stderr[-3000:]
-    lines = [line for line in out.stderr.splitlines() if line.startswith("meshtron: configuration error")]
-    assert len(lines) == 1 and message in lines[0], out.stderr[-3000:]
+    assert_one_config_error_line(tmp_path, overrides, world, message)
 
 
 @pytest.mark.distributed

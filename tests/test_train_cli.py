@@ -66,6 +66,12 @@ def test_default_training_learns_on_real_text(tmp_path):
 def test_bad_config_fails_before_any_process_group(tmp_path, overrides, world, message):
     """Validation runs before init_process_group: a lone rank of a world that never forms
     exits with one clear line instead of waiting for its peers."""
+    assert_one_config_error_line(tmp_path, overrides, world, message)
+
+
+def assert_one_config_error_line(tmp_path, overrides: list[str], world: int, message: str) -> None:
+    """train.py with `overrides` as rank 0 of a `world` that never forms (no peer, port 1) exits 2
+    with exactly one "meshtron: configuration error" line containing `message`."""
     env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     out = run([sys.executable, "train.py", *overrides, f"hydra.run.dir={tmp_path}"], timeout=100, env=env)
