@@ -9,8 +9,9 @@ relative error, the ranks in both orders and whether the orders agree.
 
     python bench/plan_calibration.py [--steps 6] [--rounds 3] [--layouts tp1_dp4,tp2_dp2,tp4,pp2_dp2]
 
-Each layout runs --rounds times, interleaved, and its median is compared. Takes about ten minutes on 2 cores; not part of the test suite. The host is shared: the JSON
-records the other CPUs' load bench/throughput.py saw.
+Each layout runs --rounds times, interleaved, and its median is compared. Takes about ten
+minutes on 2 cores; not part of the test suite. The host is shared: the JSON records the other
+CPUs' load bench/throughput.py saw in every round.
 """
 
 from __future__ import annotations

@@ -174,14 +174,17 @@ class SearchResult:
 
 def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precision: str = "fp32",
            param_dtype: str = "fp32", offload: bool = False, fixed: dict[str, Any] | None = None,
-           limit: int | None = None) -> SearchResult:
+           limit: int | None = None, max_priced: int | None = None) -> SearchResult:
     """Rank the layouts of `cfg` on `cluster` that fit its memory by modelled tokens/s.
 
     Every candidate of `enumerate_layouts` gets a step time from the analytic parameter count;
     the memory planner then runs in order of that speed (cached per layout; `limit`: stop after
-    that many fitting candidates, None = price all) and each priced candidate's step time is
-    recomputed from the planner's own parameter counts. Raises ValueError when no layout is
-    valid. No communication.
+    that many fitting candidates, None = price all; `max_priced`: stop after pricing that many)
+    and each priced candidate's step time is recomputed from the planner's own parameter counts.
+    A candidate is not priced when a variant of it that needs no more memory (more recompute, a
+    smaller or equal micro batch, all else equal) did not fit: activation memory grows with the
+    micro batch and shrinks with recomputation. Raises ValueError when no layout is valid. No
+    communication.
     """
     start = time.perf_counter()
     layouts = enumerate_layouts(cfg, cluster.gpus, global_batch_size=global_batch_size,
@@ -203,9 +206,16 @@ def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precisio
     timed.sort(key=lambda c: -c.tokens_per_s)
     fitting: list[Candidate] = []
     priced = too_big = 0
+    failed: dict[Layout, list[tuple[int, int]]] = {}  # layout sans recompute/micro batch -> (rank, mbs)
+    order = {mode: i for i, mode in enumerate(RECOMPUTE_MODES)}
     for cand in timed:
-        if limit is not None and len(fitting) >= limit:
+        if (limit is not None and len(fitting) >= limit) or (max_priced is not None and priced >= max_priced):
             break
+        lay = cand.layout
+        base = dataclasses.replace(lay, recompute="none", micro_batch_size=0)
+        if any(r >= order[lay.recompute] and mbs <= lay.micro_batch_size for r, mbs in failed.get(base, [])):
+            too_big += 1
+            continue
         mem = layout_memory(cfg, cand.layout, global_batch_size=global_batch_size, precision=precision,
                             device=cluster.device, offload=offload, param_dtype=param_dtype)
         priced += 1
@@ -213,6 +223,7 @@ def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precisio
         cand.fits = mem["bytes"] <= cluster.gpu_memory_bytes
         if not cand.fits:
             too_big += 1
+            failed.setdefault(base, []).append((order[lay.recompute], lay.micro_batch_size))
             continue
         cand.time = step_time(cfg, cand.layout, cluster, global_batch_size=global_batch_size, costs=costs,
                               grad_elements=mem["grad_elements"], precision=precision, param_dtype=param_dtype)

@@ -38,7 +38,8 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
 * data parallelism: gradients (fp32) all-reduced over the replicas of each gradient group
   (dense dp*cp, sequence-parallel replicated tp*dp*cp, experts edp), overlapped with the
   last microbatch's backward; ZeRO-1 all-reduces too and then all-gathers the updated fp32
-  parameters (exposed); ZeRO-2 reduce-scatters (overlapped) and all-gathers (exposed); ZeRO-3
+  parameters, overlapped with the next step's first forward (optim.overlap_param_gather);
+  ZeRO-2 reduce-scatters (overlapped) and all-gathers (likewise); ZeRO-3
   all-gathers the parameters twice and reduce-scatters the gradients per microbatch,
   prefetched behind that microbatch's compute;
 * overhead: `overhead_s` per layer per microbatch (host work compute does not hide: kernel
@@ -46,7 +47,10 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
 * without `overlap` (CPU: the cores that compute also copy the bytes) every term above that
   is "overlapped" is exposed in full;
 * optimizer: AdamW streams 28 bytes per parameter of its share (read weight, gradient and two
-  moments, write weight and moments) at `mem_bw`.
+  moments, write weight and moments) at `mem_bw`;
+* shared cores (CPU, more processes than `cores_per_node`): the step lasts at least an
+  average rank's busy time (no bubble) times processes / cores, since an idle rank's core
+  runs another rank.
 
 Not modelled: kernel launch and host overheads other than `latency_s`, memory-bound
 elementwise work (norms, activations, softmax: inside `efficiency`), load imbalance between
@@ -67,26 +71,24 @@ from meshtron.mpu.mesh import ParallelConfig, placement
 from meshtron.planning.flops import model_flops_per_token, moe_layer_indices
 from meshtron.planning.peak import known_gpu_peak_flops
 
-__all__ = ["Cluster", "Layout", "ModelCosts", "StepTime", "cluster_preset", "CLUSTER_PRESETS", "CPU_CALIBRATION", "step_time",
-           "all_reduce_time", "all_gather_time", "all_to_all_time", "bubble_fraction", "compute_time"]
+__all__ = ["Cluster", "Layout", "ModelCosts", "StepTime", "cluster_preset", "CLUSTER_PRESETS", "CPU_CALIBRATION",
+           "step_time", "all_reduce_time", "all_gather_time", "all_to_all_time", "bubble_fraction", "compute_time"]
 
 GB = 1e9
 
-# The 2-core development host (Xeon VM, torch 2.13 CPU), fitted by bench/plan_calibration.py on
-# 2026-11-25 while other jobs kept ~1.2 of its 2 CPUs busy. flops_per_core: an idle 1024^2 fp32
-# matmul on one thread (DESIGN.md: 98 GFLOP/s on 2 threads; 17 GFLOP/s under that run's load);
-# mem_bw: a 64 MiB copy on one thread (read + write); efficiency and latency_oversubscribed_s:
-# solved from the measured tp=1 x dp=4 and tp=4 runs at world 4 (4 processes on 2 cores: a ring
-# step waits for a descheduled peer, ~15x the shared-memory collective's own latency_s); tp=2 x dp=2
-# and pp=2 x dp=2 are then predictions (README, "Choosing a layout": errors).
+# The 2-core development host (Xeon VM, torch 2.13 CPU), from bench/plan_calibration.py runs on
+# 2026-11-25 while other jobs kept ~1.1 of its 2 CPUs busy. flops_per_core: an idle 1024^2 fp32
+# matmul on one thread (DESIGN.md: 98 GFLOP/s on 2 threads; 17-49 GFLOP/s under those runs' load);
+# mem_bw: a 64 MiB copy on one thread (read + write; 15-26 GB/s measured); bw and latency_s:
+# mpu/shm_collectives (about 0.2 ms per small collective); efficiency: solved from the measured
+# tp=1 x dp=4 median at world 4; the other layouts are predictions (README, "Choosing a layout").
 CPU_CALIBRATION = {
     "flops_per_core": 45e9,
     "cores": 2,
     "bw": 2.0e9,
     "latency_s": 1e-4,
-    "latency_oversubscribed_s": 3e-3,
-    "mem_bw": 2.6e10,
-    "efficiency": 0.56,
+    "mem_bw": 2.0e10,
+    "efficiency": 0.6,
     "overhead_s": 0.0,
     "date": "2026-11-25",
 }
@@ -94,14 +96,15 @@ CPU_CALIBRATION = {
 CLUSTER_PRESETS = ("h100", "a100", "h200", "cpu")
 # device name matched by planning.peak's datasheet table; bus bandwidths per GPU in bytes/s.
 _GPU_PRESETS = {
-    # NVLink 4 (900 GB/s bidirectional): NCCL reaches ~360 GB/s bus bandwidth; 400 Gb/s IB per GPU.
+    # NVLink 4 (900 GB/s bidirectional): NCCL reaches ~360 GB/s bus bandwidth; 400 Gb/s IB per GPU;
+    # ~5 us per ring step (NCCL's small-message all-reduce on 8 GPUs is some tens of us).
     "h100": dict(device_name="NVIDIA H100 SXM", memory=80 * 1024**3, intra_bw=360 * GB, inter_bw=40 * GB,
-                 latency_s=2e-5, mem_bw=3.35e12),
+                 latency_s=5e-6, mem_bw=3.35e12),
     # NVLink 3 (600 GB/s bidirectional): ~230 GB/s bus bandwidth; 200 Gb/s IB per GPU.
     "a100": dict(device_name="NVIDIA A100", memory=80 * 1024**3, intra_bw=230 * GB, inter_bw=20 * GB,
-                 latency_s=2e-5, mem_bw=2.0e12),
+                 latency_s=5e-6, mem_bw=2.0e12),
     "h200": dict(device_name="NVIDIA H200 SXM", memory=141 * 10**9, intra_bw=360 * GB, inter_bw=40 * GB,
-                 latency_s=2e-5, mem_bw=4.8e12),
+                 latency_s=5e-6, mem_bw=4.8e12),
 }
 GPU_EFFICIENCY = 0.5  # fraction of the dense datasheet peak large bf16 GEMMs of a training step reach
 GPU_OVERHEAD_S = 2e-5  # launch latency per layer per microbatch a small layer cannot hide
@@ -116,7 +119,9 @@ class Cluster:
     node) and `inter_bw` (across nodes) in bytes/s per device, `latency_s` per collective,
     `mem_bw` (device memory bytes/s), `overlap` (whether communication the model calls
     overlapped can hide behind compute at all: on a CPU the same cores copy the bytes) and
-    `overhead_s` (host time per layer per microbatch that compute does not hide)."""
+    `overhead_s` (host time per layer per microbatch that compute does not hide) and
+    `cores_per_node` (CPU: the processes of a node share that many cores; `peak_flops` and
+    `mem_bw` are then one core's)."""
 
     gpus: int
     gpus_per_node: int
@@ -129,6 +134,7 @@ class Cluster:
     mem_bw: float = float("inf")
     overlap: bool = True  # communication runs beside compute (GPU copy engines); CPU cores do both
     overhead_s: float = 0.0  # host time per layer per microbatch (forward + backward) not hidden by compute
+    cores_per_node: int = 0  # > 0: a node's processes share this many cores (CPU); 0: one device each
     name: str = "custom"
     device: str = "cuda"  # what the memory planner assumes the run trains on (cpu | cuda)
 
@@ -151,12 +157,10 @@ def cluster_preset(name: str, gpus: int, gpus_per_node: int, gpu_memory_bytes: i
         raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {', '.join(_DTYPES)}")
     if name == "cpu":
         c = CPU_CALIBRATION
-        # processes of one host share its cores (4 processes on 2 cores: half a core each)
-        per_process = c["flops_per_core"] * min(1.0, c["cores"] / gpus_per_node)
-        latency = c["latency_s"] if gpus_per_node <= c["cores"] else c["latency_oversubscribed_s"]
-        return Cluster(gpus, gpus_per_node, gpu_memory_bytes or 16 * 1024**3, per_process, c["bw"], c["bw"],
-                       c["efficiency"], latency, c["mem_bw"] * min(1.0, c["cores"] / gpus_per_node),
-                       overlap=False, overhead_s=c["overhead_s"], name="cpu", device="cpu")
+        # one core per process; more processes than cores share them (step_time's shared-core bound)
+        return Cluster(gpus, gpus_per_node, gpu_memory_bytes or 16 * 1024**3, c["flops_per_core"], c["bw"], c["bw"],
+                       c["efficiency"], c["latency_s"], c["mem_bw"], overlap=False, overhead_s=c["overhead_s"],
+                       cores_per_node=c["cores"], name="cpu", device="cpu")
     p = _GPU_PRESETS[name]
     peak = known_gpu_peak_flops(p["device_name"], _DTYPES[precision], tf32=False)
     return Cluster(gpus, gpus_per_node, gpu_memory_bytes or p["memory"], peak, p["intra_bw"], p["inter_bw"],
@@ -323,8 +327,7 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
     planner counts them (`plan_rank(...)["params"]["by_replica_group"]`). `precision` sets the
     activation bytes (fp32: 4, bf16/fp16: 2); gradients are reduced in fp32 and parameters
     gathered in fp32 (bf16 with `param_dtype="bf16"`). `costs`: `ModelCosts.of(cfg)` when the
-    caller has it already (a search over many layouts). No
-    communication.
+    caller has it already (a search over many layouts). No communication.
     """
     L, h, s = cfg.num_layers, cfg.hidden_size, cfg.seq_len
     tp, pp, dp, cp, vpp = layout.tp, layout.pp, layout.dp, layout.cp, layout.vpp
@@ -337,6 +340,7 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
     def exposed(comm: float, compute: float) -> float:
         """What of `comm` the overlapped `compute` does not hide (all of it without overlap)."""
         return max(0.0, comm - compute) if cluster.overlap else comm
+
     bw = _bandwidths(tp, pp, dp, cp, layout.ep, layout.etp, cluster)
     costs = ModelCosts.of(cfg) if costs is None else costs
     ab = _act_bytes(precision)
@@ -421,7 +425,8 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
         dp_exposed = 0.0
     else:
         dp_exposed = exposed(reduce, backward_last)
-        zero_exposed = gather
+        # optim.overlap_param_gather: each bucket's all-gather runs behind the next forward
+        zero_exposed = exposed(gather, comp / 3)
 
     # ---- optimizer
     total_params = sum(grad_elements.values())
@@ -430,8 +435,19 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
     optimizer = 28 * share / cluster.mem_bw
 
     total = pipeline + dp_exposed + zero_exposed + optimizer
+    per_node = min(cluster.gpus_per_node, layout.world)
+    devices = layout.world  # what MFU divides by: the processes, or the cores they share
+    if cluster.cores_per_node and per_node > cluster.cores_per_node:
+        devices = layout.world * cluster.cores_per_node / per_node
+        # More processes than cores: a rank idle in the bubble (or waiting for a peer) gives its core
+        # to another, so the step lasts at least the node's CPU work over its cores. The work of an
+        # average rank: the step without the bubble's idle time, with the LM head's compute spread
+        # over the pp stages.
+        head_spread = compute_time(head * (1 - 1 / pp) * tokens / (tp * cp), cluster)
+        busy = total - per_mb * (pp - 1) / vpp - m * head_spread
+        total = max(total, busy * per_node / cluster.cores_per_node)
     tokens_per_s = global_batch_size * s / total
-    mfu = per_token * tokens_per_s / (layout.world * cluster.peak_flops)
+    mfu = per_token * tokens_per_s / (devices * cluster.peak_flops)
     return StepTime(
         microbatches=m, compute_per_microbatch=comp, tp_per_microbatch=tp_mb, cp_per_microbatch=cp_mb,
         ep_per_microbatch=ep_mb, p2p_per_microbatch=p2p, bubble_fraction=bubble, pipeline=pipeline,

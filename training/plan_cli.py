@@ -106,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the ranked candidates (up to --json-max) to this JSON file")
     p.add_argument("--json-max", type=int, default=200,
                    help="fitting candidates to rank for --json (default 200; 0 = every valid layout, slow)")
+    p.add_argument("--max-priced", type=int, default=2000,
+                   help="price at most this many of the fastest candidates' memory (default 2000; 0 = no cap)")
     return p
 
 
@@ -127,6 +129,10 @@ def _cluster(args: argparse.Namespace, precision: str) -> Cluster:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return cluster
+
+
+def _flops(rate: float) -> str:
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
 
 
 def format_table(ranked: list, top: int) -> str:
@@ -151,11 +157,12 @@ def run(argv: list[str]) -> int:
     try:
         result = search(run_cfg.model, cluster, global_batch_size=t.global_batch_size, precision=t.precision,
                         param_dtype=o.param_dtype, offload=o.offload, fixed=fixed,
-                        limit=args.top if not args.json else (max(args.top, args.json_max) or None))
+                        limit=args.top if not args.json else (max(args.top, args.json_max) or None),
+                        max_priced=args.max_priced or None)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     head = (f"{cluster.gpus} x {cluster.name} ({cluster.gpus_per_node} per node, "
-            f"{cluster.gpu_memory_bytes / 1024**3:.1f} GiB, {cluster.peak_flops / 1e12:.1f} TFLOP/s {t.precision} peak "
+            f"{cluster.gpu_memory_bytes / 1024**3:.1f} GiB, {_flops(cluster.peak_flops)} {t.precision} peak "
             f"at {cluster.efficiency:.0%}); global batch {t.global_batch_size} x seq {run_cfg.model.seq_len}; "
             f"{result.enumerated} valid layouts, {result.priced} priced for memory, {result.too_big} too big, "
             f"{result.seconds:.1f} s")
@@ -169,7 +176,9 @@ def run(argv: list[str]) -> int:
                                     "too_big": result.too_big,
                                     "candidates": [c.as_dict() for c in result.ranked]}, indent=1) + "\n")
     if not result.ranked:
-        print(f"meshtron.plan: no layout fits {cluster.gpu_memory_bytes / 1024**3:.1f} GiB per device; "
+        capped = f" (of the {result.priced} fastest priced; raise --max-priced to look further)" \
+            if args.max_priced and result.priced >= args.max_priced else ""
+        print(f"meshtron.plan: no layout fits {cluster.gpu_memory_bytes / 1024**3:.1f} GiB per device{capped}; "
               "lower trainer.global_batch_size, or add devices", file=sys.stderr)
         return 1
     print(format_table(result.ranked, args.top))
