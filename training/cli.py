@@ -76,6 +76,28 @@ def group_selection_error(argv: list[str]) -> str | None:
     return None
 
 
+def compose_run(overrides: list[str]):
+    """The RunConfig train.py would run with `overrides`, composed in this process without
+    Hydra's app (same pre-checks: unknown keys, group selections). ConfigError with one line
+    for a bad key, group selection or value. Used by `meshtron.plan` and `meshtron.verify`."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from meshtron.errors import ConfigError
+    from meshtron.training.config import RunConfig
+
+    error = unknown_override(overrides) or group_selection_error(overrides)
+    if error:
+        raise ConfigError(error)
+    try:
+        with initialize_config_module(config_module="meshtron.configs", version_base="1.3"):
+            cfg = compose(config_name="train", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(" ".join(str(err).split())) from None
+    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
 def main() -> None:
     """Refuse an override naming no config key, or a group selection Hydra would refuse, in
     one line (exit 2) before Hydra composes the config, then run Hydra's entry."""

@@ -27,7 +27,8 @@ from typing import Any
 from meshtron.errors import ConfigError
 from meshtron.planning.search import search
 from meshtron.planning.step_time import CLUSTER_PRESETS, Cluster, cluster_preset
-from meshtron.training.config import RunConfig, unknown_override
+from meshtron.training.cli import compose_run
+from meshtron.training.config import RunConfig
 
 __all__ = ["main", "compose_run", "parse_bytes", "pinned_fields"]
 
@@ -46,27 +47,6 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"--gpu-memory {text!r} is not a size; use e.g. 80GiB, 80GB or 85899345920")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def compose_run(overrides: list[str]) -> RunConfig:
-    """The RunConfig train.py would run with these overrides (Hydra compose; ConfigError with
-    one line for an unknown key, a group selection Hydra refuses, or a bad value)."""
-    from hydra import compose, initialize_config_module
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from meshtron.training.cli import group_selection_error
-
-    error = unknown_override(overrides) or group_selection_error(overrides)
-    if error:
-        raise ConfigError(error)
-    try:
-        with initialize_config_module(config_module="meshtron.configs", version_base="1.3"):
-            cfg = compose(config_name="train", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(str(err).splitlines()[0]) from err
-    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
 
 
 def pinned_fields(overrides: list[str], run: RunConfig) -> dict[str, Any]:

@@ -94,6 +94,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.errors import ConfigError
+from meshtron.training.cli import compose_run
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, check_model_fits, group_size
 
@@ -114,26 +115,6 @@ _FAULT_TARGET = re.compile(r"norm\d?\.weight$")
 
 
 # ----------------------------------------------------------------------------- configuration
-
-
-def compose_run(overrides: list[str]) -> "RunConfig":
-    """The RunConfig train.py would build from `overrides` (same pre-checks, same Hydra
-    composition). Raises ConfigError with one line."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    from meshtron.training.cli import group_selection_error
-    from meshtron.training.config import RunConfig, unknown_override
-
-    error = unknown_override(overrides) or group_selection_error(overrides)
-    if error:
-        raise ConfigError(error)
-    try:
-        with initialize_config_module(config_module="meshtron.configs", version_base="1.3"):
-            cfg = compose(config_name="train", overrides=overrides)
-    except Exception as err:  # noqa: BLE001 - Hydra's override and composition errors, as one line
-        raise ConfigError(" ".join(str(err).split())) from None
-    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
 
 
 def layout_world(par: ParallelConfig) -> int:
