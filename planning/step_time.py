@@ -77,13 +77,13 @@ __all__ = ["Cluster", "Layout", "ModelCosts", "StepTime", "cluster_preset", "CLU
 GB = 1e9
 
 # The 2-core development host (Xeon VM, torch 2.13 CPU), from bench/plan_calibration.py runs on
-# 2026-11-25 while other jobs kept ~1.1 of its 2 CPUs busy. flops_per_core: an idle 1024^2 fp32
-# matmul on one thread (DESIGN.md: 98 GFLOP/s on 2 threads; 17-49 GFLOP/s under those runs' load);
+# 2026-11-25. flops_per_core: the bench's one-thread fp32 matmul rate on the quiet host (99.6
+# GFLOP/s at 01:42 UTC; 17-49 GFLOP/s under the load of the earlier runs);
 # mem_bw: a 64 MiB copy on one thread (read + write; 15-26 GB/s measured); bw and latency_s:
 # mpu/shm_collectives (about 0.2 ms per small collective); efficiency: solved from the measured
 # tp=1 x dp=4 median at world 4; the other layouts are predictions (README, "Choosing a layout").
 CPU_CALIBRATION = {
-    "flops_per_core": 45e9,
+    "flops_per_core": 99.6e9,
     "cores": 2,
     "bw": 2.0e9,
     "latency_s": 1e-4,
