@@ -451,9 +451,10 @@ class Mesh:
 
     def describe(self) -> str:
         p = self.par
+        cp, cp_rank = (f"cp={p.cp} ", f"cp_rank={self.cp_rank} ") if p.cp > 1 else ("", "")
         return (
-            f"rank {self.rank}/{self.world_size}: dense pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp} "
-            f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} cp_rank={self.cp_rank} tp_rank={self.tp_rank}); "
+            f"rank {self.rank}/{self.world_size}: dense pp={p.pp} dp={p.dp} {cp}tp={p.tp} "
+            f"(pp_rank={self.pp_rank} dp_rank={self.dp_rank} {cp_rank}tp_rank={self.tp_rank}); "
             f"expert edp={p.edp} ep={p.ep} etp={p.etp}; sp={self.sequence_parallel}; {self.describe_placement()}"
         )
 
