@@ -136,12 +136,12 @@ class Attention(nn.Module):
         """softmax(q k^T / sqrt(d) + causal mask) v over this rank's heads (dropout on the
         probabilities from the tensor-parallel RNG stream). With context parallelism the
         sequence is sharded over `mesh.cp` and the ring / all-to-all attention of
-        `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s/cp] adds the
-        document mask of packed sequences."""
+        `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s] (the whole
+        sequence's, on every cp rank) adds the document mask of packed sequences."""
         p = self.cfg.attention_dropout_p if self.training else 0.0
         if self.mesh.cp_size > 1:
-            out = context_parallel_attention(q, k, v, self.mesh.cp, self.mesh.par.cp_comm, doc_ids=doc_ids,
-                                             dropout_p=p)
+            out = context_parallel_attention(q, k, v, self.mesh.cp, self.mesh.par.cp_comm,
+                                             sequence_doc_ids=doc_ids, dropout_p=p)
             return out.to(q.dtype)
         mask = None
         if doc_ids is not None:  # causal within each document: [b, 1, s, s]
@@ -339,9 +339,9 @@ class GPT(nn.Module):
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s/cp] (first chunk) or hidden [s/cp(/tp), b, h] -> logits [b, s/cp, V_pad/tp]
-        (last chunk) or hidden [s/cp(/tp), b, h]. `positions` / `doc_ids` [b, s/cp]: per-token
-        global positions and document ids of packed sequences (None: one document, positions of
-        this rank's cp shard)."""
+        (last chunk) or hidden [s/cp(/tp), b, h]. Packed sequences: `positions` [b, s/cp], this
+        rank's tokens' positions within their documents, and `doc_ids` [b, s], the whole
+        sequence's document ids (None: one document, positions of this rank's cp shard)."""
         cp = self.mesh.cp_size
         if self.pre_process:
             b, s = x.shape

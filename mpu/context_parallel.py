@@ -19,8 +19,10 @@ holds chunks i and 2*cp-1-i, so under the causal mask every rank has the same wo
   on h/cp heads, all-to-all back (backward: the reverse all-to-alls). Needs h divisible by cp;
   kv heads are replicated as needed when hkv is not a multiple of cp.
 
-Both take optional per-token document ids `doc_ids` [b, s/cp] (sharded like q; see
-`mpu.attention_blocks.document_ids`): tokens then attend only within their document. A group
+Both take optional per-token document ids (see `mpu.attention_blocks.document_ids`): tokens
+then attend only within their document. `doc_ids` [b, s/cp] is sharded like q and gathered
+over the group; a caller that holds the whole sequence's ids [b, s] (the model: every cp rank
+loads the full microbatch) passes them as `sequence_doc_ids` and nothing is gathered. A group
 of size 1 (or None) is plain causal / document-masked attention. Dropout is not supported
 with context parallelism (dropout_p > 0 raises); attention math accumulates in fp32.
 """
@@ -151,12 +153,10 @@ def _wait(reqs) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, doc_ids, group, scale, stats):
+    def forward(ctx, q, k, v, docs, group, scale, stats):
         ring = _Ring(group)
         cp, rank = ring.size, ring.rank
         c = q.shape[2] // 2
-        # Document ids are tiny ([b, s] integers): gather them once instead of sending them around.
-        docs = None if doc_ids is None else gather_sequence(doc_ids, 1, group)
         pos = [torch.arange(g * c, (g + 1) * c, device=q.device) for g in range(2 * cp)]
         out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -245,16 +245,25 @@ def _block_mask(pos: list[torch.Tensor], docs: torch.Tensor | None, q_chunk: int
     return attention_mask(pos[q_chunk] if causal else None, k_pos if causal else None, q_doc, k_doc)
 
 
+def _sequence_docs(doc_ids: torch.Tensor | None, sequence_doc_ids: torch.Tensor | None,
+                   group) -> torch.Tensor | None:
+    """The whole sequence's document ids [b, s]: `sequence_doc_ids` as given, else the shards
+    `doc_ids` gathered over `group` (tiny integers: gathered once, not sent around the ring)."""
+    if doc_ids is not None and sequence_doc_ids is not None:
+        raise ValueError("give doc_ids (this rank's shard) or sequence_doc_ids (the whole sequence), not both")
+    return sequence_doc_ids if doc_ids is None else gather_sequence(doc_ids, 1, group)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
                    doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                   stats: RingStats | None = None) -> torch.Tensor:
+                   stats: RingStats | None = None, sequence_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence, kv [b, hkv, s/cp, d] passed around the ring
     of `group` (P2P); returns out [b, h, s/cp, d] in q's dtype. Backward: ring of kv and dk/dv."""
     if k.shape != v.shape:
         raise ValueError(f"ring attention needs k and v of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, doc_ids, group, scale, stats)
+    return _RingAttention.apply(q, k, v, _sequence_docs(doc_ids, sequence_doc_ids, group), group, scale, stats)
 
 
 # ----------------------------------------------------------------- all-to-all (Ulysses)
@@ -281,7 +290,8 @@ def _heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
-                      doc_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, scale: float | None = None,
+                      sequence_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence by all-to-all over `group` to h/cp heads of
     the full sequence and back; kv heads [b, hkv, s/cp, d] are replicated first when hkv is not a
@@ -297,8 +307,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     if cp > 1:
         q, k, v = (_seq_to_heads(t, cp, group) for t in (q, k, v))
     mask = None
-    if doc_ids is not None:
-        docs = gather_sequence(doc_ids, 1, group)
+    docs = _sequence_docs(doc_ids, sequence_doc_ids, group)
+    if docs is not None:
         pos = torch.arange(docs.shape[1], device=q.device)
         mask = attention_mask(pos, pos, docs, docs)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -308,14 +318,18 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm: str = "ring", *,
                                doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                               dropout_p: float = 0.0, stats: RingStats | None = None) -> torch.Tensor:
+                               dropout_p: float = 0.0, stats: RingStats | None = None,
+                               sequence_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention over the cp group `group` (see the module doc) with `comm` "ring" or
     "a2a". q [b, h, s/cp, d], k, v [b, hkv, s/cp, d] in the load-balanced chunk order; returns
-    out [b, h, s/cp, d]. `dropout_p` > 0 is not supported with context parallelism (raises)."""
+    out [b, h, s/cp, d]. Document masks from `doc_ids` [b, s/cp] (this rank's shard, gathered)
+    or `sequence_doc_ids` [b, s] (the whole sequence, as the model holds it). `dropout_p` > 0 is
+    not supported with context parallelism (raises)."""
     if dropout_p > 0:
         raise ValueError(f"attention dropout {dropout_p} is not supported with context parallelism "
-                         "(set model.dropout=0)")
+                         "(set model.attention_dropout=0)")
     check_cp_shapes(q.shape[2] * group_size(group), q.shape[1], group_size(group), comm)
+    docs = dict(doc_ids=doc_ids, sequence_doc_ids=sequence_doc_ids)
     if comm == "ring":
-        return ring_attention(q, k, v, group, doc_ids=doc_ids, scale=scale, stats=stats)
-    return ulysses_attention(q, k, v, group, doc_ids=doc_ids, scale=scale)
+        return ring_attention(q, k, v, group, scale=scale, stats=stats, **docs)
+    return ulysses_attention(q, k, v, group, scale=scale, **docs)

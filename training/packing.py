@@ -3,8 +3,9 @@ sequence, and, for packed documents, per-token document ids and positions.
 
 The data loader hands every rank of a cp group the same full-length microbatch (token ids are
 small); `local_microbatch` computes document ids and positions over the full sequence (a
-document may span cp chunks) and then cuts inputs, targets, ids and positions into the
-load-balanced cp shard (`mpu.context_parallel.shard_sequence`: chunks cp_rank and
+document may span cp chunks) and then cuts inputs, targets and positions into the
+load-balanced cp shard. The document ids stay whole: attention masks against the whole
+sequence, so no rank needs to gather them (`mpu.context_parallel.shard_sequence`: chunks cp_rank and
 2*cp-1-cp_rank). Targets are cut like inputs, so each rank's loss covers its own tokens and the
 sum over dp x cp is the global batch's.
 """
@@ -22,8 +23,8 @@ from meshtron.mpu.mesh import Mesh
 
 @dataclass
 class LocalMicrobatch:
-    """Inputs [b, s/cp], targets [b, s/cp] and the model's keyword arguments (`positions`,
-    `doc_ids` [b, s/cp] for packed documents; empty otherwise)."""
+    """Inputs [b, s/cp], targets [b, s/cp] and the model's keyword arguments (`positions`
+    [b, s/cp] and `doc_ids` [b, s] for packed documents; empty otherwise)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -34,7 +35,8 @@ def local_microbatch(inputs: torch.Tensor, targets: torch.Tensor, mesh: Mesh,
                      eos_id: int | None = None) -> LocalMicrobatch:
     """This rank's share of one microbatch of full sequences `inputs`/`targets` [b, s]: the cp
     shard along the sequence and, when `eos_id` is given (packed documents, `data.reset_at_eos`),
-    document ids and positions restarting after every `eos_id` input token."""
+    the whole sequence's document ids and this shard's positions, restarting after every
+    `eos_id` input token."""
     kwargs = {}
     if eos_id is not None:
         doc, pos = document_ids(inputs, eos_id)
@@ -43,7 +45,8 @@ def local_microbatch(inputs: torch.Tensor, targets: torch.Tensor, mesh: Mesh,
     if cp > 1:
         rank = mesh.cp_rank
         inputs, targets = shard_sequence(inputs, 1, cp, rank), shard_sequence(targets, 1, cp, rank)
-        kwargs = {name: shard_sequence(t, 1, cp, rank) for name, t in kwargs.items()}
+        if eos_id is not None:
+            kwargs["positions"] = shard_sequence(kwargs["positions"], 1, cp, rank)
     return LocalMicrobatch(inputs, targets, kwargs)
 
 
