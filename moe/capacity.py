@@ -14,6 +14,7 @@ from fractions import Fraction
 
 import torch
 
+from meshtron.mpu.context_parallel import shard_sequence, unshard_sequence
 from meshtron.mpu.mappings import all_gather_stats
 from meshtron.mpu.mesh import group_rank
 
@@ -71,17 +72,16 @@ def capacity_keep_mask(topk_idx: torch.Tensor, num_experts: int, capacity: int, 
     return keep
 
 
-def capacity_keep_mask_at(topk_idx: torch.Tensor, positions: torch.Tensor, num_experts: int, capacity: int,
-                          seq_group) -> torch.Tensor:
-    """`capacity_keep_mask` for a sequence whose shards over `seq_group` are not consecutive
-    ranges (context parallelism: each cp rank holds 2 of the 2*cp load-balanced chunks, each tp
-    rank a piece of that). `positions` [s_local] are the global positions of this rank's rows
-    of `topk_idx` [s_local, b, k]. The routed experts and positions of every rank are
-    all-gathered over `seq_group` (s*b*k integers: small beside the hidden states), the mask
-    is computed on the whole sequence in position order, and this rank's rows are returned."""
-    s, b, k = topk_idx.shape
-    every_idx = all_gather_stats(topk_idx, seq_group)  # [W, s, b, k]
-    every_pos = all_gather_stats(positions.to(topk_idx.device), seq_group).reshape(-1)  # [W * s]
-    full = torch.empty_like(every_idx.reshape(-1, b, k))
-    full[every_pos] = every_idx.reshape(-1, b, k)
-    return capacity_keep_mask(full, num_experts, capacity, None)[positions.to(topk_idx.device)]
+def capacity_keep_mask_cp(topk_idx: torch.Tensor, num_experts: int, capacity: int, mesh) -> torch.Tensor:
+    """`capacity_keep_mask` under context parallelism, where this rank's rows of `topk_idx`
+    [s_local, b, k] are its tp piece of its cp shard (2 of the 2*cp load-balanced chunks), not a
+    consecutive range. The routed experts of every rank are all-gathered over `mesh.tp_cp` (s*b*k
+    integers: small beside the hidden states); in group order they are the cp shards, each its
+    tp pieces in order, which `unshard_sequence` puts back in sequence order. The mask is
+    computed on the whole sequence and this rank's rows are returned."""
+    s = topk_idx.shape[0]
+    every = all_gather_stats(topk_idx, mesh.tp_cp)  # [cp * tp, s, b, k]
+    shards = every.reshape((mesh.cp_size, mesh.tp_size * s) + tuple(topk_idx.shape[1:])).unbind(0)
+    keep = capacity_keep_mask(unshard_sequence(list(shards), 0), num_experts, capacity, None)
+    mine = shard_sequence(keep, 0, mesh.cp_size, mesh.cp_rank)
+    return mine[mesh.tp_rank * s:(mesh.tp_rank + 1) * s]

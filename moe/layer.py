@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.moe.capacity import capacity_for, capacity_keep_mask, capacity_keep_mask_at
+from meshtron.moe.capacity import capacity_for, capacity_keep_mask, capacity_keep_mask_cp
 from meshtron.moe.config import MoEConfig
 from meshtron.moe.dispatcher import AllToAllDispatcher
 from meshtron.moe.experts import GroupedExperts, expert_out_init_std
@@ -28,7 +28,6 @@ from meshtron.mpu.mappings import (
     scatter_to_sequence,
     sequence_gathered,
 )
-from meshtron.mpu.context_parallel import sequence_positions
 from meshtron.mpu.mesh import Mesh, expert_shard_checks
 from meshtron.rules import raise_first
 
@@ -132,10 +131,7 @@ class MoELayer(nn.Module):
             full_seq = s * mesh.tp_size * mesh.cp_size
             capacity = capacity_for(full_seq, self.cfg.num_experts, k, self.cfg.capacity_factor)
             if mesh.cp_size > 1:  # this rank's tokens: a tp piece of its 2 cp chunks
-                cp_positions = sequence_positions(full_seq, mesh.cp_size, mesh.cp_rank, x.device)
-                positions = cp_positions[mesh.tp_rank * s:(mesh.tp_rank + 1) * s] if mesh.tp_size > 1 else cp_positions
-                keep = capacity_keep_mask_at(routed.topk_idx.view(s, b, k), positions, self.cfg.num_experts,
-                                             capacity, mesh.tp_cp)
+                keep = capacity_keep_mask_cp(routed.topk_idx.view(s, b, k), self.cfg.num_experts, capacity, mesh)
             else:
                 keep = capacity_keep_mask(routed.topk_idx.view(s, b, k), self.cfg.num_experts, capacity, mesh.tp)
             keep = keep.reshape(-1)  # dropped pairs are not sent (the dispatcher filters them)
