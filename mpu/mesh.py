@@ -389,7 +389,7 @@ class Mesh:
         self.dp_cp, self.tp_cp = self.dp, self.tp
         if cp > 1:
             self.dp_cp = self._flattened_groups(ranks.view(pp, dp, cp, tp).permute(0, 3, 1, 2).reshape(-1, dp * cp))
-            self.tp_cp = self._flattened_groups(ranks.view(-1, cp * tp)) if cp * tp > 1 else None
+            self.tp_cp = self._flattened_groups(ranks.view(-1, cp * tp))
         # First and last pipeline stage at the same (dp, cp, tp) position: tied embedding copies.
         if pp > 1:
             grid = ranks.view(pp, dp * cp * tp)

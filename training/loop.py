@@ -105,7 +105,7 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     execution = run.execution(backend)
     set_tf32_mode(run.kernels.tf32)
     dataset = None
-    document_end_id(run.data, run.model.vocab_size)  # a reset_at_eos without a token fails here, before any group
+    eos_id = document_end_id(run.data, run.model.vocab_size)  # None unless data.reset_at_eos; fails before any group
     if not run.trainer.dry_run:
         try:
             dataset = build_dataset(run.data, run.model.seq_len, run.trainer.seed, run.model.vocab_size)
@@ -119,7 +119,7 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
         if run.trainer.dry_run:
             return _dry_run(run, par, env, run_dir, micro, execution)
         with hold_checkpoint_dir(run.checkpoint.dir):  # one writer per dir, writable: before any step
-            return _train(run, par, env, run_dir, dataset, micro, n_micro, start_from, execution)
+            return _train(run, par, env, run_dir, dataset, micro, n_micro, start_from, execution, eos_id)
     finally:
         teardown_distributed()
 
@@ -162,10 +162,9 @@ def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int, execution: Exe
 
 
 def _train(run: RunConfig, par, env, run_dir: Path, dataset: TokenDataset, micro: int, n_micro: int,
-           start_from: tuple[str, Path] | None, execution: ExecutionConfig) -> dict:
+           start_from: tuple[str, Path] | None, execution: ExecutionConfig, eos_id: int | None) -> dict:
     cfg, t = run.model, run.trainer
     tokens = dataset.split_tokens("train")
-    eos_id = document_end_id(run.data, cfg.vocab_size)  # None unless data.reset_at_eos
 
     mesh = build_mesh(par, cfg, device_type=env.device.type, ranks_per_node=env.local_world_size)
     # checkpoint.async: the writer thread coordinates over its own gloo group, made here, at
