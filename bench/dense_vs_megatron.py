@@ -23,8 +23,7 @@ import argparse
 import json
 import sys
 
-from peer_rounds import (DEFAULT_MCORE_VENV, PEERS, ROOT, add_gloo_variant, interleaved_rounds, launch,
-                         mcore_python)
+from peer_rounds import DEFAULT_MCORE_VENV, PEERS, ROOT, launch, layout_rounds, mcore_python
 
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192)
 
@@ -50,14 +49,9 @@ def main(argv=None) -> None:
     p.add_argument("--mcore-venv", default=DEFAULT_MCORE_VENV)
     args = p.parse_args(argv)
     python = mcore_python(args.mcore_venv)
-    result = {"bench": "dense_vs_megatron", "shape": SHAPE, "rounds": args.rounds, "layouts": {}}
-    for tp in args.layouts:
-        cmds, envs = commands(tp, args.steps, args.warmup, python), {}
-        if args.gloo and tp > 1:
-            add_gloo_variant(cmds, envs)
-        summary = interleaved_rounds(cmds, 2 // tp, args.rounds, baseline="meshtron", envs=envs, label=f"tp={tp}")
-        result["layouts"][f"tp{tp}"] = {"processes_x_threads": f"{tp}x{2 // tp}", **summary}
-    print(json.dumps(result))
+    layouts = layout_rounds("tp", args.layouts, lambda tp: commands(tp, args.steps, args.warmup, python),
+                            args.rounds, gloo=args.gloo)
+    print(json.dumps({"bench": "dense_vs_megatron", "shape": SHAPE, "rounds": args.rounds, "layouts": layouts}))
 
 
 if __name__ == "__main__":

@@ -30,8 +30,7 @@ import argparse
 import json
 import sys
 
-from peer_rounds import (DEFAULT_MCORE_VENV, PEERS, ROOT, add_gloo_variant, interleaved_rounds, launch,
-                         mcore_python)
+from peer_rounds import DEFAULT_MCORE_VENV, PEERS, ROOT, launch, layout_rounds, mcore_python
 
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192, experts=8, topk=2, moe_ffn=512)
 
@@ -67,18 +66,14 @@ def main(argv=None) -> None:
     p.add_argument("--mcore-venv", default=DEFAULT_MCORE_VENV)
     args = p.parse_args(argv)
     python = mcore_python(args.mcore_venv)
-    result = {"bench": "moe_vs_megatron", "shape": SHAPE, "rounds": args.rounds, "layouts": {}}
-    for ep in args.layouts:
-        cmds = commands(ep, args.steps, args.warmup, python)
-        envs = {}
-        if not args.no_peer_keep_freed:
+    def keep_freed_peer(cmds: dict, envs: dict) -> None:
+        if not args.no_peer_keep_freed:  # Megatron-Core again with meshtron's glibc malloc settings
             cmds["megatron_core_keep_freed"] = cmds["megatron_core"]
             envs["megatron_core_keep_freed"] = KEEP_FREED_ENV
-        if args.gloo and ep > 1:
-            add_gloo_variant(cmds, envs)
-        summary = interleaved_rounds(cmds, 2 // ep, args.rounds, baseline="meshtron", envs=envs, label=f"ep={ep}")
-        result["layouts"][f"ep{ep}"] = {"processes_x_threads": f"{ep}x{2 // ep}", **summary}
-    print(json.dumps(result))
+
+    layouts = layout_rounds("ep", args.layouts, lambda ep: commands(ep, args.steps, args.warmup, python),
+                            args.rounds, gloo=args.gloo, variants=keep_freed_peer)
+    print(json.dumps({"bench": "moe_vs_megatron", "shape": SHAPE, "rounds": args.rounds, "layouts": layouts}))
 
 
 if __name__ == "__main__":

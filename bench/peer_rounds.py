@@ -122,6 +122,22 @@ def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *,
     }
 
 
+def layout_rounds(dim: str, sizes, commands_of, rounds: int, *, gloo: bool, variants=None) -> dict:
+    """Interleaved rounds (meshtron the baseline) for each layout size in `sizes` (= processes,
+    2 // size threads each): `commands_of(size)` gives the commands, `variants(cmds, envs)` may
+    add more, `gloo` adds meshtron on gloo collectives at size > 1. Returns {f"{dim}{size}": summary}."""
+    out = {}
+    for size in sizes:
+        cmds, envs = commands_of(size), {}
+        if variants is not None:
+            variants(cmds, envs)
+        if gloo and size > 1:
+            add_gloo_variant(cmds, envs)
+        summary = interleaved_rounds(cmds, 2 // size, rounds, baseline="meshtron", envs=envs, label=f"{dim}={size}")
+        out[f"{dim}{size}"] = {"processes_x_threads": f"{size}x{2 // size}", **summary}
+    return out
+
+
 def add_gloo_variant(cmds: dict, envs: dict) -> None:
     """Add "meshtron_gloo": meshtron's command again with its CPU collectives on gloo instead of
     shared memory (MESHTRON_SHM_COLLECTIVES=0), to measure what the shared-memory path is worth."""

@@ -39,6 +39,27 @@ def test_interleaved_rounds_alternate_and_summarise(tmp_path):
     assert all(len(v) == 3 for v in out["loadavg_1min"].values())
 
 
+def test_layout_rounds_add_variants_and_gloo_only_above_one_process(tmp_path):
+    """layout_rounds runs each size's commands with the extra variants; the gloo variant (meshtron
+    with MESHTRON_SHM_COLLECTIVES=0) is added only at size > 1; keys and threads follow the size."""
+    log = tmp_path / "order.txt"
+    ours = {"tokens_per_step": 1000, "step_time_s": {"median": 0.5, "min": 0.4}}
+    peer = {"tokens_per_step": 1000, "ms_per_step_median": 1000.0, "ms_per_step_min": 500.0}
+
+    def commands_of(size):
+        return {"meshtron": _cmd(ours, log, f"meshtron{size}"), "peer": _cmd(peer, log, f"peer{size}")}
+
+    def twice(cmds, envs):
+        cmds["peer_again"] = cmds["peer"]
+
+    out = peer_rounds.layout_rounds("ep", [1, 2], commands_of, 1, gloo=True, variants=twice)
+    assert list(out) == ["ep1", "ep2"]
+    assert out["ep1"]["processes_x_threads"] == "1x2" and out["ep2"]["processes_x_threads"] == "2x1"
+    assert sorted(out["ep1"]["tokens_per_s"]) == ["meshtron", "peer", "peer_again"]
+    assert sorted(out["ep2"]["tokens_per_s"]) == ["meshtron", "meshtron_gloo", "peer", "peer_again"]
+    assert log.read_text().split().count("meshtron2") == 2  # once as itself, once on gloo
+
+
 def test_failing_command_raises_with_its_stderr():
     with pytest.raises(RuntimeError, match="boom"):
         peer_rounds.run_json([sys.executable, "-c", "import sys; sys.exit('boom')"], 1)
