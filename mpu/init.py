@@ -80,6 +80,19 @@ def local_shard(full: torch.Tensor, shards, mesh) -> torch.Tensor:
 
 
 @torch.no_grad()
+def full_tensor(local: torch.Tensor, shards, mesh) -> torch.Tensor:
+    """Inverse of `local_shard`: the full tensor of this rank's piece `local` (a parameter, its
+    gradient or any tensor split like it), all-gathered over the group of each (dim, axis)
+    split in `shards` on `mesh` (tp / ep / etp). Every rank of those groups must call it."""
+    from meshtron.mpu.mappings import gather_from_region
+
+    full = local.detach()
+    for dim, axis in reversed(shards):
+        full = gather_from_region(full, dim, getattr(mesh, axis))
+    return full
+
+
+@torch.no_grad()
 def initialize_parameters(model: nn.Module, seed: int, mesh) -> None:
     """Fill every tagged parameter of `model` with this rank's shard (on `mesh`) of its
     layout-independent value."""

@@ -94,9 +94,12 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.errors import ConfigError
-from meshtron.training.cli import compose_run
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.mpu.init import full_tensor
+from meshtron.mpu.mappings import gather_from_region
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, check_model_fits, group_size
+from meshtron.mpu.param_gather import finish_param_gather
+from meshtron.training.cli import compose_run
 
 if TYPE_CHECKING:
     from meshtron.training.config import OptimConfig, RunConfig
@@ -261,24 +264,6 @@ def make_plan(run: "RunConfig", world: int | None, steps: int, fault: str | None
 # ------------------------------------------------------------------------------- recording
 
 
-def _cat_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """All-gather equal shards of `x` over `group` and concatenate them along `dim` (no grad)."""
-    from meshtron.mpu.mappings import all_gather_stats
-
-    if group_size(group) == 1:
-        return x
-    return torch.cat(list(all_gather_stats(x, group).unbind(0)), dim=dim)
-
-
-def full_parameter(t: torch.Tensor, shards, mesh: Mesh) -> torch.Tensor:
-    """The full tensor of a parameter's shard (`shards`: (dim, mesh axis) pairs, mpu/init.py),
-    all-gathered over tp/ep/etp."""
-    t = t.detach()
-    for dim, axis in reversed(shards):
-        t = _cat_gather(t, dim, getattr(mesh, axis))
-    return t
-
-
 def _trim_vocab(name: str, t: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     return t[: cfg.vocab_size] if name in ("embed.weight", "head.weight") else t
 
@@ -327,9 +312,9 @@ class Recorder:
         mesh, x = self.mesh, out.detach().float()
         seq_dim = 1 if name == "logits" else 0
         if name == "logits":
-            x = _cat_gather(x, -1, mesh.tp)[..., : self.cfg.vocab_size]
+            x = gather_from_region(x, -1, mesh.tp)[..., : self.cfg.vocab_size]
         elif mesh.sequence_parallel and x.shape[0] * mesh.tp_size * mesh.cp_size == self.cfg.seq_len:
-            x = _cat_gather(x, 0, mesh.tp)
+            x = gather_from_region(x, 0, mesh.tp)
         if mesh.cp_size > 1:
             x = gather_sequence(x, seq_dim, mesh.cp)
         return x.clone()
@@ -356,7 +341,7 @@ class Recorder:
             g = grads.get(id(p), p.grad)
             if g is None:
                 g = torch.zeros(p.shape)
-            full = _trim_vocab(name, full_parameter(g, p.shards, self.mesh), self.cfg)
+            full = _trim_vocab(name, full_tensor(g, p.shards, self.mesh), self.cfg)
             self.records.append((("grad", self.step, name), None, full.float().clone()))
 
     def record_step(self, out: dict) -> None:
@@ -368,10 +353,10 @@ class Recorder:
                 self.records.append((("loss", self.step, key), None, out[key].detach().float().reshape(1).clone()))
         self.records.append((("grad_norm", self.step, "grad_norm"), None,
                              out["grad_norm"].detach().float().reshape(1).clone()))
-        _finish_param_gather(self.chunks)  # ZeRO-1/2 overlapped gathers: the updated weights, not stale ones
+        finish_param_gather(self.chunks)  # ZeRO-1/2 overlapped gathers: the updated weights, not stale ones
         with zero3.gathered(self.chunks):
             for name, p in self.named_parameters():
-                full = _trim_vocab(name, full_parameter(p, p.shards, self.mesh), self.cfg)
+                full = _trim_vocab(name, full_tensor(p, p.shards, self.mesh), self.cfg)
                 self.records.append((("weight", self.step, name), None, full.float().clone()))
             for chunk in self.chunks:
                 for name, b in chunk.named_buffers():
@@ -381,16 +366,6 @@ class Recorder:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
-
-
-def _finish_param_gather(chunks) -> None:
-    """Wait for the ZeRO-1/2 parameter all-gathers still in flight (optim.overlap_param_gather),
-    where the library has them (mpu/param_gather.py)."""
-    try:
-        from meshtron.mpu.param_gather import finish_param_gather
-    except ImportError:  # a tree without overlapped parameter gathers: the update gathers before returning
-        return
-    finish_param_gather(chunks)
 
 
 def step_batches(plan: Plan, step: int) -> tuple[torch.Tensor, torch.Tensor]:

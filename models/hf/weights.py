@@ -13,8 +13,8 @@ from torch import nn
 
 from meshtron.models.config import GPTConfig
 from meshtron.models.hf.config import HFConversionError, hf_family
-from meshtron.mpu.init import local_shard
-from meshtron.mpu.mappings import gather_from_region, gather_object
+from meshtron.mpu.init import full_tensor, local_shard
+from meshtron.mpu.mappings import gather_object
 from meshtron.mpu.mesh import Mesh
 
 # Tensors of real checkpoints that are not weights (causal-mask buffers, cached RoPE tables).
@@ -268,12 +268,8 @@ def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
 # Export
 # --------------------------------------------------------------------------------------------
 
-@torch.no_grad()
 def _gather_full(param: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    t = param.detach()
-    for dim, axis in reversed(param.shards):
-        t = gather_from_region(t, dim, getattr(mesh, axis))
-    return t
+    return full_tensor(param, param.shards, mesh)
 
 
 @torch.no_grad()

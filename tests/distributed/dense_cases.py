@@ -23,8 +23,7 @@ import torch.distributed as dist
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import GPT, init_model_chunks
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
-from meshtron.mpu.init import initialize_parameters
-from meshtron.mpu.mappings import _gather
+from meshtron.mpu.init import full_tensor, initialize_parameters  # noqa: F401 (full_tensor: used by the case modules)
 from meshtron.mpu.mesh import Mesh, ParallelConfig, build_mesh, single_process_mesh
 from meshtron.mpu.random import seed_parallel_rng
 from meshtron.training.optim import build_optimizer
@@ -59,14 +58,6 @@ def microbatches(cfg: GPTConfig, step: int, dp_rank: int, dp: int, micro: int, b
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     inputs, targets = inputs[rows], targets[rows]
     return [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, per_rank, micro)]
-
-
-def full_tensor(tensor: torch.Tensor, shards, mesh: Mesh) -> torch.Tensor:
-    """All-gather a shard ((dim, axis) splits, as tagged by mpu.init) to the full tensor."""
-    tensor = tensor.detach()
-    for dim, axis in reversed(shards):
-        tensor = _gather(tensor, dim, getattr(mesh, axis))
-    return tensor
 
 
 def trim_vocab(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
