@@ -52,14 +52,17 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor:
     return total.sqrt()
 
 
+def scale_to_max_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Multiply `grads` in place by min(1, max_norm / (norm + 1e-6)), so gradients whose global
+    L2 norm is `norm` end at most `max_norm`; `max_norm` <= 0 disables clipping. No communication."""
+    if max_norm > 0 and grads:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> torch.Tensor:
     """Scale gradients so the global norm is at most `max_norm` (<= 0 disables); return the norm."""
     norm = global_grad_norm(params, mesh)
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef)
+    scale_to_max_norm([p.grad for p in params if p.grad is not None], norm, max_norm)
     return norm
 
 
@@ -129,9 +132,5 @@ def sharded_grad_norm(reducer, mesh: Mesh) -> torch.Tensor:
 def clip_sharded_grad_norm(reducer, max_norm: float, mesh: Mesh) -> torch.Tensor:
     """`clip_grad_norm` for ZeRO-2: the norm from the gradient shards; clipping scales them."""
     norm = sharded_grad_norm(reducer, mesh)
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        shards = [bucket.shard for bucket in reducer.buckets]
-        if shards:
-            torch._foreach_mul_(shards, coef)
+    scale_to_max_norm([bucket.shard for bucket in reducer.buckets], norm, max_norm)
     return norm

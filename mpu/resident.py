@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.mpu.grad_norm import sharded_grad_norm
+from meshtron.mpu.grad_norm import scale_to_max_norm, sharded_grad_norm
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.offload import OffloadedAdamW
@@ -69,9 +69,7 @@ class ResidentAdamW(OffloadedAdamW):
         """Global L2 norm from the reduced bucket shards (summed over each bucket's replica
         group, then tp/ep/pp as mpu/grad_norm.py does); scales `gradients` to at most `max_norm`."""
         norm = sharded_grad_norm(self._reducer, mesh)
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(self.gradients(chunks), coef)
+        scale_to_max_norm(self.gradients(chunks), norm, max_norm)
         return norm
 
     def state_bytes(self) -> int:

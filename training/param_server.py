@@ -79,7 +79,7 @@ from torch import nn
 from meshtron.errors import ConfigError
 from meshtron.mpu.adamw import TrainingOptimizer, adamw
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
-from meshtron.mpu.grad_norm import global_grad_norm
+from meshtron.mpu.grad_norm import global_grad_norm, scale_to_max_norm
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
 from meshtron.mpu.param_server_comm import PSChannel
@@ -473,11 +473,7 @@ class ParameterServer:
         self.last_norm = float(norm)
         if not finite or self.optimizer is None:
             return
-        max_norm = self.run.trainer.max_grad_norm
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for grad in grads:
-                grad.mul_(coef)
+        scale_to_max_norm(grads, norm, self.run.trainer.max_grad_norm)
         for t, pieces in enumerate(self.pieces):
             for a, b, view in pieces:
                 view.grad = grads[t][a:b]
