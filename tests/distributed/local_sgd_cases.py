@@ -38,13 +38,14 @@ STEPS = 8
 
 
 class _SGD(torch.optim.SGD, TrainingOptimizer):
-    """Plain SGD as a training optimizer: an update linear in the gradient (no checkpoints)."""
+    """Plain SGD as a training optimizer: an update linear in the gradient. These cases never
+    checkpoint, so the moment accessors of the protocol refuse."""
 
     def param_moments(self):
-        raise NotImplementedError
+        raise NotImplementedError("the local SGD cases' SGD has no moments to checkpoint")
 
     def load_param_moments(self, moments, step):
-        raise NotImplementedError
+        raise NotImplementedError("the local SGD cases' SGD has no moments to checkpoint")
 
     def state_bytes(self) -> int:
         return 0
