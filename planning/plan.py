@@ -30,7 +30,6 @@ plan a 64-GPU layout).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -491,7 +490,8 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
     stage pp_rank, GPipe m, interleaved what its warm-up implies, all of which the replay follows.
 
     Returns {"saved_per_microbatch" (all chunks of this rank, one microbatch), "peak" (largest
-    activation-side bytes), "peak_phase", "max_in_flight", "held_after_backward" (logits the
+    activation-side bytes, phase extras included), "activations_peak" (the same without the
+    phase extras), "peak_phase", "max_in_flight", "held_after_backward" (logits the
     step still holds during the optimizer step: the last microbatch's at pp = 1), "chunks"}.
     """
     sp = bool(res.sp and res.tp > 1)
@@ -505,7 +505,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
         actions = [(a.kind, a.microbatch, a.chunk)
                    for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)]
     extra = {"forward": 0, "loss_backward": 0, "backward": 0, **(phase_extras or {})}
-    live = held = peak = 0
+    live = held = peak = plain_peak = 0
     in_flight = max_in_flight = 0
     phase = "none"
     for kind, m, c in actions:
@@ -515,7 +515,8 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
             in_flight += 1
             # The previous output (held by the step's variable) is released only when the chunk's
             # forward returns; the loss then runs beside the new logits.
-            now = max(live - ch.head_saved + held + ch.logits, live + ch.logits + ch.forward_extra) + extra["forward"]
+            plain = max(live - ch.head_saved + held + ch.logits, live + ch.logits + ch.forward_extra)
+            now = plain + extra["forward"]
             held = ch.logits
             where = f"forward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
         else:
@@ -526,8 +527,10 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
             if ch.post:  # the loss's backward, then the head and layers' (with ZeRO-3's buffers)
                 transient = max(ch.loss_backward_extra + extra["loss_backward"],
                                 ch.rest_backward_extra + extra["backward"])
+                plain = live + held + ch.backward_extra
             else:
                 transient = ch.backward_extra + extra["backward"] + ch.pipeline_recv
+                plain = live + held + ch.backward_extra + ch.pipeline_recv
             now = live + held + transient
             live -= ch.saved
             if not ch.pre:
@@ -538,11 +541,13 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
             in_flight -= 1
             where = f"backward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
         max_in_flight = max(max_in_flight, in_flight)
+        plain_peak = max(plain_peak, plain)
         if now > peak:
             peak, phase = now, where
     return {
         "saved_per_microbatch": sum(ch.saved for ch in chunks),
         "peak": peak,
+        "activations_peak": plain_peak,
         "peak_phase": phase,
         "max_in_flight": max_in_flight,
         "held_after_backward": held if res.pp == 1 else 0,
@@ -684,11 +689,9 @@ def plan_rank(
                         "backward": states["weights_gathered"] + states["grad_buffers_backward"]}
     else:
         phase_extras = dict.fromkeys(("forward", "loss_backward", "backward"), states["grad_buffers_backward"])
-    estimate = functools.partial(activation_estimate, model_cfg, res, micro_batch_size=micro_batch_size,
-                                 num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
-                                 precision=precision, device=device, execution=execution)
-    act = estimate(phase_extras=phase_extras)
-    activations_alone = estimate()["peak"] if any(phase_extras.values()) else act["peak"]  # traces are cached
+    act = activation_estimate(model_cfg, res, micro_batch_size=micro_batch_size,
+                              num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
+                              precision=precision, device=device, execution=execution, phase_extras=phase_extras)
     # Peak of the step: during forward/backward (persistent states + autocast's weight copies +
     # activations with each phase's ZeRO extras, see above), or during the optimizer step
     # (states + logits still held + AdamW temporaries).
@@ -713,7 +716,7 @@ def plan_rank(
         "weights_gathered": states["weights_gathered"],
         "autocast_weight_copies": states["autocast_weight_copies"],
         "activations_per_microbatch": act["saved_per_microbatch"],
-        "activations_peak": activations_alone,
+        "activations_peak": act["activations_peak"],
         "optimizer_transient": opt_tmp,
         "activations": activations,
         "total": total,
