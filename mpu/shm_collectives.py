@@ -157,6 +157,16 @@ def all_reduce(x: torch.Tensor, group) -> None:
         torch.sum(slots[:, : x.numel() * x.element_size()].view(x.dtype), dim=0, out=x.view(-1))
 
 
+def all_reduce_in_slots(x: torch.Tensor, group) -> None:
+    """In-place sum of the contiguous CPU tensor x of any size over `group`, one slot-sized
+    piece after another (`eligible(group, x[:0])` must hold: the group has a segment). Used for
+    gradient buckets, which exceed a slot; each piece sums in rank order as `all_reduce`."""
+    flat = x.view(-1)
+    step = SLOT_BYTES // x.element_size()
+    for start in range(0, flat.numel(), step):
+        all_reduce(flat[start: start + step], group)
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """out (contiguous, group size * x.numel() elements) <- every rank's x in rank order
     (`eligible(group, x)` must hold)."""
