@@ -187,15 +187,9 @@ class DataParallelGradReducer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
                  shard_grads: bool = False, comm_dtype: torch.dtype | None = None, unit_of=None,
-                 main_grads: bool = False, replica_groups: dict | None = None, bucket_singletons: bool = True):
+                 main_grads: bool = False, replica_groups: dict | None = None):
         """`replica_groups` {key: group} replaces `replica_group(mesh, key)` for those keys (local
-        SGD, training/local_sgd.py: the data replicas left out of the sum).
-        `bucket_singletons=False` (for an optimizer that reads every parameter's `.grad`, not
-        bucket shards): gradients of parameters whose replica group is this rank alone get no
-        bucket. Nothing reduces them, so the persistent flat buffer would only cost a zeroing
-        pass and an in-place add per step: `zero_grad()` sets their `.grad` to None, autograd
-        hands over the first microbatch's gradient tensor and adds later ones, and `finish()`
-        gives a parameter that got none a zero gradient, as a bucket view would have been."""
+        SGD, training/local_sgd.py: the data replicas left out of the sum)."""
         self.mesh = mesh
         self.shard_grads = shard_grads
         # 16-bit resident weights: gradients land in `p.main_grad` (fp32 bucket views), see the module doc
@@ -218,15 +212,8 @@ class DataParallelGradReducer:
         if "dp" not in (replica_groups or {}) and mesh.dense_mesh is not None and resolve_hierarchical(
                 mesh.par.dp_hierarchical, mesh.par, mesh.world_size, mesh.ranks_per_node, shard_grads=shard_grads):
             self.hierarchy = dp_hierarchy(mesh)
-        self.unbucketed: list[nn.Parameter] = []  # own gradients, no bucket (bucket_singletons=False)
-        bucketless = not bucket_singletons and not (shard_grads or main_grads or unit_of is not None)
         for spec in bucket_layout(named_params, replicas, bucket_mb, tied_apart=tied_apart, unit_of=unit_of):
-            if bucketless and replicas[spec.key] == 1:
-                self.unbucketed += [p for _, p in spec.items]
-                for _, p in spec.items:
-                    p.grad = None
-            else:
-                self._make_bucket(groups[spec.key], spec)
+            self._make_bucket(groups[spec.key], spec)
         self._hooks = []
         for bucket in self.buckets:
             if group_size(bucket.group) > 1 or main_grads:
@@ -423,9 +410,6 @@ class DataParallelGradReducer:
                     self._launch(bucket)
         if self.hierarchy is not None:  # every bucket's inter-node stage in flight before any all-gather
             pipeline_stages([bucket.work for bucket in self.buckets])
-        for p in self.unbucketed:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         for index, bucket in enumerate(self.buckets):
             if bucket.shm_pending:
                 shm.all_reduce_in_slots(bucket.buffer, bucket.group)
@@ -447,10 +431,7 @@ class DataParallelGradReducer:
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (gradients stay views into the buckets); with
-        `shard_grads` re-create the buffers freed by `finish()` and re-point `p.grad`. Unbucketed
-        gradients (`bucket_singletons=False`) are dropped."""
-        for p in self.unbucketed:
-            p.grad = None
+        `shard_grads` re-create the buffers freed by `finish()` and re-point `p.grad`."""
         for bucket in self.buckets:
             if bucket.lazy:  # ZeRO-3: the shard accumulates the step; buffers come with the unit's backward
                 if bucket.buffer is not None:
@@ -465,8 +446,8 @@ class DataParallelGradReducer:
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage held now (full buffers still allocated plus shard tensors
-        of their own, plus the unbucketed gradients that exist)."""
-        total = sum(p.grad.numel() * p.grad.element_size() for p in self.unbucketed if p.grad is not None)
+        of their own)."""
+        total = 0
         for bucket in self.buckets:
             if bucket.buffer is not None:
                 total += bucket.buffer.numel() * bucket.buffer.element_size()

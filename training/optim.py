@@ -52,9 +52,7 @@ def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
     kind = LocalGradReducer if local_sgd_enabled(o.local_steps, o.outer_optimizer) else DataParallelGradReducer
     reducer = kind([(n, p) for c in chunks for n, p in c.named_parameters()], mesh, bucket_mb=o.bucket_mb,
                    shard_grads=o.zero >= 2, comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None,
-                   unit_of=zero3.unit_of if o.zero == 3 else None, main_grads=resident,
-                   **({} if kind is LocalGradReducer or resident or o.offload or o.zero
-                      else {"bucket_singletons": False}))  # the replicated AdamW reads every .grad
+                   unit_of=zero3.unit_of if o.zero == 3 else None, main_grads=resident)
     if o.zero == 3:  # shards the parameters (one sharder per model chunk) before the optimizer takes the shards
         for chunk in chunks:
             zero3.Zero3(chunk, reducer, on_free=forget_weight_copies,

@@ -339,41 +339,10 @@ def grad_reducer_shm_buckets_match_gloo() -> None:
         _check(same, f"shared-memory bucket sum differs from gloo's by {(a - b).abs().max():.3g}")
 
 
-def grad_reducer_bucketless_singletons() -> None:
-    """With `bucket_singletons=False`, parameters whose replica group is one rank (dp = 1 here:
-    tp=2 on 2 ranks) get no bucket: `.grad` is None after zero_grad(), autograd's own tensors
-    accumulate the microbatches, and finish() zero-fills a parameter that got no gradient.
-    Gradients equal the bucketed reducer's exactly."""
-    mesh = build_mesh(ParallelConfig(tp=2))
-    widths = [8, 8, 8]
-    out = {}
-    for bucket_singletons in (True, False):
-        layers = _linear_stack(widths)
-        unused = torch.nn.Parameter(torch.ones(3))
-        layers.register_parameter("unused", unused)
-        unused.tp_shard_dim, unused.sequence_parallel = None, False
-        reducer = DataParallelGradReducer(list(layers.named_parameters()), mesh, bucket_singletons=bucket_singletons)
-        reducer.zero_grad()
-        if not bucket_singletons:
-            _check(len(reducer.unbucketed) == 5 and not reducer.buckets,
-                   f"expected 5 unbucketed parameters and no bucket, got {len(reducer.unbucketed)} and "
-                   f"{len(reducer.buckets)} buckets")
-            _check(all(p.grad is None for p in layers.parameters()), "zero_grad() should drop unbucketed grads")
-        _two_microbatch_grads(layers, reducer, 0, widths[0])
-        out[bucket_singletons] = ([p.grad.clone() for _, p in sorted(layers.named_parameters())],
-                                  reducer.grad_bytes())
-    for a, b in zip(out[True][0], out[False][0]):
-        _check(torch.equal(a, b), f"bucketless gradient differs by {(a - b).abs().max():.3g}")
-    _check(torch.equal(out[False][0][-1], torch.zeros(3)), "a parameter without a gradient should get zeros")
-    _check(out[True][1] == out[False][1], f"grad_bytes {out[False][1]} != bucketed {out[True][1]}")
-
-
 def cases_for_world(world_size: int) -> list[str]:
     names = ["mappings_forward_backward", "column_parallel_linear_matches_copy_and_linear",
              "shm_collectives_match_gloo", "vocab_parallel_cross_entropy_matches_torch", "rng_streams",
              "grad_reducer_overlaps_and_sums", "grad_reducer_shm_buckets_match_gloo"]
-    if world_size == 2:
-        names.append("grad_reducer_bucketless_singletons")
     if world_size in (4, 8):
         names.insert(0, "mesh_groups")
     return names
