@@ -98,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cp-comm", default="ring", choices=["ring", "a2a"], help="parallel.cp_comm")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (parallel.ep)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallelism (parallel.etp)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation recomputation (trainer.recompute)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,
@@ -264,7 +266,8 @@ def main(argv=None) -> None:
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
-    chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=ExecutionConfig(kernel_backend=backend))
+    execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend)
+    chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=execution)
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)
     optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
@@ -354,6 +357,7 @@ def main(argv=None) -> None:
     result = {
         "bench": "throughput",
         "config": {**shape, "moe": moe, "micro_batch": micro, "dtype": args.precision, "optimizer": "AdamW",
+                   "recompute": args.recompute,
                    "kernels": backend,
                    "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS
                                        if selfcheck.verdict(k) is not None},

@@ -19,25 +19,31 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
   attention core's forward, 4*s*h per token per layer; full: each layer's forward again, a
   third of its training FLOPs), divided over the tp*cp ranks of a stage (experts balanced over
   the folded expert mesh, so the same share) at peak_flops*efficiency;
-* tensor parallelism: per layer per microbatch 2 all-reduces forward and 2 backward of the
-  [mbs, s/cp, h] activation (SP's all-gather + reduce-scatter move the same bytes), 2 more
-  forward under full recompute, one for the vocab-parallel embedding (first stage) and one
-  for the LM head's input gradient (last stage); forward ones are exposed, backward ones hide
-  behind the weight-gradient GEMM they overlap in meshtron (a third of the layer's compute);
+* tensor parallelism: per layer per microbatch 2 exchanges forward and 2 backward of the
+  [mbs, s/cp, h] activation, 2 more in the backward under full recompute (the recomputed
+  forward), one for the vocab-parallel embedding (first stage) and one for the LM head's
+  input (last stage); an exchange is an all-reduce, or under SP an all-gather plus a
+  reduce-scatter (the same ring bytes and steps, but the reduce-scatter goes through
+  torch.distributed, gloo on a CPU: `torch_latency_s`); forward ones are exposed, backward
+  ones hide behind the weight-gradient GEMM they overlap in meshtron (a third of the layer's
+  compute);
 * context parallelism: ring: 2*(cp-1) KV chunk passes per layer forward (K and V of one of
   this rank's 2 chunks each: (cp-1) x this rank's K,V bytes) and twice that backward (kv and
-  the accumulating dk/dv), overlapped with the attention blocks' compute; a2a: 4 all-to-alls
+  the accumulating dk/dv), batched isend/irecv at `torch_latency_s`, overlapped with the
+  attention blocks' compute; a2a: 4 all-to-alls
   (q, k, v, out) per layer forward and 4 backward, exposed;
 * expert parallelism: per MoE layer per microbatch, dispatch and combine all-to-alls of
   top_k rows of h per token over ep, forward and backward (an upper bound: a token sent to
   one rank for two experts is one row), and under etp an all-gather and a reduce-scatter of
   the rows over etp; exposed (meshtron overlaps the forward ones only with shared experts);
 * pipeline: the microbatch time (compute + exposed communication + the p2p send of the
-  activation and the receive of its gradient per virtual stage) times m + (pp-1)/vpp, so the
-  bubble fraction is (pp-1)/(m*vpp + pp-1) ((pp-1)/(m+pp-1) at vpp=1);
+  activation and the receive of its gradient per virtual stage, through torch.distributed)
+  times m + (pp-1)/vpp, so the bubble fraction is (pp-1)/(m*vpp + pp-1) ((pp-1)/(m+pp-1) at
+  vpp=1);
 * data parallelism: gradients (fp32) all-reduced over the replicas of each gradient group
   (dense dp*cp, sequence-parallel replicated tp*dp*cp, experts edp), overlapped with the
-  last microbatch's backward; ZeRO-1 all-reduces too and then all-gathers the updated fp32
+  last microbatch's backward; ZeRO's reduce-scatters and gathers at `torch_latency_s`;
+  ZeRO-1 all-reduces too and then all-gathers the updated fp32
   parameters, overlapped with the next step's first forward (optim.overlap_param_gather);
   ZeRO-2 reduce-scatters (overlapped) and all-gathers (likewise); ZeRO-3
   all-gathers the parameters twice and reduce-scatters the gradients per microbatch,
@@ -48,13 +54,26 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
   is "overlapped" is exposed in full;
 * optimizer: AdamW streams 28 bytes per parameter of its share (read weight, gradient and two
   moments, write weight and moments) at `mem_bw`;
-* shared cores (CPU, more processes than `cores_per_node`): the step lasts at least an
-  average rank's busy time (no bubble) times processes / cores, since an idle rank's core
-  runs another rank.
+* CPU (`cores_per_node` > 0, the processes of a node share its cores): instead of the
+  pipeline term and the sum above, the step is the makespan of a processor-sharing
+  simulation of the schedule (`shared_core_makespan`): each stage's ranks run its action list
+  (`mpu.pipeline_schedules`, 1F1B or interleaved), a virtual stage's forward of one
+  microbatch costing its layers' forward compute and forward communication (+ a third of
+  `overhead_s`, half the p2p, the embedding's or the head's share), its backward twice the
+  compute plus recomputation and the backward communication, then every stage's gradient
+  reduction and optimizer step (the bottleneck rank's); at any moment the runnable
+  processes of a node share its cores equally (each at min(1, cores / runnable) of one), and
+  a process blocked on a peer still takes `wait_cpu_share` of a runnable one. pp = 1: all
+  ranks busy, work x processes / cores. So a pipeline's bubble costs only where fewer
+  processes than cores can run, and the last stage's LM head (2.7 layers' FLOPs on the
+  reference shape) delays the stages that wait for it exactly as the schedule does.
 
-Not modelled: kernel launch and host overheads other than `latency_s`, memory-bound
-elementwise work (norms, activations, softmax: inside `efficiency`), load imbalance between
-experts, the optimizer's gradient-norm all-reduce, uneven stage splits (`stage_layers`).
+Not modelled: kernel launch and host overheads other than `latency_s` and `overhead_s`,
+memory-bound elementwise work (norms, activations, softmax: inside `efficiency`), load
+imbalance between experts, the optimizer's gradient-norm all-reduce, uneven stage splits
+(`stage_layers`); in the CPU simulation, the stages' different parameter counts (every
+stage's gradient reduction and optimizer step are the bottleneck rank's), the OS scheduler's
+time slices and cache sharing (inside `efficiency` and `wait_cpu_share`).
 """
 
 from __future__ import annotations
@@ -68,11 +87,13 @@ import torch
 
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, placement
+from meshtron.mpu.pipeline_schedules import build_all_ranks
 from meshtron.planning.flops import model_flops_per_token, moe_layer_indices
 from meshtron.planning.peak import known_gpu_peak_flops
 
 __all__ = ["Cluster", "Layout", "ModelCosts", "StepTime", "cluster_preset", "CLUSTER_PRESETS", "CPU_CALIBRATION",
-           "step_time", "all_reduce_time", "all_gather_time", "all_to_all_time", "bubble_fraction", "compute_time"]
+           "step_time", "all_reduce_time", "all_gather_time", "all_to_all_time", "bubble_fraction", "compute_time",
+           "shared_core_makespan"]
 
 GB = 1e9
 
@@ -80,8 +101,12 @@ GB = 1e9
 # 2026-11-25. flops_per_core: the bench's one-thread fp32 matmul rate on the quiet host (99.6
 # GFLOP/s at 01:42 UTC; 17-49 GFLOP/s under the load of the earlier runs);
 # mem_bw: a 64 MiB copy on one thread (read + write; 15-26 GB/s measured); bw and latency_s:
-# mpu/shm_collectives (about 0.2 ms per small collective); efficiency: solved from the measured
-# tp=1 x dp=4 median at world 4; the other layouts are predictions (README, "Choosing a layout").
+# mpu/shm_collectives (about 0.2 ms per small collective). efficiency, overhead_s (host time
+# per layer per microbatch: more, smaller microbatches run slower than their FLOPs say),
+# gloo_latency_s (per message of SP's reduce-scatters, pipeline and ring-CP sends) and
+# wait_cpu_share (fitted 0: a process blocked in gloo or the shared-memory wait gives its core
+# away): grid-fitted (mean absolute error) to the 14 layouts of the 2026-11-25 04:35 UTC run
+# (README, "Choosing a layout"), with the shared-core simulation.
 CPU_CALIBRATION = {
     "flops_per_core": 99.6e9,
     "cores": 2,
@@ -89,7 +114,9 @@ CPU_CALIBRATION = {
     "latency_s": 1e-4,
     "mem_bw": 2.0e10,
     "efficiency": 0.6,
-    "overhead_s": 0.0,
+    "overhead_s": 2e-3,
+    "gloo_latency_s": 5e-4,
+    "wait_cpu_share": 0.0,
     "date": "2026-11-25",
 }
 
@@ -121,7 +148,9 @@ class Cluster:
     overlapped can hide behind compute at all: on a CPU the same cores copy the bytes) and
     `overhead_s` (host time per layer per microbatch that compute does not hide) and
     `cores_per_node` (CPU: the processes of a node share that many cores; `peak_flops` and
-    `mem_bw` are then one core's)."""
+    `mem_bw` are then one core's), `gloo_latency_s` (CPU: latency per message of what
+    meshtron sends through gloo rather than shared memory; None: `latency_s`) and
+    `wait_cpu_share` (CPU: the share of a core a process blocked on a peer still takes)."""
 
     gpus: int
     gpus_per_node: int
@@ -137,8 +166,19 @@ class Cluster:
     cores_per_node: int = 0  # > 0: a node's processes share this many cores (CPU); 0: one device each
     name: str = "custom"
     device: str = "cuda"  # what the memory planner assumes the run trains on (cpu | cuda)
+    gloo_latency_s: float | None = None  # CPU: per message of what goes through gloo; None: latency_s
+    wait_cpu_share: float = 0.0  # CPU: share of a core a rank blocked on a peer still takes
+
+    @property
+    def torch_latency_s(self) -> float:
+        """Latency per message of the collectives meshtron sends through torch.distributed even
+        inside one host (reduce-scatter, pipeline p2p, gradient reduction, ZeRO gathers): gloo's
+        on a CPU (`gloo_latency_s`), else `latency_s` (NCCL carries every collective on GPUs)."""
+        return self.latency_s if self.gloo_latency_s is None else self.gloo_latency_s
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.wait_cpu_share <= 1.0:
+            raise ValueError(f"cluster {self.name}: wait_cpu_share={self.wait_cpu_share} must be in [0, 1]")
         if self.gpus < 1 or self.gpus_per_node < 1 or self.gpus % self.gpus_per_node:
             raise ValueError(f"--gpus {self.gpus} is not divisible by --gpus-per-node {self.gpus_per_node}")
         if not (0 < self.efficiency <= 1) or self.peak_flops <= 0 or min(self.intra_bw, self.inter_bw) <= 0:
@@ -157,10 +197,11 @@ def cluster_preset(name: str, gpus: int, gpus_per_node: int, gpu_memory_bytes: i
         raise ValueError(f"trainer.precision={precision!r} is unknown; use one of {', '.join(_DTYPES)}")
     if name == "cpu":
         c = CPU_CALIBRATION
-        # one core per process; more processes than cores share them (step_time's shared-core bound)
+        # the node's processes share its cores (step_time's processor-sharing simulation)
         return Cluster(gpus, gpus_per_node, gpu_memory_bytes or 16 * 1024**3, c["flops_per_core"], c["bw"], c["bw"],
                        c["efficiency"], c["latency_s"], c["mem_bw"], overlap=False, overhead_s=c["overhead_s"],
-                       cores_per_node=c["cores"], name="cpu", device="cpu")
+                       cores_per_node=c["cores"], name="cpu", device="cpu", gloo_latency_s=c["gloo_latency_s"],
+                       wait_cpu_share=c["wait_cpu_share"])
     p = _GPU_PRESETS[name]
     peak = known_gpu_peak_flops(p["device_name"], _DTYPES[precision], tf32=False)
     return Cluster(gpus, gpus_per_node, gpu_memory_bytes or p["memory"], peak, p["intra_bw"], p["inter_bw"],
@@ -271,6 +312,90 @@ def compute_time(flops: float, cluster: Cluster) -> float:
     return flops / (cluster.peak_flops * cluster.efficiency)
 
 
+def _count_nodes(first: int, count: int, gpus_per_node: int) -> dict[int, int]:
+    """{node: processes} of the global ranks first .. first+count-1 (node = rank // gpus_per_node)."""
+    out: dict[int, int] = {}
+    for r in range(first, first + count):
+        out[r // gpus_per_node] = out.get(r // gpus_per_node, 0) + 1
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def shared_core_makespan(schedule: str, pp: int, m: int, vpp: int, fwd_work: tuple[float, ...],
+                         bwd_work: tuple[float, ...], tail: float, nodes: tuple[tuple[tuple[int, int], ...], ...],
+                         cores: int, wait_cpu_share: float = 0.0) -> float:
+    """Seconds from the step's start until every pipeline stage has run its tasks, when a node's
+    runnable processes share its `cores` equally (processor sharing; deterministic, no process
+    group).
+
+    Stage q (pipeline rank q, `nodes[q]` = ((node, processes), ...) of its tp*cp*dp ranks, which
+    run the same tasks in lockstep) runs `mpu.pipeline_schedules.build_all_ranks(schedule, pp,
+    m, vpp)[q]` in order, then a `tail` (gradient reduction and optimizer). The forward of
+    microbatch j through virtual stage v (= chunk*pp + q) takes `fwd_work[v]` seconds of one
+    core, its backward `bwd_work[v]`; F(v, j) starts after F(v-1, j), B(v, j) after B(v+1, j)
+    (and after F(v, j), earlier in the same list). At each moment a node's load is its runnable
+    processes plus `wait_cpu_share` times its blocked or finished ones, and a runnable stage
+    runs at min(1, cores / load) of a core (the slowest of its nodes). pp = 1: all processes
+    busy throughout, (sum of work + tail) * max(1, processes / cores).
+    """
+    lists = build_all_ranks(schedule, pp, m, vpp)
+    last = pp * vpp - 1
+    pos = [0] * pp
+    left = [0.0] * pp
+    done: set[tuple[str, int, int]] = set()
+
+    def work(q: int) -> float:
+        if pos[q] == len(lists[q]):
+            return tail
+        a = lists[q][pos[q]]
+        v = a.chunk * pp + q
+        return fwd_work[v] if a.kind == "F" else bwd_work[v]
+
+    for q in range(pp):
+        left[q] = work(q)
+    clock = 0.0
+    finished = [False] * pp
+    while not all(finished):
+        runnable = []
+        for q in range(pp):
+            if finished[q]:
+                continue
+            if pos[q] == len(lists[q]):
+                runnable.append(q)  # the tail needs no peer
+                continue
+            a = lists[q][pos[q]]
+            v = a.chunk * pp + q
+            if a.kind == "F":
+                ready = v == 0 or ("F", a.microbatch, v - 1) in done
+            else:
+                ready = v == last or ("B", a.microbatch, v + 1) in done
+            if ready:
+                runnable.append(q)
+        if not runnable:
+            raise RuntimeError(f"{schedule} schedule of pp={pp}, m={m}, vpp={vpp} deadlocks in the model")
+        load: dict[int, float] = {}
+        running = set(runnable)
+        for q in range(pp):
+            share = 1.0 if q in running else wait_cpu_share
+            for node, procs in nodes[q]:
+                load[node] = load.get(node, 0.0) + share * procs
+        rate = {q: min(min(1.0, cores / load[node]) for node, _ in nodes[q]) for q in runnable}
+        dt = min(left[q] / rate[q] for q in runnable)
+        clock += dt
+        for q in runnable:
+            if left[q] / rate[q] > dt * (1 + 1e-12):
+                left[q] -= rate[q] * dt
+                continue
+            if pos[q] == len(lists[q]):
+                finished[q] = True
+                continue
+            a = lists[q][pos[q]]
+            done.add((a.kind, a.microbatch, a.chunk * pp + q))
+            pos[q] += 1
+            left[q] = work(q)
+    return clock
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -336,6 +461,7 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
         raise ValueError(f"global batch {global_batch_size} does not split into dp={dp} x micro batches of {mbs}")
     m = global_batch_size // (dp * mbs)
     lat = cluster.latency_s
+    slow_lat = cluster.torch_latency_s  # reduce-scatter, pipeline p2p, gradient reduction
 
     def exposed(comm: float, compute: float) -> float:
         """What of `comm` the overlapped `compute` does not hide (all of it without overlap)."""
@@ -345,7 +471,8 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
     costs = ModelCosts.of(cfg) if costs is None else costs
     ab = _act_bytes(precision)
 
-    # ---- compute of one microbatch on the bottleneck stage (per rank)
+    # ---- compute of one microbatch (per rank): a layer's forward, its backward (2x the forward,
+    # plus recomputation), the LM head on the last stage
     per_token, head = costs.per_token, costs.head
     layer = (per_token - head) / L
     recompute = {"none": 0.0, "selective": 4 * s * h, "full": layer / 3}[layout.recompute]
@@ -354,53 +481,64 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
     stage = stage_layers * (layer + recompute) + head  # the last stage (the bottleneck) holds the LM head
     comp = compute_time(stage * tokens / (tp * cp), cluster)
     layer_time = compute_time((layer + recompute) * tokens / (tp * cp), cluster)
+    layer_fwd = compute_time(layer / 3 * tokens / (tp * cp), cluster)
+    head_time = compute_time(head * tokens / (tp * cp), cluster)
 
-    # ---- tensor parallelism (per microbatch, this rank's stage)
+    # ---- tensor parallelism (per layer per microbatch, forward and backward). A TP region's
+    # exchange: one all-reduce, or under SP an all-gather in and a reduce-scatter out, each with
+    # its own latencies (the reduce-scatter through torch.distributed: gloo on a CPU).
     act = mbs * (s / cp) * h * ab
     ar = all_reduce_time(act, tp, bw["tp"], lat)
-    fwd_ar = 2 + (2 if layout.recompute == "full" else 0)
-    wgrad = layer_time / 3  # the weight-gradient GEMMs the backward all-reduces overlap
-    tp_layer = fwd_ar * ar + exposed(2 * ar, wgrad)
-    # the LM head's input-gradient all-reduce (last stage) and, when that stage is also the
-    # first (pp = 1), the vocab-parallel embedding's forward all-reduce
-    tp_edges = ar * (2 if pp == 1 else 1)
-    tp_mb = stage_layers * tp_layer + tp_edges
+    ag = all_gather_time(act, tp, bw["tp"], lat)
+    rs = all_gather_time(act, tp, bw["tp"], slow_lat)  # ring reduce-scatter: the all-gather's steps
+    region = ag + rs if layout.sp else ar
+    wgrad = layer_time / 3  # the weight-gradient GEMMs the backward collectives overlap
+    full = layout.recompute == "full"
+    tp_fwd = 2 * region
+    tp_bwd = exposed(2 * region, wgrad) + (2 * region if full else 0.0)  # recomputed forward's
+    # edges: the first stage's vocab-parallel embedding (forward all-reduce; SP: reduce-scatter,
+    # its backward an all-gather) and the last stage's LM head input (backward all-reduce of its
+    # gradient; SP: all-gather forward, reduce-scatter backward)
+    first_edge = (rs, ag) if layout.sp else (ar, 0.0)
+    last_edge = (ag, rs) if layout.sp else (0.0, ar)
+    tp_edges = sum(last_edge) + (sum(first_edge) if pp == 1 else 0.0)
+    tp_mb = stage_layers * (tp_fwd + tp_bwd) + tp_edges
 
-    # ---- context parallelism
+    # ---- context parallelism (per layer per microbatch, forward and backward)
     kv = 2 * mbs * (s / cp) * cfg.num_kv_heads * cfg.head_dim / tp * ab
-    cp_layer = 0.0
+    cp_fwd = cp_bwd = 0.0
     if cp > 1:
         if layout.cp_comm == "ring":
             chunk = kv / 2  # one of this rank's two load-balanced chunks
-            pass_t = chunk / bw["cp"] + lat
+            pass_t = chunk / bw["cp"] + slow_lat  # batched isend/irecv (gloo on a CPU)
             fwd, bwd = 2 * (cp - 1) * pass_t, 2 * 2 * (cp - 1) * pass_t
             attn_fwd = compute_time(4 * s * h * tokens / (tp * cp), cluster)  # attention core: 4*s*h per token
-            cp_layer = exposed(fwd, attn_fwd) + exposed(bwd, 2 * attn_fwd)
+            cp_fwd, cp_bwd = exposed(fwd, attn_fwd), exposed(bwd, 2 * attn_fwd)
         else:
             q = mbs * (s / cp) * h / tp * ab
-            one_pass = sum(all_to_all_time(x, cp, bw["cp"], lat) for x in (q, kv / 2, kv / 2, q))
-            cp_layer = 2 * one_pass
-    cp_mb = stage_layers * cp_layer
+            cp_fwd = cp_bwd = sum(all_to_all_time(x, cp, bw["cp"], lat) for x in (q, kv / 2, kv / 2, q))
+    cp_mb = stage_layers * (cp_fwd + cp_bwd)
 
-    # ---- expert parallelism
+    # ---- expert parallelism (per MoE layer per microbatch, each direction)
     moe_layers = costs.moe_layers / pp
-    ep_mb = 0.0
+    ep_dir = 0.0
     if cfg.is_moe and (layout.ep > 1 or layout.etp > 1):
         rows = mbs * (s / cp) / tp * cfg.top_k * h * ab  # this rank's tokens' (token, choice) rows
         a2a = all_to_all_time(rows, layout.ep, bw["ep"], lat)
         etp_t = all_gather_time(rows * layout.etp, layout.etp, bw["etp"], lat)
-        ep_mb = moe_layers * 2 * (2 * a2a + 2 * etp_t)  # dispatch + combine (+ etp gather/scatter), fwd and bwd
+        ep_dir = 2 * a2a + 2 * etp_t  # dispatch + combine (+ etp gather/scatter)
+    ep_mb = moe_layers * 2 * ep_dir
 
     # ---- pipeline
     p2p = 0.0
     if pp > 1:
         boundary = act / (tp if layout.sp else 1)
-        p2p = vpp * 2 * (boundary / bw["pp"] + lat)  # activation out, its gradient back, per virtual stage
+        p2p = vpp * 2 * (boundary / bw["pp"] + slow_lat)  # activation out, its gradient back, per virtual stage
     per_mb = comp + tp_mb + cp_mb + ep_mb + p2p + stage_layers * cluster.overhead_s
     bubble = bubble_fraction(pp, m, vpp)
     pipeline = per_mb * (m + (pp - 1) / vpp)
 
-    # ---- data parallelism and ZeRO
+    # ---- data parallelism and ZeRO (reduce-scatters and gathers through torch.distributed)
     replicas = {"dp": dp * cp, "tp_dp": tp * dp * cp, "edp": dp * cp * tp // (layout.ep * layout.etp)}
     bws = {"dp": bw["dp_cp"], "tp_dp": bw["tp_dp"], "edp": bw["edp"]}
     pbytes = 2 if param_dtype == "bf16" else 4
@@ -410,14 +548,14 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
         r = replicas[g]
         if r <= 1 or not n:
             continue
-        if layout.zero <= 1:
+        if layout.zero <= 1:  # plain fp32 all-reduce: shared memory on one CPU host, like TP's
             reduce += all_reduce_time(4 * n, r, bws[g], lat)
         else:
-            reduce += all_gather_time(4 * n, r, bws[g], lat)  # reduce-scatter
+            reduce += all_gather_time(4 * n, r, bws[g], slow_lat)  # reduce-scatter
         if layout.zero in (1, 2):
-            gather += all_gather_time(pbytes * n, r, bws[g], lat)
+            gather += all_gather_time(pbytes * n, r, bws[g], slow_lat)
         if layout.zero == 3:
-            zero3 += 2 * all_gather_time(pbytes * n, r, bws[g], lat)
+            zero3 += 2 * all_gather_time(pbytes * n, r, bws[g], slow_lat)
     if layout.zero == 3:
         # per microbatch: parameters gathered for forward and backward, gradients reduce-scattered,
         # prefetched behind that microbatch's compute
@@ -437,15 +575,30 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
     total = pipeline + dp_exposed + zero_exposed + optimizer
     per_node = min(cluster.gpus_per_node, layout.world)
     devices = layout.world  # what MFU divides by: the processes, or the cores they share
-    if cluster.cores_per_node and per_node > cluster.cores_per_node:
-        devices = layout.world * cluster.cores_per_node / per_node
-        # More processes than cores: a rank idle in the bubble (or waiting for a peer) gives its core
-        # to another, so the step lasts at least the node's CPU work over its cores. The work of an
-        # average rank: the step without the bubble's idle time, with the LM head's compute spread
-        # over the pp stages.
-        head_spread = compute_time(head * (1 - 1 / pp) * tokens / (tp * cp), cluster)
-        busy = total - per_mb * (pp - 1) / vpp - m * head_spread
-        total = max(total, busy * per_node / cluster.cores_per_node)
+    terms = {"bandwidths": bw, "replicas": replicas, "dp_reduce": reduce, "zero3_per_microbatch": zero3}
+    if cluster.cores_per_node:
+        if per_node > cluster.cores_per_node:
+            devices = layout.world * cluster.cores_per_node / per_node
+        # CPU: the processes of a node share its cores; the step is the makespan of the pipeline
+        # schedule's tasks run under processor sharing (`shared_core_makespan`). One virtual
+        # stage's forward and backward of one microbatch, on one core:
+        nl = L / (pp * vpp)
+        f_layer = layer_fwd + tp_fwd + cp_fwd + moe_layers / stage_layers * ep_dir + cluster.overhead_s / 3
+        b_layer = layer_time - layer_fwd + tp_bwd + cp_bwd + moe_layers / stage_layers * ep_dir \
+            + 2 * cluster.overhead_s / 3
+        half_p2p = p2p / (2 * vpp)
+        last = pp * vpp - 1
+        fwd_work = tuple(nl * f_layer + half_p2p + (first_edge[0] if v == 0 else 0.0)
+                         + (head_time / 3 + last_edge[0] if v == last else 0.0) for v in range(last + 1))
+        bwd_work = tuple(nl * b_layer + half_p2p + (first_edge[1] if v == 0 else 0.0)
+                         + (2 * head_time / 3 + last_edge[1] if v == last else 0.0) for v in range(last + 1))
+        tail = dp_exposed + zero_exposed + optimizer  # every stage's, as the bottleneck rank's
+        ranks = layout.world // pp  # a stage's tp*cp*dp ranks; stage q holds ranks q*ranks .. (q+1)*ranks-1
+        gpn = cluster.gpus_per_node if layout.world % cluster.gpus_per_node == 0 else layout.world
+        nodes = tuple(tuple(sorted(_count_nodes(q * ranks, ranks, gpn).items())) for q in range(pp))
+        terms["dedicated_core_total"] = total
+        total = shared_core_makespan(layout.schedule, pp, m, vpp, fwd_work, bwd_work, tail, nodes,
+                                     cluster.cores_per_node, cluster.wait_cpu_share)
     tokens_per_s = global_batch_size * s / total
     mfu = per_token * tokens_per_s / (devices * cluster.peak_flops)
     return StepTime(
@@ -453,5 +606,5 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
         ep_per_microbatch=ep_mb, p2p_per_microbatch=p2p, bubble_fraction=bubble, pipeline=pipeline,
         dp_exposed=dp_exposed, zero_exposed=zero_exposed, optimizer=optimizer, total=total,
         tokens_per_s=tokens_per_s, mfu=mfu,
-        terms={"bandwidths": bw, "replicas": replicas, "dp_reduce": reduce, "zero3_per_microbatch": zero3},
+        terms=terms,
     )

@@ -76,7 +76,8 @@ def test_tp_all_reduce_term_by_hand():
     t2 = step_time(tiny(), Layout(tp=2, dp=2, micro_batch_size=4), cluster(overlap=True), global_batch_size=8,
                    grad_elements={"dp": 0})
     assert t2.tp_per_microbatch == pytest.approx(2 * (2 * ar + (2 * ar - wgrad)) + 2 * ar)
-    # With sequence parallelism the all-gather / reduce-scatter pairs move the same bytes
+    # With sequence parallelism the all-gather / reduce-scatter pairs move the same bytes (and,
+    # at latency 0, cost the same; tests/test_step_time_shared_cores.py counts their latencies)
     t3 = step_time(tiny(), Layout(tp=2, dp=2, sp=True, micro_batch_size=4), cluster(), global_batch_size=8,
                    grad_elements={"dp": 0})
     assert t3.tp_per_microbatch == pytest.approx(t.tp_per_microbatch)
@@ -104,8 +105,10 @@ def test_bubble_fraction_by_hand():
 
 
 def test_shared_cores_bound_by_hand():
-    """4 processes on 2 cores: the step lasts at least the node's CPU work over its cores, and a
-    pipeline's bubble costs nothing there (the idle rank's core runs another rank)."""
+    """4 processes on 2 cores: the step is the node's CPU work over its cores, and when each
+    pipeline stage has as many processes as there are cores, the bubble costs nothing there
+    (the idle stage's cores run the other stage; tests/test_step_time_shared_cores.py works
+    the processor-sharing simulation by hand where it does cost)."""
     free = dict(bw=1e30)
     dedicated = step_time(tiny(), Layout(dp=4, micro_batch_size=1), cluster(**free), global_batch_size=4,
                           grad_elements={"dp": 0})
