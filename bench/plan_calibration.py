@@ -106,31 +106,19 @@ def ranks(values: dict[str, float]) -> dict[str, int]:
 
 
 def spearman(a: dict[str, float], b: dict[str, float]) -> float | None:
-    """Spearman rank correlation of two {layout: tokens/s} (Pearson's r of the ranks, ties
-    sharing their average rank); None for fewer than 2 layouts or a constant side."""
-    keys = list(a)
-
+    """Spearman rank correlation of two {layout: tokens/s}: Pearson's r of the ranks, tied
+    values sharing their average rank (the model can price two layouts alike); None for fewer
+    than 2 layouts or a constant side."""
     def avg_ranks(values: dict[str, float]) -> list[float]:
-        order = sorted(keys, key=lambda k: values[k])
-        out = {}
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in order[i: j + 1]:
-                out[k] = (i + j) / 2 + 1
-            i = j + 1
-        return [out[k] for k in keys]
+        vals = list(values.values())
+        return [sum(w < v for w in vals) + (sum(w == v for w in vals) + 1) / 2 for v in (values[k] for k in a)]
 
     x, y = avg_ranks(a), avg_ranks(b)
-    n = len(keys)
-    if n < 2:
-        return None
+    n = len(x)
     mx, my = sum(x) / n, sum(y) / n
     sxy = sum((u - mx) * (v - my) for u, v in zip(x, y))
     sxx, syy = sum((u - mx) ** 2 for u in x), sum((v - my) ** 2 for v in y)
-    return None if sxx == 0 or syy == 0 else sxy / (sxx * syy) ** 0.5
+    return None if n < 2 or sxx == 0 or syy == 0 else sxy / (sxx * syy) ** 0.5
 
 
 def summary(names: list[str], rounds: dict[str, list[dict]], host: dict[str, list], constants: dict) -> dict:

@@ -93,7 +93,6 @@ class _Bucket:
     comm: tuple | None = None  # (wire buffer, its result) while a compressed reduction is in flight
     lazy: bool = False  # ZeRO-3: full buffer only during its unit's backward, reduced every microbatch
     in_shm: bool = False  # all-reduced through shared memory by finish() (CPU ranks of one host)
-    shm_pending: bool = False  # launched, its shared-memory all-reduce not yet run
 
 
 GRAD_GROUPS = ("dp", "tp_dp", "edp")
@@ -359,7 +358,6 @@ class DataParallelGradReducer:
             # A blocking shared-memory sum (about 3x faster than gloo's for a 12 MB bucket on the
             # 2-core host) runs in finish(), in bucket order, never inside a backward hook: the
             # cores that would overlap it with backward are the ones computing anyway.
-            bucket.shm_pending = True
             return
         source, target = bucket.buffer, (bucket.shard if self.shard_grads else bucket.buffer)
         if self.comm_dtype is not None and self.comm_dtype != source.dtype:
@@ -411,9 +409,8 @@ class DataParallelGradReducer:
         if self.hierarchy is not None:  # every bucket's inter-node stage in flight before any all-gather
             pipeline_stages([bucket.work for bucket in self.buckets])
         for index, bucket in enumerate(self.buckets):
-            if bucket.shm_pending:
+            if bucket.in_shm:  # launched above like every bucket (in_shm excludes deferred and lazy ones)
                 shm.all_reduce_in_slots(bucket.buffer, bucket.group)
-                bucket.shm_pending = False
             if bucket.work is not None:
                 op = "reduce_scatter" if self.shard_grads else "all_reduce"
                 wait_for(bucket.work, f"{op} of gradient bucket {index + 1}/{len(self.buckets)} over {bucket.key} "
@@ -442,7 +439,7 @@ class DataParallelGradReducer:
                 self._point_grads(bucket, self.main_grads)
             else:
                 bucket.buffer.zero_()
-            bucket.ready, bucket.launched, bucket.work, bucket.shm_pending = 0, False, None, False
+            bucket.ready, bucket.launched, bucket.work = 0, False, None
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage held now (full buffers still allocated plus shard tensors

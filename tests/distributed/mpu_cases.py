@@ -262,15 +262,21 @@ def rng_streams() -> None:
     _check(torch.equal(F.dropout(torch.ones(64), 0.5, True), outside), "reseeding reproduces the default stream")
 
 
+def _linear_stack(widths: list[int], seed: int = 0) -> torch.nn.Sequential:
+    """Linear layers of these widths, tagged as replicated dense parameters (no TP shard, no SP)."""
+    torch.manual_seed(seed)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    for p in layers.parameters():
+        p.tp_shard_dim, p.sequence_parallel = None, False
+    return layers
+
+
 def grad_reducer_overlaps_and_sums() -> None:
     """Buckets launch during backward (before finish) on the last microbatch only, and the
     result is the sum over dp of the accumulated microbatch gradients."""
     mesh = build_mesh(ParallelConfig(tp=1))
     r, n = mesh.dp_rank, mesh.dp_size
-    torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-    for p in layers.parameters():
-        p.tp_shard_dim, p.sequence_parallel = None, False
+    layers = _linear_stack([8] * 5)
     # One weight (8x8 fp32 = 256 B) fills a bucket; biases (no weight decay) share their own.
     reducer = DataParallelGradReducer(list(layers.named_parameters()), mesh, bucket_mb=8 * 8 * 4 / 2**20)
     _check(len(reducer.buckets) == 5, f"expected a bucket per weight and one for the biases, got {len(reducer.buckets)}")
@@ -297,22 +303,6 @@ def grad_reducer_overlaps_and_sums() -> None:
     reducer.remove_hooks()
 
 
-def _linear_stack(widths: list[int], seed: int = 0) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    layers = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
-    for p in layers.parameters():
-        p.tp_shard_dim, p.sequence_parallel = None, False
-    return layers
-
-
-def _two_microbatch_grads(layers, reducer, rank: int, width: int) -> None:
-    reducer.zero_grad()
-    for k in range(2):
-        with reducer.sync(k == 1):
-            layers(torch.full((2, width), 0.01 * (rank + 1 + k))).square().sum().backward()
-    reducer.finish()
-
-
 def grad_reducer_shm_buckets_match_gloo() -> None:
     """On one host, dp buckets are summed through shared memory in slot-sized pieces by
     finish(); the gradients equal gloo's all-reduce (bit for bit on 2 ranks, where a sum of
@@ -330,8 +320,11 @@ def grad_reducer_shm_buckets_match_gloo() -> None:
             shm.ENABLED = saved
         _check(all(b.in_shm == (label == "shm" and shm.ENABLED) for b in reducer.buckets),
                f"{label}: buckets in shared memory = {[b.in_shm for b in reducer.buckets]}")
-        _two_microbatch_grads(layers, reducer, mesh.dp_rank, widths[0])
-        _check(not any(b.shm_pending for b in reducer.buckets), "finish() left a shared-memory sum pending")
+        reducer.zero_grad()
+        for k in range(2):
+            with reducer.sync(k == 1):
+                layers(torch.full((2, widths[0]), 0.01 * (mesh.dp_rank + 1 + k))).square().sum().backward()
+        reducer.finish()
         grads[label] = [p.grad.clone() for p in layers.parameters()]
         reducer.remove_hooks()
     for a, b in zip(grads["shm"], grads["gloo"]):
