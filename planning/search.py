@@ -6,9 +6,11 @@ recompute, micro batch) that pass the cheap shape and batch rules the run itself
 (`mpu.mesh.ParallelConfig.resolved` and `check_model_fits`, `meshtron.rules.batch_checks` and
 `param_dtype_checks`), in a fixed order. Pruned by assumption, and said here: tp larger than a
 node (its all-reduces would cross the inter-node link on every layer), and optim.zero > 0 where
-it shards nothing (dp*cp = 1 and edp = 1); sp is on whenever tp > 1 divides seq_len (SP's
-all-gather and reduce-scatter move the bytes of the all-reduces they replace, and it saves
-activation memory); etp is at most a node, like tp.
+it shards nothing (dp*cp = 1 and edp = 1); etp is at most a node, like tp. Where tp > 1 divides
+seq_len both sp=true and sp=false are candidates, each priced as it runs: on a GPU ring SP's
+all-gather and reduce-scatter cost what the all-reduces they replace cost, SP saves activation
+memory (which can decide whether a layout fits) and adds a tp x dp gradient reduction for the
+norm weights; on CPU gloo its reduce-scatter is dearer, so plain TP usually ranks first.
 
 `layout_memory` is the planner's figure (`planning.plan.plan_rank`, the model built on the meta
 device) for the first and the last pipeline stage (the stages that hold the embedding and the
@@ -110,7 +112,7 @@ def enumerate_layouts(cfg: GPTConfig, world: int, *, global_batch_size: int, gpu
                         continue
                     for vpp, sp, cp_comm in itertools.product(
                             choices("vpp", divisors(cfg.num_layers // pp) if pp > 1 else [1]),
-                            choices("sp", [tp > 1 and cfg.seq_len % tp == 0]),
+                            choices("sp", [True, False] if tp > 1 and cfg.seq_len % tp == 0 else [False]),
                             choices("cp_comm", CP_COMMS if cp > 1 else ["ring"])):
                         par = copy.copy(base)  # ParallelConfig's field checks cost ~1 ms; the sizes passed them
                         par.vpp, par.sp, par.cp_comm = vpp, sp, cp_comm

@@ -144,7 +144,7 @@ def test_presets_and_bad_cluster():
 def test_enumeration_world4_by_hand():
     """Tiny model with 2 heads and 2 layers at world 4, zero/recompute/micro batch pinned: tp in
     {1, 2} (heads), pp in {1, 2} (layers), cp with seq 32 divisible by 2*cp (*tp under SP); a2a
-    needs the heads of a tp rank divisible by cp; sp is on at tp=2."""
+    needs the heads of a tp rank divisible by cp; sp on and off at tp=2."""
     cfg = tiny(num_heads=2)
     got = enumerate_layouts(cfg, 4, global_batch_size=4, gpus_per_node=4,
                             fixed={"zero": 0, "recompute": "none", "micro_batch_size": 1})
@@ -156,6 +156,8 @@ def test_enumeration_world4_by_hand():
         (1, 4, 1, 1, "ring", False, 1),
         (2, 1, 1, 2, "ring", True, 1), (2, 1, 2, 1, "ring", True, 1),
         (2, 2, 1, 1, "ring", True, 1),
+        (2, 1, 1, 2, "ring", False, 1), (2, 1, 2, 1, "ring", False, 1),
+        (2, 2, 1, 1, "ring", False, 1),
     }
     assert key == expected and len(got) == len(expected)
 
@@ -168,6 +170,25 @@ def test_enumeration_zero_recompute_micro_batches():
     single = enumerate_layouts(cfg, 1, global_batch_size=4, gpus_per_node=1)
     assert {l.zero for l in single} == {0}  # ZeRO shards nothing on one rank
     assert {l.micro_batch_size for l in single} == {1, 2, 4}
+
+
+def test_sp_on_and_off_ranked_by_their_cost():
+    """tp=2 x dp=2 with and without SP are both candidates, ranked by their own cost: on the
+    cpu preset SP's gloo reduce-scatters make its TP term dearer, so plain TP ranks first; on
+    a GPU ring the TP terms are equal and SP holds fewer activation bytes (here its extra
+    tp x dp bucket for the norm weights' gradients, one more all-reduce latency, decides)."""
+    cfg = tiny(num_heads=2)
+    fixed = {"tp": 2, "pp": 1, "cp": 1, "zero": 0, "recompute": "none", "micro_batch_size": 2}
+    cpu = search(cfg, cluster_preset("cpu", 4, 4, precision="fp32"), global_batch_size=4, fixed=fixed)
+    assert [c.layout.sp for c in cpu.ranked] == [False, True]
+    assert cpu.ranked[0].tokens_per_s > cpu.ranked[1].tokens_per_s
+    gpu = search(cfg, cluster_preset("h100", 4, 4, precision="fp32"), global_batch_size=4, fixed=fixed)
+    by_sp = {c.layout.sp: c for c in gpu.ranked}
+    assert set(by_sp) == {True, False}
+    assert by_sp[True].time.tp_per_microbatch == pytest.approx(by_sp[False].time.tp_per_microbatch, rel=1e-12)
+    assert by_sp[True].memory_bytes < by_sp[False].memory_bytes
+    assert by_sp[True].time.dp_exposed > by_sp[False].time.dp_exposed
+    assert [c.tokens_per_s for c in gpu.ranked] == sorted((c.tokens_per_s for c in gpu.ranked), reverse=True)
 
 
 # --------------------------------------------------------------------------- memory
