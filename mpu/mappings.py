@@ -22,8 +22,8 @@ torch.distributed's (tests/test_module_boundaries.py checks that it does):
     barrier, broadcast_object, gather_object               synchronisation, Python objects
 
 Transport: CPU tensors of at most 4 MiB over a gloo group whose ranks share one x86-64 host
-go through shared memory (`mpu/shm_collectives.py`: all-reduce, all-gather, blocking
-all-to-all; MESHTRON_SHM_COLLECTIVES=0 turns it off); everything else through torch.distributed.
+go through shared memory (`mpu/shm_collectives.py`: all-reduce, all-gather, reduce-scatter,
+blocking all-to-all; MESHTRON_SHM_COLLECTIVES=0 turns it off); everything else through torch.distributed.
 
 Sequence-parallel tensors are laid out [s, b, h] so a sequence shard is a contiguous chunk
 of dim 0. Every function is the identity (or a local copy) when the group has one member or
@@ -121,7 +121,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} ranks")
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if not _shape_only(group):
+    if _shape_only(group):
+        pass
+    elif shm.eligible(group, x):  # CPU ranks of one host (SP's reduce-scatters): shared memory
+        shm.reduce_scatter_into(out, x, group)
+    else:
         _reduce_scatter_into(out, x, group=group)
     return out.movedim(0, dim)
 
@@ -220,7 +224,8 @@ class _ColumnParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group, sp = ctx.group, ctx.sequence_parallel
         grad = grad.contiguous()
-        grad_input = work = label = None
+        grad_input = work = label = full = None
+        in_shm = False  # shared memory is synchronous: reduce after the weight gradient
         if ctx.needs_input_grad[0]:
             grad_input = grad.matmul(weight)
             if _shape_only(group):
@@ -229,20 +234,24 @@ class _ColumnParallelLinear(torch.autograd.Function):
                 full = grad_input
                 grad_input = torch.empty((full.shape[0] // _size(group, full),) + tuple(full.shape[1:]),
                                          dtype=full.dtype, device=full.device)
-                work = _reduce_scatter_into(grad_input, full, group=group, async_op=True)
-                label = "reduce_scatter of a column-parallel input gradient over tp"
-            elif not shm.eligible(group, grad_input):
-                work = dist.all_reduce(grad_input, group=group, async_op=True)
-                label = "all_reduce of a column-parallel input gradient over tp"
+                in_shm = shm.eligible(group, full)
+                if not in_shm:
+                    work = _reduce_scatter_into(grad_input, full, group=group, async_op=True)
+                    label = "reduce_scatter of a column-parallel input gradient over tp"
+            else:
+                in_shm = shm.eligible(group, grad_input)
+                if not in_shm:
+                    work = dist.all_reduce(grad_input, group=group, async_op=True)
+                    label = "all_reduce of a column-parallel input gradient over tp"
         # Independent of the collective in flight: the weight and bias gradients.
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if work is not None:
             wait_for(work, label)
-        elif grad_input is not None and not sp and not _shape_only(group):
-            # Shared memory is synchronous: reduce after the weight gradient, by when the
-            # other ranks have their part ready too.
+        elif in_shm and sp:  # by now the other ranks have their part ready too
+            shm.reduce_scatter_into(grad_input, full, group)
+        elif in_shm:
             shm.all_reduce(grad_input, group)
         return grad_input, grad_weight, grad_bias, None, None
 

@@ -1,4 +1,4 @@
-"""All-reduce (sum), all-gather and all-to-all through shared memory, for process groups of CPU
+"""All-reduce (sum), all-gather, reduce-scatter (sum) and all-to-all through shared memory, for process groups of CPU
 ranks on one host: the tensor-parallel (and blocking MoE) collectives of a CPU run without
 gloo's TCP round trips.
 
@@ -175,6 +175,19 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
         slots = seg.publish(x.contiguous())
         wait_for(seg, f"all_gather over a shared-memory group of {seg.world} (call {seg.seq})")
         out.view(seg.world, -1).copy_(slots[:, : x.numel() * x.element_size()].view(x.dtype))
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """out (contiguous, x.numel() / group size elements) <- the sum over the group's ranks of
+    this rank's chunk of x (x split into equal chunks in rank order; `eligible(group, x)` must
+    hold). Each rank sums its chunk of every rank's slot."""
+    with record_function("shm::reduce_scatter"):
+        seg = _states[id(group)][1]
+        slots = seg.publish(x.contiguous())
+        wait_for(seg, f"reduce_scatter over a shared-memory group of {seg.world} (call {seg.seq})")
+        nbytes = out.numel() * out.element_size()
+        mine = slots[:, seg.rank * nbytes: (seg.rank + 1) * nbytes].view(x.dtype)
+        torch.sum(mine, dim=0, out=out.view(-1))
 
 
 def all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],

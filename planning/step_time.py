@@ -23,8 +23,8 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
   [mbs, s/cp, h] activation, 2 more in the backward under full recompute (the recomputed
   forward), one for the vocab-parallel embedding (first stage) and one for the LM head's
   input (last stage); an exchange is an all-reduce, or under SP an all-gather plus a
-  reduce-scatter (the same ring bytes and steps, but the reduce-scatter goes through
-  torch.distributed, gloo on a CPU: `torch_latency_s`); forward ones are exposed, backward
+  reduce-scatter (the same ring bytes and steps; on one CPU host both through shared memory,
+  like the all-reduce); forward ones are exposed, backward
   ones hide behind the weight-gradient GEMM they overlap in meshtron (a third of the layer's
   compute);
 * context parallelism: ring: 2*(cp-1) KV chunk passes per layer forward (K and V of one of
@@ -103,7 +103,8 @@ GB = 1e9
 # mem_bw: a 64 MiB copy on one thread (read + write; 15-26 GB/s measured); bw and latency_s:
 # mpu/shm_collectives (about 0.2 ms per small collective). efficiency, overhead_s (host time
 # per layer per microbatch: more, smaller microbatches run slower than their FLOPs say),
-# gloo_latency_s (per message of SP's reduce-scatters, pipeline and ring-CP sends) and
+# gloo_latency_s (per message of pipeline and ring-CP sends; SP's reduce-scatters went through
+# gloo in the fit run and through shared memory since, priced at latency_s) and
 # wait_cpu_share (fitted 0: a process blocked in gloo or the shared-memory wait gives its core
 # away): grid-fitted (mean absolute error) to the 14 layouts of the 2026-11-25 04:35 UTC run
 # (README, "Choosing a layout"), with the shared-core simulation.
@@ -172,7 +173,7 @@ class Cluster:
     @property
     def torch_latency_s(self) -> float:
         """Latency per message of the collectives meshtron sends through torch.distributed even
-        inside one host (reduce-scatter, pipeline p2p, gradient reduction, ZeRO gathers): gloo's
+        inside one host (pipeline p2p, ZeRO reduce-scatters and gathers, ring-CP sends): gloo's
         on a CPU (`gloo_latency_s`), else `latency_s` (NCCL carries every collective on GPUs)."""
         return self.latency_s if self.gloo_latency_s is None else self.gloo_latency_s
 
@@ -461,7 +462,7 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
         raise ValueError(f"global batch {global_batch_size} does not split into dp={dp} x micro batches of {mbs}")
     m = global_batch_size // (dp * mbs)
     lat = cluster.latency_s
-    slow_lat = cluster.torch_latency_s  # reduce-scatter, pipeline p2p, gradient reduction
+    slow_lat = cluster.torch_latency_s  # pipeline p2p, ring-CP sends, ZeRO collectives
 
     def exposed(comm: float, compute: float) -> float:
         """What of `comm` the overlapped `compute` does not hide (all of it without overlap)."""
@@ -486,11 +487,11 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
 
     # ---- tensor parallelism (per layer per microbatch, forward and backward). A TP region's
     # exchange: one all-reduce, or under SP an all-gather in and a reduce-scatter out, each with
-    # its own latencies (the reduce-scatter through torch.distributed: gloo on a CPU).
+    # its own latencies (on one CPU host all three through shared memory: mpu/shm_collectives).
     act = mbs * (s / cp) * h * ab
     ar = all_reduce_time(act, tp, bw["tp"], lat)
     ag = all_gather_time(act, tp, bw["tp"], lat)
-    rs = all_gather_time(act, tp, bw["tp"], slow_lat)  # ring reduce-scatter: the all-gather's steps
+    rs = all_gather_time(act, tp, bw["tp"], lat)  # ring reduce-scatter: the all-gather's steps
     region = ag + rs if layout.sp else ar
     wgrad = layer_time / 3  # the weight-gradient GEMMs the backward collectives overlap
     full = layout.recompute == "full"

@@ -174,7 +174,7 @@ def _count_collectives(cfg: GPTConfig, mesh: Mesh) -> dict[str, int]:
     import meshtron.mpu.shm_collectives as shm_mod
 
     originals = (mappings_mod.dist.all_reduce, mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into,
-                 shm_mod.all_reduce, shm_mod.all_gather_into)
+                 shm_mod.all_reduce, shm_mod.all_gather_into, shm_mod.reduce_scatter_into)
 
     def counted(kind, fn):
         def wrapper(*args, **kwargs):
@@ -190,12 +190,13 @@ def _count_collectives(cfg: GPTConfig, mesh: Mesh) -> dict[str, int]:
     mappings_mod._reduce_scatter_into = counted("reduce_scatter", originals[2])
     shm_mod.all_reduce = counted("all_reduce", originals[3])  # CPU ranks of one host: shared memory
     shm_mod.all_gather_into = counted("all_gather", originals[4])
+    shm_mod.reduce_scatter_into = counted("reduce_scatter", originals[5])
     try:
         model.loss_per_token(model(inputs), targets).sum().backward()
     finally:
         dist.all_reduce = originals[0]
         mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into = originals[1], originals[2]
-        shm_mod.all_reduce, shm_mod.all_gather_into = originals[3], originals[4]
+        shm_mod.all_reduce, shm_mod.all_gather_into, shm_mod.reduce_scatter_into = originals[3:]
     return counts
 
 

@@ -170,8 +170,8 @@ def column_parallel_linear_matches_copy_and_linear() -> None:
 
 
 def shm_collectives_match_gloo() -> None:
-    """The shared-memory all-reduce, all-gather and all-to-all (CPU ranks of one host) give
-    gloo's results: several dtypes, an empty tensor, the largest tensor a slot holds, uneven
+    """The shared-memory all-reduce, all-gather, reduce-scatter and all-to-all (CPU ranks of
+    one host) give gloo's results: several dtypes, an empty tensor, the largest tensor a slot holds, uneven
     all-to-all splits with zero-row chunks; the same bits on every rank. Larger tensors are
     not eligible, and an all-to-all too large for one rank's slot reports so on every rank."""
     import meshtron.mpu.shm_collectives as shm
@@ -198,6 +198,11 @@ def shm_collectives_match_gloo() -> None:
         dist.all_gather_into_tensor(ref, x, group=group)
         shm.all_gather_into(out, x, group)
         _check(torch.equal(out, ref), f"shm all_gather {dtype} x{numel}")
+        if dtype.is_floating_point and numel % n == 0:  # this rank's chunk of the sum
+            scattered, ref = torch.empty(numel // n, dtype=dtype), torch.empty(numel // n, dtype=dtype)
+            dist.reduce_scatter_tensor(ref, x, group=group)
+            shm.reduce_scatter_into(scattered, x, group)
+            _check(torch.allclose(scattered.double(), ref.double(), **tol), f"shm reduce_scatter {dtype} x{numel}")
     # uneven all-to-all: rank r sends (r + j) % 3 rows of width 4 to rank j
     send = [(r + j) % 3 for j in range(n)]
     recv = [(j + r) % 3 for j in range(n)]
