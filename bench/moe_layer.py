@@ -2,7 +2,7 @@
 
 Builds `MoELayer` from a `GPTConfig` (SwiGLU experts like Mixtral, softmax top-k router with
 renormalised weights, no shared experts, no capacity limit by default) at the issue-12 shape
-(hidden 256, expert ffn 512, 8 experts, top-2, 1,024 tokens, fp32) and times
+(hidden 256, expert ffn 512, 8 experts, top-2, 1,024 tokens; fp32 on CPU by default) and times
 forward + backward w.r.t. the input and every weight: warm-up, then `--iters` individually
 timed iterations (median/min/max). The backward includes the router's aux-loss term, as a
 training step does (`--aux-loss-coef`, default the model config's 0.01; 0 drops it).
@@ -22,8 +22,20 @@ does (same config, N(0, 0.02) weights, the experts implementation a MixtralForCa
 this machine) and times it in the same process, alternating rounds with meshtron's block
 (`--rounds`), so both sides see the same machine load. Single process only.
 
-Under torchrun (`--ep`/`--etp` over gloo, world = ep * etp * edp) `--tokens` is the global
-token count, split evenly over the ranks; an iteration lasts as long as the slowest rank.
+Under torchrun (`--ep`/`--etp`, world = ep * etp * edp; gloo on CPU, NCCL with one GPU per
+rank, cuda:LOCAL_RANK, on CUDA) `--tokens` is the global token count, split evenly over the
+ranks; an iteration lasts as long as the slowest rank.
+
+Device, dtype and kernels: `--device auto|cpu|cuda` (auto: CUDA when available), `--dtype
+fp32|bf16` (parameters, input and upstream gradient of BOTH blocks in that dtype; meshtron's
+router computes in fp32 whatever the dtype), `--kernels torch|triton|auto` for meshtron's
+grouped GEMMs (kernels.backend as in bench/throughput.py: auto = self-checked Triton on CUDA,
+torch on CPU; triton on CPU only under TRITON_INTERPRET=1). On CUDA every timed iteration
+starts and ends with torch.cuda.synchronize(), and the breakdown attributes kernel (device)
+time to the regions (see `breakdown.time`).
+
+    python bench/moe_layer.py --device cuda --dtype bf16 --kernels auto --peer --rounds 3   # the GPU target
+
 Prints ONE JSON object on stdout (rank 0).
 """
 
@@ -43,6 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from meshtron.kernels import selfcheck  # noqa: E402
+from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
+from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
 from meshtron.moe.layer import MoELayer  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
@@ -51,7 +66,9 @@ from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 
 SEED = 1234
 REGIONS = ("router", "dispatch", "expert_gemm", "expert_activation", "combine", "shared_experts", "other")
+INSIDE = ("expert_gemm", "router", "dispatch", "combine", "experts", "shared_experts")  # record_function regions
 PEER_SCRIPT = ROOT.parent / "shared" / "peers" / "hf_mixtral_moe.py"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +91,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer", action="store_true",
                    help="also time transformers' MixtralSparseMoeBlock (grouped_mm) in the same run")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled breakdown iteration")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when torch.cuda.is_available(), else cpu (both blocks run there)")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                   help="dtype of the parameters, input and upstream gradient of both blocks")
+    p.add_argument("--kernels", default="torch", choices=["auto", "torch", "triton"],
+                   help="meshtron's kernels.backend: torch (default), triton (strict) or auto (self-checked "
+                        "Triton on CUDA, torch on CPU)")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         p.error("--tokens, --iters and --rounds must be >= 1 and --warmup >= 0")
@@ -85,21 +109,39 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
+def pick_device(name: str) -> torch.device:
+    """The device both blocks run on: cuda:LOCAL_RANK for cuda (auto: when available), else cpu."""
+    if name == "cuda" and not torch.cuda.is_available():
+        fail(f"--device=cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
+             f"CUDA build {torch.version.cuda}); use --device cpu or auto")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that the host clock brackets it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # ---------------------------------------------------------------- meshtron's block
 
 
-def build_meshtron(args, mesh, local_tokens: int):
+def build_meshtron(args, mesh, local_tokens: int, device: torch.device, backend: str):
+    """meshtron's MoELayer on `device` in `args.dtype` with `backend` kernels, and its timed step."""
     kw = {} if args.aux_loss_coef is None else {"aux_loss_coef": args.aux_loss_coef}
+    dtype = DTYPES[args.dtype]
     cfg = GPTConfig(arch="llama", num_layers=1, hidden_size=args.hidden, num_heads=1, activation=args.activation,
                     num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn,
                     shared_experts=args.shared_experts, seq_len=local_tokens, **kw)
-    layer = MoELayer(cfg.moe(), mesh)
+    layer = MoELayer(cfg.moe(), mesh, device=device, dtype=dtype, backend=backend)
     initialize_parameters(layer, SEED, mesh)
     layer.train()
     gen = torch.Generator().manual_seed(SEED + 1 + _rank())
-    x = torch.randn(local_tokens, 1, args.hidden, generator=gen).requires_grad_(True)  # [s, b, h]
-    gy = torch.randn(x.shape, generator=gen)
-    one = torch.ones(())
+    x = torch.randn(local_tokens, 1, args.hidden, generator=gen).to(device, dtype).requires_grad_(True)  # [s, b, h]
+    gy = torch.randn(x.shape, generator=gen).to(device, dtype)
+    one = torch.ones((), device=device)
 
     def step():
         out = layer(x)
@@ -123,9 +165,13 @@ def _rank() -> int:
 # ---------------------------------------------------------------- the peer (transformers' Mixtral block)
 
 
-def build_peer(args):
-    """transformers' MixtralSparseMoeBlock as ../shared/peers/hf_mixtral_moe.py builds it."""
-    import transformers
+def build_peer(args, device: torch.device):
+    """transformers' MixtralSparseMoeBlock as ../shared/peers/hf_mixtral_moe.py builds it, moved
+    to `device` and `args.dtype` (parameters, input and upstream gradient)."""
+    try:
+        import transformers
+    except ImportError as exc:
+        fail(f"--peer needs transformers (the hf extra: pip install -e '.[hf]'): {exc}")
     from transformers import MixtralConfig
     from transformers.models.mixtral import modeling_mixtral as mm
 
@@ -139,12 +185,23 @@ def build_peer(args):
                         num_attention_heads=4, num_key_value_heads=4, vocab_size=8192,
                         max_position_embeddings=128)
     cfg._experts_implementation = impl
+    # Does grouped_mm run torch's native grouped_mm kernel on this device and dtype, or
+    # transformers' python fallback loop? (as hf_mixtral_moe.py asks; a private helper)
+    from transformers.integrations import moe as hf_moe
+    can_use = getattr(hf_moe, "_can_use_grouped_mm", None)
+    native = None if can_use is None else bool(can_use(
+        torch.zeros(4, args.hidden, device=device, dtype=DTYPES[args.dtype]),
+        torch.zeros(args.experts, 2 * args.ffn, args.hidden, device=device, dtype=DTYPES[args.dtype]),
+        torch.arange(1, args.experts + 1, dtype=torch.int32, device=device)))
     torch.manual_seed(0)
     block = mm.MixtralSparseMoeBlock(cfg)
     for prm in block.parameters():
         torch.nn.init.normal_(prm, std=0.02)
+    dtype = DTYPES[args.dtype]
+    block.to(device, dtype)
     block.train()
-    x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0))
+    x = x.to(device, dtype).requires_grad_(True)
     gy = torch.randn_like(x)
 
     def step():
@@ -157,7 +214,8 @@ def build_peer(args):
         return out.detach()
 
     info = {"system": f"transformers {transformers.__version__} {mm.MixtralSparseMoeBlock.__name__}",
-            "experts_implementation": impl, "script": str(PEER_SCRIPT),
+            "experts_implementation": impl, "script": str(PEER_SCRIPT), "dtype": args.dtype,
+            "device": str(device), "native_grouped_mm": native,
             "setup": "as hf_mixtral_moe.py: MixtralConfig(router_jitter_noise=0), N(0, 0.02) weights, "
                      "forward + backward(gy) w.r.t. input and all weights"}
     return info, step
@@ -166,16 +224,20 @@ def build_peer(args):
 # ---------------------------------------------------------------- timing
 
 
-def time_iters(step, n: int, world: int) -> list[float]:
+def time_iters(step, n: int, world: int, device: torch.device) -> list[float]:
+    """`n` timed iterations of `step`; on CUDA the clock is read after a device synchronize at
+    both ends. With several ranks each iteration's time is the max over the default group."""
     times = []
     for _ in range(n):
         if world > 1:
             dist.barrier()
+        sync(device)
         t0 = time.perf_counter()
         step()
+        sync(device)
         times.append(time.perf_counter() - t0)
     if world > 1:
-        t = torch.tensor(times, dtype=torch.float64)
+        t = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times = t.tolist()
     return times
@@ -212,31 +274,92 @@ def instrument(layer: MoELayer) -> None:
         layer.shared.hidden = _wrap("shared_experts", layer.shared.hidden)
         layer.shared.output = _wrap("shared_experts", layer.shared.output)
     layer.experts.forward = _wrap("experts", layer.experts.forward)
+    # Each grouped GEMM (torch or Triton: a Triton launch is no aten op, so its region must
+    # come from the call site). GroupedExperts looks grouped_matmul up in its module at each
+    # call; this rebinds it in this process only, after the timed iterations.
+    from meshtron.moe import experts as experts_module
+    experts_module.grouped_matmul = _wrap("expert_gemm", experts_module.grouped_matmul)
 
 
 def _is_gemm(name: str) -> bool:
-    return "grouped_mm" in name or "GroupedMm" in name or "bmm" in name.lower() or name in ("aten::mm",)
+    """An expert GEMM op or autograd node: torch's grouped_mm, the padded bmm (CUDA fp32), the
+    Triton GroupedGemmFunction."""
+    return ("grouped_mm" in name or "GroupedMm" in name or "GroupedGemm" in name or "bmm" in name.lower()
+            or name in ("aten::mm",))
 
 
-def breakdown(step, layer: MoELayer) -> dict:
-    """One profiled iteration; forward and backward CPU time per region."""
+def device_regions(events, seq_region: dict) -> tuple[dict, dict]:
+    """Kernel (device) time per region, forward and backward, in us: each CPU event's own
+    kernels (`FunctionEvent.kernels`, filled from ProfilerActivity.CUDA) go to the innermost
+    enclosing autograd node (backward: the region of the forward op that made it, by sequence
+    number, split into GEMM / activation by the node's kind) or else the innermost moe:: region
+    (forward; 'other' outside the regions)."""
+    fwd, back = defaultdict(float), defaultdict(float)
+    for e in events:
+        own = sum(k.duration for k in getattr(e, "kernels", ()) or ())
+        if not own:
+            continue
+        region, node, a = None, None, e
+        while a is not None:
+            if a.name.startswith("autograd::engine::evaluate_function"):
+                node = a
+                break
+            if region is None and a.name.startswith("moe::") and a.name[5:] in INSIDE:
+                region = a.name[5:]
+            a = a.cpu_parent
+        if node is not None:
+            name = node.name.split(": ", 1)[-1]
+            r = seq_region.get(node.sequence_nr, "other")
+            if r in ("expert_gemm", "expert_activation") or "GroupedGemm" in name:
+                r = "expert_gemm" if _is_gemm(name) else "expert_activation"
+            if "AccumulateGrad" in name:
+                r = "other"
+            back[r] += own
+        else:
+            fwd["expert_activation" if region == "experts" else (region or "other")] += own
+    return fwd, back
+
+
+TIME_NOTE = {  # (on CUDA, kernel events recorded) -> what the region figures are
+    (False, False): "Times: host (CPU) time of the ops; fractions of the profiled iteration.",
+    (True, True): "Times: DEVICE time (ProfilerActivity.CUDA): each CUDA kernel or copy goes to the CPU event that "
+                  "launched it, hence to its innermost autograd node (backward, as above) or else its innermost "
+                  "region (forward; the grouped GEMM calls, torch or Triton, are a region of their own); "
+                  "fractions and unattributed_ms are relative to kernel_ms, the summed time of every kernel and "
+                  "copy in the iteration (profiled_iteration_ms is its host wall time, synchronized).",
+    (True, False): "Times: HOST time (the profiler recorded no CUDA kernels, so device time could not be "
+                   "attributed); on CUDA host time is launch overhead, not where the GPU spends its time.",
+}
+
+
+def breakdown(step, layer: MoELayer, device: torch.device) -> dict:
+    """One profiled iteration; forward and backward time per region: host (CPU) time on CPU,
+    kernel (device) time on CUDA, where the host only queues work."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     instrument(layer)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=activities) as prof:
         with record_function("moe::iteration"):
             step()
-    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+            sync(device)  # the span ends when the device is done
+    all_events = prof.events()
+    events = [e for e in all_events if e.device_type.name == "CPU"]
+    # On CUDA the whole is the summed time of every kernel and copy (streams overlapping would
+    # count twice); without any recorded the breakdown says it is host time.
+    kernel_total = sum(e.time_range.end - e.time_range.start for e in all_events if e.device_type.name == "CUDA")
+    device_time = cuda and kernel_total > 0
     spans = {}  # region -> list of (start, end)
     for e in events:
         if e.name.startswith("moe::"):
             spans.setdefault(e.name[5:], []).append((e.time_range.start, e.time_range.end))
     total = spans["iteration"][0][1] - spans["iteration"][0][0]
-    inside = ("router", "dispatch", "combine", "experts", "shared_experts")
 
     def region_of(e) -> str:
         t = e.time_range.start
-        for r in inside:
+        for r in INSIDE:  # expert_gemm first: its spans lie inside the experts' spans
             for s, end in spans.get(r, []):
                 if s <= t <= end:
                     if r == "experts":
@@ -265,12 +388,17 @@ def breakdown(step, layer: MoELayer) -> dict:
     for e in bwd:
         node = e.name.split(": ", 1)[-1]
         r = seq_region.get(e.sequence_nr, "other")
-        if r in ("expert_gemm", "expert_activation"):  # a node's region follows its own kind
+        if r in ("expert_gemm", "expert_activation") or "GroupedGemm" in node:  # a node's region follows its kind
             r = "expert_gemm" if _is_gemm(node) else "expert_activation"
-        if node.startswith("AccumulateGrad"):
+        if "AccumulateGrad" in node:
             r = "other"
         back[r] += e.cpu_time_total
+    if device_time:  # the same regions, in kernel time
+        fwd, back = device_regions(events, seq_region)
     fwd_total, bwd_total = sum(fwd.values()), sum(back.values())
+    iteration = total
+    if device_time:
+        total = kernel_total
     regions = {}
     for r in REGIONS:
         f, b = fwd.get(r, 0.0) / 1e3, back.get(r, 0.0) / 1e3
@@ -283,8 +411,10 @@ def breakdown(step, layer: MoELayer) -> dict:
                   "combine = dispatcher.combine + finish, including the weighted sum of the k choices; the "
                   "rest of MoELayer.forward, i.e. pair bookkeeping and the load statistics, is 'other' for the "
                   "forward); backward = autograd nodes attributed by sequence number to the forward op that "
-                  "made them (AccumulateGrad: other).",
-        "profiled_iteration_ms": round(total / 1e3, 3),
+                  "made them (AccumulateGrad: other). " + TIME_NOTE[(cuda, device_time)],
+        "time": "device" if device_time else "host",
+        "profiled_iteration_ms": round(iteration / 1e3, 3),
+        "kernel_ms": round(kernel_total / 1e3, 3) if cuda else None,
         "forward_ms": round(fwd_total / 1e3, 3),
         "backward_ms": round(bwd_total / 1e3, 3),
         "unattributed_ms": round((total - fwd_total - bwd_total) / 1e3, 3),
@@ -306,36 +436,52 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     if args.peer and world > 1:
         fail("--peer runs single-process only (the Mixtral block has no expert parallelism); drop torchrun")
-    if world > 1:
-        dist.init_process_group(backend="gloo")
     if args.tokens % world:
         fail(f"--tokens={args.tokens} is not divisible by the world size {world}")
+    device = pick_device(args.device)
+    try:
+        backend = resolve_backend(args.kernels, device.type)
+    except (ValueError, RuntimeError) as exc:
+        fail(f"--kernels={args.kernels}: {exc}")
+    if backend == CHECKED and args.warmup < 1:
+        fail(f"--kernels={args.kernels} self-checks each Triton kernel on the first step: "
+             "use --warmup >= 1 so that the check is not timed")
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
     local_tokens = args.tokens // world
     try:
-        mesh = build_mesh(ParallelConfig(ep=args.ep, etp=args.etp))
-        cfg, layer, step = build_meshtron(args, mesh, local_tokens)
+        mesh = build_mesh(ParallelConfig(ep=args.ep, etp=args.etp), device_type=device.type)
+        cfg, layer, step = build_meshtron(args, mesh, local_tokens, device, backend)
     except ValueError as exc:
         fail(str(exc))
 
-    peer_info, peer_step = build_peer(args) if args.peer else (None, None)
+    peer_info, peer_step = build_peer(args, device) if args.peer else (None, None)
 
-    for _ in range(args.warmup):
+    for i in range(args.warmup):
         step()
+        if i == 0 and backend == CHECKED:
+            selfcheck.agree(device)  # as the training loop does after its first step
         if peer_step is not None:
             peer_step()
+    sync(device)
     from throughput import _host_cpu_seconds, _own_cpu_seconds, host_load
 
     host0, own0, wall0 = _host_cpu_seconds(), _own_cpu_seconds(), time.perf_counter()
     mine, theirs = [], []
     rounds = args.rounds if args.peer else 1
     for _ in range(rounds):
-        mine += time_iters(step, args.iters, world)
+        mine += time_iters(step, args.iters, world, device)
         if peer_step is not None:
-            theirs += time_iters(peer_step, args.iters, 1)
+            theirs += time_iters(peer_step, args.iters, 1, device)
 
     wall = time.perf_counter() - wall0
     own = torch.tensor([_own_cpu_seconds() - own0], dtype=torch.float64)
     if world > 1:
+        own = own.to(device)
         dist.all_reduce(own)
     host1 = _host_cpu_seconds()
     busy, steal = host_load(host0, host1, float(own.sum()), wall)
@@ -347,7 +493,7 @@ def main(argv=None) -> None:
     if not args.no_profile:
         if world > 1:
             dist.barrier()
-        result_breakdown = breakdown(step, layer)  # every rank runs it (collectives), rank 0 reports
+        result_breakdown = breakdown(step, layer, device)  # every rank runs it (collectives), rank 0 reports
 
     # FLOPs the block needs per token, fwd+bwd (peers/README.md's MoE formula, + shared experts).
     mats = 3 if args.activation == "swiglu" else 2
@@ -362,11 +508,22 @@ def main(argv=None) -> None:
                    "top_k": args.top_k, "shared_experts": args.shared_experts, "activation": cfg.activation,
                    "router": cfg.router_score, "renormalize": cfg.router_renormalize,
                    "aux_loss_coef": cfg.aux_loss_coef, "capacity_factor": cfg.capacity_factor,
-                   "dtype": "fp32", "kernels": "torch",
+                   "dtype": args.dtype, "kernels": backend,
                    "timed": "forward + backward (input and all weights; aux-loss term included when coef > 0)"},
         "layout": {"world": world, "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
                    "tokens_per_rank": local_tokens,
-                   "processes": "single process" if world == 1 else f"{world} processes (torchrun, gloo)"},
+                   "processes": "single process" if world == 1 else
+                   f"{world} processes (torchrun, {'nccl' if device.type == 'cuda' else 'gloo'})"},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        # kernels: the resolved backend of meshtron's grouped GEMMs (triton_checked = auto on CUDA);
+        # kernel_verdicts: the self-check's verdict (False: the torch path ran instead, with a warning).
+        "kernels": backend,
+        "kernels_requested": args.kernels,
+        "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
+        # fp32 on CUDA: whether torch's matmuls (both blocks) and the Triton GEMMs may round to TF32.
+        "tf32": ({"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)}
+                 if device.type == "cuda" else None),
         "threads": threads,
         "host": host,
         "warmup": args.warmup,

@@ -54,3 +54,107 @@ def test_throughput_bench_rejects_expert_options_without_experts():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--ep", "2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--experts" in proc.stderr
+
+
+def run_bench_fails(script: str, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """`python bench/<script> args...` that must refuse: exit 2, one line on stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    return proc
+
+
+TINY = ("--tokens", "32", "--hidden", "32", "--ffn", "64", "--experts", "4", "--top-k", "2", "--threads", "1",
+        "--warmup", "1", "--iters", "1")
+
+
+def test_moe_layer_bench_bf16_with_the_peer_on_cpu():
+    # bf16 for both blocks; auto kernels resolve to torch off CUDA.
+    out = run_bench("moe_layer.py", *TINY, "--device", "cpu", "--dtype", "bf16", "--kernels", "auto",
+                    "--peer", "--rounds", "1")
+    assert out["device"] == "cpu" and out["dtype"] == "bf16" and out["config"]["dtype"] == "bf16"
+    assert out["kernels"] == "torch" and out["kernels_requested"] == "auto" and out["config"]["kernels"] == "torch"
+    assert out["tokens_per_s"] > 0 and out["breakdown"]["time"] == "host"
+    assert out["peer"]["dtype"] == "bf16" and out["peer"]["device"] == "cpu" and out["peer"]["tokens_per_s"] > 0
+    assert out["ratio_tokens_per_s_vs_peer"] > 0
+
+
+def test_moe_layer_bench_refuses_triton_on_cpu_without_the_interpreter():
+    proc = run_bench_fails("moe_layer.py", *TINY, "--device", "cpu", "--kernels", "triton")
+    assert "--kernels=triton" in proc.stderr and "TRITON_INTERPRET" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_moe_layer_bench_refuses_cuda_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("this machine has CUDA")
+    proc = run_bench_fails("moe_layer.py", *TINY, "--device", "cuda")
+    assert "--device=cuda" in proc.stderr and "torch.cuda.is_available() is False" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_moe_layer_device_time_attribution():
+    """The CUDA breakdown's attribution of kernel time (bench/moe_layer.py device_regions), on
+    hand-made profiler events: forward kernels by innermost region, backward by autograd node."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def ev(name, parent=None, kernels=(), seq=-1):
+        return SimpleNamespace(name=name, cpu_parent=parent, sequence_nr=seq,
+                               kernels=[SimpleNamespace(duration=d) for d in kernels])
+
+    it = ev("moe::iteration")
+    router, experts = ev("moe::router", it), ev("moe::experts", it)
+    gemm = ev("moe::expert_gemm", experts, kernels=[100])  # a Triton launch: no aten op of its own
+    events = [it, router, experts, gemm,
+              ev("aten::linear", router, kernels=[10]),
+              ev("aten::mul", experts, kernels=[5]),
+              ev("aten::grouped_mm", ev("aten::_grouped_mm", gemm), kernels=[50]),
+              ev("aten::index_add_", it, kernels=[3]),
+              ev("aten::mm", ev("autograd::engine::evaluate_function: GroupedGemmFunctionBackward", seq=7),
+                 kernels=[200]),
+              ev("aten::mul", ev("autograd::engine::evaluate_function: MulBackward0", seq=8), kernels=[7]),
+              ev("aten::mm", ev("autograd::engine::evaluate_function: MmBackward0", seq=9), kernels=[11]),
+              ev("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", seq=10, kernels=[2]),
+              ev("aten::empty", experts)]
+    fwd, back = bench.device_regions(events, {8: "expert_gemm", 9: "router", 10: "expert_gemm"})
+    assert dict(fwd) == {"router": 10, "expert_gemm": 150, "expert_activation": 5, "other": 3}
+    assert dict(back) == {"expert_gemm": 200, "expert_activation": 7, "router": 11, "other": 2}
+
+
+def test_gpu_acceptance_moe_layer_entry_reads_the_bench_report(monkeypatch):
+    """bench/gpu_acceptance.py's moe_layer entries, fed by the same bench at a tiny shape on CPU
+    (the command it builds asks for cuda: swapped for cpu here), and a failing run recorded."""
+    from bench import gpu_acceptance
+
+    real = gpu_acceptance._bench_json
+    seen = []
+
+    def on_cpu(args, timeout):
+        seen.append(list(args))
+        if "fp32" in args:
+            raise RuntimeError("bench/moe_layer.py exited 2: no GPU")
+        args = ["cpu" if a == "cuda" else a for a in args]
+        return real([*args, *TINY], timeout)
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(gpu_acceptance, "_bench_json", on_cpu)
+    out = gpu_acceptance.run_moe_layer(timeout=60)
+    assert [a[:9] for a in seen] == [["bench/moe_layer.py", "--device", "cuda", "--dtype", d, "--kernels", "auto",
+                                      "--peer", "--rounds"] for d in ("bf16", "fp32")]
+    bf16 = out["bf16"]
+    assert bf16["tokens_per_s"] > 0 and bf16["peer_tokens_per_s"] > 0 and bf16["ms"]["median"] > 0
+    assert bf16["ratio_tokens_per_s_vs_peer"] > 0 and bf16["meets_target"] == (bf16["ratio_tokens_per_s_vs_peer"] >= 1.2)
+    assert bf16["kernels"] == "torch" and bf16["config"]["dtype"] == "bf16" and bf16["breakdown_time"] == "host"
+    assert set(bf16["breakdown_fractions"]) == {"router", "dispatch", "expert_gemm", "expert_activation",
+                                                "combine", "shared_experts", "other"}
+    assert "error" not in bf16 and "no GPU" in out["fp32"]["error"]
