@@ -173,11 +173,9 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", device_id=device)
-        else:
-            dist.init_process_group(backend="gloo")
+        from throughput import init_process_group  # bench/ is on the path when run as a script
+
+        init_process_group(device)
     rank = dist.get_rank() if world > 1 else 0
     try:
         report = run(args, world, rank, device)

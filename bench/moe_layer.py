@@ -109,16 +109,6 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
-def pick_device(name: str) -> torch.device:
-    """The device both blocks run on: cuda:LOCAL_RANK for cuda (auto: when available), else cpu."""
-    if name == "cuda" and not torch.cuda.is_available():
-        fail(f"--device=cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
-             f"CUDA build {torch.version.cuda}); use --device cpu or auto")
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work, so that the host clock brackets it."""
     if device.type == "cuda":
@@ -438,7 +428,9 @@ def main(argv=None) -> None:
         fail("--peer runs single-process only (the Mixtral block has no expert parallelism); drop torchrun")
     if args.tokens % world:
         fail(f"--tokens={args.tokens} is not divisible by the world size {world}")
-    device = pick_device(args.device)
+    from throughput import init_process_group, pick_device
+
+    device = pick_device(args.device, on_error=fail)  # both blocks run there
     try:
         backend = resolve_backend(args.kernels, device.type)
     except (ValueError, RuntimeError) as exc:
@@ -447,11 +439,7 @@ def main(argv=None) -> None:
         fail(f"--kernels={args.kernels} self-checks each Triton kernel on the first step: "
              "use --warmup >= 1 so that the check is not timed")
     if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", device_id=device)
-        else:
-            dist.init_process_group(backend="gloo")
+        init_process_group(device)
     local_tokens = args.tokens // world
     try:
         mesh = build_mesh(ParallelConfig(ep=args.ep, etp=args.etp), device_type=device.type)

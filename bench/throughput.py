@@ -138,12 +138,24 @@ def choose_threads(args: argparse.Namespace, device: torch.device) -> int:
     return torch.get_num_threads()
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, on_error=None) -> torch.device:
+    """The device of `--device` auto|cpu|cuda: cuda:LOCAL_RANK for cuda (auto: when available),
+    else cpu; cuda without CUDA goes to `on_error` (default: this script's exit 2)."""
     if name == "cuda" and not torch.cuda.is_available():
-        fail("--device=cuda but torch.cuda.is_available() is False; use --device cpu or auto")
+        (on_error or fail)(f"--device=cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
+                           f"CUDA build {torch.version.cuda}); use --device cpu or auto")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join torchrun's default process group: NCCL with this rank's GPU on CUDA, gloo on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        dist.init_process_group(backend="gloo")
 
 
 def global_batches(cfg: GPTConfig, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -237,11 +249,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
 
     if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", device_id=device)
-        else:
-            dist.init_process_group(backend="gloo")
+        init_process_group(device)
     rank = dist.get_rank() if world > 1 else 0
 
     try:
