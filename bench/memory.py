@@ -37,7 +37,7 @@ Method (fp32; the numbers are tensor bytes, not the process's RSS):
 
 Options: --model gpt2|llama|moe --layers --hidden --heads --kv-heads --ffn --vocab --seq
 --micro-batch --microbatches (per rank, per step) --tp --pp --sp --vpp --schedule --cp --cp-comm --ep --etp
---experts --top-k --zero 0|1|2|3 --recompute none|selective|full --recompute-layers --dropout
+--experts --top-k --zero 0|1|2|3 --recompute none|selective|full --recompute-layers --unfused-lm-loss --dropout
 --device cpu|cuda --seed --threads --param-dtype fp32|bf16 (bf16: 16-bit resident weights,
 mpu/resident.py, built by the run's own builder under trainer.precision=bf16; "optimizer" is then
 the AdamW moments and "main_params" the fp32 main weights).
@@ -95,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--recompute-layers", type=int, default=None)
+    p.add_argument("--unfused-lm-loss", action="store_true",
+                   help="whole logits, then the cross-entropy (default: head and loss fused in row chunks)")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -214,7 +216,8 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
                          schedule=schedule, cp=args.cp, cp_comm=args.cp_comm)
     mesh = build_mesh(par, cfg, device_type=device.type)
     res = mesh.par
-    execution = ExecutionConfig(recompute=args.recompute, recompute_layers=args.recompute_layers)
+    execution = ExecutionConfig(recompute=args.recompute, recompute_layers=args.recompute_layers,
+                                fused_lm_loss=not args.unfused_lm_loss)
     chunks = init_model_chunks(cfg, mesh, args.seed, device=device, execution=execution)
     model = nn.ModuleList(chunks)
     named = [(n, p) for c in chunks for n, p in c.named_parameters()]

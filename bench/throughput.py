@@ -100,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallelism (parallel.etp)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation (trainer.recompute)")
+    p.add_argument("--unfused-lm-loss", action="store_true",
+                   help="trainer.fused_lm_loss=false: whole logits, then the cross-entropy")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,
@@ -274,7 +276,7 @@ def main(argv=None) -> None:
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
-    execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend)
+    execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend, fused_lm_loss=not args.unfused_lm_loss)
     chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=execution)
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)

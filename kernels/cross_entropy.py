@@ -37,6 +37,7 @@ __all__ = [
     "combine_partials",
     "combine_gathered_partials",
     "loss_from_stats",
+    "softmax_minus_onehot_",
 ]
 
 
@@ -190,6 +191,23 @@ def cross_entropy_partials(logits: torch.Tensor, target: torch.Tensor, vocab_sta
         _ce_partials_kernel[(n,)](rows, tgt, out[0], out[1], out[2], rows.stride(0), v,
                                   vocab_start, vocab_size, IGNORE_INDEX)
     return out[0], out[1], out[2]
+
+
+def softmax_minus_onehot_(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                          vocab_start: int = 0) -> torch.Tensor:
+    """Kernel 2 with a unit loss gradient, in place: each row of `logits` [N, V_local] (all
+    columns real vocabulary) becomes softmax - onehot(target) given the row's global fp32
+    log-sum-exp `lse` [N]; rows whose target is IGNORE_INDEX become 0. Returns `logits`.
+    No communication (the chunked LM-head loss, mpu/linear_cross_entropy.py)."""
+    _check_triton(logits)
+    if logits.stride(-1) != 1 or logits.dim() != 2:
+        raise ValueError("softmax_minus_onehot_: logits must be a row-major [N, V_local] matrix")
+    n, v = logits.shape
+    if n:
+        ones = torch.ones(1, dtype=torch.float32, device=logits.device)
+        _ce_backward_kernel[(n,)](logits, logits, target.contiguous(), lse.contiguous(), ones, logits.stride(0),
+                                  logits.stride(0), 0, v, vocab_start, vocab_start + v, IGNORE_INDEX)
+    return logits
 
 
 class _FusedCrossEntropy(torch.autograd.Function):

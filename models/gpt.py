@@ -35,6 +35,7 @@ from meshtron.mpu.context_parallel import context_parallel_attention, sequence_p
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
+from meshtron.mpu.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.mpu.mappings import all_reduce_stats, column_parallel_linear, gather_from_region
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.random import get_rng_tracker, seed_parallel_rng
@@ -337,11 +338,16 @@ class GPT(nn.Module):
         return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
 
     def forward(self, x: torch.Tensor, *, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s/cp] (first chunk) or hidden [s/cp(/tp), b, h] -> logits [b, s/cp, V_pad/tp]
         (last chunk) or hidden [s/cp(/tp), b, h]. Packed sequences: `positions` [b, s/cp], this
         rank's tokens' positions within their documents, and `doc_ids` [b, s], the whole
-        sequence's document ids (None: one document, positions of this rank's cp shard)."""
+        sequence's document ids (None: one document, positions of this rank's cp shard).
+        With `targets` [b, s/cp] the last chunk returns instead this rank's summed LM
+        cross-entropy (fp32 scalar, identical over TP): under `execution.fused_lm_loss` the head
+        and the loss run in row chunks and the logits never exist whole
+        (mpu/linear_cross_entropy.py), else `loss_per_token(logits, targets).sum()`. Other
+        chunks ignore `targets`."""
         cp = self.mesh.cp_size
         if self.pre_process:
             b, s = x.shape
@@ -363,14 +369,33 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.final_norm(x)
-        weight = self.embed.weight if self.head is None else self.head.weight
+        if targets is not None and self.execution.fused_lm_loss:
+            return self.lm_loss_sum(x, targets)
+        weight = self.lm_head_weight
         # Batch-major before the head: transposing [s, b, h] costs h per token, transposing
         # the logits V/tp per token (on the CPU a 32 MiB copy at the reference shape).
         if self.mesh.sequence_parallel:  # the sequence all-gather needs [s, b, h] order
             x = enter_tp_region(x, self.mesh).transpose(0, 1).contiguous()
-            return F.linear(x, weight)  # [b, s, V_pad/tp], contiguous
-        # Backward overlaps the input gradient's all-reduce with the LM head's weight-gradient GEMM.
-        return column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
+            logits = F.linear(x, weight)  # [b, s, V_pad/tp], contiguous
+        else:
+            # Backward overlaps the input gradient's all-reduce with the LM head's weight-gradient GEMM.
+            logits = column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
+        return logits if targets is None else self.loss_per_token(logits, targets).sum()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows [V_pad/tp, h] of the LM head (the embedding's when tied)."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def lm_loss_sum(self, normed: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of the final norm's output `normed` [s/cp(/tp), b, h] against
+        `targets` [b, s/cp], head and loss fused in row chunks (no whole logits). Enters the TP
+        region as the head does (SP all-gather / gradient all-reduce over TP); one all-gather of
+        [3, rows] statistics per chunk over TP."""
+        x = enter_tp_region(normed, self.mesh).transpose(0, 1)  # [b, s, h]: rows in the targets' order
+        return linear_cross_entropy_sum(x, self.lm_head_weight, targets, vocab_start=self.vocab_start,
+                                        vocab_size=self.cfg.vocab_size, group=self.mesh.tp,
+                                        backend=self.execution.lm_loss_backend)
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded.

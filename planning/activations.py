@@ -104,7 +104,7 @@ def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torc
     of a real model (parameters excluded); runs the backward afterwards to free them."""
     saved = _SavedStorages(_storage_ids(model.parameters()))
     with saved.hooks():
-        loss = model.loss_per_token(model(inputs), targets).sum()
+        loss = model(inputs, targets=targets)  # the summed loss, fused with the head per the model's execution
         aux = model.aux_loss()
     (loss if aux is None else loss + aux).backward()
     return sum(saved.terms.values())
@@ -320,19 +320,22 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
 
 
 def _trace_end_chunk(kind: str, cfg: GPTConfig, micro_batch_size: int, tp: int, sp: bool, tp_rank: int,
-                     precision: str, device: str, run, cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
+                     precision: str, device: str, run, cp: int = 1, cp_comm: str = "ring",
+                     fused_lm_loss: bool = False) -> SavedTrace:
     """`run(model, saved)` on a layer-less chunk (kind "pre": embeddings; "post": final norm,
-    head and loss) built on meta for TP rank `tp_rank`; cached per shape."""
+    head and loss, fused or not) built on meta for TP rank `tp_rank`; cached per shape."""
     from meshtron.models.gpt import GPT
 
     def measure() -> SavedTrace:
         model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank, cp, cp_comm), device="meta", layers=range(0),
-                    pre_process=kind == "pre", post_process=kind == "post")
+                    pre_process=kind == "pre", post_process=kind == "post",
+                    execution=ExecutionConfig(fused_lm_loss=fused_lm_loss))
         model.train()
         with _traced(model, precision, device) as saved:
             return run(model, saved)
 
-    return _cached((kind, repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device, cp, cp_comm), measure)
+    key = (kind, repr(cfg), micro_batch_size, tp, sp, tp_rank, precision, device, cp, cp_comm, fused_lm_loss)
+    return _cached(key, measure)
 
 
 def trace_pre(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
@@ -349,22 +352,29 @@ def trace_pre(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = 
 
 
 def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
-               precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
+               precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring",
+               fused_lm_loss: bool = False) -> SavedTrace:
     """Saved bytes of the final norm, LM head and loss for one microbatch on TP rank
     `tp_rank`. Terms: final_norm, head (the head's input) and loss (its softmax, targets and
-    masks: `after_mark`)."""
+    masks: `after_mark`). With `fused_lm_loss` the head and loss are one step whose saved
+    tensors (the precomputed input and weight gradients) are all "loss"."""
     def run(model, saved) -> SavedTrace:
         x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
         targets = torch.zeros(micro_batch_size, cfg.seq_len // cp, dtype=torch.long)
-        saved.term = "head"
+        saved.term = "loss" if fused_lm_loss else "head"
         with saved.hooks():
-            with saved.children_as_terms(model):
-                logits = model(x)
-            saved.term = "loss"
-            model.loss_per_token(logits, targets)
+            if fused_lm_loss:
+                with saved.children_as_terms(model):
+                    model(x, targets=targets)
+            else:
+                with saved.children_as_terms(model):
+                    logits = model(x)
+                saved.term = "loss"
+                model.loss_per_token(logits, targets)
         return SavedTrace(sum(saved.terms.values()), dict(saved.terms), saved.terms.get("loss", 0))
 
-    return _trace_end_chunk("post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm)
+    return _trace_end_chunk("post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm,
+                            fused_lm_loss)
 
 
 def etp_row_bytes(cfg: GPTConfig, *, micro_batch_size: int, tp: int, etp: int, precision: str, cp: int = 1) -> int:

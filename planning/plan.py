@@ -76,8 +76,8 @@ def _gib(n: int | float) -> float:
 def _matmul_param_ids(chunks) -> set[int]:
     """Parameters used as matmul operands (autocast keeps a 16-bit copy of each): linear
     weights and biases, expert and shared-expert matrices, routers, and the LM head (the tied
-    embedding on a chunk with the head). Not: norms, position embeddings, an untied input
-    embedding (a lookup)."""
+    embedding on a chunk with the head) unless the loss is fused with it. Not: norms, position
+    embeddings, an untied input embedding (a lookup)."""
     from meshtron.moe.experts import GroupedExperts
     from meshtron.moe.layer import SharedExperts
     from meshtron.moe.router import TopKRouter
@@ -90,11 +90,16 @@ def _matmul_param_ids(chunks) -> set[int]:
             if isinstance(module, kinds):
                 ids.update(id(p) for p in module.parameters(recurse=False))
         if chunk.post_process:
-            ids.add(id(chunk.embed.weight if chunk.head is None else chunk.head.weight))
+            head = chunk.lm_head_weight
+            if chunk.execution.fused_lm_loss:  # its 16-bit copy lives only inside the loss's forward
+                ids.discard(id(head))
+            else:
+                ids.add(id(head))
     return ids
 
 
-def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int, rank: int) -> dict[str, Any]:
+def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int, rank: int,
+                      execution: ExecutionConfig = ExecutionConfig()) -> dict[str, Any]:
     """Build `rank`'s model chunks on the meta device and count their parameters.
 
     Returns unique-parameter counts (a tied embedding counted once):
@@ -118,7 +123,7 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
     from meshtron.models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
 
     mesh = virtual_mesh(par, world_size, rank)
-    chunks = build_model_chunks(model_cfg, mesh, device="meta", dtype=torch.float32)
+    chunks = build_model_chunks(model_cfg, mesh, device="meta", dtype=torch.float32, execution=execution)
     matmul_ids = _matmul_param_ids(chunks)
     out = dict(total=0, tp_sharded=0, replicated=0, group_dp=0, group_tp_dp=0, group_edp=0, matmul=0, largest=0)
     for name, p in torch.nn.ModuleList(chunks).named_parameters():  # deduplicates tied parameters
@@ -364,6 +369,22 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
     return saved_none.total + working
 
 
+def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: int, c: int) -> int:
+    """Transient bytes of the fused LM-head loss's forward (mpu/linear_cross_entropy.py) on TP
+    rank `tp_rank`, for `tokens` rows in `c`-byte compute: the batch-major copy of its input,
+    16-bit copies of the input and the weight under autocast, and one chunk's logits, fp32
+    exponentials (the gradient, in place) and the gradient's 16-bit copy."""
+    from meshtron.mpu.linear_cross_entropy import chunk_rows_for
+
+    h = cfg.hidden_size
+    vocab_l = cfg.padded_vocab_size(tp) // tp
+    n_valid = max(0, min(vocab_l, cfg.vocab_size - tp_rank * vocab_l))
+    rows = min(tokens, chunk_rows_for(vocab_l))
+    casts = (tokens * h + n_valid * h) * c if c != 4 else 0
+    chunk = rows * n_valid * (c + 4 + (c if c != 4 else 0))
+    return math.ceil(tokens * 4 * h + casts + chunk)
+
+
 def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_process: bool, post_process: bool,
                       tp: int = 1, sp: bool = False, ep: int = 1, etp: int = 1, tp_rank: int = 0,
                       cp: int = 1, cp_comm: str = "ring",
@@ -414,7 +435,19 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         add("rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
     logits = forward_extra = head_saved = ce_grad = 0
     backward_extra = rest_backward = layer_backward
-    if post_process:
+    if post_process and execution.fused_lm_loss:
+        vocab_l = cfg.padded_vocab_size(tp) // tp
+        head_trace = trace_post(cfg, tp_rank=tp_rank, fused_lm_loss=True, **trace)
+        for name, value in head_trace.terms.items():
+            add(name, value)
+        head_saved = head_trace.after_mark  # the input and weight gradients built in forward
+        forward_extra = fused_lm_loss_forward_bytes(cfg, T, tp, tp_rank, c)
+        # Backward scales the two kept gradients by the incoming factor: one new copy of each.
+        ce_grad = head = 4 * vocab_l * h + T * 4 * h
+        tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0
+        rest_backward = max(head, layer_backward - head_trace.total + tied_wait)
+        backward_extra = max(ce_grad, rest_backward)
+    elif post_process:
         vocab_l = cfg.padded_vocab_size(tp) // tp
         head_trace = trace_post(cfg, tp_rank=tp_rank, **trace)
         for name, value in head_trace.terms.items():
@@ -648,7 +681,7 @@ def plan_rank(
 
     # ---- parameters
     analytic = params_per_rank(model_cfg, tp=tp, ep=ep, etp=etp, pp=pp)
-    meta = meta_param_counts(model_cfg, res, world_size, rank)
+    meta = meta_param_counts(model_cfg, res, world_size, rank, execution)
     if pp > 1:
         # The analytic count is the most loaded stage's; the meta build is this rank's own
         # (its stage's layers, plus the tied embedding's copy on the last stage).

@@ -35,7 +35,9 @@ def gpt2_groups_by_hand(tp: int, sp: bool) -> tuple[int, int, int]:
     row_biases = 2 * (h + h)                  # proj and fc2 biases, replicated over tp
     positions = s * h
     replicated = norms + row_biases + positions
-    matmul = sharded + row_biases             # linears (weights, biases) and the tied LM head
+    # Linears (weights, biases); not the tied LM head: the fused LM loss (the default) casts it
+    # inside its own forward and keeps no 16-bit copy for backward.
+    matmul = sharded + row_biases - v_local * h
     if sp:                                    # SP-replicated parameters reduce over tp x dp
         return sharded, replicated, matmul
     return sharded + replicated, 0, matmul
@@ -134,11 +136,13 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_lm_loss", "unfused_lm_loss"])
 @pytest.mark.parametrize("cfg,recompute,micro,tp", SHAPES)
-def test_saved_activations_equal_measured(cfg, recompute, micro, tp):
+def test_saved_activations_equal_measured(cfg, recompute, micro, tp, fused):
     """The planner's traced bytes equal a real forward's to the byte (inputs contiguous: a
-    sliced view would keep the whole token window's storage)."""
-    execution = ExecutionConfig(recompute=recompute)
+    sliced view would keep the whole token window's storage), with the LM head and loss fused
+    (the default) or not."""
+    execution = ExecutionConfig(recompute=recompute, fused_lm_loss=fused)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), generator=gen)
     for rank in range(tp):
@@ -171,6 +175,7 @@ def test_bf16_saved_activations_within_half_percent(cfg):
 
 @pytest.mark.parametrize("argv", [
     ["--model", "gpt2", "--layers", "2", "--hidden", "128", "--seq", "64", "--vocab", "1000"],
+    ["--model", "gpt2", "--layers", "2", "--hidden", "128", "--seq", "64", "--vocab", "1000", "--unfused-lm-loss"],
     ["--model", "llama", "--layers", "2", "--hidden", "128", "--kv-heads", "2", "--seq", "64", "--vocab", "500",
      "--dropout", "0", "--recompute", "selective", "--microbatches", "2"],
 ])

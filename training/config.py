@@ -43,6 +43,7 @@ class TrainerConfig:
     trace_step: int | None = _field(None, ge=1)
     recompute: str = "none"                  # none | selective | full (rules: models.config.ExecutionConfig)
     recompute_layers: int | None = None      # full recompute for the first N layers only (None = all)
+    fused_lm_loss: bool = True               # LM head + cross-entropy in row chunks: no whole logits (mpu/linear_cross_entropy.py)
     eval_every: int = _field(0, ge=0)                        # 0 = off
     eval_batches: int = _field(2, ge=1)
     max_skipped: int = _field(5, ge=0)
@@ -139,10 +140,11 @@ class RunConfig:
         return run
 
     def execution(self, kernel_backend: str = "torch") -> ExecutionConfig:
-        """How the model runs (not part of what is saved): trainer.recompute and
-        trainer.recompute_layers, and the kernel backend `kernels.backend` resolved to."""
+        """How the model runs (not part of what is saved): trainer.recompute,
+        trainer.recompute_layers and trainer.fused_lm_loss, and the kernel backend
+        `kernels.backend` resolved to."""
         return ExecutionConfig(recompute=self.trainer.recompute, recompute_layers=self.trainer.recompute_layers,
-                               kernel_backend=kernel_backend)
+                               kernel_backend=kernel_backend, fused_lm_loss=self.trainer.fused_lm_loss)
 
     def validate(self) -> None:
         """Every field's type and range (meshtron/schema.py; model and parallel check their own

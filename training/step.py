@@ -26,6 +26,12 @@ def global_token_count(microbatches: list[LocalMicrobatch], mesh: Mesh) -> torch
     return all_reduce_stats(count, mesh.dp_cp).clamp(min=1.0)
 
 
+def loss_forward_kwargs(microbatches: list[LocalMicrobatch]) -> list[dict]:
+    """Each microbatch's forward keywords with its targets: the last model chunk then returns
+    its summed LM loss (fused with the head under trainer.fused_lm_loss), the others ignore them."""
+    return [dict(mb.forward_kwargs, targets=mb.targets) for mb in microbatches]
+
+
 def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: TrainingOptimizer,
                microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh, *,
                lr: float, max_grad_norm: float, precision: Precision = FP32,
@@ -65,8 +71,7 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
         for i, mb in enumerate(microbatches):
             with reducer.sync(i == n_micro - 1):
                 with precision.autocast():
-                    logits = model(mb.inputs, **mb.forward_kwargs)
-                    loss = model.loss_per_token(logits, mb.targets).sum() / tokens
+                    loss = model(mb.inputs, **mb.forward_kwargs, targets=mb.targets) / tokens
                     aux = model.aux_loss()
                 objective = loss if aux is None else loss + aux / aux_divisor
                 (objective * precision.loss_scale).backward()
@@ -101,12 +106,10 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     scope = aux_loss_scope(chunks[0].cfg.aux_loss_scope, mesh)
     aux_divisor = scope.objective_divisor(n_micro)
     moe = MoEStepStats(chunks[0].cfg, scope)
-    targets = [mb.targets for mb in microbatches]
-
     scale = precision.loss_scale
 
-    def loss_fn(chunk, logits, m):
-        return chunk.loss_per_token(logits, targets[m]).sum() / tokens * scale
+    def loss_fn(chunk, loss_sum, m):  # the last chunk's forward got the targets: its output is the summed loss
+        return loss_sum / tokens * scale
 
     def extra_fn(chunk):
         aux = chunk.aux_loss()
@@ -120,7 +123,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
 
     with weight_copy_scope(), precision.autocast():
         result = executor.run(schedules, [mb.inputs for mb in microbatches], loss_fn, extra_fn, before_backward,
-                              forward_kwargs=[mb.forward_kwargs for mb in microbatches])
+                              forward_kwargs=loss_forward_kwargs(microbatches))
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
     out = _finish_step(chunks, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
@@ -222,16 +225,14 @@ def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, tor
     if executor is None:
         model = chunks[0]
         with weight_copy_scope(), precision.autocast():
-            loss = sum(model.loss_per_token(model(mb.inputs, **mb.forward_kwargs), mb.targets).sum()
-                       for mb in microbatches) / tokens
+            loss = sum(model(mb.inputs, **mb.forward_kwargs, targets=mb.targets) for mb in microbatches) / tokens
     else:
-        targets = [mb.targets for mb in microbatches]
         schedules = build_all_ranks(mesh.par.schedule, mesh.pp_size, len(microbatches), len(chunks),
                                     forward_only=True)
         with weight_copy_scope(), precision.autocast():
             result = executor.run(schedules, [mb.inputs for mb in microbatches],
-                                  lambda chunk, logits, m: chunk.loss_per_token(logits, targets[m]).sum() / tokens,
-                                  forward_only=True, forward_kwargs=[mb.forward_kwargs for mb in microbatches])
+                                  lambda chunk, loss_sum, m: loss_sum / tokens,
+                                  forward_only=True, forward_kwargs=loss_forward_kwargs(microbatches))
         loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
     loss = all_reduce_stats(all_reduce_stats(loss.to(torch.float32), mesh.dp_cp), mesh.pp)
     for chunk in chunks:

@@ -27,6 +27,7 @@ from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer
 from meshtron.training.packing import local_microbatch
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
+    UNFUSED,
     ADAM_EPS,
     LR,
     SEED,
@@ -78,7 +79,7 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
     dp = mesh.dp_size
     batch = dp * MICRO * MICRO_PER_RANK
     serial_mesh = single_process_mesh()
-    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
     ref_params = dict(ref.named_parameters())
     executor = None
     if pp > 1:

@@ -35,6 +35,10 @@ GLOBAL_BATCH = 4
 STEPS = 3
 LR = 1e-3
 ADAM_EPS = 1e-4
+# The serial references compute the loss from whole logits, while the layouts under test run
+# the default fused LM-head loss (mpu/linear_cross_entropy.py): every layout case therefore
+# also proves the fused, chunked loss equal to the unfused one.
+UNFUSED = ExecutionConfig(fused_lm_loss=False)
 
 
 def model_config(arch: str) -> GPTConfig:
@@ -103,7 +107,7 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: s
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
     serial_mesh = single_process_mesh()
     model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend))
-    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
 
     # Forward: logits of this rank's rows and loss of the global batch.
     inputs, targets = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, GLOBAL_BATCH)[0]

@@ -18,6 +18,7 @@ import torch
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from tests.distributed.dense_cases import (
+    UNFUSED,
     LR,
     STEPS,
     assert_close,
@@ -101,7 +102,7 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
     serial_mesh = single_process_mesh()
     model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend))
-    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
 
     batch = mesh.dp_size * MICRO * MICRO_PER_RANK
     inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, batch, batch)[0]

@@ -20,6 +20,7 @@ from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from tests.distributed.dense_cases import (
+    UNFUSED,
     ADAM_EPS,
     LR,
     SEED,
@@ -89,7 +90,7 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
                                 torch.device("cpu"), tags=False)
 
     serial_mesh = single_process_mesh()
-    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
     ref_params = dict(ref.named_parameters())
 
     for step in range(STEPS):

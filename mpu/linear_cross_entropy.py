@@ -1,0 +1,187 @@
+"""The LM head and the cross-entropy in one pass over row chunks: the [tokens, V/tp] logits
+never exist at full size.
+
+For each chunk of rows: logits = x_c W^T (this rank's vocabulary slice, padding columns not
+computed), per-row local statistics, ONE all-gather of the [3, rows] statistics over the TP
+group (`combine_gathered_partials` on every rank), the summed loss, and, when a gradient is
+wanted, the chunk's softmax-minus-one-hot turned at once into its share of the input gradient
+(g_c W) and of the weight gradient (g_c^T x_c). The chunk's logits are then dropped. Backward
+only scales the two gradients kept from forward by the incoming scalar: the loss is returned
+summed (a scalar), so the per-token gradient factor is one number and the weight gradient
+can be formed in forward. Three GEMMs in all, as the unfused head, and peak memory of one
+chunk of logits instead of all of them (plus the fp32 weight-gradient [V/tp, h] that backward
+would build anyway).
+
+Communication over `group` (TP): one all-gather of [3, rows] per chunk in forward, none in
+backward. The input gradient is this rank's partial over its vocabulary slice: the caller
+enters x through the TP region (copy -> all-reduce of the gradient, or the SP all-gather ->
+reduce-scatter) exactly as for the unfused head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from meshtron.mpu.cross_entropy import IGNORE_INDEX, combine_gathered_partials, local_statistics
+from meshtron.mpu.mappings import all_gather_stats
+from meshtron.mpu.mesh import group_size
+
+# fp32 logits elements per chunk: 2 Mi (8 MiB), a few hundred rows at the vocabularies of
+# real models (rows = CHUNK_LOGITS // (V/tp), at least 1). Big enough that each chunk's three
+# GEMMs run at full speed, small enough that the chunk and its exponentials stay off the
+# memory peak (the full logits of an 8k-token microbatch at V/tp = 32k are 1 GiB).
+CHUNK_LOGITS = 1 << 21
+
+
+def chunk_rows_for(local_vocab: int, chunk_logits: int = CHUNK_LOGITS) -> int:
+    """Rows per chunk so that one chunk of logits holds about `chunk_logits` elements."""
+    return max(1, chunk_logits // max(1, local_vocab))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the head's GEMMs run in: autocast's when it is on (as F.linear would), else x's."""
+    device_type = x.device.type if x.device.type in ("cuda", "cpu") else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class _TorchChunkLoss:
+    """Per-chunk statistics and softmax-minus-one-hot with plain torch ops (the reference)."""
+
+    @staticmethod
+    def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, exp_out: torch.Tensor):
+        return local_statistics(logits, target, vocab_start, logits.shape[1], exp_out=exp_out)
+
+    @staticmethod
+    def gradient(logits: torch.Tensor, exp: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor,
+                 target: torch.Tensor, vocab_start: int) -> torch.Tensor:
+        """softmax - onehot over this shard's columns (ignored rows: zero), in `exp`'s storage."""
+        local_t = target - vocab_start
+        ignored = target == IGNORE_INDEX
+        hit = (local_t >= 0) & (local_t < exp.shape[1]) & ~ignored
+        scale = torch.exp(local_max - lse).masked_fill_(ignored, 0.0)
+        grad = exp.mul_(scale.unsqueeze(1))
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad.index_put_((rows, local_t.masked_fill(~hit, 0)), -hit.to(grad.dtype), accumulate=True)
+        return grad
+
+
+class _TritonChunkLoss:
+    """Per-chunk statistics and gradient with the Triton cross-entropy kernels (GPU, or the
+    interpreter): the gradient overwrites the chunk's logits, no exponentials are stored."""
+
+    @staticmethod
+    def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, exp_out: torch.Tensor):
+        from meshtron.kernels.cross_entropy import cross_entropy_partials
+        return torch.stack(cross_entropy_partials(logits, target, vocab_start, vocab_start + logits.shape[1]))
+
+    @staticmethod
+    def gradient(logits, exp, local_max, lse, target, vocab_start) -> torch.Tensor:
+        from meshtron.kernels.cross_entropy import softmax_minus_onehot_
+        return softmax_minus_onehot_(logits, target, lse, vocab_start)
+
+
+BACKENDS = {"torch": _TorchChunkLoss, "triton": _TritonChunkLoss}
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, vocab_start, vocab_size, group, chunk_rows, backend, want_grad):
+        n, hidden = x.shape
+        local_vocab = weight.shape[0]
+        n_valid = max(0, min(local_vocab, vocab_size - vocab_start))  # decided on the host, no sync
+        ops = BACKENDS[backend]
+        dtype = _compute_dtype(x)
+        xc_all = x if x.dtype == dtype else x.to(dtype)
+        w = weight[:n_valid]
+        w = w if w.dtype == dtype else w.to(dtype)
+        shape_only = x.is_meta or is_fake(x)
+        step = n if shape_only else chunk_rows
+        # Every row of grad_x is written by its chunk, unless the shard is all padding.
+        new = torch.zeros if n_valid == 0 else torch.empty
+        grad_x = new(n, hidden, dtype=torch.float32, device=x.device) if want_grad else None
+        grad_w = torch.zeros(local_vocab, hidden, dtype=torch.float32, device=x.device) if want_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        multi = group_size(group) > 1
+        for i in range(0, n, step):
+            tgt = target[i:i + step]
+            rows = tgt.shape[0]
+            local_t = tgt - vocab_start
+            ignored = tgt == IGNORE_INDEX
+            in_padding = (local_t >= n_valid) & (local_t < local_vocab)
+            if n_valid == 0:  # a shard of padding only: no logits, no gradient
+                stats = torch.zeros(3, rows, dtype=torch.float32, device=x.device)
+                stats[0].fill_(float("-inf"))
+                logits = exp = None
+            else:
+                xc = xc_all[i:i + step]
+                logits = xc @ w.t()  # [rows, n_valid]
+                exp = torch.empty(rows, n_valid, dtype=torch.float32, device=x.device) if backend == "torch" else None
+                stats = ops.statistics(logits, tgt, vocab_start, exp)
+            # A target in this shard's padding: an impossible token, loss +inf as unfused.
+            stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))
+            if multi:
+                global_max, sum_exp, target_logit = combine_gathered_partials(*all_gather_stats(stats, group).unbind(1))
+            else:
+                global_max, sum_exp, target_logit = stats
+            lse = torch.log(sum_exp) + global_max
+            total += (lse - target_logit).masked_fill(ignored, 0.0).sum()
+            if want_grad and logits is not None:
+                grad = ops.gradient(logits, exp, stats[0], lse, tgt, vocab_start)
+                grad = grad if grad.dtype == dtype else grad.to(dtype)
+                if dtype == torch.float32:
+                    torch.mm(grad, w, out=grad_x[i:i + step])
+                else:
+                    grad_x[i:i + step] = grad @ w
+                if dtype == torch.float32:
+                    grad_w[:n_valid].addmm_(grad.t(), xc)
+                else:  # 16-bit GEMM, accumulated across chunks in fp32
+                    grad_w[:n_valid] += (grad.t() @ xc).float()
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.save_for_backward(grad_x, grad_w) if want_grad else ctx.save_for_backward()
+        ctx.want_grad = want_grad
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        if not ctx.want_grad:
+            return (None,) * 9
+        grad_x, grad_w = ctx.saved_tensors
+        g = grad_total.float()
+        gx = (grad_x * g).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad_w * g).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
+                             vocab_size: int | None = None, group=None, chunk_rows: int | None = None,
+                             backend: str = "torch") -> torch.Tensor:
+    """Summed cross-entropy (fp32 scalar, identical on every rank of `group`) of the logits
+    x W^T without materializing them: x [..., h] the LM head's input (already entered into the
+    TP region), weight [V_local, h] this rank's vocabulary rows starting at `vocab_start`,
+    target [...] global token ids (IGNORE_INDEX = -100: no loss, no gradient). Rows at or past
+    `vocab_size` (the real vocabulary) are padding: never computed, zero gradient.
+    `chunk_rows` rows per chunk (default: `chunk_rows_for(V_local)`); backend "torch" or
+    "triton" (the Triton cross-entropy kernels per chunk).
+    Communication over `group` (TP): one all-gather of [3, chunk_rows] per chunk forward, none backward.
+    The value equals vocab_parallel_cross_entropy(x @ weight.T, ...).sum() to fp32 rounding."""
+    if backend not in BACKENDS:
+        raise ValueError(f"linear_cross_entropy_sum: backend={backend!r} must be one of {sorted(BACKENDS)}")
+    if x.shape[:-1] != target.shape:
+        raise ValueError(f"linear_cross_entropy_sum: x {tuple(x.shape)} and target {tuple(target.shape)} "
+                         "disagree on the leading dims")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy_sum: x has {x.shape[-1]} features, weight {tuple(weight.shape)} "
+                         f"expects {weight.shape[1]}")
+    if vocab_size is None:
+        vocab_size = vocab_start + weight.shape[0]
+    rows = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0])
+    if rows < 1:
+        raise ValueError(f"linear_cross_entropy_sum: chunk_rows={rows} must be >= 1")
+    x2 = x.reshape(-1, x.shape[-1])
+    # Inside forward autograd has turned grad mode off: decide here whether to build gradients.
+    want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropySum.apply(x2, weight, target.reshape(-1), vocab_start, vocab_size, group, rows, backend,
+                                        want_grad)
