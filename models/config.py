@@ -33,6 +33,7 @@ class ExecutionConfig:
     # The LM head and the loss in one chunked pass (mpu/linear_cross_entropy.py): the last
     # chunk's forward returns the head's input and `GPT.loss_sum` computes the summed loss.
     fused_lm_loss: bool = True
+    lm_loss_chunk_rows: int | None = field(default=None, metadata=allowed(ge=1))  # None: by device (chunk_rows_for)
 
     def __post_init__(self) -> None:
         raise_first(field_checks("trainer", self))

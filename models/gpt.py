@@ -395,6 +395,7 @@ class GPT(nn.Module):
         x = enter_tp_region(normed, self.mesh).transpose(0, 1)  # [b, s, h]: rows in the targets' order
         return linear_cross_entropy_sum(x, self.lm_head_weight, targets, vocab_start=self.vocab_start,
                                         vocab_size=self.cfg.vocab_size, group=self.mesh.tp,
+                                        chunk_rows=self.execution.lm_loss_chunk_rows,
                                         backend=self.execution.lm_loss_backend)
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

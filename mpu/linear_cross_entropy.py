@@ -27,16 +27,19 @@ from meshtron.mpu.cross_entropy import IGNORE_INDEX, combine_gathered_partials, 
 from meshtron.mpu.mappings import all_gather_stats
 from meshtron.mpu.mesh import group_size
 
-# fp32 logits elements per chunk: 2 Mi (8 MiB), a few hundred rows at the vocabularies of
-# real models (rows = CHUNK_LOGITS // (V/tp), at least 1). Big enough that each chunk's three
-# GEMMs run at full speed, small enough that the chunk and its exponentials stay off the
-# memory peak (the full logits of an 8k-token microbatch at V/tp = 32k are 1 GiB).
-CHUNK_LOGITS = 1 << 21
+# Logits elements per chunk, by device. CPU: 2 Mi (8 MiB fp32), a chunk and its exponentials
+# stay in cache between the passes over them (measured fastest on the 2-core CPU at V/tp =
+# 8192). CUDA: 128 Mi (256 MiB of 16-bit logits, plus 512 MiB of fp32 exponentials under the
+# torch chunk operations): every chunk adds its weight-gradient share into the fp32 [V/tp, h]
+# accumulator, a pass over V/tp * h that costs as much memory traffic as a GEMM of about a
+# thousand rows does arithmetic, so GPU chunks must be that long (>= 1,024 rows up to V/tp =
+# 128 Ki). Unmeasured on a GPU so far; `trainer.lm_loss_chunk_rows` overrides.
+CHUNK_LOGITS = {"cpu": 1 << 21, "cuda": 1 << 27}
 
 
-def chunk_rows_for(local_vocab: int, chunk_logits: int = CHUNK_LOGITS) -> int:
-    """Rows per chunk so that one chunk of logits holds about `chunk_logits` elements."""
-    return max(1, chunk_logits // max(1, local_vocab))
+def chunk_rows_for(local_vocab: int, device_type: str = "cpu") -> int:
+    """Rows per chunk so that one chunk of logits holds about CHUNK_LOGITS[device] elements."""
+    return max(1, CHUNK_LOGITS.get(device_type, CHUNK_LOGITS["cpu"]) // max(1, local_vocab))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -163,7 +166,7 @@ def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target: torc
     TP region), weight [V_local, h] this rank's vocabulary rows starting at `vocab_start`,
     target [...] global token ids (IGNORE_INDEX = -100: no loss, no gradient). Rows at or past
     `vocab_size` (the real vocabulary) are padding: never computed, zero gradient.
-    `chunk_rows` rows per chunk (default: `chunk_rows_for(V_local)`); backend "torch" or
+    `chunk_rows` rows per chunk (default: `chunk_rows_for(V_local, device)`); backend "torch" or
     "triton" (the Triton cross-entropy kernels per chunk).
     Communication over `group` (TP): one all-gather of [3, chunk_rows] per chunk forward, none backward.
     The value equals vocab_parallel_cross_entropy(x @ weight.T, ...).sum() to fp32 rounding."""
@@ -177,7 +180,7 @@ def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target: torc
                          f"expects {weight.shape[1]}")
     if vocab_size is None:
         vocab_size = vocab_start + weight.shape[0]
-    rows = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0])
+    rows = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0], x.device.type)
     if rows < 1:
         raise ValueError(f"linear_cross_entropy_sum: chunk_rows={rows} must be >= 1")
     x2 = x.reshape(-1, x.shape[-1])

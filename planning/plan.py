@@ -369,17 +369,19 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
     return saved_none.total + working
 
 
-def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: int, c: int) -> int:
+def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: int, c: int, device: str = "cpu",
+                                chunk_rows: int | None = None) -> int:
     """Transient bytes of the fused LM-head loss's forward (mpu/linear_cross_entropy.py) on TP
     rank `tp_rank`, for `tokens` rows in `c`-byte compute: the batch-major copy of its input,
     16-bit copies of the input and the weight under autocast, and one chunk's logits, fp32
-    exponentials (the gradient, in place) and the gradient's 16-bit copy."""
+    exponentials (the gradient, in place) and the gradient's 16-bit copy (`chunk_rows` per
+    chunk; None: the device's default)."""
     from meshtron.mpu.linear_cross_entropy import chunk_rows_for
 
     h = cfg.hidden_size
     vocab_l = cfg.padded_vocab_size(tp) // tp
     n_valid = max(0, min(vocab_l, cfg.vocab_size - tp_rank * vocab_l))
-    rows = min(tokens, chunk_rows_for(vocab_l))
+    rows = min(tokens, chunk_rows or chunk_rows_for(vocab_l, device))
     casts = (tokens * h + n_valid * h) * c if c != 4 else 0
     chunk = rows * n_valid * (c + 4 + (c if c != 4 else 0))
     return math.ceil(tokens * 4 * h + casts + chunk)
@@ -441,7 +443,7 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         for name, value in head_trace.terms.items():
             add(name, value)
         head_saved = head_trace.after_mark  # the input and weight gradients built in forward
-        forward_extra = fused_lm_loss_forward_bytes(cfg, T, tp, tp_rank, c)
+        forward_extra = fused_lm_loss_forward_bytes(cfg, T, tp, tp_rank, c, device, execution.lm_loss_chunk_rows)
         # Backward scales the two kept gradients by the incoming factor: one new copy of each.
         ce_grad = head = 4 * vocab_l * h + T * 4 * h
         tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0

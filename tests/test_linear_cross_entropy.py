@@ -115,10 +115,12 @@ def test_bad_input_is_named():
         linear_cross_entropy_sum(x, w, target, chunk_rows=0)
 
 
-def test_chunk_rows_follow_the_local_vocabulary():
-    assert chunk_rows_for(8192) == 256
+def test_chunk_rows_follow_the_local_vocabulary_and_device():
+    assert chunk_rows_for(8192) == 256                      # CPU: 2 Mi logits, cache-sized
     assert chunk_rows_for(128 * 1024) == 16
     assert chunk_rows_for(1 << 30) == 1
+    assert chunk_rows_for(128 * 1024, "cuda") == 1024       # CUDA: 128 Mi, long enough for the dW accumulation
+    assert chunk_rows_for(32 * 1024, "cuda") == 4096
 
 
 def test_bf16_autocast_runs_the_gemms_in_16_bits_like_the_unfused_head():
@@ -150,8 +152,8 @@ def test_model_forward_with_targets_fused_equals_unfused(arch):
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
     targets[0, :4] = IGNORE_INDEX
     results = {}
-    for fused in (False, True):
-        model = GPT(cfg, mesh, execution=ExecutionConfig(fused_lm_loss=fused))
+    for fused in (False, True):  # fused in chunks of 5 rows: 48 tokens -> 10 chunks, the last short
+        model = GPT(cfg, mesh, execution=ExecutionConfig(fused_lm_loss=fused, lm_loss_chunk_rows=5))
         initialize_parameters(model, 7, mesh)
         loss = model(inputs, targets=targets)
         (loss / 10).backward()
@@ -161,3 +163,8 @@ def test_model_forward_with_targets_fused_equals_unfused(arch):
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-6, atol=0)
     for name, grad in results[False][1].items():  # tensor-level relative error, as the layout cases
         assert ((results[True][1][name] - grad).norm() / grad.norm()).item() < 1e-5, name
+
+
+def test_chunk_rows_config_is_validated():
+    with pytest.raises(ValueError, match="lm_loss_chunk_rows"):
+        ExecutionConfig(lm_loss_chunk_rows=0)

@@ -33,6 +33,8 @@ from meshtron.training.config import ConfigError, RunConfig, unknown_override
     ("model", "num_heads", 0, "model.num_heads=0 must be an integer >= 1"),
     ("parallel", "tp", True, "parallel.tp=True must be an integer >= 1"),
     ("trainer", "global_batch_size", 16.5, "trainer.global_batch_size=16.5 must be an integer"),
+    ("trainer", "lm_loss_chunk_rows", 0, "trainer.lm_loss_chunk_rows=0 must be an integer >= 1"),
+    ("trainer", "fused_lm_loss", "yes", "trainer.fused_lm_loss='yes' must be true or false"),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(section, key, value, message):
     with pytest.raises(ConfigError) as err:
