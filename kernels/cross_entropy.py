@@ -198,7 +198,7 @@ def softmax_minus_onehot_(logits: torch.Tensor, target: torch.Tensor, lse: torch
     """Kernel 2 with a unit loss gradient, in place: each row of `logits` [N, V_local] (all
     columns real vocabulary) becomes softmax - onehot(target) given the row's global fp32
     log-sum-exp `lse` [N]; rows whose target is IGNORE_INDEX become 0. Returns `logits`.
-    No communication (the chunked LM-head loss, mpu/linear_cross_entropy.py)."""
+    No communication (the chunked LM-head loss, kernels/linear_cross_entropy.py)."""
     _check_triton(logits)
     if logits.stride(-1) != 1 or logits.dim() != 2:
         raise ValueError("softmax_minus_onehot_: logits must be a row-major [N, V_local] matrix")

@@ -30,21 +30,13 @@ class ExecutionConfig:
     recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
     recompute_layers: int | None = field(default=None, metadata=allowed(ge=1))
     kernel_backend: str = field(default="torch", metadata=allowed(choices=RESOLVED_BACKENDS))
-    # The LM head and the loss in one chunked pass (mpu/linear_cross_entropy.py): the last
+    # The LM head and the loss in one chunked pass (kernels/linear_cross_entropy.py): the last
     # chunk's forward returns the head's input and `GPT.loss_sum` computes the summed loss.
     fused_lm_loss: bool = True
     lm_loss_chunk_rows: int | None = field(default=None, metadata=allowed(ge=1))  # None: by device (chunk_rows_for)
 
     def __post_init__(self) -> None:
         raise_first(field_checks("trainer", self))
-
-    @property
-    def lm_loss_backend(self) -> str:
-        """Chunk operations of the fused LM loss: the Triton cross-entropy kernels under
-        kernels.backend=triton; torch otherwise (under triton_checked too: the self-check
-        compares kernels on whole logits, which the fused loss never builds, so no unchecked
-        kernel runs)."""
-        return "triton" if self.kernel_backend == "triton" else "torch"
 
     def layer_mode(self, index: int) -> str:
         """Recompute mode of layer `index`: full for the first `recompute_layers` (all when

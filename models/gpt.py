@@ -35,7 +35,7 @@ from meshtron.mpu.context_parallel import context_parallel_attention, sequence_p
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
-from meshtron.mpu.linear_cross_entropy import linear_cross_entropy_sum
+from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.mpu.mappings import all_reduce_stats, column_parallel_linear, gather_from_region
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.random import get_rng_tracker, seed_parallel_rng
@@ -281,9 +281,12 @@ class GPT(nn.Module):
                 sequence_parallel=mesh.sequence_parallel,
             )
         self.layers = nn.ModuleDict({str(i): Block(cfg, mesh, i, device, dtype, execution=execution) for i in layers})
-        self.final_norm = self.head = None
+        self.final_norm = self.head = self.logits_out = None
         if post_process:
             self.final_norm = Norm(cfg, mesh, device, dtype, backend=execution.kernel_backend)
+            # The unfused head's logits pass through it, also when forward goes on to the loss:
+            # a hook point for tools that watch logits (meshtron.verify).
+            self.logits_out = nn.Identity()
             if not cfg.tie_embeddings:
                 self.head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, mesh, bias=False,
                                                  init_std=cfg.init_std, device=device, dtype=dtype)
@@ -346,7 +349,7 @@ class GPT(nn.Module):
         With `targets` [b, s/cp] the last chunk returns instead this rank's summed LM
         cross-entropy (fp32 scalar, identical over TP): under `execution.fused_lm_loss` the head
         and the loss run in row chunks and the logits never exist whole
-        (mpu/linear_cross_entropy.py), else `loss_per_token(logits, targets).sum()`. Other
+        (kernels/linear_cross_entropy.py), else `loss_per_token(logits, targets).sum()`. Other
         chunks ignore `targets`."""
         cp = self.mesh.cp_size
         if self.pre_process:
@@ -380,6 +383,7 @@ class GPT(nn.Module):
         else:
             # Backward overlaps the input gradient's all-reduce with the LM head's weight-gradient GEMM.
             logits = column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
+        logits = self.logits_out(logits)
         return logits if targets is None else self.loss_per_token(logits, targets).sum()
 
     @property
@@ -396,7 +400,7 @@ class GPT(nn.Module):
         return linear_cross_entropy_sum(x, self.lm_head_weight, targets, vocab_start=self.vocab_start,
                                         vocab_size=self.cfg.vocab_size, group=self.mesh.tp,
                                         chunk_rows=self.execution.lm_loss_chunk_rows,
-                                        backend=self.execution.lm_loss_backend)
+                                        backend=self.execution.kernel_backend)
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded.

@@ -371,12 +371,12 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
 
 def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: int, c: int, device: str = "cpu",
                                 chunk_rows: int | None = None) -> int:
-    """Transient bytes of the fused LM-head loss's forward (mpu/linear_cross_entropy.py) on TP
+    """Transient bytes of the fused LM-head loss's forward (kernels/linear_cross_entropy.py) on TP
     rank `tp_rank`, for `tokens` rows in `c`-byte compute: the batch-major copy of its input,
     16-bit copies of the input and the weight under autocast, and one chunk's logits, fp32
     exponentials (the gradient, in place) and the gradient's 16-bit copy (`chunk_rows` per
     chunk; None: the device's default)."""
-    from meshtron.mpu.linear_cross_entropy import chunk_rows_for
+    from meshtron.kernels.linear_cross_entropy import chunk_rows_for
 
     h = cfg.hidden_size
     vocab_l = cfg.padded_vocab_size(tp) // tp

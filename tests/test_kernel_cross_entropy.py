@@ -166,10 +166,10 @@ def test_bad_backend_raises():
 
 @pytest.mark.parametrize("chunk_rows", [4, 17])
 def test_chunked_lm_loss_with_triton_kernels_equals_torch(chunk_rows):
-    """mpu.linear_cross_entropy with the Triton statistics and in-place softmax-minus-one-hot
+    """kernels.linear_cross_entropy with the Triton statistics and in-place softmax-minus-one-hot
     kernels per chunk gives the torch chunk operations' loss and gradients (padding rows of the
     weight: zero gradient; ignored targets: none)."""
-    from meshtron.mpu.linear_cross_entropy import linear_cross_entropy_sum
+    from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(17, 24, generator=g), torch.randn(300, 24, generator=g) * 0.3

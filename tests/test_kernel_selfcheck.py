@@ -104,15 +104,19 @@ def test_tolerance_follows_dtype_and_autocast():
 def test_correct_kernels_pass_and_then_run_triton(monkeypatch, torch_run, recwarn):
     rms = counting(monkeypatch, norms, "rms_norm")
     swiglu = counting(monkeypatch, linear_act, "linear_swiglu")
-    ce = counting(monkeypatch, cross_entropy, "fused_cross_entropy")
+    ce_checked = counting(monkeypatch, cross_entropy, "fused_cross_entropy")
+    ce_chunks = counting(monkeypatch, cross_entropy, "softmax_minus_onehot_")
     got = two_steps(CHECKED)
     assert not selfcheck_warnings(recwarn)
     for kernel in ("rms_norm", "linear_swiglu", "cross_entropy"):
         assert selfcheck.verdict(kernel) is True, kernel
         assert selfcheck.local_result(kernel).error <= selfcheck.TOLERANCES["fp32"]
-    # Per step 3 norms, 1 MLP, 1 loss. Step 1: each kernel's first call is the check (one
-    # Triton call on clones, the real call on torch), later calls Triton; step 2 all Triton.
-    assert (rms["calls"], swiglu["calls"], ce["calls"]) == (1 + 2 + 3, 1 + 1, 1 + 1)
+    # Per step 3 norms, 1 MLP, 1 loss (the fused LM loss: one chunk of 16 rows). Step 1: each
+    # kernel's first call is the check (one Triton call on clones, the real call on torch),
+    # later calls Triton; step 2 all Triton. The loss's check runs the Triton cross-entropy on
+    # the chunk's logits (fused_cross_entropy); step 2's chunk runs the Triton chunk kernels.
+    assert (rms["calls"], swiglu["calls"]) == (1 + 2 + 3, 1 + 1)
+    assert (ce_checked["calls"], ce_chunks["calls"]) == (1, 1)
     assert_same_run(got, torch_run)
 
 

@@ -1,4 +1,4 @@
-"""The LM head fused with the cross-entropy in row chunks (mpu/linear_cross_entropy.py) against
+"""The LM head fused with the cross-entropy in row chunks (kernels/linear_cross_entropy.py) against
 the unfused head + vocab-parallel cross-entropy: values, gradients, chunking, padding, ignored
 targets, no-grad evaluation, autocast, and the model's forward(targets=...) in both modes.
 The multi-process layouts (tp, sp, pp, cp, ep) are proven by the distributed cases, whose
@@ -15,7 +15,7 @@ from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import GPT
 from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from meshtron.mpu.init import initialize_parameters
-from meshtron.mpu.linear_cross_entropy import chunk_rows_for, linear_cross_entropy_sum
+from meshtron.kernels.linear_cross_entropy import chunk_rows_for, linear_cross_entropy_sum
 from meshtron.mpu.mesh import single_process_mesh
 
 

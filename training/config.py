@@ -43,7 +43,7 @@ class TrainerConfig:
     trace_step: int | None = _field(None, ge=1)
     recompute: str = "none"                  # none | selective | full (rules: models.config.ExecutionConfig)
     recompute_layers: int | None = None      # full recompute for the first N layers only (None = all)
-    fused_lm_loss: bool = True               # LM head + cross-entropy in row chunks: no whole logits (mpu/linear_cross_entropy.py)
+    fused_lm_loss: bool = True               # LM head + cross-entropy in row chunks: no whole logits (kernels/linear_cross_entropy.py)
     lm_loss_chunk_rows: int | None = _field(None, ge=1)  # rows per chunk of the fused loss (None: by device, chunk_rows_for)
     eval_every: int = _field(0, ge=0)                        # 0 = off
     eval_batches: int = _field(2, ge=1)

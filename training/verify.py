@@ -284,7 +284,7 @@ class Recorder:
                 if _WATCHED.match(name):
                     self.handles.append(module.register_forward_hook(self._hook(name)))
             if chunk.post_process:
-                self.handles.append(chunk.register_forward_hook(self._hook("logits")))
+                self.handles.append(chunk.logits_out.register_forward_hook(self._hook("logits")))
 
     def start_step(self, step: int) -> None:
         self.step = step
@@ -406,14 +406,17 @@ def run_layout(plan: Plan, serial: bool = False) -> list:
     from meshtron.training.step import pipeline_train_step, train_step
 
     cfg = plan.model
+    # Both runs build whole logits (trainer.fused_lm_loss=false) so the last chunk's output can
+    # be compared as logits; the fused loss equals the unfused one (tests/test_linear_cross_entropy.py
+    # and every layout case of the test suite).
     if serial:
         mesh = single_process_mesh()
-        execution = ExecutionConfig()
+        execution = ExecutionConfig(fused_lm_loss=False)
         optim = dataclasses.replace(plan.optim, zero=0, offload=False)
     else:
         mesh = build_mesh(plan.par, cfg, device_type="cpu")
         execution = ExecutionConfig(recompute=plan.recompute, recompute_layers=plan.recompute_layers,
-                                    kernel_backend=plan.kernel_backend)
+                                    kernel_backend=plan.kernel_backend, fused_lm_loss=False)
         optim = plan.optim
     chunks = init_model_chunks(cfg, mesh, plan.seed, execution=execution)
     if plan.fault and not serial:

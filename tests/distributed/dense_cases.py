@@ -36,7 +36,7 @@ STEPS = 3
 LR = 1e-3
 ADAM_EPS = 1e-4
 # The serial references compute the loss from whole logits, while the layouts under test run
-# the default fused LM-head loss (mpu/linear_cross_entropy.py): every layout case therefore
+# the default fused LM-head loss (kernels/linear_cross_entropy.py): every layout case therefore
 # also proves the fused, chunked loss equal to the unfused one.
 UNFUSED = ExecutionConfig(fused_lm_loss=False)
 

@@ -23,7 +23,15 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from meshtron.mpu.cross_entropy import IGNORE_INDEX, combine_gathered_partials, local_statistics
+from meshtron.kernels import cross_entropy as ce_kernels  # looked up per call: the self-check tests patch them
+from meshtron.kernels import selfcheck
+from meshtron.kernels.backend import CHECKED
+from meshtron.mpu.cross_entropy import (
+    IGNORE_INDEX,
+    combine_gathered_partials,
+    local_statistics,
+    vocab_parallel_cross_entropy,
+)
 from meshtron.mpu.mappings import all_gather_stats
 from meshtron.mpu.mesh import group_size
 
@@ -77,16 +85,35 @@ class _TritonChunkLoss:
 
     @staticmethod
     def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, exp_out: torch.Tensor):
-        from meshtron.kernels.cross_entropy import cross_entropy_partials
-        return torch.stack(cross_entropy_partials(logits, target, vocab_start, vocab_start + logits.shape[1]))
+        return torch.stack(ce_kernels.cross_entropy_partials(logits, target, vocab_start, vocab_start + logits.shape[1]))
 
     @staticmethod
     def gradient(logits, exp, local_max, lse, target, vocab_start) -> torch.Tensor:
-        from meshtron.kernels.cross_entropy import softmax_minus_onehot_
-        return softmax_minus_onehot_(logits, target, lse, vocab_start)
+        return ce_kernels.softmax_minus_onehot_(logits, target, lse, vocab_start)
 
 
-BACKENDS = {"torch": _TorchChunkLoss, "triton": _TritonChunkLoss}
+BACKENDS = ("torch", "triton", CHECKED)
+
+
+def _chunk_ops(backend: str, logits: torch.Tensor, target: torch.Tensor, vocab_start: int):
+    """The chunk operations for `backend`. Under triton_checked the cross-entropy kernels are
+    self-checked (kernels/selfcheck.py, kernel "cross_entropy") on the first chunk's own logits,
+    this shard alone (no communication), exactly as the unfused loss checks them on whole logits."""
+    if backend == "torch":
+        return _TorchChunkLoss
+    if backend == "triton":
+        return _TritonChunkLoss
+    vocab_end = vocab_start + logits.shape[1]
+
+    def triton_local(lg, tg):
+        return ce_kernels.fused_cross_entropy(lg, tg, vocab_start=vocab_start, vocab_size=vocab_end, group=None,
+                                   backend="triton", inplace_backward=False)
+
+    def torch_local(lg, tg):
+        return vocab_parallel_cross_entropy(lg, tg, vocab_start=vocab_start, vocab_size=vocab_end, group=None)
+
+    return selfcheck.dispatch("cross_entropy", CHECKED, lambda *_: _TritonChunkLoss, lambda *_: _TorchChunkLoss,
+                              logits, target, check_fns=(triton_local, torch_local))
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -95,7 +122,6 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         n, hidden = x.shape
         local_vocab = weight.shape[0]
         n_valid = max(0, min(local_vocab, vocab_size - vocab_start))  # decided on the host, no sync
-        ops = BACKENDS[backend]
         dtype = _compute_dtype(x)
         xc_all = x if x.dtype == dtype else x.to(dtype)
         w = weight[:n_valid]
@@ -121,7 +147,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             else:
                 xc = xc_all[i:i + step]
                 logits = xc @ w.t()  # [rows, n_valid]
-                exp = torch.empty(rows, n_valid, dtype=torch.float32, device=x.device) if backend == "torch" else None
+                ops = _chunk_ops(backend, logits, tgt, vocab_start)
+                exp = torch.empty(rows, n_valid, dtype=torch.float32, device=x.device) if ops is _TorchChunkLoss else None
                 stats = ops.statistics(logits, tgt, vocab_start, exp)
             # A target in this shard's padding: an impossible token, loss +inf as unfused.
             stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))
@@ -166,8 +193,9 @@ def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target: torc
     TP region), weight [V_local, h] this rank's vocabulary rows starting at `vocab_start`,
     target [...] global token ids (IGNORE_INDEX = -100: no loss, no gradient). Rows at or past
     `vocab_size` (the real vocabulary) are padding: never computed, zero gradient.
-    `chunk_rows` rows per chunk (default: `chunk_rows_for(V_local, device)`); backend "torch" or
-    "triton" (the Triton cross-entropy kernels per chunk).
+    `chunk_rows` rows per chunk (default: `chunk_rows_for(V_local, device)`); backend "torch",
+    "triton" (the Triton cross-entropy kernels per chunk) or "triton_checked" (those kernels
+    once they passed their self-check, `_chunk_ops`).
     Communication over `group` (TP): one all-gather of [3, chunk_rows] per chunk forward, none backward.
     The value equals vocab_parallel_cross_entropy(x @ weight.T, ...).sum() to fp32 rounding."""
     if backend not in BACKENDS:
