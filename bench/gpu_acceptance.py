@@ -10,16 +10,18 @@ failure with its error text, never skipped silently):
 * kernels: every Triton kernel against its torch reference on CUDA in fp32 and bf16, forward
   and backward, with `kernels.selfcheck.check` and its per-dtype tolerances (the same check
   kernels.backend=auto runs at the start of training).
-* steps: one training step per family (gpt2, llama, moe) with kernels.backend=triton vs torch,
-  fp32 and bf16 (autocast), comparing loss, gradient norm and every gradient; plus two steps
-  with the self-checked backend (`auto` on CUDA), which must keep every kernel on Triton.
+* steps: one training step per family (gpt2, llama, moe) with kernels.backend=triton (and the
+  fused LM loss) vs torch with whole logits, fp32 and bf16 (autocast), comparing loss, gradient
+  norm and every gradient; the fused LM loss on the torch chunk operations against the same
+  reference; plus two steps with the self-checked backend (`auto` on CUDA), which must keep
+  every kernel on Triton.
 * card: the README's card command `torchrun --nproc_per_node=8 train.py +model=gpt_1b
   parallel.tp=4 parallel.ep=8` shrunk to the GPUs present (tp = largest of 4, 2, 1 dividing the
   GPU count, ep = gcd(GPUs, 8); 4 layers, hidden 1024, seq 512, 10 steps, bf16) over NCCL,
   kernels.backend=auto; the loss must be finite and fall, and no kernel may fail its self-check.
 * bench: bench/kernels.py (bf16 and fp32: per kernel achieved TFLOP/s or GB/s, fraction of the
   device's datasheet peak from planning/peak.py, speedup vs torch), bench/throughput.py
-  (one GPU, bf16, kernels torch vs auto: tokens/s and MFU) and bench/moe_layer.py (issue 12:
+  (one GPU, bf16, kernels torch vs auto, and auto with whole logits: tokens/s and MFU) and bench/moe_layer.py (issue 12:
   meshtron's MoE block vs transformers' MixtralSparseMoeBlock in one process, forward +
   backward at the issue's shape, `--device cuda --kernels auto --peer --rounds 3`, bf16 and
   fp32: tokens/s, ms, the ratio to the peer against the 1.2x target, the kernels that ran and
@@ -150,9 +152,11 @@ def step_config(family: str):
                      top_k=2, moe_ffn_hidden_size=256, **common)
 
 
-def train_steps(cfg, backend: str, precision_name: str, device: torch.device, steps: int = 1):
+def train_steps(cfg, backend: str, precision_name: str, device: torch.device, steps: int = 1,
+                fused_lm_loss: bool = True):
     """`steps` training steps of `cfg` with `backend` kernels on one GPU (same seed and data
-    for every call); returns (per-step outputs, {name: (weight, grad)} after the last step)."""
+    for every call), the LM head and loss fused or not; returns (per-step outputs,
+    {name: (weight, grad)} after the last step)."""
     from meshtron.models.config import ExecutionConfig
     from meshtron.models.gpt import init_model_chunks
     from meshtron.mpu.grad_reduce import DataParallelGradReducer
@@ -162,7 +166,8 @@ def train_steps(cfg, backend: str, precision_name: str, device: torch.device, st
     from meshtron.training.step import train_step
 
     mesh = build_mesh(ParallelConfig(), cfg, device_type=device.type)
-    model, = init_model_chunks(cfg, mesh, 1234, device=device, execution=ExecutionConfig(kernel_backend=backend))
+    execution = ExecutionConfig(kernel_backend=backend, fused_lm_loss=fused_lm_loss)
+    model, = init_model_chunks(cfg, mesh, 1234, device=device, execution=execution)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, eps=1e-4)
     precision = Precision(precision_name, device.type)
@@ -183,6 +188,19 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp(min=1e-12))
 
 
+def _compare_steps(want, want_params, got, got_params) -> dict:
+    """Relative errors of one step's loss, gradient norm and largest per-parameter gradient."""
+    grad_err = max((_rel(got_params[n][1], g) for n, (_, g) in want_params.items() if g is not None), default=0.0)
+    return {"loss_rel_error": _rel(got[0]["loss"], want[0]["loss"]),
+            "grad_norm_rel_error": _rel(got[0]["grad_norm"], want[0]["grad_norm"]),
+            "max_grad_rel_error": grad_err}
+
+
+def _within(entry: dict, tol: dict) -> bool:
+    return (entry["loss_rel_error"] <= tol["loss"] and entry["grad_norm_rel_error"] <= tol["grad"]
+            and entry["max_grad_rel_error"] <= tol["grad"])
+
+
 def run_steps(device: torch.device) -> dict:
     """Per family and dtype: one step triton vs torch; then two steps with the self-checked backend."""
     from meshtron.kernels import selfcheck
@@ -193,17 +211,17 @@ def run_steps(device: torch.device) -> dict:
         cfg = step_config(family)
         out[family] = {}
         for name in DTYPES:
-            want, want_params = train_steps(cfg, "torch", name, device)
+            # The reference: torch kernels and whole logits; the triton step runs the fused LM loss.
+            want, want_params = train_steps(cfg, "torch", name, device, fused_lm_loss=False)
             got, got_params = train_steps(cfg, "triton", name, device)
-            grad_err = max((_rel(got_params[n][1], g) for n, (_, g) in want_params.items() if g is not None),
-                           default=0.0)
-            entry = {"loss_torch": float(want[0]["loss"]), "loss_triton": float(got[0]["loss"]),
-                     "loss_rel_error": _rel(got[0]["loss"], want[0]["loss"]),
-                     "grad_norm_rel_error": _rel(got[0]["grad_norm"], want[0]["grad_norm"]),
-                     "max_grad_rel_error": grad_err}
+            entry = _compare_steps(want, want_params, got, got_params)
+            entry["loss_torch"], entry["loss_triton"] = float(want[0]["loss"]), float(got[0]["loss"])
             tol = STEP_TOLERANCES[name]
-            entry["passed"] = (entry["loss_rel_error"] <= tol["loss"] and entry["grad_norm_rel_error"] <= tol["grad"]
-                               and grad_err <= tol["grad"])
+            entry["passed"] = _within(entry, tol)
+            # The fused LM loss with the torch chunk operations against the same reference.
+            fused, fused_params = train_steps(cfg, "torch", name, device)
+            entry["fused_lm_loss_torch"] = _compare_steps(want, want_params, fused, fused_params)
+            entry["passed"] &= _within(entry["fused_lm_loss_torch"], tol)
             selfcheck.reset()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -296,13 +314,19 @@ def run_bench(timeout: float) -> dict:
     shape = ["--arch", "llama", "--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8",
              "--ffn", "2816", "--vocab", "32000", "--seq", "1024", "--batch", "8", "--device", "cuda",
              "--precision", "bf16", "--warmup", "3", "--steps", "10"]
-    for backend in ("torch", "auto"):
-        report = _bench_json(["bench/throughput.py", *shape, "--kernels", backend], timeout)
-        out["throughput"][backend] = {k: report[k] for k in ("tokens_per_s", "mfu", "peak_source", "step_time_s")}
-        out["throughput"][backend]["kernels"] = report["config"]["kernels"]
-        out["throughput"][backend]["kernel_verdicts"] = report["config"]["kernel_verdicts"]
+    runs = {"torch": ["--kernels", "torch"], "auto": ["--kernels", "auto"],
+            "auto_unfused_lm_loss": ["--kernels", "auto", "--unfused-lm-loss"]}
+    for label, extra in runs.items():
+        report = _bench_json(["bench/throughput.py", *shape, *extra], timeout)
+        out["throughput"][label] = {k: report[k] for k in ("tokens_per_s", "mfu", "peak_source", "step_time_s")}
+        out["throughput"][label]["kernels"] = report["config"]["kernels"]
+        out["throughput"][label]["kernel_verdicts"] = report["config"]["kernel_verdicts"]
+        if "memory" in report:
+            out["throughput"][label]["memory"] = report["memory"]
     out["throughput"]["speedup_auto_vs_torch"] = (out["throughput"]["auto"]["tokens_per_s"]
                                                   / out["throughput"]["torch"]["tokens_per_s"])
+    out["throughput"]["speedup_fused_vs_unfused_lm_loss"] = (out["throughput"]["auto"]["tokens_per_s"]
+                                                             / out["throughput"]["auto_unfused_lm_loss"]["tokens_per_s"])
     out["moe_layer"] = run_moe_layer(timeout)
     out["ok"] &= all("error" not in entry for entry in out["moe_layer"].values())
     return out

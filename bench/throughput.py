@@ -41,6 +41,7 @@ from meshtron.models.gpt import init_model_chunks  # noqa: E402
 from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.planning.flops import model_flops_per_token  # noqa: E402
+from meshtron.observability.memory import peak_memory_bytes  # noqa: E402
 from meshtron.planning.peak import peak_flops  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 from meshtron.training.optim import build_optimizer  # noqa: E402
@@ -276,7 +277,8 @@ def main(argv=None) -> None:
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
-    execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend, fused_lm_loss=not args.unfused_lm_loss)
+    execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend,
+                                fused_lm_loss=not args.unfused_lm_loss)
     chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=execution)
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)
@@ -395,6 +397,9 @@ def main(argv=None) -> None:
         "peak_source": peak_source,
         "mfu": achieved / total_peak,
         "loss": {"first": losses[0], "last": losses[-1]},
+        # Rank 0's peak: CUDA max_memory_allocated, CPU the process's peak resident set.
+        "memory": {"peak_bytes": peak_memory_bytes(device),
+                   "measure": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS"},
         "reference": reference,
         "torch": torch.__version__,
     }

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from meshtron.kernels import cross_entropy as ce_kernels  # looked up per call: the self-check tests patch them
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED
 from meshtron.mpu.cross_entropy import (
@@ -35,19 +34,24 @@ from meshtron.mpu.cross_entropy import (
 from meshtron.mpu.mappings import all_gather_stats
 from meshtron.mpu.mesh import group_size
 
-# Logits elements per chunk, by device. CPU: 2 Mi (8 MiB fp32), a chunk and its exponentials
-# stay in cache between the passes over them (measured fastest on the 2-core CPU at V/tp =
-# 8192). CUDA: 128 Mi (256 MiB of 16-bit logits, plus 512 MiB of fp32 exponentials under the
-# torch chunk operations): every chunk adds its weight-gradient share into the fp32 [V/tp, h]
-# accumulator, a pass over V/tp * h that costs as much memory traffic as a GEMM of about a
-# thousand rows does arithmetic, so GPU chunks must be that long (>= 1,024 rows up to V/tp =
-# 128 Ki). Unmeasured on a GPU so far; `trainer.lm_loss_chunk_rows` overrides.
+# Chunk size by device: rows = max(MIN_CHUNK_ROWS, CHUNK_LOGITS // (V/tp)). Every chunk adds
+# its share into the fp32 [V/tp, h] weight gradient, a pass over V/tp * h, and runs its GEMMs
+# with as many rows as it has, so chunks need a floor of rows whatever the vocabulary; above
+# the floor, CHUNK_LOGITS bounds their logits. CPU (measured on the 2-core host, fp32, h 256,
+# forward + backward of head and loss, medians of 5 interleaved rounds): 256 rows beat 64
+# (+25-30% time) and whole logits (unfused: 1,806 vs 1,492 ms at 4,096 tokens x V 32,000;
+# 140 vs 127 ms at 1,024 x 8,192); 512-2,048 rows were no faster. CUDA: 1,024 rows at least
+# and 128 Mi logits (256 MiB in 16 bits, plus 512 MiB of fp32 exponentials under the torch
+# chunk operations), so the dW accumulation costs little next to the GEMMs; not measured on a
+# GPU yet. `trainer.lm_loss_chunk_rows` overrides.
 CHUNK_LOGITS = {"cpu": 1 << 21, "cuda": 1 << 27}
+MIN_CHUNK_ROWS = {"cpu": 256, "cuda": 1024}
 
 
 def chunk_rows_for(local_vocab: int, device_type: str = "cpu") -> int:
-    """Rows per chunk so that one chunk of logits holds about CHUNK_LOGITS[device] elements."""
-    return max(1, CHUNK_LOGITS.get(device_type, CHUNK_LOGITS["cpu"]) // max(1, local_vocab))
+    """Rows per chunk on `device_type`: max(MIN_CHUNK_ROWS, CHUNK_LOGITS // local_vocab)."""
+    kind = device_type if device_type in CHUNK_LOGITS else "cpu"
+    return max(MIN_CHUNK_ROWS[kind], CHUNK_LOGITS[kind] // max(1, local_vocab))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -58,12 +62,22 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _ce_kernels():
+    """kernels.cross_entropy, imported on first use: importing it imports triton and fixes its
+    autotune configs, which must happen after a test has set TRITON_INTERPRET. Its functions
+    are looked up per call (the self-check tests patch them)."""
+    from meshtron.kernels import cross_entropy
+    return cross_entropy
+
+
 class _TorchChunkLoss:
     """Per-chunk statistics and softmax-minus-one-hot with plain torch ops (the reference)."""
 
     @staticmethod
     def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, exp_out: torch.Tensor):
-        return local_statistics(logits, target, vocab_start, logits.shape[1], exp_out=exp_out)
+        # The chunk is already the unit of work: one pass per statistic over all its rows.
+        return local_statistics(logits, target, vocab_start, logits.shape[1], exp_out=exp_out,
+                                chunk_elements=logits.numel())
 
     @staticmethod
     def gradient(logits: torch.Tensor, exp: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor,
@@ -85,11 +99,12 @@ class _TritonChunkLoss:
 
     @staticmethod
     def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, exp_out: torch.Tensor):
-        return torch.stack(ce_kernels.cross_entropy_partials(logits, target, vocab_start, vocab_start + logits.shape[1]))
+        vocab_end = vocab_start + logits.shape[1]
+        return torch.stack(_ce_kernels().cross_entropy_partials(logits, target, vocab_start, vocab_end))
 
     @staticmethod
     def gradient(logits, exp, local_max, lse, target, vocab_start) -> torch.Tensor:
-        return ce_kernels.softmax_minus_onehot_(logits, target, lse, vocab_start)
+        return _ce_kernels().softmax_minus_onehot_(logits, target, lse, vocab_start)
 
 
 BACKENDS = ("torch", "triton", CHECKED)
@@ -106,7 +121,7 @@ def _chunk_ops(backend: str, logits: torch.Tensor, target: torch.Tensor, vocab_s
     vocab_end = vocab_start + logits.shape[1]
 
     def triton_local(lg, tg):
-        return ce_kernels.fused_cross_entropy(lg, tg, vocab_start=vocab_start, vocab_size=vocab_end, group=None,
+        return _ce_kernels().fused_cross_entropy(lg, tg, vocab_start=vocab_start, vocab_size=vocab_end, group=None,
                                    backend="triton", inplace_backward=False)
 
     def torch_local(lg, tg):
@@ -148,7 +163,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 xc = xc_all[i:i + step]
                 logits = xc @ w.t()  # [rows, n_valid]
                 ops = _chunk_ops(backend, logits, tgt, vocab_start)
-                exp = torch.empty(rows, n_valid, dtype=torch.float32, device=x.device) if ops is _TorchChunkLoss else None
+                torch_ops = ops is _TorchChunkLoss  # the Triton kernels keep no exponentials
+                exp = torch.empty(rows, n_valid, dtype=torch.float32, device=x.device) if torch_ops else None
                 stats = ops.statistics(logits, tgt, vocab_start, exp)
             # A target in this shard's padding: an impossible token, loss +inf as unfused.
             stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))
