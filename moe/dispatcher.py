@@ -26,10 +26,11 @@ router (through the weights) are exact.
 
 Overlap. Forward: the caller runs independent work between dispatch and receive and between
 combine and finish (MoELayer: the shared experts' up/gate half, then their down half).
-Backward: the reverse exchanges block where a blocking all-to-all would (the asynchronous
-backward of mpu.mappings, `ASYNC_BACKWARD`, is off: it hung an 8-rank interleaved pipeline
-with ep=4 x tp=2; see there). Without shared experts nothing
-independent lies between start and wait, and each exchange is simply awaited. Not
+Backward (mpu.mappings.async_backward): over NCCL the reverse exchanges run asynchronously
+too, so the shared experts' gradients are computed while the gradients travel; over gloo they
+complete where a blocking all-to-all would (through shared memory between ranks of one host).
+Without shared experts nothing independent lies between start and wait, and each exchange is
+simply awaited. Not
 overlapped: the count exchange and the host sync before the start (the split sizes must be
 known first), and the etp all-gather / reduce-scatter, which depend on the exchange.
 

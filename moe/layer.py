@@ -84,8 +84,8 @@ class MoELayer(nn.Module):
 
     Dispatch (moe/dispatcher.py) sends each token once per destination ep rank and runs its
     forward all-to-alls asynchronously: the shared experts (tensor-parallel over tp) compute
-    while the tokens and the outputs travel (backward exchanges block: mpu.mappings
-    ASYNC_BACKWARD). The one host sync of the layer
+    while the tokens and the outputs travel (and, over NCCL, their gradients in backward:
+    mpu.mappings.async_backward). The one host sync of the layer
     is the dispatcher's copy of the split sizes.
 
     After each forward, `last_router` holds the router's output (aux/z-loss terms and load)
@@ -142,7 +142,7 @@ class MoELayer(nn.Module):
 
         # The all-to-alls run asynchronously: the shared experts' up/gate half runs while the
         # tokens travel to the experts, their down half while the outputs travel back
-        # (forward only: mpu.mappings.ASYNC_BACKWARD).
+        # (backward too over NCCL: mpu.mappings.async_backward).
         in_flight = self.dispatcher.dispatch(tokens, pair_expert, pair_token, pair_weight, keep)
         shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
         rows, group_sizes = self.dispatcher.receive(in_flight)

@@ -550,12 +550,31 @@ def sequence_gathered(local: torch.Tensor, full: torch.Tensor, group) -> torch.T
 
 # ----------------------------------------------------------------- asynchronous all-to-all
 
-# Backward overlap (the reverse all-to-all left in flight while autograd runs other nodes) is
-# off: in the 8-rank suite an interleaved pipeline with ep=4 x tp=2 hung with one rank waiting
-# for its gradients' all-to-all and its peers blocked elsewhere (tp / pipeline exchanges),
-# autograd having ordered ready nodes differently across ranks. Forward overlap (program
-# order, the same on every rank) stays on. Turn this on only with that hang understood.
-ASYNC_BACKWARD = False
+# Backward overlap: `all_to_all_wait`'s backward starts the reverse all-to-all of the gradients
+# and returns; autograd runs the nodes recorded between start and wait (the shared experts)
+# while they travel; `all_to_all_start`'s backward awaits them. Every rank issues its
+# collectives in the same order: the CPU autograd engine runs ready nodes in decreasing order
+# of creation, and a node's prerequisites are all created after it, so backward runs in
+# reverse creation order, the same on every rank whose forward ran the same program (empty
+# tensors on some ranks remove no collective). A rank blocked in another collective (tp) has
+# already started the all-to-all its ep peers wait for, so no wait can close a cycle. (The
+# 8-rank interleaved pipeline ep=4 x tp=2 "hang" that turned this off on 2026-11-23 came with
+# ~640 busy-polling gloo threads per rank, removed in the same commit. On 2026-11-26, with
+# asynchronous backward exchanges forced on, every case of the 2-, 4- and 8-rank test worlds
+# passed, that pipeline case three times alone; it keeps running that way in
+# tests/distributed/pipeline_cases, and moe_dispatch_cases checks overlap and bit-equality.)
+# None: by transport. NCCL: asynchronous (the exchange runs on NCCL's stream beside the
+# compute). gloo: blocking, because a blocking exchange between ranks of one host goes through
+# shared memory (shm_collectives.all_to_all), faster on CPUs than gloo's asynchronous one and
+# the shared-expert work it could hide is small there. True / False force it (tests).
+ASYNC_BACKWARD: bool | None = None
+
+
+def async_backward(group) -> bool:
+    """Whether the backward all-to-all of gradients over `group` runs asynchronously (see ASYNC_BACKWARD)."""
+    if ASYNC_BACKWARD is not None:
+        return ASYNC_BACKWARD
+    return not _shape_only(group) and "nccl" in str(dist.get_backend(group)).lower()
 
 
 class AllToAllHandle:
@@ -637,12 +656,13 @@ class _AllToAllWait(torch.autograd.Function):
     def backward(ctx, *grads):
         handle = ctx.handle
         send = [g for g, d in zip(grads, handle.differentiable) if d]
+        asynchronous = async_backward(handle.group)
         outs, handle.grad_works = _start_all_to_all(send, handle.input_splits, handle.output_splits, handle.group,
-                                                    blocking=not ASYNC_BACKWARD)
+                                                    blocking=not asynchronous)
         received = iter(outs)
         handle.grads = tuple(next(received)[0] if d else None for d in handle.differentiable)
         handle.keep = outs  # the gradients being sent stay alive until wait_grads
-        if not ASYNC_BACKWARD:
+        if not asynchronous:
             # Complete the exchange here, at the point a blocking all-to-all would run, so
             # collectives in backward keep the order they have in a blocking graph.
             for work in handle.grad_works:
@@ -660,10 +680,10 @@ def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], inpu
     and return (the receive buffers, the handle). The buffers hold nothing until
     `all_to_all_wait` has been called on them; run independent work in between.
 
-    Backward: `all_to_all_wait`'s backward runs the reverse all-to-all of the gradients,
-    blocking (`ASYNC_BACKWARD` = False; with True it returns at once and this function's
+    Backward: `all_to_all_wait`'s backward starts the reverse all-to-all of the gradients and,
+    where it runs asynchronously (`async_backward`: NCCL), returns at once and this function's
     backward awaits it, so the nodes recorded between start and wait run while the gradients
-    are in flight). Tensors that do not require grad (e.g. integer metadata) travel forward
+    are in flight; over gloo it completes the exchange at once (through shared memory on one host). Tensors that do not require grad (e.g. integer metadata) travel forward
     only. Every rank of `group` must start and wait in the same order, as for any collective.
     """
     handle = AllToAllHandle(output_splits, input_splits, group)

@@ -8,7 +8,8 @@ previous implementation (one row per (token, choice) pair, blocking all-to-alls,
 applied on the source rank). Output and every gradient (input, router through the combine
 weights, experts, shared experts) agree to 1e-6; the rows sent equal the distinct (token,
 destination) pairs, fewer than the reference's pairs. `overlap_order` checks that the shared
-experts run while the all-to-alls are in flight, forward and backward.
+experts run while the all-to-alls are in flight, forward (and backward with asynchronous
+backward exchanges, `overlap_order_async_backward`, bit-identical to blocking ones).
 `shared_experts_checkpoint_reshard` checks the tensor-parallel shared experts' layout tags
 through a checkpoint saved at tp=2 (SP) and loaded at tp=1, 4 and 2 (no SP).
 """
@@ -21,6 +22,7 @@ import torch
 
 from meshtron.models.config import GPTConfig
 import meshtron.moe.dispatcher as dispatcher_module
+import meshtron.mpu.mappings as mappings
 from meshtron.moe.layer import MoELayer
 from meshtron.mpu.init import initialize_parameters
 from meshtron.mpu.mappings import all_gather_stats, all_to_all, all_to_all_stats, gather_rows, reduce_scatter_rows
@@ -190,8 +192,30 @@ def dedup_ep4_etp2_top3_capacity() -> None:
 def overlap_order() -> None:
     """The shared experts' halves run while the all-to-alls are in flight: forward, the
     up/gate half between the dispatch all-to-all's start and wait and the down half between
-    the combine's. Backward exchanges block (mpu.mappings.ASYNC_BACKWARD is off): nothing is
-    in flight when the shared halves' gradients are computed."""
+    the combine's. Backward exchanges over gloo block (mpu.mappings.async_backward: through
+    shared memory): nothing is in flight when the shared halves' gradients are computed."""
+    assert mappings.ASYNC_BACKWARD is None  # by transport
+    mesh = build_mesh(ParallelConfig(ep=torch.distributed.get_world_size()), _config(2, None, 1))
+    if mappings.async_backward(mesh.ep):
+        raise AssertionError("backward all-to-alls over gloo should complete at once (shared memory)")
+    _overlap_order(asynchronous=None)
+
+
+def overlap_order_async_backward() -> None:
+    """With asynchronous backward exchanges (what NCCL gets; forced here on gloo), the shared
+    halves' gradients are computed while the gradients' all-to-alls are in flight, and the
+    output and every gradient equal the blocking run's bit for bit."""
+    blocking = _overlap_order(asynchronous=None)  # the gloo default: blocking, through shared memory
+    overlapped = _overlap_order(asynchronous=True)
+    for name, want in blocking.items():
+        if not torch.equal(overlapped[name], want):
+            raise AssertionError(f"{name} differs between blocking and asynchronous backward exchanges")
+
+
+def _overlap_order(asynchronous: bool | None) -> dict[str, torch.Tensor]:
+    """One forward + backward of an ep = world MoE layer with a shared expert, recording for
+    each shared half whether the all-to-all it should overlap is in flight; returns the
+    output and gradients."""
     world = torch.distributed.get_world_size()
     cfg = _config(2, None, 1)
     mesh = build_mesh(ParallelConfig(ep=world), cfg)
@@ -221,15 +245,23 @@ def overlap_order() -> None:
     layer.shared.hidden, layer.shared.output = shared_hidden, shared_output
     layer.shared.up.register_hook(lambda g: events.append(("backward up", bool(handles[0].grad_works))))
     layer.shared.down.register_hook(lambda g: events.append(("backward down", bool(handles[1].grad_works))))
+    default = mappings.ASYNC_BACKWARD
+    mappings.ASYNC_BACKWARD = asynchronous
     try:
         x, grad = _inputs(cfg, mesh)
-        layer(x.requires_grad_()).backward(grad)
+        x.requires_grad_()
+        out = layer(x)
+        out.backward(grad)
     finally:
         dispatcher_module.all_to_all_start = start
-    want = [("forward up/gate", True), ("forward down", True), ("backward down", False), ("backward up", False)]
+        mappings.ASYNC_BACKWARD = default
+    want = [("forward up/gate", True), ("forward down", True), ("backward down", bool(asynchronous)),
+            ("backward up", bool(asynchronous))]
     if events != want:
         raise AssertionError(f"(shared-expert half, all-to-all in flight) events {events}, expected {want}")
     assert not handles[0].works and not handles[0].grad_works and not handles[1].grad_works
+    return {"output": out.detach(), "input gradient": x.grad,
+            **{f"gradient of {n}": p.grad for n, p in layer.named_parameters()}}
 
 
 def shared_experts_checkpoint_reshard() -> None:
@@ -256,7 +288,8 @@ def shared_experts_checkpoint_reshard() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     return {
-        2: ["dedup_ep2_top2", "dedup_ep2_top3_capacity_gelu", "overlap_order"],
-        4: ["dedup_ep4_top2", "dedup_ep2_etp2_top2_capacity", "overlap_order", "shared_experts_checkpoint_reshard"],
+        2: ["dedup_ep2_top2", "dedup_ep2_top3_capacity_gelu", "overlap_order", "overlap_order_async_backward"],
+        4: ["dedup_ep4_top2", "dedup_ep2_etp2_top2_capacity", "overlap_order", "overlap_order_async_backward",
+            "shared_experts_checkpoint_reshard"],
         8: ["dedup_ep4_etp2_top2", "dedup_ep4_etp2_top3_capacity"],
     }.get(world_size, [])

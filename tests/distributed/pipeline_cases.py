@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from meshtron.models.config import GPTConfig
+import meshtron.mpu.mappings as mappings
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
@@ -132,11 +133,23 @@ for _layouts in LAYOUTS.values():
         globals()[_name(_layout)] = _make(_layout)
 
 
+def gpt2_moe_pp2_v2_interleaved_tp2_ep4_async_backward() -> None:
+    """The layout whose hang turned asynchronous backward all-to-alls off on 2026-11-23
+    (mpu.mappings.ASYNC_BACKWARD), with them forced on over gloo: equal to one process, no hang."""
+    default = mappings.ASYNC_BACKWARD
+    mappings.ASYNC_BACKWARD = True
+    try:
+        check_pipeline_layout(("gpt2", True, 2, 2, "interleaved", 2, False, 4))
+    finally:
+        mappings.ASYNC_BACKWARD = default
+
+
 def gpt2_pp2_uneven_stages_3_5() -> None:
     """Explicit per-stage layer counts: 3 layers on stage 0 (with the embedding), 5 on stage 1."""
     check_pipeline_layout(("gpt2", False, 2, 1, "1f1b", 1, False, 1), stage_layers=[3, 5])
 
 
 def cases_for_world(world_size: int) -> list[str]:
-    extra = ["gpt2_pp2_uneven_stages_3_5"] if world_size == 2 else []
+    extra = {2: ["gpt2_pp2_uneven_stages_3_5"], 8: ["gpt2_moe_pp2_v2_interleaved_tp2_ep4_async_backward"]}
+    extra = extra.get(world_size, [])
     return [_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra
