@@ -131,6 +131,47 @@ def _chunk_ops(backend: str, logits: torch.Tensor, target: torch.Tensor, vocab_s
                               logits, target, check_fns=(triton_local, torch_local))
 
 
+def _chunk_loss(xc: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, vocab_start: int, local_vocab: int, group,
+                backend: str, dtype: torch.dtype, grad_x: torch.Tensor | None,
+                grad_w: torch.Tensor | None) -> torch.Tensor:
+    """Summed loss of one chunk of rows xc [rows, h] (already in the GEMM dtype) against `w`,
+    this shard's real vocabulary rows [n_valid, h]; with `grad_x` [rows, h] and `grad_w`
+    [n_valid, h] (fp32) given, writes the chunk's input gradient and adds its weight-gradient
+    share (unit loss gradient). One all-gather of [3, rows] statistics over `group`."""
+    rows, n_valid = tgt.shape[0], w.shape[0]
+    local_t = tgt - vocab_start
+    ignored = tgt == IGNORE_INDEX
+    in_padding = (local_t >= n_valid) & (local_t < local_vocab)
+    logits = exp = ops = None
+    if n_valid == 0:  # a shard of padding only: no logits, no gradient
+        stats = torch.zeros(3, rows, dtype=torch.float32, device=xc.device)
+        stats[0].fill_(float("-inf"))
+    else:
+        logits = xc @ w.t()  # [rows, n_valid]
+        ops = _chunk_ops(backend, logits, tgt, vocab_start)
+        torch_ops = ops is _TorchChunkLoss  # the Triton kernels keep no exponentials
+        exp = torch.empty(rows, n_valid, dtype=torch.float32, device=xc.device) if torch_ops else None
+        stats = ops.statistics(logits, tgt, vocab_start, exp)
+    # A target in this shard's padding: an impossible token, loss +inf as unfused.
+    stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))
+    if group_size(group) > 1:
+        global_max, sum_exp, target_logit = combine_gathered_partials(*all_gather_stats(stats, group).unbind(1))
+    else:
+        global_max, sum_exp, target_logit = stats
+    lse = torch.log(sum_exp) + global_max
+    loss = (lse - target_logit).masked_fill(ignored, 0.0).sum()
+    if grad_x is not None and logits is not None:
+        grad = ops.gradient(logits, exp, stats[0], lse, tgt, vocab_start)
+        if dtype == torch.float32:
+            torch.mm(grad, w, out=grad_x)
+            grad_w.addmm_(grad.t(), xc)
+        else:  # 16-bit GEMMs, the weight gradient accumulated across chunks in fp32
+            grad = grad.to(dtype)
+            grad_x.copy_(grad @ w)
+            grad_w += (grad.t() @ xc).float()
+    return loss
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, vocab_start, vocab_size, group, chunk_rows, backend, want_grad):
@@ -148,43 +189,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_x = new(n, hidden, dtype=torch.float32, device=x.device) if want_grad else None
         grad_w = torch.zeros(local_vocab, hidden, dtype=torch.float32, device=x.device) if want_grad else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
-        multi = group_size(group) > 1
         for i in range(0, n, step):
-            tgt = target[i:i + step]
-            rows = tgt.shape[0]
-            local_t = tgt - vocab_start
-            ignored = tgt == IGNORE_INDEX
-            in_padding = (local_t >= n_valid) & (local_t < local_vocab)
-            if n_valid == 0:  # a shard of padding only: no logits, no gradient
-                stats = torch.zeros(3, rows, dtype=torch.float32, device=x.device)
-                stats[0].fill_(float("-inf"))
-                logits = exp = None
-            else:
-                xc = xc_all[i:i + step]
-                logits = xc @ w.t()  # [rows, n_valid]
-                ops = _chunk_ops(backend, logits, tgt, vocab_start)
-                torch_ops = ops is _TorchChunkLoss  # the Triton kernels keep no exponentials
-                exp = torch.empty(rows, n_valid, dtype=torch.float32, device=x.device) if torch_ops else None
-                stats = ops.statistics(logits, tgt, vocab_start, exp)
-            # A target in this shard's padding: an impossible token, loss +inf as unfused.
-            stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))
-            if multi:
-                global_max, sum_exp, target_logit = combine_gathered_partials(*all_gather_stats(stats, group).unbind(1))
-            else:
-                global_max, sum_exp, target_logit = stats
-            lse = torch.log(sum_exp) + global_max
-            total += (lse - target_logit).masked_fill(ignored, 0.0).sum()
-            if want_grad and logits is not None:
-                grad = ops.gradient(logits, exp, stats[0], lse, tgt, vocab_start)
-                grad = grad if grad.dtype == dtype else grad.to(dtype)
-                if dtype == torch.float32:
-                    torch.mm(grad, w, out=grad_x[i:i + step])
-                else:
-                    grad_x[i:i + step] = grad @ w
-                if dtype == torch.float32:
-                    grad_w[:n_valid].addmm_(grad.t(), xc)
-                else:  # 16-bit GEMM, accumulated across chunks in fp32
-                    grad_w[:n_valid] += (grad.t() @ xc).float()
+            # One chunk per call: its logits and exponentials are freed before the next is made.
+            total += _chunk_loss(xc_all[i:i + step], w, target[i:i + step], vocab_start, local_vocab, group, backend,
+                                 dtype, None if grad_x is None else grad_x[i:i + step],
+                                 None if grad_w is None else grad_w[:n_valid])
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.save_for_backward(grad_x, grad_w) if want_grad else ctx.save_for_backward()
         ctx.want_grad = want_grad

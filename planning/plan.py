@@ -279,9 +279,9 @@ class ChunkActivations:
 
     saved: bytes autograd keeps for backward at the end of this chunk's forward (`terms` itemizes
       them), plus the chunk's output the pipeline executor keeps for backward (non-last chunks).
-    logits: the chunk's output logits [b, s, V_pad/tp] (last chunk only): `train_step` keeps its
-      variable alive through the backward until the next forward returns (and through the
-      optimizer step); the pipeline executor releases it when the backward starts.
+    logits: the logits [b, s, V_pad/tp] of the last chunk without the fused LM loss (0 with it):
+      they exist while the loss's forward runs inside the chunk's forward (`train_step` and the
+      pipeline get the summed loss, never the logits), beside `forward_extra`.
     forward_extra: buffers alive during the loss's forward beyond `saved` and `logits` (the
       cross-entropy's masked copy of the logits when this vocabulary shard holds padding, the
       fp32 copy of 16-bit logits).
@@ -519,15 +519,14 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
     Replays this rank's pipeline action list (`build_schedule`; at pp = 1 the train step's
     forward, backward per microbatch) with the `ChunkActivations` of its chunks:
     a forward adds the chunk's saved bytes, a backward removes them. Candidates for the peak:
-    each forward (when the model returns: live saved bytes + the logits still held from the
-    previous forward + the new logits; then the loss: live + logits + `forward_extra`) and each
-    backward (live saved bytes + held logits + `backward_extra`). 1F1B keeps min(pp - pp_rank, m) microbatches in flight on
+    each forward (the loss runs inside it: live saved bytes + logits + `forward_extra`) and each
+    backward (live saved bytes + `backward_extra`). 1F1B keeps min(pp - pp_rank, m) microbatches in flight on
     stage pp_rank, GPipe m, interleaved what its warm-up implies, all of which the replay follows.
 
     Returns {"saved_per_microbatch" (all chunks of this rank, one microbatch), "peak" (largest
     activation-side bytes, phase extras included), "activations_peak" (the same without the
-    phase extras), "peak_phase", "max_in_flight", "held_after_backward" (logits the
-    step still holds during the optimizer step: the last microbatch's at pp = 1), "chunks"}.
+    phase extras), "peak_phase", "max_in_flight", "held_after_backward" (activations the step
+    still holds during the optimizer step: 0, the forward returns the loss), "chunks"}.
     """
     sp = bool(res.sp and res.tp > 1)
     chunks = [chunk_activations(cfg, micro_batch_size, layers=layers, pre_process=pre, post_process=post,
@@ -540,7 +539,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
         actions = [(a.kind, a.microbatch, a.chunk)
                    for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)]
     extra = {"forward": 0, "loss_backward": 0, "backward": 0, **(phase_extras or {})}
-    live = held = peak = plain_peak = 0
+    live = peak = plain_peak = 0
     in_flight = max_in_flight = 0
     phase = "none"
     for kind, m, c in actions:
@@ -548,25 +547,19 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
         if kind == "F":
             live += ch.saved
             in_flight += 1
-            # The previous output (held by the step's variable) is released only when the chunk's
-            # forward returns; the loss then runs beside the new logits.
-            plain = max(live - ch.head_saved + held + ch.logits, live + ch.logits + ch.forward_extra)
+            # The loss runs inside the last chunk's forward, beside its logits (none when fused).
+            plain = live + ch.logits + ch.forward_extra
             now = plain + extra["forward"]
-            held = ch.logits
             where = f"forward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
         else:
-            if res.pp > 1:
-                # The pipeline executor rebinds its output variable to the saved loss before the
-                # backward runs, releasing the logits (train_step keeps them until the next forward).
-                held = 0
             if ch.post:  # the loss's backward, then the head and layers' (with ZeRO-3's buffers)
                 transient = max(ch.loss_backward_extra + extra["loss_backward"],
                                 ch.rest_backward_extra + extra["backward"])
-                plain = live + held + ch.backward_extra
+                plain = live + ch.backward_extra
             else:
                 transient = ch.backward_extra + extra["backward"] + ch.pipeline_recv
-                plain = live + held + ch.backward_extra + ch.pipeline_recv
-            now = live + held + transient
+                plain = live + ch.backward_extra + ch.pipeline_recv
+            now = live + transient
             live -= ch.saved
             if not ch.pre:
                 # The input gradient sent to the previous stage, and the input buffer the pending
@@ -585,7 +578,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
         "activations_peak": plain_peak,
         "peak_phase": phase,
         "max_in_flight": max_in_flight,
-        "held_after_backward": held if res.pp == 1 else 0,
+        "held_after_backward": 0,
         "chunks": [dataclasses.asdict(ch) for ch in chunks],
     }
 
@@ -729,7 +722,7 @@ def plan_rank(
                               precision=precision, device=device, execution=execution, phase_extras=phase_extras)
     # Peak of the step: during forward/backward (persistent states + autocast's weight copies +
     # activations with each phase's ZeRO extras, see above), or during the optimizer step
-    # (states + logits still held + AdamW temporaries).
+    # (states + AdamW temporaries).
     fwd_bwd = states["total"] + states["autocast_weight_copies"] + act["peak"]
     opt_tmp = _optimizer_transient(meta, replicas, zero, offload, device)
     opt_phase = states["total"] + act["held_after_backward"] + opt_tmp
