@@ -11,12 +11,13 @@ import math
 import pytest
 import torch
 
-from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.models.config import ExecutionConfig
 from meshtron.models.gpt import GPT
 from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from meshtron.mpu.init import initialize_parameters
 from meshtron.kernels.linear_cross_entropy import chunk_rows_for, linear_cross_entropy_sum
 from meshtron.mpu.mesh import single_process_mesh
+from tests.distributed.dense_cases import model_config
 
 
 def _problem(rows=37, hidden=16, local_vocab=48, vocab_size=40, seed=0):
@@ -135,19 +136,11 @@ def test_bf16_autocast_runs_the_gemms_in_16_bits_like_the_unfused_head():
         assert ((a - b).norm() / b.norm()).item() < 2e-2, name
 
 
-def _tiny(arch: str) -> GPTConfig:
-    if arch == "llama":
-        return GPTConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2,
-                         ffn_hidden_size=48, vocab_size=150, seq_len=16, tie_embeddings=False)
-    return GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64,
-                     vocab_size=150, seq_len=16, tie_embeddings=True)
-
-
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_model_forward_with_targets_fused_equals_unfused(arch):
     """forward(x, targets=t) returns the summed loss; fused and unfused give the same loss and
     the same gradient on every parameter (tied embedding included)."""
-    cfg, mesh = _tiny(arch), single_process_mesh()
+    cfg, mesh = model_config(arch), single_process_mesh()  # vocab 200: padded to 256
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len + 1), generator=g)
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
