@@ -132,13 +132,14 @@ def enumerate_layouts(cfg: GPTConfig, world: int, *, global_batch_size: int, gpu
 
 
 def layout_memory(cfg: GPTConfig, layout: Layout, *, global_batch_size: int, precision: str = "fp32",
-                  device: str = "cuda", offload: bool = False, param_dtype: str = "fp32") -> dict[str, Any]:
+                  device: str = "cuda", offload: bool = False, param_dtype: str = "fp32",
+                  fused_lm_loss: bool = True) -> dict[str, Any]:
     """Planned peak bytes per device of `layout` (the larger of its first and last pipeline
-    stage, `planning.plan.plan_rank`), the parameters of that rank by gradient-reduction group
-    and where the figure comes from."""
+    stage, `planning.plan.plan_rank`; the LM head and loss fused or not, trainer.fused_lm_loss),
+    the parameters of that rank by gradient-reduction group and where the figure comes from."""
     world = layout.world
     par = layout.parallel_config()
-    execution = ExecutionConfig(recompute=layout.recompute)
+    execution = ExecutionConfig(recompute=layout.recompute, fused_lm_loss=fused_lm_loss)
     best = None
     for stage in sorted({0, layout.pp - 1}):
         plan = plan_rank(cfg, par, world, stage * (world // layout.pp), micro_batch_size=layout.micro_batch_size,
@@ -175,7 +176,8 @@ class SearchResult:
 
 
 def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precision: str = "fp32",
-           param_dtype: str = "fp32", offload: bool = False, fixed: dict[str, Any] | None = None,
+           param_dtype: str = "fp32", offload: bool = False, fused_lm_loss: bool = True,
+           fixed: dict[str, Any] | None = None,
            limit: int | None = None, max_priced: int | None = None) -> SearchResult:
     """Rank the layouts of `cfg` on `cluster` that fit its memory by modelled tokens/s.
 
@@ -219,7 +221,8 @@ def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precisio
             too_big += 1
             continue
         mem = layout_memory(cfg, cand.layout, global_batch_size=global_batch_size, precision=precision,
-                            device=cluster.device, offload=offload, param_dtype=param_dtype)
+                            device=cluster.device, offload=offload, param_dtype=param_dtype,
+                            fused_lm_loss=fused_lm_loss)
         priced += 1
         cand.memory_bytes, cand.memory_source = mem["bytes"], mem["source"]
         cand.fits = mem["bytes"] <= cluster.gpu_memory_bytes

@@ -210,6 +210,23 @@ def test_layouts_that_do_not_fit_are_excluded():
     assert speeds == sorted(speeds, reverse=True)
 
 
+def test_search_prices_the_lm_loss_the_run_uses():
+    """trainer.fused_lm_loss reaches the memory figure: whole logits of a large vocabulary cost
+    more than the fused chunks, and each search's figures are the planner's for that mode."""
+    # 8,192 tokens x 32,000: 1 GiB of fp32 logits unfused; fused, chunks of 4,194 rows on CUDA.
+    cfg = tiny(num_heads=2, vocab_size=32000, seq_len=8192)
+    fixed = {"recompute": "none", "micro_batch_size": 1, "cp": 1, "tp": 1, "pp": 1}
+    by_mode = {}
+    for fused in (True, False):
+        result = search(cfg, cluster(), global_batch_size=4, fixed=fixed, limit=None, fused_lm_loss=fused)
+        by_mode[fused] = {c.layout: c.memory_bytes for c in result.ranked}
+        for cand in result.ranked:
+            assert cand.memory_bytes == layout_memory(cfg, cand.layout, global_batch_size=4, device="cuda",
+                                                      fused_lm_loss=fused)["bytes"]
+    assert by_mode[True] and by_mode[True].keys() == by_mode[False].keys()
+    assert all(by_mode[True][lay] < by_mode[False][lay] for lay in by_mode[True])
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -136,7 +136,7 @@ def run(argv: list[str]) -> int:
     fixed = pinned_fields(args.overrides, run_cfg)
     try:
         result = search(run_cfg.model, cluster, global_batch_size=t.global_batch_size, precision=t.precision,
-                        param_dtype=o.param_dtype, offload=o.offload, fixed=fixed,
+                        param_dtype=o.param_dtype, offload=o.offload, fused_lm_loss=t.fused_lm_loss, fixed=fixed,
                         limit=args.top if not args.json else (max(args.top, args.json_max) or None),
                         max_priced=args.max_priced or None)
     except ValueError as err:
