@@ -8,9 +8,10 @@ wanted, the chunk's softmax-minus-one-hot turned at once into its share of the i
 (g_c W) and of the weight gradient (g_c^T x_c). The chunk's logits are then dropped. Backward
 only scales the two gradients kept from forward by the incoming scalar: the loss is returned
 summed (a scalar), so the per-token gradient factor is one number and the weight gradient
-can be formed in forward. Three GEMMs in all, as the unfused head, and peak memory of one
-chunk of logits instead of all of them (plus the fp32 weight-gradient [V/tp, h] that backward
-would build anyway).
+can be formed in forward. Three GEMMs in all, as the unfused head, and one chunk of logits at
+a time instead of all of them. Kept from forward to backward: the fp32 input gradient
+[tokens, h] and weight gradient [V/tp, h], in place of the fp32 softmax [tokens, V/tp] the
+unfused loss keeps: less memory once a microbatch has more tokens than h.
 
 Communication over `group` (TP): one all-gather of [3, rows] per chunk in forward, none in
 backward. The input gradient is this rank's partial over its vocabulary slice: the caller
