@@ -24,8 +24,10 @@ ARCH_DEFAULTS = {
 @dataclass(frozen=True)
 class ExecutionConfig:
     """How a model runs, not what it computes: activation recomputation (`trainer.recompute`,
-    the first `trainer.recompute_layers` layers under full) and the resolved kernel backend
-    (`kernels.backend`). Given to `GPT` beside its `GPTConfig`; never saved with the weights."""
+    the first `trainer.recompute_layers` layers under full), the resolved kernel backend
+    (`kernels.backend`) and the LM head fused with the loss (`trainer.fused_lm_loss`,
+    `trainer.lm_loss_chunk_rows`). Given to `GPT` beside its `GPTConfig`; never saved with the
+    weights."""
 
     recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
     recompute_layers: int | None = field(default=None, metadata=allowed(ge=1))
