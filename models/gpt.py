@@ -28,6 +28,7 @@ from einops import rearrange
 from torch import nn
 
 from meshtron.kernels import selfcheck
+from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
@@ -35,7 +36,6 @@ from meshtron.mpu.context_parallel import context_parallel_attention, sequence_p
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
-from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.mpu.mappings import all_reduce_stats, column_parallel_linear, gather_from_region
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.random import get_rng_tracker, seed_parallel_rng
