@@ -26,7 +26,12 @@ from __future__ import annotations
 import torch
 
 from meshtron.kernels.backend import interpreting, triton_available
-from meshtron.mpu.cross_entropy import IGNORE_INDEX, combine_gathered_partials, vocab_parallel_cross_entropy
+from meshtron.mpu.cross_entropy import (
+    IGNORE_INDEX,
+    combine_gathered_partials,
+    loss_from_stats,
+    vocab_parallel_cross_entropy,
+)
 from meshtron.mpu.mappings import all_gather_stats
 
 __all__ = [
@@ -67,15 +72,6 @@ def combine_partials(local_max: torch.Tensor, sum_exp: torch.Tensor, target_logi
     """
     gathered = all_gather_stats(torch.stack([local_max, sum_exp, target_logit]), group)  # [world, 3, N]
     return combine_gathered_partials(*gathered.unbind(1))
-
-
-def loss_from_stats(global_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor,
-                    target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) per row: lse = log(sum_exp) + global_max, loss = lse - target_logit, and
-    loss 0 where target == IGNORE_INDEX. No communication."""
-    lse = torch.log(sum_exp) + global_max
-    loss = (lse - target_logit).masked_fill(target == IGNORE_INDEX, 0.0)
-    return loss, lse
 
 
 # --------------------------------------------------------------------------- Triton kernels

@@ -26,14 +26,15 @@ from torch._subclasses.fake_tensor import is_fake
 
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED
+from meshtron.kernels.operands import compute_dtype
 from meshtron.mpu.cross_entropy import (
     IGNORE_INDEX,
-    combine_gathered_partials,
+    global_statistics,
     local_statistics,
+    loss_from_stats,
+    softmax_minus_onehot,
     vocab_parallel_cross_entropy,
 )
-from meshtron.mpu.mappings import all_gather_stats
-from meshtron.mpu.mesh import group_size
 
 # Chunk size by device: rows = max(MIN_CHUNK_ROWS, CHUNK_LOGITS // (V/tp)). Every chunk adds
 # its share into the fp32 [V/tp, h] weight gradient, a pass over V/tp * h, and runs its GEMMs
@@ -53,14 +54,6 @@ def chunk_rows_for(local_vocab: int, device_type: str = "cpu") -> int:
     """Rows per chunk on `device_type`: max(MIN_CHUNK_ROWS, CHUNK_LOGITS // local_vocab)."""
     kind = device_type if device_type in CHUNK_LOGITS else "cpu"
     return max(MIN_CHUNK_ROWS[kind], CHUNK_LOGITS[kind] // max(1, local_vocab))
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the head's GEMMs run in: autocast's when it is on (as F.linear would), else x's."""
-    device_type = x.device.type if x.device.type in ("cuda", "cpu") else "cpu"
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
 
 
 def _ce_kernels():
@@ -87,11 +80,9 @@ class _TorchChunkLoss:
         local_t = target - vocab_start
         ignored = target == IGNORE_INDEX
         hit = (local_t >= 0) & (local_t < exp.shape[1]) & ~ignored
+        # softmax = exp(x - local max) * exp(local max - lse)
         scale = torch.exp(local_max - lse).masked_fill_(ignored, 0.0)
-        grad = exp.mul_(scale.unsqueeze(1))
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad.index_put_((rows, local_t.masked_fill(~hit, 0)), -hit.to(grad.dtype), accumulate=True)
-        return grad
+        return softmax_minus_onehot(exp, scale, local_t.masked_fill(~hit, 0), hit.to(exp.dtype), out=exp)
 
 
 class _TritonChunkLoss:
@@ -155,12 +146,7 @@ def _chunk_loss(xc: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, vocab_star
         stats = ops.statistics(logits, tgt, vocab_start, exp)
     # A target in this shard's padding: an impossible token, loss +inf as unfused.
     stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))
-    if group_size(group) > 1:
-        global_max, sum_exp, target_logit = combine_gathered_partials(*all_gather_stats(stats, group).unbind(1))
-    else:
-        global_max, sum_exp, target_logit = stats
-    lse = torch.log(sum_exp) + global_max
-    loss = (lse - target_logit).masked_fill(ignored, 0.0).sum()
+    loss, lse = loss_from_stats(*global_statistics(stats, group), tgt)
     if grad_x is not None and logits is not None:
         grad = ops.gradient(logits, exp, stats[0], lse, tgt, vocab_start)
         if dtype == torch.float32:
@@ -170,7 +156,7 @@ def _chunk_loss(xc: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, vocab_star
             grad = grad.to(dtype)
             grad_x.copy_(grad @ w)
             grad_w += (grad.t() @ xc).float()
-    return loss
+    return loss.sum()
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -179,7 +165,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         n, hidden = x.shape
         local_vocab = weight.shape[0]
         n_valid = max(0, min(local_vocab, vocab_size - vocab_start))  # decided on the host, no sync
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)  # autocast's, as F.linear would use (the planner's fake tensors too)
         xc_all = x if x.dtype == dtype else x.to(dtype)
         w = weight[:n_valid]
         w = w if w.dtype == dtype else w.to(dtype)
@@ -195,9 +181,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             total += _chunk_loss(xc_all[i:i + step], w, target[i:i + step], vocab_start, local_vocab, group, backend,
                                  dtype, None if grad_x is None else grad_x[i:i + step],
                                  None if grad_w is None else grad_w[:n_valid])
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.save_for_backward(grad_x, grad_w) if want_grad else ctx.save_for_backward()
-        ctx.want_grad = want_grad
+        ctx.x_dtype, ctx.w_dtype, ctx.want_grad = x.dtype, weight.dtype, want_grad
+        if want_grad:
+            ctx.save_for_backward(grad_x, grad_w)
         return total
 
     @staticmethod

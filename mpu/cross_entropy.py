@@ -38,6 +38,34 @@ def combine_gathered_partials(local_max: torch.Tensor, sum_exp: torch.Tensor, ta
     return global_max, scaled.sum(dim=0), target_logit.sum(dim=0)
 
 
+def global_statistics(stats: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (global max, sum_exp relative to it, target logit) from this rank's [3, N] local
+    statistics (`local_statistics`): ONE all-gather of them over `group` when it has more than
+    one member, else this rank's own."""
+    if group_size(group) > 1:
+        return combine_gathered_partials(*all_gather_stats(stats, group).unbind(1))
+    return stats[0], stats[1], stats[2]
+
+
+def loss_from_stats(global_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor,
+                    target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) per row: lse = log(sum_exp) + global_max, loss = lse - target_logit, and
+    loss 0 where target == IGNORE_INDEX. No communication."""
+    lse = torch.log(sum_exp) + global_max
+    loss = (lse - target_logit).masked_fill(target == IGNORE_INDEX, 0.0)
+    return loss, lse
+
+
+def softmax_minus_onehot(exp: torch.Tensor, row_scale: torch.Tensor, safe_target: torch.Tensor,
+                         hit_weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The logits' cross-entropy gradient from stored exponentials, written into `out` [N, n]
+    (may be `exp` itself): exp * row_scale per row, minus hit_weight at column safe_target
+    (hit_weight 0 where the target is not in these columns; no columns: nothing to subtract).
+    Returns `out`. No communication."""
+    torch.mul(exp, row_scale.unsqueeze(1), out=out)
+    return out.scatter_add_(1, safe_target.unsqueeze(1), -hit_weight.unsqueeze(1)) if out.shape[1] else out
+
+
 def local_statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int,
                      exp_out: torch.Tensor | None = None, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """fp32 [3, N] per-row (local max, sum of exp(x - local max), raw target logit) of this
@@ -86,12 +114,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n_valid = max(0, min(local_vocab, vocab_size - vocab_start))  # decided on the host, no sync
         exp = torch.empty(rows.shape[0], n_valid, dtype=torch.float32, device=logits.device)
         stats = local_statistics(rows, tgt, vocab_start, n_valid, exp_out=exp)
-        if group_size(group) > 1:
-            global_max, sum_exp, target_logit = combine_gathered_partials(*all_gather_stats(stats, group).unbind(1))
-        else:
-            global_max, sum_exp, target_logit = stats
+        global_max, sum_exp, target_logit = global_statistics(stats, group)
         ignored = tgt == IGNORE_INDEX
-        loss = (torch.log(sum_exp) + global_max - target_logit).masked_fill(ignored, 0.0)
+        loss, _ = loss_from_stats(global_max, sum_exp, target_logit, tgt)
         # softmax = exp * row_scale: exp is relative to this rank's max, the sum to the global one.
         row_scale = torch.exp(stats[0] - global_max) / sum_exp
         local_t = tgt - vocab_start
@@ -106,9 +131,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = ctx.shape[-1]
         g = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0)
         grad = torch.empty(n, local_vocab, dtype=torch.float32, device=exp.device)
-        torch.mul(exp, (row_scale * g).unsqueeze(1), out=grad[:, :n_valid])
+        softmax_minus_onehot(exp, row_scale * g, safe_target, g * hit, out=grad[:, :n_valid])
         grad[:, n_valid:].zero_()
-        grad.scatter_add_(1, safe_target.unsqueeze(1), -(g * hit).unsqueeze(1))
         return grad.to(ctx.input_dtype).view(ctx.shape), None, None, None, None
 
 

@@ -683,8 +683,9 @@ def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], inpu
     Backward: `all_to_all_wait`'s backward starts the reverse all-to-all of the gradients and,
     where it runs asynchronously (`async_backward`: NCCL), returns at once and this function's
     backward awaits it, so the nodes recorded between start and wait run while the gradients
-    are in flight; over gloo it completes the exchange at once (through shared memory on one host). Tensors that do not require grad (e.g. integer metadata) travel forward
-    only. Every rank of `group` must start and wait in the same order, as for any collective.
+    are in flight; over gloo it completes the exchange at once (through shared memory on one
+    host). Tensors that do not require grad (e.g. integer metadata) travel forward only. Every
+    rank of `group` must start and wait in the same order, as for any collective.
     """
     handle = AllToAllHandle(output_splits, input_splits, group)
     if _size(group, tensors[0]) == 1:

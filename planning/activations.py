@@ -117,7 +117,7 @@ def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torc
 class SavedTrace:
     """Saved bytes of one traced piece for one microbatch: `total`, `terms` by submodule (or
     step), `after_mark`: the bytes first saved from the marked point on (a block: from norm2,
-    the MLP half; the head: from the loss), and `shared`: bytes saved by every block of a chunk
+    the MLP half), and `shared`: bytes saved by every block of a chunk
     alike (the RoPE tables, one storage per chunk), not in `total`."""
 
     total: int
@@ -356,8 +356,8 @@ def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool =
                fused_lm_loss: bool = False) -> SavedTrace:
     """Saved bytes of the final norm, LM head and loss for one microbatch on TP rank
     `tp_rank`. Terms: final_norm, head (the head's input) and loss (its softmax, targets and
-    masks: `after_mark`). With `fused_lm_loss` the head and loss are one step whose saved
-    tensors (the precomputed input and weight gradients) are all "loss"."""
+    masks). With `fused_lm_loss` the head and loss are one step whose saved tensors (the
+    precomputed input and weight gradients) are all "loss"."""
     def run(model, saved) -> SavedTrace:
         x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
         targets = torch.zeros(micro_batch_size, cfg.seq_len // cp, dtype=torch.long)
@@ -371,7 +371,7 @@ def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool =
                     logits = model(x)
                 saved.term = "loss"
                 model.loss_per_token(logits, targets)
-        return SavedTrace(sum(saved.terms.values()), dict(saved.terms), saved.terms.get("loss", 0))
+        return SavedTrace(sum(saved.terms.values()), dict(saved.terms))
 
     return _trace_end_chunk("post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm,
                             fused_lm_loss)

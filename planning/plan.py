@@ -288,7 +288,6 @@ class ChunkActivations:
     backward_extra: the largest transient of this chunk's backward beyond what is saved: the
       cross-entropy gradient, the LM head's weight gradient, a recomputed layer and one layer's
       gradient working set (minus what the cross-entropy already freed).
-    head_saved: the part of `saved` the loss holds (its softmax), freed by the loss's backward.
     loss_backward_extra / rest_backward_extra: `backward_extra` split by phase: the cross-entropy's
       own backward (last chunk), and everything after it (LM head, layers, embedding tables);
       ZeRO-3's gathered units and gradient buffers exist only in the second.
@@ -303,7 +302,6 @@ class ChunkActivations:
     logits: int = 0
     forward_extra: int = 0
     backward_extra: int = 0
-    head_saved: int = 0
     loss_backward_extra: int = 0
     rest_backward_extra: int = 0
     pre: bool = False
@@ -435,37 +433,30 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         layer_backward = max(layer_backward, transient)
     if len(layers) and cfg.position == "rope":
         add("rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
-    logits = forward_extra = head_saved = ce_grad = 0
+    logits = forward_extra = ce_grad = 0
     backward_extra = rest_backward = layer_backward
-    if post_process and execution.fused_lm_loss:
+    if post_process:
         vocab_l = cfg.padded_vocab_size(tp) // tp
-        head_trace = trace_post(cfg, tp_rank=tp_rank, fused_lm_loss=True, **trace)
+        head_trace = trace_post(cfg, tp_rank=tp_rank, fused_lm_loss=execution.fused_lm_loss, **trace)
         for name, value in head_trace.terms.items():
             add(name, value)
-        head_saved = head_trace.after_mark  # the input and weight gradients built in forward
-        forward_extra = fused_lm_loss_forward_bytes(cfg, T, tp, tp_rank, c, device, execution.lm_loss_chunk_rows)
-        # Backward scales the two kept gradients by the incoming factor: one new copy of each.
-        ce_grad = head = 4 * vocab_l * h + T * 4 * h
-        tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0
-        rest_backward = max(head, layer_backward - head_trace.total + tied_wait)
-        backward_extra = max(ce_grad, rest_backward)
-    elif post_process:
-        vocab_l = cfg.padded_vocab_size(tp) // tp
-        head_trace = trace_post(cfg, tp_rank=tp_rank, **trace)
-        for name, value in head_trace.terms.items():
-            add(name, value)
-        logits = math.ceil(T * c * vocab_l)
-        head_saved = head_trace.after_mark  # what the cross-entropy holds until its backward ran
-        # The model's forward returns the logits before the loss runs: the cross-entropy's masked
-        # copy (a shard holding vocabulary padding) and the fp32 copy of 16-bit logits exist
-        # only inside the loss's forward, beside the shifted logits it keeps as its softmax.
-        holds_padding = (tp_rank + 1) * vocab_l > cfg.vocab_size
-        forward_extra = math.ceil(T * 4 * vocab_l * ((1 if holds_padding else 0) + (1 if c != 4 else 0)))
-        # Loss backward: the fp32 gradient (a clone of the softmax, plus its 16-bit cast under
-        # autocast); then the LM head's backward holds a contiguous copy of it while the
-        # softmax is already freed, and builds the weight gradient [V/tp, h] and input gradient.
-        ce_grad = T * 4 * vocab_l + (T * c * vocab_l if c != 4 else 0)
+        # The LM head's backward: the weight gradient [V/tp, h] and the input gradient.
         head = 4 * vocab_l * h + T * 4 * h
+        if execution.fused_lm_loss:
+            forward_extra = fused_lm_loss_forward_bytes(cfg, T, tp, tp_rank, c, device, execution.lm_loss_chunk_rows)
+            # Both gradients were built in forward; backward scales them: one new copy of each.
+            ce_grad = head
+        else:
+            logits = math.ceil(T * c * vocab_l)
+            # The cross-entropy's masked copy (a shard holding vocabulary padding) and the fp32
+            # copy of 16-bit logits exist only inside the loss's forward, beside the shifted
+            # logits it keeps as its softmax.
+            holds_padding = (tp_rank + 1) * vocab_l > cfg.vocab_size
+            forward_extra = math.ceil(T * 4 * vocab_l * ((1 if holds_padding else 0) + (1 if c != 4 else 0)))
+            # Loss backward: the fp32 gradient (a clone of the softmax, plus its 16-bit cast under
+            # autocast); then the LM head's backward holds a contiguous copy of it while the
+            # softmax is already freed, and builds `head`.
+            ce_grad = T * 4 * vocab_l + (T * c * vocab_l if c != 4 else 0)
         # The layers' backward starts once the loss, LM head and final norm released their saved
         # tensors. A tied embedding used by the head and the lookup of the same chunk gets ONE
         # AccumulateGrad: the head's weight gradient [V/tp, h] waits in autograd's input buffer
@@ -486,7 +477,7 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         rest_backward = max(rest_backward, tables_bytes)
     rounded = {k: math.ceil(v) for k, v in terms.items()}
     return ChunkActivations(saved=sum(rounded.values()), logits=logits, forward_extra=forward_extra,
-                            backward_extra=math.ceil(backward_extra), head_saved=math.ceil(head_saved),
+                            backward_extra=math.ceil(backward_extra),
                             loss_backward_extra=math.ceil(ce_grad), rest_backward_extra=math.ceil(rest_backward),
                             pre=pre_process, post=post_process, pipeline_recv=math.ceil(T_sp * 4 * h),
                             terms=rounded)
@@ -525,8 +516,7 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
 
     Returns {"saved_per_microbatch" (all chunks of this rank, one microbatch), "peak" (largest
     activation-side bytes, phase extras included), "activations_peak" (the same without the
-    phase extras), "peak_phase", "max_in_flight", "held_after_backward" (activations the step
-    still holds during the optimizer step: 0, the forward returns the loss), "chunks"}.
+    phase extras), "peak_phase", "max_in_flight", "chunks"}.
     """
     sp = bool(res.sp and res.tp > 1)
     chunks = [chunk_activations(cfg, micro_batch_size, layers=layers, pre_process=pre, post_process=post,
@@ -578,7 +568,6 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
         "activations_peak": plain_peak,
         "peak_phase": phase,
         "max_in_flight": max_in_flight,
-        "held_after_backward": 0,
         "chunks": [dataclasses.asdict(ch) for ch in chunks],
     }
 
@@ -725,7 +714,7 @@ def plan_rank(
     # (states + AdamW temporaries).
     fwd_bwd = states["total"] + states["autocast_weight_copies"] + act["peak"]
     opt_tmp = _optimizer_transient(meta, replicas, zero, offload, device)
-    opt_phase = states["total"] + act["held_after_backward"] + opt_tmp
+    opt_phase = states["total"] + opt_tmp
     total = max(fwd_bwd, opt_phase)
     activations = total - states["total"]  # everything above the persistent states at the peak
     in_flight = act["max_in_flight"]
