@@ -39,14 +39,18 @@ from meshtron.mpu.cross_entropy import (
 # Chunk size by device: rows = max(MIN_CHUNK_ROWS, CHUNK_LOGITS // (V/tp)). Every chunk adds
 # its share into the fp32 [V/tp, h] weight gradient, a pass over V/tp * h, and runs its GEMMs
 # with as many rows as it has, so chunks need a floor of rows whatever the vocabulary; above
-# the floor, CHUNK_LOGITS bounds their logits. CPU (measured on the 2-core host, fp32, h 256,
-# forward + backward of head and loss, medians of 5 interleaved rounds): 256 rows beat 64
-# (+25-30% time) and whole logits (unfused: 1,806 vs 1,492 ms at 4,096 tokens x V 32,000;
-# 140 vs 127 ms at 1,024 x 8,192); 512-2,048 rows were no faster. CUDA: 1,024 rows at least
-# and 128 Mi logits (256 MiB in 16 bits, plus 512 MiB of fp32 exponentials under the torch
-# chunk operations), so the dW accumulation costs little next to the GEMMs; not measured on a
-# GPU yet. `trainer.lm_loss_chunk_rows` overrides.
-CHUNK_LOGITS = {"cpu": 1 << 21, "cuda": 1 << 27}
+# the floor, CHUNK_LOGITS bounds their logits. Under the torch chunk operations the
+# exponentials and then the gradient overwrite the fp32 logits (16-bit logits are widened
+# first), so a chunk's transient is one fp32 buffer (16-bit: plus the logits or the gradient's
+# 16-bit copy). CPU (2-core host, fp32, h 256): 256 rows beat 64 (+25-30% time) and whole
+# logits at 4,096 tokens x V 32,000 (1,492 vs 1,806 ms unfused); at V 8,192 the issue-12 MoE
+# training step ran 4-11% faster with 8 Mi logits per chunk (1,024 rows) and the exponentials
+# in place than with 2 Mi (256 rows) and a separate buffer (`bench/throughput.py`, 6-8
+# alternating runs of 30 steps, 2026-11-26). CUDA: 1,024 rows at least and 128 Mi logits (256
+# MiB in 16 bits, plus 512 MiB of fp32 exponentials under the torch chunk operations), so the
+# dW accumulation costs little next to the GEMMs; not measured on a GPU yet.
+# `trainer.lm_loss_chunk_rows` overrides.
+CHUNK_LOGITS = {"cpu": 1 << 23, "cuda": 1 << 27}
 MIN_CHUNK_ROWS = {"cpu": 256, "cuda": 1024}
 
 
@@ -141,8 +145,11 @@ def _chunk_loss(xc: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, vocab_star
     else:
         logits = xc @ w.t()  # [rows, n_valid]
         ops = _chunk_ops(backend, logits, tgt, vocab_start)
-        torch_ops = ops is _TorchChunkLoss  # the Triton kernels keep no exponentials
-        exp = torch.empty(rows, n_valid, dtype=torch.float32, device=xc.device) if torch_ops else None
+        exp = None  # the Triton kernels keep no exponentials
+        if ops is _TorchChunkLoss:
+            # The chunk's own logits, in fp32 (16-bit ones widened, then dropped), are overwritten
+            # by the exponentials, then by the gradient: one [rows, n_valid] fp32 buffer.
+            logits = exp = logits.float()
         stats = ops.statistics(logits, tgt, vocab_start, exp)
     # A target in this shard's padding: an impossible token, loss +inf as unfused.
     stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))

@@ -71,10 +71,17 @@ def local_statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int,
     """fp32 [3, N] per-row (local max, sum of exp(x - local max), raw target logit) of this
     rank's shard `rows` [N, V_local], reading only its first `n_valid` (non-padding) columns.
     The target logit is 0 where the target is ignored or in another shard, -inf where it
-    points at padding. With `exp_out` ([N, n_valid] fp32) the exponentials are left there.
-    No communication."""
+    points at padding. With `exp_out` ([N, n_valid] fp32) the exponentials are left there;
+    it may be `rows` itself (read before it is overwritten). No communication."""
     n = rows.shape[0]
     stats = torch.empty(3, n, dtype=torch.float32, device=rows.device)
+    # The target logits first: `exp_out` may be `rows` itself (the fused loss's own logits).
+    local_t = target - vocab_start
+    in_shard = (local_t >= 0) & (local_t < rows.shape[1]) & (target != IGNORE_INDEX)
+    safe_t = local_t.masked_fill(~in_shard, 0)
+    t_logit = rows.gather(1, safe_t.unsqueeze(1)).squeeze(1).float()
+    t_logit = t_logit.masked_fill(~in_shard, 0.0).masked_fill(in_shard & (local_t >= n_valid), float("-inf"))
+    stats[2] = t_logit
     if n_valid <= 0:  # a shard of padding only
         stats[0].fill_(float("-inf"))
         stats[1].zero_()
@@ -95,12 +102,6 @@ def local_statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int,
             torch.sub(x, m, out=e).exp_()
             torch.sum(e, dim=1, out=stats[1, i:i + step])
             stats[0, i:i + step] = m.squeeze(1)
-    local_t = target - vocab_start
-    in_shard = (local_t >= 0) & (local_t < rows.shape[1]) & (target != IGNORE_INDEX)
-    safe_t = local_t.masked_fill(~in_shard, 0)
-    t_logit = rows.gather(1, safe_t.unsqueeze(1)).squeeze(1).float()
-    t_logit = t_logit.masked_fill(~in_shard, 0.0).masked_fill(in_shard & (local_t >= n_valid), float("-inf"))
-    stats[2] = t_logit
     return stats
 
 

@@ -371,9 +371,10 @@ def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: i
                                 chunk_rows: int | None = None) -> int:
     """Transient bytes of the fused LM-head loss's forward (kernels/linear_cross_entropy.py) on TP
     rank `tp_rank`, for `tokens` rows in `c`-byte compute: the batch-major copy of its input,
-    16-bit copies of the input and the weight under autocast, and one chunk's logits, fp32
-    exponentials (the gradient, in place) and the gradient's 16-bit copy (`chunk_rows` per
-    chunk; None: the device's default)."""
+    16-bit copies of the input and the weight under autocast, and one chunk's fp32 logits,
+    overwritten by the exponentials and the gradient (16-bit: plus the 16-bit logits they are
+    widened from, or the gradient's 16-bit copy), `chunk_rows` per chunk (None: the device's
+    default)."""
     from meshtron.kernels.linear_cross_entropy import chunk_rows_for
 
     h = cfg.hidden_size
@@ -381,7 +382,7 @@ def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: i
     n_valid = max(0, min(vocab_l, cfg.vocab_size - tp_rank * vocab_l))
     rows = min(tokens, chunk_rows or chunk_rows_for(vocab_l, device))
     casts = (tokens * h + n_valid * h) * c if c != 4 else 0
-    chunk = rows * n_valid * (c + 4 + (c if c != 4 else 0))
+    chunk = rows * n_valid * (4 + (c if c != 4 else 0))
     return math.ceil(tokens * 4 * h + casts + chunk)
 
 

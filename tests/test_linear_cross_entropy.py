@@ -53,6 +53,32 @@ def test_equals_unfused_for_any_chunking(chunk_rows):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _LogitsBuffers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Distinct storages of every fp32 op output shaped like one chunk's logits [rows, cols]."""
+
+    def __init__(self, rows, cols):
+        super().__init__()
+        self.shape, self.storages = (rows, cols), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape and t.dtype == torch.float32:
+                self.storages.add(t.untyped_storage().data_ptr())
+        return out
+
+
+def test_fp32_chunk_overwrites_its_logits_with_exponentials_and_gradient():
+    x, w, target = _problem(rows=12, local_vocab=40)
+    x.requires_grad_(True)
+    with _LogitsBuffers(12, 40) as seen:  # one chunk
+        linear_cross_entropy_sum(x, w, target, vocab_size=40, chunk_rows=12)
+    assert len(seen.storages) == 1  # the logits, then the exponentials, then the gradient
+    with torch.autocast("cpu", dtype=torch.bfloat16), _LogitsBuffers(12, 40) as seen16:
+        linear_cross_entropy_sum(x, w, target, vocab_size=40, chunk_rows=12)
+    assert len(seen16.storages) == 1  # bf16 logits widened once, then the same
+
+
 def test_padding_rows_are_never_used_and_get_zero_gradient():
     x, w, target = _problem()
     w_other_padding = w.clone()
@@ -117,8 +143,9 @@ def test_bad_input_is_named():
 
 
 def test_chunk_rows_follow_the_local_vocabulary_and_device():
-    assert chunk_rows_for(8192) == 256                      # CPU: 2 Mi logits, at least 256 rows
-    assert chunk_rows_for(1024) == 2048
+    assert chunk_rows_for(8192) == 1024                     # CPU: 8 Mi logits, at least 256 rows
+    assert chunk_rows_for(1024) == 8192
+    assert chunk_rows_for(32000) == 262
     assert chunk_rows_for(128 * 1024) == 256
     assert chunk_rows_for(128 * 1024, "cuda") == 1024       # CUDA: 128 Mi, at least 1,024 rows
     assert chunk_rows_for(32 * 1024, "cuda") == 4096
