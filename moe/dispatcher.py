@@ -24,13 +24,14 @@ per rank)` of them). So a token whose top-2 experts live on one rank is sent onc
 The combine weights travel with the rows as a differentiable tensor, so the gradients of the
 router (through the weights) are exact.
 
-Overlap. Forward: the caller runs independent work between dispatch and receive and between
-combine and finish (MoELayer: the shared experts' up/gate half, then their down half).
-Backward (mpu.mappings.async_backward): over NCCL the reverse exchanges run asynchronously
-too, so the shared experts' gradients are computed while the gradients travel; over gloo they
-complete where a blocking all-to-all would (through shared memory between ranks of one host).
-Without shared experts nothing independent lies between start and wait, and each exchange is
-simply awaited. Not
+Overlap (mpu.mappings.async_exchanges: over NCCL). Forward: the caller runs independent work
+between dispatch and receive and between combine and finish (MoELayer: the shared experts'
+up/gate half, then their down half) while the exchanges are in flight. Backward: the reverse
+exchanges run asynchronously too, so the shared experts' gradients are computed while the
+gradients travel. Over gloo each exchange completes where it starts, through shared memory
+between ranks of one host (faster on CPUs than gloo's asynchronous exchange). Without shared
+experts nothing independent lies between start and wait, and each exchange is simply
+awaited. Not
 overlapped: the count exchange and the host sync before the start (the split sizes must be
 known first), and the etp all-gather / reduce-scatter, which depend on the exchange.
 

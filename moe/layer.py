@@ -82,10 +82,10 @@ class SharedExperts(nn.Module):
 class MoELayer(nn.Module):
     """Top-k routed experts over the expert mesh; input/output [s(/tp), b, h] like the dense MLP.
 
-    Dispatch (moe/dispatcher.py) sends each token once per destination ep rank and runs its
-    forward all-to-alls asynchronously: the shared experts (tensor-parallel over tp) compute
-    while the tokens and the outputs travel (and, over NCCL, their gradients in backward:
-    mpu.mappings.async_backward). The one host sync of the layer
+    Dispatch (moe/dispatcher.py) sends each token once per destination ep rank; over NCCL its
+    all-to-alls run asynchronously (mpu.mappings.async_exchanges): the shared experts
+    (tensor-parallel over tp) compute while the tokens and the outputs travel, and their
+    gradients while the gradients travel. The one host sync of the layer
     is the dispatcher's copy of the split sizes.
 
     After each forward, `last_router` holds the router's output (aux/z-loss terms and load)
@@ -140,9 +140,9 @@ class MoELayer(nn.Module):
         self.last_dropped = 1.0 - counts[0] / counts[1]
         self.last_router = routed
 
-        # The all-to-alls run asynchronously: the shared experts' up/gate half runs while the
-        # tokens travel to the experts, their down half while the outputs travel back
-        # (backward too over NCCL: mpu.mappings.async_backward).
+        # Over NCCL the all-to-alls run asynchronously: the shared experts' up/gate half runs
+        # while the tokens travel to the experts, their down half while the outputs travel
+        # back, and the same in backward (mpu.mappings.async_exchanges).
         in_flight = self.dispatcher.dispatch(tokens, pair_expert, pair_token, pair_weight, keep)
         shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
         rows, group_sizes = self.dispatcher.receive(in_flight)

@@ -550,6 +550,8 @@ def sequence_gathered(local: torch.Tensor, full: torch.Tensor, group) -> torch.T
 
 # ----------------------------------------------------------------- asynchronous all-to-all
 
+# Forward overlap: `all_to_all_start` issues the exchange and returns; the caller runs
+# independent work (the MoE layer: its shared experts) before `all_to_all_wait`.
 # Backward overlap: `all_to_all_wait`'s backward starts the reverse all-to-all of the gradients
 # and returns; autograd runs the nodes recorded between start and wait (the shared experts)
 # while they travel; `all_to_all_start`'s backward awaits them. Every rank issues its
@@ -563,17 +565,21 @@ def sequence_gathered(local: torch.Tensor, full: torch.Tensor, group) -> torch.T
 # asynchronous backward exchanges forced on, every case of the 2-, 4- and 8-rank test worlds
 # passed, that pipeline case three times alone; it keeps running that way in
 # tests/distributed/pipeline_cases, and moe_dispatch_cases checks overlap and bit-equality.)
-# None: by transport. NCCL: asynchronous (the exchange runs on NCCL's stream beside the
-# compute). gloo: blocking, because a blocking exchange between ranks of one host goes through
-# shared memory (shm_collectives.all_to_all), faster on CPUs than gloo's asynchronous one and
-# the shared-expert work it could hide is small there. True / False force it (tests).
-ASYNC_BACKWARD: bool | None = None
+# ASYNC_EXCHANGES None: by transport, both directions. NCCL: asynchronous (the exchange runs on
+# NCCL's stream beside the compute). gloo: blocking, because a blocking exchange between ranks
+# of one host goes through shared memory (shm_collectives.all_to_all), faster on CPUs than
+# gloo's asynchronous one, and the shared-expert work it could hide is small there (measured
+# 2026-11-26, issue-12 MoE model at ep=2 on the 2-core host, 6 alternating 30-step runs of
+# bench/throughput.py: +7% tokens/s for blocking forward exchanges; gloo between hosts keeps
+# the asynchronous exchange). True / False force it (tests).
+ASYNC_EXCHANGES: bool | None = None
 
 
-def async_backward(group) -> bool:
-    """Whether the backward all-to-all of gradients over `group` runs asynchronously (see ASYNC_BACKWARD)."""
-    if ASYNC_BACKWARD is not None:
-        return ASYNC_BACKWARD
+def async_exchanges(group) -> bool:
+    """Whether the MoE all-to-alls over `group`, forward and backward, run asynchronously
+    (see ASYNC_EXCHANGES); otherwise each completes where it starts."""
+    if ASYNC_EXCHANGES is not None:
+        return ASYNC_EXCHANGES
     return not _shape_only(group) and "nccl" in str(dist.get_backend(group)).lower()
 
 
@@ -611,7 +617,8 @@ class AllToAllHandle:
 def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int], group, *,
                       blocking: bool = False):
     """Issue one asynchronous `all_to_all_single` per tensor (same splits); (outputs, works).
-    `blocking` (the caller waits at once anyway): through shared memory where eligible."""
+    `blocking` (no overlap wanted): complete it here through shared memory where eligible
+    (no work handle); elsewhere it stays asynchronous."""
     outs, works = [], []
     for x in tensors:
         x = x.contiguous()
@@ -632,7 +639,8 @@ class _AllToAllStart(torch.autograd.Function):
     def forward(ctx, handle, *tensors):
         ctx.handle = handle
         handle.differentiable = tuple(ctx.needs_input_grad[1:])
-        outs, handle.works = _start_all_to_all(tensors, handle.output_splits, handle.input_splits, handle.group)
+        outs, handle.works = _start_all_to_all(tensors, handle.output_splits, handle.input_splits, handle.group,
+                                               blocking=not async_exchanges(handle.group))
         handle.keep = outs
         results = tuple(out for out, _ in outs)
         ctx.mark_non_differentiable(*[r for r, d in zip(results, handle.differentiable) if not d])
@@ -656,7 +664,7 @@ class _AllToAllWait(torch.autograd.Function):
     def backward(ctx, *grads):
         handle = ctx.handle
         send = [g for g, d in zip(grads, handle.differentiable) if d]
-        asynchronous = async_backward(handle.group)
+        asynchronous = async_exchanges(handle.group)
         outs, handle.grad_works = _start_all_to_all(send, handle.input_splits, handle.output_splits, handle.group,
                                                     blocking=not asynchronous)
         received = iter(outs)
@@ -676,15 +684,16 @@ class _AllToAllWait(torch.autograd.Function):
 def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int],
                      group) -> tuple[tuple[torch.Tensor, ...], AllToAllHandle]:
     """Start the all-to-all of `all_to_all` for each of `tensors` (rows in chunks of
-    `input_splits` to the ranks of `group`; `output_splits` rows from each) asynchronously,
-    and return (the receive buffers, the handle). The buffers hold nothing until
-    `all_to_all_wait` has been called on them; run independent work in between.
+    `input_splits` to the ranks of `group`; `output_splits` rows from each) and return (the
+    receive buffers, the handle). Where exchanges are asynchronous (`async_exchanges`: NCCL)
+    the buffers hold nothing until `all_to_all_wait` has been called on them: run independent
+    work in between. Over gloo between ranks of one host the exchange completes here, through
+    shared memory (gloo between hosts: asynchronous).
 
     Backward: `all_to_all_wait`'s backward starts the reverse all-to-all of the gradients and,
-    where it runs asynchronously (`async_backward`: NCCL), returns at once and this function's
-    backward awaits it, so the nodes recorded between start and wait run while the gradients
-    are in flight; over gloo it completes the exchange at once (through shared memory on one
-    host). Tensors that do not require grad (e.g. integer metadata) travel forward only. Every
+    where exchanges are asynchronous, returns at once and this function's backward awaits it,
+    so the nodes recorded between start and wait run while the gradients are in flight; over
+    gloo it completes the exchange at once (through shared memory on one host). Tensors that do not require grad (e.g. integer metadata) travel forward only. Every
     rank of `group` must start and wait in the same order, as for any collective.
     """
     handle = AllToAllHandle(output_splits, input_splits, group)

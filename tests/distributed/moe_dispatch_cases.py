@@ -7,15 +7,18 @@ asynchronous all-to-alls overlapped with the shared experts) and with `PairDispa
 previous implementation (one row per (token, choice) pair, blocking all-to-alls, weights
 applied on the source rank). Output and every gradient (input, router through the combine
 weights, experts, shared experts) agree to 1e-6; the rows sent equal the distinct (token,
-destination) pairs, fewer than the reference's pairs. `overlap_order` checks that the shared
-experts run while the all-to-alls are in flight, forward (and backward with asynchronous
-backward exchanges, `overlap_order_async_backward`, bit-identical to blocking ones).
+destination) pairs, fewer than the reference's pairs. Over gloo the exchanges complete where
+they start (shared memory, mpu.mappings.async_exchanges); `overlap_order_async` and
+`dedup_ep2_etp2_top2_capacity_async` force them asynchronous, as NCCL runs them: the shared
+experts then run while the all-to-alls are in flight, forward and backward, with results
+bit-identical to the blocking exchanges (`overlap_order` checks gloo's default).
 `shared_experts_checkpoint_reshard` checks the tensor-parallel shared experts' layout tags
 through a checkpoint saved at tp=2 (SP) and loaded at tp=1, 4 and 2 (no SP).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -181,6 +184,12 @@ def dedup_ep2_etp2_top2_capacity() -> None:
     check_dispatch(ep=2, etp=2, top_k=2, capacity_factor=1.0, shared=1)
 
 
+def dedup_ep2_etp2_top2_capacity_async() -> None:
+    """`dedup_ep2_etp2_top2_capacity` with the asynchronous exchanges NCCL gets, forced on gloo."""
+    with forced_exchanges(True):
+        check_dispatch(ep=2, etp=2, top_k=2, capacity_factor=1.0, shared=1)
+
+
 def dedup_ep4_etp2_top2() -> None:
     check_dispatch(ep=4, etp=2, top_k=2, capacity_factor=None, shared=1)
 
@@ -189,27 +198,38 @@ def dedup_ep4_etp2_top3_capacity() -> None:
     check_dispatch(ep=4, etp=2, top_k=3, capacity_factor=1.0, shared=0, activation="gelu")
 
 
+@contextlib.contextmanager
+def forced_exchanges(asynchronous: bool | None):
+    """Run the block with mpu.mappings.ASYNC_EXCHANGES set to `asynchronous` (None: by transport)."""
+    default = mappings.ASYNC_EXCHANGES
+    mappings.ASYNC_EXCHANGES = asynchronous
+    try:
+        yield
+    finally:
+        mappings.ASYNC_EXCHANGES = default
+
+
 def overlap_order() -> None:
-    """The shared experts' halves run while the all-to-alls are in flight: forward, the
-    up/gate half between the dispatch all-to-all's start and wait and the down half between
-    the combine's. Backward exchanges over gloo block (mpu.mappings.async_backward: through
-    shared memory): nothing is in flight when the shared halves' gradients are computed."""
-    assert mappings.ASYNC_BACKWARD is None  # by transport
+    """gloo's default (mpu.mappings.async_exchanges: by transport): every all-to-all completes
+    where it starts, through shared memory, so nothing is in flight when the shared experts'
+    halves or their gradients are computed."""
+    assert mappings.ASYNC_EXCHANGES is None  # by transport
     mesh = build_mesh(ParallelConfig(ep=torch.distributed.get_world_size()), _config(2, None, 1))
-    if mappings.async_backward(mesh.ep):
-        raise AssertionError("backward all-to-alls over gloo should complete at once (shared memory)")
+    if mappings.async_exchanges(mesh.ep):
+        raise AssertionError("all-to-alls over gloo on one host should complete at once (shared memory)")
     _overlap_order(asynchronous=None)
 
 
-def overlap_order_async_backward() -> None:
-    """With asynchronous backward exchanges (what NCCL gets; forced here on gloo), the shared
-    halves' gradients are computed while the gradients' all-to-alls are in flight, and the
-    output and every gradient equal the blocking run's bit for bit."""
+def overlap_order_async() -> None:
+    """With asynchronous exchanges (what NCCL gets; forced here on gloo) the shared experts'
+    up/gate half runs between the dispatch all-to-all's start and wait, the down half between
+    the combine's, and in backward their gradients while the gradients' all-to-alls are in
+    flight; the output and every gradient equal the blocking run's bit for bit."""
     blocking = _overlap_order(asynchronous=None)  # the gloo default: blocking, through shared memory
     overlapped = _overlap_order(asynchronous=True)
     for name, want in blocking.items():
         if not torch.equal(overlapped[name], want):
-            raise AssertionError(f"{name} differs between blocking and asynchronous backward exchanges")
+            raise AssertionError(f"{name} differs between blocking and asynchronous exchanges")
 
 
 def _overlap_order(asynchronous: bool | None) -> dict[str, torch.Tensor]:
@@ -245,18 +265,16 @@ def _overlap_order(asynchronous: bool | None) -> dict[str, torch.Tensor]:
     layer.shared.hidden, layer.shared.output = shared_hidden, shared_output
     layer.shared.up.register_hook(lambda g: events.append(("backward up", bool(handles[0].grad_works))))
     layer.shared.down.register_hook(lambda g: events.append(("backward down", bool(handles[1].grad_works))))
-    default = mappings.ASYNC_BACKWARD
-    mappings.ASYNC_BACKWARD = asynchronous
     try:
-        x, grad = _inputs(cfg, mesh)
-        x.requires_grad_()
-        out = layer(x)
-        out.backward(grad)
+        with forced_exchanges(asynchronous):
+            x, grad = _inputs(cfg, mesh)
+            x.requires_grad_()
+            out = layer(x)
+            out.backward(grad)
     finally:
         dispatcher_module.all_to_all_start = start
-        mappings.ASYNC_BACKWARD = default
-    want = [("forward up/gate", True), ("forward down", True), ("backward down", bool(asynchronous)),
-            ("backward up", bool(asynchronous))]
+    flying = bool(asynchronous)
+    want = [("forward up/gate", flying), ("forward down", flying), ("backward down", flying), ("backward up", flying)]
     if events != want:
         raise AssertionError(f"(shared-expert half, all-to-all in flight) events {events}, expected {want}")
     assert not handles[0].works and not handles[0].grad_works and not handles[1].grad_works
@@ -288,8 +306,8 @@ def shared_experts_checkpoint_reshard() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     return {
-        2: ["dedup_ep2_top2", "dedup_ep2_top3_capacity_gelu", "overlap_order", "overlap_order_async_backward"],
-        4: ["dedup_ep4_top2", "dedup_ep2_etp2_top2_capacity", "overlap_order", "overlap_order_async_backward",
-            "shared_experts_checkpoint_reshard"],
+        2: ["dedup_ep2_top2", "dedup_ep2_top3_capacity_gelu", "overlap_order", "overlap_order_async"],
+        4: ["dedup_ep4_top2", "dedup_ep2_etp2_top2_capacity", "dedup_ep2_etp2_top2_capacity_async", "overlap_order",
+            "overlap_order_async", "shared_experts_checkpoint_reshard"],
         8: ["dedup_ep4_etp2_top2", "dedup_ep4_etp2_top3_capacity"],
     }.get(world_size, [])

@@ -133,15 +133,16 @@ for _layouts in LAYOUTS.values():
         globals()[_name(_layout)] = _make(_layout)
 
 
-def gpt2_moe_pp2_v2_interleaved_tp2_ep4_async_backward() -> None:
-    """The layout whose hang turned asynchronous backward all-to-alls off on 2026-11-23
-    (mpu.mappings.ASYNC_BACKWARD), with them forced on over gloo: equal to one process, no hang."""
-    default = mappings.ASYNC_BACKWARD
-    mappings.ASYNC_BACKWARD = True
+def gpt2_moe_pp2_v2_interleaved_tp2_ep4_async_exchanges() -> None:
+    """The layout whose hang turned asynchronous backward all-to-alls off on 2026-11-23, with
+    the MoE exchanges asynchronous both ways as over NCCL (mpu.mappings.ASYNC_EXCHANGES, forced
+    on gloo): equal to one process, no hang."""
+    default = mappings.ASYNC_EXCHANGES
+    mappings.ASYNC_EXCHANGES = True
     try:
         check_pipeline_layout(("gpt2", True, 2, 2, "interleaved", 2, False, 4))
     finally:
-        mappings.ASYNC_BACKWARD = default
+        mappings.ASYNC_EXCHANGES = default
 
 
 def gpt2_pp2_uneven_stages_3_5() -> None:
@@ -150,6 +151,6 @@ def gpt2_pp2_uneven_stages_3_5() -> None:
 
 
 def cases_for_world(world_size: int) -> list[str]:
-    extra = {2: ["gpt2_pp2_uneven_stages_3_5"], 8: ["gpt2_moe_pp2_v2_interleaved_tp2_ep4_async_backward"]}
+    extra = {2: ["gpt2_pp2_uneven_stages_3_5"], 8: ["gpt2_moe_pp2_v2_interleaved_tp2_ep4_async_exchanges"]}
     extra = extra.get(world_size, [])
     return [_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra
