@@ -69,18 +69,25 @@ def _ce_kernels():
 
 
 class _TorchChunkLoss:
-    """Per-chunk statistics and softmax-minus-one-hot with plain torch ops (the reference)."""
+    """Per-chunk statistics and softmax-minus-one-hot with plain torch ops (the reference): the
+    exponentials, then the gradient, overwrite the chunk's logits, widened to fp32 first."""
 
     @staticmethod
-    def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, exp_out: torch.Tensor):
+    def working(logits: torch.Tensor) -> torch.Tensor:
+        """The buffer the chunk's statistics and gradient overwrite: its fp32 logits."""
+        return logits.float()
+
+    @staticmethod
+    def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> torch.Tensor:
         # The chunk is already the unit of work: one pass per statistic over all its rows.
-        return local_statistics(logits, target, vocab_start, logits.shape[1], exp_out=exp_out,
+        return local_statistics(logits, target, vocab_start, logits.shape[1], exp_out=logits,
                                 chunk_elements=logits.numel())
 
     @staticmethod
-    def gradient(logits: torch.Tensor, exp: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor,
-                 target: torch.Tensor, vocab_start: int) -> torch.Tensor:
-        """softmax - onehot over this shard's columns (ignored rows: zero), in `exp`'s storage."""
+    def gradient(exp: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
+                 vocab_start: int) -> torch.Tensor:
+        """softmax - onehot over this shard's columns (ignored rows: zero), in the storage of
+        `exp`, the exponentials `statistics` left in the logits."""
         local_t = target - vocab_start
         ignored = target == IGNORE_INDEX
         hit = (local_t >= 0) & (local_t < exp.shape[1]) & ~ignored
@@ -91,15 +98,20 @@ class _TorchChunkLoss:
 
 class _TritonChunkLoss:
     """Per-chunk statistics and gradient with the Triton cross-entropy kernels (GPU, or the
-    interpreter): the gradient overwrites the chunk's logits, no exponentials are stored."""
+    interpreter): the gradient overwrites the chunk's logits (any dtype), no exponentials are
+    stored."""
 
     @staticmethod
-    def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, exp_out: torch.Tensor):
+    def working(logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    @staticmethod
+    def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> torch.Tensor:
         vocab_end = vocab_start + logits.shape[1]
         return torch.stack(_ce_kernels().cross_entropy_partials(logits, target, vocab_start, vocab_end))
 
     @staticmethod
-    def gradient(logits, exp, local_max, lse, target, vocab_start) -> torch.Tensor:
+    def gradient(logits, local_max, lse, target, vocab_start) -> torch.Tensor:
         return _ce_kernels().softmax_minus_onehot_(logits, target, lse, vocab_start)
 
 
@@ -138,24 +150,21 @@ def _chunk_loss(xc: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, vocab_star
     local_t = tgt - vocab_start
     ignored = tgt == IGNORE_INDEX
     in_padding = (local_t >= n_valid) & (local_t < local_vocab)
-    logits = exp = ops = None
+    logits = ops = None
     if n_valid == 0:  # a shard of padding only: no logits, no gradient
         stats = torch.zeros(3, rows, dtype=torch.float32, device=xc.device)
         stats[0].fill_(float("-inf"))
     else:
         logits = xc @ w.t()  # [rows, n_valid]
         ops = _chunk_ops(backend, logits, tgt, vocab_start)
-        exp = None  # the Triton kernels keep no exponentials
-        if ops is _TorchChunkLoss:
-            # The chunk's own logits, in fp32 (16-bit ones widened, then dropped), are overwritten
-            # by the exponentials, then by the gradient: one [rows, n_valid] fp32 buffer.
-            logits = exp = logits.float()
-        stats = ops.statistics(logits, tgt, vocab_start, exp)
+        # The chunk's own buffer: its statistics and then its gradient overwrite it.
+        logits = ops.working(logits)
+        stats = ops.statistics(logits, tgt, vocab_start)
     # A target in this shard's padding: an impossible token, loss +inf as unfused.
     stats[2].masked_fill_(in_padding & ~ignored, float("-inf"))
     loss, lse = loss_from_stats(*global_statistics(stats, group), tgt)
     if grad_x is not None and logits is not None:
-        grad = ops.gradient(logits, exp, stats[0], lse, tgt, vocab_start)
+        grad = ops.gradient(logits, stats[0], lse, tgt, vocab_start)
         if dtype == torch.float32:
             torch.mm(grad, w, out=grad_x)
             grad_w.addmm_(grad.t(), xc)

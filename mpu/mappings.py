@@ -580,7 +580,7 @@ def async_exchanges(group) -> bool:
     (see ASYNC_EXCHANGES); otherwise each completes where it starts."""
     if ASYNC_EXCHANGES is not None:
         return ASYNC_EXCHANGES
-    return not _shape_only(group) and "nccl" in str(dist.get_backend(group)).lower()
+    return group_size(group) > 1 and "nccl" in str(dist.get_backend(group)).lower()
 
 
 class AllToAllHandle:
@@ -591,6 +591,7 @@ class AllToAllHandle:
 
     def __init__(self, output_splits: list[int], input_splits: list[int], group):
         self.output_splits, self.input_splits, self.group = list(output_splits), list(input_splits), group
+        self.asynchronous = async_exchanges(group)  # both directions of this exchange
         self.works: list = []
         self.keep: list = []
         self.differentiable: tuple[bool, ...] = ()
@@ -640,7 +641,7 @@ class _AllToAllStart(torch.autograd.Function):
         ctx.handle = handle
         handle.differentiable = tuple(ctx.needs_input_grad[1:])
         outs, handle.works = _start_all_to_all(tensors, handle.output_splits, handle.input_splits, handle.group,
-                                               blocking=not async_exchanges(handle.group))
+                                               blocking=not handle.asynchronous)
         handle.keep = outs
         results = tuple(out for out, _ in outs)
         ctx.mark_non_differentiable(*[r for r, d in zip(results, handle.differentiable) if not d])
@@ -664,13 +665,12 @@ class _AllToAllWait(torch.autograd.Function):
     def backward(ctx, *grads):
         handle = ctx.handle
         send = [g for g, d in zip(grads, handle.differentiable) if d]
-        asynchronous = async_exchanges(handle.group)
         outs, handle.grad_works = _start_all_to_all(send, handle.input_splits, handle.output_splits, handle.group,
-                                                    blocking=not asynchronous)
+                                                    blocking=not handle.asynchronous)
         received = iter(outs)
         handle.grads = tuple(next(received)[0] if d else None for d in handle.differentiable)
         handle.keep = outs  # the gradients being sent stay alive until wait_grads
-        if not asynchronous:
+        if not handle.asynchronous:
             # Complete the exchange here, at the point a blocking all-to-all would run, so
             # collectives in backward keep the order they have in a blocking graph.
             for work in handle.grad_works:
@@ -693,8 +693,9 @@ def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], inpu
     Backward: `all_to_all_wait`'s backward starts the reverse all-to-all of the gradients and,
     where exchanges are asynchronous, returns at once and this function's backward awaits it,
     so the nodes recorded between start and wait run while the gradients are in flight; over
-    gloo it completes the exchange at once (through shared memory on one host). Tensors that do not require grad (e.g. integer metadata) travel forward only. Every
-    rank of `group` must start and wait in the same order, as for any collective.
+    gloo it completes the exchange at once (through shared memory on one host). Tensors that
+    do not require grad (e.g. integer metadata) travel forward only. Every rank of `group`
+    must start and wait in the same order, as for any collective.
     """
     handle = AllToAllHandle(output_splits, input_splits, group)
     if _size(group, tensors[0]) == 1:

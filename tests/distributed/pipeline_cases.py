@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from meshtron.models.config import GPTConfig
-import meshtron.mpu.mappings as mappings
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
@@ -33,6 +32,7 @@ from tests.distributed.dense_cases import (
 )
 from meshtron.training.optim import build_optimizer
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
+from tests.distributed.moe_dispatch_cases import forced_exchanges
 
 # (arch, moe, pp, vpp, schedule, tp, sp, ep)
 LAYOUTS = {
@@ -137,12 +137,8 @@ def gpt2_moe_pp2_v2_interleaved_tp2_ep4_async_exchanges() -> None:
     """The layout whose hang turned asynchronous backward all-to-alls off on 2026-11-23, with
     the MoE exchanges asynchronous both ways as over NCCL (mpu.mappings.ASYNC_EXCHANGES, forced
     on gloo): equal to one process, no hang."""
-    default = mappings.ASYNC_EXCHANGES
-    mappings.ASYNC_EXCHANGES = True
-    try:
+    with forced_exchanges(True):
         check_pipeline_layout(("gpt2", True, 2, 2, "interleaved", 2, False, 4))
-    finally:
-        mappings.ASYNC_EXCHANGES = default
 
 
 def gpt2_pp2_uneven_stages_3_5() -> None:
