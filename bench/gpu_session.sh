@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# A GPU session's device work, prepared so that one call of the lent machine does it.
+#
+# A task is lent a GPU machine by chance (see README "GPU figures"), for ~15 minutes of device
+# time in all, machine start included, at most 10 minutes a command. That machine is bare: its
+# image has torch, triton, transformers, einops and pytest, but not hydra-core / omegaconf, and
+# nothing can be fetched there. So:
+#
+#   bench/gpu_session.sh fetch          # HERE, with network: pure-Python wheels -> .whl/ (git-ignored)
+#   bash bench/gpu_session.sh run       # THERE, via the device tool, carry [".whl"]: installs
+#                                       # the wheels and meshtron into /tmp/site, then runs the
+#                                       # steps below, each one's output in $OUT as it finishes
+#
+# Steps, most wanted first (issue 12's open target is the MoE block against Mixtral on a GPU),
+# each under `timeout` so that a slow one cannot take the rest's time; the whole run keeps to
+# GPU_SESSION_BUDGET seconds (default 500, inside the tool's 600-second command limit):
+#   env           nvidia-smi, torch / triton / transformers versions         -> $OUT/env.txt
+#   moe_bf16      bench/moe_layer.py --device cuda --dtype bf16 --kernels auto --peer --rounds 3
+#   moe_fp32      the same in fp32                                             -> $OUT/moe_layer_*.json
+#   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
+#   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
+#                                                                              -> $OUT/acceptance_bench.json
+# $OUT/log.txt has every step's stderr and its exit status. GPU_SESSION_STEPS picks steps
+# (comma list, in the order above). Without CUDA (`run` here) every step still runs on the CPU
+# at a tiny size, to prove the script before a device minute is spent on it:
+#   OUT=/tmp/out bash bench/gpu_session.sh run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=.whl
+# What meshtron imports that the device image lacks (its package list: .library/device/KINDS.md).
+FETCH=("hydra-core==1.3.2" "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3")
+
+fetch() {
+    mkdir -p "$WHEELS"
+    # pure-Python packages: `pip wheel` also builds antlr4's (sdist-only on PyPI) into a py3 wheel
+    python3 -m pip wheel --quiet --no-deps -w "$WHEELS" "${FETCH[@]}" || return 1
+    ls -l "$WHEELS"
+}
+
+run() {
+    local out="${OUT:?set OUT to the folder that receives the results}"
+    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_fp32,acceptance,bench}"
+    local start=$SECONDS log="$out/log.txt"
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+    unset TRITON_INTERPRET
+
+    local site=/tmp/site
+    python3 -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+        --target "$site" "$WHEELS"/*.whl . >>"$log" 2>&1 || { echo "install failed (see log.txt)" | tee -a "$log"; return 1; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+
+    local cuda
+    cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
+    local device=cuda moe_size=() rounds=3 acceptance="kernels,steps,card"
+    if [ "$cuda" != "1" ]; then  # rehearsal on a CPU host: same steps, tiny shapes
+        device=cpu moe_size=(--tokens 128 --iters 2 --warmup 1) rounds=1
+        echo "no CUDA: rehearsal on the CPU at a tiny size" | tee -a "$log"
+    fi
+
+    step() {  # step NAME OUTFILE CMD...: run CMD if NAME is wanted and time is left
+        local name=$1 file=$2; shift 2
+        case ",$steps," in *",$name,"*) ;; *) return 0 ;; esac
+        local left=$((budget - (SECONDS - start)))
+        if [ "$left" -lt 20 ]; then echo "== $name: skipped, ${left}s of the budget left" | tee -a "$log"; return 0; fi
+        echo "== $name (up to ${left}s): $*" | tee -a "$log"
+        local t0=$SECONDS
+        timeout --kill-after=5 "$left" "$@" >"$out/$file" 2>>"$log"
+        local rc=$?
+        echo "== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$log"
+        tail -c 600 "$out/$file"; echo
+    }
+
+    env_info() {
+        nvidia-smi -L 2>&1 || true
+        python3 - <<'EOF'
+import importlib, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+for name in ("triton", "transformers", "einops", "hydra", "meshtron"):
+    try:
+        mod = importlib.import_module(name)
+        print(name, getattr(mod, "__version__", "?"), getattr(mod, "__file__", ""))
+    except Exception as exc:  # a missing package is what this step is for
+        print(name, "MISSING", exc)
+EOF
+        date -u
+    }
+
+    export -f env_info
+    step env env.txt bash -c env_info
+    step moe_bf16 moe_layer_bf16.json python3 bench/moe_layer.py --device "$device" --dtype bf16 --kernels auto \
+        --peer --rounds "$rounds" "${moe_size[@]}"
+    step moe_fp32 moe_layer_fp32.json python3 bench/moe_layer.py --device "$device" --dtype fp32 --kernels auto \
+        --peer --rounds "$rounds" "${moe_size[@]}"
+    if [ "$device" = cuda ]; then
+        step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections "$acceptance"
+        step bench acceptance_bench.json python3 bench/gpu_acceptance.py --sections bench
+    else  # gpu_acceptance skips without CUDA: prove it at least starts and says why
+        step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections "$acceptance"
+    fi
+    echo "total $((SECONDS - start))s of ${budget}s" | tee -a "$log"
+}
+
+case "${1:-}" in
+    fetch) fetch ;;
+    run) run ;;
+    *) echo "usage: bench/gpu_session.sh fetch|run   (see the comment at the top)" >&2; exit 2 ;;
+esac
