@@ -21,7 +21,8 @@
 #   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
 #                                                                              -> $OUT/acceptance_bench.json
 # $OUT/log.txt has every step's stderr and its exit status. GPU_SESSION_STEPS picks steps
-# (comma list, in the order above). Without CUDA (`run` here) every step still runs on the CPU
+# (comma list, in the order above); GPU_SESSION_SITE the install folder (default /tmp/site).
+# Without CUDA (`run` here) every step still runs on the CPU
 # at a tiny size, to prove the script before a device minute is spent on it:
 #   OUT=/tmp/out bash bench/gpu_session.sh run
 set -uo pipefail
@@ -46,9 +47,12 @@ run() {
     export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
     unset TRITON_INTERPRET
 
-    local site=/tmp/site
+    local site="${GPU_SESSION_SITE:-/tmp/site}" wheels=() had_build=0
+    shopt -s nullglob; wheels=("$WHEELS"/*.whl); shopt -u nullglob  # none: this python has them already
+    [ -e build ] && had_build=1
     python3 -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-        --target "$site" "$WHEELS"/*.whl . >>"$log" 2>&1 || { echo "install failed (see log.txt)" | tee -a "$log"; return 1; }
+        --target "$site" "${wheels[@]}" . >>"$log" 2>&1 || { echo "install failed (see log.txt)" | tee -a "$log"; return 1; }
+    [ "$had_build" = 1 ] || rm -rf build  # setuptools' in-tree build folder
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 
     local cuda
