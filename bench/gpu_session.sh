@@ -20,10 +20,11 @@
 #   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
 #   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
 #                                                                              -> $OUT/acceptance_bench.json
-# $OUT/log.txt has every step's stderr and its exit status. GPU_SESSION_STEPS picks steps
-# (comma list, in the order above); GPU_SESSION_SITE the install folder (default /tmp/site).
-# Without CUDA (`run` here) every step still runs on the CPU
-# at a tiny size, to prove the script before a device minute is spent on it:
+# $OUT/log.txt has every step's stderr and its exit status; `run` exits 1 when a step failed
+# (a skipped one is not a failure). GPU_SESSION_STEPS picks steps (comma list, in the order
+# above), GPU_SESSION_MOE_ARGS adds moe_layer.py options to both MoE steps, GPU_SESSION_SITE
+# is the install folder (default /tmp/site). Without CUDA (`run` here) every step still runs
+# on the CPU at a tiny size, to prove the script before a device minute is spent on it:
 #   OUT=/tmp/out bash bench/gpu_session.sh run
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,7 @@ fetch() {
 run() {
     local out="${OUT:?set OUT to the folder that receives the results}"
     local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_fp32,acceptance,bench}"
-    local start=$SECONDS log="$out/log.txt"
+    local start=$SECONDS log="$out/log.txt" failed=""
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
     unset TRITON_INTERPRET
@@ -58,6 +59,7 @@ run() {
     local cuda
     cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
     local device=cuda moe_size=() rounds=3 acceptance="kernels,steps,card"
+    read -r -a moe_extra <<<"${GPU_SESSION_MOE_ARGS:-}"  # more moe_layer.py options, e.g. "--tokens 4096"
     if [ "$cuda" != "1" ]; then  # rehearsal on a CPU host: same steps, tiny shapes
         device=cpu moe_size=(--tokens 128 --iters 2 --warmup 1) rounds=1
         echo "no CUDA: rehearsal on the CPU at a tiny size" | tee -a "$log"
@@ -72,6 +74,7 @@ run() {
         local t0=$SECONDS
         timeout --kill-after=5 "$left" "$@" >"$out/$file" 2>>"$log"
         local rc=$?
+        [ "$rc" = 0 ] || failed="$failed $name"
         echo "== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$log"
         tail -c 600 "$out/$file"; echo
     }
@@ -95,16 +98,17 @@ EOF
     export -f env_info
     step env env.txt bash -c env_info
     step moe_bf16 moe_layer_bf16.json python3 bench/moe_layer.py --device "$device" --dtype bf16 --kernels auto \
-        --peer --rounds "$rounds" "${moe_size[@]}"
+        --peer --rounds "$rounds" "${moe_size[@]}" "${moe_extra[@]}"
     step moe_fp32 moe_layer_fp32.json python3 bench/moe_layer.py --device "$device" --dtype fp32 --kernels auto \
-        --peer --rounds "$rounds" "${moe_size[@]}"
+        --peer --rounds "$rounds" "${moe_size[@]}" "${moe_extra[@]}"
     if [ "$device" = cuda ]; then
         step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections "$acceptance"
         step bench acceptance_bench.json python3 bench/gpu_acceptance.py --sections bench
     else  # gpu_acceptance skips without CUDA: prove it at least starts and says why
         step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections "$acceptance"
     fi
-    echo "total $((SECONDS - start))s of ${budget}s" | tee -a "$log"
+    echo "total $((SECONDS - start))s of ${budget}s${failed:+; failed:$failed}" | tee -a "$log"
+    [ -z "$failed" ]
 }
 
 case "${1:-}" in

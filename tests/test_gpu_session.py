@@ -60,3 +60,12 @@ def test_a_step_without_enough_budget_left_is_skipped_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stdout + log
     assert "== env: skipped" in log and "== moe_fp32: skipped" in log and "of the budget left" in log
     assert not (tmp_path / "out" / "moe_layer_fp32.json").exists()
+
+
+def test_a_failing_step_makes_the_run_fail_and_is_named(tmp_path):
+    """A step that exits non-zero (here the MoE bench refusing a bad --tokens via its own
+    argument check, reached by an environment override) fails `run`; the others still run."""
+    proc = session(tmp_path, "run", GPU_SESSION_STEPS="moe_fp32,acceptance", GPU_SESSION_MOE_ARGS="--tokens 0")
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert proc.returncode == 1, proc.stdout + log
+    assert "== acceptance: exit 0" in log and "failed: moe_fp32" in log
