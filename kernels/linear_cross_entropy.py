@@ -47,7 +47,7 @@ from meshtron.mpu.cross_entropy import (
 # training step ran 4-11% faster with 8 Mi logits per chunk (1,024 rows) and the exponentials
 # in place than with 2 Mi (256 rows) and a separate buffer (`bench/throughput.py`, 6-8
 # alternating runs of 30 steps, 2026-11-26). CUDA: 1,024 rows at least and 128 Mi logits (256
-# MiB in 16 bits, plus 512 MiB of fp32 exponentials under the torch chunk operations), so the
+# MiB in 16 bits, plus their 512 MiB fp32 widening under the torch chunk operations), so the
 # dW accumulation costs little next to the GEMMs; not measured on a GPU yet.
 # `trainer.lm_loss_chunk_rows` overrides.
 CHUNK_LOGITS = {"cpu": 1 << 23, "cuda": 1 << 27}

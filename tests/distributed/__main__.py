@@ -2,7 +2,7 @@
 
     python -m tests.distributed 8                               # every case of the 8-rank world
     python -m tests.distributed 4 moe_dispatch_cases            # one module's cases at world 4
-    python -m tests.distributed 8 pipeline_cases async        # those whose name contains a word
+    python -m tests.distributed 8 pipeline_cases async          # those whose name contains a word
 
 Cases are the same functions pytest runs (tests/distributed/registry.py), started once per
 world by the harness with a file store and a collective timeout. Exit status 1 when a case
