@@ -30,6 +30,7 @@ from torch import nn
 from meshtron.kernels import selfcheck
 from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.models.rope import apply_rope, rope_tables
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
 from meshtron.mpu.context_parallel import context_parallel_attention, sequence_positions
@@ -73,22 +74,6 @@ class Norm(nn.Module):
         if self.kind == "layernorm":
             return F.layer_norm(x, shape, weight, bias, self.eps)
         return F.rms_norm(x, shape, weight, self.eps)
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [seq_len, head_dim] for rotate-half RoPE (the Hugging Face Llama convention)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [b, heads, s, d] by position: x*cos + rotate_half(x)*sin (cos/sin [s, d], or
-    [b, 1, s, d] for per-sequence positions)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, mesh: Mesh) -> torch.Tensor:

@@ -284,7 +284,8 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
     (none | selective | full) for one microbatch on a tp (x sp) x cp rank (seq_len / cp tokens). Terms: norm1, attn,
     norm2, mlp and "block" (the block's own ops: residual dropout masks; its input under full
     recompute); `after_mark` is what the MLP half (from norm2 on) saves."""
-    from meshtron.models.gpt import Block, rope_tables
+    from meshtron.models.gpt import Block
+    from meshtron.models.rope import rope_tables
 
     traced_cfg = dataclasses.replace(cfg, **({"capacity_factor": None} if cfg.is_moe_layer(index) else {}))
     key = ("layer", repr(traced_cfg), mode, cfg.is_moe_layer(index), micro_batch_size, tp, sp, precision, device,

@@ -75,7 +75,7 @@ def test_gqa_equals_repeated_kv_heads():
     q = qkv[..., : attn.q_per_group, :].reshape(16, 2, cfg.num_heads, cfg.head_dim).permute(1, 2, 0, 3)
     k = qkv[..., attn.q_per_group, :].permute(1, 2, 0, 3).repeat_interleave(attn.q_per_group, dim=1)
     v = qkv[..., attn.q_per_group + 1, :].permute(1, 2, 0, 3).repeat_interleave(attn.q_per_group, dim=1)
-    from meshtron.models.gpt import apply_rope, rope_tables
+    from meshtron.models.rope import apply_rope, rope_tables
     cos, sin = rope_tables(16, cfg.head_dim, cfg.rope_theta, x.device)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     scores = (q @ k.transpose(-1, -2)) / cfg.head_dim ** 0.5
