@@ -10,7 +10,8 @@ training/loop.py use of an optimizer. Three classes implement it:
 
 Gradients belong to the `DataParallelGradReducer`: it zeroes them (`reducer.zero_grad()`
 before a step's first backward) and reduces them (`reducer.finish()`). An optimizer only reads
-the reduced gradients (`gradients`, the same tensors `clip_grad_norm` measures and scales)
+the reduced gradients (`gradients`, the same tensors `clip_grad_norm` measures and scales,
+or, fused, has the update scale as it reads them: `scale_gradients`)
 and never zeroes or frees them: do not call torch's `zero_grad` on a training optimizer.
 
 torch's fused AdamW (one multi-tensor kernel for the whole update, on CPU and CUDA) where
@@ -27,7 +28,7 @@ import abc
 import torch
 from torch import nn
 
-from meshtron.mpu.grad_norm import clip_grad_norm, clip_sharded_grad_norm
+from meshtron.mpu.grad_norm import clip_coefficient, global_grad_norm, sharded_grad_norm
 from meshtron.mpu.mesh import Mesh
 
 
@@ -63,13 +64,25 @@ class TrainingOptimizer(abc.ABC):
 
     def clip_grad_norm(self, chunks: list[nn.Module], max_norm: float, mesh: Mesh) -> torch.Tensor:
         """Global L2 norm of the full model's gradients (before clipping), computed from the
-        tensors of `gradients`, which are scaled so the norm is at most `max_norm` (<= 0: no
-        clipping). All-reduces over tp, ep x etp and pp (ZeRO-2 first over each bucket's
-        replica group): mpu/grad_norm.py."""
+        tensors of `gradients`; `scale_gradients` then brings them to at most `max_norm`
+        (<= 0: no clipping). All-reduces over tp, ep x etp and pp (ZeRO-2 first over each
+        bucket's replica group): mpu/grad_norm.py."""
         if self.grad_shards_of is not None:
-            return clip_sharded_grad_norm(self.grad_shards_of, max_norm, mesh)
-        params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-        return clip_grad_norm(params, max_norm, mesh)
+            norm = sharded_grad_norm(self.grad_shards_of, mesh)
+        else:
+            params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+            norm = global_grad_norm(params, mesh)
+        self.scale_gradients(chunks, clip_coefficient(norm, max_norm))
+        return norm
+
+    def scale_gradients(self, chunks: list[nn.Module], coef: torch.Tensor | None) -> None:
+        """Multiply the gradients the next `step` reads by `coef` (a scalar tensor; None: leave
+        them): here in place, now. Fused AdamW optimizers instead fold the factor into their
+        next `step` (one pass over the gradients less; see `ReplicatedAdamW`). No communication."""
+        if coef is not None:
+            grads = self.gradients(chunks)
+            if grads:
+                torch._foreach_mul_(grads, coef)
 
     @abc.abstractmethod
     def param_moments(self) -> tuple[dict, float]:
@@ -99,7 +112,38 @@ def fused_supported(params) -> bool:
 
 class ReplicatedAdamW(torch.optim.AdamW, TrainingOptimizer):
     """torch's AdamW over local tensors, with the `TrainingOptimizer` interface; build it with
-    `adamw`. Its state is torch's (`state[param]`: step, exp_avg, exp_avg_sq). No communication."""
+    `adamw`. Its state is torch's (`state[param]`: step, exp_avg, exp_avg_sq). No communication.
+
+    Fused, it takes the clipping factor into the update: `scale_gradients` keeps 1/coef, which
+    the next `step` hands to torch's fused kernel as its `grad_scale` (the divisor torch's
+    GradScaler passes there). The kernel divides each gradient by it as it reads it and writes
+    the quotient back, so after `step` the gradients are the clipped ones, as with the in-place
+    product, for one pass over them instead of two. g / (1/coef) may differ from g * coef in
+    the last bit."""
+
+    _grad_divisor: torch.Tensor | None = None
+
+    def scale_gradients(self, chunks: list[nn.Module], coef: torch.Tensor | None) -> None:
+        if not self.fold_grad_scale(coef):
+            super().scale_gradients(chunks, coef)
+
+    def fold_grad_scale(self, coef: torch.Tensor | None) -> bool:
+        """Multiply the gradients of this optimizer's own parameters by `coef` inside the next
+        `step` (None: by nothing) when fused: True. Unfused: False, nothing done."""
+        if not self.defaults.get("fused"):
+            return False
+        self._grad_divisor = None if coef is None else (1.0 / coef).to(torch.float32)
+        return True
+
+    def step(self, closure=None):
+        divisor, self._grad_divisor = self._grad_divisor, None
+        if divisor is None:
+            return super().step(closure)
+        self.grad_scale = divisor  # read by torch's Adam.step (getattr(self, "grad_scale"))
+        try:
+            return super().step(closure)
+        finally:
+            del self.grad_scale
 
     def _params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]

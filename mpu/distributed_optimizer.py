@@ -9,9 +9,12 @@ the bucket), then the shards are all-gathered over the bucket's group so every r
 the updated parameters. The update is element-wise, hence identical to unsharded AdamW.
 
 ZeRO-1 (reducer without `shard_grads`): gradients are all-reduced in full and the shard's
-gradient is a view of the bucket buffer, so clipping and the gradient norm are unchanged.
+gradient is a view of the bucket buffer, so the gradient norm is unchanged.
 ZeRO-2 (reducer with `shard_grads=True`): the gradient is the reducer's reduce-scattered
-`bucket.shard`; norm and clipping work on the shards (`mpu.grad_norm.clip_sharded_grad_norm`).
+`bucket.shard`; the norm is taken over the shards (`mpu.grad_norm.sharded_grad_norm`).
+Either way the clipping factor goes into the shard AdamW's fused update (`scale_gradients`):
+only the shard this rank updates is scaled (at ZeRO-1 the rest of the all-reduced buffer keeps
+its unclipped values; nothing reads it before the next `zero_grad`).
 ZeRO-3 (`mpu.zero3.Zero3` built on the reducer first): the parameter shards are the buckets'
 `param_shard` tensors, updated in place and not all-gathered after the step.
 
@@ -107,6 +110,11 @@ class ShardedAdamW(TrainingOptimizer):
     @property
     def state(self):
         return self.optimizer.state
+
+    def scale_gradients(self, chunks: list[nn.Module], coef: torch.Tensor | None) -> None:
+        """Fold `coef` into the shard AdamW's next update (fused), else scale `gradients` now."""
+        if not self.optimizer.fold_grad_scale(coef):
+            super().scale_gradients(chunks, coef)
 
     def step(self) -> None:
         """Update this rank's shards, then all-gather every bucket over its replica group:

@@ -52,18 +52,21 @@ def global_grad_norm(params: list[nn.Parameter], mesh: Mesh) -> torch.Tensor:
     return total.sqrt()
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """min(1, max_norm / (norm + 1e-6)): the factor that brings gradients of global L2 norm
+    `norm` to at most `max_norm`, as a tensor (no host sync); None when `max_norm` <= 0
+    (clipping disabled)."""
+    if max_norm <= 0:
+        return None
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 def scale_to_max_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    """Multiply `grads` in place by min(1, max_norm / (norm + 1e-6)), so gradients whose global
+    """Multiply `grads` in place by `clip_coefficient(norm, max_norm)`, so gradients whose global
     L2 norm is `norm` end at most `max_norm`; `max_norm` <= 0 disables clipping. No communication."""
-    if max_norm > 0 and grads:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> torch.Tensor:
-    """Scale gradients so the global norm is at most `max_norm` (<= 0 disables); return the norm."""
-    norm = global_grad_norm(params, mesh)
-    scale_to_max_norm([p.grad for p in params if p.grad is not None], norm, max_norm)
-    return norm
+    coef = clip_coefficient(norm, max_norm)
+    if coef is not None and grads:
+        torch._foreach_mul_(grads, coef)
 
 
 # Element classes of a sharded bucket for the norm (index into the per-group sum vector).
@@ -127,10 +130,3 @@ def sharded_grad_norm(reducer, mesh: Mesh) -> torch.Tensor:
     if group_size(mesh.pp) > 1:
         dist.all_reduce(total, group=mesh.pp)
     return total.sqrt()
-
-
-def clip_sharded_grad_norm(reducer, max_norm: float, mesh: Mesh) -> torch.Tensor:
-    """`clip_grad_norm` for ZeRO-2: the norm from the gradient shards; clipping scales them."""
-    norm = sharded_grad_norm(reducer, mesh)
-    scale_to_max_norm([bucket.shard for bucket in reducer.buckets], norm, max_norm)
-    return norm

@@ -5,11 +5,12 @@ the device: the device keeps only the weights the model computes with and the gr
 buckets; the fp32 main weights, exp_avg and exp_avg_sq live in CPU memory and the AdamW update
 runs on the CPU. Every step, per gradient bucket of `DataParallelGradReducer`:
 
-  1. the (all-reduced, clipped) gradients are copied device -> host (into a pinned staging
+  1. the (all-reduced) gradients are copied device -> host (into a pinned staging
      buffer when the device is CUDA, `non_blocking`, one CUDA event per bucket);
   2. torch AdamW (fused, as the device optimizers: mpu/adamw.py) updates the host main weights as soon as
      that bucket's copy has landed, so the CPU update of bucket i overlaps the copies of the
-     others;
+     others; the clipping factor is applied inside that kernel (its `grad_scale`, as
+     `ReplicatedAdamW` does), so the device gradients are never rescaled;
   3. the updated main weights are copied host -> device (`non_blocking` from pinned memory).
 
 Like `mpu.distributed_optimizer.ShardedAdamW`, the parameters of each bucket become views
@@ -95,6 +96,8 @@ class OffloadedAdamW(TrainingOptimizer):
         # resident weights, mpu/resident.py) reads them now, from the fp32 parameters, and then
         # casts each bucket's parameters to `param_dtype`.
         self.host, self.param_dtype = host, param_dtype
+        self._fused = fused
+        self._grad_divisor: torch.Tensor | None = None  # 1 / clipping factor, applied by the next step
         kwargs = dict(lr=lr, betas=tuple(betas), eps=eps, **({"fused": True} if fused else {"foreach": True}))
         if reducer.shard_grads and zero == 0:
             raise ValueError("the reducer shards gradients (ZeRO-2): use OffloadedAdamW(zero=2)")
@@ -168,10 +171,20 @@ class OffloadedAdamW(TrainingOptimizer):
             raise RuntimeError("OffloadedAdamW.step() needs the reduced gradients: call it after reducer.finish()")
         return grads
 
+    def scale_gradients(self, chunks: list[nn.Module], coef: torch.Tensor | None) -> None:
+        """Fused: the next `step` divides the gradients it copied by 1/`coef` inside each
+        bucket's AdamW kernel (torch's `grad_scale`; no pass over the device gradients), else
+        they are scaled in place now."""
+        if not self._fused:
+            return super().scale_gradients(chunks, coef)
+        self._grad_divisor = None if coef is None else (1.0 / coef).to(torch.float32)
+
     @torch.no_grad()
     def step(self) -> None:
         """Gradients device -> host, AdamW on the host, weights host -> device (+ all-gather,
         asynchronous with `overlap_param_gather`)."""
+        divisor, self._grad_divisor = self._grad_divisor, None
+        divisors = {}  # the clipping divisor on each main-weight device (one copy per device)
         gather = self.param_gather
         if gather is not None:
             gather.finish()  # a gather still in flight would overwrite the weights read or written now
@@ -192,7 +205,15 @@ class OffloadedAdamW(TrainingOptimizer):
             if slot.event is not None:
                 slot.event.synchronize()  # this bucket's gradients are on the host
                 slot.event = None
-            slot.optimizer.step()
+            if divisor is None:
+                slot.optimizer.step()
+            else:
+                device = slot.main.device
+                slot.optimizer.grad_scale = divisors.setdefault(device, divisor.to(device))
+                try:
+                    slot.optimizer.step()
+                finally:
+                    del slot.optimizer.grad_scale
             main = slot.main.detach()
             if slot.sharded and self.zero != 3:
                 # in the parameters' dtype: a bf16 gather moves half the bytes of an fp32 one

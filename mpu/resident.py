@@ -20,8 +20,9 @@ distributed optimizer does. The decisions:
   hands the fp32 values of this rank's shard over (`bucket.main_init`); the update rounds the
   main weights into the bf16 shard, and each unit gathers bf16. Pipeline parallelism is refused
   at config time (the tied embedding's cross-stage sum is untested with `main_grad`s).
-* Clipping: the norm is taken from the reduced fp32 bucket shards (`sharded_grad_norm`), and the
-  gradients the optimizer reads (shards, or whole buckets at zero=0) are scaled.
+* Clipping: the norm is taken from the reduced fp32 bucket shards (`sharded_grad_norm`); the
+  clipping factor is applied to the gradients the optimizer reads (shards, or whole buckets at
+  zero=0) inside the fused update (`OffloadedAdamW.scale_gradients`).
 * Checkpoints save the fp32 main weights under the usual `model/<name>` keys (each rank its
   shard, as ZeRO moments are saved), so a bf16-resident checkpoint loads into an fp32 run and
   back; the loader reads fp32 values and `load_main_weights` writes the main weights and the
@@ -40,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.mpu.grad_norm import scale_to_max_norm, sharded_grad_norm
+from meshtron.mpu.grad_norm import clip_coefficient, sharded_grad_norm
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.offload import OffloadedAdamW
@@ -69,7 +70,7 @@ class ResidentAdamW(OffloadedAdamW):
         """Global L2 norm from the reduced bucket shards (summed over each bucket's replica
         group, then tp/ep/pp as mpu/grad_norm.py does); scales `gradients` to at most `max_norm`."""
         norm = sharded_grad_norm(self._reducer, mesh)
-        scale_to_max_norm(self.gradients(chunks), norm, max_norm)
+        self.scale_gradients(chunks, clip_coefficient(norm, max_norm))
         return norm
 
     def state_bytes(self) -> int:
