@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from peer_rounds import DEFAULT_MCORE_VENV, PEERS, ROOT, launch, layout_rounds, mcore_python
+from peer_rounds import DEFAULT_MCORE_VENV, ROOT, launch, layout_rounds, mcore_python, peer_script
 
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192)
 
@@ -32,7 +32,7 @@ def commands(tp: int, steps: int, warmup: int, mcore_python: str) -> dict[str, l
     """The Megatron-Core and meshtron commands of one layout (tp = number of processes)."""
     common = [f"--{k}={v}" for k, v in SHAPE.items()]
     common += ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(2 // tp)]
-    mcore = [*launch(mcore_python, tp), str(PEERS / "mcore_gpt.py"), *common]
+    mcore = [*launch(mcore_python, tp), *peer_script("mcore_gpt.py"), *common]
     meshtron = [*launch(sys.executable, tp), str(ROOT / "bench" / "throughput.py"), *common, "--arch", "gpt2",
                 "--tp", str(tp)]
     return {"megatron_core": mcore, "meshtron": meshtron}

@@ -30,7 +30,7 @@ import argparse
 import json
 import sys
 
-from peer_rounds import DEFAULT_MCORE_VENV, PEERS, ROOT, launch, layout_rounds, mcore_python
+from peer_rounds import DEFAULT_MCORE_VENV, ROOT, launch, layout_rounds, mcore_python, peer_script
 
 SHAPE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192, experts=8, topk=2, moe_ffn=512)
 
@@ -44,7 +44,7 @@ def commands(ep: int, steps: int, warmup: int, mcore_python: str) -> dict[str, l
     common = ["--layers", str(s["layers"]), "--hidden", str(s["hidden"]), "--heads", str(s["heads"]),
               "--seq", str(s["seq"]), "--batch", str(s["batch"]), "--vocab", str(s["vocab"]),
               "--steps", str(steps), "--warmup", str(warmup), "--threads", str(2 // ep)]
-    mcore = [*launch(mcore_python, ep), str(PEERS / "mcore_moe.py"), *common, "--ep", str(ep),
+    mcore = [*launch(mcore_python, ep), *peer_script("mcore_moe.py"), *common, "--ep", str(ep),
              "--experts", str(s["experts"]), "--topk", str(s["topk"]), "--moe-ffn", str(s["moe_ffn"]),
              "--aux-loss-coeff", "0.01"]
     meshtron = [*launch(sys.executable, ep), str(ROOT / "bench" / "throughput.py"), *common, "--arch", "llama",

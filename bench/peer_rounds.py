@@ -4,7 +4,8 @@ step times (bench/throughput.py's or ../shared/peers/common.py's format), one at
 alternating order for a number of rounds, so every system sees the same machine load in every
 round; records the host's load (1-minute average, other processes' busy CPUs) beside every
 figure and summarises medians and the median of per-round ratios (which cancels slow
-drifts of the host load).
+drifts of the host load), and quantiles of all steps pooled over the rounds (robust to a host
+whose speed flips between two levels within a round: `pooled_quantiles`).
 
 Not a script: the benchmarks import it (`python bench/X.py` puts bench/ on sys.path).
 """
@@ -36,6 +37,12 @@ def mcore_python(venv: str) -> str:
 def launch(python: str, nproc: int) -> list[str]:
     """`python -m torch.distributed.run --standalone --nproc_per_node=N` (the torchrun of that venv)."""
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def peer_script(name: str) -> list[str]:
+    """The arguments that run ../shared/peers/`name` through bench/peer_step_times.py, which
+    adds every timed step to its JSON (`step_times_s`, for `pooled_quantiles`)."""
+    return [str(ROOT / "bench" / "peer_step_times.py"), str(PEERS / name)]
 
 
 def run_json(cmd: list[str], threads: int, extra_env: dict | None = None) -> dict:
@@ -80,6 +87,42 @@ def step_rates(record: dict) -> tuple[float, float]:
     return tokens / (record["ms_per_step_median"] / 1e3), tokens / (record["ms_per_step_min"] / 1e3)
 
 
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def step_times(record: dict) -> list[float] | None:
+    """Every timed step of a run in seconds (`step_times_s`: bench/throughput.py, and the peers
+    run through bench/peer_step_times.py), or None when the record lacks them."""
+    times = record.get("step_times_s")
+    return [float(t) for t in times] if times else None
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile of `values`, linear between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def pooled_quantiles(times: dict[str, list[float]], tokens_per_step: float, baseline: str) -> dict:
+    """Tokens/s at quantiles of the step times pooled over all rounds, per system, and the
+    baseline's over each other system's at every quantile (`QUANTILES`; q = 0.1 is a fast step).
+
+    Why: on a host whose speed switches between two levels every few seconds (bench/README.md),
+    a round's median step falls in either level depending on the mix of its steps, so the
+    median of per-round ratios swings with that mix. The rounds of all systems interleave over
+    the same period, so each system's pooled steps hold a similar share of each level, and a
+    quantile well inside one level (0.1/0.25: the fast one, 0.75/0.9: the slow one, when each
+    holds at least a third of the steps) compares like with like."""
+    rates = {name: {str(q): tokens_per_step / quantile(ts, q) for q in QUANTILES} for name, ts in times.items()}
+    over = {peer: {q: round(rates[baseline][q] / r[q], 3) for q in r} for peer, r in rates.items() if peer != baseline}
+    return {"steps": {name: len(ts) for name, ts in times.items()},
+            "tokens_per_s": {name: {q: round(v, 1) for q, v in r.items()} for name, r in rates.items()},
+            f"{baseline}_over": over}
+
+
 def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *, baseline: str,
                        envs: dict[str, dict] | None = None, label: str = "") -> dict:
     """Run every command of `cmds` once per round (order reversed every other round) and
@@ -87,8 +130,11 @@ def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *,
     for both formats), the 1-minute load average (the larger of before/after) and the CPUs
     other processes kept busy (`measured_run`); medians over rounds; `<baseline>_over`: the
     median over rounds of baseline tokens/s divided by each other command's; and the same
-    from each run's fastest step (`fastest_step_*`: the least disturbed figure on a busy host)."""
+    from each run's fastest step (`fastest_step_*`: the least disturbed figure on a busy host);
+    `pooled_step_quantiles` when every run reported all its steps (`pooled_quantiles`)."""
     envs = envs or {}
+    steps = {name: [] for name in cmds}  # every timed step of every round (None: a run lacked them)
+    tokens_per_step = None
     tokens = {name: [] for name in cmds}
     fastest = {name: [] for name in cmds}
     loads = {name: [] for name in cmds}
@@ -99,6 +145,10 @@ def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *,
             load_before = os.getloadavg()[0]
             record, other = measured_run(cmds[name], threads, envs.get(name))
             median_rate, fastest_rate = step_rates(record)
+            tokens_per_step = float(record["tokens_per_step"])
+            times = step_times(record)
+            if steps[name] is not None:
+                steps[name] = None if times is None else steps[name] + times
             tokens[name].append(round(median_rate, 1))
             fastest[name].append(round(fastest_rate, 1))
             loads[name].append(round(max(load_before, os.getloadavg()[0]), 2))
@@ -110,6 +160,9 @@ def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *,
         return {peer: [m / c for m, c in zip(rates[baseline], rates[peer])] for peer in rates if peer != baseline}
 
     ratios, fastest_ratios = over(tokens), over(fastest)
+    pooled = {}
+    if rounds and all(ts is not None for ts in steps.values()):
+        pooled = {"pooled_step_quantiles": pooled_quantiles(steps, tokens_per_step, baseline)}
     return {
         "tokens_per_s": tokens,
         "fastest_step_tokens_per_s": fastest,
@@ -119,6 +172,7 @@ def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *,
         f"{baseline}_over": {peer: round(statistics.median(r), 3) for peer, r in ratios.items()},
         "per_round_ratio": {peer: [round(x, 3) for x in r] for peer, r in ratios.items()},
         f"fastest_step_{baseline}_over": {peer: round(statistics.median(r), 3) for peer, r in fastest_ratios.items()},
+        **pooled,
     }
 
 

@@ -390,6 +390,7 @@ def main(argv=None) -> None:
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "step_time_s": {"median": step_med, "min": min(times), "max": max(times)},
+        "step_times_s": [round(t, 6) for t in times],  # every timed step, in order
         "flops_per_token": fpt,
         "achieved_flops": achieved,
         "peak_flops": total_peak,
