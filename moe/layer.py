@@ -89,7 +89,9 @@ class MoELayer(nn.Module):
     is the dispatcher's copy of the split sizes.
 
     After each forward, `last_router` holds the router's output (aux/z-loss terms and load)
-    and `last_dropped` the global fraction of (token, choice) pairs dropped by capacity.
+    and `last_dropped` the global fraction of (token, choice) pairs dropped by capacity (over
+    `mesh.tp_dp`: one small all-reduce per forward with a capacity; dropless, a constant 0
+    and no collective).
     """
 
     def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch"):
@@ -125,9 +127,10 @@ class MoELayer(nn.Module):
         pair_expert = routed.topk_idx.reshape(-1)
         pair_weight = routed.topk_weight.reshape(-1)
         pair_token = torch.arange(s * b, device=x.device).repeat_interleave(k)
-        kept = torch.tensor(float(pair_expert.numel()), device=x.device)
         keep = None
-        if self.cfg.capacity_factor is not None:
+        if self.cfg.capacity_factor is None:  # dropless: nothing to count, no collective
+            self.last_dropped = torch.zeros((), device=x.device)
+        else:
             full_seq = s * mesh.tp_size * mesh.cp_size
             capacity = capacity_for(full_seq, self.cfg.num_experts, k, self.cfg.capacity_factor)
             if mesh.cp_size > 1:  # this rank's tokens: a tp piece of its 2 cp chunks
@@ -136,8 +139,9 @@ class MoELayer(nn.Module):
                 keep = capacity_keep_mask(routed.topk_idx.view(s, b, k), self.cfg.num_experts, capacity, mesh.tp)
             keep = keep.reshape(-1)  # dropped pairs are not sent (the dispatcher filters them)
             kept = keep.sum().to(torch.float32)
-        counts = all_reduce_stats(torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]), mesh.tp_dp)
-        self.last_dropped = 1.0 - counts[0] / counts[1]
+            counts = all_reduce_stats(torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]),
+                                      mesh.tp_dp)
+            self.last_dropped = 1.0 - counts[0] / counts[1]
         self.last_router = routed
 
         # Over NCCL the all-to-alls run asynchronously: the shared experts' up/gate half runs

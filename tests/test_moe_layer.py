@@ -104,3 +104,21 @@ def test_fully_dropped_token_passes_through_as_zero_update():
         out = layer(x)
     assert torch.all(layer.last_router.topk_idx == 2)
     assert out[0].abs().sum() > 0 and torch.count_nonzero(out[1:]) == 0
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_only_a_capacity_pays_the_dropped_fraction_collective(monkeypatch, capacity_factor):
+    """Dropless layers drop nothing by construction: `last_dropped` is 0 without the per-forward
+    all-reduce over tp x dp that a capacity needs to count the kept pairs globally."""
+    import meshtron.moe.layer as layer_module
+
+    calls = []
+    real = layer_module.all_reduce_stats
+    monkeypatch.setattr(layer_module, "all_reduce_stats", lambda t, group: calls.append(group) or real(t, group))
+    _, layer = _layer("swiglu", capacity_factor)
+    layer(torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1)))
+    assert len(calls) == (0 if capacity_factor is None else 1)
+    if capacity_factor is None:
+        assert layer.last_dropped.item() == 0.0
+    else:
+        assert layer.last_dropped.item() > 0.0
