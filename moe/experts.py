@@ -35,7 +35,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
-                   backend: str = "torch") -> torch.Tensor:
+                   backend: str = "torch", offsets: torch.Tensor | None = None) -> torch.Tensor:
     """y[rows of group g] = x[rows of group g] @ weight[g] for consecutive row groups.
 
     x [N, in] sorted by group; weight [G, in, out]; group_sizes [G] (on device, no host sync).
@@ -43,22 +43,31 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     dtypes, and row strides that are multiples of 16 bytes (its requirement). Otherwise (CUDA
     fp32, odd sizes) it pads the groups into one batched matmul: same result, more memory.
     backend="triton" runs `kernels.grouped_gemm` instead (one launch for all groups);
-    "triton_checked" does after the kernel passed its self-check (`kernels.selfcheck`). No
-    communication.
+    "triton_checked" does after the kernel passed its self-check (`kernels.selfcheck`).
+    `offsets`: `group_offsets(group_sizes)` when the caller has it (several GEMMs over the same
+    groups compute it once). No communication.
     """
+    if offsets is None:
+        offsets = group_offsets(group_sizes)
     return selfcheck.dispatch("grouped_gemm", backend, _grouped_gemm_triton, _grouped_matmul_torch,
-                              x, weight, group_sizes)
+                              x, weight, group_sizes, offsets)
 
 
-def _grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
+    """int32 end offset of every group (inclusive cumulative sum), as `F.grouped_mm` takes them."""
+    return torch.cumsum(group_sizes, 0, dtype=torch.int32)
+
+
+def _grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
+                         offsets: torch.Tensor) -> torch.Tensor:
     from meshtron.kernels import grouped_gemm
     return grouped_gemm.grouped_gemm(x, weight, group_sizes, backend="triton")
 
 
-def _grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def _grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
+                          offsets: torch.Tensor) -> torch.Tensor:
     aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
     if aligned and (x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)):
-        offsets = torch.cumsum(group_sizes, 0).to(torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight, offs=offsets))
     return _padded_bmm(x, weight, group_sizes)
 
@@ -104,12 +113,14 @@ class GroupedExperts(nn.Module):
         self.w_down = weight((num_experts, ffn_hidden_size, h), (local_e, local_f, h), out_init_std, 1)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        up = grouped_matmul(x, self.w_up, group_sizes, self.backend)
-        if self.w_gate is None:
-            hidden = F.gelu(up, approximate="tanh")
-        else:
-            hidden = F.silu(grouped_matmul(x, self.w_gate, group_sizes, self.backend)) * up
-        return grouped_matmul(hidden, self.w_down, group_sizes, self.backend)
+        offsets = group_offsets(group_sizes)  # shared by the layer's GEMMs
+
+        def gemm(rows, weight):
+            return grouped_matmul(rows, weight, group_sizes, self.backend, offsets)
+
+        up = gemm(x, self.w_up)
+        hidden = F.gelu(up, approximate="tanh") if self.w_gate is None else F.silu(gemm(x, self.w_gate)) * up
+        return gemm(hidden, self.w_down)
 
 
 def expert_out_init_std(init_std: float, num_layers: int) -> float:

@@ -173,13 +173,16 @@ class TopKRouter(nn.Module):
         lse_sq_g, T_g = glob[2 * S * E], glob[2 * S * E + 1]
         T_set = T_g / S  # tokens of one pooled set (all ranks)
 
-        f = (counts_g / (T_set * k)).float()  # no grad, as in Switch
-        aux_contrib = E * (f * prob_sum).sum() / (T_set.float() * S)
+        # aux = E * sum_i f_i P_i per set, averaged over the S sets, with f = counts / (T_set k)
+        # (no grad, as in Switch) and P = prob_sum / T_set: E S / (k T_g^2) * sum(counts * prob_sum).
+        # Written with as few tensor ops as that allows (each is a kernel launch on a GPU).
+        weight = counts_g / T_g.square()  # fp64, no grad
+        aux_contrib = (weight.float() * prob_sum).sum() * (E * S / k)
         z_contrib = lse_sq_sum / T_g.float()
         with torch.no_grad():
-            aux_value = (E * (counts_g / (T_set * k) * prob_sum_g).sum() / (T_set * S)).float()
-            z_value = (lse_sq_g / T_g).float()
-            tokens_per_expert = counts_g.sum(0).float()
+            aux_value, z_value = (torch.stack([(weight * prob_sum_g).sum() * (E * S / k), lse_sq_g / T_g])
+                                  .float().unbind())
+            tokens_per_expert = counts_g.sum(0, dtype=torch.float32)
             if self.training and not is_replaying():  # a recomputation must not count the load twice
                 self.step_load += tokens_per_expert
 
