@@ -412,6 +412,50 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> dict:
     }
 
 
+# Ops that only make views or read metadata: no kernel of their own on a GPU.
+METADATA_OPS = frozenset({
+    "alias", "as_strided", "chunk", "contiguous", "detach", "empty", "empty_like", "empty_strided", "expand",
+    "expand_as", "flatten", "is_nonzero", "is_same_size", "item", "lift_fresh", "movedim", "narrow", "new_empty",
+    "new_empty_strided", "permute", "reshape", "_reshape_alias", "resolve_conj", "resolve_neg", "result_type",
+    "select", "size", "slice", "split", "split_with_sizes", "squeeze", "stride", "t", "to", "transpose", "unbind",
+    "unflatten", "unsqueeze", "_unsafe_view", "view", "view_as", "_local_scalar_dense"})
+
+
+def host_ops(step, device: torch.device) -> dict:
+    """Operators one forward + backward dispatches from the host: top-level aten / c10d ops (not
+    nested in another op; a dtype conversion `to` counts as its `_to_copy`), views and metadata
+    reads left out. On a GPU each is about one kernel launch; at small shapes, where a kernel
+    takes a few microseconds, the block's time is then the host's dispatch time, so this count
+    predicts the GPU ratio better than CPU timings do."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        sync(device)
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    bwd_start = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
+                    default=float("inf"))
+
+    def counted(e) -> bool:
+        if not e.name.startswith(("aten::", "c10d::")):
+            return False
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(("aten::", "c10d::")):
+                return parent.name == "aten::to" and e.name == "aten::_to_copy"  # a real conversion
+            parent = parent.cpu_parent
+        return e.name.split("::", 1)[1] not in METADATA_OPS
+
+    ops = [e for e in events if counted(e)]
+    names = defaultdict(int)
+    for e in ops:
+        names[e.name.split("::", 1)[1]] += 1
+    forward = sum(1 for e in ops if e.time_range.start < bwd_start)
+    return {"forward": forward, "backward": len(ops) - forward, "total": len(ops),
+            "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -477,11 +521,13 @@ def main(argv=None) -> None:
             "steal_cpus": None if steal is None else round(steal, 3),
             "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
-    result_breakdown = None
+    result_breakdown = ops = peer_ops = None
     if not args.no_profile:
         if world > 1:
             dist.barrier()
         result_breakdown = breakdown(step, layer, device)  # every rank runs it (collectives), rank 0 reports
+        ops = host_ops(step, device)
+        peer_ops = host_ops(peer_step, device) if peer_step is not None else None
 
     # FLOPs the block needs per token, fwd+bwd (peers/README.md's MoE formula, + shared experts).
     mats = 3 if args.activation == "swiglu" else 2
@@ -520,6 +566,7 @@ def main(argv=None) -> None:
         "flops_per_token_fwd_bwd": flops_tok,
         "achieved_gflops": round(flops_tok * res["tokens_per_s"] / 1e9, 2),
         "breakdown": result_breakdown,
+        "host_ops": ops,
         "torch": torch.__version__,
     }
     if peer_step is not None:
@@ -528,6 +575,7 @@ def main(argv=None) -> None:
         result["ratio_tokens_per_s_vs_peer"] = round(res["tokens_per_s"] / p["tokens_per_s"], 3)
         # On a loaded host the fastest iteration of each side is the least disturbed one.
         result["ratio_vs_peer_by_min_ms"] = round(p["ms"]["min"] / res["ms"]["min"], 3)
+        result["peer"]["host_ops"] = peer_ops
         result["peer_note"] = ("interleaved: each round times meshtron then the peer, --iters each; medians over "
                                "all rounds (ratio_tokens_per_s_vs_peer), and the ratio of the fastest iterations (by_min)")
     if _rank() == 0:
