@@ -16,7 +16,9 @@
 # GPU_SESSION_BUDGET seconds (default 500, inside the tool's 600-second command limit):
 #   env           nvidia-smi, torch / triton / transformers versions         -> $OUT/env.txt
 #   moe_bf16      bench/moe_layer.py --device cuda --dtype bf16 --kernels auto --peer --rounds 3
-#   moe_fp32      the same in fp32                                             -> $OUT/moe_layer_*.json
+#   moe_large     the same at Mixtral-8x7B's width (h 4096, ffn 14336, 4,096 tokens), where the
+#                 GEMMs, not the host's op dispatch, set the time    -> $OUT/moe_layer_large_bf16.json
+#   moe_fp32      the issue's shape in fp32                                    -> $OUT/moe_layer_*.json
 #   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
 #   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
 #                                                                              -> $OUT/acceptance_bench.json
@@ -43,7 +45,7 @@ fetch() {
 
 run() {
     local out="${OUT:?set OUT to the folder that receives the results}"
-    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_fp32,acceptance,bench}"
+    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_large,moe_fp32,acceptance,bench}"
     local start=$SECONDS log="$out/log.txt" failed=""
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -59,10 +61,10 @@ run() {
 
     local cuda
     cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
-    local device=cuda moe_size=() rounds=3
+    local device=cuda moe_size=() rounds=3 large=(--tokens 4096 --hidden 4096 --ffn 14336)
     read -r -a moe_extra <<<"${GPU_SESSION_MOE_ARGS:-}"  # more moe_layer.py options, e.g. "--tokens 4096"
     if [ "$cuda" != "1" ]; then  # rehearsal on a CPU host: same steps, tiny shapes
-        device=cpu moe_size=(--tokens 128 --iters 2 --warmup 1) rounds=1
+        device=cpu moe_size=(--tokens 128 --iters 2 --warmup 1) rounds=1 large=(--hidden 64 --ffn 128)
         echo "no CUDA: rehearsal on the CPU at a tiny size" | tee -a "$log"
     fi
 
@@ -98,10 +100,14 @@ EOF
 
     export -f env_info
     step env env.txt bash -c env_info
-    for dtype in bf16 fp32; do
-        step "moe_$dtype" "moe_layer_$dtype.json" python3 bench/moe_layer.py --device "$device" --dtype "$dtype" \
-            --kernels auto --peer --rounds "$rounds" "${moe_size[@]}" "${moe_extra[@]}"
-    done
+    moe() {  # moe STEP FILE DTYPE [OPTIONS...]: the MoE block beside Mixtral's
+        local name=$1 file=$2 dtype=$3; shift 3
+        step "$name" "$file" python3 bench/moe_layer.py --device "$device" --dtype "$dtype" --kernels auto --peer \
+            --rounds "$rounds" "${moe_size[@]}" "$@" "${moe_extra[@]}"
+    }
+    moe moe_bf16 moe_layer_bf16.json bf16
+    moe moe_large moe_layer_large_bf16.json bf16 "${large[@]}"
+    moe moe_fp32 moe_layer_fp32.json fp32
     # Without CUDA gpu_acceptance prints why it skips: the rehearsal proves it starts.
     step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections kernels,steps,card
     [ "$device" = cuda ] && step bench acceptance_bench.json python3 bench/gpu_acceptance.py --sections bench
