@@ -7,6 +7,10 @@ forward + backward w.r.t. the input and every weight: warm-up, then `--iters` in
 timed iterations (median/min/max). The backward includes the router's aux-loss term, as a
 training step does (`--aux-loss-coef`, default the model config's 0.01; 0 drops it).
 
+`host_ops` (both blocks) counts the operators one forward + backward dispatches from the host
+(top-level aten/c10d ops; views and metadata reads left out): about one kernel launch each on a
+GPU, so at small shapes, where kernels take microseconds, it sets the GPU time (bench/README.md).
+
 One more iteration runs under torch.profiler to say where the time goes: forward ops are
 attributed to the region they ran in (router, dispatch, expert GEMMs, expert activation,
 combine, shared experts, other), backward autograd nodes to the region of the forward op that
