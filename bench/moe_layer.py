@@ -441,15 +441,20 @@ def host_ops(step, device: torch.device) -> dict:
     bwd_start = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
                     default=float("inf"))
 
+    def op_parent(e):
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith(("aten::", "c10d::")):
+            parent = parent.cpu_parent
+        return parent
+
     def counted(e) -> bool:
         if not e.name.startswith(("aten::", "c10d::")):
             return False
-        parent = e.cpu_parent
-        while parent is not None:
-            if parent.name.startswith(("aten::", "c10d::")):
-                return parent.name == "aten::to" and e.name == "aten::_to_copy"  # a real conversion
-            parent = parent.cpu_parent
-        return e.name.split("::", 1)[1] not in METADATA_OPS
+        parent = op_parent(e)
+        if parent is None:
+            return e.name.split("::", 1)[1] not in METADATA_OPS
+        # a conversion the code asked for: `_to_copy` under a top-level `to` (which itself is metadata)
+        return e.name == "aten::_to_copy" and parent.name == "aten::to" and op_parent(parent) is None
 
     ops = [e for e in events if counted(e)]
     names = defaultdict(int)

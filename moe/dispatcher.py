@@ -133,29 +133,34 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.ep, self.etp = mesh.par.ep, mesh.par.etp
         self.num_local = num_experts // self.ep
+        self.top_k = top_k
         self.slots = min(top_k, self.num_local)
         self.rows = (self.ep > 1 or self.etp > 1) if rows is None else rows
         self.last_send_splits: list[int] = []  # rows sent to each ep rank by the last dispatch
 
     # ------------------------------------------------------------------ forward steps
 
-    def dispatch(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_token: torch.Tensor,
-                 pair_weight: torch.Tensor, keep: torch.Tensor | None = None) -> InFlight:
-        """Plan the rows and start sending them. tokens [T, h]; pair_expert / pair_token /
-        pair_weight [P]: expert, token and (differentiable) combine weight of each (token,
-        choice) pair; keep [P] bool: the pairs capacity keeps (None: all). Dropped pairs are
-        not sent (on the pair path they are filtered out with a boolean mask, whose host sync
-        is that path's only one)."""
-        T = tokens.shape[0]
+    def dispatch(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> InFlight:
+        """Plan the rows and start sending them. tokens [T, h]; pair_expert / pair_weight
+        [T * top_k]: expert and (differentiable) combine weight of each (token, choice) pair,
+        token-major (pair i is a choice of token i // top_k); keep [P] bool: the pairs capacity
+        keeps (None: all). Dropped pairs are not sent (on the pair path they are filtered out
+        with a boolean mask, whose host sync is that path's only one)."""
+        T, k = tokens.shape[0], self.top_k
         if not self.rows:
+            pair = None  # index of each remaining pair in the token-major order
             if keep is not None:
-                pair_expert, pair_token, pair_weight = pair_expert[keep], pair_token[keep], pair_weight[keep]
+                pair = keep.nonzero().squeeze(1)
+                pair_expert, pair_weight = pair_expert[pair], pair_weight[pair]
             order = torch.argsort(pair_expert, stable=True)
+            pair_token = torch.div(order if pair is None else pair[order], k, rounding_mode="floor")
             group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
-            group_sizes = group_sizes.index_add(0, pair_expert, torch.ones_like(pair_expert))
+            group_sizes.scatter_(0, pair_expert, 1, reduce="add")
             self.last_send_splits = []
-            return InFlight(tokens, False, pair_token=pair_token[order], pair_weight=pair_weight[order],
+            return InFlight(tokens, False, pair_token=pair_token, pair_weight=pair_weight[order],
                             group_sizes=group_sizes)
+        pair_token = torch.arange(T, device=tokens.device).repeat_interleave(k)
         plan = plan_rows(pair_expert, pair_token, T, self.num_experts, self.ep, keep)
         # Per destination: rows and pairs sent. Exchanged over ep, gathered over etp, then the
         # layer's one host sync copies everything needed to size the buffers at once.

@@ -124,9 +124,8 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         routed = self.router(x, self.scope.stats_group, per_sequence=self.scope.per_sequence)
-        pair_expert = routed.topk_idx.reshape(-1)
+        pair_expert = routed.topk_idx.reshape(-1)  # token-major: pair i is a choice of token i // k
         pair_weight = routed.topk_weight.reshape(-1)
-        pair_token = torch.arange(s * b, device=x.device).repeat_interleave(k)
         keep = None
         if self.cfg.capacity_factor is None:  # dropless: nothing to count, no collective
             self.last_dropped = torch.zeros((), device=x.device)
@@ -147,7 +146,7 @@ class MoELayer(nn.Module):
         # Over NCCL the all-to-alls run asynchronously: the shared experts' up/gate half runs
         # while the tokens travel to the experts, their down half while the outputs travel
         # back, and the same in backward (mpu.mappings.async_exchanges).
-        in_flight = self.dispatcher.dispatch(tokens, pair_expert, pair_token, pair_weight, keep)
+        in_flight = self.dispatcher.dispatch(tokens, pair_expert, pair_weight, keep)
         shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
         rows, group_sizes = self.dispatcher.receive(in_flight)
         in_flight = self.dispatcher.combine(self.experts(rows, group_sizes), in_flight)

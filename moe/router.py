@@ -39,7 +39,8 @@ class RouterOutput:
         tokens (identical on every rank of the stats group).
     tokens_per_expert: fp32 [E], no grad: (token, choice) assignments per expert over the
         stats group.
-    num_tokens: 0-dim int64, no grad: number of tokens over the stats group.
+    num_tokens: 0-dim int64, no grad: number of tokens over the stats group (a property, from
+        `tokens_total`, the same count in fp64).
     set_counts / set_prob_sum_global: fp64 [S, E], no grad: per pooled set (S sequences, or 1)
         the assignments and summed router probabilities over the stats group.
     set_prob_sum: fp32 [S, E], differentiable: this rank's share of the summed probabilities.
@@ -54,11 +55,15 @@ class RouterOutput:
     aux_value: torch.Tensor
     z_value: torch.Tensor
     tokens_per_expert: torch.Tensor
-    num_tokens: torch.Tensor
+    tokens_total: torch.Tensor
     set_counts: torch.Tensor
     set_prob_sum: torch.Tensor
     set_prob_sum_global: torch.Tensor
     tokens_per_set: torch.Tensor
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        return self.tokens_total.round().long()
 
 
 class TopKRouter(nn.Module):
@@ -157,17 +162,20 @@ class TopKRouter(nn.Module):
         if self.score == "sigmoid" or self.renormalize:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
 
-        # Local statistics per pooled set ([S, E]: S = sequences, or 1); everything the losses
-        # need globally goes into one all-reduce.
+        # Local statistics per pooled set ([S, E]: S = sequences, or 1), written straight into
+        # the one fp64 vector that is all-reduced: [counts | prob_sum | sum lse^2 | tokens].
         T_local = logits.shape[0]
         S = lead[1] if per_sequence else 1
-        hits = torch.zeros(T_local, E, device=logits.device, dtype=torch.float64)
-        hits.scatter_add_(1, topk_idx, torch.ones(T_local, k, device=logits.device, dtype=torch.float64))
-        counts = hits.view(-1, S, E).sum(0)  # [S, E]; tokens are [s, b] flattened, sequence b = t % S
+        local = torch.zeros(2 * S * E + 2, device=logits.device, dtype=torch.float64)
+        cell = topk_idx  # [T, k] -> cell of the [S, E] counts; tokens are [s, b] flattened, sequence b = t % S
+        if S > 1:
+            cell = topk_idx + E * (torch.arange(T_local, device=logits.device) % S).unsqueeze(1)
+        local[:S * E].scatter_(0, cell.reshape(-1), 1.0, reduce="add")  # exact integer counts
         prob_sum = probs.view(-1, S, E).sum(0)  # [S, E], differentiable
+        local[S * E:2 * S * E].copy_(prob_sum.detach().reshape(-1))
         lse_sq_sum = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable
-        local = torch.cat([counts.flatten(), prob_sum.detach().double().flatten(),
-                           lse_sq_sum.detach().double().view(1), counts.new_full((1,), float(T_local))])
+        local[2 * S * E].copy_(lse_sq_sum.detach())
+        local[2 * S * E + 1] = float(T_local)
         glob = all_reduce_stats(local, stats_group)
         counts_g, prob_sum_g = glob[:S * E].view(S, E), glob[S * E:2 * S * E].view(S, E)
         lse_sq_g, T_g = glob[2 * S * E], glob[2 * S * E + 1]
@@ -198,7 +206,7 @@ class TopKRouter(nn.Module):
             aux_value=aux_value,
             z_value=z_value,
             tokens_per_expert=tokens_per_expert,
-            num_tokens=T_g.round().long(),
+            tokens_total=T_g,
             set_counts=counts_g,
             set_prob_sum=prob_sum,
             set_prob_sum_global=prob_sum_g,
