@@ -58,7 +58,9 @@ class PairDispatcher:
         self.num_local = num_experts // self.ep
         self.last_send_splits: list[int] = []
 
-    def dispatch(self, tokens, pair_expert, pair_token, pair_weight, keep=None):
+    def dispatch(self, tokens, pair_expert, pair_weight, keep=None):
+        k = pair_expert.numel() // tokens.shape[0]  # pairs are token-major: pair i is a choice of token i // k
+        pair_token = torch.arange(tokens.shape[0]).repeat_interleave(k)
         if keep is not None:
             pair_expert, pair_token, pair_weight = pair_expert[keep], pair_token[keep], pair_weight[keep]
         order = torch.argsort(pair_expert, stable=True)
