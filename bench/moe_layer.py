@@ -430,11 +430,13 @@ def host_ops(step, device: torch.device) -> dict:
     nested in another op; a dtype conversion `to` counts as its `_to_copy`), views and metadata
     reads left out. On a GPU each is about one kernel launch; at small shapes, where a kernel
     takes a few microseconds, the block's time is then the host's dispatch time, so this count
-    predicts the GPU ratio better than CPU timings do."""
+    predicts the GPU ratio better than CPU timings do. On CUDA `kernel_launches` counts the
+    runtime's kernel launches as well (Triton kernels included, which are no aten ops)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
         sync(device)
     events = [e for e in prof.events() if e.device_type.name == "CPU"]
@@ -461,7 +463,8 @@ def host_ops(step, device: torch.device) -> dict:
     for e in ops:
         names[e.name.split("::", 1)[1]] += 1
     forward = sum(1 for e in ops if e.time_range.start < bwd_start)
-    return {"forward": forward, "backward": len(ops) - forward, "total": len(ops),
+    launches = sum(1 for e in events if "LaunchKernel" in e.name) if cuda else None  # cudaLaunchKernel(Ex), cuLaunchKernel
+    return {"forward": forward, "backward": len(ops) - forward, "total": len(ops), "kernel_launches": launches,
             "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -158,3 +160,37 @@ def test_gpu_acceptance_moe_layer_entry_reads_the_bench_report(monkeypatch):
     assert set(bf16["breakdown_fractions"]) == {"router", "dispatch", "expert_gemm", "expert_activation",
                                                 "combine", "shared_experts", "other"}
     assert "error" not in bf16 and "no GPU" in out["fp32"]["error"]
+
+
+def test_host_ops_counts_dispatched_operators_not_views_or_inner_casts():
+    """bench/moe_layer.py host_ops: top-level ops of a forward + backward, split at the first
+    autograd node; views and metadata reads do not count, a conversion the code asks for does
+    (once), a cast inside another op does not."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cpu = torch.device("cpu")
+    x = torch.randn(6, 4)
+
+    def views_only():
+        x.view(4, 6).t().reshape(-1)[2:].unsqueeze(0)
+
+    def casts():
+        x.double()                                      # asked for: one _to_copy
+        torch.cumsum(x[:, 0].long(), 0, dtype=torch.int32)  # .long() counts; cumsum's inner cast does not
+
+    assert bench.host_ops(views_only, cpu)["total"] == 0
+    ops = bench.host_ops(casts, cpu)
+    assert ops["by_op"] == {"_to_copy": 2, "cumsum": 1} and ops["kernel_launches"] is None
+
+    w = torch.randn(4, 3, requires_grad=True)
+
+    def step():
+        (x @ w).square().sum().backward()
+
+    ops = bench.host_ops(step, cpu)
+    # mm, square, sum and backward()'s seed gradient (ones_like, before the engine starts); then the gradients
+    assert ops["forward"] == 4 and ops["by_op"]["ones_like"] == 1 and ops["backward"] > 0
+    assert ops["total"] == ops["forward"] + ops["backward"] == sum(ops["by_op"].values())
