@@ -326,9 +326,10 @@ TIME_NOTE = {  # (on CUDA, kernel events recorded) -> what the region figures ar
 }
 
 
-def breakdown(step, layer: MoELayer, device: torch.device) -> dict:
+def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
     """One profiled iteration; forward and backward time per region: host (CPU) time on CPU,
-    kernel (device) time on CUDA, where the host only queues work."""
+    kernel (device) time on CUDA, where the host only queues work. Also returns the profile's
+    CPU events (for `count_host_ops`)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     instrument(layer)
@@ -413,7 +414,7 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> dict:
         "backward_ms": round(bwd_total / 1e3, 3),
         "unattributed_ms": round((total - fwd_total - bwd_total) / 1e3, 3),
         "regions": regions,
-    }
+    }, events
 
 
 # Ops that only make views or read metadata: no kernel of their own on a GPU.
@@ -426,12 +427,7 @@ METADATA_OPS = frozenset({
 
 
 def host_ops(step, device: torch.device) -> dict:
-    """Operators one forward + backward dispatches from the host: top-level aten / c10d ops (not
-    nested in another op; a dtype conversion `to` counts as its `_to_copy`), views and metadata
-    reads left out. On a GPU each is about one kernel launch; at small shapes, where a kernel
-    takes a few microseconds, the block's time is then the host's dispatch time, so this count
-    predicts the GPU ratio better than CPU timings do. On CUDA `kernel_launches` counts the
-    runtime's kernel launches as well (Triton kernels included, which are no aten ops)."""
+    """`count_host_ops` of one profiled forward + backward of `step`."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
@@ -439,7 +435,17 @@ def host_ops(step, device: torch.device) -> dict:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
         sync(device)
-    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    return count_host_ops([e for e in prof.events() if e.device_type.name == "CPU"], cuda)
+
+
+def count_host_ops(events, cuda: bool) -> dict:
+    """Operators one forward + backward dispatched from the host, from its profile's CPU
+    `events`: top-level aten / c10d ops (not nested in another op; a dtype conversion `to`
+    counts as its `_to_copy`), views and metadata reads left out. On a GPU each is about one
+    kernel launch; at small shapes, where a kernel takes a few microseconds, the block's time is
+    then the host's dispatch time, so this count predicts the GPU ratio better than CPU timings
+    do. On CUDA `kernel_launches` counts the runtime's kernel launches as well (Triton kernels
+    included, which are no aten ops)."""
     bwd_start = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
                     default=float("inf"))
 
@@ -537,8 +543,9 @@ def main(argv=None) -> None:
     if not args.no_profile:
         if world > 1:
             dist.barrier()
-        result_breakdown = breakdown(step, layer, device)  # every rank runs it (collectives), rank 0 reports
-        ops = host_ops(step, device)
+        # every rank runs it (collectives), rank 0 reports; the same profile counts the host ops
+        result_breakdown, events = breakdown(step, layer, device)
+        ops = count_host_ops(events, device.type == "cuda")
         peer_ops = host_ops(peer_step, device) if peer_step is not None else None
 
     # FLOPs the block needs per token, fwd+bwd (peers/README.md's MoE formula, + shared experts).

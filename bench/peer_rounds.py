@@ -87,7 +87,7 @@ def step_rates(record: dict) -> tuple[float, float]:
     return tokens / (record["ms_per_step_median"] / 1e3), tokens / (record["ms_per_step_min"] / 1e3)
 
 
-QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)  # multiples of 1/20: cut points of statistics.quantiles(n=20)
 
 
 def step_times(record: dict) -> list[float] | None:
@@ -97,13 +97,11 @@ def step_times(record: dict) -> list[float] | None:
     return [float(t) for t in times] if times else None
 
 
-def quantile(values: list[float], q: float) -> float:
-    """The q-quantile of `values`, linear between order statistics (numpy's default)."""
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+def step_quantiles(values: list[float]) -> dict[str, float]:
+    """`values` at each of `QUANTILES` (keys "0.1", ...), linear between order statistics
+    (`statistics.quantiles`' inclusive method, numpy's default)."""
+    cuts = statistics.quantiles(values, n=20, method="inclusive") if len(values) > 1 else values * 19
+    return {str(q): cuts[round(q * 20) - 1] for q in QUANTILES}
 
 
 def pooled_quantiles(times: dict[str, list[float]], tokens_per_step: float, baseline: str) -> dict:
@@ -116,7 +114,7 @@ def pooled_quantiles(times: dict[str, list[float]], tokens_per_step: float, base
     the same period, so each system's pooled steps hold a similar share of each level, and a
     quantile well inside one level (0.1/0.25: the fast one, 0.75/0.9: the slow one, when each
     holds at least a third of the steps) compares like with like."""
-    rates = {name: {str(q): tokens_per_step / quantile(ts, q) for q in QUANTILES} for name, ts in times.items()}
+    rates = {name: {q: tokens_per_step / t for q, t in step_quantiles(ts).items()} for name, ts in times.items()}
     over = {peer: {q: round(rates[baseline][q] / r[q], 3) for q in r} for peer, r in rates.items() if peer != baseline}
     return {"steps": {name: len(ts) for name, ts in times.items()},
             "tokens_per_s": {name: {q: round(v, 1) for q, v in r.items()} for name, r in rates.items()},

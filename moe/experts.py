@@ -45,10 +45,9 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     backend="triton" runs `kernels.grouped_gemm` instead (one launch for all groups);
     "triton_checked" does after the kernel passed its self-check (`kernels.selfcheck`).
     `offsets`: `group_offsets(group_sizes)` when the caller has it (several GEMMs over the same
-    groups compute it once). No communication.
+    groups compute it once; torch's path computes it when not given, Triton's needs none). No
+    communication.
     """
-    if offsets is None:
-        offsets = group_offsets(group_sizes)
     return selfcheck.dispatch("grouped_gemm", backend, _grouped_gemm_triton, _grouped_matmul_torch,
                               x, weight, group_sizes, offsets)
 
@@ -59,15 +58,18 @@ def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
-                         offsets: torch.Tensor) -> torch.Tensor:
+                         offsets: torch.Tensor | None) -> torch.Tensor:
+    """`offsets` unused: the kernel sums the group sizes itself."""
     from meshtron.kernels import grouped_gemm
     return grouped_gemm.grouped_gemm(x, weight, group_sizes, backend="triton")
 
 
 def _grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
-                          offsets: torch.Tensor) -> torch.Tensor:
+                          offsets: torch.Tensor | None) -> torch.Tensor:
     aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
     if aligned and (x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)):
+        if offsets is None:
+            offsets = group_offsets(group_sizes)
         return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight, offs=offsets))
     return _padded_bmm(x, weight, group_sizes)
 
@@ -113,7 +115,8 @@ class GroupedExperts(nn.Module):
         self.w_down = weight((num_experts, ffn_hidden_size, h), (local_e, local_f, h), out_init_std, 1)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        offsets = group_offsets(group_sizes)  # shared by the layer's GEMMs
+        # shared by the torch path's three GEMMs (the Triton kernel sums the sizes itself)
+        offsets = group_offsets(group_sizes) if self.backend == "torch" else None
 
         def gemm(rows, weight):
             return grouped_matmul(rows, weight, group_sizes, self.backend, offsets)

@@ -24,6 +24,7 @@ single-tensor implementation they differ by fp32 rounding only.
 from __future__ import annotations
 
 import abc
+import contextlib
 
 import torch
 from torch import nn
@@ -104,6 +105,27 @@ class TrainingOptimizer(abc.ABC):
         """Bytes of optimizer state this rank holds on the training device."""
 
 
+def grad_divisor(coef: torch.Tensor | None) -> torch.Tensor | None:
+    """1 / `coef` in fp32, the `grad_scale` that makes torch's fused AdamW multiply the
+    gradients by `coef` (None stays None)."""
+    return None if coef is None else (1.0 / coef).to(torch.float32)
+
+
+@contextlib.contextmanager
+def dividing_gradients(optimizer: torch.optim.Optimizer, divisor: torch.Tensor | None):
+    """Within the block, `optimizer.step()` (torch's fused Adam/AdamW) divides every gradient by
+    `divisor` as it reads it and writes the quotient back: torch's `grad_scale` attribute, which
+    its GradScaler sets the same way. None: a plain step."""
+    if divisor is None:
+        yield
+        return
+    optimizer.grad_scale = divisor  # read by torch's Adam.step (getattr(self, "grad_scale"))
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale
+
+
 def fused_supported(params) -> bool:
     """True when torch's fused AdamW takes every one of `params`."""
     params = list(params)
@@ -132,18 +154,13 @@ class ReplicatedAdamW(torch.optim.AdamW, TrainingOptimizer):
         `step` (None: by nothing) when fused: True. Unfused: False, nothing done."""
         if not self.defaults.get("fused"):
             return False
-        self._grad_divisor = None if coef is None else (1.0 / coef).to(torch.float32)
+        self._grad_divisor = grad_divisor(coef)
         return True
 
     def step(self, closure=None):
         divisor, self._grad_divisor = self._grad_divisor, None
-        if divisor is None:
+        with dividing_gradients(self, divisor):
             return super().step(closure)
-        self.grad_scale = divisor  # read by torch's Adam.step (getattr(self, "grad_scale"))
-        try:
-            return super().step(closure)
-        finally:
-            del self.grad_scale
 
     def _params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]

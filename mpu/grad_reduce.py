@@ -211,7 +211,7 @@ class DataParallelGradReducer:
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._slice_of: dict[int, torch.Tensor] = {}  # id(param) -> its view of the bucket buffer
-        self._untouched: set[int] = set()  # ids of parameters without a gradient yet this step (first touch)
+        self._untouched: dict[int, nn.Parameter] = {}  # parameters without a gradient yet this step (first touch)
         tied_apart = group_size(mesh.embedding) > 1
         self.tied_embedding = [p for _, p in named_params if p.requires_grad and is_tied_embedding(p) and tied_apart]
         groups = {key: replica_group(mesh, key) for key in GRAD_GROUPS}
@@ -334,9 +334,7 @@ class DataParallelGradReducer:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
-        first = id(param) in self._untouched
-        if first:
-            self._untouched.discard(id(param))
+        first = self._untouched.pop(id(param), None) is not None
         if self.main_grads:  # 16-bit weights: accumulate the 16-bit gradient into the fp32 bucket
             if param.main_grad is None:
                 raise RuntimeError("gradient buckets are freed after finish() with shard_grads=True: call "
@@ -453,7 +451,7 @@ class DataParallelGradReducer:
         `shard_grads` the buffers freed by `finish()` are re-created (uninitialised but for
         their zero padding). ZeRO-3 unit buckets: the shard is zeroed, the unit buffers come
         with each unit's backward. No communication."""
-        self._untouched = set()
+        self._untouched = {}
         for bucket in self.buckets:
             if bucket.lazy:  # ZeRO-3: the shard accumulates the step; buffers come with the unit's backward
                 if bucket.buffer is not None:
@@ -468,19 +466,17 @@ class DataParallelGradReducer:
                 elif not self.main_grads:
                     for p in bucket.params:
                         p.grad = None
-                self._untouched.update(id(p) for p in bucket.params)
+                self._untouched.update((id(p), p) for p in bucket.params)
             bucket.ready, bucket.launched, bucket.work = 0, False, None
 
     def _zero_untouched(self) -> None:
         """Parameters that got no gradient this step: zero their slices (and point `.grad` at them)."""
-        for bucket in self.buckets:
-            for p in bucket.params:
-                if id(p) in self._untouched:
-                    view = self._slice_of[id(p)]
-                    view.zero_()
-                    if not self.main_grads:
-                        p.grad = view
-        self._untouched = set()
+        for key, p in self._untouched.items():
+            view = self._slice_of[key]
+            view.zero_()
+            if not self.main_grads:
+                p.grad = view
+        self._untouched = {}
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage held now (full buffers still allocated plus shard tensors

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtron.mpu.adamw import TrainingOptimizer
+from meshtron.mpu.adamw import TrainingOptimizer, dividing_gradients, grad_divisor
 from meshtron.mpu.distributed_optimizer import bucket_moment_shards, cast_bucket_params, flatten_bucket_params
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_gather_into
@@ -177,7 +177,7 @@ class OffloadedAdamW(TrainingOptimizer):
         they are scaled in place now."""
         if not self._fused:
             return super().scale_gradients(chunks, coef)
-        self._grad_divisor = None if coef is None else (1.0 / coef).to(torch.float32)
+        self._grad_divisor = grad_divisor(coef)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -205,15 +205,9 @@ class OffloadedAdamW(TrainingOptimizer):
             if slot.event is not None:
                 slot.event.synchronize()  # this bucket's gradients are on the host
                 slot.event = None
-            if divisor is None:
+            on_device = None if divisor is None else divisors.setdefault(slot.main.device, divisor.to(slot.main.device))
+            with dividing_gradients(slot.optimizer, on_device):
                 slot.optimizer.step()
-            else:
-                device = slot.main.device
-                slot.optimizer.grad_scale = divisors.setdefault(device, divisor.to(device))
-                try:
-                    slot.optimizer.step()
-                finally:
-                    del slot.optimizer.grad_scale
             main = slot.main.detach()
             if slot.sharded and self.zero != 3:
                 # in the parameters' dtype: a bf16 gather moves half the bytes of an fp32 one

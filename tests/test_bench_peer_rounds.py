@@ -3,6 +3,7 @@ the same step statistic from both JSON formats, alternating order, per-round rat
 load recorded beside every figure. Fake commands print fixed JSON (no benchmark runs)."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -65,10 +66,10 @@ def test_failing_command_raises_with_its_stderr():
         peer_rounds.run_json([sys.executable, "-c", "import sys; sys.exit('boom')"], 1)
 
 
-def test_quantile_interpolates_between_order_statistics():
-    values = [4.0, 1.0, 3.0, 2.0, 5.0]
-    assert [peer_rounds.quantile(values, q) for q in (0.0, 0.25, 0.5, 0.9, 1.0)] == [1.0, 2.0, 3.0, 4.6, 5.0]
-    assert peer_rounds.quantile([7.0], 0.75) == 7.0
+def test_step_quantiles_interpolate_between_order_statistics():
+    got = peer_rounds.step_quantiles([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert got == {"0.1": 1.4, "0.25": 2.0, "0.5": 3.0, "0.75": 4.0, "0.9": 4.6}
+    assert peer_rounds.step_quantiles([7.0]) == {"0.1": 7.0, "0.25": 7.0, "0.5": 7.0, "0.75": 7.0, "0.9": 7.0}
 
 
 def test_pooled_step_quantiles_compare_each_speed_level_with_its_own(tmp_path):
@@ -84,7 +85,7 @@ def test_pooled_step_quantiles_compare_each_speed_level_with_its_own(tmp_path):
         records["peer"].append([fast * 1.25] * n_slow + [slow * 1.25] * n_fast)
     for name in ("meshtron", "peer"):
         runs = [{"tokens_per_step": 1000, "step_times_s": ts,
-                 "step_time_s": {"median": peer_rounds.quantile(ts, 0.5), "min": min(ts)}} for ts in records[name]]
+                 "step_time_s": {"median": statistics.median(ts), "min": min(ts)}} for ts in records[name]]
         # each call prints the next round's record (a counter file per system)
         counter = tmp_path / f"{name}.n"
         code = (f"import json, pathlib; c = pathlib.Path({str(counter)!r}); i = int(c.read_text()) if c.exists() else 0;"
