@@ -63,6 +63,7 @@ from meshtron.kernels import selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
+from meshtron.moe.experts import grouped_backend  # noqa: E402
 from meshtron.moe.layer import MoELayer  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
@@ -570,9 +571,13 @@ def main(argv=None) -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
         # kernels: the resolved backend of meshtron's grouped GEMMs (triton_checked = auto on CUDA);
-        # kernel_verdicts: the self-check's verdict (False: the torch path ran instead, with a warning).
+        # grouped_gemm_path: the path they take with it ("torch" also where auto prefers torch's
+        # own grouped GEMM, moe/experts.py grouped_backend); kernel_verdicts: the self-check's
+        # verdict (False: the torch path ran instead, with a warning).
         "kernels": backend,
         "kernels_requested": args.kernels,
+        "grouped_gemm_path": grouped_backend(torch.empty(0, device=device, dtype=DTYPES[args.dtype]),
+                                             layer.experts.w_up, backend),
         "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
         # fp32 on CUDA: whether torch's matmuls (both blocks) and the Triton GEMMs may round to TF32.
         "tf32": ({"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)}

@@ -4,7 +4,8 @@
 * "torch": the plain-torch paths (torch, and auto off CUDA);
 * "triton_checked" (`CHECKED`): what auto gives on CUDA: Triton kernels, each checked once
   per process against its torch reference on the first real inputs and replaced by the torch
-  path, with one warning, if it raises or disagrees (`kernels.selfcheck`);
+  path, with one warning, if it raises or disagrees (`kernels.selfcheck`); kernels measured
+  slower than their torch paths on a GPU (`AUTO_PREFERS_TORCH_ON_CUDA`) run torch there;
 * "triton": strict, no check; a failing kernel raises (on CPU only under TRITON_INTERPRET=1,
   the numpy interpreter, for tests).
 Tests force the checked mode on CPU by asking for it by name under TRITON_INTERPRET=1.
@@ -21,6 +22,19 @@ BACKENDS = ("auto", "triton", "torch")
 CHECKED = "triton_checked"
 RESOLVED = ("torch", "triton", CHECKED)
 
+# The kernels that kernels.backend=auto runs with their torch paths on CUDA, because they were
+# measured slower there than torch's own (cuBLAS GEMMs, torch's fused norms). H200, torch 2.11,
+# Triton 3.6, 2026-11-27 (`python bench/gpu_acceptance.py --sections bench`): forward + backward
+# at gpt_1b's tp=4 shapes, 4,096 tokens, Triton's speed over torch's (bench/kernels.py):
+#   bf16: linear_gelu 0.53, linear_swiglu 0.59, rms_norm 0.31, layer_norm 0.41
+#   fp32: linear_gelu 0.40, linear_swiglu 0.32, rms_norm 0.32, layer_norm 0.23
+# and a dense llama training step (bench/throughput.py, 8 layers, h 1024, bf16) made 173k
+# tokens/s with them against 254k with kernels.backend=torch. The fused cross-entropy stays
+# Triton (33-35x its torch path there); the grouped GEMM takes torch's grouped_mm in 16 bits
+# (moe/experts.py grouped_backend) and stays Triton in fp32. kernels.backend=triton still runs
+# every Triton kernel (strict), to measure or test them.
+AUTO_PREFERS_TORCH_ON_CUDA = frozenset({"linear_gelu", "linear_swiglu", "rms_norm", "layer_norm"})
+
 
 def triton_available() -> bool:
     """True when the triton package can be imported."""
@@ -30,6 +44,13 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def auto_runs_torch(kernel: str, device_type: str) -> bool:
+    """Whether the checked backend (kernels.backend=auto) runs `kernel`'s torch path on
+    `device_type` without trying Triton (`AUTO_PREFERS_TORCH_ON_CUDA`). The CPU keeps Triton:
+    there the checked mode exists only for tests, under the interpreter."""
+    return device_type == "cuda" and kernel in AUTO_PREFERS_TORCH_ON_CUDA
 
 
 def resolve_backend(name: str, device_type: str) -> str:

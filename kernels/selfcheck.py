@@ -11,6 +11,9 @@ The model's kernel call sites go through `dispatch(kernel, backend, triton_fn, t
   or whose error exceeds `TOLERANCES` for the compute dtype, is routed to `torch_fn` for the
   rest of the process with ONE `KernelSelfCheckWarning` naming it, the max error and the
   tolerance. That replacement is the only fallback in meshtron and it is never silent.
+  Kernels measured slower than their torch paths on CUDA (`kernels.backend`
+  `AUTO_PREFERS_TORCH_ON_CUDA`) are not tried there: the checked backend runs their torch
+  paths (a choice of speed, not a fallback; no check, no warning).
 
 Error measure: for every output and input gradient, max |triton - torch| divided by the
 reference's largest finite magnitude (floored at 1e-12); the kernel's error is the largest
@@ -50,7 +53,7 @@ from typing import Any, Callable
 
 import torch
 
-from meshtron.kernels.backend import CHECKED
+from meshtron.kernels.backend import CHECKED, auto_runs_torch
 from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32
 from meshtron.mpu.mappings import all_reduce_stats, world_group
 from meshtron.mpu.mesh import collective_device, group_size
@@ -208,6 +211,11 @@ def _warn(kernel: str, detail: str) -> None:
                   KernelSelfCheckWarning, stacklevel=3)
 
 
+def _device_type(args: tuple) -> str:
+    """The device type of the first tensor in `args` ("cpu" when there is none)."""
+    return next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+
+
 def _has_empty_input(args: tuple) -> bool:
     return any(torch.is_tensor(a) and a.is_floating_point() and a.numel() == 0 for a in args)
 
@@ -226,6 +234,8 @@ def dispatch(kernel: str, backend: str, triton_fn: Callable, torch_fn: Callable,
         raise ValueError(f"kernel backend {backend!r} must be torch, triton or {CHECKED}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r} is not in kernels.selfcheck.KERNELS; add it there")
+    if auto_runs_torch(kernel, _device_type(args)):  # measured slower than torch there: no check either
+        return torch_fn(*args)
     decided = _state.verdicts.get(kernel)
     if decided is not None:
         return triton_fn(*args) if decided else torch_fn(*args)

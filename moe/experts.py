@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.kernels import selfcheck
+from meshtron.kernels.backend import CHECKED
+from meshtron.kernels.operands import compute_dtype
 from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mesh import expert_shard_checks
 from meshtron.rules import raise_first
@@ -43,13 +45,42 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     dtypes, and row strides that are multiples of 16 bytes (its requirement). Otherwise (CUDA
     fp32, odd sizes) it pads the groups into one batched matmul: same result, more memory.
     backend="triton" runs `kernels.grouped_gemm` instead (one launch for all groups);
-    "triton_checked" does after the kernel passed its self-check (`kernels.selfcheck`).
+    "triton_checked" (kernels.backend=auto) does after the kernel passed its self-check
+    (`kernels.selfcheck`), except where torch's own grouped GEMM is the faster choice
+    (`grouped_backend`). Under autocast both paths compute in the autocast dtype (y has it;
+    gradients return in x's and weight's own dtypes), like a matmul under autocast.
     `offsets`: `group_offsets(group_sizes)` when the caller has it (several GEMMs over the same
     groups compute it once; torch's path computes it when not given, Triton's needs none). No
     communication.
     """
-    return selfcheck.dispatch("grouped_gemm", backend, _grouped_gemm_triton, _grouped_matmul_torch,
-                              x, weight, group_sizes, offsets)
+    return selfcheck.dispatch("grouped_gemm", grouped_backend(x, weight, backend), _grouped_gemm_triton,
+                              _grouped_matmul_torch, x, weight, group_sizes, offsets)
+
+
+def grouped_backend(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
+    """The grouped GEMM's path for `backend`: "torch" in place of the checked Triton kernel
+    (kernels.backend=auto) where `native_grouped_mm_preferred` holds, else `backend` itself
+    (a strict "triton" always runs the Triton kernel)."""
+    if backend == CHECKED and native_grouped_mm_preferred(x.device.type, compute_dtype(x), *weight.shape[1:]):
+        return "torch"
+    return backend
+
+
+def native_grouped_mm_preferred(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+    """Whether kernels.backend=auto multiplies with torch's own grouped GEMM rather than the
+    Triton kernel: on CUDA with 16-bit compute and 16-byte aligned rows, where `F.grouped_mm`
+    runs a CUTLASS grouped GEMM. Measured on an H200 (2026-11-27, bf16, bench/moe_layer.py):
+    the block's forward + backward at Mixtral-8x7B width (h 4096, ffn 14336, 4,096 tokens) took
+    17.1 ms with it against 24.6 ms with the Triton kernel, and 2.9 against 4.8 ms at h 256.
+    fp32 on CUDA keeps the Triton kernel (torch's path pads the groups into a bmm there); the
+    CPU keeps whatever was asked for (the Triton interpreter is for tests)."""
+    return device_type == "cuda" and _grouped_mm_applies(device_type, dtype, in_features, out_features)
+
+
+def _grouped_mm_applies(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+    """`F.grouped_mm` takes these operands: rows of 16-byte multiples, on the CPU or in 16 bits."""
+    aligned = all((n * dtype.itemsize) % 16 == 0 for n in (in_features, out_features))
+    return aligned and (device_type == "cpu" or dtype in (torch.bfloat16, torch.float16))
 
 
 def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
@@ -66,8 +97,12 @@ def _grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: tor
 
 def _grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
                           offsets: torch.Tensor | None) -> torch.Tensor:
-    aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
-    if aligned and (x.device.type == "cpu" or x.dtype in (torch.bfloat16, torch.float16)):
+    # Autocast does not list grouped_mm: apply its matmul rule here (both operands in the
+    # autocast dtype, differentiable casts), as the Triton path does (kernels/operands.py).
+    # Without it a bf16 step mixes bf16 rows with fp32 weights and grouped_mm refuses them.
+    dtype = compute_dtype(x)
+    x, weight = x.to(dtype), weight.to(dtype)
+    if _grouped_mm_applies(x.device.type, dtype, weight.shape[1], weight.shape[2]):
         if offsets is None:
             offsets = group_offsets(group_sizes)
         return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight, offs=offsets))
@@ -115,11 +150,12 @@ class GroupedExperts(nn.Module):
         self.w_down = weight((num_experts, ffn_hidden_size, h), (local_e, local_f, h), out_init_std, 1)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        backend = grouped_backend(x, self.w_up, self.backend)  # the same for all three GEMMs
         # shared by the torch path's three GEMMs (the Triton kernel sums the sizes itself)
-        offsets = group_offsets(group_sizes) if self.backend == "torch" else None
+        offsets = group_offsets(group_sizes) if backend == "torch" else None
 
         def gemm(rows, weight):
-            return grouped_matmul(rows, weight, group_sizes, self.backend, offsets)
+            return grouped_matmul(rows, weight, group_sizes, backend, offsets)
 
         up = gemm(x, self.w_up)
         hidden = F.gelu(up, approximate="tanh") if self.w_gate is None else F.silu(gemm(x, self.w_gate)) * up

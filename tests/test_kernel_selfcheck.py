@@ -7,6 +7,7 @@ backend's; the strict `triton` backend raises instead; ranks agree (2-process gl
 from __future__ import annotations
 
 import os
+import warnings
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
@@ -14,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from meshtron.kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
-from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
+from meshtron.kernels.backend import AUTO_PREFERS_TORCH_ON_CUDA, CHECKED, auto_runs_torch, resolve_backend  # noqa: E402
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from tests.distributed.harness import run_world  # noqa: E402
 from tests.distributed.selfcheck_cases import TripledGrad  # noqa: E402
@@ -84,6 +85,40 @@ def test_backend_modes():
     assert ExecutionConfig(kernel_backend=CHECKED).kernel_backend == CHECKED
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("fast", "cuda")
+
+
+def test_auto_runs_the_measured_slower_kernels_with_torch_on_cuda_only():
+    assert AUTO_PREFERS_TORCH_ON_CUDA <= set(selfcheck.KERNELS)
+    assert auto_runs_torch("rms_norm", "cuda") and auto_runs_torch("linear_swiglu", "cuda")
+    assert not auto_runs_torch("cross_entropy", "cuda")  # 33x its torch path on an H200
+    assert not auto_runs_torch("grouped_gemm", "cuda")  # decided per dtype in moe/experts.py
+    assert not any(auto_runs_torch(k, "cpu") for k in selfcheck.KERNELS)  # tests keep the interpreter
+
+
+def test_checked_dispatch_neither_tries_nor_checks_a_kernel_auto_runs_with_torch(monkeypatch):
+    monkeypatch.setattr(selfcheck, "auto_runs_torch", lambda kernel, device_type: kernel == "rms_norm")
+
+    def triton_fn(x):
+        raise AssertionError("the Triton kernel ran")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no self-check warning either
+        out = selfcheck.dispatch("rms_norm", CHECKED, triton_fn, lambda x: x * 2, torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert selfcheck.verdict("rms_norm") is None and selfcheck.local_result("rms_norm") is None
+    assert selfcheck.dispatch("layer_norm", CHECKED, lambda x: x * 3, lambda x: x * 3, torch.ones(3)) is not None
+    assert selfcheck.verdict("layer_norm") is True  # the others are still checked
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
+def test_checked_dispatch_runs_torch_for_the_slower_kernels_on_cuda():
+    def triton_fn(x):
+        raise AssertionError("the Triton kernel ran")
+
+    for kernel in sorted(AUTO_PREFERS_TORCH_ON_CUDA):
+        x = torch.ones(3, device="cuda")
+        assert torch.equal(selfcheck.dispatch(kernel, CHECKED, triton_fn, lambda a: a + 1, x), x + 1)
 
 
 def test_tolerance_follows_dtype_and_autocast():

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from meshtron.models.config import GPTConfig
 from meshtron.moe.capacity import capacity_for, capacity_keep_mask
-from meshtron.moe.experts import _padded_bmm, grouped_matmul
+from meshtron.kernels.backend import CHECKED
+from meshtron.moe import experts
+from meshtron.moe.experts import _padded_bmm, grouped_backend, grouped_matmul, native_grouped_mm_preferred
 from meshtron.moe.layer import MoELayer
 from meshtron.mpu.init import initialize_parameters
 from meshtron.mpu.mesh import single_process_mesh
@@ -44,6 +46,69 @@ def test_grouped_matmul_matches_loop(sizes, impl, dims):
         ref.backward(grad)
         assert torch.allclose(x.grad, x2.grad, atol=1e-6)
         assert torch.allclose(w.grad, w2.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(8, 16), (5, 3)])
+def test_grouped_matmul_under_autocast_computes_in_bf16(x_dtype, dims):
+    """trainer.precision=bf16: fp32 main weights with fp32 or bf16 rows (a bf16 row comes from
+    an earlier autocast GEMM) give the bf16 product of bf16 operands, and gradients in each
+    operand's own dtype. (grouped_mm is not on autocast's lists: mixed dtypes raised on CUDA.)"""
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(10, dims[0], generator=gen).to(x_dtype).requires_grad_()
+    w = torch.randn(4, *dims, generator=gen, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_matmul(x, w, sizes)
+    assert out.dtype == torch.bfloat16
+    want = loop_reference(x.detach().bfloat16().float(), w.detach().bfloat16().float(), sizes)
+    assert torch.allclose(out.float(), want, rtol=1e-2, atol=1e-2)
+    out.float().sum().backward()
+    assert x.grad.dtype == x_dtype and w.grad.dtype == torch.float32
+    assert torch.allclose(w.grad, loop_reference_dw(x.detach().bfloat16().float(), sizes, 4, dims[1]),
+                          rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device_type,dtype,dims,want", [
+    ("cuda", torch.bfloat16, (4096, 14336), True),
+    ("cuda", torch.float16, (256, 512), True),
+    ("cuda", torch.bfloat16, (12, 512), False),  # 24-byte rows: grouped_mm refuses them
+    ("cuda", torch.float32, (256, 512), False),  # torch's fp32 path is the padded bmm
+    ("cpu", torch.bfloat16, (256, 512), False),  # the CPU runs what was asked (the interpreter in tests)
+])
+def test_auto_prefers_torch_grouped_mm_for_16_bit_cuda(device_type, dtype, dims, want):
+    assert native_grouped_mm_preferred(device_type, dtype, *dims) is want
+
+
+def test_grouped_backend_keeps_strict_and_cpu_choices():
+    x, w = torch.zeros(4, 16), torch.zeros(2, 16, 32)
+    for backend in ("torch", "triton", CHECKED):
+        assert grouped_backend(x, w, backend) == backend  # CPU: nothing replaced
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
+def test_auto_runs_torch_grouped_mm_on_cuda_bf16(monkeypatch):
+    """kernels.backend=auto with bf16 on CUDA never reaches the Triton kernel (nor its self-check)."""
+    def refuse(*args):
+        raise AssertionError("the Triton grouped GEMM ran")
+    monkeypatch.setattr(experts, "_grouped_gemm_triton", refuse)
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([3, 0, 5, 8], device="cuda")
+    x = torch.randn(16, 64, generator=gen).cuda().bfloat16()
+    w = torch.randn(4, 64, 32, generator=gen).cuda().bfloat16()
+    assert grouped_backend(x, w, CHECKED) == "torch"
+    out = grouped_matmul(x, w, sizes, CHECKED)
+    assert torch.allclose(out.float(), loop_reference(x.float(), w.float(), sizes.cpu()).float(), rtol=2e-2, atol=2e-2)
+
+
+def loop_reference_dw(x, sizes, groups, out_dim):
+    """dW of sum(grouped x @ W): each group's column sums of x, broadcast over the out columns."""
+    dw, start = torch.zeros(groups, x.shape[1], out_dim), 0
+    for g, n in enumerate(sizes.tolist()):
+        dw[g] = x[start: start + n].sum(0)[:, None].expand(-1, out_dim)
+        start += n
+    return dw
 
 
 def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
