@@ -18,6 +18,9 @@
 #   moe_bf16      bench/moe_layer.py --device cuda --dtype bf16 --kernels auto --peer --rounds 3
 #   moe_large     the same at Mixtral-8x7B's width (h 4096, ffn 14336, 4,096 tokens), where the
 #                 GEMMs, not the host's op dispatch, set the time    -> $OUT/moe_layer_large_bf16.json
+#   moe_compile   moe_bf16 with both blocks under torch.compile(mode="reduce-overhead"): fused
+#                 kernels replayed as CUDA graphs, so host dispatch no longer sets the time
+#                                                                    -> $OUT/moe_layer_compile_bf16.json
 #   moe_fp32      the shape in fp32                                    -> $OUT/moe_layer_*.json
 #   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
 #   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
@@ -45,7 +48,7 @@ fetch() {
 
 run() {
     local out="${OUT:?set OUT to the folder that receives the results}"
-    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_large,moe_fp32,acceptance,bench}"
+    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_large,moe_compile,moe_fp32,acceptance,bench}"
     local start=$SECONDS log="$out/log.txt" failed=""
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -107,6 +110,7 @@ EOF
     }
     moe moe_bf16 moe_layer_bf16.json bf16
     moe moe_large moe_layer_large_bf16.json bf16 "${large[@]}"
+    moe moe_compile moe_layer_compile_bf16.json bf16 --compile reduce-overhead
     moe moe_fp32 moe_layer_fp32.json fp32
     # Without CUDA gpu_acceptance prints why it skips: the rehearsal proves it starts.
     step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections kernels,steps,card

@@ -30,6 +30,12 @@ Under torchrun (`--ep`/`--etp`, world = ep * etp * edp; gloo on CPU, NCCL with o
 rank, cuda:LOCAL_RANK, on CUDA) `--tokens` is the global token count, split evenly over the
 ranks; an iteration lasts as long as the slowest rank.
 
+`--compile MODE` runs both blocks under torch.compile (meshtron's with fullgraph=True: the dropless
+block at ep = 1 has no graph break and no host sync; tests/test_moe_compile.py), single process
+and bf16 only; `reduce-overhead` replays the compiled forward and backward as CUDA graphs on a
+GPU, which takes the host's op dispatch out of the small-shape time. No region breakdown then
+(its markers would break the graph); `host_ops` still counts what the host dispatches.
+
 Device, dtype and kernels: `--device auto|cpu|cuda` (auto: CUDA when available), `--dtype
 fp32|bf16` (parameters, input and upstream gradient of BOTH blocks in that dtype; meshtron's
 router computes in fp32 whatever the dtype), `--kernels torch|triton|auto` for meshtron's
@@ -74,6 +80,7 @@ REGIONS = ("router", "dispatch", "expert_gemm", "expert_activation", "combine", 
 INSIDE = ("expert_gemm", "router", "dispatch", "combine", "experts", "shared_experts")  # record_function regions
 PEER_SCRIPT = ROOT.parent / "shared" / "peers" / "hf_mixtral_moe.py"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer", action="store_true",
                    help="also time transformers' MixtralSparseMoeBlock (grouped_mm) in the same run")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled breakdown iteration")
+    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
+                   help="torch.compile both blocks with this mode (meshtron's with fullgraph=True; "
+                        "single process, bf16, dropless; reduce-overhead adds CUDA graphs on a GPU)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when torch.cuda.is_available(), else cpu (both blocks run there)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
@@ -137,9 +147,12 @@ def build_meshtron(args, mesh, local_tokens: int, device: torch.device, backend:
     x = torch.randn(local_tokens, 1, args.hidden, generator=gen).to(device, dtype).requires_grad_(True)  # [s, b, h]
     gy = torch.randn(x.shape, generator=gen).to(device, dtype)
     one = torch.ones((), device=device)
+    forward = compiled(layer, args.compile, fullgraph=True)
 
     def step():
-        out = layer(x)
+        if args.compile:
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA graph trees
+        out = forward(x)
         aux = layer.last_router.aux_loss
         if aux.requires_grad:
             torch.autograd.backward([out, aux], [gy, one])
@@ -151,6 +164,11 @@ def build_meshtron(args, mesh, local_tokens: int, device: torch.device, backend:
         return out.detach()
 
     return cfg, layer, step
+
+
+def compiled(module: torch.nn.Module, mode: str | None, fullgraph: bool):
+    """`module` itself, or its torch.compile with `mode` (fullgraph: fail on any graph break)."""
+    return module if mode is None else torch.compile(module, mode=mode, fullgraph=fullgraph)
 
 
 def _rank() -> int:
@@ -198,9 +216,12 @@ def build_peer(args, device: torch.device):
     x = torch.randn(1, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0))
     x = x.to(device, dtype).requires_grad_(True)
     gy = torch.randn_like(x)
+    forward = compiled(block, args.compile, fullgraph=False)  # transformers' block may break the graph
 
     def step():
-        out = block(x)
+        if args.compile:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = forward(x)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(gy)
         x.grad = None
@@ -489,6 +510,10 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     if args.peer and world > 1:
         fail("--peer runs single-process only (the Mixtral block has no expert parallelism); drop torchrun")
+    if args.compile and (world > 1 or args.dtype != "bf16"):
+        fail(f"--compile={args.compile} compiles the single-process block in bf16 only: at ep > 1 the "
+             "dispatch syncs the host for the all-to-all sizes, and torch's grouped GEMM traces only in bf16; "
+             "use --dtype bf16 without torchrun")
     if args.tokens % world:
         fail(f"--tokens={args.tokens} is not divisible by the world size {world}")
     from throughput import init_process_group, pick_device
@@ -498,6 +523,8 @@ def main(argv=None) -> None:
         backend = resolve_backend(args.kernels, device.type)
     except (ValueError, RuntimeError) as exc:
         fail(f"--kernels={args.kernels}: {exc}")
+    if args.compile and backend == "triton":
+        fail(f"--compile={args.compile} traces torch's grouped GEMM; use --kernels torch or auto")
     if backend == CHECKED and args.warmup < 1:
         fail(f"--kernels={args.kernels} self-checks each Triton kernel on the first step: "
              "use --warmup >= 1 so that the check is not timed")
@@ -544,9 +571,11 @@ def main(argv=None) -> None:
     if not args.no_profile:
         if world > 1:
             dist.barrier()
-        # every rank runs it (collectives), rank 0 reports; the same profile counts the host ops
-        result_breakdown, events = breakdown(step, layer, device)
-        ops = count_host_ops(events, device.type == "cuda")
+        if args.compile:  # the region markers would break the compiled graph: host ops only
+            ops = host_ops(step, device)
+        else:  # every rank runs it (collectives), rank 0 reports; the same profile counts the host ops
+            result_breakdown, events = breakdown(step, layer, device)
+            ops = count_host_ops(events, device.type == "cuda")
         peer_ops = host_ops(peer_step, device) if peer_step is not None else None
 
     # FLOPs the block needs per token, fwd+bwd (peers/README.md's MoE formula, + shared experts).
@@ -576,6 +605,7 @@ def main(argv=None) -> None:
         # verdict (False: the torch path ran instead, with a warning).
         "kernels": backend,
         "kernels_requested": args.kernels,
+        "compile": args.compile,  # torch.compile mode of both blocks (None: eager)
         "grouped_gemm_path": grouped_backend(torch.empty(0, device=device, dtype=DTYPES[args.dtype]),
                                              layer.experts.w_up, backend),
         "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},

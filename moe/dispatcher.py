@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshtron.moe.counts import add_counts
 from meshtron.mpu.mappings import (
     AllToAllHandle,
     all_gather_stats,
@@ -156,7 +157,7 @@ class AllToAllDispatcher:
             order = torch.argsort(pair_expert, stable=True)
             pair_token = torch.div(order if pair is None else pair[order], k, rounding_mode="floor")
             group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
-            group_sizes.scatter_(0, pair_expert, 1, reduce="add")
+            add_counts(group_sizes, pair_expert)
             self.last_send_splits = []
             return InFlight(tokens, False, pair_token=pair_token, pair_weight=pair_weight[order],
                             group_sizes=group_sizes)

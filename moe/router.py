@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.moe.config import routing_checks
+from meshtron.moe.counts import add_counts
 from meshtron.mpu.init import normal_init, stable_seed, tag
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.recompute import is_replaying
@@ -170,7 +171,7 @@ class TopKRouter(nn.Module):
         cell = topk_idx  # [T, k] -> cell of the [S, E] counts; tokens are [s, b] flattened, sequence b = t % S
         if S > 1:
             cell = topk_idx + E * (torch.arange(T_local, device=logits.device) % S).unsqueeze(1)
-        local[:S * E].scatter_(0, cell.reshape(-1), 1.0, reduce="add")  # exact integer counts
+        add_counts(local[:S * E], cell.reshape(-1))  # exact integer counts
         prob_sum = probs.view(-1, S, E).sum(0)  # [S, E], differentiable
         local[S * E:2 * S * E].copy_(prob_sum.detach().reshape(-1))
         lse_sq_sum = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable

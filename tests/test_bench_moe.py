@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,23 @@ def test_moe_layer_bench_bf16_with_the_peer_on_cpu():
     assert out["tokens_per_s"] > 0 and out["breakdown"]["time"] == "host"
     assert out["peer"]["dtype"] == "bf16" and out["peer"]["device"] == "cpu" and out["peer"]["tokens_per_s"] > 0
     assert out["ratio_tokens_per_s_vs_peer"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_moe_layer_bench_compiles_both_blocks():
+    """--compile: both blocks under torch.compile (meshtron's whole, fullgraph=True); the host
+    dispatches a fraction of the eager block's ~90 operators; no region breakdown (its markers
+    would break the graph)."""
+    out = run_bench("moe_layer.py", *TINY, "--device", "cpu", "--dtype", "bf16", "--peer", "--rounds", "1",
+                    "--compile", "default", timeout=300)
+    assert out["compile"] == "default" and out["breakdown"] is None
+    assert 0 < out["host_ops"]["total"] < 40 and out["peer"]["host_ops"]["total"] > 0
+    assert out["tokens_per_s"] > 0 and out["ratio_tokens_per_s_vs_peer"] > 0
+
+
+def test_moe_layer_bench_compiles_only_bf16_single_process_blocks():
+    proc = run_bench_fails("moe_layer.py", *TINY, "--device", "cpu", "--compile", "default")
+    assert "--compile=default" in proc.stderr and "bf16" in proc.stderr
 
 
 def test_moe_layer_bench_refuses_triton_on_cpu_without_the_interpreter():

@@ -36,13 +36,15 @@ def test_without_a_verb_it_prints_the_usage():
 
 
 def test_cpu_rehearsal_runs_the_steps_and_leaves_each_result(tmp_path):
-    proc = session(tmp_path, "run", GPU_SESSION_STEPS="env,moe_large,moe_fp32,acceptance")
+    proc = session(tmp_path, "run", GPU_SESSION_STEPS="env,moe_large,moe_compile,moe_fp32,acceptance")
     out = tmp_path / "out"
     log = (out / "log.txt").read_text()
     assert proc.returncode == 0, proc.stdout + log
     assert "no CUDA: rehearsal on the CPU at a tiny size" in log
-    for step in ("env", "moe_large", "moe_fp32", "acceptance"):
+    for step in ("env", "moe_large", "moe_compile", "moe_fp32", "acceptance"):
         assert f"== {step}: exit 0" in log, log
+    compiled = json.loads((out / "moe_layer_compile_bf16.json").read_text().strip().splitlines()[-1])
+    assert compiled["compile"] == "reduce-overhead" and compiled["dtype"] == "bf16"
     large = json.loads((out / "moe_layer_large_bf16.json").read_text().strip().splitlines()[-1])
     assert (large["config"]["hidden"], large["config"]["ffn"], large["dtype"]) == (64, 128, "bf16")
     assert large["host_ops"]["total"] > 0 and large["peer"]["host_ops"]["total"] > 0
