@@ -18,8 +18,10 @@
 #   moe_bf16      bench/moe_layer.py --device cuda --dtype bf16 --kernels auto --peer --rounds 3
 #   moe_large     the same at Mixtral-8x7B's width (h 4096, ffn 14336, 4,096 tokens), where the
 #                 GEMMs, not the host's op dispatch, set the time    -> $OUT/moe_layer_large_bf16.json
-#   moe_compile   moe_bf16 with both blocks under torch.compile(mode="reduce-overhead"): fused
-#                 kernels replayed as CUDA graphs, so host dispatch no longer sets the time
+#   moe_compile   three JSON lines: moe_bf16 with both blocks under torch.compile(mode=
+#                 "reduce-overhead": fused kernels replayed as CUDA graphs, so host dispatch no
+#                 longer sets the time), then bench/throughput.py on a small MoE model in bf16
+#                 eager and with --compile-moe (trainer.compile_moe)
 #                                                                    -> $OUT/moe_layer_compile_bf16.json
 #   moe_fp32      the issue's shape in fp32                                    -> $OUT/moe_layer_*.json
 #   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
@@ -65,9 +67,13 @@ run() {
     local cuda
     cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
     local device=cuda moe_size=() rounds=3 large=(--tokens 4096 --hidden 4096 --ffn 14336)
+    local train=(--arch llama --layers 4 --hidden 1024 --heads 16 --kv-heads 8 --ffn 2816 --vocab 32000 --seq 1024
+                 --batch 8 --experts 8 --top-k 2 --moe-ffn 1408 --warmup 3 --steps 10)
     read -r -a moe_extra <<<"${GPU_SESSION_MOE_ARGS:-}"  # more moe_layer.py options, e.g. "--tokens 4096"
     if [ "$cuda" != "1" ]; then  # rehearsal on a CPU host: same steps, tiny shapes
         device=cpu moe_size=(--tokens 128 --iters 2 --warmup 1) rounds=1 large=(--hidden 64 --ffn 128)
+        train=(--arch llama --layers 1 --hidden 32 --heads 2 --vocab 128 --seq 8 --batch 2 --experts 4 --top-k 2
+               --moe-ffn 32 --warmup 1 --steps 1)
         echo "no CUDA: rehearsal on the CPU at a tiny size" | tee -a "$log"
     fi
 
@@ -110,7 +116,12 @@ EOF
     }
     moe moe_bf16 moe_layer_bf16.json bf16
     moe moe_large moe_layer_large_bf16.json bf16 "${large[@]}"
-    moe moe_compile moe_layer_compile_bf16.json bf16 --compile reduce-overhead
+    # the block compiled, then a small MoE model's training step eager and compiled: one shell
+    # line (timeout runs commands, not functions), each part's JSON on its own line
+    local throughput=(python3 bench/throughput.py "${train[@]}" --device "$device" --precision bf16 --kernels auto)
+    step moe_compile moe_layer_compile_bf16.json bash -c "$(printf '%q ' python3 bench/moe_layer.py \
+        --device "$device" --dtype bf16 --kernels auto --peer --rounds "$rounds" "${moe_size[@]}" "${moe_extra[@]}" \
+        --compile reduce-overhead) && $(printf '%q ' "${throughput[@]}") && $(printf '%q ' "${throughput[@]}" --compile-moe)"
     moe moe_fp32 moe_layer_fp32.json fp32
     # Without CUDA gpu_acceptance prints why it skips: the rehearsal proves it starts.
     step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections kernels,steps,card

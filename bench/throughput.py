@@ -43,6 +43,7 @@ from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.planning.flops import model_flops_per_token  # noqa: E402
 from meshtron.observability.memory import peak_memory_bytes  # noqa: E402
 from meshtron.planning.peak import peak_flops  # noqa: E402
+from meshtron.rules import compile_moe_checks, first_failure  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 from meshtron.training.optim import build_optimizer  # noqa: E402
 from meshtron.training.precision import Precision  # noqa: E402
@@ -103,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="activation recomputation (trainer.recompute)")
     p.add_argument("--unfused-lm-loss", action="store_true",
                    help="trainer.fused_lm_loss=false: whole logits, then the cross-entropy")
+    p.add_argument("--compile-moe", action="store_true",
+                   help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph); "
+                        "bf16/fp16, tp=cp=ep=etp=1, dropless (meshtron/rules.py compile_moe_checks)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,
@@ -277,8 +281,15 @@ def main(argv=None) -> None:
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
+    failure = first_failure(compile_moe_checks(
+        args.compile_moe, num_experts=cfg.num_experts, hidden_size=cfg.hidden_size,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, capacity_factor=cfg.capacity_factor,
+        aux_loss_scope=cfg.aux_loss_scope, precision=args.precision, kernel_backend=args.kernels,
+        recompute=args.recompute, zero=0, tp=args.tp, cp=args.cp, ep=mesh.par.ep, etp=mesh.par.etp, dp=dp))
+    if failure:
+        fail(f"--compile-moe: {failure}")
     execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend,
-                                fused_lm_loss=not args.unfused_lm_loss)
+                                fused_lm_loss=not args.unfused_lm_loss, compile_moe=args.compile_moe)
     chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=execution)
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)
@@ -369,7 +380,7 @@ def main(argv=None) -> None:
     result = {
         "bench": "throughput",
         "config": {**shape, "moe": moe, "micro_batch": micro, "dtype": args.precision, "optimizer": "AdamW",
-                   "recompute": args.recompute,
+                   "recompute": args.recompute, "compile_moe": args.compile_moe,
                    "kernels": backend,
                    "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS
                                        if selfcheck.verdict(k) is not None},

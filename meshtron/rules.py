@@ -44,6 +44,41 @@ def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1)
     ]
 
 
+def compile_moe_checks(compile_moe: bool, *, num_experts: int, hidden_size: int, moe_ffn_hidden_size: int | None,
+                       capacity_factor: float | None, aux_loss_scope: str, precision: str, kernel_backend: str, recompute: str, zero: int, tp: int, cp: int, ep: int, etp: int,
+                       dp: int) -> list[Check]:
+    """`trainer.compile_moe=true` compiles each MoE layer whole (`torch.compile(fullgraph=True)`):
+    only a layer without host syncs, collectives or Triton calls traces into one graph, so the
+    layouts and options that bring one are refused, each with what to change."""
+    if not compile_moe:
+        return []
+    what = "trainer.compile_moe=true"
+    ffn = moe_ffn_hidden_size or 0
+    return [
+        (num_experts > 0, f"{what} compiles the MoE layers; this model has none (model.num_experts=0)"),
+        (tp == 1 and cp == 1 and ep == 1 and etp == 1,
+         f"{what} needs parallel.tp=cp=ep=etp=1 (got tp={tp} cp={cp} ep={ep} etp={etp}): the expert "
+         "all-to-all syncs the host for its sizes and the sequence collectives break the graph; data "
+         "parallelism (dp) and pipeline stages are fine"),
+        (capacity_factor is None, f"{what} needs dropless experts (model.capacity_factor=null, got "
+                                  f"{capacity_factor}): a capacity selects the kept pairs with a host sync"),
+        (aux_loss_scope != "global" or dp == 1,
+         f"{what} with model.aux_loss_scope=global all-reduces the routing statistics over dp={dp} inside the "
+         "layer; use model.aux_loss_scope=microbatch or sequence"),
+        (precision in ("bf16", "fp16"), f"{what} needs trainer.precision=bf16 or fp16 (got {precision}): torch's "
+                                        "grouped GEMM traces in 16 bits only"),
+        (hidden_size % 8 == 0 and ffn % 8 == 0,
+         f"{what} needs model.hidden_size and model.moe_ffn_hidden_size divisible by 8 (got {hidden_size} and "
+         f"{ffn}): torch's grouped GEMM wants 16-byte rows, the padded fallback syncs the host"),
+        (kernel_backend != "triton", f"{what} traces torch's grouped GEMM; use kernels.backend=auto or torch "
+                                     "(not triton)"),
+        (recompute != "full", f"{what} does not support trainer.recompute=full yet (the replay of a compiled "
+                              "layer is untested); use none or selective"),
+        (zero < 3, f"{what} does not support optim.zero=3 (its weight gathers around each block are untested "
+                   "with a compiled layer); use optim.zero<=2"),
+    ]
+
+
 def local_sgd_checks(local_steps: int, outer_optimizer: str, *, zero: int, offload: bool, param_dtype: str,
                      num_experts: int, checkpoint_dir: str | None, dp_mode: str = "allreduce") -> list[Check]:
     """Local SGD / DiLoCo (`optim.local_steps` > 1 or an outer optimizer; training/local_sgd.py)

@@ -26,8 +26,8 @@ class ExecutionConfig:
     """How a model runs, not what it computes: activation recomputation (`trainer.recompute`,
     the first `trainer.recompute_layers` layers under full), the resolved kernel backend
     (`kernels.backend`) and the LM head fused with the loss (`trainer.fused_lm_loss`,
-    `trainer.lm_loss_chunk_rows`). Given to `GPT` beside its `GPTConfig`; never saved with the
-    weights."""
+    `trainer.lm_loss_chunk_rows`) and the MoE layers compiled or not (`trainer.compile_moe`).
+    Given to `GPT` beside its `GPTConfig`; never saved with the weights."""
 
     recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
     recompute_layers: int | None = field(default=None, metadata=allowed(ge=1))
@@ -36,6 +36,9 @@ class ExecutionConfig:
     # chunk's forward returns the head's input and `GPT.loss_sum` computes the summed loss.
     fused_lm_loss: bool = True
     lm_loss_chunk_rows: int | None = field(default=None, metadata=allowed(ge=1))  # None: by device (chunk_rows_for)
+    # Each MoE layer under torch.compile(fullgraph=True) (`trainer.compile_moe`; the layouts it
+    # needs: meshtron/rules.py compile_moe_checks).
+    compile_moe: bool = False
 
     def __post_init__(self) -> None:
         raise_first(field_checks("trainer", self))

@@ -44,7 +44,7 @@ from meshtron.training.precision import LossScaler, Precision
 from meshtron.training.preemption import StopRequest
 from meshtron.planning.peak import peak_flops
 from meshtron.training.schedule import lr_at
-from meshtron.rules import batch_checks, microbatches, raise_first
+from meshtron.rules import batch_checks, compile_moe_checks, microbatches, raise_first
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from meshtron.observability.watchdog import StepWatchdog, is_collective_failure, mesh_coords
 
@@ -74,6 +74,13 @@ def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None
     t = run.trainer
     raise_first(batch_checks(t.global_batch_size, t.micro_batch_size, par.dp, pp=par.pp, schedule=par.schedule),
                 ConfigError)
+    m = run.model
+    raise_first(compile_moe_checks(t.compile_moe, num_experts=m.num_experts, hidden_size=m.hidden_size,
+                                   moe_ffn_hidden_size=m.moe_ffn_hidden_size, capacity_factor=m.capacity_factor,
+                                   aux_loss_scope=m.aux_loss_scope, precision=t.precision,
+                                   kernel_backend=run.kernels.backend,
+                                   recompute=t.recompute, zero=run.optim.zero, tp=par.tp, cp=par.cp, ep=par.ep,
+                                   etp=par.etp, dp=par.dp), ConfigError)
     micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
     if t.tensorboard and not t.dry_run:
         require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra
