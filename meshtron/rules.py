@@ -59,7 +59,7 @@ def compile_moe_checks(compile_moe: bool, *, num_experts: int, hidden_size: int,
         (tp == 1 and cp == 1 and ep == 1 and etp == 1,
          f"{what} needs parallel.tp=cp=ep=etp=1 (got tp={tp} cp={cp} ep={ep} etp={etp}): the expert "
          "all-to-all syncs the host for its sizes and the sequence collectives break the graph; data "
-         "parallelism (dp) and pipeline stages are fine"),
+         "parallelism (dp) keeps the layer whole"),
         (capacity_factor is None, f"{what} needs dropless experts (model.capacity_factor=null, got "
                                   f"{capacity_factor}): a capacity selects the kept pairs with a host sync"),
         (aux_loss_scope != "global" or dp == 1,

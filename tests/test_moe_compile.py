@@ -146,3 +146,25 @@ def test_global_aux_scope_compiles_with_one_data_replica():
     from meshtron.rules import compile_moe_checks, first_failure
 
     assert first_failure(compile_moe_checks(True, **dict(GOOD, aux_loss_scope="global", dp=1))) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_torchrun_dp2_with_compiled_moe_layers_logs_the_eager_losses(tmp_path):
+    """trainer.compile_moe over 2 data-parallel ranks (moe_tiny, bf16): the compiled run logs the
+    eager run's losses and gradient norms to bf16 accuracy."""
+    from tests.test_train_cli import TORCHRUN, metrics, run
+
+    common = ["+model=moe_tiny", "trainer.precision=bf16", "trainer.max_steps=3", "trainer.log_every=1",
+              "trainer.eval_every=0", "trainer.progress=false"]
+    logs = {}
+    for compile_moe in ("false", "true"):
+        run_dir = tmp_path / compile_moe
+        out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, f"trainer.compile_moe={compile_moe}",
+                   f"hydra.run.dir={run_dir}"], timeout=300, threads=1)
+        assert out.returncode == 0, out.stderr[-3000:]
+        logs[compile_moe] = metrics(run_dir)
+    assert [r["step"] for r in logs["true"]] == [1, 2, 3]
+    for got, want in zip(logs["true"], logs["false"]):
+        assert abs(got["loss"] - want["loss"]) <= 1e-3 * want["loss"], (got, want)
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= 2e-2 * want["grad_norm"], (got, want)
