@@ -45,8 +45,8 @@ def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1)
 
 
 def compile_moe_checks(compile_moe: bool, *, num_experts: int, hidden_size: int, moe_ffn_hidden_size: int | None,
-                       capacity_factor: float | None, aux_loss_scope: str, precision: str, kernel_backend: str, recompute: str, zero: int, tp: int, cp: int, ep: int, etp: int,
-                       dp: int) -> list[Check]:
+                       capacity_factor: float | None, aux_loss_scope: str, precision: str, kernel_backend: str,
+                       recompute: str, zero: int, tp: int, cp: int, ep: int, etp: int, dp: int) -> list[Check]:
     """`trainer.compile_moe=true` compiles each MoE layer whole (`torch.compile(fullgraph=True)`):
     only a layer without host syncs, collectives or Triton calls traces into one graph, so the
     layouts and options that bring one are refused, each with what to change."""
