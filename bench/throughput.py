@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="trainer.fused_lm_loss=false: whole logits, then the cross-entropy")
     p.add_argument("--compile-moe", action="store_true",
                    help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph); "
-                        "bf16/fp16, tp=cp=ep=etp=1, dropless (meshtron/rules.py compile_moe_checks)")
+                        "bf16, tp=cp=ep=etp=1, dropless (meshtron/rules.py compile_moe_checks)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,

@@ -65,8 +65,8 @@ def compile_moe_checks(compile_moe: bool, *, num_experts: int, hidden_size: int,
         (aux_loss_scope != "global" or dp == 1,
          f"{what} with model.aux_loss_scope=global all-reduces the routing statistics over dp={dp} inside the "
          "layer; use model.aux_loss_scope=microbatch or sequence"),
-        (precision in ("bf16", "fp16"), f"{what} needs trainer.precision=bf16 or fp16 (got {precision}): torch's "
-                                        "grouped GEMM traces in 16 bits only"),
+        (precision == "bf16", f"{what} needs trainer.precision=bf16 (got {precision}): torch's grouped GEMM "
+                              "traces in bf16 only (its meta function refuses fp32 and fp16)"),
         (hidden_size % 8 == 0 and ffn % 8 == 0,
          f"{what} needs model.hidden_size and model.moe_ffn_hidden_size divisible by 8 (got {hidden_size} and "
          f"{ffn}): torch's grouped GEMM wants 16-byte rows, the padded fallback syncs the host"),

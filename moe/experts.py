@@ -68,14 +68,15 @@ def grouped_backend(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
 
 def native_grouped_mm_preferred(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
     """Whether kernels.backend=auto multiplies with torch's own grouped GEMM rather than the
-    Triton kernel: on CUDA with 16-bit compute and 16-byte aligned rows, where `F.grouped_mm`
-    runs a CUTLASS grouped GEMM. Measured on an H200 (2026-11-27, bf16, bench/moe_layer.py):
+    Triton kernel: on CUDA with bf16 compute and 16-byte aligned rows, where `F.grouped_mm`
+    runs a CUTLASS grouped GEMM (other dtypes take torch's fallback there: fp16 stays Triton). Measured on an H200 (2026-11-27, bf16, bench/moe_layer.py):
     the block's forward + backward at Mixtral-8x7B width (h 4096, ffn 14336, 4,096 tokens) took
     17.1 ms with it against 24.6 ms with the Triton kernel, and 2.9 against 4.8 ms at h 256
     (each pair on one machine).
-    fp32 on CUDA keeps the Triton kernel (torch's path pads the groups into a bmm there); the
-    CPU keeps whatever was asked for (the Triton interpreter is for tests)."""
-    return device_type == "cuda" and _grouped_mm_applies(device_type, dtype, in_features, out_features)
+    fp32 and fp16 on CUDA keep the Triton kernel (torch's path pads fp32 groups into a bmm
+    there); the CPU keeps whatever was asked for (the Triton interpreter is for tests)."""
+    return (device_type == "cuda" and dtype == torch.bfloat16
+            and _grouped_mm_applies(device_type, dtype, in_features, out_features))
 
 
 def _grouped_mm_applies(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
