@@ -30,9 +30,10 @@ RESOLVED = ("torch", "triton", CHECKED)
 #   fp32: linear_gelu 0.40, linear_swiglu 0.32, rms_norm 0.32, layer_norm 0.23
 # and a dense llama training step (bench/throughput.py, 8 layers, h 1024, bf16) made 173k
 # tokens/s with them against 254k with kernels.backend=torch. The fused cross-entropy stays
-# Triton (33-35x its torch path there); the grouped GEMM takes torch's grouped_mm in bf16
-# (moe/experts.py grouped_backend) and stays Triton in fp32 and fp16 (not measured there). kernels.backend=triton still runs
-# every Triton kernel (strict), to measure or test them.
+# Triton (33-35x its torch path there). The grouped GEMM is not in this table: its choice
+# depends on the operands (torch's grouped_mm in bf16 with aligned rows, Triton otherwise;
+# moe/experts.py grouped_backend). kernels.backend=triton still runs every Triton kernel
+# (strict), to measure or test them.
 AUTO_PREFERS_TORCH_ON_CUDA = frozenset({"linear_gelu", "linear_swiglu", "rms_norm", "layer_norm"})
 
 

@@ -60,7 +60,9 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
 def grouped_backend(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
     """The grouped GEMM's path for `backend`: "torch" in place of the checked Triton kernel
     (kernels.backend=auto) where `native_grouped_mm_preferred` holds, else `backend` itself
-    (a strict "triton" always runs the Triton kernel)."""
+    (a strict "triton" always runs the Triton kernel). This choice depends on the operands'
+    dtype and shape, so it lives here with torch's grouped-GEMM rule, not in the name-only
+    table of kernels/backend.py."""
     if backend == CHECKED and native_grouped_mm_preferred(x.device.type, compute_dtype(x), *weight.shape[1:]):
         return "torch"
     return backend
@@ -69,12 +71,12 @@ def grouped_backend(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
 def native_grouped_mm_preferred(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
     """Whether kernels.backend=auto multiplies with torch's own grouped GEMM rather than the
     Triton kernel: on CUDA with bf16 compute and 16-byte aligned rows, where `F.grouped_mm`
-    runs a CUTLASS grouped GEMM (other dtypes take torch's fallback there: fp16 stays Triton). Measured on an H200 (2026-11-27, bf16, bench/moe_layer.py):
-    the block's forward + backward at Mixtral-8x7B width (h 4096, ffn 14336, 4,096 tokens) took
-    17.1 ms with it against 24.6 ms with the Triton kernel, and 2.9 against 4.8 ms at h 256
-    (each pair on one machine).
-    fp32 and fp16 on CUDA keep the Triton kernel (torch's path pads fp32 groups into a bmm
-    there); the CPU keeps whatever was asked for (the Triton interpreter is for tests)."""
+    runs a CUTLASS grouped GEMM. Measured on an H200 (2026-11-27, bench/moe_layer.py, bf16):
+    the block's forward + backward at Mixtral-8x7B width (h 4096, ffn 14336, 4,096 tokens)
+    took 17.1 ms with it against 24.6 ms with the Triton kernel, and 2.9 against 4.8 ms at
+    h 256 (each pair on one machine). fp32 and fp16 on CUDA keep the Triton kernel (torch has
+    no fast path there; its fp32 path pads the groups into a bmm); the CPU keeps whatever was
+    asked for (the Triton interpreter is for tests)."""
     return (device_type == "cuda" and dtype == torch.bfloat16
             and _grouped_mm_applies(device_type, dtype, in_features, out_features))
 
@@ -156,7 +158,7 @@ class GroupedExperts(nn.Module):
         # shared by the torch path's three GEMMs (the Triton kernel sums the sizes itself)
         offsets = group_offsets(group_sizes) if backend == "torch" else None
 
-        def gemm(rows, weight):
+        def gemm(rows, weight):  # a resolved backend resolves to itself: no second choice
             return grouped_matmul(rows, weight, group_sizes, backend, offsets)
 
         up = gemm(x, self.w_up)
