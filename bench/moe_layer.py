@@ -69,7 +69,6 @@ from meshtron.kernels import selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
-from meshtron.moe.experts import grouped_backend  # noqa: E402
 from meshtron.moe.layer import MoELayer  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
@@ -351,7 +350,7 @@ TIME_NOTE = {  # (on CUDA, kernel events recorded) -> what the region figures ar
 def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
     """One profiled iteration; forward and backward time per region: host (CPU) time on CPU,
     kernel (device) time on CUDA, where the host only queues work. Also returns the profile's
-    CPU events (for `count_host_ops`)."""
+    events (for `count_host_ops`)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     instrument(layer)
@@ -436,7 +435,7 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
         "backward_ms": round(bwd_total / 1e3, 3),
         "unattributed_ms": round((total - fwd_total - bwd_total) / 1e3, 3),
         "regions": regions,
-    }, events
+    }, all_events
 
 
 # Ops that only make views or read metadata: no kernel of their own on a GPU.
@@ -457,17 +456,20 @@ def host_ops(step, device: torch.device) -> dict:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
         sync(device)
-    return count_host_ops([e for e in prof.events() if e.device_type.name == "CPU"], cuda)
+    return count_host_ops(prof.events(), cuda)
 
 
-def count_host_ops(events, cuda: bool) -> dict:
-    """Operators one forward + backward dispatched from the host, from its profile's CPU
-    `events`: top-level aten / c10d ops (not nested in another op; a dtype conversion `to`
+def count_host_ops(events, cuda: bool, top: int = 12) -> dict:
+    """Operators one forward + backward dispatched from the host, from its profile's
+    `events` (CPU ones; device ones feed `device_kernels`): top-level aten / c10d ops (not nested in another op; a dtype conversion `to`
     counts as its `_to_copy`), views and metadata reads left out. On a GPU each is about one
     kernel launch; at small shapes, where a kernel takes a few microseconds, the block's time is
     then the host's dispatch time, so this count predicts the GPU ratio better than CPU timings
     do. On CUDA `kernel_launches` counts the runtime's kernel launches as well (Triton kernels
-    included, which are no aten ops)."""
+    included, which are no aten ops), and `device_kernels` lists the `top` kernels by summed device
+    time (name, calls, ms) with the total of all: where the GPU spends the iteration."""
+    device_events = [e for e in events if e.device_type.name == "CUDA"]
+    events = [e for e in events if e.device_type.name == "CPU"]
     bwd_start = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
                     default=float("inf"))
 
@@ -493,7 +495,20 @@ def count_host_ops(events, cuda: bool) -> dict:
     forward = sum(1 for e in ops if e.time_range.start < bwd_start)
     launches = sum(1 for e in events if "LaunchKernel" in e.name) if cuda else None  # cudaLaunchKernel(Ex), cuLaunchKernel
     return {"forward": forward, "backward": len(ops) - forward, "total": len(ops), "kernel_launches": launches,
-            "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0])))}
+            "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "device_kernels": _device_kernels(device_events, top) if device_events else None}
+
+
+def _device_kernels(device_events, top: int) -> dict:
+    """Device time by kernel name (summed over calls), the `top` largest, and the total."""
+    by_name = defaultdict(lambda: [0, 0.0])
+    for e in device_events:
+        entry = by_name[e.name]
+        entry[0] += 1
+        entry[1] += (e.time_range.end - e.time_range.start) / 1e3
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"total_ms": round(sum(ms for _, (_, ms) in ranked), 3), "kernels": len(device_events),
+            "top": [{"name": name[:120], "calls": calls, "ms": round(ms, 3)} for name, (calls, ms) in ranked[:top]]}
 
 
 # ---------------------------------------------------------------- main
@@ -606,8 +621,7 @@ def main(argv=None) -> None:
         "kernels": backend,
         "kernels_requested": args.kernels,
         "compile": args.compile,  # torch.compile mode of both blocks (None: eager)
-        "grouped_gemm_path": grouped_backend(torch.empty(0, device=device, dtype=DTYPES[args.dtype]),
-                                             layer.experts.w_up, backend),
+        "grouped_gemm_path": layer.experts.gemm_backend(torch.empty(0, device=device, dtype=DTYPES[args.dtype])),
         "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
         # fp32 on CUDA: whether torch's matmuls (both blocks) and the Triton GEMMs may round to TF32.
         "tf32": ({"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)}

@@ -219,3 +219,24 @@ def test_host_ops_counts_dispatched_operators_not_views_or_inner_casts():
     # mm, square, sum and backward()'s seed gradient (ones_like, before the engine starts); then the gradients
     assert ops["forward"] == 4 and ops["by_op"]["ones_like"] == 1 and ops["backward"] > 0
     assert ops["total"] == ops["forward"] + ops["backward"] == sum(ops["by_op"].values())
+
+
+def test_device_kernels_rank_kernels_by_summed_device_time():
+    """bench/moe_layer.py `_device_kernels`: device events grouped by kernel name, summed over
+    calls (profiler microseconds -> ms), largest first, cut to `top`; the total covers all."""
+    import importlib.util
+    from types import SimpleNamespace as NS
+
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def kernel(name, start, end):
+        return NS(name=name, device_type=NS(name="CUDA"), time_range=NS(start=start, end=end))
+
+    events = [kernel("gemm", 0, 400), kernel("silu", 400, 450), kernel("gemm", 450, 1050), kernel("copy", 1050, 1350)]
+    got = bench._device_kernels(events, top=2)
+    assert got == {"total_ms": 1.35, "kernels": 4,
+                   "top": [{"name": "gemm", "calls": 2, "ms": 1.0}, {"name": "copy", "calls": 1, "ms": 0.3}]}
+    cpu_event = NS(name="aten::mm", device_type=NS(name="CPU"), time_range=NS(start=0, end=1), cpu_parent=None)
+    assert bench.count_host_ops([cpu_event] + events, cuda=True)["device_kernels"]["kernels"] == 4
