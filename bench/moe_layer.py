@@ -70,6 +70,7 @@ from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
 from meshtron.moe.layer import MoELayer  # noqa: E402
+from meshtron.moe.experts import grouped_backend  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
@@ -303,6 +304,18 @@ def _is_gemm(name: str) -> bool:
             or name in ("aten::mm",))
 
 
+def _is_annotation(name: str) -> bool:
+    """The GPU-timeline copy of a record_function region (Kineto's gpu_user_annotation): a span
+    from the region's first kernel to its last, idle gaps included, not work."""
+    return name.startswith(("moe::", "ProfilerStep"))
+
+
+def _is_device_work(e) -> bool:
+    """A kernel, copy or memset on the device (not a region annotation)."""
+    return (e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+            and not _is_annotation(e.name))
+
+
 def device_regions(events, seq_region: dict) -> tuple[dict, dict]:
     """Kernel (device) time per region, forward and backward, in us: each CPU event's own
     kernels (`FunctionEvent.kernels`, filled from ProfilerActivity.CUDA) go to the innermost
@@ -311,7 +324,7 @@ def device_regions(events, seq_region: dict) -> tuple[dict, dict]:
     (forward; 'other' outside the regions)."""
     fwd, back = defaultdict(float), defaultdict(float)
     for e in events:
-        own = sum(k.duration for k in getattr(e, "kernels", ()) or ())
+        own = sum(k.duration for k in getattr(e, "kernels", ()) or () if not _is_annotation(k.name))
         if not own:
             continue
         region, node, a = None, None, e
@@ -365,7 +378,7 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
     events = [e for e in all_events if e.device_type.name == "CPU"]
     # On CUDA the whole is the summed time of every kernel and copy (streams overlapping would
     # count twice); without any recorded the breakdown says it is host time.
-    kernel_total = sum(e.time_range.end - e.time_range.start for e in all_events if e.device_type.name == "CUDA")
+    kernel_total = sum(e.time_range.end - e.time_range.start for e in all_events if _is_device_work(e))
     device_time = cuda and kernel_total > 0
     spans = {}  # region -> list of (start, end)
     for e in events:
@@ -459,7 +472,7 @@ def host_ops(step, device: torch.device) -> dict:
     return count_host_ops(prof.events(), cuda)
 
 
-def count_host_ops(events, cuda: bool, top: int = 12) -> dict:
+def count_host_ops(events, cuda: bool, top: int = 25) -> dict:
     """Operators one forward + backward dispatched from the host, from its profile's
     `events` (CPU ones; device ones feed `device_kernels`): top-level aten / c10d ops (not nested in another op; a dtype conversion `to`
     counts as its `_to_copy`), views and metadata reads left out. On a GPU each is about one
@@ -468,7 +481,7 @@ def count_host_ops(events, cuda: bool, top: int = 12) -> dict:
     do. On CUDA `kernel_launches` counts the runtime's kernel launches as well (Triton kernels
     included, which are no aten ops), and `device_kernels` lists the `top` kernels by summed device
     time (name, calls, ms) with the total of all: where the GPU spends the iteration."""
-    device_events = [e for e in events if e.device_type.name == "CUDA"]
+    device_events = [e for e in events if _is_device_work(e)]
     events = [e for e in events if e.device_type.name == "CPU"]
     bwd_start = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
                     default=float("inf"))
@@ -621,7 +634,8 @@ def main(argv=None) -> None:
         "kernels": backend,
         "kernels_requested": args.kernels,
         "compile": args.compile,  # torch.compile mode of both blocks (None: eager)
-        "grouped_gemm_path": layer.experts.gemm_backend(torch.empty(0, device=device, dtype=DTYPES[args.dtype])),
+        "grouped_gemm_path": grouped_backend(torch.empty(0, device=device, dtype=DTYPES[args.dtype]),
+                                             layer.experts.w_up, backend),
         "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
         # fp32 on CUDA: whether torch's matmuls (both blocks) and the Triton GEMMs may round to TF32.
         "tf32": ({"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)}

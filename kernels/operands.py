@@ -53,19 +53,13 @@ def weight_copy_scope():
 
 def weight_copy(weight: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """`weight` detached and cast to `dtype` (no copy when it already has it); inside a
-    `weight_copy_scope` the cast is made once per parameter (or once per parameter that
-    `weight` is a whole reshaped view of) and reused."""
+    `weight_copy_scope` the cast is made once per parameter and reused."""
     if weight is None:
         return None
     if weight.dtype == dtype:
         return weight.detach()
     if _scope is None:
         return weight.detach().to(dtype)
-    base = weight._base
-    if base is not None and base.is_contiguous() and weight.is_contiguous() and weight.numel() == base.numel():
-        # a reshaped parameter (moe/experts.py flattens w_gate_up per forward): cache the
-        # parameter's copy, so every view of it shares one cast per step
-        return weight_copy(base, dtype).view(weight.shape)
     entry = _scope.get(id(weight))
     if entry is not None and entry[0] is weight and entry[1] == dtype:
         return entry[2]

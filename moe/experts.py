@@ -3,18 +3,9 @@ token groups (one launch per matrix, not a Python loop over experts).
 
 Weights are stored expert-major, [E_local, in, out], so `grouped_matmul` multiplies each
 contiguous token group by its expert's matrix. The full (layout-independent) weights are
-`w_gate_up` [E, h, 2, f] (SwiGLU: gate and up stacked, so one grouped GEMM computes both) or
-`w_up` [E, h, f] (GeLU), and `w_down` [E, f, h]. Experts are split over the ep group along dim
-0 and each expert's ffn dim over the etp group (column-parallel first matrix, row-parallel
-second: the caller sums the etp partial outputs). The ffn dim is the last of `w_gate_up`, so
-an etp rank's [E_local, h, 2, f/etp] block holds the gate and up columns of the same ffn
-indices and flattens (a view) to the [E_local, h, 2·f/etp] matrix of its one GEMM.
-
-Decision: gate and up are one parameter, as in transformers' and Megatron-Core's grouped
-experts, because the block is launch-bound at small widths: the fused GEMM makes the expert
-FFN 6 grouped GEMMs per forward + backward instead of 9. Checkpoints written before the
-fusion (separate `w_gate` / `w_up` [E, h, f]) still load: the parameter names them in
-`stacked_from` (training/checkpoint.py reads them into its two halves).
+[E, h, f] / [E, f, h]; experts are split over the ep group along dim 0 and each expert's ffn
+dim over the etp group (column-parallel first matrix, row-parallel second: the caller sums
+the etp partial outputs).
 """
 
 from __future__ import annotations
@@ -156,39 +147,22 @@ class GroupedExperts(nn.Module):
             return tag(nn.Parameter(torch.empty(shape_local, device=device, dtype=dtype)),
                        normal_init(shape_full, std), expert_shards=((0, "ep"), (ffn_dim, "etp")))
 
-        self.ffn_local = local_f
-        self.w_up = self.w_gate_up = None
+        self.w_up = weight((num_experts, h, ffn_hidden_size), (local_e, h, local_f), init_std, 2)
+        self.w_gate = None
         if activation == "swiglu":
-            self.w_gate_up = weight((num_experts, h, 2, ffn_hidden_size), (local_e, h, 2, local_f), init_std, 3)
-            self.w_gate_up.stacked_from = (2, ("w_gate", "w_up"))
-        else:
-            self.w_up = weight((num_experts, h, ffn_hidden_size), (local_e, h, local_f), init_std, 2)
+            self.w_gate = weight((num_experts, h, ffn_hidden_size), (local_e, h, local_f), init_std, 2)
         self.w_down = weight((num_experts, ffn_hidden_size, h), (local_e, local_f, h), out_init_std, 1)
 
-    def first_weight(self) -> torch.Tensor:
-        """The first GEMM's [E_local, h, out] matrix: `w_gate_up` flattened to [E_local, h,
-        2·f_local] (a view: gate columns, then up columns) or `w_up`."""
-        return self.w_up if self.w_gate_up is None else self.w_gate_up.flatten(2)
-
-    def gemm_backend(self, x: torch.Tensor) -> str:
-        """The grouped GEMMs' path for rows like `x` (`grouped_backend`), judged on the [h,
-        f_local] operand shape that every one of the expert GEMMs shares."""
-        return grouped_backend(x, self.w_down.transpose(1, 2), self.backend)
-
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        backend = self.gemm_backend(x)  # the same for all the GEMMs
-        # shared by the torch path's GEMMs (the Triton kernel sums the sizes itself)
+        backend = grouped_backend(x, self.w_up, self.backend)  # the same for all three GEMMs
+        # shared by the torch path's three GEMMs (the Triton kernel sums the sizes itself)
         offsets = group_offsets(group_sizes) if backend == "torch" else None
 
         def gemm(rows, weight):  # a resolved backend resolves to itself: no second choice
             return grouped_matmul(rows, weight, group_sizes, backend, offsets)
 
-        first = gemm(x, self.first_weight())
-        if self.w_gate_up is None:
-            hidden = F.gelu(first, approximate="tanh")
-        else:  # split's backward writes both halves' gradients into one [N, 2·f_local] tensor
-            gate, up = first.split(self.ffn_local, dim=1)
-            hidden = F.silu(gate) * up
+        up = gemm(x, self.w_up)
+        hidden = F.gelu(up, approximate="tanh") if self.w_gate is None else F.silu(gemm(x, self.w_gate)) * up
         return gemm(hidden, self.w_down)
 
 

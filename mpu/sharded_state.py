@@ -92,65 +92,6 @@ def shard_piece(param: nn.Parameter, local: torch.Tensor, mesh) -> ShardPiece | 
     return ShardPiece(local, tuple(offsets), global_shape(param, mesh))
 
 
-def stacked_legacy_names(name: str, param: nn.Parameter) -> tuple[int, tuple[str, ...]] | None:
-    """(dim, names) when `param` (named `name`) was saved by older meshtron as separate tensors
-    that it now stacks along `dim` (`param.stacked_from`, e.g. moe/experts.py's `w_gate_up` from
-    `w_gate` and `w_up`); the names are its siblings' full names. None otherwise."""
-    stacked = getattr(param, "stacked_from", None)
-    if stacked is None:
-        return None
-    dim, leaves = stacked
-    parent = name.rpartition(".")[0]
-    return dim, tuple(f"{parent}.{leaf}" if parent else leaf for leaf in leaves)
-
-
-def read_stacked_legacy(state: dict, params: dict[str, nn.Parameter], saved: set[str]) -> dict:
-    """Point the pieces of fused parameters at the separate tensors an older checkpoint holds.
-
-    `state` maps `model/<name>` and `optim/<name>/<moment>` to the pieces to load; `saved` is
-    the checkpoint's keys. Where a fused parameter's key is missing but every one of its
-    legacy tensors is there (`stacked_legacy_names`), its piece is replaced by one piece per
-    legacy tensor whose `local` is a view of the piece's slice along the stacked dim, so DCP
-    fills the fused tensor in place. Returns `state` (changed in place)."""
-    for name, param in params.items():
-        legacy = stacked_legacy_names(name, param)
-        if legacy is None:
-            continue
-        dim, names = legacy
-        keys = [f"model/{name}"] + [k for k in state if k.startswith(f"optim/{name}/")]
-        for key in keys:
-            piece = state.get(key)
-            if not isinstance(piece, ShardPiece) or key in saved:
-                continue
-            old_keys = [key.replace(name, old, 1) for old in names]
-            if not all(k in saved for k in old_keys):
-                continue
-            del state[key]
-            drop = lambda t: tuple(v for i, v in enumerate(t) if i != dim)  # noqa: E731
-            for i, old_key in enumerate(old_keys):
-                state[old_key] = ShardPiece(piece.local.select(dim, i), drop(piece.offsets), drop(piece.global_shape))
-    return state
-
-
-def fold_stacked_legacy(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
-                        legacy: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, tuple[int, ...]]:
-    """`saved` (checkpoint key -> global shape) with each fused parameter's legacy tensors
-    (`legacy`: `model/<name>` -> (dim, legacy `model/...` keys)) replaced by the fused key and
-    the shape they stack to, where the checkpoint lacks the fused key and has all of them with
-    one shape. What remains is compared with `expected` as usual."""
-    saved = dict(saved)
-    for key, (dim, old_keys) in legacy.items():
-        shapes = {saved.get(k) for k in old_keys}
-        if key in saved or None in shapes or len(shapes) != 1 or key not in expected:
-            continue
-        shape = list(shapes.pop())
-        shape.insert(dim, len(old_keys))
-        for k in old_keys:
-            del saved[k]
-        saved[key] = tuple(shape)
-    return saved
-
-
 def _boxes(shape: tuple[int, ...], first: int, last: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(start index, box shape) of the boxes that elements [first, last) of a row-major tensor
     of `shape` make up, in flat order (each box is a contiguous run of those elements)."""

@@ -135,13 +135,15 @@ def test_moe_layer_device_time_attribution():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def ev(name, parent=None, kernels=(), seq=-1):
+    def ev(name, parent=None, kernels=(), seq=-1, annotation=None):
         return SimpleNamespace(name=name, cpu_parent=parent, sequence_nr=seq,
-                               kernels=[SimpleNamespace(duration=d) for d in kernels])
+                               kernels=[SimpleNamespace(name=f"kernel{d}", duration=d) for d in kernels]
+                               + ([SimpleNamespace(name=name, duration=annotation)] if annotation else []))
 
     it = ev("moe::iteration")
     router, experts = ev("moe::router", it), ev("moe::experts", it)
-    gemm = ev("moe::expert_gemm", experts, kernels=[100])  # a Triton launch: no aten op of its own
+    # a Triton launch: no aten op of its own; the region's GPU-timeline span is no kernel
+    gemm = ev("moe::expert_gemm", experts, kernels=[100], annotation=1000)
     events = [it, router, experts, gemm,
               ev("aten::linear", router, kernels=[10]),
               ev("aten::mul", experts, kernels=[5]),
@@ -223,7 +225,8 @@ def test_host_ops_counts_dispatched_operators_not_views_or_inner_casts():
 
 def test_device_kernels_rank_kernels_by_summed_device_time():
     """bench/moe_layer.py `_device_kernels`: device events grouped by kernel name, summed over
-    calls (profiler microseconds -> ms), largest first, cut to `top`; the total covers all."""
+    calls (profiler microseconds -> ms), largest first, cut to `top`; the total covers all;
+    region annotations on the GPU timeline are left out."""
     import importlib.util
     from types import SimpleNamespace as NS
 
@@ -235,8 +238,9 @@ def test_device_kernels_rank_kernels_by_summed_device_time():
         return NS(name=name, device_type=NS(name="CUDA"), time_range=NS(start=start, end=end))
 
     events = [kernel("gemm", 0, 400), kernel("silu", 400, 450), kernel("gemm", 450, 1050), kernel("copy", 1050, 1350)]
+    region = kernel("moe::experts", 0, 1350)  # a record_function region's span on the GPU timeline: not work
     got = bench._device_kernels(events, top=2)
     assert got == {"total_ms": 1.35, "kernels": 4,
                    "top": [{"name": "gemm", "calls": 2, "ms": 1.0}, {"name": "copy", "calls": 1, "ms": 0.3}]}
     cpu_event = NS(name="aten::mm", device_type=NS(name="CPU"), time_range=NS(start=0, end=1), cpu_parent=None)
-    assert bench.count_host_ops([cpu_event] + events, cuda=True)["device_kernels"]["kernels"] == 4
+    assert bench.count_host_ops([cpu_event, region] + events, cuda=True)["device_kernels"]["kernels"] == 4

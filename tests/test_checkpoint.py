@@ -19,7 +19,6 @@ import torch
 
 from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.mpu.sharded_state import ShardPiece
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     LOCK_FILE,
@@ -60,7 +59,7 @@ def _save(root, model, optimizer, mesh, cfg, step: int, keep=None):
 
 
 def _config(arch: str):
-    """moe: GeLU experts (w_up, w_down); moe_swiglu: SwiGLU experts (the fused w_gate_up)."""
+    """moe: GeLU experts (w_up, w_down); moe_swiglu: SwiGLU experts (w_gate too) and a shared expert."""
     if arch == "moe":
         return moe_config("gpt2", 2, "sigmoid", None)
     if arch == "moe_swiglu":
@@ -211,52 +210,6 @@ def test_version_1_checkpoints_still_load(tmp_path):
     assert resolve_resume(str(tmp_path), "auto") == path
     fresh, _, fresh_opt = build(cfg, mesh)
     assert load_checkpoint(path, [fresh], fresh_opt, mesh).step == 1
-
-
-def _unfused(state: dict, params: dict) -> dict:
-    """`state` as meshtron wrote it before SwiGLU experts' gate and up were one parameter: each
-    `w_gate_up` [E, h, 2, f] piece (weights and moments) as separate `w_gate` / `w_up` [E, h, f]."""
-    out = {}
-    for key, value in state.items():
-        name = next((n for n in params if key in (f"model/{n}", f"optim/{n}/exp_avg", f"optim/{n}/exp_avg_sq")), None)
-        if name is None or not name.endswith(".w_gate_up"):
-            out[key] = value
-            continue
-        for i, old in enumerate(("w_gate", "w_up")):
-            out[key.replace("w_gate_up", old)] = ShardPiece(value.local.select(2, i).contiguous(),
-                                                           value.offsets[:2] + value.offsets[3:],
-                                                           value.global_shape[:2] + value.global_shape[3:])
-    return out
-
-
-def test_checkpoints_of_unfused_experts_still_load(tmp_path, monkeypatch):
-    """A checkpoint written before the fusion (separate w_gate / w_up tensors) passes the
-    compatibility check and resumes bit for bit: weights and both AdamW moments land in the
-    right halves of w_gate_up."""
-    cfg = _config("moe_swiglu")
-    model, reducer, optimizer, mesh, _ = _trained(cfg, 2)
-    params = dict(model.named_parameters())
-    assert any(n.endswith("experts.w_gate_up") for n in params)
-    real_state = checkpoint.checkpoint_state
-    monkeypatch.setattr(checkpoint, "checkpoint_state", lambda *a: _unfused(real_state(*a), params))
-    path = _save(tmp_path, model, optimizer, mesh, cfg, 2)
-    monkeypatch.undo()
-    saved = set(checkpoint._read_dcp_metadata(path).state_dict_metadata)
-    assert "model/layers.1.mlp.experts.w_gate" in saved and "model/layers.1.mlp.experts.w_gate_up" not in saved
-    assert "optim/layers.1.mlp.experts.w_up/exp_avg_sq" in saved
-    check_compatible(path, cfg)
-    want = [_step(model, reducer, optimizer, mesh, cfg, s) for s in (2, 3)]
-
-    fresh, fresh_reducer, fresh_opt = build(cfg, mesh)
-    load_checkpoint(path, [fresh], fresh_opt, mesh)
-    got = [_step(fresh, fresh_reducer, fresh_opt, mesh, cfg, s) for s in (2, 3)]
-    assert got == want
-    for (name, a), (_, b) in zip(fresh.named_parameters(), model.named_parameters()):
-        assert torch.equal(a, b), name
-    # a model of another width is refused naming the fused tensor
-    wider = dataclasses.replace(cfg, moe_ffn_hidden_size=2 * cfg.moe_ffn_hidden_size)
-    with pytest.raises(CheckpointError, match="w_gate_up"):
-        check_compatible(path, wider)
 
 
 class _FillingDisk:

@@ -123,10 +123,8 @@ def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
 
 def ffn(layer, e, x):
     ex = layer.experts
-    if ex.w_gate_up is None:
-        hidden = F.gelu(x @ ex.w_up[e], approximate="tanh")
-    else:  # [h, 2, f]: gate, then up
-        hidden = F.silu(x @ ex.w_gate_up[e, :, 0]) * (x @ ex.w_gate_up[e, :, 1])
+    up = x @ ex.w_up[e]
+    hidden = F.gelu(up, approximate="tanh") if ex.w_gate is None else F.silu(x @ ex.w_gate[e]) * up
     return hidden @ ex.w_down[e]
 
 

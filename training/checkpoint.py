@@ -101,9 +101,8 @@ from meshtron.mpu.mesh import group_rank, single_process_mesh
 from meshtron.mpu import zero3
 from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.mpu.random import get_rng_tracker
-from meshtron.mpu.sharded_state import (ShardLoadPlanner, ShardPiece, ShardSavePlanner, flat_range_pieces,
-                                        fold_stacked_legacy, global_shape, read_stacked_legacy, shard_piece,
-                                        stacked_legacy_names)
+from meshtron.mpu.sharded_state import (ShardLoadPlanner, ShardPiece, ShardSavePlanner, flat_range_pieces, global_shape,
+                                        shard_piece)
 from meshtron.training.distributed import launcher_env
 
 FORMAT = "meshtron-checkpoint"
@@ -742,28 +741,15 @@ def _newest_intact(found: list[Path]) -> Path | None:
     return None
 
 
-def expected_model_shapes(model_cfg):
-    """For a model config (built on the meta device, no groups): `model/<name>` -> global
-    shape, and `model/<name>` -> (dim, legacy `model/...` keys) of the fused parameters that
-    older checkpoints hold as separate tensors (`stacked_legacy_names`)."""
+def expected_model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+    """`model/<name>` -> global shape for a model config (built on the meta device, no groups)."""
     from meshtron.models.gpt import GPT
 
     mesh = single_process_mesh()
     model = GPT(model_cfg, mesh, device="meta")
     shapes = {f"model/{n}": global_shape(p, mesh) for n, p in model.named_parameters()}
     shapes.update({f"model/{n}": tuple(b.shape) for n, b in _persistent_buffers([model])})
-    legacy = {}
-    for n, p in model.named_parameters():
-        if (found := stacked_legacy_names(n, p)) is not None:
-            legacy[f"model/{n}"] = (found[0], tuple(f"model/{old}" for old in found[1]))
-    return shapes, legacy
-
-
-def _read_dcp_metadata(path: Path):
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except Exception as err:  # noqa: BLE001 (any read error means the same thing here)
-        raise CheckpointError(f"checkpoint {path}: cannot read the DCP metadata ({err}); the checkpoint is corrupt") from err
+    return shapes
 
 
 def check_compatible(path: str | Path, model_cfg) -> dict:
@@ -771,11 +757,13 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
     the model needs; returns its meta. Rank-independent: run it before any process group."""
     path = Path(path)
     meta = read_meta(path)
-    metadata = _read_dcp_metadata(path)
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 (any read error means the same thing here)
+        raise CheckpointError(f"checkpoint {path}: cannot read the DCP metadata ({err}); the checkpoint is corrupt") from err
     saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
              if k.startswith("model/") and hasattr(v, "size")}
-    expected, legacy = expected_model_shapes(model_cfg)
-    saved = fold_stacked_legacy(saved, expected, legacy)  # written before some parameters were fused
+    expected = expected_model_shapes(model_cfg)
     config_diff = _config_diff(meta.get("model", {}), dataclasses.asdict(model_cfg))
     hint = f" (model config differs from the checkpoint's: {config_diff})" if config_diff else ""
     for key, shape in expected.items():
@@ -963,8 +951,6 @@ def _load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: Train
     if not weights_only:
         opt, moments = optimizer_state(chunks, optimizer, mesh, for_load=True)
         state.update(opt)
-    saved = set(_read_dcp_metadata(path).state_dict_metadata)
-    read_stacked_legacy(state, dict(_own_parameters(chunks)), saved)  # older checkpoints' unfused tensors
     same_layout = meta["world_size"] == mesh.world_size and meta["layout"] == dataclasses.asdict(mesh.par)
     rng_key = f"rng/rank{mesh.rank}"
     if same_layout and not weights_only:

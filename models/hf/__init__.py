@@ -27,7 +27,7 @@ Layout conversions (all exact, so import -> export is bitwise the identity):
   first) and `down_proj` [E, h, f]; transformers 4.x / original checkpoints
   `block_sparse_moe.experts.<e>.w1` (gate) / `w3` (up) / `w2` (down). Both load; export
   writes the installed transformers' format unless `moe_format` says otherwise. Meshtron's
-  experts are [E, h, 2, f] (w_gate_up: gate, then up, along dim 2) and [E, f, h] (w_down). The router (softmax over all
+  experts are [E, h, f] (w_gate, w_up) and [E, f, h] (w_down). The router (softmax over all
   experts, top-k, renormalized over the k) is `router_score="softmax", router_renormalize=True`.
 - Vocabulary-sized tensors (embedding, untied LM head) are zero-padded to
   `cfg.padded_vocab_size(tp)` on import and cut back on export.

@@ -137,36 +137,32 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
 
 
 def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit]:
-    """Mixtral's experts. meshtron's `experts.w_gate_up` is [E, h, 2, f] (gate, then up, along
-    dim 2) and `experts.w_down` [E, f, h]."""
     E, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
     if moe_format == "fused":  # transformers 5.x: [E, 2f, h] gate rows then up rows; down [E, h, f]
         x = L + "mlp."
+
+        def gate_up_to_mt(t):
+            gate, up = t[0].split(f, dim=1)
+            return [gate.transpose(1, 2), up.transpose(1, 2)]
+
         return [
             _same(m + "router.weight", x + "gate.weight", (E, h)),
-            _Unit((m + "experts.w_gate_up",), (x + "experts.gate_up_proj",), ((E, 2 * f, h),),
-                  lambda t: [t[0].reshape(E, 2, f, h).permute(0, 3, 1, 2).contiguous()],
-                  lambda t: [t[0].permute(0, 2, 3, 1).reshape(E, 2 * f, h)]),
+            _Unit((m + "experts.w_gate", m + "experts.w_up"), (x + "experts.gate_up_proj",), ((E, 2 * f, h),),
+                  gate_up_to_mt, lambda t: [torch.cat([t[0], t[1]], dim=2).transpose(1, 2)]),
             _Unit((m + "experts.w_down",), (x + "experts.down_proj",), ((E, h, f),),
                   lambda t: [t[0].transpose(1, 2)], lambda t: [t[0].transpose(1, 2)]),
         ]
     # transformers 4.x / original checkpoints: one nn.Linear per expert and matrix.
     x = L + "block_sparse_moe."
 
-    def keys(w: str) -> tuple[str, ...]:
-        return tuple(f"{x}experts.{e}.{w}.weight" for e in range(E))
-
-    def gate_up_to_mt(t):  # E gate (w1) then E up (w3) matrices, each [f, h]
-        return [torch.stack([torch.stack([w_.t() for w_ in half]) for half in (t[:E], t[E:])], dim=2)]
-
-    def gate_up_to_hf(t):
-        return [w_.t().contiguous() for half in t[0].unbind(2) for w_ in half.unbind(0)]
+    def stacked(mt: str, w: str, shape) -> _Unit:
+        keys = tuple(f"{x}experts.{e}.{w}.weight" for e in range(E))
+        return _Unit((mt,), keys, (tuple(shape),) * E, lambda t: [torch.stack([w_.t() for w_ in t])],
+                     lambda t: [w_.t() for w_ in t[0].unbind(0)])
 
     return [_same(m + "router.weight", x + "gate.weight", (E, h)),
-            _Unit((m + "experts.w_gate_up",), keys("w1") + keys("w3"), ((f, h),) * (2 * E),
-                  gate_up_to_mt, gate_up_to_hf),
-            _Unit((m + "experts.w_down",), keys("w2"), ((h, f),) * E,
-                  lambda t: [torch.stack([w_.t() for w_ in t])], lambda t: [w_.t() for w_ in t[0].unbind(0)])]
+            stacked(m + "experts.w_gate", "w1", (f, h)), stacked(m + "experts.w_up", "w3", (f, h)),
+            stacked(m + "experts.w_down", "w2", (h, f))]
 
 
 def _default_moe_format() -> str:
