@@ -8,10 +8,13 @@ per rank)` of them). So a token whose top-2 experts live on one rank is sent onc
 
     dispatch  sort the kept pairs by (destination, token, expert); number the rows; exchange
               rows and pairs per destination (one small all-to-all over `ep`, one all-gather
-              over `etp`) and copy them to the host: THE ONE HOST SYNC of the layer (the
-              split sizes of the uneven all-to-all and the row/pair totals that size the
-              buffers); then START the all-to-alls of the rows and of their metadata over `ep`
-              (asynchronous; `mpu.mappings.all_to_all_start`).
+              over `etp`); build each row's token index and metadata in buffers of one row
+              per pair (an upper bound); then copy the counts to the host: THE ONE HOST SYNC
+              of the layer (the split sizes of the uneven all-to-all and the received
+              totals); then gather the rows and START the all-to-alls of the rows and of
+              their metadata over `ep` (asynchronous; `mpu.mappings.all_to_all_start`). Only
+              those two are issued after the sync, which on a GPU leaves the device idle
+              until the host issues more.
     receive   wait for them; all-gather the rows over `etp` when experts are tensor-parallel;
               expand each row into its (row, local expert) pairs, sorted by local expert, for
               the grouped GEMM.
@@ -101,6 +104,13 @@ def plan_rows(pair_expert: torch.Tensor, pair_token: torch.Tensor, num_tokens: i
                    zeros.index_add(0, dest_sorted, torch.ones_like(dest_sorted))[:ep])
 
 
+def host_sync(counts: torch.Tensor) -> list[int]:
+    """`counts` copied to the host: the MoE layer's one host sync on the row path (the
+    all-to-all split sizes and the received totals). A function of its own so that tests can
+    see where it falls among the layer's ops."""
+    return counts.tolist()
+
+
 @dataclass
 class InFlight:
     """One dispatch between `dispatch` and `finish`: what the later steps need (per call, so
@@ -163,36 +173,40 @@ class AllToAllDispatcher:
                             group_sizes=group_sizes)
         pair_token = torch.arange(T, device=tokens.device).repeat_interleave(k)
         plan = plan_rows(pair_expert, pair_token, T, self.num_experts, self.ep, keep)
-        # Per destination: rows and pairs sent. Exchanged over ep, gathered over etp, then the
-        # layer's one host sync copies everything needed to size the buffers at once.
+        # Per destination: rows and pairs sent. Exchanged over ep, gathered over etp; the
+        # host copies them below (the layer's one sync).
         counts = torch.stack([plan.rows_per_dest, plan.pairs_per_dest], 1)  # [ep, 2]
         received = all_to_all_stats(counts, self.mesh.ep)                  # [ep (source), 2]
         gathered = all_gather_stats(received, self.mesh.etp)               # [etp, ep, 2]
-        host = torch.cat([counts.flatten(), gathered.flatten()]).tolist()
-        mine, table = torch.tensor(host[: 2 * self.ep]).view(self.ep, 2), torch.tensor(host[2 * self.ep:])
-        table = table.view(self.etp, self.ep, 2)
-        input_splits, kept_pairs = mine[:, 0].tolist(), int(mine[:, 1].sum())
-        if kept_pairs < plan.order.numel():  # capacity dropped some: they sort last
-            plan = RowPlan(*(t[:kept_pairs] for t in (plan.order, plan.row_of_pair, plan.slot_of_pair,
-                                                       plan.local_expert, plan.token_of_pair)),
-                           plan.rows_per_dest, plan.pairs_per_dest)
-        output_splits = table[group_rank(self.mesh.etp), :, 0].tolist()
-        etp_sizes = table[:, :, 0].sum(1).tolist()
-        received_pairs = int(table[:, :, 1].sum())
-        self.last_send_splits = list(input_splits)
-
-        num_rows, slots = sum(input_splits), self.slots
-        row_token = torch.zeros(num_rows, dtype=torch.long, device=tokens.device)
+        # Everything the send needs is built before the sync, in buffers of one row per pair
+        # (an upper bound on the rows: kept rows come first, numbered in sorted order, and the
+        # rows of dropped pairs after them), so that after it the host issues only the row
+        # gather and the exchange: on a GPU, the ops issued after a sync run on an idle device.
+        slots, bound = self.slots, plan.order.numel()
+        row_token = torch.zeros(bound, dtype=torch.long, device=tokens.device)
         row_token.scatter_(0, plan.row_of_pair, plan.token_of_pair)  # every pair of a row has its token
         cell = plan.row_of_pair * slots + plan.slot_of_pair
-        weights = torch.zeros(num_rows * slots, dtype=torch.float32, device=tokens.device)
+        weights = torch.zeros(bound * slots, dtype=torch.float32, device=tokens.device)
         weights = weights.index_put((cell,), pair_weight[plan.order].float())  # differentiable
         # Local expert ids as fp32 (exact below 2**24); empty slots hold num_local.
-        ids = torch.full((num_rows * slots,), float(self.num_local), dtype=torch.float32, device=tokens.device)
+        ids = torch.full((bound * slots,), float(self.num_local), dtype=torch.float32, device=tokens.device)
         ids.index_put_((cell,), plan.local_expert.float())
-        meta = torch.cat([weights.view(num_rows, slots), ids.view(num_rows, slots)], 1)  # [R, 2*slots]
+        meta = torch.cat([weights.view(bound, slots), ids.view(bound, slots)], 1)  # [bound, 2*slots]
+
+        host = host_sync(torch.cat([counts.flatten(), gathered.flatten()]))
+        # plain Python from here to the send: no tensor op between the sync and the gather
+        ep = self.ep
+        input_splits = host[0:2 * ep:2]
+        table = [host[2 * ep + 2 * ep * e: 2 * ep + 2 * ep * (e + 1)] for e in range(self.etp)]  # per etp rank
+        output_splits = table[group_rank(self.mesh.etp)][0::2]  # rows from each ep source to this etp rank
+        etp_sizes = [sum(t[0::2]) for t in table]
+        received_pairs = sum(sum(t[1::2]) for t in table)
+        self.last_send_splits = list(input_splits)
+
+        num_rows = sum(input_splits)
+        row_token = row_token[:num_rows]
         rows = tokens.index_select(0, row_token)
-        sent, handle = all_to_all_start([rows, meta], output_splits, input_splits, self.mesh.ep)
+        sent, handle = all_to_all_start([rows, meta[:num_rows]], output_splits, input_splits, self.mesh.ep)
         return InFlight(tokens, True, row_token=row_token, input_splits=input_splits,
                         output_splits=output_splits, etp_sizes=etp_sizes, received_pairs=received_pairs,
                         sent=sent, handle=handle)

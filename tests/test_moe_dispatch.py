@@ -91,3 +91,49 @@ def test_row_path_equals_pair_path(activation, top_k, capacity_factor, shared):
     assert g_a["router.weight"].abs().sum() > 0
     for name, g in g_a.items():
         assert rel(g_b[name], g) < 1e-6, name
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_after_the_host_sync_dispatch_issues_only_the_row_gather(monkeypatch, capacity_factor):
+    """On a GPU the ops issued after a host sync run on a drained device, so the row path's
+    dispatch builds every send buffer before its one sync (`host_sync`) and issues only the
+    row gather afterwards (plus views; the all-to-all itself is no aten op over gloo/NCCL
+    here: one process). Capacity drops included: their rows sort after the kept ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.moe import dispatcher as dispatcher_module
+
+    views = {"slice", "view", "alias", "detach", "_unsafe_view", "select"}
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in views:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    log = Log()
+    real_sync = dispatcher_module.host_sync
+
+    def marked_sync(counts):
+        log.ops.append("HOST SYNC")
+        return real_sync(counts)
+
+    monkeypatch.setattr(dispatcher_module, "host_sync", marked_sync)
+    cfg, layer = _layer("swiglu", capacity_factor, 0, 2, seed=7)
+    layer.dispatcher = AllToAllDispatcher(cfg.num_experts, 2, single_process_mesh(), rows=True)
+    x = torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(3))
+    real_dispatch = layer.dispatcher.dispatch
+
+    def logged_dispatch(*args, **kwargs):
+        with log:
+            return real_dispatch(*args, **kwargs)
+
+    layer.dispatcher.dispatch = logged_dispatch
+    layer(x)
+    assert log.ops.count("HOST SYNC") == 1 and len(log.ops) > 10
+    assert log.ops[log.ops.index("HOST SYNC") + 1:] == ["index_select"], " ".join(log.ops)
