@@ -105,8 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--unfused-lm-loss", action="store_true",
                    help="trainer.fused_lm_loss=false: whole logits, then the cross-entropy")
     p.add_argument("--compile-moe", action="store_true",
-                   help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph); "
-                        "bf16, tp=cp=ep=etp=1, dropless (meshtron/rules.py compile_moe_checks)")
+                   help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph, or its "
+                        "router and experts where collectives or host syncs cut it; bf16: meshtron/rules.py "
+                        "compile_moe_checks)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,
@@ -283,9 +284,8 @@ def main(argv=None) -> None:
 
     failure = first_failure(compile_moe_checks(
         args.compile_moe, num_experts=cfg.num_experts, hidden_size=cfg.hidden_size,
-        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, capacity_factor=cfg.capacity_factor,
-        aux_loss_scope=cfg.aux_loss_scope, precision=args.precision, kernel_backend=args.kernels,
-        recompute=args.recompute, zero=0, tp=args.tp, cp=args.cp, ep=mesh.par.ep, etp=mesh.par.etp, dp=dp))
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, precision=args.precision, kernel_backend=args.kernels,
+        recompute=args.recompute, zero=0))
     if failure:
         fail(f"--compile-moe: {failure}")
     execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend,

@@ -45,26 +45,17 @@ def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1)
 
 
 def compile_moe_checks(compile_moe: bool, *, num_experts: int, hidden_size: int, moe_ffn_hidden_size: int | None,
-                       capacity_factor: float | None, aux_loss_scope: str, precision: str, kernel_backend: str,
-                       recompute: str, zero: int, tp: int, cp: int, ep: int, etp: int, dp: int) -> list[Check]:
-    """`trainer.compile_moe=true` compiles each MoE layer whole (`torch.compile(fullgraph=True)`):
-    only a layer without host syncs, collectives or Triton calls traces into one graph, so the
-    layouts and options that bring one are refused, each with what to change."""
+                       precision: str, kernel_backend: str, recompute: str, zero: int) -> list[Check]:
+    """`trainer.compile_moe=true` puts each MoE layer under torch.compile: whole where it
+    traces, else its router and experts (moe/layer.py `MoELayer.compile_moe`), so any layout
+    is accepted. What the compiled expert GEMM, or what is untested with it, rules out is
+    refused, each with what to change."""
     if not compile_moe:
         return []
     what = "trainer.compile_moe=true"
     ffn = moe_ffn_hidden_size or 0
     return [
         (num_experts > 0, f"{what} compiles the MoE layers; this model has none (model.num_experts=0)"),
-        (tp == 1 and cp == 1 and ep == 1 and etp == 1,
-         f"{what} needs parallel.tp=cp=ep=etp=1 (got tp={tp} cp={cp} ep={ep} etp={etp}): the expert "
-         "all-to-all syncs the host for its sizes and the sequence collectives break the graph; data "
-         "parallelism (dp) keeps the layer whole"),
-        (capacity_factor is None, f"{what} needs dropless experts (model.capacity_factor=null, got "
-                                  f"{capacity_factor}): a capacity selects the kept pairs with a host sync"),
-        (aux_loss_scope != "global" or dp == 1,
-         f"{what} with model.aux_loss_scope=global all-reduces the routing statistics over dp={dp} inside the "
-         "layer; use model.aux_loss_scope=microbatch or sequence"),
         (precision == "bf16", f"{what} needs trainer.precision=bf16 (got {precision}): torch's grouped GEMM "
                               "traces in bf16 only (its meta function refuses fp32 and fp16)"),
         (hidden_size % 8 == 0 and ffn % 8 == 0,

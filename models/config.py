@@ -36,8 +36,8 @@ class ExecutionConfig:
     # chunk's forward returns the head's input and `GPT.loss_sum` computes the summed loss.
     fused_lm_loss: bool = True
     lm_loss_chunk_rows: int | None = field(default=None, metadata=allowed(ge=1))  # None: by device (chunk_rows_for)
-    # Each MoE layer under torch.compile(fullgraph=True) (`trainer.compile_moe`; the layouts it
-    # needs: meshtron/rules.py compile_moe_checks).
+    # Each MoE layer under torch.compile (`trainer.compile_moe`): whole, or its router and
+    # experts (moe/layer.py MoELayer.compile_moe; what it needs: meshtron/rules.py compile_moe_checks).
     compile_moe: bool = False
 
     def __post_init__(self) -> None:

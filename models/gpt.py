@@ -201,9 +201,9 @@ class Block(nn.Module):
         self.mlp = (MoELayer(cfg.moe(), mesh, device, dtype, backend=backend) if cfg.is_moe_layer(index)
                     else MLP(cfg, mesh, device, dtype, backend=backend))
         if execution.compile_moe and isinstance(self.mlp, MoELayer):
-            # the whole layer as one graph (no break allowed): fused elementwise kernels, far fewer
-            # launches; parameters, state dict and hooks stay the module's own
-            self.mlp.compile(fullgraph=True)
+            # fused elementwise kernels, far fewer launches: the whole layer where it traces,
+            # else its router and experts (MoELayer.compile_moe)
+            self.mlp.compile_moe()
 
     def forward(self, x: torch.Tensor, rope, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         full = self.mode == "full"

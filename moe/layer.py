@@ -115,6 +115,28 @@ class MoELayer(nn.Module):
         self.last_router: RouterOutput | None = None
         self.last_dropped: torch.Tensor | None = None
 
+    def compile_moe(self) -> str:
+        """Put this layer under torch.compile (`trainer.compile_moe`) and say how: "layer", the
+        whole layer as one graph (`fullgraph`), where it has no collective and no host sync
+        (dropless, tp = cp = ep = etp = 1, routing statistics local to the rank); else "parts":
+        the router and the experts, the computation between the dispatch's collectives and
+        host sync, which stay eager (as do capacity, the shared experts and the sequence
+        scatter/gather). The router's statistics all-reduce, where it has ranks to reduce
+        over, runs eagerly between the router's two graphs. Parameters, state dict and hooks
+        stay the modules' own (`nn.Module.compile`). Rows per expert vary from step to step
+        at ep > 1: the experts' graph recompiles once with a dynamic row count."""
+        mesh = self.mesh
+        local_stats = self.scope.stats_ranks == 1
+        if (local_stats and self.cfg.capacity_factor is None and mesh.tp_size == 1 and mesh.cp_size == 1
+                and mesh.par.ep == 1 and mesh.par.etp == 1):
+            self.compile(fullgraph=True)
+            return "layer"
+        if not local_stats:
+            self.router.reduce_stats = torch.compiler.disable(all_reduce_stats)
+        self.router.compile(fullgraph=local_stats)
+        self.experts.compile(fullgraph=True)
+        return "parts"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mesh, k = self.mesh, self.cfg.top_k
         gather_back = mesh.tp_size > 1 and not mesh.sequence_parallel

@@ -117,6 +117,9 @@ class TopKRouter(nn.Module):
             with torch.no_grad():
                 gen = torch.Generator().manual_seed(stable_seed(0, "router.weight"))
                 self.weight.copy_(init_fn(gen).to(self.weight.dtype))
+        # The statistics' all-reduce; MoELayer.compile_moe swaps in a copy that torch.compile
+        # runs eagerly (a graph break), since a collective does not trace.
+        self.reduce_stats = all_reduce_stats
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         self.register_buffer("step_load", torch.zeros(num_experts, device=device, dtype=torch.float32),
                              persistent=False)
@@ -177,7 +180,7 @@ class TopKRouter(nn.Module):
         lse_sq_sum = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable
         local[2 * S * E].copy_(lse_sq_sum.detach())
         local[2 * S * E + 1] = float(T_local)
-        glob = all_reduce_stats(local, stats_group)
+        glob = self.reduce_stats(local, stats_group)
         counts_g, prob_sum_g = glob[:S * E].view(S, E), glob[S * E:2 * S * E].view(S, E)
         lse_sq_g, T_g = glob[2 * S * E], glob[2 * S * E + 1]
         T_set = T_g / S  # tokens of one pooled set (all ranks)

@@ -43,12 +43,15 @@ class AuxLossScope:
         mean taken); None when the stats group already spans the data-parallel ranks.
     per_sequence: one statistic per sequence (dim 1 of the [s, b, h] tokens) instead of one
         per microbatch.
+    stats_ranks: the number of ranks in `stats_group` (from the layout, so also on a
+        planning mesh without process groups).
     """
 
     name: str
     stats_group: object
     replica_group: object
     per_sequence: bool
+    stats_ranks: int = 1
 
     @property
     def replicas(self) -> int:
@@ -63,6 +66,7 @@ class AuxLossScope:
 def aux_loss_scope(name: str, mesh: Mesh) -> AuxLossScope:
     """The groups of scope `name` ("microbatch", "sequence" or "global") on `mesh`."""
     raise_first(scope_checks(name))
+    p = mesh.par
     if name == "global":
-        return AuxLossScope(name, mesh.tp_dp, None, per_sequence=False)
-    return AuxLossScope(name, mesh.tp_cp, mesh.dp, per_sequence=name == "sequence")
+        return AuxLossScope(name, mesh.tp_dp, None, per_sequence=False, stats_ranks=p.tp * p.cp * p.dp)
+    return AuxLossScope(name, mesh.tp_cp, mesh.dp, per_sequence=name == "sequence", stats_ranks=p.tp * p.cp)

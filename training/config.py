@@ -45,7 +45,7 @@ class TrainerConfig:
     recompute_layers: int | None = None      # full recompute for the first N layers only (None = all)
     fused_lm_loss: bool = True               # LM head + cross-entropy in row chunks: no whole logits (kernels/linear_cross_entropy.py)
     lm_loss_chunk_rows: int | None = _field(None, ge=1)  # rows per chunk of the fused loss (None: by device, chunk_rows_for)
-    compile_moe: bool = False                # torch.compile each MoE layer whole (rules: meshtron/rules.py compile_moe_checks)
+    compile_moe: bool = False                # torch.compile each MoE layer, or its router and experts (meshtron/rules.py compile_moe_checks)
     eval_every: int = _field(0, ge=0)                        # 0 = off
     eval_batches: int = _field(2, ge=1)
     max_skipped: int = _field(5, ge=0)

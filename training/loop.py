@@ -76,11 +76,9 @@ def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None
                 ConfigError)
     m = run.model
     raise_first(compile_moe_checks(t.compile_moe, num_experts=m.num_experts, hidden_size=m.hidden_size,
-                                   moe_ffn_hidden_size=m.moe_ffn_hidden_size, capacity_factor=m.capacity_factor,
-                                   aux_loss_scope=m.aux_loss_scope, precision=t.precision,
-                                   kernel_backend=run.kernels.backend,
-                                   recompute=t.recompute, zero=run.optim.zero, tp=par.tp, cp=par.cp, ep=par.ep,
-                                   etp=par.etp, dp=par.dp), ConfigError)
+                                   moe_ffn_hidden_size=m.moe_ffn_hidden_size, precision=t.precision,
+                                   kernel_backend=run.kernels.backend, recompute=t.recompute, zero=run.optim.zero),
+                ConfigError)
     micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
     if t.tensorboard and not t.dry_run:
         require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra
