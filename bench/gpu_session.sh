@@ -18,11 +18,13 @@
 #   moe_bf16      bench/moe_layer.py --device cuda --dtype bf16 --kernels auto --peer --rounds 3
 #   moe_large     the same at Mixtral-8x7B's width (h 4096, ffn 14336, 4,096 tokens), where the
 #                 GEMMs, not the host's op dispatch, set the time    -> $OUT/moe_layer_large_bf16.json
-#   moe_compile   three JSON lines: moe_bf16 with both blocks under torch.compile(mode=
+#   moe_compile   five JSON lines: moe_bf16 with both blocks under torch.compile(mode=
 #                 "reduce-overhead": fused kernels replayed as CUDA graphs, so host dispatch no
 #                 longer sets the time), then bench/throughput.py on a small MoE model in bf16
-#                 eager and with --compile-moe (trainer.compile_moe)
-#                                                                    -> $OUT/moe_layer_compile_bf16.json
+#                 eager and with --compile-moe (trainer.compile_moe: each layer one graph), then
+#                 the same with a capacity (1.25) eager and with --compile-moe, which compiles
+#                 the router and experts only (the mode every layout with ep > 1 gets; one GPU
+#                 cannot run ep > 1)                                 -> $OUT/moe_layer_compile_bf16.json
 #   moe_fp32      the issue's shape in fp32                                    -> $OUT/moe_layer_*.json
 #   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
 #   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
@@ -119,9 +121,13 @@ EOF
     # the block compiled, then a small MoE model's training step eager and compiled: one shell
     # line (timeout runs commands, not functions), each part's JSON on its own line
     local throughput=(python3 bench/throughput.py "${train[@]}" --device "$device" --precision bf16 --kernels auto)
+    # Then compile_moe's other mode, on one GPU: a capacity's host sync keeps the layer eager and
+    # compiles its router and experts (what every layout with ep > 1 gets), eager then compiled.
     step moe_compile moe_layer_compile_bf16.json bash -c "$(printf '%q ' python3 bench/moe_layer.py \
         --device "$device" --dtype bf16 --kernels auto --peer --rounds "$rounds" "${moe_size[@]}" "${moe_extra[@]}" \
-        --compile reduce-overhead) && $(printf '%q ' "${throughput[@]}") && $(printf '%q ' "${throughput[@]}" --compile-moe)"
+        --compile reduce-overhead) && $(printf '%q ' "${throughput[@]}") && $(printf '%q ' "${throughput[@]}" --compile-moe) \
+        && $(printf '%q ' "${throughput[@]}" --capacity-factor 1.25) \
+        && $(printf '%q ' "${throughput[@]}" --capacity-factor 1.25 --compile-moe)"
     moe moe_fp32 moe_layer_fp32.json fp32
     # Without CUDA gpu_acceptance prints why it skips: the rehearsal proves it starts.
     step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections kernels,steps,card

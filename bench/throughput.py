@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-ffn", type=int, default=None,
                    help="model.moe_ffn_hidden_size (default: the dense --ffn)")
     p.add_argument("--shared-experts", type=int, default=0, help="model.shared_experts (with --experts)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="model.capacity_factor (with --experts; default dropless)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism (parallel.cp)")
     p.add_argument("--cp-comm", default="ring", choices=["ring", "a2a"], help="parallel.cp_comm")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (parallel.ep)")
@@ -123,8 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error(f"--warmup={args.warmup} must be >= 0 and --steps={args.steps} >= 1")
-    if not args.experts and (args.ep > 1 or args.etp > 1 or args.shared_experts or args.moe_ffn is not None):
-        p.error(f"--ep={args.ep} / --etp={args.etp} / --shared-experts / --moe-ffn need --experts > 0 "
+    if not args.experts and (args.ep > 1 or args.etp > 1 or args.shared_experts or args.moe_ffn is not None
+                             or args.capacity_factor is not None):
+        p.error(f"--ep={args.ep} / --etp={args.etp} / --shared-experts / --moe-ffn / --capacity-factor need --experts > 0 "
                 f"(a dense model has no experts to split)")
     return args
 
@@ -266,7 +269,7 @@ def main(argv=None) -> None:
                         num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
                         seq_len=args.seq, dropout=0.0,
                         num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.moe_ffn,
-                        shared_experts=args.shared_experts)
+                        shared_experts=args.shared_experts, capacity_factor=args.capacity_factor)
         mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp, pp=args.pp, ep=args.ep, etp=args.etp,
                                          schedule=args.schedule, cp=args.cp, cp_comm=args.cp_comm), cfg,
                           device_type=device.type)
@@ -368,7 +371,8 @@ def main(argv=None) -> None:
     moe = None
     if cfg.num_experts:
         moe = dict(experts=cfg.num_experts, top_k=cfg.top_k, moe_ffn=cfg.moe_ffn_hidden_size,
-                   shared_experts=cfg.shared_experts, moe_every=cfg.moe_every, activation=cfg.activation)
+                   shared_experts=cfg.shared_experts, moe_every=cfg.moe_every, activation=cfg.activation,
+                   capacity_factor=cfg.capacity_factor)
     reference = None
     if shape == REFERENCE_SHAPE and moe is None and args.pp == 1:
         reference = dict(REFERENCE)

@@ -46,10 +46,11 @@ def test_moe_layer_bench_reports_speed_and_breakdown():
 def test_throughput_bench_runs_a_moe_model():
     out = run_bench("throughput.py", "--arch", "llama", "--layers", "1", "--hidden", "32", "--heads", "2",
                     "--vocab", "128", "--seq", "8", "--batch", "2", "--experts", "4", "--top-k", "2",
-                    "--moe-ffn", "32", "--shared-experts", "1", "--warmup", "0", "--steps", "1", "--threads", "1")
+                    "--moe-ffn", "32", "--shared-experts", "1", "--capacity-factor", "1.5", "--warmup", "0",
+                    "--steps", "1", "--threads", "1")
     assert out["tokens_per_s"] > 0
     assert out["config"]["moe"] == {"experts": 4, "top_k": 2, "moe_ffn": 32, "shared_experts": 1,
-                                    "moe_every": 1, "activation": "swiglu"}
+                                    "moe_every": 1, "activation": "swiglu", "capacity_factor": 1.5}
     assert out["layout"]["ep"] == 1 and out["layout"]["pp"] == 1 and out["reference"] is None
 
 

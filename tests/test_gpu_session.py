@@ -43,10 +43,13 @@ def test_cpu_rehearsal_runs_the_steps_and_leaves_each_result(tmp_path):
     assert "no CUDA: rehearsal on the CPU at a tiny size" in log
     for step in ("env", "moe_large", "moe_compile", "moe_fp32", "acceptance"):
         assert f"== {step}: exit 0" in log, log
-    block, eager, compiled = map(json.loads, (out / "moe_layer_compile_bf16.json").read_text().strip().splitlines())
+    block, eager, compiled, capped, capped_compiled = map(
+        json.loads, (out / "moe_layer_compile_bf16.json").read_text().strip().splitlines())
     assert block["compile"] == "reduce-overhead" and block["dtype"] == "bf16"
     assert (eager["config"]["compile_moe"], compiled["config"]["compile_moe"]) == (False, True)
     assert compiled["config"]["moe"]["experts"] == 4 and compiled["tokens_per_s"] > 0
+    assert (capped["config"]["compile_moe"], capped_compiled["config"]["compile_moe"]) == (False, True)
+    assert capped_compiled["config"]["moe"]["capacity_factor"] == 1.25 and capped_compiled["tokens_per_s"] > 0
     large = json.loads((out / "moe_layer_large_bf16.json").read_text().strip().splitlines()[-1])
     assert (large["config"]["hidden"], large["config"]["ffn"], large["dtype"]) == (64, 128, "bf16")
     assert large["host_ops"]["total"] > 0 and large["peer"]["host_ops"]["total"] > 0

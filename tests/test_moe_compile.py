@@ -53,22 +53,23 @@ def test_dropless_block_compiles_whole_and_equals_eager():
     run_isolated("check_dropless_block_compiles_whole")
 
 
-def check_dropless_block_compiles_whole():
+def _bf16_block(capacity_factor=None):
+    """A bf16 MoE block (8 experts, top-2, a shared expert, aux and z losses) and its input and
+    upstream gradient."""
     cfg = GPTConfig(arch="llama", hidden_size=64, num_heads=2, num_experts=8, top_k=2, moe_ffn_hidden_size=32,
-                    shared_experts=1, seq_len=32, aux_loss_coef=0.01, z_loss_coef=0.001)
+                    shared_experts=1, seq_len=32, aux_loss_coef=0.01, z_loss_coef=0.001,
+                    capacity_factor=capacity_factor)
     mesh = single_process_mesh()
     layer = MoELayer(cfg.moe(), mesh)
     initialize_parameters(layer, 5, mesh)
-    layer = layer.bfloat16().train()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(32, 2, 64, generator=gen).bfloat16()
     gy = torch.randn(32, 2, 64, generator=gen).bfloat16()
-    want = _run(layer, layer, x, gy)
-    torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True)  # raises on any graph break
-    got = _run(layer, compiled, x, gy)
-    torch._dynamo.reset()
+    return layer.bfloat16().train(), x, gy
 
+
+def _assert_close_runs(got, want):
+    """Two `_run` results agree to bf16 accuracy; the expert counts exactly."""
     def close(a, b):
         return torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
 
@@ -76,6 +77,16 @@ def check_dropless_block_compiles_whole():
     assert want[2].keys() == got[2].keys() and all(close(got[2][n], want[2][n]) for n in want[2])
     assert torch.equal(got[3][2], want[3][2])  # expert counts: exact
     assert close(got[3][0], want[3][0]) and close(got[3][1], want[3][1])
+
+
+def check_dropless_block_compiles_whole():
+    layer, x, gy = _bf16_block()
+    want = _run(layer, layer, x, gy)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)  # raises on any graph break
+    got = _run(layer, compiled, x, gy)
+    torch._dynamo.reset()
+    _assert_close_runs(got, want)
 
 
 @pytest.mark.timeout(300)
@@ -89,15 +100,7 @@ def check_capacity_block_compiles_in_parts():
     eager): output, gradients and statistics equal eager's, the same pairs dropped."""
     from torch._dynamo.utils import counters
 
-    cfg = GPTConfig(arch="llama", hidden_size=64, num_heads=2, num_experts=8, top_k=2, moe_ffn_hidden_size=32,
-                    shared_experts=1, seq_len=32, aux_loss_coef=0.01, z_loss_coef=0.001, capacity_factor=1.0)
-    mesh = single_process_mesh()
-    layer = MoELayer(cfg.moe(), mesh)
-    initialize_parameters(layer, 5, mesh)
-    layer = layer.bfloat16().train()
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(32, 2, 64, generator=gen).bfloat16()
-    gy = torch.randn(32, 2, 64, generator=gen).bfloat16()
+    layer, x, gy = _bf16_block(capacity_factor=1.0)
     want = _run(layer, layer, x, gy)
     want_dropped = layer.last_dropped.clone()
     torch._dynamo.reset()
@@ -107,14 +110,7 @@ def check_capacity_block_compiles_in_parts():
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # router, experts
     assert 0 < float(want_dropped) < 1 and torch.equal(layer.last_dropped, want_dropped)
     torch._dynamo.reset()
-
-    def close(a, b):
-        return torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
-
-    assert close(got[0], want[0]) and close(got[1], want[1])
-    assert want[2].keys() == got[2].keys() and all(close(got[2][n], want[2][n]) for n in want[2])
-    assert torch.equal(got[3][2], want[3][2])  # expert counts: exact
-    assert close(got[3][0], want[3][0]) and close(got[3][1], want[3][1])
+    _assert_close_runs(got, want)
 
 
 def test_add_counts_counts_every_index():
