@@ -507,7 +507,13 @@ def count_host_ops(events, cuda: bool, top: int = 25) -> dict:
         names[e.name.split("::", 1)[1]] += 1
     forward = sum(1 for e in ops if e.time_range.start < bwd_start)
     launches = sum(1 for e in events if "LaunchKernel" in e.name) if cuda else None  # cudaLaunchKernel(Ex), cuLaunchKernel
+    gemm_starts = [e.time_range.start for e in ops if "grouped_mm" in e.name or "bmm" in e.name]
+    first_gemm = min(gemm_starts) if gemm_starts else None
     return {"forward": forward, "backward": len(ops) - forward, "total": len(ops), "kernel_launches": launches,
+            # ops the host issues before the first expert GEMM (torch's grouped_mm or the padded bmm;
+            # None for the Triton kernel, no aten op): an iteration that starts on an idle GPU waits
+            # for them before the first large kernel
+            "before_first_gemm": None if first_gemm is None else sum(1 for e in ops if e.time_range.start < first_gemm),
             "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))),
             "device_kernels": _device_kernels(device_events, top) if device_events else None}
 

@@ -222,6 +222,13 @@ def test_host_ops_counts_dispatched_operators_not_views_or_inner_casts():
     # mm, square, sum and backward()'s seed gradient (ones_like, before the engine starts); then the gradients
     assert ops["forward"] == 4 and ops["by_op"]["ones_like"] == 1 and ops["backward"] > 0
     assert ops["total"] == ops["forward"] + ops["backward"] == sum(ops["by_op"].values())
+    assert ops["before_first_gemm"] is None  # no grouped GEMM in this step
+
+    def grouped():
+        y = x.square().exp()  # two ops, then the GEMM
+        torch.bmm(y.view(2, 3, 4), w.detach().expand(2, 4, 3)).sum()
+
+    assert bench.host_ops(grouped, cpu)["before_first_gemm"] == 2
 
 
 def test_device_kernels_rank_kernels_by_summed_device_time():
