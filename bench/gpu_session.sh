@@ -118,11 +118,10 @@ EOF
     }
     moe moe_bf16 moe_layer_bf16.json bf16
     moe moe_large moe_layer_large_bf16.json bf16 "${large[@]}"
-    # the block compiled, then a small MoE model's training step eager and compiled: one shell
-    # line (timeout runs commands, not functions), each part's JSON on its own line
+    # The block compiled, then a small MoE model's training step eager and compiled, then the
+    # same with a capacity (compile_moe's router-and-experts mode): one shell line (timeout runs
+    # commands, not functions), each part's JSON on its own line.
     local throughput=(python3 bench/throughput.py "${train[@]}" --device "$device" --precision bf16 --kernels auto)
-    # Then compile_moe's other mode, on one GPU: a capacity's host sync keeps the layer eager and
-    # compiles its router and experts (what every layout with ep > 1 gets), eager then compiled.
     step moe_compile moe_layer_compile_bf16.json bash -c "$(printf '%q ' python3 bench/moe_layer.py \
         --device "$device" --dtype bf16 --kernels auto --peer --rounds "$rounds" "${moe_size[@]}" "${moe_extra[@]}" \
         --compile reduce-overhead) && $(printf '%q ' "${throughput[@]}") && $(printf '%q ' "${throughput[@]}" --compile-moe) \

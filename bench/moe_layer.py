@@ -69,8 +69,8 @@ from meshtron.kernels import selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
-from meshtron.moe.layer import MoELayer  # noqa: E402
 from meshtron.moe.experts import grouped_backend  # noqa: E402
+from meshtron.moe.layer import MoELayer  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
@@ -474,8 +474,9 @@ def host_ops(step, device: torch.device) -> dict:
 
 def count_host_ops(events, cuda: bool, top: int = 25) -> dict:
     """Operators one forward + backward dispatched from the host, from its profile's
-    `events` (CPU ones; device ones feed `device_kernels`): top-level aten / c10d ops (not nested in another op; a dtype conversion `to`
-    counts as its `_to_copy`), views and metadata reads left out. On a GPU each is about one
+    `events` (CPU ones; device ones feed `device_kernels`): top-level aten / c10d ops (not
+    nested in another op; a dtype conversion `to` counts as its `_to_copy`), views and
+    metadata reads left out. On a GPU each is about one
     kernel launch; at small shapes, where a kernel takes a few microseconds, the block's time is
     then the host's dispatch time, so this count predicts the GPU ratio better than CPU timings
     do. On CUDA `kernel_launches` counts the runtime's kernel launches as well (Triton kernels

@@ -125,10 +125,8 @@ class MoELayer(nn.Module):
         over, runs eagerly between the router's two graphs. Parameters, state dict and hooks
         stay the modules' own (`nn.Module.compile`). Rows per expert vary from step to step
         at ep > 1: the experts' graph recompiles once with a dynamic row count."""
-        mesh = self.mesh
-        local_stats = self.scope.stats_ranks == 1
-        if (local_stats and self.cfg.capacity_factor is None and mesh.tp_size == 1 and mesh.cp_size == 1
-                and mesh.par.ep == 1 and mesh.par.etp == 1):
+        local_stats = self.scope.stats_ranks == 1  # also means tp = cp = 1: they shard the statistics
+        if local_stats and self.cfg.capacity_factor is None and self.mesh.par.ep == 1 and self.mesh.par.etp == 1:
             self.compile(fullgraph=True)
             return "layer"
         if not local_stats:

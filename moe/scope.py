@@ -51,7 +51,7 @@ class AuxLossScope:
     stats_group: object
     replica_group: object
     per_sequence: bool
-    stats_ranks: int = 1
+    stats_ranks: int
 
     @property
     def replicas(self) -> int:
