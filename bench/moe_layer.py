@@ -281,7 +281,8 @@ def _wrap(region: str, fn):
 
 def instrument(layer: MoELayer) -> None:
     """Mark the layer's parts with record_function regions (instance attributes only; moe/ is untouched)."""
-    layer.router.forward = _wrap("router", layer.router.forward)
+    layer.router.route = _wrap("router", layer.router.route)            # the expert choice
+    layer.router.statistics = _wrap("router", layer.router.statistics)  # balancing statistics, after the experts
     layer.dispatcher.dispatch = _wrap("dispatch", layer.dispatcher.dispatch)  # plan rows, start the all-to-all
     layer.dispatcher.receive = _wrap("dispatch", layer.dispatcher.receive)    # wait, expand rows to pairs
     layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)     # weighted row sums, start the return
@@ -480,8 +481,9 @@ def count_host_ops(events, cuda: bool, top: int = 25) -> dict:
     kernel launch; at small shapes, where a kernel takes a few microseconds, the block's time is
     then the host's dispatch time, so this count predicts the GPU ratio better than CPU timings
     do. On CUDA `kernel_launches` counts the runtime's kernel launches as well (Triton kernels
-    included, which are no aten ops), and `device_kernels` lists the `top` kernels by summed device
-    time (name, calls, ms) with the total of all: where the GPU spends the iteration."""
+    included, which are no aten ops), `device_kernels` lists the `top` kernels by summed device
+    time (name, calls, ms) with the total of all: where the GPU spends the iteration, and
+    `device_idle` where it waits for the host instead (`_device_idle`)."""
     device_events = [e for e in events if _is_device_work(e)]
     events = [e for e in events if e.device_type.name == "CPU"]
     bwd_start = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
@@ -516,7 +518,8 @@ def count_host_ops(events, cuda: bool, top: int = 25) -> dict:
             # for them before the first large kernel
             "before_first_gemm": None if first_gemm is None else sum(1 for e in ops if e.time_range.start < first_gemm),
             "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))),
-            "device_kernels": _device_kernels(device_events, top) if device_events else None}
+            "device_kernels": _device_kernels(device_events, top) if device_events else None,
+            "device_idle": _device_idle(device_events, ops, bwd_start) if device_events and ops else None}
 
 
 def _device_kernels(device_events, top: int) -> dict:
@@ -529,6 +532,34 @@ def _device_kernels(device_events, top: int) -> dict:
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     return {"total_ms": round(sum(ms for _, (_, ms) in ranked), 3), "kernels": len(device_events),
             "top": [{"name": name[:120], "calls": calls, "ms": round(ms, 3)} for name, (calls, ms) in ranked[:top]]}
+
+
+def _device_idle(device_events, ops, bwd_start: float, min_gap_us: float = 10.0, top: int = 8) -> dict:
+    """Where the device waits for the host in one iteration: from the first host op's start to
+    the last kernel's end, the gaps of at least `min_gap_us` between the busy intervals (the
+    union of the kernels). `idle_ms` sums them, `before_first_kernel_ms` is the first; `gaps`
+    lists the `top` longest in time order: where (ms from the first op; forward or backward),
+    how long, the kernel that ended the wait (its start gives the phase) and the host ops that
+    started during the wait."""
+    start = min(e.time_range.start for e in ops)
+    kernels = sorted(device_events, key=lambda e: e.time_range.start)
+    busy_until, gaps = start, []
+    for k in kernels:
+        if k.time_range.start - busy_until >= min_gap_us:
+            gaps.append((busy_until, k.time_range.start, k.name))
+        busy_until = max(busy_until, k.time_range.end)
+    first = kernels[0].time_range.start - start
+
+    def described(gap):
+        begin, end, name = gap
+        return {"at_ms": round((begin - start) / 1e3, 3), "ms": round((end - begin) / 1e3, 3),
+                "phase": "forward" if end < bwd_start else "backward", "next_kernel": name[:80],
+                "host_ops_started": sum(1 for e in ops if begin <= e.time_range.start < end)}
+
+    longest = sorted(sorted(gaps, key=lambda g: g[0] - g[1])[:top])
+    return {"span_ms": round((busy_until - start) / 1e3, 3),
+            "idle_ms": round(sum(end - begin for begin, end, _ in gaps) / 1e3, 3),
+            "before_first_kernel_ms": round(first / 1e3, 3), "gaps": [described(g) for g in longest]}
 
 
 # ---------------------------------------------------------------- main

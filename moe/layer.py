@@ -119,7 +119,7 @@ class MoELayer(nn.Module):
         """Put this layer under torch.compile (`trainer.compile_moe`) and say how: "layer", the
         whole layer as one graph (`fullgraph`), where it has no collective and no host sync
         (dropless, tp = cp = ep = etp = 1, routing statistics local to the rank); else "parts":
-        the router and the experts, the computation between the dispatch's collectives and
+        the router's two halves (routing, statistics) and the experts, the computation between the dispatch's collectives and
         host sync, which stay eager (as do capacity, the shared experts and the sequence
         scatter/gather). The router's statistics all-reduce, where it has ranks to reduce
         over, runs eagerly between the router's two graphs. Parameters, state dict and hooks
@@ -131,7 +131,9 @@ class MoELayer(nn.Module):
             return "layer"
         if not local_stats:
             self.router.reduce_stats = torch.compiler.disable(all_reduce_stats)
-        self.router.compile(fullgraph=local_stats)
+        router = self.router  # the layer calls its two halves apart: each compiled on the instance
+        router.route = torch.compile(router.route, fullgraph=True)
+        router.statistics = torch.compile(router.statistics, fullgraph=local_stats)
         self.experts.compile(fullgraph=True)
         return "parts"
 
@@ -143,25 +145,22 @@ class MoELayer(nn.Module):
             x = scatter_to_sequence(x, mesh.tp)
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routed = self.router(x, self.scope.stats_group, per_sequence=self.scope.per_sequence)
-        pair_expert = routed.topk_idx.reshape(-1)  # token-major: pair i is a choice of token i // k
-        pair_weight = routed.topk_weight.reshape(-1)
+        routing = self.router.route(x)
+        pair_expert = routing.topk_idx.view(-1)  # token-major: pair i is a choice of token i // k
+        pair_weight = routing.topk_weight.view(-1)
         keep = None
-        if self.cfg.capacity_factor is None:  # dropless: nothing to count, no collective
-            self.last_dropped = torch.zeros((), device=x.device)
-        else:
+        if self.cfg.capacity_factor is not None:  # dropless: nothing to count, no collective
             full_seq = s * mesh.tp_size * mesh.cp_size
             capacity = capacity_for(full_seq, self.cfg.num_experts, k, self.cfg.capacity_factor)
             if mesh.cp_size > 1:  # this rank's tokens: a tp piece of its 2 cp chunks
-                keep = capacity_keep_mask_cp(routed.topk_idx.view(s, b, k), self.cfg.num_experts, capacity, mesh)
+                keep = capacity_keep_mask_cp(routing.topk_idx, self.cfg.num_experts, capacity, mesh)
             else:
-                keep = capacity_keep_mask(routed.topk_idx.view(s, b, k), self.cfg.num_experts, capacity, mesh.tp)
+                keep = capacity_keep_mask(routing.topk_idx, self.cfg.num_experts, capacity, mesh.tp)
             keep = keep.reshape(-1)  # dropped pairs are not sent (the dispatcher filters them)
             kept = keep.sum().to(torch.float32)
             counts = all_reduce_stats(torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]),
                                       mesh.tp_dp)
             self.last_dropped = 1.0 - counts[0] / counts[1]
-        self.last_router = routed
 
         # Over NCCL the all-to-alls run asynchronously: the shared experts' up/gate half runs
         # while the tokens travel to the experts, their down half while the outputs travel
@@ -170,6 +169,13 @@ class MoELayer(nn.Module):
         shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
         rows, group_sizes = self.dispatcher.receive(in_flight)
         in_flight = self.dispatcher.combine(self.experts(rows, group_sizes), in_flight)
+        # The balancing statistics (and their all-reduce) feed only the losses: issued once the
+        # expert GEMMs are queued, so that a GPU starting this layer idle waits for the routing's
+        # few ops before its first large kernel, not for these.
+        self.last_router = self.router.statistics(routing, self.scope.stats_group,
+                                                  per_sequence=self.scope.per_sequence)
+        if keep is None:
+            self.last_dropped = torch.zeros((), device=x.device)
         shared_out = self.shared.output(shared_hidden) if self.shared is not None else None
         out = self.dispatcher.finish(in_flight).view(s, b, h)
         if shared_out is not None:

@@ -1,12 +1,14 @@
 """MoE router: linear gate -> scores -> top-k experts per token, with balancing losses.
 
-All router math runs in fp32 whatever the activation dtype. The balancing statistics
-(expert counts, mean router probabilities, token count) pool one token set (a microbatch, a
-sequence, or microbatch j of every dp rank: the aux-loss scope, moe/scope.py) and are
-*global over the stats group* (the ranks holding shards of that set), obtained with one
-non-differentiable `all_reduce_stats` per forward; no activations are communicated. Each rank returns a differentiable *contribution* to each
-loss such that the contributions sum (over the stats group) to the single-process loss, so
-gradients summed over the group equal the single-process gradient.
+All router math runs in fp32 whatever the activation dtype, under autocast too (the gate
+GEMM [T, h] x [h, E] is small, and 16-bit logits would tie and flip top-k choices). The
+balancing statistics (expert counts, mean router probabilities, token count) pool one token
+set (a microbatch, a sequence, or microbatch j of every dp rank: the aux-loss scope,
+moe/scope.py) and are *global over the stats group* (the ranks holding shards of that set),
+obtained with one non-differentiable `all_reduce_stats` per forward; no activations are
+communicated. Each rank returns a differentiable *contribution* to each loss such that the
+contributions sum (over the stats group) to the single-process loss, so gradients summed
+over the group equal the single-process gradient.
 
 Tie-breaking: experts are chosen by a stable descending sort of the selection scores, so
 among equal scores the lower expert index wins, on every device and layout.
@@ -14,6 +16,7 @@ among equal scores the lower expert index wins, on every device and layout.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,22 @@ from meshtron.mpu.init import normal_init, stable_seed, tag
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.recompute import is_replaying
 from meshtron.rules import raise_first
+
+
+@dataclass
+class Routing:
+    """What `TopKRouter.route` returns: the expert choice, and what its statistics read.
+
+    topk_idx: LongTensor [..., k], chosen experts, best first.
+    topk_weight: fp32 [..., k], combine weights (differentiable w.r.t. router weight and x).
+    logits / probs: fp32 [T, E] (T = tokens), the gate logits and the router probabilities
+        P of the aux loss (differentiable).
+    """
+
+    topk_idx: torch.Tensor
+    topk_weight: torch.Tensor
+    logits: torch.Tensor
+    probs: torch.Tensor
 
 
 @dataclass
@@ -132,22 +151,19 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, stats_group, num_microbatches: int = 1, *,
                 per_sequence: bool = False) -> RouterOutput:
-        """Route the tokens x [..., h] (the MoE layer passes [s, b, h]) of this rank.
+        """Route the tokens x [..., h] of this rank and compute their balancing statistics:
+        `statistics(route(x), ...)`. The MoE layer calls the two halves apart, so that the
+        statistics are issued after the expert GEMMs (see `statistics`)."""
+        return self.statistics(self.route(x), stats_group, num_microbatches, per_sequence=per_sequence)
 
-        `stats_group` holds the ranks with the other shards of the pooled tokens (None: this
-        rank holds them all); the balancing statistics are all-reduced over it (one
-        `all_reduce_stats`). `per_sequence` pools one statistic per sequence (dim 1 of a
-        [s, b, h] input; the aux loss is their mean) instead of one over all tokens. Losses
-        are divided by `num_microbatches` so that summing them over microbatches gives the
-        mean over the step.
-        """
+    def route(self, x: torch.Tensor) -> Routing:
+        """The expert choice of the tokens x [..., h] (the MoE layer passes [s, b, h]): top-k
+        experts and combine weights per token. No communication."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"router input has hidden size {x.shape[-1]}, expected {self.hidden_size}")
-        if per_sequence and x.dim() != 3:
-            raise ValueError(f"per-sequence statistics need tokens [s, b, h], got shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        E, k = self.num_experts, self.top_k
-        logits = F.linear(x.reshape(-1, self.hidden_size).float(), self.weight.float())  # [T, E]
+        k = self.top_k
+        with _without_autocast(x.device.type):  # the gate GEMM in fp32 under autocast too
+            logits = F.linear(x.reshape(-1, self.hidden_size).float(), self.weight.float())  # [T, E]
 
         if self.score == "softmax":
             scores = torch.softmax(logits, dim=-1)
@@ -161,50 +177,70 @@ class TopKRouter(nn.Module):
         if self.groups:
             select = self._limit_to_top_groups(select)
         # Stable descending sort: equal scores keep index order, so the lower expert wins.
-        topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
+        # Contiguous once here: the statistics and the dispatch both flatten it.
+        topk_idx = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
         topk_weight = scores.gather(-1, topk_idx)
         if self.score == "sigmoid" or self.renormalize:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        return Routing(topk_idx.view(*x.shape[:-1], k), topk_weight.view(*x.shape[:-1], k), logits, probs)
+
+    def statistics(self, routing: Routing, stats_group, num_microbatches: int = 1, *,
+                   per_sequence: bool = False) -> RouterOutput:
+        """The balancing statistics and losses of `routing` (this rank's `route` output).
+
+        `stats_group` holds the ranks with the other shards of the pooled tokens (None: this
+        rank holds them all); the statistics are all-reduced over it (one `all_reduce_stats`,
+        through the `reduce_stats` hook). `per_sequence` pools one statistic per sequence (dim
+        1 of [s, b, h] tokens; the aux loss is their mean) instead of one over all tokens.
+        Losses are divided by `num_microbatches` so that summing them over microbatches gives
+        the mean over the step. Nothing in the expert computation needs these, so the MoE
+        layer issues them after the expert GEMMs: on a GPU that starts a layer idle, the first
+        large kernel then waits only for the routing's ops.
+        """
+        lead, logits, probs = routing.topk_idx.shape[:-1], routing.logits, routing.probs
+        if per_sequence and len(lead) != 2:
+            raise ValueError(f"per-sequence statistics need tokens [s, b, h], got {len(lead) + 1} dims")
+        E, k = self.num_experts, self.top_k
+        topk_idx = routing.topk_idx.view(-1, k)
 
         # Local statistics per pooled set ([S, E]: S = sequences, or 1), written straight into
         # the one fp64 vector that is all-reduced: [counts | prob_sum | sum lse^2 | tokens].
+        # Every step below is one tensor op (a kernel launch on a GPU), so they are few.
         T_local = logits.shape[0]
         S = lead[1] if per_sequence else 1
         local = torch.zeros(2 * S * E + 2, device=logits.device, dtype=torch.float64)
         cell = topk_idx  # [T, k] -> cell of the [S, E] counts; tokens are [s, b] flattened, sequence b = t % S
         if S > 1:
             cell = topk_idx + E * (torch.arange(T_local, device=logits.device) % S).unsqueeze(1)
-        add_counts(local[:S * E], cell.reshape(-1))  # exact integer counts
+        add_counts(local[:S * E], cell.view(-1))  # exact integer counts
         prob_sum = probs.view(-1, S, E).sum(0)  # [S, E], differentiable
-        local[S * E:2 * S * E].copy_(prob_sum.detach().reshape(-1))
+        local[S * E:2 * S * E].copy_(prob_sum.detach().view(-1))
         lse_sq_sum = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable
         local[2 * S * E].copy_(lse_sq_sum.detach())
-        local[2 * S * E + 1] = float(T_local)
-        glob = self.reduce_stats(local, stats_group)
-        counts_g, prob_sum_g = glob[:S * E].view(S, E), glob[S * E:2 * S * E].view(S, E)
-        lse_sq_g, T_g = glob[2 * S * E], glob[2 * S * E + 1]
-        T_set = T_g / S  # tokens of one pooled set (all ranks)
+        local[-1:].fill_(T_local)
+        glob = local if stats_group is None else self.reduce_stats(local, stats_group)
+        counts_g, prob_sum_g = glob[:S * E].view(S, E), glob[S * E:2 * S * E]
+        lse_sq_g, T_g = glob[2 * S * E], glob[-1]
 
         # aux = E * sum_i f_i P_i per set, averaged over the S sets, with f = counts / (T_set k)
-        # (no grad, as in Switch) and P = prob_sum / T_set: E S / (k T_g^2) * sum(counts * prob_sum).
-        # Written with as few tensor ops as that allows (each is a kernel launch on a GPU).
-        weight = counts_g / T_g.square()  # fp64, no grad
-        aux_contrib = (weight.float() * prob_sum).sum() * (E * S / k)
-        z_contrib = lse_sq_sum / T_g.float()
+        # (no grad, as in Switch) and P = prob_sum / T_set, T_set = T_g / S:
+        # sum(weight * prob_sum) with weight = counts * E S / (k T_g^2).
+        weight = counts_g.view(-1) / (T_g.square() * (k / (E * S)))  # fp64, no grad
         with torch.no_grad():
-            aux_value, z_value = (torch.stack([(weight * prob_sum_g).sum() * (E * S / k), lse_sq_g / T_g])
-                                  .float().unbind())
+            values = torch.stack([torch.dot(weight, prob_sum_g), lse_sq_g / T_g, T_g]).float()
+            aux_value, z_value, T_g32 = values.unbind()
             tokens_per_expert = counts_g.sum(0, dtype=torch.float32)
             if self.training and not is_replaying():  # a recomputation must not count the load twice
                 self.step_load += tokens_per_expert
 
-        zero = logits.new_zeros(())
         per_layer_aux = self.aux_loss_coef > 0 and not self.pooled_aux
-        aux_loss = aux_contrib * (self.aux_loss_coef / num_microbatches) if per_layer_aux else zero
-        z_loss = z_contrib * (self.z_loss_coef / num_microbatches) if self.z_loss_coef > 0 else zero
+        zero = None if per_layer_aux and self.z_loss_coef > 0 else logits.new_zeros(())
+        aux_loss = (torch.dot(weight.float(), prob_sum.view(-1)) * (self.aux_loss_coef / num_microbatches)
+                    if per_layer_aux else zero)
+        z_loss = lse_sq_sum * (self.z_loss_coef / num_microbatches) / T_g32 if self.z_loss_coef > 0 else zero
         return RouterOutput(
-            topk_idx=topk_idx.reshape(*lead, k),
-            topk_weight=topk_weight.reshape(*lead, k),
+            topk_idx=routing.topk_idx,
+            topk_weight=routing.topk_weight,
             aux_loss=aux_loss,
             z_loss=z_loss,
             aux_value=aux_value,
@@ -213,8 +249,8 @@ class TopKRouter(nn.Module):
             tokens_total=T_g,
             set_counts=counts_g,
             set_prob_sum=prob_sum,
-            set_prob_sum_global=prob_sum_g,
-            tokens_per_set=T_set,
+            set_prob_sum_global=prob_sum_g.view(S, E),
+            tokens_per_set=T_g if S == 1 else T_g / S,
         )
 
     def _limit_to_top_groups(self, select: torch.Tensor) -> torch.Tensor:
@@ -242,6 +278,13 @@ class TopKRouter(nn.Module):
         if self.bias_update_rate > 0:
             self.expert_bias += self.bias_update_rate * torch.sign(self.step_load.mean() - self.step_load)
         self.step_load.zero_()
+
+
+def _without_autocast(device_type: str):
+    """A context that turns autocast off on `device_type` where it is on (else does nothing)."""
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def pooled_aux_loss(outputs: list[RouterOutput], prob_sums: list[torch.Tensor], num_experts: int,

@@ -252,3 +252,28 @@ def test_device_kernels_rank_kernels_by_summed_device_time():
                    "top": [{"name": "gemm", "calls": 2, "ms": 1.0}, {"name": "copy", "calls": 1, "ms": 0.3}]}
     cpu_event = NS(name="aten::mm", device_type=NS(name="CPU"), time_range=NS(start=0, end=1), cpu_parent=None)
     assert bench.count_host_ops([cpu_event, region] + events, cuda=True)["device_kernels"]["kernels"] == 4
+
+
+def test_device_idle_finds_the_gaps_between_busy_kernels():
+    """bench/moe_layer.py `_device_idle`: from the first host op to the last kernel, the gaps
+    of at least 10 us in the union of the (possibly overlapping) kernels, the host ops that
+    started in each, forward or backward by the autograd engine's start."""
+    import importlib.util
+    from types import SimpleNamespace as NS
+
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def event(name, start, end):
+        return NS(name=name, time_range=NS(start=start, end=end))
+
+    ops = [event("aten::mm", t, t + 2) for t in (0, 20, 30, 500, 520)]
+    kernels = [event("gemm", 40, 300), event("silu", 100, 310), event("copy", 315, 400),  # 5 us: no gap
+               event("mm_bwd", 600, 1000)]
+    got = bench._device_idle(kernels, ops, bwd_start=450)
+    assert got == {"span_ms": 1.0, "idle_ms": 0.24, "before_first_kernel_ms": 0.04,
+                   "gaps": [{"at_ms": 0.0, "ms": 0.04, "phase": "forward", "next_kernel": "gemm", "host_ops_started": 3},
+                            {"at_ms": 0.4, "ms": 0.2, "phase": "backward", "next_kernel": "mm_bwd",
+                             "host_ops_started": 2}]}
+    assert bench._device_idle(kernels, ops, bwd_start=450, top=1)["gaps"][0]["ms"] == 0.2  # the longest

@@ -96,8 +96,9 @@ def test_capacity_block_compiles_in_parts_and_equals_eager():
 
 def check_capacity_block_compiles_in_parts():
     """With a capacity the layer syncs the host (the kept pairs), so `compile_moe` compiles its
-    router and experts ("parts", two graphs; the capacity, dispatch and shared expert stay
-    eager): output, gradients and statistics equal eager's, the same pairs dropped."""
+    router and experts ("parts", three graphs: the routing, the router's statistics, the
+    experts; the capacity, dispatch and shared expert stay eager): output, gradients and
+    statistics equal eager's, the same pairs dropped."""
     from torch._dynamo.utils import counters
 
     layer, x, gy = _bf16_block(capacity_factor=1.0)
@@ -107,7 +108,7 @@ def check_capacity_block_compiles_in_parts():
     counters.clear()
     assert layer.compile_moe() == "parts"
     got = _run(layer, layer, x, gy)
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # router, experts
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])  # routing, statistics, experts
     assert 0 < float(want_dropped) < 1 and torch.equal(layer.last_dropped, want_dropped)
     torch._dynamo.reset()
     _assert_close_runs(got, want)
@@ -221,6 +222,7 @@ def test_compile_moe_compiles_the_whole_layer_only_where_it_traces(monkeypatch, 
 
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((type(self).__name__, kw)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append((fn.__name__, kw)) or fn)
     monkeypatch.setattr(torch.compiler, "disable", lambda fn: ("eager", fn))
     mesh = virtual_mesh(ParallelConfig(**par), 2 if par else 1, 0)
     cfg = GPTConfig(arch="llama", hidden_size=64, num_heads=2, num_experts=8, top_k=2, moe_ffn_hidden_size=32,
@@ -231,7 +233,8 @@ def test_compile_moe_compiles_the_whole_layer_only_where_it_traces(monkeypatch, 
         assert compiled == [("MoELayer", {"fullgraph": True})]
         return
     reduced = (scope == "global" and par.get("dp", 1) > 1) or par.get("tp", 1) > 1
-    assert compiled == [("TopKRouter", {"fullgraph": not reduced}), ("GroupedExperts", {"fullgraph": True})]
+    assert compiled == [("route", {"fullgraph": True}), ("statistics", {"fullgraph": not reduced}),
+                        ("GroupedExperts", {"fullgraph": True})]
     assert layer.router.reduce_stats == (("eager", all_reduce_stats) if reduced else all_reduce_stats)
 
 

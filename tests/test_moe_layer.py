@@ -121,6 +121,39 @@ def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
     return cfg, layer
 
 
+def test_statistics_are_issued_after_the_first_expert_gemm():
+    """A GPU that starts the layer idle waits for the ops issued before its first large
+    kernel: only the routing (gate GEMM, softmax, top-k, weights) and the ep = 1 dispatch
+    (pair sort, counts, row gather, offsets) come before the first expert GEMM; the balancing
+    statistics (logsumexp, the counts' scatter into the stats vector, the aux arithmetic)
+    after it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"slice", "view", "alias", "detach", "_unsafe_view", "select", "t", "transpose", "unsqueeze",
+             "expand", "reshape", "unbind", "as_strided", "permute", "empty_like"}
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in views:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    cfg, layer = _layer("swiglu")
+    layer.router.aux_loss_coef = layer.router.z_loss_coef = 0.01
+    x = torch.randn(8, 2, 16)
+    with Log() as log:
+        layer(x)
+    first_gemm = log.ops.index("_grouped_mm")
+    before = log.ops[:first_gemm]
+    assert "logsumexp" not in before and "logsumexp" in log.ops[first_gemm:], " ".join(log.ops)
+    assert len(before) <= 16, " ".join(before)  # 47 when the statistics came first
+
+
 def ffn(layer, e, x):
     ex = layer.experts
     up = x @ ex.w_up[e]

@@ -256,6 +256,35 @@ def test_fp32_math_and_leading_dims():
     assert x.grad is not None and r.weight.grad is not None
 
 
+def test_router_computes_in_fp32_under_autocast():
+    """The gate GEMM runs in fp32 under autocast too: choices, weights and losses equal the
+    fp32 router's exactly (a bf16 gate GEMM would round the logits)."""
+    torch.manual_seed(4)
+    r = TopKRouter(32, 8, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
+    x = torch.randn(64, 32)
+    want = r(x, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = r(x, None)
+    assert got.topk_weight.dtype == torch.float32
+    assert torch.equal(got.topk_idx, want.topk_idx) and torch.equal(got.topk_weight, want.topk_weight)
+    assert torch.equal(got.aux_loss, want.aux_loss) and torch.equal(got.z_loss, want.z_loss)
+
+
+def test_forward_is_route_then_statistics():
+    """`forward` = `statistics(route(x))`, the two halves the MoE layer calls apart."""
+    torch.manual_seed(5)
+    r = TopKRouter(16, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01)
+    x = torch.randn(6, 3, 16)
+    whole = r(x, None, 2, per_sequence=True)
+    routing = r.route(x)
+    halves = r.statistics(routing, None, 2, per_sequence=True)
+    assert routing.topk_idx.shape == (6, 3, 2) and torch.equal(halves.topk_idx, whole.topk_idx)
+    for name in ("topk_weight", "aux_loss", "z_loss", "aux_value", "z_value", "tokens_per_expert", "set_counts"):
+        assert torch.equal(getattr(halves, name), getattr(whole, name)), name
+    with pytest.raises(ValueError, match=r"per-sequence statistics need tokens \[s, b, h\]"):
+        r.statistics(r.route(x.view(18, 16)), None, per_sequence=True)
+
+
 # ---------------------------------------------------------------- aux-loss-free bias
 
 def test_update_expert_bias_exact():
