@@ -55,7 +55,7 @@ _INTERPRETER_REMOVED = __name__ == "__main__" and os.environ.pop("TRITON_INTERPR
 import torch  # noqa: E402
 
 SECTIONS = ("kernels", "steps", "card", "bench")
-KERNELS = ("layer_norm", "rms_norm", "linear_gelu", "linear_swiglu", "cross_entropy", "grouped_gemm")
+KERNELS = ("layer_norm", "rms_norm", "linear_gelu", "linear_swiglu", "cross_entropy", "grouped_gemm", "swiglu")
 FAMILIES = ("gpt2", "llama", "moe")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Training-step comparison (triton vs torch backend, same step): relative error of the loss
@@ -82,7 +82,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype) -> dict:
     """{kernel: (triton_fn, torch_fn, args)} on inputs shaped like one TP shard of a small
     model: 1024 tokens, hidden 1024, ffn 1536, a 4096-column vocab shard whose last 96
     columns are padding with some ignored targets, 4 expert groups of uneven size (one empty)."""
-    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
 
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -118,6 +118,8 @@ def kernel_cases(device: torch.device, dtype: torch.dtype) -> dict:
         "grouped_gemm": (lambda a, c, s: grouped_gemm.grouped_gemm(a, c, s, backend="triton"),
                          lambda a, c, s: grouped_gemm.grouped_gemm(a, c, s, backend="torch"),
                          (randn(tokens, h), gw, sizes)),
+        "swiglu": (lambda a, c: swiglu.swiglu(a, c, backend="triton"), lambda a, c: swiglu.swiglu(a, c, backend="torch"),
+                   (randn(tokens, f), randn(tokens, f))),
     }
 
 

@@ -20,7 +20,7 @@ import time
 
 import torch  # noqa: E402
 
-from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms  # noqa: E402
+from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu  # noqa: E402
 from meshtron.planning.peak import peak_flops  # noqa: E402
 
 # gpt_1b at tp=4: hidden 2048, ffn 5632/4, vocab 50257 padded to 50688 -> 12672 per rank,
@@ -64,6 +64,7 @@ def cases(tokens: int, device: torch.device, dtype: torch.dtype):
     sizes = torch.tensor(per_expert, device=device)
     gx = torch.randn(sum(per_expert), H, device=device, dtype=dtype, generator=g)
     gw = torch.randn(EXPERTS, H, MOE_FFN, device=device, dtype=dtype, generator=g) * 0.02
+    gx_ffn = torch.randn(sum(per_expert), MOE_FFN, device=device, dtype=dtype, generator=g)
     elt = x.element_size()
     return [
         ("linear_gelu", lambda be: _fwd_bwd(lambda a, c, d: linear_act.linear_gelu(a, c, d, backend=be), x, w, b),
@@ -80,6 +81,9 @@ def cases(tokens: int, device: torch.device, dtype: torch.dtype):
          None, 3 * tokens * VOCAB_LOCAL * elt),
         ("grouped_gemm", lambda be: _fwd_bwd(lambda a, c: grouped_gemm.grouped_gemm(a, c, sizes, backend=be), gx, gw),
          3 * 2 * sum(per_expert) * H * MOE_FFN, None),
+        # the experts' activation on the grouped GEMM's rows: 3 [rows, ffn] tensors forward, 5 backward
+        ("swiglu", lambda be: _fwd_bwd(lambda a, c: swiglu.swiglu(a, c, backend=be), gx_ffn, gx_ffn.clone()),
+         None, 8 * sum(per_expert) * MOE_FFN * elt),
     ]
 
 

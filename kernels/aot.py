@@ -57,6 +57,8 @@ SPILL_BUDGET = {
     "_grouped_gemm_dw_kernel": 0,
     "_norm_fwd_kernel": 8,             # triton 3.6 (the GPU image's): fp32 H=8192, 2 rows on 16 warps, sm_80
     "_norm_bwd_kernel": 8,
+    "_swiglu_fwd_kernel": 0,
+    "_swiglu_bwd_kernel": 0,
     "_ce_partials_kernel": 0,
     "_ce_backward_kernel": 0,
 }
@@ -107,9 +109,9 @@ def _jit(fn):
 def _kernel_fns() -> dict:
     """name -> JITFunction of every Triton kernel in kernels/."""
     import triton
-    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
     fns = {}
-    for module in (linear_act, grouped_gemm, cross_entropy):
+    for module in (linear_act, grouped_gemm, cross_entropy, swiglu):
         for name in dir(module):
             obj = getattr(module, name)
             if name.endswith("_kernel") and hasattr(obj, "run"):
@@ -151,7 +153,7 @@ def _workload(label: str) -> None:
     import contextlib
 
     import torch
-    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, tf32
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu, tf32
     compute = {"fp32-ieee": None, "fp32-tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[label]
     tf32.set_tf32_mode("on" if label == "fp32-tf32" else "off")
     gen = torch.Generator().manual_seed(0)
@@ -168,6 +170,7 @@ def _workload(label: str) -> None:
                 linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), leaf(n), backend="triton")]
         sizes = torch.tensor([16, 0, 16, 0, 16, 0, 16, 0])
         outs.append(grouped_gemm.grouped_gemm(x, leaf(CAPTURE_EXPERTS, k, n), sizes, backend="triton"))
+        outs.append(swiglu.swiglu(leaf(rows, n, dtype=fed), leaf(rows, n, dtype=fed), backend="triton"))
         for width in NORM_WIDTHS:
             h = leaf(16, width, dtype=fed)
             outs += [norms.layer_norm(h, leaf(width), leaf(width), 1e-5, backend="triton"),
@@ -215,7 +218,7 @@ def _captured() -> list[dict]:
 def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     """(GPU candidate configs, GEMM prune shape or None) of a kernel before the GEMM pruning
     (the norms' per-thread pruning already applied)."""
-    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms
+    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
     if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel"):
         fwd, bwd = norms.gpu_norm_configs()
         block_h = launch["constexprs"]["BLOCK_H"]
@@ -224,6 +227,8 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
         return norms._prune_bwd_configs(bwd, {"BLOCK_H": block_h}), None
     if kernel.startswith("_ce_"):
         return cross_entropy.gpu_configs(), None
+    if kernel.startswith("_swiglu_"):
+        return swiglu.gpu_configs(), None
     module = grouped_gemm if kernel.startswith("_grouped") else linear_act
     shape = dict(getattr(module, kernel).early_config_prune.gemm_shape)
     if kernel == "_grouped_gemm_kernel":

@@ -63,7 +63,7 @@ __all__ = ["CHECKED", "KERNELS", "TOLERANCES", "KernelSelfCheckWarning", "CheckR
 
 # Every kernel name a call site may pass: the agreement vector has one slot per name, in this
 # order, on every rank.
-KERNELS = ("layer_norm", "rms_norm", "linear_gelu", "linear_swiglu", "cross_entropy", "grouped_gemm")
+KERNELS = ("layer_norm", "rms_norm", "linear_gelu", "linear_swiglu", "cross_entropy", "grouped_gemm", "swiglu")
 
 TOLERANCES = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 5e-2}
 

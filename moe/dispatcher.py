@@ -39,7 +39,13 @@ overlapped: the count exchange and the host sync before the start (the split siz
 known first), and the etp all-gather / reduce-scatter, which depend on the exchange.
 
 With ep = etp = 1 nothing is communicated and the pairs go straight to the grouped GEMM
-(`rows=True` forces the row path there too, for tests).
+(`rows=True` forces the row path there too, for tests). Dropless, every token has exactly
+top_k pairs, so the pairs' expert order is a permutation of the token-major order: the
+tokens are gathered into it and the expert outputs gathered back out of it
+(`gather_permuted`), each gradient by the inverse gather (and a sum of each token's top_k
+copies), with no scatter-add (atomic adds on a GPU, slow in 16 bits); each token's top_k
+outputs are weighted and summed in the activation dtype. With a capacity the kept pairs are
+no such permutation: they are summed back by `index_add`.
 """
 
 from __future__ import annotations
@@ -59,6 +65,31 @@ from meshtron.mpu.mappings import (
     reduce_scatter_rows,
 )
 from meshtron.mpu.mesh import Mesh, group_rank
+
+
+class _GatherPermuted(torch.autograd.Function):
+    """out = x[index] where `index` [N] visits every row of x [M, h] N / M times and `inverse`
+    [N] orders the gathered rows back by x's row (position i * (N / M) + j holds copy j of row
+    i): the gradient is a gather by `inverse` and a sum of each row's N / M copies."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        copies = grad.shape[0] // max(ctx.rows, 1)
+        return (grad if copies == 1 else grad.view(ctx.rows, copies, -1).sum(1)), None, None
+
+
+def gather_permuted(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x[index] (x [M, h], index [N] visiting each row N / M times, `inverse` its inverse
+    order, see `_GatherPermuted`), differentiable by gathers only. No communication."""
+    return _GatherPermuted.apply(x, index, inverse)
 
 
 @dataclass
@@ -120,8 +151,11 @@ class InFlight:
     rows: bool                                   # row path (False: pairs straight to the experts)
     # pair path
     pair_token: torch.Tensor | None = None       # [P] token of each expert-sorted pair
-    pair_weight: torch.Tensor | None = None      # [P] combine weight of each expert-sorted pair
+    pair_weight: torch.Tensor | None = None      # combine weights: [P] per expert-sorted pair with a
+                                                 # capacity, [T, k] token-major dropless
     group_sizes: torch.Tensor | None = None      # [E] pairs per expert
+    pair_order: torch.Tensor | None = None       # [T * k] dropless: token-major index of each expert-sorted pair
+    sorted_position: torch.Tensor | None = None  # [T * k] dropless: its inverse, the sorted position of each pair
     # row path
     row_token: torch.Tensor | None = None        # [R] token of each sent row
     input_splits: list[int] = field(default_factory=list)    # rows sent to each ep rank
@@ -160,17 +194,21 @@ class AllToAllDispatcher:
         with a boolean mask, whose host sync is that path's only one)."""
         T, k = tokens.shape[0], self.top_k
         if not self.rows:
-            pair = None  # index of each remaining pair in the token-major order
-            if keep is not None:
-                pair = keep.nonzero().squeeze(1)
-                pair_expert, pair_weight = pair_expert[pair], pair_weight[pair]
-            order = torch.argsort(pair_expert, stable=True)
-            pair_token = torch.div(order if pair is None else pair[order], k, rounding_mode="floor")
-            group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
-            add_counts(group_sizes, pair_expert)
             self.last_send_splits = []
-            return InFlight(tokens, False, pair_token=pair_token, pair_weight=pair_weight[order],
-                            group_sizes=group_sizes)
+            group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
+            if keep is None:  # every pair: the expert order is a permutation of the pairs
+                order = torch.argsort(pair_expert, stable=True)
+                add_counts(group_sizes, pair_expert)
+                position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+                return InFlight(tokens, False, pair_token=torch.div(order, k, rounding_mode="floor"),
+                                pair_weight=pair_weight.view(T, k), group_sizes=group_sizes,
+                                pair_order=order, sorted_position=position)
+            pair = keep.nonzero().squeeze(1)  # index of each kept pair in the token-major order
+            pair_expert, pair_weight = pair_expert[pair], pair_weight[pair]
+            order = torch.argsort(pair_expert, stable=True)
+            add_counts(group_sizes, pair_expert)
+            return InFlight(tokens, False, pair_token=torch.div(pair[order], k, rounding_mode="floor"),
+                            pair_weight=pair_weight[order], group_sizes=group_sizes)
         pair_token = torch.arange(T, device=tokens.device).repeat_interleave(k)
         plan = plan_rows(pair_expert, pair_token, T, self.num_experts, self.ep, keep)
         # Per destination: rows and pairs sent. Exchanged over ep, gathered over etp; the
@@ -215,7 +253,9 @@ class AllToAllDispatcher:
         """Wait for the rows; returns (expert inputs [N, h] sorted by local expert, group sizes
         [E_local] on device)."""
         if not state.rows:
-            return state.tokens.index_select(0, state.pair_token), state.group_sizes
+            if state.sorted_position is None:
+                return state.tokens.index_select(0, state.pair_token), state.group_sizes
+            return gather_permuted(state.tokens, state.pair_token, state.sorted_position), state.group_sizes
         rows, meta = all_to_all_wait(state.sent, state.handle)
         state.sent = ()
         if self.etp > 1:
@@ -235,6 +275,9 @@ class AllToAllDispatcher:
         """Weight and sum the expert outputs [N, h] (etp partial sums) per row and start sending
         the rows back."""
         if not state.rows:
+            if state.sorted_position is not None:
+                state.sent = (expert_out,)  # weighted in `finish`, token-major
+                return state
             weighted = (expert_out * state.pair_weight.unsqueeze(-1)).to(state.tokens.dtype)
             state.sent = (weighted,)
             return state
@@ -249,8 +292,13 @@ class AllToAllDispatcher:
     def finish(self, state: InFlight) -> torch.Tensor:
         """Wait for the rows to return; the routed output [T, h] (each token's rows summed)."""
         if not state.rows:
-            (weighted,) = state.sent
-            return torch.zeros_like(state.tokens).index_add(0, state.pair_token, weighted)
+            (out,) = state.sent
+            if state.sorted_position is None:
+                return torch.zeros_like(state.tokens).index_add(0, state.pair_token, out)
+            # expert order -> token-major [T, k, h], weighted and summed over each token's k
+            T, k = state.pair_weight.shape
+            out = gather_permuted(out, state.sorted_position, state.pair_order).view(T, k, -1)
+            return (out * state.pair_weight.to(out.dtype).unsqueeze(-1)).sum(1)
         (back,) = all_to_all_wait(state.sent, state.handle)
         state.sent = ()
         return torch.zeros_like(state.tokens).index_add(0, state.row_token, back)

@@ -19,6 +19,7 @@ from torch import nn
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED
 from meshtron.kernels.operands import compute_dtype
+from meshtron.kernels.swiglu import swiglu, swiglu_reference
 from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mesh import expert_shard_checks
 from meshtron.rules import raise_first
@@ -162,8 +163,22 @@ class GroupedExperts(nn.Module):
             return grouped_matmul(rows, weight, group_sizes, backend, offsets)
 
         up = gemm(x, self.w_up)
-        hidden = F.gelu(up, approximate="tanh") if self.w_gate is None else F.silu(gemm(x, self.w_gate)) * up
+        hidden = F.gelu(up, approximate="tanh") if self.w_gate is None else expert_swiglu(gemm(x, self.w_gate), up,
+                                                                                           self.backend)
         return gemm(hidden, self.w_down)
+
+
+def expert_swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str) -> torch.Tensor:
+    """silu(gate) * up: the fused Triton kernels (`kernels.swiglu`) under the triton backends
+    (checked once under auto), torch's ops otherwise and inside torch.compile, whose inductor
+    fuses them itself. No communication."""
+    if torch.compiler.is_compiling():
+        return swiglu_reference(gate, up)
+    return selfcheck.dispatch("swiglu", backend, _swiglu_triton, swiglu_reference, gate, up)
+
+
+def _swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return swiglu(gate, up, backend="triton")
 
 
 def expert_out_init_std(init_std: float, num_layers: int) -> float:

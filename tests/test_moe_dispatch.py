@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from meshtron.moe.dispatcher import AllToAllDispatcher, plan_rows
+from meshtron.moe.dispatcher import AllToAllDispatcher, gather_permuted, plan_rows
 from meshtron.mpu.mesh import single_process_mesh
 from tests.test_moe_layer import _layer
 
@@ -59,6 +59,39 @@ def test_rows_equal_distinct_token_destination_pairs(ep, top_k):
     row_dest = torch.zeros(sum(want_rows), dtype=torch.long).scatter(0, row, dest[order])
     assert torch.equal(row_token[row], pair_token[order]) and torch.equal(row_dest[row], dest[order])
     assert torch.all(row_dest.diff() >= 0)
+
+
+@pytest.mark.parametrize("copies", [1, 3])
+def test_gather_permuted_equals_index_select_without_scatter_adds(copies):
+    """gather_permuted(x, index, inverse) = x[index] in value and gradient, for a permutation
+    (copies 1) and for each row gathered `copies` times (the dropless dispatch, top_k copies);
+    its backward gathers (and sums each row's copies): no index_add / scatter on the way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 4, generator=gen)
+    index = torch.arange(5).repeat_interleave(copies)[torch.randperm(5 * copies, generator=gen)]
+    # inverse: positions in `index` ordered by (row, copy)
+    inverse = torch.argsort(index, stable=True)
+    grad = torch.randn(5 * copies, 4, generator=gen)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = a.index_select(0, index)
+    want.backward(grad)
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    got = gather_permuted(b, index, inverse)
+    with Log() as log:
+        got.backward(grad)
+    assert torch.equal(got, want) and torch.allclose(b.grad, a.grad, atol=1e-6)
+    assert not {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put"} & set(log.ops), log.ops
 
 
 @pytest.mark.parametrize("activation,top_k,capacity_factor,shared",
