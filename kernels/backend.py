@@ -36,6 +36,15 @@ RESOLVED = ("torch", "triton", CHECKED)
 # (strict), to measure or test them.
 AUTO_PREFERS_TORCH_ON_CUDA = frozenset({"linear_gelu", "linear_swiglu", "rms_norm", "layer_norm"})
 
+# Kernels that auto runs with Triton only on inputs of at least this many elements. The MoE
+# experts' fused SwiGLU (kernels/swiglu.py) saves ~12 bytes of memory traffic per element
+# (0.36 ms per layer forward + backward at Mixtral-8x7B's width, 117M elements, on an H200),
+# but a Triton launch costs the host far more than an aten op (0.2-0.3 ms per launch seen
+# under the profiler there, 2026-11-27). Below ~2^26 elements the saving is smaller than the
+# launch, and a host-bound step gets slower: a bf16 MoE training step with 23M-element
+# activations lost 10-20% with it on (bench/README.md, session 16).
+AUTO_TRITON_MIN_ELEMENTS = {"swiglu": 1 << 26}
+
 
 def triton_available() -> bool:
     """True when the triton package can be imported."""

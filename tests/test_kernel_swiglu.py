@@ -50,16 +50,21 @@ def test_swiglu_refuses_bad_input():
         swiglu(x, x, backend="auto")
 
 
-@pytest.mark.parametrize("backend", ["triton", "triton_checked"])
-def test_moe_experts_run_the_fused_swiglu(backend, monkeypatch):
-    """GroupedExperts with SwiGLU: the Triton backends launch the fused kernels (forward and
-    backward; auto's checked mode once its check passed) and equal the torch backend."""
+@pytest.mark.parametrize("backend, min_elements, fused", [("triton", 1 << 26, True), ("triton_checked", 0, True),
+                                                           ("triton_checked", 241, False)])
+def test_moe_experts_run_the_fused_swiglu(backend, min_elements, fused, monkeypatch):
+    """GroupedExperts with SwiGLU: kernels.backend=triton launches the fused kernels (forward
+    and backward), auto's checked mode does (once its check passed) only on activations of
+    `AUTO_TRITON_MIN_ELEMENTS` elements and more (here 10 rows x 24 = 240); every run equals
+    the torch backend."""
     from triton.runtime.autotuner import Autotuner
 
+    from meshtron.kernels import backend as kernel_backend
     from meshtron.moe.experts import GroupedExperts
     from meshtron.mpu.init import initialize_parameters
     from meshtron.mpu.mesh import single_process_mesh
 
+    monkeypatch.setitem(kernel_backend.AUTO_TRITON_MIN_ELEMENTS, "swiglu", min_elements)
     launched = []
     original = Autotuner.run
     monkeypatch.setattr(Autotuner, "run", lambda self, *a, **k: launched.append(self.base_fn.__name__)
@@ -75,7 +80,8 @@ def test_moe_experts_run_the_fused_swiglu(backend, monkeypatch):
         out.backward(torch.ones_like(out))
         results.append((out.detach(), x.grad, experts.w_gate.grad))
     selfcheck.reset()
-    assert {"_swiglu_fwd_kernel", "_swiglu_bwd_kernel"} <= set(launched), launched
+    swiglu_kernels = {"_swiglu_fwd_kernel", "_swiglu_bwd_kernel"}
+    assert (swiglu_kernels <= set(launched)) if fused else not swiglu_kernels & set(launched), launched
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
