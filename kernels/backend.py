@@ -37,12 +37,14 @@ RESOLVED = ("torch", "triton", CHECKED)
 AUTO_PREFERS_TORCH_ON_CUDA = frozenset({"linear_gelu", "linear_swiglu", "rms_norm", "layer_norm"})
 
 # Kernels that auto runs with Triton only on inputs of at least this many elements. The MoE
-# experts' fused SwiGLU (kernels/swiglu.py) saves ~12 bytes of memory traffic per element
-# (0.36 ms per layer forward + backward at Mixtral-8x7B's width, 117M elements, on an H200),
-# but a Triton launch costs the host far more than an aten op (0.2-0.3 ms per launch seen
-# under the profiler there, 2026-11-27). Below ~2^26 elements the saving is smaller than the
-# launch, and a host-bound step gets slower: a bf16 MoE training step with 23M-element
-# activations lost 10-20% with it on (bench/README.md, session 16).
+# experts' fused SwiGLU (kernels/swiglu.py) saves ~12 bytes of memory traffic per element: 0.36
+# ms of kernel time per layer forward + backward at Mixtral-8x7B's width (117M elements) on an
+# H200, where it helped the block to 1.18-1.21x the Mixtral block. In the same A/B (2026-11-27,
+# bench/README.md session 16) a bf16 MoE training step with 23M-element activations, which is
+# host-bound, ran 10-20% slower with it and the permutation dispatch on; the profiler saw no
+# single cause (a Triton launch cost the host about what an aten op did). Until a GPU A/B
+# separates the two, auto keeps the kernel to activations of that width: the saving is
+# ~0.03 ms below 2^26 elements, a few host-side calls' worth.
 AUTO_TRITON_MIN_ELEMENTS = {"swiglu": 1 << 26}
 
 

@@ -19,7 +19,6 @@ from torch import nn
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import AUTO_TRITON_MIN_ELEMENTS, CHECKED
 from meshtron.kernels.operands import compute_dtype
-from meshtron.kernels.swiglu import swiglu, swiglu_reference
 from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mesh import expert_shard_checks
 from meshtron.rules import raise_first
@@ -174,12 +173,17 @@ def expert_swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str) -> torch.T
     otherwise and inside torch.compile, whose inductor fuses them itself. No communication."""
     if torch.compiler.is_compiling() or (backend == CHECKED
                                          and gate.numel() < AUTO_TRITON_MIN_ELEMENTS["swiglu"]):
-        return swiglu_reference(gate, up)
-    return selfcheck.dispatch("swiglu", backend, _swiglu_triton, swiglu_reference, gate, up)
+        return _swiglu_torch(gate, up)
+    return selfcheck.dispatch("swiglu", backend, _swiglu_triton, _swiglu_torch, gate, up)
+
+
+def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def _swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return swiglu(gate, up, backend="triton")
+    from meshtron.kernels import swiglu  # imports Triton: only when a Triton backend runs (see _grouped_gemm_triton)
+    return swiglu.swiglu(gate, up, backend="triton")
 
 
 def expert_out_init_std(init_std: float, num_layers: int) -> float:

@@ -85,3 +85,17 @@ def test_moe_experts_run_the_fused_swiglu(backend, min_elements, fused, monkeypa
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_model_code_imports_no_triton():
+    """The model, MoE and training modules import Triton's kernel modules only when a Triton
+    backend runs: a kernel jitted before a test sets TRITON_INTERPRET=1 breaks every Triton
+    interpreter test after it (a fresh interpreter, so nothing here has imported it yet)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import meshtron.models.gpt, meshtron.moe.layer, meshtron.training.loop, "
+            "meshtron.training.step; print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
