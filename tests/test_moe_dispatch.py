@@ -13,7 +13,7 @@ import torch
 
 from meshtron.moe.dispatcher import AllToAllDispatcher, gather_permuted, plan_rows
 from meshtron.mpu.mesh import single_process_mesh
-from tests.test_moe_layer import _layer
+from tests.test_moe_layer import OpLog, _layer
 
 
 def test_both_choices_on_one_rank_send_one_row():
@@ -66,8 +66,6 @@ def test_gather_permuted_equals_index_select_without_scatter_adds(copies):
     """gather_permuted(x, index, inverse) = x[index] in value and gradient, for a permutation
     (copies 1) and for each row gathered `copies` times (the dropless dispatch, top_k copies);
     its backward gathers (and sums each row's copies): no index_add / scatter on the way."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(5, 4, generator=gen)
     index = torch.arange(5).repeat_interleave(copies)[torch.randperm(5 * copies, generator=gen)]
@@ -78,17 +76,8 @@ def test_gather_permuted_equals_index_select_without_scatter_adds(copies):
     want = a.index_select(0, index)
     want.backward(grad)
 
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     got = gather_permuted(b, index, inverse)
-    with Log() as log:
+    with OpLog() as log:
         got.backward(grad)
     assert torch.equal(got, want) and torch.allclose(b.grad, a.grad, atol=1e-6)
     assert not {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put"} & set(log.ops), log.ops
@@ -132,24 +121,9 @@ def test_after_the_host_sync_dispatch_issues_only_the_row_gather(monkeypatch, ca
     dispatch builds every send buffer before its one sync (`host_sync`) and issues only the
     row gather afterwards (plus views; the all-to-all itself is no aten op over gloo/NCCL
     here: one process). Capacity drops included: their rows sort after the kept ones."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from meshtron.moe import dispatcher as dispatcher_module
 
-    views = {"slice", "view", "alias", "detach", "_unsafe_view", "select"}
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in views:
-                self.ops.append(name)
-            return func(*args, **(kwargs or {}))
-
-    log = Log()
+    log = OpLog()
     real_sync = dispatcher_module.host_sync
 
     def marked_sync(counts):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.models.config import GPTConfig
 from meshtron.moe.capacity import capacity_for, capacity_keep_mask
@@ -121,32 +122,34 @@ def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
     return cfg, layer
 
 
+class OpLog(TorchDispatchMode):
+    """Inside it, `ops` lists the names of the aten ops that run, in order, leaving out views
+    and metadata-only ops (no kernel of their own on a GPU)."""
+
+    VIEWS = frozenset({"slice", "view", "alias", "detach", "_unsafe_view", "select", "t", "transpose", "unsqueeze",
+                       "expand", "reshape", "unbind", "as_strided", "permute", "empty_like"})
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self.VIEWS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
 def test_statistics_are_issued_after_the_first_expert_gemm():
     """A GPU that starts the layer idle waits for the ops issued before its first large
     kernel: only the routing (gate GEMM, softmax, top-k, weights) and the ep = 1 dispatch
     (pair sort, counts, row gather, offsets) come before the first expert GEMM; the balancing
     statistics (logsumexp, the counts' scatter into the stats vector, the aux arithmetic)
     after it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    views = {"slice", "view", "alias", "detach", "_unsafe_view", "select", "t", "transpose", "unsqueeze",
-             "expand", "reshape", "unbind", "as_strided", "permute", "empty_like"}
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in views:
-                self.ops.append(name)
-            return func(*args, **(kwargs or {}))
-
     cfg, layer = _layer("swiglu")
     layer.router.aux_loss_coef = layer.router.z_loss_coef = 0.01
     x = torch.randn(8, 2, 16)
-    with Log() as log:
+    with OpLog() as log:
         layer(x)
     first_gemm = log.ops.index("_grouped_mm")
     before = log.ops[:first_gemm]
