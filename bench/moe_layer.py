@@ -437,10 +437,10 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
     return {
         "method": "torch.profiler, one extra iteration (times include profiler overhead): forward = top-level "
                   "aten/c10d ops inside record_function regions wrapped around router / dispatcher.dispatch / "
-                  "experts / dispatcher.combine / shared experts (dispatch = dispatcher.dispatch + receive, "
-                  "combine = dispatcher.combine + finish, including the weighted sum of the k choices; the "
-                  "rest of MoELayer.forward, i.e. pair bookkeeping and the load statistics, is 'other' for the "
-                  "forward); backward = autograd nodes attributed by sequence number to the forward op that "
+                  "experts / dispatcher.combine / shared experts (router = routing + balancing statistics, "
+                  "dispatch = dispatcher.dispatch + receive, combine = dispatcher.combine + finish, including "
+                  "the weighted sum of the k choices; the rest of MoELayer.forward, i.e. capacity bookkeeping, "
+                  "is 'other' for the forward); backward = autograd nodes attributed by sequence number to the forward op that "
                   "made them (AccumulateGrad: other). " + TIME_NOTE[(cuda, device_time)],
         "time": "device" if device_time else "host",
         "profiled_iteration_ms": round(iteration / 1e3, 3),

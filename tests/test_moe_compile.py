@@ -9,6 +9,7 @@ the CPU)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,12 +241,20 @@ def test_compile_moe_compiles_the_whole_layer_only_where_it_traces(monkeypatch, 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout", [[], ["parallel.tp=2", "parallel.ep=2"]], ids=["dp2", "tp2_ep2"])
-def test_torchrun_with_compiled_moe_layers_logs_the_eager_losses(tmp_path, layout):
+@pytest.mark.parametrize("layout, traced", [
+    ([], {"forward"}),                                               # each MoE layer one graph
+    # the router's two halves and the experts; the statistics resume after their eager all-reduce
+    (["parallel.tp=2", "parallel.ep=2"], {"route", "statistics", "resume in statistics", "forward"}),
+    (["parallel.cp=2"], {"route", "statistics", "resume in statistics", "forward"}),
+    (["parallel.pp=2", "trainer.recompute=selective"], {"forward"}),
+], ids=["dp2", "tp2_ep2", "cp2", "pp2_selective"])
+def test_torchrun_with_compiled_moe_layers_logs_the_eager_losses(tmp_path, layout, traced):
     """trainer.compile_moe on 2 ranks (moe_tiny, bf16): over 2 data-parallel ranks (each layer
-    one graph), and at tp=2 with ep=2 (router and experts compiled; the router's statistics
-    all-reduced over tp between its graphs, the all-to-alls eager). The compiled run logs the
-    eager run's losses and gradient norms to bf16 accuracy."""
+    one graph); at tp=2 with ep=2 and at cp=2 (router and experts compiled; the router's
+    statistics all-reduced over tp or cp between its graphs, the all-to-alls eager); over 2
+    pipeline stages with selective recompute (each layer one graph, on its stage). The
+    compiled run logs the eager run's losses and gradient norms to bf16 accuracy, and dynamo
+    traced the functions the mode compiles (its log; none in the eager run)."""
     from tests.test_train_cli import TORCHRUN, metrics, run
 
     common = ["+model=moe_tiny", "trainer.precision=bf16", "trainer.max_steps=3", "trainer.log_every=1",
@@ -254,9 +263,12 @@ def test_torchrun_with_compiled_moe_layers_logs_the_eager_losses(tmp_path, layou
     for compile_moe in ("false", "true"):
         run_dir = tmp_path / compile_moe
         out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, f"trainer.compile_moe={compile_moe}",
-                   f"hydra.run.dir={run_dir}"], timeout=300, threads=1)
+                   f"hydra.run.dir={run_dir}"], timeout=300, env={"TORCH_LOGS": "dynamo"}, threads=1)
         assert out.returncode == 0, out.stderr[-3000:]
         logs[compile_moe] = metrics(run_dir)
+        seen = {re.sub(r"^torch_dynamo_resume_in_(\w+?)_at_\d+$", r"resume in \1", name)
+                for name in re.findall(r"torchdynamo start tracing (\w+)", out.stderr)}
+        assert seen == (traced if compile_moe == "true" else set()), seen
     assert [r["step"] for r in logs["true"]] == [1, 2, 3]
     for got, want in zip(logs["true"], logs["false"]):
         assert abs(got["loss"] - want["loss"]) <= 1e-3 * want["loss"], (got, want)
