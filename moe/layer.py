@@ -119,12 +119,12 @@ class MoELayer(nn.Module):
         """Put this layer under torch.compile (`trainer.compile_moe`) and say how: "layer", the
         whole layer as one graph (`fullgraph`), where it has no collective and no host sync
         (dropless, tp = cp = ep = etp = 1, routing statistics local to the rank); else "parts":
-        the router's two halves (routing, statistics) and the experts, the computation between the dispatch's collectives and
-        host sync, which stay eager (as do capacity, the shared experts and the sequence
-        scatter/gather). The router's statistics all-reduce, where it has ranks to reduce
-        over, runs eagerly between the router's two graphs. Parameters, state dict and hooks
-        stay the modules' own (`nn.Module.compile`). Rows per expert vary from step to step
-        at ep > 1: the experts' graph recompiles once with a dynamic row count."""
+        the router's two halves (routing, statistics) and the experts, the computation between
+        the dispatch's collectives and host sync, which stay eager (as do capacity, the shared
+        experts and the sequence scatter/gather). The statistics' all-reduce, where it has ranks
+        to reduce over, runs eagerly between the statistics' two graphs. Parameters, state dict
+        and hooks stay the modules' own. Rows per expert vary from step to step at ep > 1: the
+        experts' graph recompiles once with a dynamic row count."""
         local_stats = self.scope.stats_ranks == 1  # also means tp = cp = 1: they shard the statistics
         if local_stats and self.cfg.capacity_factor is None and self.mesh.par.ep == 1 and self.mesh.par.etp == 1:
             self.compile(fullgraph=True)
@@ -149,7 +149,7 @@ class MoELayer(nn.Module):
         pair_expert = routing.topk_idx.view(-1)  # token-major: pair i is a choice of token i // k
         pair_weight = routing.topk_weight.view(-1)
         keep = None
-        if self.cfg.capacity_factor is not None:  # dropless: nothing to count, no collective
+        if self.cfg.capacity_factor is not None:  # dropless layers count nothing (no collective)
             full_seq = s * mesh.tp_size * mesh.cp_size
             capacity = capacity_for(full_seq, self.cfg.num_experts, k, self.cfg.capacity_factor)
             if mesh.cp_size > 1:  # this rank's tokens: a tp piece of its 2 cp chunks

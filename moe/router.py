@@ -49,7 +49,7 @@ class Routing:
 
 @dataclass
 class RouterOutput:
-    """What `TopKRouter.forward` returns.
+    """What `TopKRouter.statistics` (and so `forward`) returns.
 
     topk_idx: LongTensor [..., k], chosen experts, best first.
     topk_weight: fp32 [..., k], combine weights (differentiable w.r.t. router weight and x).
