@@ -440,8 +440,8 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
                   "experts / dispatcher.combine / shared experts (router = routing + balancing statistics, "
                   "dispatch = dispatcher.dispatch + receive, combine = dispatcher.combine + finish, including "
                   "the weighted sum of the k choices; the rest of MoELayer.forward, i.e. capacity bookkeeping, "
-                  "is 'other' for the forward); backward = autograd nodes attributed by sequence number to the forward op that "
-                  "made them (AccumulateGrad: other). " + TIME_NOTE[(cuda, device_time)],
+                  "is 'other' for the forward); backward = autograd nodes attributed by sequence number to the "
+                  "forward op that made them (AccumulateGrad: other). " + TIME_NOTE[(cuda, device_time)],
         "time": "device" if device_time else "host",
         "profiled_iteration_ms": round(iteration / 1e3, 3),
         "kernel_ms": round(kernel_total / 1e3, 3) if cuda else None,

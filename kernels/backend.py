@@ -58,11 +58,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def auto_runs_torch(kernel: str, device_type: str) -> bool:
-    """Whether the checked backend (kernels.backend=auto) runs `kernel`'s torch path on
-    `device_type` without trying Triton (`AUTO_PREFERS_TORCH_ON_CUDA`). The CPU keeps Triton:
-    there the checked mode exists only for tests, under the interpreter."""
-    return device_type == "cuda" and kernel in AUTO_PREFERS_TORCH_ON_CUDA
+def auto_runs_torch(kernel: str, device_type: str, numel: int | None = None) -> bool:
+    """Whether the checked backend (kernels.backend=auto) runs `kernel`'s torch path without
+    trying Triton: on CUDA for `AUTO_PREFERS_TORCH_ON_CUDA` (the CPU keeps Triton: there the
+    checked mode exists only for tests, under the interpreter), and on any device for an input
+    of `numel` elements below the kernel's `AUTO_TRITON_MIN_ELEMENTS`."""
+    if device_type == "cuda" and kernel in AUTO_PREFERS_TORCH_ON_CUDA:
+        return True
+    return numel is not None and numel < AUTO_TRITON_MIN_ELEMENTS.get(kernel, 0)
 
 
 def resolve_backend(name: str, device_type: str) -> str:

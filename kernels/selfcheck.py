@@ -211,9 +211,9 @@ def _warn(kernel: str, detail: str) -> None:
                   KernelSelfCheckWarning, stacklevel=3)
 
 
-def _device_type(args: tuple) -> str:
-    """The device type of the first tensor in `args` ("cpu" when there is none)."""
-    return next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+def _first_tensor(args: tuple) -> torch.Tensor | None:
+    """The first tensor in `args` (None when there is none): its device and size stand for the call's."""
+    return next((a for a in args if torch.is_tensor(a)), None)
 
 
 def _has_empty_input(args: tuple) -> bool:
@@ -234,7 +234,9 @@ def dispatch(kernel: str, backend: str, triton_fn: Callable, torch_fn: Callable,
         raise ValueError(f"kernel backend {backend!r} must be torch, triton or {CHECKED}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r} is not in kernels.selfcheck.KERNELS; add it there")
-    if auto_runs_torch(kernel, _device_type(args)):  # measured slower than torch there: no check either
+    first = _first_tensor(args)
+    if auto_runs_torch(kernel, "cpu" if first is None else first.device.type, None if first is None else first.numel()):
+        # measured slower than torch there (or at that size): no check either
         return torch_fn(*args)
     decided = _state.verdicts.get(kernel)
     if decided is not None:

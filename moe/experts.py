@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.kernels import selfcheck
-from meshtron.kernels.backend import AUTO_TRITON_MIN_ELEMENTS, CHECKED
+from meshtron.kernels.backend import CHECKED
 from meshtron.kernels.operands import compute_dtype
 from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mesh import expert_shard_checks
@@ -169,10 +169,10 @@ class GroupedExperts(nn.Module):
 
 def expert_swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str) -> torch.Tensor:
     """silu(gate) * up: the fused Triton kernels (`kernels.swiglu`) under kernels.backend=triton,
-    and under auto (checked once) from `AUTO_TRITON_MIN_ELEMENTS` elements up; torch's ops
-    otherwise and inside torch.compile, whose inductor fuses them itself. No communication."""
-    if torch.compiler.is_compiling() or (backend == CHECKED
-                                         and gate.numel() < AUTO_TRITON_MIN_ELEMENTS["swiglu"]):
+    and under auto (checked once) from `kernels.backend.AUTO_TRITON_MIN_ELEMENTS` elements up;
+    torch's ops otherwise and inside torch.compile, whose inductor fuses them itself. No
+    communication."""
+    if torch.compiler.is_compiling():
         return _swiglu_torch(gate, up)
     return selfcheck.dispatch("swiglu", backend, _swiglu_triton, _swiglu_torch, gate, up)
 

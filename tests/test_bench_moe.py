@@ -4,6 +4,7 @@ with its profiled breakdown) and bench/throughput.py with MoE options, at tiny s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_module():
+    """bench/moe_layer.py imported as a module (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def run_bench(script: str, *args: str, timeout: float = 60) -> dict:
@@ -129,12 +138,9 @@ def test_moe_layer_bench_refuses_cuda_without_a_gpu():
 def test_moe_layer_device_time_attribution():
     """The CUDA breakdown's attribution of kernel time (bench/moe_layer.py device_regions), on
     hand-made profiler events: forward kernels by innermost region, backward by autograd node."""
-    import importlib.util
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
 
     def ev(name, parent=None, kernels=(), seq=-1, annotation=None):
         return SimpleNamespace(name=name, cpu_parent=parent, sequence_nr=seq,
@@ -194,11 +200,8 @@ def test_host_ops_counts_dispatched_operators_not_views_or_inner_casts():
     """bench/moe_layer.py host_ops: top-level ops of a forward + backward, split at the first
     autograd node; views and metadata reads do not count, a conversion the code asks for does
     (once), a cast inside another op does not."""
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
     cpu = torch.device("cpu")
     x = torch.randn(6, 4)
 
@@ -235,12 +238,9 @@ def test_device_kernels_rank_kernels_by_summed_device_time():
     """bench/moe_layer.py `_device_kernels`: device events grouped by kernel name, summed over
     calls (profiler microseconds -> ms), largest first, cut to `top`; the total covers all;
     region annotations on the GPU timeline are left out."""
-    import importlib.util
     from types import SimpleNamespace as NS
 
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
 
     def kernel(name, start, end):
         return NS(name=name, device_type=NS(name="CUDA"), time_range=NS(start=start, end=end))
@@ -258,12 +258,9 @@ def test_device_idle_finds_the_gaps_between_busy_kernels():
     """bench/moe_layer.py `_device_idle`: from the first host op to the last kernel, the gaps
     of at least 10 us in the union of the (possibly overlapping) kernels, the host ops that
     started in each, forward or backward by the autograd engine's start."""
-    import importlib.util
     from types import SimpleNamespace as NS
 
-    spec = importlib.util.spec_from_file_location("bench_moe_layer", ROOT / "bench" / "moe_layer.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module()
 
     def event(name, start, end):
         return NS(name=name, time_range=NS(start=start, end=end))

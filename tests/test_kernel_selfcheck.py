@@ -93,10 +93,14 @@ def test_auto_runs_the_measured_slower_kernels_with_torch_on_cuda_only():
     assert not auto_runs_torch("cross_entropy", "cuda")  # 33x its torch path on an H200
     assert not auto_runs_torch("grouped_gemm", "cuda")  # decided per dtype in moe/experts.py
     assert not any(auto_runs_torch(k, "cpu") for k in selfcheck.KERNELS)  # tests keep the interpreter
+    # the fused SwiGLU only from AUTO_TRITON_MIN_ELEMENTS elements, on any device
+    assert auto_runs_torch("swiglu", "cuda", (1 << 26) - 1) and auto_runs_torch("swiglu", "cpu", 240)
+    assert not auto_runs_torch("swiglu", "cuda", 1 << 26) and not auto_runs_torch("swiglu", "cuda")
+    assert not auto_runs_torch("cross_entropy", "cuda", 1)  # no size rule for the others
 
 
 def test_checked_dispatch_neither_tries_nor_checks_a_kernel_auto_runs_with_torch(monkeypatch):
-    monkeypatch.setattr(selfcheck, "auto_runs_torch", lambda kernel, device_type: kernel == "rms_norm")
+    monkeypatch.setattr(selfcheck, "auto_runs_torch", lambda kernel, device_type, numel=None: kernel == "rms_norm")
 
     def triton_fn(x):
         raise AssertionError("the Triton kernel ran")
