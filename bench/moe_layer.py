@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="router aux-loss coefficient (default: GPTConfig's); its term is in the backward")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (torchrun, gloo)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (torchrun, gloo)")
+    p.add_argument("--dispatch-chunks", type=int, default=1,
+                   help="trainer.moe_dispatch_chunks: tokens dispatched in this many chunks (at ep/etp > 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="timed iterations (per round with --peer)")
@@ -114,8 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="meshtron's kernels.backend: torch (default), triton (strict) or auto (self-checked "
                         "Triton on CUDA, torch on CPU)")
     args = p.parse_args(argv)
-    if args.tokens < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
-        p.error("--tokens, --iters and --rounds must be >= 1 and --warmup >= 0")
+    if args.tokens < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1 or args.dispatch_chunks < 1:
+        p.error("--tokens, --iters, --rounds and --dispatch-chunks must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -140,7 +142,7 @@ def build_meshtron(args, mesh, local_tokens: int, device: torch.device, backend:
     cfg = GPTConfig(arch="llama", num_layers=1, hidden_size=args.hidden, num_heads=1, activation=args.activation,
                     num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn,
                     shared_experts=args.shared_experts, seq_len=local_tokens, **kw)
-    layer = MoELayer(cfg.moe(), mesh, device=device, dtype=dtype, backend=backend)
+    layer = MoELayer(cfg.moe(), mesh, device=device, dtype=dtype, backend=backend, dispatch_chunks=args.dispatch_chunks)
     initialize_parameters(layer, SEED, mesh)
     layer.train()
     gen = torch.Generator().manual_seed(SEED + 1 + _rank())
@@ -657,7 +659,7 @@ def main(argv=None) -> None:
                    "top_k": args.top_k, "shared_experts": args.shared_experts, "activation": cfg.activation,
                    "router": cfg.router_score, "renormalize": cfg.router_renormalize,
                    "aux_loss_coef": cfg.aux_loss_coef, "capacity_factor": cfg.capacity_factor,
-                   "dtype": args.dtype, "kernels": backend,
+                   "dtype": args.dtype, "kernels": backend, "dispatch_chunks": layer.dispatch_chunk_count(local_tokens),
                    "timed": "forward + backward (input and all weights; aux-loss term included when coef > 0)"},
         "layout": {"world": world, "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
                    "tokens_per_rank": local_tokens,

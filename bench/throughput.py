@@ -110,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph, or its "
                         "router and experts where collectives or host syncs cut it; bf16: meshtron/rules.py "
                         "compile_moe_checks)")
+    p.add_argument("--moe-dispatch-chunks", type=int, default=1,
+                   help="trainer.moe_dispatch_chunks: each MoE layer's tokens dispatched in this many chunks "
+                        "(at ep/etp > 1), one chunk's experts overlapping another's all-to-alls")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None,
@@ -129,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              or args.capacity_factor is not None):
         p.error(f"--ep={args.ep} / --etp={args.etp} / --shared-experts / --moe-ffn / --capacity-factor need --experts > 0 "
                 f"(a dense model has no experts to split)")
+    if args.moe_dispatch_chunks < 1:
+        p.error(f"--moe-dispatch-chunks={args.moe_dispatch_chunks} must be >= 1")
     return args
 
 
@@ -292,7 +297,8 @@ def main(argv=None) -> None:
     if failure:
         fail(f"--compile-moe: {failure}")
     execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend,
-                                fused_lm_loss=not args.unfused_lm_loss, compile_moe=args.compile_moe)
+                                fused_lm_loss=not args.unfused_lm_loss, compile_moe=args.compile_moe,
+                                moe_dispatch_chunks=args.moe_dispatch_chunks)
     chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=execution)
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)
@@ -385,6 +391,7 @@ def main(argv=None) -> None:
         "bench": "throughput",
         "config": {**shape, "moe": moe, "micro_batch": micro, "dtype": args.precision, "optimizer": "AdamW",
                    "recompute": args.recompute, "compile_moe": args.compile_moe,
+                   "moe_dispatch_chunks": args.moe_dispatch_chunks,
                    "kernels": backend,
                    "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS
                                        if selfcheck.verdict(k) is not None},

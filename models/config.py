@@ -26,7 +26,8 @@ class ExecutionConfig:
     """How a model runs, not what it computes: activation recomputation (`trainer.recompute`,
     the first `trainer.recompute_layers` layers under full), the resolved kernel backend
     (`kernels.backend`) and the LM head fused with the loss (`trainer.fused_lm_loss`,
-    `trainer.lm_loss_chunk_rows`) and the MoE layers compiled or not (`trainer.compile_moe`).
+    `trainer.lm_loss_chunk_rows`), the MoE layers compiled or not (`trainer.compile_moe`) and
+    their dispatch chunks (`trainer.moe_dispatch_chunks`).
     Given to `GPT` beside its `GPTConfig`; never saved with the weights."""
 
     recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
@@ -39,6 +40,9 @@ class ExecutionConfig:
     # Each MoE layer under torch.compile (`trainer.compile_moe`): whole, or its router and
     # experts (moe/layer.py MoELayer.compile_moe; what it needs: meshtron/rules.py compile_moe_checks).
     compile_moe: bool = False
+    # Each MoE layer's tokens dispatched in this many chunks, so that one chunk's experts run
+    # while another's tokens travel (`trainer.moe_dispatch_chunks`; moe/layer.py MoELayer).
+    moe_dispatch_chunks: int = field(default=1, metadata=allowed(ge=1))
 
     def __post_init__(self) -> None:
         raise_first(field_checks("trainer", self))

@@ -198,7 +198,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg, mesh, device, dtype, selective=self.mode == "selective")
         self.norm2 = Norm(cfg, mesh, device, dtype, backend=backend)
         self.index = index
-        self.mlp = (MoELayer(cfg.moe(), mesh, device, dtype, backend=backend) if cfg.is_moe_layer(index)
+        self.mlp = (MoELayer(cfg.moe(), mesh, device, dtype, backend=backend,
+                             dispatch_chunks=execution.moe_dispatch_chunks) if cfg.is_moe_layer(index)
                     else MLP(cfg, mesh, device, dtype, backend=backend))
         if execution.compile_moe and isinstance(self.mlp, MoELayer):
             # fused elementwise kernels, far fewer launches: the whole layer where it traces,

@@ -88,16 +88,30 @@ class MoELayer(nn.Module):
     gradients while the gradients travel. The one host sync of the layer
     is the dispatcher's copy of the split sizes.
 
+    `dispatch_chunks` (`trainer.moe_dispatch_chunks`) > 1 cuts this rank's tokens into that
+    many contiguous ranges, each dispatched on its own after the routing of all of them
+    (Tutel-style pipelining; the statistics still pool every token): chunk i's experts run
+    while chunk i+1's tokens and chunk i-1's outputs travel, forward and backward, so the
+    exchanges overlap expert work without shared experts too. Each chunk costs one more
+    host sync and one more set of small ops, and on one NCCL communicator chunk i+1's count
+    exchange queues behind chunk i's rows: worth it where the all-to-alls take about as long
+    as the expert GEMMs (ep across nodes), not on small host-bound layers. The result equals
+    one chunk up to the summation order of the expert weight gradients.
+
     After each forward, `last_router` holds the router's output (aux/z-loss terms and load)
     and `last_dropped` the global fraction of (token, choice) pairs dropped by capacity (over
     `mesh.tp_dp`: one small all-reduce per forward with a capacity; dropless, a constant 0
     and no collective).
     """
 
-    def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch"):
+    def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch",
+                 dispatch_chunks: int = 1):
         super().__init__()
         cfg.validate()
+        if dispatch_chunks < 1:
+            raise ValueError(f"trainer.moe_dispatch_chunks={dispatch_chunks} must be at least 1")
         self.cfg, self.mesh = cfg, mesh
+        self.dispatch_chunks = dispatch_chunks
         self.scope = aux_loss_scope(cfg.aux_loss_scope, mesh)
         self.router = TopKRouter(
             cfg.hidden_size, cfg.num_experts, cfg.top_k, score=cfg.router_score,
@@ -137,6 +151,23 @@ class MoELayer(nn.Module):
         self.experts.compile(fullgraph=True)
         return "parts"
 
+    def dispatch_chunk_count(self, num_tokens: int) -> int:
+        """How many chunks `num_tokens` tokens are dispatched in: `dispatch_chunks` (at most one
+        per token) where the dispatcher communicates (ep or etp > 1), else 1 (at ep = etp = 1
+        nothing travels, so there is nothing to overlap)."""
+        return max(1, min(self.dispatch_chunks, num_tokens)) if self.dispatcher.rows else 1
+
+    def _chunks(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
+                keep: torch.Tensor | None) -> list[tuple]:
+        """The dispatcher's inputs (tokens, pair_expert, pair_weight, keep) cut into
+        `dispatch_chunk_count` contiguous token ranges (pairs are token-major: k per token)."""
+        n, T, k = self.dispatch_chunk_count(tokens.shape[0]), tokens.shape[0], self.cfg.top_k
+        if n == 1:
+            return [(tokens, pair_expert, pair_weight, keep)]
+        bounds = [T * i // n for i in range(n + 1)]
+        return [(tokens[a:e], pair_expert[a * k:e * k], pair_weight[a * k:e * k],
+                 None if keep is None else keep[a * k:e * k]) for a, e in zip(bounds, bounds[1:])]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mesh, k = self.mesh, self.cfg.top_k
         gather_back = mesh.tp_size > 1 and not mesh.sequence_parallel
@@ -164,11 +195,14 @@ class MoELayer(nn.Module):
 
         # Over NCCL the all-to-alls run asynchronously: the shared experts' up/gate half runs
         # while the tokens travel to the experts, their down half while the outputs travel
-        # back, and the same in backward (mpu.mappings.async_exchanges).
-        in_flight = self.dispatcher.dispatch(tokens, pair_expert, pair_weight, keep)
+        # back, and the same in backward (mpu.mappings.async_exchanges). With dispatch chunks
+        # the experts of one chunk also run while the next chunk's tokens travel and the
+        # previous chunk's outputs travel back (`dispatch_chunks`).
+        in_flight = [self.dispatcher.dispatch(*chunk) for chunk in self._chunks(tokens, pair_expert, pair_weight, keep)]
         shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
-        rows, group_sizes = self.dispatcher.receive(in_flight)
-        in_flight = self.dispatcher.combine(self.experts(rows, group_sizes), in_flight)
+        for i, state in enumerate(in_flight):
+            rows, group_sizes = self.dispatcher.receive(state)
+            in_flight[i] = self.dispatcher.combine(self.experts(rows, group_sizes), state)
         # The balancing statistics (and their all-reduce) feed only the losses: issued once the
         # expert GEMMs are queued, so that a GPU starting this layer idle waits for the routing's
         # few ops before its first large kernel, not for these.
@@ -177,7 +211,8 @@ class MoELayer(nn.Module):
         if keep is None:
             self.last_dropped = torch.zeros((), device=x.device)
         shared_out = self.shared.output(shared_hidden) if self.shared is not None else None
-        out = self.dispatcher.finish(in_flight).view(s, b, h)
+        routed = [self.dispatcher.finish(state) for state in in_flight]
+        out = (routed[0] if len(routed) == 1 else torch.cat(routed)).view(s, b, h)
         if shared_out is not None:
             out = out + shared_out
         if gather_back:

@@ -223,3 +223,47 @@ def test_only_a_capacity_pays_the_dropped_fraction_collective(monkeypatch, capac
         assert layer.last_dropped.item() == 0.0
     else:
         assert layer.last_dropped.item() > 0.0
+
+
+def test_dispatch_chunks_come_from_the_trainer_config():
+    """trainer.moe_dispatch_chunks reaches every MoE layer through the execution config."""
+    from meshtron.models.gpt import init_model_chunks
+    from meshtron.training.config import RunConfig
+
+    run = RunConfig.from_dict({"trainer": {"moe_dispatch_chunks": 3}})
+    assert run.execution().moe_dispatch_chunks == 3
+    cfg = GPTConfig(arch="llama", num_layers=2, hidden_size=16, num_heads=2, num_experts=4, top_k=2,
+                    moe_ffn_hidden_size=8, seq_len=8, vocab_size=32)
+    model, = init_model_chunks(cfg, single_process_mesh(), 0, execution=run.execution())
+    assert [m.dispatch_chunks for m in model.moe_layers()] == [3, 3]
+
+
+def test_dispatch_chunks_refuse_fewer_than_one():
+    from meshtron.models.config import ExecutionConfig
+    from meshtron.training.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="moe_dispatch_chunks"):
+        RunConfig.from_dict({"trainer": {"moe_dispatch_chunks": 0}})
+    with pytest.raises(ValueError, match="moe_dispatch_chunks"):
+        ExecutionConfig(moe_dispatch_chunks=0)
+    cfg = GPTConfig(arch="llama", hidden_size=16, num_heads=2, num_experts=4, top_k=2, moe_ffn_hidden_size=8)
+    with pytest.raises(ValueError, match="trainer.moe_dispatch_chunks=0 must be at least 1"):
+        MoELayer(cfg.moe(), single_process_mesh(), dispatch_chunks=0)
+
+
+@pytest.mark.parametrize("ep, chunks, tokens, want", [
+    (1, 4, 64, 1),   # nothing travels at ep = etp = 1: one chunk
+    (2, 4, 64, 4),
+    (2, 4, 3, 3),    # at most one chunk per token
+    (2, 1, 64, 1),
+])
+def test_dispatch_chunk_count(ep, chunks, tokens, want):
+    """On a virtual mesh (nothing run): the chunks a layer cuts its tokens into."""
+    from meshtron.mpu.mesh import ParallelConfig
+    from meshtron.planning.plan import virtual_mesh
+
+    cfg = GPTConfig(arch="llama", hidden_size=16, num_heads=2, num_experts=4, top_k=2, moe_ffn_hidden_size=8)
+    layer = MoELayer(cfg.moe(), virtual_mesh(ParallelConfig(ep=ep), ep, 0), device="meta", dispatch_chunks=chunks)
+    assert layer.dispatch_chunk_count(tokens) == want
+    bounds = [len(t) for t, *_ in layer._chunks(torch.zeros(tokens, 1), torch.zeros(tokens * 2), torch.zeros(tokens * 2), None)]
+    assert sum(bounds) == tokens and len(bounds) == want and max(bounds) - min(bounds) <= 1

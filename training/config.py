@@ -46,6 +46,7 @@ class TrainerConfig:
     fused_lm_loss: bool = True               # LM head + cross-entropy in row chunks: no whole logits (kernels/linear_cross_entropy.py)
     lm_loss_chunk_rows: int | None = _field(None, ge=1)  # rows per chunk of the fused loss (None: by device, chunk_rows_for)
     compile_moe: bool = False                # torch.compile each MoE layer, or its router and experts (meshtron/rules.py compile_moe_checks)
+    moe_dispatch_chunks: int = _field(1, ge=1)  # MoE tokens dispatched in chunks: one chunk's experts overlap another's all-to-alls (moe/layer.py)
     eval_every: int = _field(0, ge=0)                        # 0 = off
     eval_batches: int = _field(2, ge=1)
     max_skipped: int = _field(5, ge=0)
@@ -144,11 +145,13 @@ class RunConfig:
     def execution(self, kernel_backend: str = "torch") -> ExecutionConfig:
         """How the model runs (not part of what is saved): trainer.recompute,
         trainer.recompute_layers, trainer.fused_lm_loss, trainer.lm_loss_chunk_rows and
-        trainer.compile_moe, and the kernel backend `kernels.backend` resolved to."""
+        trainer.compile_moe, trainer.moe_dispatch_chunks, and the kernel backend `kernels.backend`
+        resolved to."""
         return ExecutionConfig(recompute=self.trainer.recompute, recompute_layers=self.trainer.recompute_layers,
                                kernel_backend=kernel_backend, fused_lm_loss=self.trainer.fused_lm_loss,
                                lm_loss_chunk_rows=self.trainer.lm_loss_chunk_rows,
-                               compile_moe=self.trainer.compile_moe)
+                               compile_moe=self.trainer.compile_moe,
+                               moe_dispatch_chunks=self.trainer.moe_dispatch_chunks)
 
     def validate(self) -> None:
         """Every field's type and range (meshtron/schema.py; model and parallel check their own

@@ -16,10 +16,16 @@ import dataclasses
 import torch
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.training.optim import build_optimizer
 from tests.distributed.dense_cases import (
     UNFUSED,
+    ADAM_EPS,
     LR,
+    SEED,
     STEPS,
     assert_close,
     build,
@@ -27,7 +33,7 @@ from tests.distributed.dense_cases import (
     global_batch,
     microbatches,
 )
-from meshtron.training.step import train_step
+from meshtron.training.step import pipeline_train_step, train_step
 
 # (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, router variant)
 # router variant: "plain", "grouped" (group-limited routing) or "pooled" (aux_loss_layers=pooled)
@@ -67,8 +73,10 @@ def moe_config(arch: str, top_k: int, score: str, capacity_factor, scope: str = 
     common = dict(num_experts=8, top_k=top_k, router_score=score, capacity_factor=capacity_factor,
                   aux_loss_coef=0.01, z_loss_coef=0.001, router_bias_update_rate=0.01 if score == "sigmoid" else 0.0,
                   vocab_size=200, seq_len=16, aux_loss_scope=scope)
-    if variant == "grouped":  # 4 groups of 2 experts, the best 2 groups per token
-        common.update(router_groups=4, router_topk_groups=2)
+    if variant == "grouped":  # 4 groups of 2 experts, each token's top_k inside its best group
+        # (with top_k 2 a group scores by its two experts, so the limit binds; see
+        # tests/test_moe_balance.py::test_group_limited_routing_matches_per_token_rule)
+        common.update(router_groups=4, router_topk_groups=1)
     elif variant == "pooled":
         common.update(aux_loss_layers="pooled")
     if arch == "llama":
@@ -96,6 +104,48 @@ def serial_microbatches(cfg: GPTConfig, step: int, dp: int, batch: int, scope: s
     return [tuple(torch.cat([per_rank[r][j][i] for r in range(dp)]) for i in range(2)) for j in range(MICRO_PER_RANK)]
 
 
+def count_group_limited_choices(model) -> list[int]:
+    """Make every router of `model` also route without its group limit and count, in the
+    returned one-element list, the tokens whose choice the limit changed (a grouped case whose
+    limit never binds would route exactly as an ungrouped one)."""
+    changed = [0]
+    for layer in model.moe_layers():
+        router, route = layer.router, layer.router.route
+
+        def counting_route(x, router=router, route=route):
+            routing = route(x)
+            groups, router.groups = router.groups, 0
+            try:
+                free = route(x)
+            finally:
+                router.groups = groups
+            changed[0] += int((routing.topk_idx != free.topk_idx).any(-1).sum())
+            return routing
+
+        router.route = counting_route
+    return changed
+
+
+def compare_step(step: int, out: dict, ref_out: dict) -> None:
+    """One training step's loss, gradient norm, aux and z-loss and per-layer load equal serial."""
+    for key in ("loss", "grad_norm", "aux_loss", "z_loss"):
+        assert_close(f"step {step} {key}", out[key], ref_out[key])
+    for i, (a, b) in enumerate(zip(out["moe_layers"], ref_out["moe_layers"], strict=True)):
+        assert_close(f"step {step} layer {i} tokens per expert", a["tokens_per_expert"], b["tokens_per_expert"])
+        assert_close(f"step {step} layer {i} dropped", a["dropped_fraction"] + 1, b["dropped_fraction"] + 1)
+
+
+def compare_expert_bias(chunks, ref) -> None:
+    """The aux-free expert bias of every router on this rank is bit-equal to the serial one."""
+    ref_buffers = dict(ref.named_buffers())
+    biases = [(n, b) for chunk in chunks for n, b in chunk.named_buffers() if n.endswith("expert_bias")]
+    if not biases and any(True for chunk in chunks for _ in chunk.moe_layers()):
+        raise AssertionError("no expert_bias buffer found beside the MoE layers")
+    for name, bias in biases:
+        if not torch.equal(bias, ref_buffers[name]):
+            raise AssertionError(f"{name} {bias} != serial {ref_buffers[name]}")
+
+
 def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     arch, tp, sp, ep, etp, top_k, score, cf, scope, variant = layout
     cfg = moe_config(arch, top_k, score, cf, scope, variant)
@@ -103,6 +153,7 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     serial_mesh = single_process_mesh()
     model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend))
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
+    group_limited = count_group_limited_choices(ref) if variant == "grouped" else None
 
     batch = mesh.dp_size * MICRO * MICRO_PER_RANK
     inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, batch, batch)[0]
@@ -118,17 +169,13 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
         out = train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0)
         ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
                              serial_mesh, lr=LR, max_grad_norm=1.0)
-        for key in ("loss", "grad_norm", "aux_loss", "z_loss"):
-            assert_close(f"step {step} {key}", out[key], ref_out[key])
-        for i, (a, b) in enumerate(zip(out["moe_layers"], ref_out["moe_layers"])):
-            assert_close(f"step {step} layer {i} tokens per expert", a["tokens_per_expert"], b["tokens_per_expert"])
-            assert_close(f"step {step} layer {i} dropped", a["dropped_fraction"] + 1, b["dropped_fraction"] + 1)
+        compare_step(step, out, ref_out)
         if step == 0:
             compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
     compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, f"weight after {STEPS} steps")
-    for a, b in zip(model.moe_layers(), ref.moe_layers()):
-        if not torch.equal(a.router.expert_bias, b.router.expert_bias):
-            raise AssertionError(f"expert bias {a.router.expert_bias} != serial {b.router.expert_bias}")
+    compare_expert_bias([model], ref)
+    if group_limited is not None and group_limited[0] == 0:
+        raise AssertionError("the group limit changed no token's choice: the grouped case tests nothing")
     reducer.remove_hooks()
 
 
@@ -180,6 +227,73 @@ def full_recompute_moe_matches() -> None:
                 raise AssertionError(f"{par}: expert bias after the step differs with recomputation")
 
 
+# (arch, pp, tp, sp, ep, etp, aux_loss_scope): the scopes' rules through pipeline stages (1f1b),
+# with the sigmoid router's expert-bias updates and microbatches of MICRO sequences, so that
+# `microbatch` and `sequence` pool different token sets. llama's one MoE layer sits on stage 1.
+PIPELINE_LAYOUTS = {
+    4: [
+        ("gpt2", 2, 1, False, 2, 1, "microbatch"),
+        ("llama", 2, 1, False, 1, 2, "sequence"),
+        ("gpt2", 2, 1, False, 2, 1, "global"),
+    ],
+    8: [
+        ("llama", 2, 2, True, 2, 2, "microbatch"),
+        ("gpt2", 2, 2, True, 4, 1, "sequence"),
+    ],
+}
+
+
+def _pipeline_case_name(layout) -> str:
+    arch, pp, tp, sp, ep, etp, scope = layout
+    return f"{arch}_pp{pp}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_sigmoid_{scope}"
+
+
+def check_moe_pipeline_layout(layout) -> None:
+    """An MoE model over pipeline stages equals one process taking the microbatches the
+    aux-loss scope names: loss, aux/z-loss, load, every gradient, the weights and the expert
+    bias after STEPS steps."""
+    arch, pp, tp, sp, ep, etp, scope = layout
+    cfg = moe_config(arch, 2, "sigmoid", None, scope)
+    mesh = build_mesh(ParallelConfig(pp=pp, tp=tp, sp=sp, ep=ep, etp=etp, schedule="1f1b"), cfg)
+    chunks = init_model_chunks(cfg, mesh, SEED)
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
+    optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, MICRO, cfg.hidden_size),
+                                torch.float32, torch.device("cpu"), tags=False)
+    ref, ref_reducer, ref_optimizer = build(cfg, single_process_mesh(), UNFUSED)
+    ref_params = dict(ref.named_parameters())
+    batch = mesh.dp_size * MICRO * MICRO_PER_RANK
+    for step in range(STEPS):
+        mine = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch)
+        out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule="1f1b", lr=LR,
+                                  max_grad_norm=1.0)
+        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
+                             single_process_mesh(), lr=LR, max_grad_norm=1.0)
+        compare_step(step, out, ref_out)
+        if step == 0:
+            compare_parameters(named, ref_params, mesh, cfg, "grad")
+    compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
+    compare_expert_bias(chunks, ref)
+    if not any(bool(b.any()) for _, b in ref.named_buffers() if _.endswith("expert_bias")):
+        raise AssertionError("the serial expert bias never moved: the case does not test its updates")
+    reducer.remove_hooks()
+
+
+def _make_pipeline(layout):
+    def case() -> None:
+        check_moe_pipeline_layout(layout)
+
+    case.__name__ = _pipeline_case_name(layout)
+    return case
+
+
+for _layouts in PIPELINE_LAYOUTS.values():
+    for _layout in _layouts:
+        globals()[_pipeline_case_name(_layout)] = _make_pipeline(_layout)
+
+
 def cases_for_world(world_size: int) -> list[str]:
     extra = ["triton_kernels_gpt2_ep2_etp1", "full_recompute_moe_matches"] if world_size == 2 else []
-    return [_case_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra
+    return ([_case_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra
+            + [_pipeline_case_name(layout) for layout in PIPELINE_LAYOUTS.get(world_size, [])])

@@ -1,6 +1,7 @@
 """The deduplicated, asynchronous MoE dispatcher against the pair-per-row reference.
 
-Each case builds one MoE layer on an expert layout (ep, etp folded over dp; tp = 1), feeds
+Each case builds one MoE layer on an expert layout (ep, etp folded over dp; tp = 1 but in
+`overlap_order_async_tp2_sp`), feeds
 every rank its own tokens, and runs the layer twice from the same weights: with its own
 dispatcher (one row per (token, destination ep rank), combine weights sent with the rows,
 asynchronous all-to-alls overlapped with the shared experts) and with `PairDispatcher`, the
@@ -11,7 +12,9 @@ destination) pairs, fewer than the reference's pairs. Over gloo the exchanges co
 they start (shared memory, mpu.mappings.async_exchanges); `overlap_order_async` and
 `dedup_ep2_etp2_top2_capacity_async` force them asynchronous, as NCCL runs them: the shared
 experts then run while the all-to-alls are in flight, forward and backward, with results
-bit-identical to the blocking exchanges (`overlap_order` checks gloo's default).
+bit-identical to the blocking exchanges (`overlap_order` checks gloo's default);
+`overlap_order_async_tp2_sp` does the same with the shared experts tensor-parallel at tp=2
+(SP), their tp collectives issued while the ep all-to-alls fly.
 `shared_experts_checkpoint_reshard` checks the tensor-parallel shared experts' layout tags
 through a checkpoint saved at tp=2 (SP) and loaded at tp=1, 4 and 2 (no SP).
 """
@@ -117,8 +120,8 @@ def _config(top_k: int, capacity_factor, shared: int, activation: str = "swiglu"
                      capacity_factor=capacity_factor, aux_loss_coef=0.01, z_loss_coef=0.001, seq_len=16)
 
 
-def _layer(cfg: GPTConfig, mesh) -> MoELayer:
-    layer = MoELayer(cfg.moe(), mesh)
+def _layer(cfg: GPTConfig, mesh, dispatch_chunks: int = 1) -> MoELayer:
+    layer = MoELayer(cfg.moe(), mesh, dispatch_chunks=dispatch_chunks)
     initialize_parameters(layer, 11, mesh)
     return layer
 
@@ -227,20 +230,31 @@ def overlap_order_async() -> None:
     up/gate half runs between the dispatch all-to-all's start and wait, the down half between
     the combine's, and in backward their gradients while the gradients' all-to-alls are in
     flight; the output and every gradient equal the blocking run's bit for bit."""
-    blocking = _overlap_order(asynchronous=None)  # the gloo default: blocking, through shared memory
-    overlapped = _overlap_order(asynchronous=True)
+    _compare_overlapped_with_blocking(tp=1)
+
+
+def overlap_order_async_tp2_sp() -> None:
+    """`overlap_order_async` at tp=2 with SP (ep = world / 2): the tensor-parallel shared
+    experts' all-gather and reduce-scatter over tp, and their backward, run while the ep
+    all-to-alls are in flight, as NCCL runs them; results bit-identical to blocking."""
+    _compare_overlapped_with_blocking(tp=2)
+
+
+def _compare_overlapped_with_blocking(tp: int) -> None:
+    blocking = _overlap_order(asynchronous=None, tp=tp)  # the gloo default: blocking, through shared memory
+    overlapped = _overlap_order(asynchronous=True, tp=tp)
     for name, want in blocking.items():
         if not torch.equal(overlapped[name], want):
             raise AssertionError(f"{name} differs between blocking and asynchronous exchanges")
 
 
-def _overlap_order(asynchronous: bool | None) -> dict[str, torch.Tensor]:
-    """One forward + backward of an ep = world MoE layer with a shared expert, recording for
-    each shared half whether the all-to-all it should overlap is in flight; returns the
-    output and gradients."""
+def _overlap_order(asynchronous: bool | None, tp: int = 1) -> dict[str, torch.Tensor]:
+    """One forward + backward of an MoE layer with a shared expert (tp-parallel with SP when
+    tp > 1, ep = world / tp), recording for each shared half whether the all-to-all it should
+    overlap is in flight; returns the output and gradients."""
     world = torch.distributed.get_world_size()
     cfg = _config(2, None, 1)
-    mesh = build_mesh(ParallelConfig(ep=world), cfg)
+    mesh = build_mesh(ParallelConfig(tp=tp, sp=tp > 1, ep=world // tp), cfg)
     layer = _layer(cfg, mesh)
     handles, events = [], []
     start = dispatcher_module.all_to_all_start
@@ -284,6 +298,92 @@ def _overlap_order(asynchronous: bool | None) -> dict[str, torch.Tensor]:
             **{f"gradient of {n}": p.grad for n, p in layer.named_parameters()}}
 
 
+def _forward_backward(layer: MoELayer, cfg: GPTConfig, mesh) -> dict[str, torch.Tensor]:
+    """Output, input gradient and every parameter gradient of one forward + backward."""
+    x, grad = _inputs(cfg, mesh)
+    x.requires_grad_()
+    out = layer(x)
+    out.backward(grad)
+    return {"output": out.detach(), "input gradient": x.grad,
+            **{f"gradient of {n}": p.grad for n, p in layer.named_parameters()}}
+
+
+def check_dispatch_chunks(par: ParallelConfig, top_k: int, capacity_factor, shared: int) -> None:
+    """The layer with its tokens dispatched in 2 and 3 chunks equals one chunk (output, input
+    and parameter gradients within 1e-6), with blocking exchanges and with the asynchronous
+    ones forced as over NCCL (bit-equal to blocking)."""
+    cfg = _config(top_k, capacity_factor, shared)
+    mesh = build_mesh(par, cfg)
+    want = _forward_backward(_layer(cfg, mesh), cfg, mesh)
+    assert want["gradient of router.weight"].abs().sum() > 0
+    for chunks in (2, 3):
+        layer = _layer(cfg, mesh, dispatch_chunks=chunks)
+        assert layer.dispatch_chunk_count(cfg.seq_len * 2 // (mesh.tp_size if par.sp else 1)) == chunks
+        blocking = _forward_backward(layer, cfg, mesh)
+        for name, value in want.items():
+            assert_close(f"{chunks} chunks: {name}", blocking[name], value, RTOL)
+        with forced_exchanges(True):
+            overlapped = _forward_backward(_layer(cfg, mesh, dispatch_chunks=chunks), cfg, mesh)
+        for name, value in blocking.items():
+            if not torch.equal(overlapped[name], value):
+                raise AssertionError(f"{chunks} chunks: {name} differs between blocking and asynchronous exchanges")
+
+
+def dispatch_chunks_ep2() -> None:
+    check_dispatch_chunks(ParallelConfig(ep=2), top_k=2, capacity_factor=None, shared=0)
+
+
+def dispatch_chunks_ep2_etp2_capacity_shared() -> None:
+    check_dispatch_chunks(ParallelConfig(ep=2, etp=2), top_k=2, capacity_factor=1.0, shared=1)
+
+
+def dispatch_chunks_tp2_sp_ep2_top3() -> None:
+    check_dispatch_chunks(ParallelConfig(tp=2, sp=True, ep=2), top_k=3, capacity_factor=None, shared=1)
+
+
+def dispatch_chunks_overlap_order() -> None:
+    """Two dispatch chunks, no shared experts, asynchronous exchanges forced as over NCCL:
+    chunk 0's experts run while chunk 1's tokens travel, chunk 1's while chunk 0's outputs
+    travel back; in backward chunk 1's expert gradients are computed while chunk 0's output
+    gradients travel and chunk 0's while chunk 1's input gradients travel."""
+    world = torch.distributed.get_world_size()
+    cfg = _config(2, None, 0)
+    mesh = build_mesh(ParallelConfig(ep=world), cfg)
+    layer = _layer(cfg, mesh, dispatch_chunks=2)
+    handles, events = [], []
+    start, experts = dispatcher_module.all_to_all_start, layer.experts.forward
+
+    def recording_start(*args, **kwargs):
+        result = start(*args, **kwargs)
+        handles.append(result[1])
+        return result
+
+    def in_flight(i: int, grads: bool) -> bool:
+        return len(handles) > i and bool(handles[i].grad_works if grads else handles[i].works)
+
+    def recording_experts(rows, group_sizes):
+        chunk = sum(1 for e in events if e[0] == "forward")
+        # handles: 0, 1 = chunks 0, 1 dispatch; 2, 3 = chunks 0, 1 return
+        events.append(("forward", chunk, in_flight(1, False) if chunk == 0 else in_flight(2, False)))
+        out = experts(rows, group_sizes)
+        out.register_hook(lambda g: events.append(
+            ("backward", chunk, in_flight(2, True) if chunk == 1 else in_flight(1, True))))
+        return out
+
+    dispatcher_module.all_to_all_start = recording_start
+    layer.experts.forward = recording_experts
+    try:
+        with forced_exchanges(True):
+            _forward_backward(layer, cfg, mesh)
+    finally:
+        dispatcher_module.all_to_all_start = start
+    want = [("forward", 0, True), ("forward", 1, True), ("backward", 1, True), ("backward", 0, True)]
+    if events != want:
+        raise AssertionError(f"(pass, chunk, other chunk's all-to-all in flight) events {events}, expected {want}")
+    if any(h.works or h.grad_works for h in handles) or len(handles) != 4:
+        raise AssertionError(f"{len(handles)} exchanges, some still in flight after backward")
+
+
 def shared_experts_checkpoint_reshard() -> None:
     """Tensor-parallel shared experts (tp-sharded layout tags) in checkpoints: a llama MoE with
     a shared expert, trained 2 steps at tp=2 with SP (shared experts split over tp) and saved,
@@ -308,8 +408,10 @@ def shared_experts_checkpoint_reshard() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     return {
-        2: ["dedup_ep2_top2", "dedup_ep2_top3_capacity_gelu", "overlap_order", "overlap_order_async"],
+        2: ["dedup_ep2_top2", "dedup_ep2_top3_capacity_gelu", "overlap_order", "overlap_order_async",
+            "dispatch_chunks_ep2", "dispatch_chunks_overlap_order"],
         4: ["dedup_ep4_top2", "dedup_ep2_etp2_top2_capacity", "dedup_ep2_etp2_top2_capacity_async", "overlap_order",
-            "overlap_order_async", "shared_experts_checkpoint_reshard"],
+            "overlap_order_async", "overlap_order_async_tp2_sp", "shared_experts_checkpoint_reshard",
+            "dispatch_chunks_ep2_etp2_capacity_shared", "dispatch_chunks_tp2_sp_ep2_top3"],
         8: ["dedup_ep4_etp2_top2", "dedup_ep4_etp2_top3_capacity"],
     }.get(world_size, [])
