@@ -285,7 +285,7 @@ def instrument(layer: MoELayer) -> None:
     """Mark the layer's parts with record_function regions (instance attributes only; moe/ is untouched)."""
     layer.router.route = _wrap("router", layer.router.route)            # the expert choice
     layer.router.statistics = _wrap("router", layer.router.statistics)  # balancing statistics, after the experts
-    layer.dispatcher.dispatch = _wrap("dispatch", layer.dispatcher.dispatch)  # plan rows, start the all-to-all
+    layer.dispatcher.dispatch_chunks = _wrap("dispatch", layer.dispatcher.dispatch_chunks)  # plan rows, start the all-to-alls
     layer.dispatcher.receive = _wrap("dispatch", layer.dispatcher.receive)    # wait, expand rows to pairs
     layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)     # weighted row sums, start the return
     layer.dispatcher.finish = _wrap("combine", layer.dispatcher.finish)       # wait, sum each token's rows

@@ -6,15 +6,16 @@ there. A row carries the token's activations plus, in a small fp32 side tensor, 
 expert id and the combine weight of each of its pairs (at most `slots = min(top_k, experts
 per rank)` of them). So a token whose top-2 experts live on one rank is sent once, not twice.
 
-    dispatch  sort the kept pairs by (destination, token, expert); number the rows; exchange
-              rows and pairs per destination (one small all-to-all over `ep`, one all-gather
-              over `etp`); build each row's token index and metadata in buffers of one row
-              per pair (an upper bound); then copy the counts to the host: THE ONE HOST SYNC
-              of the layer (the split sizes of the uneven all-to-all and the received
-              totals); then gather the rows and START the all-to-alls of the rows and of
-              their metadata over `ep` (asynchronous; `mpu.mappings.all_to_all_start`). Only
-              those two are issued after the sync, which on a GPU leaves the device idle
-              until the host issues more.
+    dispatch  sort the kept pairs by (destination, token, expert); number the rows; build
+              each row's token index and metadata in buffers of one row per pair (an upper
+              bound); exchange rows and pairs per destination (one small all-to-all over
+              `ep`, one all-gather over `etp`); then copy the counts to the host: THE ONE
+              HOST SYNC of the layer (the split sizes of the uneven all-to-all and the
+              received totals); then gather the rows and START the all-to-alls of the rows
+              and of their metadata over `ep` (asynchronous; `mpu.mappings.all_to_all_start`).
+              Only those two are issued after the sync, which on a GPU leaves the device idle
+              until the host issues more. `dispatch_chunks` does this for several token
+              chunks with one count exchange and one sync, then starts each chunk's rows.
     receive   wait for them; all-gather the rows over `etp` when experts are tensor-parallel;
               expand each row into its (row, local expert) pairs, sorted by local expert, for
               the grouped GEMM.
@@ -143,6 +144,16 @@ def host_sync(counts: torch.Tensor) -> list[int]:
 
 
 @dataclass
+class _RowSend:
+    """One chunk's send, built before the host sync (`AllToAllDispatcher._prepare_rows`)."""
+
+    tokens: torch.Tensor     # [T, h] the chunk's tokens
+    row_token: torch.Tensor  # [P] token of each row (the first sum(splits) are the kept rows)
+    meta: torch.Tensor       # [P, 2 * slots] combine weights and local expert ids per row
+    counts: torch.Tensor     # [ep, 2] rows and pairs sent to each ep rank
+
+
+@dataclass
 class InFlight:
     """One dispatch between `dispatch` and `finish`: what the later steps need (per call, so
     recomputation and several microbatches in flight never share state)."""
@@ -192,34 +203,66 @@ class AllToAllDispatcher:
         token-major (pair i is a choice of token i // top_k); keep [P] bool: the pairs capacity
         keeps (None: all). Dropped pairs are not sent (on the pair path they are filtered out
         with a boolean mask, whose host sync is that path's only one)."""
-        T, k = tokens.shape[0], self.top_k
+        return self.dispatch_chunks([(tokens, pair_expert, pair_weight, keep)])[0]
+
+    def dispatch_chunks(self, chunks: list[tuple]) -> list[InFlight]:
+        """`dispatch` for several token chunks, each (tokens, pair_expert, pair_weight, keep), to
+        be received, combined and finished one by one. On the row path their counts travel in
+        one exchange over `ep` (gathered over `etp`) and reach the host in one sync, after which
+        each chunk's rows start, in order: one host sync per call however many chunks."""
         if not self.rows:
             self.last_send_splits = []
-            group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
-            if keep is None:  # every pair: the expert order is a permutation of the pairs
-                order = torch.argsort(pair_expert, stable=True)
-                add_counts(group_sizes, pair_expert)
-                position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-                return InFlight(tokens, False, pair_token=torch.div(order, k, rounding_mode="floor"),
-                                pair_weight=pair_weight.view(T, k), group_sizes=group_sizes,
-                                pair_order=order, sorted_position=position)
-            pair = keep.nonzero().squeeze(1)  # index of each kept pair in the token-major order
-            pair_expert, pair_weight = pair_expert[pair], pair_weight[pair]
+            return [self._pairs(*chunk) for chunk in chunks]
+        sends = [self._prepare_rows(*chunk) for chunk in chunks]
+        n, ep = len(sends), self.ep
+        counts = torch.stack([send.counts for send in sends], 1)  # [ep (destination), chunk, (rows, pairs)]
+        received = all_to_all_stats(counts, self.mesh.ep)         # [ep (source), chunk, 2]
+        gathered = all_gather_stats(received, self.mesh.etp)      # [etp, ep (source), chunk, 2]
+        host = host_sync(torch.cat([counts.flatten(), gathered.flatten()]))
+        # plain Python from here to the sends: no tensor op between the sync and the row gathers
+        sent, table = host[:2 * ep * n], host[2 * ep * n:]
+        me = group_rank(self.mesh.etp)
+        flights = []
+        for c, send in enumerate(sends):
+            def got(etp_rank: int, source: int, what: int, c=c) -> int:  # what: 0 rows, 1 pairs
+                return table[((etp_rank * ep + source) * n + c) * 2 + what]
+
+            input_splits = [sent[(d * n + c) * 2] for d in range(ep)]
+            output_splits = [got(me, src, 0) for src in range(ep)]  # rows from each ep source to this etp rank
+            etp_sizes = [sum(got(e, src, 0) for src in range(ep)) for e in range(self.etp)]
+            received_pairs = sum(got(e, src, 1) for e in range(self.etp) for src in range(ep))
+            flights.append(self._start_rows(send, input_splits, output_splits, etp_sizes, received_pairs))
+        self.last_send_splits = [sum(f.input_splits[d] for f in flights) for d in range(ep)]
+        return flights
+
+    def _pairs(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
+               keep: torch.Tensor | None) -> InFlight:
+        """The pair path (ep = etp = 1): pairs sorted by expert, straight to the experts."""
+        T, k = tokens.shape[0], self.top_k
+        group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
+        if keep is None:  # every pair: the expert order is a permutation of the pairs
             order = torch.argsort(pair_expert, stable=True)
             add_counts(group_sizes, pair_expert)
-            return InFlight(tokens, False, pair_token=torch.div(pair[order], k, rounding_mode="floor"),
-                            pair_weight=pair_weight[order], group_sizes=group_sizes)
+            position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+            return InFlight(tokens, False, pair_token=torch.div(order, k, rounding_mode="floor"),
+                            pair_weight=pair_weight.view(T, k), group_sizes=group_sizes,
+                            pair_order=order, sorted_position=position)
+        pair = keep.nonzero().squeeze(1)  # index of each kept pair in the token-major order
+        pair_expert, pair_weight = pair_expert[pair], pair_weight[pair]
+        order = torch.argsort(pair_expert, stable=True)
+        add_counts(group_sizes, pair_expert)
+        return InFlight(tokens, False, pair_token=torch.div(pair[order], k, rounding_mode="floor"),
+                        pair_weight=pair_weight[order], group_sizes=group_sizes)
+
+    def _prepare_rows(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
+                      keep: torch.Tensor | None) -> "_RowSend":
+        """Everything one chunk's send needs, built before the host sync in buffers of one row
+        per pair (an upper bound on the rows: kept rows come first, numbered in sorted order, and
+        the rows of dropped pairs after them), so that after the sync the host issues only the
+        row gather and the exchange: on a GPU, the ops issued after a sync run on an idle device."""
+        T, k = tokens.shape[0], self.top_k
         pair_token = torch.arange(T, device=tokens.device).repeat_interleave(k)
         plan = plan_rows(pair_expert, pair_token, T, self.num_experts, self.ep, keep)
-        # Per destination: rows and pairs sent. Exchanged over ep, gathered over etp; the
-        # host copies them below (the layer's one sync).
-        counts = torch.stack([plan.rows_per_dest, plan.pairs_per_dest], 1)  # [ep, 2]
-        received = all_to_all_stats(counts, self.mesh.ep)                  # [ep (source), 2]
-        gathered = all_gather_stats(received, self.mesh.etp)               # [etp, ep, 2]
-        # Everything the send needs is built before the sync, in buffers of one row per pair
-        # (an upper bound on the rows: kept rows come first, numbered in sorted order, and the
-        # rows of dropped pairs after them), so that after it the host issues only the row
-        # gather and the exchange: on a GPU, the ops issued after a sync run on an idle device.
         slots, bound = self.slots, plan.order.numel()
         row_token = torch.zeros(bound, dtype=torch.long, device=tokens.device)
         row_token.scatter_(0, plan.row_of_pair, plan.token_of_pair)  # every pair of a row has its token
@@ -230,22 +273,18 @@ class AllToAllDispatcher:
         ids = torch.full((bound * slots,), float(self.num_local), dtype=torch.float32, device=tokens.device)
         ids.index_put_((cell,), plan.local_expert.float())
         meta = torch.cat([weights.view(bound, slots), ids.view(bound, slots)], 1)  # [bound, 2*slots]
+        # Per destination: rows and pairs sent (exchanged over ep, gathered over etp)
+        counts = torch.stack([plan.rows_per_dest, plan.pairs_per_dest], 1)  # [ep, 2]
+        return _RowSend(tokens, row_token, meta, counts)
 
-        host = host_sync(torch.cat([counts.flatten(), gathered.flatten()]))
-        # plain Python from here to the send: no tensor op between the sync and the gather
-        ep = self.ep
-        input_splits = host[0:2 * ep:2]
-        table = [host[2 * ep + 2 * ep * e: 2 * ep + 2 * ep * (e + 1)] for e in range(self.etp)]  # per etp rank
-        output_splits = table[group_rank(self.mesh.etp)][0::2]  # rows from each ep source to this etp rank
-        etp_sizes = [sum(t[0::2]) for t in table]
-        received_pairs = sum(sum(t[1::2]) for t in table)
-        self.last_send_splits = list(input_splits)
-
+    def _start_rows(self, send: "_RowSend", input_splits: list[int], output_splits: list[int],
+                    etp_sizes: list[int], received_pairs: int) -> InFlight:
+        """Gather one chunk's rows and start their all-to-all (and of their metadata) over `ep`."""
         num_rows = sum(input_splits)
-        row_token = row_token[:num_rows]
-        rows = tokens.index_select(0, row_token)
-        sent, handle = all_to_all_start([rows, meta[:num_rows]], output_splits, input_splits, self.mesh.ep)
-        return InFlight(tokens, True, row_token=row_token, input_splits=input_splits,
+        row_token = send.row_token[:num_rows]
+        rows = send.tokens.index_select(0, row_token)
+        sent, handle = all_to_all_start([rows, send.meta[:num_rows]], output_splits, input_splits, self.mesh.ep)
+        return InFlight(send.tokens, True, row_token=row_token, input_splits=input_splits,
                         output_splits=output_splits, etp_sizes=etp_sizes, received_pairs=received_pairs,
                         sent=sent, handle=handle)
 

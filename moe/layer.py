@@ -92,11 +92,11 @@ class MoELayer(nn.Module):
     many contiguous ranges, each dispatched on its own after the routing of all of them
     (Tutel-style pipelining; the statistics still pool every token): chunk i's experts run
     while chunk i+1's tokens and chunk i-1's outputs travel, forward and backward, so the
-    exchanges overlap expert work without shared experts too. Each chunk costs one more
-    host sync and one more set of small ops, and on one NCCL communicator chunk i+1's count
-    exchange queues behind chunk i's rows: worth it where the all-to-alls take about as long
-    as the expert GEMMs (ep across nodes), not on small host-bound layers. The result equals
-    one chunk up to the summation order of the expert weight gradients.
+    exchanges overlap expert work without shared experts too. The chunks share one count
+    exchange and one host sync (`AllToAllDispatcher.dispatch_chunks`); each costs one more
+    set of small ops and smaller GEMMs: worth it where the all-to-alls take about as long as
+    the expert GEMMs (ep across nodes), not on small host-bound layers. The result equals one
+    chunk up to the summation order of the expert weight gradients.
 
     After each forward, `last_router` holds the router's output (aux/z-loss terms and load)
     and `last_dropped` the global fraction of (token, choice) pairs dropped by capacity (over
@@ -198,7 +198,7 @@ class MoELayer(nn.Module):
         # back, and the same in backward (mpu.mappings.async_exchanges). With dispatch chunks
         # the experts of one chunk also run while the next chunk's tokens travel and the
         # previous chunk's outputs travel back (`dispatch_chunks`).
-        in_flight = [self.dispatcher.dispatch(*chunk) for chunk in self._chunks(tokens, pair_expert, pair_weight, keep)]
+        in_flight = self.dispatcher.dispatch_chunks(self._chunks(tokens, pair_expert, pair_weight, keep))
         shared_hidden = self.shared.hidden(x, full) if self.shared is not None else None
         for i, state in enumerate(in_flight):
             rows, group_sizes = self.dispatcher.receive(state)

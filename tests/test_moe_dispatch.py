@@ -115,12 +115,13 @@ def test_row_path_equals_pair_path(activation, top_k, capacity_factor, shared):
         assert rel(g_b[name], g) < 1e-6, name
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_after_the_host_sync_dispatch_issues_only_the_row_gather(monkeypatch, capacity_factor):
+@pytest.mark.parametrize("capacity_factor, chunks", [(None, 1), (0.5, 1), (None, 3), (0.5, 2)])
+def test_after_the_host_sync_dispatch_issues_only_the_row_gather(monkeypatch, capacity_factor, chunks):
     """On a GPU the ops issued after a host sync run on a drained device, so the row path's
     dispatch builds every send buffer before its one sync (`host_sync`) and issues only the
     row gather afterwards (plus views; the all-to-all itself is no aten op over gloo/NCCL
-    here: one process). Capacity drops included: their rows sort after the kept ones."""
+    here: one process). Capacity drops included: their rows sort after the kept ones. With
+    dispatch chunks: still one sync, then one row gather per chunk."""
     from meshtron.moe import dispatcher as dispatcher_module
 
     log = OpLog()
@@ -133,14 +134,15 @@ def test_after_the_host_sync_dispatch_issues_only_the_row_gather(monkeypatch, ca
     monkeypatch.setattr(dispatcher_module, "host_sync", marked_sync)
     cfg, layer = _layer("swiglu", capacity_factor, 0, 2, seed=7)
     layer.dispatcher = AllToAllDispatcher(cfg.num_experts, 2, single_process_mesh(), rows=True)
+    layer.dispatch_chunks = chunks
     x = torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(3))
-    real_dispatch = layer.dispatcher.dispatch
+    real_dispatch = layer.dispatcher.dispatch_chunks
 
     def logged_dispatch(*args, **kwargs):
         with log:
             return real_dispatch(*args, **kwargs)
 
-    layer.dispatcher.dispatch = logged_dispatch
+    layer.dispatcher.dispatch_chunks = logged_dispatch
     layer(x)
     assert log.ops.count("HOST SYNC") == 1 and len(log.ops) > 10
-    assert log.ops[log.ops.index("HOST SYNC") + 1:] == ["index_select"], " ".join(log.ops)
+    assert log.ops[log.ops.index("HOST SYNC") + 1:] == ["index_select"] * chunks, " ".join(log.ops)

@@ -58,6 +58,7 @@ class PairDispatcher:
     def __init__(self, num_experts: int, mesh):
         self.mesh, self.num_experts = mesh, num_experts
         self.ep, self.etp = mesh.par.ep, mesh.par.etp
+        self.rows = True  # communicates (ep or etp > 1), as AllToAllDispatcher's row path
         self.num_local = num_experts // self.ep
         self.last_send_splits: list[int] = []
 
@@ -92,6 +93,9 @@ class PairDispatcher:
         state = _PairState(tokens, order, pair_token, pair_weight, regroup, input_splits, output_splits, etp_sizes)
         state.rows, state.group_sizes = rows, by_block.sum(0)
         return state
+
+    def dispatch_chunks(self, chunks):
+        return [self.dispatch(*chunk) for chunk in chunks]
 
     def receive(self, state):
         return state.rows, state.group_sizes
