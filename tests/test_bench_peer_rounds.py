@@ -127,3 +127,27 @@ def test_peer_step_times_adds_every_step_to_an_unchanged_peer(tmp_path):
     record = json.loads(out.stdout)
     assert record == {"tokens_per_step": 512, "ms_per_step_median": 200.0, "step_times_s": [0.3, 0.1, 0.2],
                       "argv": ["--steps", "3"]}
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_vs_megatron_runs_both_systems_at_one_shape(ep):
+    """bench/moe_vs_megatron.py: the Megatron-Core and meshtron commands of a layout name the
+    same model, batch, expert and step settings (SHAPE), processes and threads."""
+    import moe_vs_megatron
+
+    def options(cmd: list[str]) -> dict[str, str]:
+        flags = [i for i, a in enumerate(cmd) if a.startswith("--") and "=" not in a]
+        return {cmd[i].lstrip("-").replace("-", "_"): cmd[i + 1] for i in flags}
+
+    cmds = moe_vs_megatron.commands(ep, steps=7, warmup=2, mcore_python="peer-python")
+    mcore, mine = options(cmds["megatron_core"]), options(cmds["meshtron"])
+    mcore["top_k"] = mcore.pop("topk")  # Megatron-Core's script spells it --topk
+    shape = {("top_k" if k == "topk" else k): str(v) for k, v in moe_vs_megatron.SHAPE.items()}
+    for name, opts in (("megatron_core", mcore), ("meshtron", mine)):
+        assert {k: opts[k] for k in shape} == shape, name
+        assert (opts["steps"], opts["warmup"], opts["threads"], opts["ep"]) == ("7", "2", str(2 // ep), str(ep)), name
+    assert cmds["megatron_core"][0] == "peer-python" and f"--nproc_per_node={ep}" in cmds["meshtron"]
+    from meshtron.models.config import GPTConfig
+
+    # throughput.py trains meshtron's default aux-loss coefficient
+    assert mine["arch"] == "llama" and float(mcore["aux_loss_coeff"]) == GPTConfig().aux_loss_coef == 0.01

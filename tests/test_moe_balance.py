@@ -59,6 +59,31 @@ def test_sequence_wise_gradient_matches_formula():
     assert torch.allclose(r.weight.grad, w_ref.grad, atol=1e-6)
 
 
+def test_global_aux_by_hand_pools_the_dp_ranks():
+    """aux_loss_scope=global: two dp ranks, each holding one sequence of P_TOKENS as its
+    microbatch, pool their statistics (the stats group spans dp): both report the pooled value
+    1.15, not the mean 1.2 of their own microbatch values (1.4 and 1.0, what `microbatch`
+    trains), and their contributions and gradients sum to the pooled loss and its gradient."""
+    full = router_with_weight(torch.eye(2), top_k=1, aux_loss_coef=1.0)
+    ranks = [copy.deepcopy(full) for _ in range(2)]
+    ref = full(P_TOKENS.log(), None)  # all four tokens pooled
+    ref.aux_loss.backward()
+    assert ref.aux_value.item() == pytest.approx(1.15, abs=1e-6)
+    own = [full(P_TOKENS[:, r:r + 1].log(), None).aux_value.item() for r in range(2)]
+    assert own == pytest.approx([1.4, 1.0], abs=1e-6)  # sequence 0 alone, sequence 1 alone
+
+    group = FakeGroup(2)
+    for rank in ranks:
+        rank.reduce_stats = group.all_reduce_stats
+    outs = group.run([lambda r=r: ranks[r](P_TOKENS[:, r:r + 1].log(), group) for r in range(2)])
+    for o in outs:
+        o.aux_loss.backward()
+        assert o.aux_value.item() == pytest.approx(1.15, abs=1e-6)
+        assert o.tokens_per_expert.tolist() == [3.0, 1.0] and o.num_tokens.item() == 4
+    assert (outs[0].aux_loss + outs[1].aux_loss).item() == pytest.approx(1.15, abs=1e-6)
+    assert torch.allclose(ranks[0].weight.grad + ranks[1].weight.grad, full.weight.grad, atol=1e-6)
+
+
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_sequence_shards_sum_to_full(per_sequence):
     """tp=2: each rank holds half of every sequence; contributions and gradients summed over
