@@ -349,7 +349,8 @@ def test_mixtral_cross_layer_pooling_gap_is_as_documented():
     pooled, per_layer = two["pooled"][0], two["layers"][0]
     assert 1.9 < sum(per_layer) / pooled < 2.1
     assert abs(sum(per_layer) / 2 / pooled - 1) < 0.02
-    assert min(two["router_grad_err"]) > 0.1
+    # the router-gradient gaps models/hf/__init__.py documents (46% and 83%, layers 0 and 1)
+    assert [round(e, 2) for e in two["router_grad_err"]] == [0.46, 0.83], two["router_grad_err"]
     assert abs(two["lm_mt"][0] / two["lm_hf"][0] - 1) < 1e-6  # same weights, same LM loss: only the aux differs
 
 
