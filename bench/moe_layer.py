@@ -142,7 +142,8 @@ def build_meshtron(args, mesh, local_tokens: int, device: torch.device, backend:
     cfg = GPTConfig(arch="llama", num_layers=1, hidden_size=args.hidden, num_heads=1, activation=args.activation,
                     num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn,
                     shared_experts=args.shared_experts, seq_len=local_tokens, **kw)
-    layer = MoELayer(cfg.moe(), mesh, device=device, dtype=dtype, backend=backend, dispatch_chunks=args.dispatch_chunks)
+    layer = MoELayer(cfg.moe(), mesh, device=device, dtype=dtype, backend=backend,
+                     dispatch_chunks=args.dispatch_chunks)
     initialize_parameters(layer, SEED, mesh)
     layer.train()
     gen = torch.Generator().manual_seed(SEED + 1 + _rank())
@@ -285,7 +286,7 @@ def instrument(layer: MoELayer) -> None:
     """Mark the layer's parts with record_function regions (instance attributes only; moe/ is untouched)."""
     layer.router.route = _wrap("router", layer.router.route)            # the expert choice
     layer.router.statistics = _wrap("router", layer.router.statistics)  # balancing statistics, after the experts
-    layer.dispatcher.dispatch_chunks = _wrap("dispatch", layer.dispatcher.dispatch_chunks)  # plan rows, start the all-to-alls
+    layer.dispatcher.dispatch_chunks = _wrap("dispatch", layer.dispatcher.dispatch_chunks)  # plan rows, start sending
     layer.dispatcher.receive = _wrap("dispatch", layer.dispatcher.receive)    # wait, expand rows to pairs
     layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)     # weighted row sums, start the return
     layer.dispatcher.finish = _wrap("combine", layer.dispatcher.finish)       # wait, sum each token's rows
@@ -659,7 +660,8 @@ def main(argv=None) -> None:
                    "top_k": args.top_k, "shared_experts": args.shared_experts, "activation": cfg.activation,
                    "router": cfg.router_score, "renormalize": cfg.router_renormalize,
                    "aux_loss_coef": cfg.aux_loss_coef, "capacity_factor": cfg.capacity_factor,
-                   "dtype": args.dtype, "kernels": backend, "dispatch_chunks": layer.dispatch_chunk_count(local_tokens),
+                   "dtype": args.dtype, "kernels": backend,
+                   "dispatch_chunks": layer.dispatch_chunk_count(local_tokens),
                    "timed": "forward + backward (input and all weights; aux-loss term included when coef > 0)"},
         "layout": {"world": world, "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
                    "tokens_per_rank": local_tokens,

@@ -34,10 +34,11 @@ up/gate half, then their down half) while the exchanges are in flight. Backward:
 exchanges run asynchronously too, so the shared experts' gradients are computed while the
 gradients travel. Over gloo each exchange completes where it starts, through shared memory
 between ranks of one host (faster on CPUs than gloo's asynchronous exchange). Without shared
-experts nothing independent lies between start and wait, and each exchange is simply
-awaited. Not
-overlapped: the count exchange and the host sync before the start (the split sizes must be
-known first), and the etp all-gather / reduce-scatter, which depend on the exchange.
+experts nothing independent lies between start and wait unless the layer dispatches its
+tokens in chunks (`dispatch_chunks`; MoELayer `dispatch_chunks`): then one chunk's experts
+run while another chunk's rows travel. Not overlapped: the count exchange and the host sync
+before the start (the split sizes must be known first), and the etp all-gather /
+reduce-scatter, which depend on the exchange.
 
 With ep = etp = 1 nothing is communicated and the pairs go straight to the grouped GEMM
 (`rows=True` forces the row path there too, for tests). Dropless, every token has exactly

@@ -265,5 +265,6 @@ def test_dispatch_chunk_count(ep, chunks, tokens, want):
     cfg = GPTConfig(arch="llama", hidden_size=16, num_heads=2, num_experts=4, top_k=2, moe_ffn_hidden_size=8)
     layer = MoELayer(cfg.moe(), virtual_mesh(ParallelConfig(ep=ep), ep, 0), device="meta", dispatch_chunks=chunks)
     assert layer.dispatch_chunk_count(tokens) == want
-    bounds = [len(t) for t, *_ in layer._chunks(torch.zeros(tokens, 1), torch.zeros(tokens * 2), torch.zeros(tokens * 2), None)]
+    pairs = torch.zeros(tokens * 2)
+    bounds = [len(t) for t, *_ in layer._chunks(torch.zeros(tokens, 1), pairs, pairs, None)]
     assert sum(bounds) == tokens and len(bounds) == want and max(bounds) - min(bounds) <= 1
