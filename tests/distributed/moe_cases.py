@@ -6,7 +6,9 @@ every gradient (experts all-gathered over etp and ep) after the first step, and 
 (and the aux-free expert bias) after three AdamW steps. Tolerances as in dense_cases. The
 serial run takes the microbatches that the case's aux-loss scope says it must equal
 (moe/scope.py): the same microbatches (microbatch), the whole batch at once (sequence), or
-microbatch j of every dp rank concatenated (global).
+microbatch j of every dp rank concatenated (global). Some layouts train with their MoE tokens
+dispatched in two chunks (trainer.moe_dispatch_chunks); the pipeline cases run each scope
+through pp=2 stages.
 """
 
 from __future__ import annotations
@@ -35,33 +37,34 @@ from tests.distributed.dense_cases import (
 )
 from meshtron.training.step import pipeline_train_step, train_step
 
-# (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, router variant)
-# router variant: "plain", "grouped" (group-limited routing) or "pooled" (aux_loss_layers=pooled)
+# (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, router variant, dispatch chunks)
+# router variant: "plain", "grouped" (group-limited routing) or "pooled" (aux_loss_layers=pooled);
+# dispatch chunks: trainer.moe_dispatch_chunks (each MoE layer's tokens dispatched in that many chunks)
 LAYOUTS = {
     2: [
-        ("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", "plain"),
-        ("llama", 1, False, 2, 1, 1, "sigmoid", None, "sequence", "plain"),
-        ("gpt2", 2, True, 2, 1, 2, "softmax", None, "microbatch", "grouped"),
-        ("llama", 2, False, 1, 2, 2, "softmax", None, "microbatch", "plain"),
-        ("gpt2", 2, False, 2, 1, 2, "softmax", None, "microbatch", "pooled"),
-        ("gpt2", 1, False, 1, 2, 1, "softmax", 1.0, "global", "plain"),
-        ("llama", 2, True, 2, 1, 2, "softmax", 1.0, "sequence", "plain"),
-        ("llama", 1, False, 2, 1, 2, "sigmoid", None, "microbatch", "grouped"),
+        ("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", "plain", 2),
+        ("llama", 1, False, 2, 1, 1, "sigmoid", None, "sequence", "plain", 1),
+        ("gpt2", 2, True, 2, 1, 2, "softmax", None, "microbatch", "grouped", 1),
+        ("llama", 2, False, 1, 2, 2, "softmax", None, "microbatch", "plain", 1),
+        ("gpt2", 2, False, 2, 1, 2, "softmax", None, "microbatch", "pooled", 1),
+        ("gpt2", 1, False, 1, 2, 1, "softmax", 1.0, "global", "plain", 1),
+        ("llama", 2, True, 2, 1, 2, "softmax", 1.0, "sequence", "plain", 2),
+        ("llama", 1, False, 2, 1, 2, "sigmoid", None, "microbatch", "grouped", 1),
     ],
     4: [
-        ("gpt2", 1, False, 4, 1, 2, "softmax", None, "microbatch", "pooled"),
-        ("llama", 2, True, 2, 2, 2, "sigmoid", None, "microbatch", "grouped"),
-        ("gpt2", 2, False, 4, 1, 1, "softmax", None, "sequence", "plain"),
-        ("llama", 1, False, 2, 2, 1, "softmax", None, "global", "plain"),
-        ("gpt2", 2, True, 4, 1, 2, "softmax", 1.0, "microbatch", "plain"),
+        ("gpt2", 1, False, 4, 1, 2, "softmax", None, "microbatch", "pooled", 1),
+        ("llama", 2, True, 2, 2, 2, "sigmoid", None, "microbatch", "grouped", 2),
+        ("gpt2", 2, False, 4, 1, 1, "softmax", None, "sequence", "plain", 1),
+        ("llama", 1, False, 2, 2, 1, "softmax", None, "global", "plain", 1),
+        ("gpt2", 2, True, 4, 1, 2, "softmax", 1.0, "microbatch", "plain", 2),
     ],
     8: [
-        ("llama", 4, False, 8, 1, 2, "softmax", None, "microbatch", "plain"),
-        ("gpt2", 2, True, 8, 1, 2, "sigmoid", None, "sequence", "grouped"),
-        ("llama", 2, True, 4, 2, 1, "softmax", None, "microbatch", "plain"),
-        ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0, "global", "pooled"),
-        ("llama", 2, False, 2, 1, 2, "sigmoid", None, "microbatch", "plain"),
-        ("gpt2", 1, False, 8, 1, 1, "softmax", None, "microbatch", "plain"),
+        ("llama", 4, False, 8, 1, 2, "softmax", None, "microbatch", "plain", 1),
+        ("gpt2", 2, True, 8, 1, 2, "sigmoid", None, "sequence", "grouped", 1),
+        ("llama", 2, True, 4, 2, 1, "softmax", None, "microbatch", "plain", 2),
+        ("gpt2", 2, False, 2, 2, 2, "softmax", 1.0, "global", "pooled", 2),
+        ("llama", 2, False, 2, 1, 2, "sigmoid", None, "microbatch", "plain", 1),
+        ("gpt2", 1, False, 8, 1, 1, "softmax", None, "microbatch", "plain", 1),
     ],
 }
 MICRO = 2          # samples per microbatch on every rank
@@ -87,9 +90,9 @@ def moe_config(arch: str, top_k: int, score: str, capacity_factor, scope: str = 
 
 
 def _case_name(layout) -> str:
-    arch, tp, sp, ep, etp, k, score, cf, scope, variant = layout
+    arch, tp, sp, ep, etp, k, score, cf, scope, variant, chunks = layout
     return (f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
-            f"_{scope}{'' if variant == 'plain' else '_' + variant}")
+            f"_{scope}{'' if variant == 'plain' else '_' + variant}{'' if chunks == 1 else f'_chunks{chunks}'}")
 
 
 def serial_microbatches(cfg: GPTConfig, step: int, dp: int, batch: int, scope: str):
@@ -147,11 +150,14 @@ def compare_expert_bias(chunks, ref) -> None:
 
 
 def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
-    arch, tp, sp, ep, etp, top_k, score, cf, scope, variant = layout
+    arch, tp, sp, ep, etp, top_k, score, cf, scope, variant, chunks = layout
     cfg = moe_config(arch, top_k, score, cf, scope, variant)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
     serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend))
+    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend,
+                                                                 moe_dispatch_chunks=chunks))
+    if chunks > 1:
+        assert all(m.dispatch_chunk_count(2) == chunks for m in model.moe_layers())
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
     group_limited = count_group_limited_choices(ref) if variant == "grouped" else None
 
@@ -195,23 +201,24 @@ for _layouts in LAYOUTS.values():
 def triton_kernels_gpt2_ep2_etp1() -> None:
     """Triton grouped GEMM (and the other kernels, interpreter set by the harness) under ep=2
     equal the serial torch run."""
-    check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", "plain"), kernel_backend="triton")
+    check_moe_layout(("gpt2", 1, False, 2, 1, 2, "softmax", None, "microbatch", "plain", 1), kernel_backend="triton")
 
 
 def full_recompute_moe_matches() -> None:
-    """trainer.recompute=full with MoE layers (ep = world, and tp = world with SP; aux per
-    layer and pooled across layers): the loss, every gradient (aux/z-loss terms included,
-    dropout 0.1) and the aux-free expert bias after one step equal the run without
-    recomputation; the load is counted once."""
+    """trainer.recompute=full with MoE layers (ep = world, also with two dispatch chunks, and
+    tp = world with SP; aux per layer and pooled across layers): the loss, every gradient
+    (aux/z-loss terms included, dropout 0.1) and the aux-free expert bias after one step equal
+    the run without recomputation; the load is counted once."""
     world = torch.distributed.get_world_size()
-    for par, variant in ((ParallelConfig(ep=world), "plain"), (ParallelConfig(tp=world, sp=True), "plain"),
-                         (ParallelConfig(ep=world), "pooled")):
+    for par, variant, chunks in ((ParallelConfig(ep=world), "plain", 1), (ParallelConfig(ep=world), "plain", 2),
+                                 (ParallelConfig(tp=world, sp=True), "plain", 1),
+                                 (ParallelConfig(ep=world), "pooled", 1)):
         results = {}
         for mode in ("none", "full"):
             cfg = dataclasses.replace(moe_config("llama", 2, "sigmoid", None, variant=variant), dropout=0.1,
                                       moe_every=1)
             mesh = build_mesh(par, cfg)
-            model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(recompute=mode))
+            model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(recompute=mode, moe_dispatch_chunks=chunks))
             out = train_step(model, reducer, optimizer, microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 1), mesh,
                              lr=LR, max_grad_norm=0.0)
             reducer.remove_hooks()
@@ -227,35 +234,37 @@ def full_recompute_moe_matches() -> None:
                 raise AssertionError(f"{par}: expert bias after the step differs with recomputation")
 
 
-# (arch, pp, tp, sp, ep, etp, aux_loss_scope): the scopes' rules through pipeline stages (1f1b),
-# with the sigmoid router's expert-bias updates and microbatches of MICRO sequences, so that
-# `microbatch` and `sequence` pool different token sets. llama's one MoE layer sits on stage 1.
+# (arch, pp, tp, sp, ep, etp, aux_loss_scope, dispatch chunks): the scopes' rules through
+# pipeline stages (1f1b), with the sigmoid router's expert-bias updates and microbatches of MICRO
+# sequences, so that `microbatch` and `sequence` pool different token sets. llama's one MoE
+# layer sits on stage 1.
 PIPELINE_LAYOUTS = {
     4: [
-        ("gpt2", 2, 1, False, 2, 1, "microbatch"),
-        ("llama", 2, 1, False, 1, 2, "sequence"),
-        ("gpt2", 2, 1, False, 2, 1, "global"),
+        ("gpt2", 2, 1, False, 2, 1, "microbatch", 1),
+        ("llama", 2, 1, False, 1, 2, "sequence", 2),
+        ("gpt2", 2, 1, False, 2, 1, "global", 1),
     ],
     8: [
-        ("llama", 2, 2, True, 2, 2, "microbatch"),
-        ("gpt2", 2, 2, True, 4, 1, "sequence"),
+        ("llama", 2, 2, True, 2, 2, "microbatch", 2),
+        ("gpt2", 2, 2, True, 4, 1, "sequence", 1),
     ],
 }
 
 
 def _pipeline_case_name(layout) -> str:
-    arch, pp, tp, sp, ep, etp, scope = layout
-    return f"{arch}_pp{pp}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_sigmoid_{scope}"
+    arch, pp, tp, sp, ep, etp, scope, chunks = layout
+    return (f"{arch}_pp{pp}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_sigmoid_{scope}"
+            f"{'' if chunks == 1 else f'_chunks{chunks}'}")
 
 
 def check_moe_pipeline_layout(layout) -> None:
     """An MoE model over pipeline stages equals one process taking the microbatches the
     aux-loss scope names: loss, aux/z-loss, load, every gradient, the weights and the expert
     bias after STEPS steps."""
-    arch, pp, tp, sp, ep, etp, scope = layout
+    arch, pp, tp, sp, ep, etp, scope, dispatch_chunks = layout
     cfg = moe_config(arch, 2, "sigmoid", None, scope)
     mesh = build_mesh(ParallelConfig(pp=pp, tp=tp, sp=sp, ep=ep, etp=etp, schedule="1f1b"), cfg)
-    chunks = init_model_chunks(cfg, mesh, SEED)
+    chunks = init_model_chunks(cfg, mesh, SEED, execution=ExecutionConfig(moe_dispatch_chunks=dispatch_chunks))
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
     reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
     optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
