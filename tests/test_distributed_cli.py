@@ -34,3 +34,14 @@ def test_runs_the_matching_cases_of_one_world():
 def test_nothing_to_run_is_one_line_and_exit_2(args, message):
     done = _run(*args)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_every_case_module_is_asserted_by_a_pytest_test():
+    """Every case module the registry runs in its worlds has a pytest test asserting its
+    verdicts (`params(module)`): a module run but never asserted fails silently, as
+    cp_model_cases did until 2026-11-27."""
+    from tests.distributed.registry import CASE_MODULES
+
+    sources = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    unasserted = [m for m in CASE_MODULES if f'params("{m}")' not in sources]
+    assert not unasserted, f"no tests/test_*.py asserts the cases of {unasserted}"

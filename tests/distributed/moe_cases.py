@@ -18,16 +18,10 @@ import dataclasses
 import torch
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
-from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
-from meshtron.training.optim import build_optimizer
 from tests.distributed.dense_cases import (
     UNFUSED,
-    ADAM_EPS,
     LR,
-    SEED,
     STEPS,
     assert_close,
     build,
@@ -36,6 +30,7 @@ from tests.distributed.dense_cases import (
     microbatches,
 )
 from meshtron.training.step import pipeline_train_step, train_step
+from tests.distributed.pipeline_cases import build_pipeline
 
 # (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, router variant, dispatch chunks)
 # router variant: "plain", "grouped" (group-limited routing) or "pooled" (aux_loss_layers=pooled);
@@ -264,12 +259,8 @@ def check_moe_pipeline_layout(layout) -> None:
     arch, pp, tp, sp, ep, etp, scope, dispatch_chunks = layout
     cfg = moe_config(arch, 2, "sigmoid", None, scope)
     mesh = build_mesh(ParallelConfig(pp=pp, tp=tp, sp=sp, ep=ep, etp=etp, schedule="1f1b"), cfg)
-    chunks = init_model_chunks(cfg, mesh, SEED, execution=ExecutionConfig(moe_dispatch_chunks=dispatch_chunks))
-    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-    reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
-    optimizer = build_optimizer(torch.nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, MICRO, cfg.hidden_size),
-                                torch.float32, torch.device("cpu"), tags=False)
+    chunks, named, reducer, optimizer, executor = build_pipeline(
+        cfg, mesh, MICRO, ExecutionConfig(moe_dispatch_chunks=dispatch_chunks))
     ref, ref_reducer, ref_optimizer = build(cfg, single_process_mesh(), UNFUSED)
     ref_params = dict(ref.named_parameters())
     batch = mesh.dp_size * MICRO * MICRO_PER_RANK

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.models.config import GPTConfig
+from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
@@ -75,6 +75,19 @@ def _name(layout) -> str:
             f"_ep{ep}").replace("-", "_")
 
 
+def build_pipeline(cfg: GPTConfig, mesh, micro: int, execution: ExecutionConfig = ExecutionConfig()):
+    """This rank's model chunks, their (name, parameter) list, gradient reducer, AdamW and a
+    pipeline executor for microbatches of `micro` sequences. Every message is sent with tag 0:
+    gloo then pairs by order alone, as NCCL does (tags are not needed)."""
+    chunks = init_model_chunks(cfg, mesh, SEED, execution=execution)
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+    reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
+    optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
+                                torch.float32, torch.device("cpu"), tags=False)
+    return chunks, named, reducer, optimizer, executor
+
+
 def check_pipeline_layout(layout, stage_layers=None) -> None:
     arch, moe, pp, vpp, schedule, tp, sp, ep = layout
     cfg = pipeline_config(arch, moe)
@@ -82,13 +95,7 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
                                      stage_layers=stage_layers), cfg)
     dp = mesh.dp_size
     batch = dp * MICRO_PER_RANK
-    chunks = init_model_chunks(cfg, mesh, SEED)
-    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-    reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
-    optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    # Tag 0 on every message: gloo then pairs by order alone, as NCCL does (tags are not needed).
-    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size), torch.float32,
-                                torch.device("cpu"), tags=False)
+    chunks, named, reducer, optimizer, executor = build_pipeline(cfg, mesh, 1)
 
     serial_mesh = single_process_mesh()
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
