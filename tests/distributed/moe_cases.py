@@ -144,16 +144,35 @@ def compare_expert_bias(chunks, ref) -> None:
             raise AssertionError(f"{name} {bias} != serial {ref_buffers[name]}")
 
 
+def train_against_serial(cfg: GPTConfig, mesh, scope: str, chunks, named, train, serial) -> None:
+    """STEPS steps of `train` (this rank's microbatches -> the step's output) beside the serial
+    model (`serial`: build()'s model, reducer and optimizer) taking the microbatches the scope
+    names: each step's values (`compare_step`), every gradient after the first step, and the
+    weights and expert bias of `chunks` (their `named` parameters) after the last."""
+    ref, ref_reducer, ref_optimizer = serial
+    ref_params = dict(ref.named_parameters())
+    batch = mesh.dp_size * MICRO * MICRO_PER_RANK
+    for step in range(STEPS):
+        out = train(microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch))
+        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
+                             single_process_mesh(), lr=LR, max_grad_norm=1.0)
+        compare_step(step, out, ref_out)
+        if step == 0:
+            compare_parameters(named, ref_params, mesh, cfg, "grad")
+    compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
+    compare_expert_bias(chunks, ref)
+
+
 def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     arch, tp, sp, ep, etp, top_k, score, cf, scope, variant, chunks = layout
     cfg = moe_config(arch, top_k, score, cf, scope, variant)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
-    serial_mesh = single_process_mesh()
     model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend,
                                                                  moe_dispatch_chunks=chunks))
     if chunks > 1:
         assert all(m.dispatch_chunk_count(2) == chunks for m in model.moe_layers())
-    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
+    serial = build(cfg, single_process_mesh(), UNFUSED)
+    ref = serial[0]
     group_limited = count_group_limited_choices(ref) if variant == "grouped" else None
 
     batch = mesh.dp_size * MICRO * MICRO_PER_RANK
@@ -165,32 +184,26 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     rows = slice(mesh.dp_rank * inputs.shape[0], (mesh.dp_rank + 1) * inputs.shape[0])
     assert_close("logits", got, want[rows])
 
-    for step in range(STEPS):
-        mine = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch)
-        out = train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0)
-        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
-                             serial_mesh, lr=LR, max_grad_norm=1.0)
-        compare_step(step, out, ref_out)
-        if step == 0:
-            compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
-    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, f"weight after {STEPS} steps")
-    compare_expert_bias([model], ref)
+    train_against_serial(cfg, mesh, scope, [model], list(model.named_parameters()),
+                         lambda mine: train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0),
+                         serial)
     if group_limited is not None and group_limited[0] == 0:
         raise AssertionError("the group limit changed no token's choice: the grouped case tests nothing")
     reducer.remove_hooks()
 
 
-def _make(layout):
-    def case() -> None:
-        check_moe_layout(layout)
+def _register(layouts: dict, name, check) -> None:
+    """One module-level case per layout of `layouts`, named name(layout), running check(layout)."""
+    for rows in layouts.values():
+        for layout in rows:
+            def case(layout=layout) -> None:
+                check(layout)
 
-    case.__name__ = _case_name(layout)
-    return case
+            case.__name__ = name(layout)
+            globals()[case.__name__] = case
 
 
-for _layouts in LAYOUTS.values():
-    for _layout in _layouts:
-        globals()[_case_name(_layout)] = _make(_layout)
+_register(LAYOUTS, _case_name, check_moe_layout)
 
 
 def triton_kernels_gpt2_ep2_etp1() -> None:
@@ -261,36 +274,18 @@ def check_moe_pipeline_layout(layout) -> None:
     mesh = build_mesh(ParallelConfig(pp=pp, tp=tp, sp=sp, ep=ep, etp=etp, schedule="1f1b"), cfg)
     chunks, named, reducer, optimizer, executor = build_pipeline(
         cfg, mesh, MICRO, ExecutionConfig(moe_dispatch_chunks=dispatch_chunks))
-    ref, ref_reducer, ref_optimizer = build(cfg, single_process_mesh(), UNFUSED)
-    ref_params = dict(ref.named_parameters())
-    batch = mesh.dp_size * MICRO * MICRO_PER_RANK
-    for step in range(STEPS):
-        mine = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch)
-        out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule="1f1b", lr=LR,
-                                  max_grad_norm=1.0)
-        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
-                             single_process_mesh(), lr=LR, max_grad_norm=1.0)
-        compare_step(step, out, ref_out)
-        if step == 0:
-            compare_parameters(named, ref_params, mesh, cfg, "grad")
-    compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
-    compare_expert_bias(chunks, ref)
+    serial = build(cfg, single_process_mesh(), UNFUSED)
+    ref = serial[0]
+    train_against_serial(cfg, mesh, scope, chunks, named,
+                         lambda mine: pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor,
+                                                          schedule="1f1b", lr=LR, max_grad_norm=1.0),
+                         serial)
     if not any(bool(b.any()) for _, b in ref.named_buffers() if _.endswith("expert_bias")):
         raise AssertionError("the serial expert bias never moved: the case does not test its updates")
     reducer.remove_hooks()
 
 
-def _make_pipeline(layout):
-    def case() -> None:
-        check_moe_pipeline_layout(layout)
-
-    case.__name__ = _pipeline_case_name(layout)
-    return case
-
-
-for _layouts in PIPELINE_LAYOUTS.values():
-    for _layout in _layouts:
-        globals()[_pipeline_case_name(_layout)] = _make_pipeline(_layout)
+_register(PIPELINE_LAYOUTS, _pipeline_case_name, check_moe_pipeline_layout)
 
 
 def cases_for_world(world_size: int) -> list[str]:
