@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A GPU session's device work, prepared so that one call of the lent machine does it.
 #
-# A task is lent a GPU machine by chance (see README "GPU figures"), for ~15 minutes of device
+# A task is lent a GPU machine by chance (see docs/performance.md "GPU figures"), for ~15 minutes of device
 # time in all, machine start included, at most 10 minutes a command. That machine is bare: its
 # image has torch, triton, transformers, einops and pytest, but not hydra-core / omegaconf, and
 # nothing can be fetched there. So:

@@ -8,11 +8,10 @@
         --layers 2 --vocab 256 --seq 4096 --micro-batch 1 --dropout 0 --cp 4   # context parallelism
     python bench/memory.py --device cuda --zero 1          # CUDA: torch.cuda.max_memory_allocated
 
-Builds the model, gradient reducer and optimizer exactly as a training run does
-(`build_mesh`, `init_model_chunks`, `DataParallelGradReducer`, `build_optimizer` or
-`ShardedAdamW`), runs one warm-up step (AdamW creates its state lazily in the first step),
-then measures the second step (`training.step.train_step`, or `pipeline_train_step` at
-pp > 1), on every rank, and prints one JSON object (global rank 0) with, per rank, the
+Builds the model, gradient reducer and optimizer exactly as a training run does (the Engine,
+training/engine.py, from the `optim.zero`/`optim.param_dtype` the options name), runs one
+warm-up step (AdamW creates its state lazily in the first step), then measures the second
+step (`Engine.step`: `train_step`, or `pipeline_train_step` at pp > 1), on every rank, and prints one JSON object (global rank 0) with, per rank, the
 measured and planned (`planning.plan.plan_rank`) bytes per category and the relative error
 (planned - measured) / measured.
 
@@ -52,18 +51,13 @@ import os
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
 
-from meshtron.models.config import GPTConfig  # noqa: E402
-from meshtron.models.config import ExecutionConfig  # noqa: E402
-from meshtron.models.gpt import init_model_chunks  # noqa: E402
-from meshtron.mpu.distributed_optimizer import ShardedAdamW  # noqa: E402
-from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
+from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.planning.activations import saved_activation_bytes  # noqa: E402
 from meshtron.planning.plan import plan_rank  # noqa: E402
 from meshtron.training.config import OptimConfig  # noqa: E402
-from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer  # noqa: E402
+from meshtron.training.engine import Engine, EngineConfig  # noqa: E402
 from meshtron.training.precision import Precision  # noqa: E402
 
 CATEGORIES = ("weights", "grads", "optimizer", "main_params", "activations", "total")
@@ -208,7 +202,6 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -> dict:
     from meshtron.training.packing import local_microbatch
-    from meshtron.training.step import pipeline_train_step, train_step
 
     cfg = model_config(args)
     schedule = args.schedule or ("interleaved" if args.vpp > 1 else "1f1b")
@@ -218,19 +211,11 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
     res = mesh.par
     execution = ExecutionConfig(recompute=args.recompute, recompute_layers=args.recompute_layers,
                                 fused_lm_loss=not args.unfused_lm_loss)
-    chunks = init_model_chunks(cfg, mesh, args.seed, device=device, execution=execution)
-    model = nn.ModuleList(chunks)
-    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    opt_kw = dict(lr=1e-3, weight_decay=0.1)
     precision = Precision(args.param_dtype if args.param_dtype == "bf16" else "fp32", device.type)
-    if args.zero == 3 or args.param_dtype == "bf16":  # the run's own builder (ZeRO-3 sharding, ResidentAdamW)
-        reducer, optimizer = build_reducer_and_optimizer(
-            OptimConfig(zero=args.zero, param_dtype=args.param_dtype, **opt_kw), chunks, mesh)
-    else:
-        reducer = (DataParallelGradReducer(named, mesh, shard_grads=True) if args.zero == 2
-                   else DataParallelGradReducer(named, mesh))
-        optimizer = ShardedAdamW(reducer, **opt_kw) if args.zero else build_optimizer(model, **opt_kw)
-
+    optim = OptimConfig(zero=args.zero, param_dtype=args.param_dtype, lr=1e-3, weight_decay=0.1)
+    engine = Engine.build(EngineConfig(model=cfg, micro_batch_size=args.micro_batch, seed=args.seed,
+                                       execution=execution, optim=optim), mesh, device, precision=precision)
+    chunks, reducer, optimizer = engine.chunks, engine.reducer, engine.optimizer
     micro, n_micro = args.micro_batch, args.microbatches
     global_batch = micro * n_micro * res.dp
     gen = torch.Generator().manual_seed(args.seed)
@@ -239,21 +224,8 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
     microbatches = [(mine[i * micro:(i + 1) * micro, :-1], mine[i * micro:(i + 1) * micro, 1:])
                     for i in range(n_micro)]
 
-    executor = None
-    if res.pp > 1:
-        from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
-
-        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
-                                    torch.float32, device)
-
     def step():
-        if executor is None:
-            out = train_step(chunks[0], reducer, optimizer, microbatches, mesh, lr=1e-3, max_grad_norm=1.0,
-                             precision=precision)
-        else:
-            out = pipeline_train_step(chunks, reducer, optimizer, microbatches, mesh, executor, schedule=schedule,
-                                      lr=1e-3, max_grad_norm=1.0, precision=precision)
-        return float(out["loss"])
+        return float(engine.step(microbatches, 1e-3)["loss"])
 
     saved = None
     if res.pp == 1:  # one microbatch's saved tensors, before the warm-up (no reduction launched)

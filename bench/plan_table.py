@@ -1,7 +1,7 @@
 """Planned per-GPU memory of a model config under the main 8-GPU layouts (no GPU needed).
 
     python bench/plan_table.py                        # +model=gpt_1b, JSON on stdout
-    python bench/plan_table.py --markdown             # the README's table
+    python bench/plan_table.py --markdown             # the table in docs/planning.md
 
 Each row is `planning.plan.plan_all_ranks` (what `trainer.dry_run=true` writes) for bf16 on
 CUDA kernels, micro batch 1, global batch 16; the heaviest rank's bytes are reported.

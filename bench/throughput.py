@@ -1,9 +1,9 @@
 """Training throughput of meshtron's real training step for one shape and layout.
 
-Runs the same pieces a training run uses (`GPT` built sharded on the mesh,
-`init_model_chunks`, `DataParallelGradReducer`, `build_optimizer`,
-`training.step.train_step`) on random token batches from a fixed seed, times each step and
-prints ONE JSON object on stdout (global rank 0 only).
+Builds and steps the run through the Engine the training loop uses (training/engine.py: the
+model built sharded on the mesh, the gradient reducer, AdamW, the pipeline executor at pp > 1)
+on random token batches from a fixed seed, times each step and prints ONE JSON object on
+stdout (global rank 0 only).
 
     python bench/throughput.py                                   # reference shape, 1 process
     torchrun --standalone --nproc_per_node=2 bench/throughput.py --tp 2
@@ -37,17 +37,15 @@ import torch.distributed as dist  # noqa: E402
 from meshtron.kernels import selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
-from meshtron.models.gpt import init_model_chunks  # noqa: E402
-from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.planning.flops import model_flops_per_token  # noqa: E402
 from meshtron.observability.memory import peak_memory_bytes  # noqa: E402
 from meshtron.planning.peak import peak_flops  # noqa: E402
 from meshtron.rules import compile_moe_checks, first_failure  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
-from meshtron.training.optim import build_optimizer  # noqa: E402
+from meshtron.training.config import OptimConfig  # noqa: E402
+from meshtron.training.engine import Engine, EngineConfig  # noqa: E402
 from meshtron.training.precision import Precision  # noqa: E402
-from meshtron.training.step import pipeline_train_step, train_step  # noqa: E402
 
 SEED = 1234
 DATA_SEED = 4321
@@ -256,18 +254,9 @@ def profile_step(step, micro, device, rank: int) -> None:
                       f"  calls {e.count}", file=sys.stderr)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    kept_freed_memory = keep_freed_host_memory()  # as train.py does (MESHTRON_SYSTEM_MALLOC=1: off)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = pick_device(args.device)
-    threads = choose_threads(args, device)
-    torch.set_num_threads(threads)
-
-    if world > 1:
-        init_process_group(device)
-    rank = dist.get_rank() if world > 1 else 0
-
+def build_run(args: argparse.Namespace, device: torch.device, world: int):
+    """The timed run through the Engine: (engine, kernel backend, precision, micro batch, rows
+    per dp rank); a bad shape or layout fails with one line (exit 2)."""
     try:
         backend = resolve_backend(args.kernels, device.type)
         cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
@@ -299,29 +288,16 @@ def main(argv=None) -> None:
     execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend,
                                 fused_lm_loss=not args.unfused_lm_loss, compile_moe=args.compile_moe,
                                 moe_dispatch_chunks=args.moe_dispatch_chunks)
-    chunks = init_model_chunks(cfg, mesh, SEED, device=device, execution=execution)
-    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
-    reducer = DataParallelGradReducer([(n, q) for c in chunks for n, q in c.named_parameters()], mesh)
-    optimizer = build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
-    executor = None
-    if mesh.pp_size > 1:
-        from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+    engine = Engine.build(EngineConfig(model=cfg, micro_batch_size=micro, seed=SEED, execution=execution,
+                                       optim=OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY),
+                                       max_grad_norm=MAX_GRAD_NORM), mesh, device, precision=precision)
+    return engine, backend, precision, micro, per_rank
 
-        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
-                                    torch.float32, device)
 
-    def step(micro_batches):
-        if executor is None:
-            return train_step(chunks[0], reducer, optimizer, micro_batches, mesh, lr=LR,
-                              max_grad_norm=MAX_GRAD_NORM, precision=precision)
-        return pipeline_train_step(chunks, reducer, optimizer, micro_batches, mesh, executor,
-                                   schedule=args.schedule, lr=LR, max_grad_norm=MAX_GRAD_NORM,
-                                   precision=precision)
-
-    total = args.warmup + args.steps + (1 if args.profile else 0)
-    batches = [rank_microbatches(x, y, mesh.dp_rank, dp, micro, device)
-               for x, y in global_batches(cfg, args.batch, total)]
-
+def time_steps(step, batches: list, args: argparse.Namespace, world: int, device: torch.device, backend: str):
+    """Run the warm-up and timed steps (every rank starts each together); returns the timed
+    steps' wall times (the slowest rank's), their losses, and the host's other load
+    (other_busy_cpus, steal_cpus)."""
     host_start = _host_cpu_seconds()
     own_start = _own_cpu_seconds()
     wall_start = time.perf_counter()
@@ -351,6 +327,32 @@ def main(argv=None) -> None:
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times = t.tolist()
+    return times, losses, other_busy, steal
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    kept_freed_memory = keep_freed_host_memory()  # as train.py does (MESHTRON_SYSTEM_MALLOC=1: off)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(args.device)
+    threads = choose_threads(args, device)
+    torch.set_num_threads(threads)
+
+    if world > 1:
+        init_process_group(device)
+    rank = dist.get_rank() if world > 1 else 0
+
+    engine, backend, precision, micro, per_rank = build_run(args, device, world)
+    cfg, mesh, dp = engine.config.model, engine.mesh, engine.mesh.dp_size
+
+    def step(micro_batches):
+        return engine.step(micro_batches, LR)
+
+    total = args.warmup + args.steps + (1 if args.profile else 0)
+    batches = [rank_microbatches(x, y, mesh.dp_rank, dp, micro, device)
+               for x, y in global_batches(cfg, args.batch, total)]
+
+    times, losses, other_busy, steal = time_steps(step, batches, args, world, device, backend)
 
     if args.profile:
         profile_step(step, batches[-1], device, rank)
@@ -428,7 +430,7 @@ def main(argv=None) -> None:
     }
     if rank == 0:
         print(json.dumps(result), flush=True)
-    reducer.remove_hooks()
+    engine.close()
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

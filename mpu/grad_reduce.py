@@ -11,7 +11,7 @@ unset, so autograd hands the first gradient of the step to the post-accumulate-g
 tensor of its own, which the hook copies into the parameter's bucket slice and makes `.grad`
 again; later microbatches accumulate into the slice as usual. That is one copy instead of a
 memset of every buffer plus an accumulation (~1.4 ms of a ~330 ms step of the MoE benchmark
-model on the 2-core CPU; README). `finish()` zeroes the slices of parameters that got no
+model on the 2-core CPU; docs/parallelism.md). `finish()` zeroes the slices of parameters that got no
 gradient in the step. ZeRO-3 unit buffers (allocated zeroed per unit) are left as they were.
 
 Reductions are sums, not averages: the training loss is already divided by the number of

@@ -1,4 +1,4 @@
-"""bench/plan_table.py: the README's gpt_1b memory table is the planner's, and its rows move
+"""bench/plan_table.py: docs/planning.md's gpt_1b memory table is the planner's, and its rows move
 the way the layout choices say they must."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from meshtron.training.cli import config_groups, default_list_groups, group_selection_error
 from meshtron.training.config import RunConfig, unknown_override
-from meshtron.training.loop import check_run_config
+from meshtron.training.run_checks import check_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -73,7 +73,7 @@ def test_shrunken_card_command_is_a_valid_run_for_the_gpu_count(gpus):
     from omegaconf import OmegaConf
 
     from meshtron.training.config import RunConfig
-    from meshtron.training.loop import check_run_config
+    from meshtron.training.run_checks import check_run_config
 
     lay = card_layout(gpus)
     assert lay["nproc"] == gpus and gpus % lay["tp"] == 0 and 8 % lay["ep"] == 0 and gpus % lay["ep"] == 0

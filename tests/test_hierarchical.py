@@ -19,7 +19,7 @@ import pytest
 from meshtron.mpu.hierarchical import hierarchy_shape, replica_rank_lists, resolve_hierarchical, split_by_node
 from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
 from meshtron.training.config import ConfigError, RunConfig
-from meshtron.training.loop import check_run_config
+from meshtron.training.run_checks import check_run_config
 from tests.distributed.registry import WORLD_TIMEOUT_S, assert_case_passed, params
 
 ROOT = Path(__file__).resolve().parents[1]

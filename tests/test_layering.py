@@ -1,4 +1,4 @@
-"""The folders depend one way (README, "One import root"): a module may import meshtron
+"""The folders depend one way (docs/architecture.md, "One import root"): a module may import meshtron
 modules of its own folder or of folders below it, never above. Checked on the source with
 `ast`, imports inside functions included, so a lazy import cannot hide an upward edge."""
 

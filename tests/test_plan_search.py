@@ -259,7 +259,7 @@ TINY_OVERRIDES = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads
 def test_cli_overrides_compose_into_a_runnable_config(capsys, tmp_path):
     """Every printed line's overrides, pasted after the same command-line overrides, compose
     (Hydra, as train.py) into a config the run's checks accept at that world size."""
-    from meshtron.training.loop import check_run_config
+    from meshtron.training.run_checks import check_run_config
     from meshtron.training.plan_cli import compose_run
 
     out_json = tmp_path / "plan.json"

@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 import meshtron.configs
 from meshtron.schema import nearest_key
 from meshtron.training.config import unknown_override
-from meshtron.training.loop import main_entry, say_one_line
+from meshtron.errors import say_one_line
+from meshtron.training.loop import main_entry
 
 
 # configs/ is the package meshtron.configs (pyproject.toml maps it), so Hydra finds it in any install.

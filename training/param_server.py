@@ -84,6 +84,7 @@ from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
 from meshtron.mpu.param_server_comm import PSChannel
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, dim_groups
+from meshtron.training.run_checks import check_run_config
 
 HEADER = 12
 HELLO, PUSH, DONE = 0.0, 1.0, 2.0
@@ -135,11 +136,10 @@ def check_ps_run(run, world_size: int) -> tuple[ParallelConfig, int, int, int]:
     for holds, message in ps_config_checks(run):
         if not holds:
             raise ConfigError(message)
-    from meshtron.training.loop import check_run_config  # the allreduce checks, with dp = workers
-
     if world_size <= run.parallel.servers:
         raise ConfigError(f"parallel.servers={run.parallel.servers} leaves no worker rank in world size {world_size}; "
                           "start more processes or use fewer servers")
+    # the allreduce checks, with dp = workers
     workers_only = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, dp_mode="allreduce", servers=0))
     par, micro, _ = check_run_config(workers_only, world_size - run.parallel.servers)
     workers, per_worker = par.dp, par.tp
@@ -744,7 +744,7 @@ def train_ps(run, env, run_dir, dataset) -> dict:
     """Every rank of the world: build the worker meshes and the servers' group (collectively),
     then serve (the last `parallel.servers` ranks) or train. Returns the worker's summary
     (history of logged records) or {"server": ServerResult}. Needs the default group."""
-    from meshtron.training.schedule import lr_at
+    from meshtron.training.reporting import lr_schedule
 
     worker_par, workers, per_worker, micro = check_ps_run(run, env.world_size)
     roles = Roles(workers, per_worker, run.parallel.servers)
@@ -752,12 +752,7 @@ def train_ps(run, env, run_dir, dataset) -> dict:
     channel = PSChannel()  # the messages' group (host memory; gloo)
     mesh = block_mesh(worker_par, [roles.worker_rank(w, 0) for w in range(workers)], rank)
     server_group = dist.new_group(roles.server_ranks, backend="gloo") if roles.servers > 1 else None
-    o, t = run.optim, run.trainer
-
-    def schedule(step: int) -> float:
-        return lr_at(step, lr=o.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
-                     min_lr_ratio=o.min_lr_ratio, decay=o.decay)
-
+    schedule = lr_schedule(run)
     if mesh is None:
         server = ParameterServer(run, roles, rank - roles.server_rank(0), server_group, schedule, channel)
         start = server.setup()
@@ -773,93 +768,92 @@ def train_ps(run, env, run_dir, dataset) -> dict:
 
 def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, micro: int, schedule,
                   channel: PSChannel) -> dict:
-    from meshtron.models.gpt import init_model_chunks
-    from meshtron.observability.metrics import MetricsWriter, format_step_line
+    """A worker rank's steps: its slice of each global batch through the Engine (with the
+    parameter-server client as its optimizer), metrics from worker 0 (training/reporting.py)."""
     from meshtron.planning.flops import model_flops_per_token
     from meshtron.planning.peak import peak_flops
-    from meshtron.training.precision import Precision
     from meshtron.textdata.data import document_end_id
-    from meshtron.training.step import evaluate, train_step
+    from meshtron.training.engine import Engine, EngineConfig
+    from meshtron.training.precision import Precision
+    from meshtron.training.reporting import StepReporter, split_microbatches, val_microbatches
 
     cfg, t = run.model, run.trainer
-    worker, tp_rank = roles.peer_of(env.rank)
-    chunks = init_model_chunks(cfg, mesh, t.seed, device=env.device, execution=run.execution("torch"))
-    model = chunks[0]
-    reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
-    client = ParameterServerClient(chunks, mesh, roles, worker, channel)
-    precision = Precision(t.precision, env.device.type, None)
-    reply = client.hello()
-    start = reply.start
-    writer = MetricsWriter(run_dir, enabled=env.is_main)
-    tokens_per_step = t.global_batch_size * cfg.seq_len
-    peak, _ = peak_flops(env.device, torch.float32)
-    flops_per_token = model_flops_per_token(cfg)
-    worker_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 2  # weights + gradient buckets
-    delay, kill = _env_hook(DELAY_ENV).get(worker, 0.0), _env_hook(KILL_ENV).get(worker)
+    worker, _ = roles.peer_of(env.rank)
     eos_id = document_end_id(run.data, cfg.vocab_size)
+
+    def reducer_and_client(chunks, mesh_):
+        reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh_)
+        return reducer, ParameterServerClient(chunks, mesh_, roles, worker, channel)
+
+    engine = Engine.build(EngineConfig.from_run(run, run.execution("torch"), micro, eos_id), mesh, env.device,
+                          precision=Precision(t.precision, env.device.type, None),
+                          optimizer_factory=reducer_and_client)
+    client = engine.optimizer
+    start = client.hello().start
+    peak, _ = peak_flops(env.device, torch.float32)
+    reporter = StepReporter(run_dir, t, tokens_per_step=t.global_batch_size * cfg.seq_len,
+                            flops_per_token=model_flops_per_token(cfg),
+                            peak_flops=peak * roles.workers * roles.per_worker, first=start + 1,
+                            write=env.is_main, show=env.is_main)
     if env.is_main:
         print(f"meshtron: parameter servers: {roles.workers} worker(s) of {roles.per_worker} rank(s) "
               f"(tp={mesh.tp_size}), "
               f"{roles.servers} server(s), optim.sync={run.optim.sync}"
               + (f" staleness={run.optim.staleness}" if run.optim.sync == "ssp" else "")
               + f"; starting at step {start}; run dir {run_dir}", flush=True)
-    history = []
-    window_start, window_steps = time.perf_counter(), 0
     try:
         for step in range(start, t.max_steps):
-            if kill is not None and step == int(kill):
-                os.kill(os.getpid(), signal.SIGKILL)  # test hook: a worker dies without a word
-            if delay:
-                time.sleep(delay)  # test hook: a slow worker
-            lr = schedule(step)
+            _test_hooks(worker, step)
             inputs, targets = dataset.local_batch_at(step * t.global_batch_size, t.global_batch_size, worker,
                                                      roles.workers)
-            inputs, targets = inputs.to(env.device), targets.to(env.device)
-            microbatches = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+            microbatches = split_microbatches(inputs.to(env.device), targets.to(env.device), micro)
             own = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
             total = _global_tokens(dataset, step, t.global_batch_size, micro, mesh, eos_id).to(env.device)
-            out = train_step(model, reducer, client, microbatches, mesh, lr=lr, max_grad_norm=t.max_grad_norm,
-                             precision=precision, eos_id=eos_id, token_count=total, outer_replicas=roles.workers)
+            out = engine.step(microbatches, schedule(step), token_count=total, outer_replicas=roles.workers)
             share = float(out["loss"])  # this worker's share of the global batch's mean loss
-            local_loss = share * float(total) / max(own, 1.0)  # the mean over this worker's own batch
             reply = client.exchange(step, own, share, finite=not out["skipped"])
-            window_steps += 1
-            eval_now = t.eval_every > 0 and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
-            if step == start or (step + 1) % t.log_every == 0 or step + 1 == t.max_steps or eval_now:
-                bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
-                elapsed = time.perf_counter() - window_start
-                tokens_per_s = tokens_per_step * window_steps / elapsed
-                record = {"step": step + 1, "loss": reply.loss if bsp else local_loss, "lr": lr,
-                          "grad_norm": reply.grad_norm if bsp else float(client.local_norm) * float(total) / own,
-                          "tokens_per_s": tokens_per_s,
-                          "mfu": flops_per_token * tokens_per_s / (peak * roles.workers * roles.per_worker),
-                          "step_time_s": elapsed / window_steps, "staleness_max": reply.stale_max,
-                          "staleness_mean": reply.stale_mean, "server_state_bytes": reply.server_bytes,
-                          "worker_state_bytes": worker_bytes, "version": reply.version}
-                if eval_now and worker == 0:  # worker 0's parameters on the whole held-out batches
-                    val = []
-                    for index in range(t.eval_batches):
-                        x, y = dataset.local_batch(index, t.global_batch_size, 0, 1, split="val")
-                        x, y = x.to(env.device), y.to(env.device)
-                        val += [(x[i: i + micro], y[i: i + micro]) for i in range(0, len(x), micro)]
-                    record["val_loss"] = float(evaluate(chunks, val, mesh, None, precision, eos_id=eos_id))
-                if worker == 0:
-                    history.append(record)
-                    writer.log(record)
-                if env.is_main:
-                    print(format_step_line(record, total=t.max_steps), flush=True)
-                window_start, window_steps = time.perf_counter(), 0
+            reporter.tick()
+            if not reporter.log_due(step + 1):
+                continue
+            record = _worker_record(run, engine, reporter, step, schedule(step), reply, share, own, total)
+            if reporter.eval_due(step + 1) and worker == 0:  # worker 0's parameters on the whole held-out batches
+                val = val_microbatches(dataset, t, 0, 1, micro, env.device)
+                record["val_loss"] = float(engine.evaluate(val))
+            if worker == 0:
+                reporter.emit(record)
         client.done()
     finally:
-        writer.close()
-        reducer.remove_hooks()
-    summary = {"first_loss": history[0]["loss"] if history else None,
-               "last_loss": history[-1]["loss"] if history else None, "steps": t.max_steps,
-               "run_dir": str(run_dir), "history": history, "model": chunks}
-    if env.is_main and history:
+        reporter.close()
+        engine.close()
+    summary = reporter.summary(t.max_steps, run_dir, model=engine.chunks)
+    if env.is_main and summary["history"]:
         print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
               f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
     return summary
+
+
+def _test_hooks(worker: int, step: int) -> None:
+    """The tests' fault hooks (MESHTRON_PS_TEST_DELAY / _KILL): a slow worker, a worker that
+    dies without a word at a given step."""
+    delay, kill = _env_hook(DELAY_ENV).get(worker, 0.0), _env_hook(KILL_ENV).get(worker)
+    if kill is not None and step == int(kill):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if delay:
+        time.sleep(delay)
+
+
+def _worker_record(run, engine, reporter, step: int, lr: float, reply, share: float, own: float,
+                   total: torch.Tensor) -> dict:
+    """A logged step's record: under bsp (or ssp with staleness 0) the servers' global loss and
+    norm, else this worker's own (its share rescaled to its own batch)."""
+    bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
+    local_loss = share * float(total) / max(own, 1.0)  # the mean over this worker's own batch
+    worker_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) * 2  # weights + grad buckets
+    return {"step": step + 1, "loss": reply.loss if bsp else local_loss, "lr": lr,
+            "grad_norm": reply.grad_norm if bsp else float(engine.optimizer.local_norm) * float(total) / own,
+            **reporter.throughput(), "staleness_max": reply.stale_max,
+            "staleness_mean": reply.stale_mean, "server_state_bytes": reply.server_bytes,
+            "worker_state_bytes": worker_bytes, "version": reply.version}
 
 
 def ps_dry_run(run, env, run_dir: Path) -> dict:

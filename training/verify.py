@@ -86,6 +86,7 @@ import tempfile
 import time
 import traceback
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,13 +94,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.errors import ConfigError
+from meshtron.errors import ConfigError, say_one_line
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.init import full_tensor
 from meshtron.mpu.mappings import gather_from_region
-from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, check_model_fits, group_size
+from meshtron.mpu.mesh import (Mesh, ParallelConfig, ParallelConfigError, check_model_fits, group_size,
+                               single_process_mesh)
 from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.training.cli import compose_run
+from meshtron.training.engine import Engine, EngineConfig
 
 if TYPE_CHECKING:
     from meshtron.training.config import OptimConfig, RunConfig
@@ -399,69 +402,58 @@ def serial_microbatches(plan: Plan, step: int) -> list:
 def run_layout(plan: Plan, serial: bool = False) -> list:
     """Train `plan.steps` steps of the layout (this process's rank; or the serial reference
     with `serial`) and return its Recorder records. Communicates over the world's groups."""
-    from meshtron.models.gpt import init_model_chunks
-    from meshtron.mpu.mesh import build_mesh, single_process_mesh
-    from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
-    from meshtron.training.optim import build_reducer_and_optimizer
-    from meshtron.training.step import pipeline_train_step, train_step
+    engine = Engine.build(_engine_config(plan, serial), single_process_mesh() if serial else plan.par, "cpu",
+                          adjust_model=None if serial or not plan.fault else partial(_inject_fault, plan.fault))
+    if plan.fault == "grad-skip" and not serial:
+        _skip_reduction(engine.reducer, engine.chunks)
+    recorder = Recorder(engine.chunks, engine.mesh, plan, _serial_index(plan, engine.mesh.dp_rank, serial))
+    clip = engine.optimizer.clip_grad_norm
 
-    cfg = plan.model
-    # Both runs build whole logits (trainer.fused_lm_loss=false) so the last chunk's output can
-    # be compared as logits; the fused loss equals the unfused one (tests/test_linear_cross_entropy.py
-    # and every layout case of the test suite).
+    def recording_clip(chunks_, max_norm, mesh_):
+        recorder.record_gradients(engine.optimizer)
+        return clip(chunks_, max_norm, mesh_)
+
+    engine.optimizer.clip_grad_norm = recording_clip
+    try:
+        for step in range(plan.steps):
+            recorder.start_step(step)
+            mine = serial_microbatches(plan, step) if serial else rank_microbatches(plan, step, engine.mesh.dp_rank)
+            recorder.record_step(engine.step(mine, LR))
+    finally:
+        recorder.close()
+        engine.close()
+    return recorder.records
+
+
+def _engine_config(plan: Plan, serial: bool) -> EngineConfig:
+    """The layout's engine config, or the serial reference's (replicated AdamW, no
+    recomputation, torch kernels). Both build whole logits (trainer.fused_lm_loss=false) so the
+    last chunk's output can be compared as logits; the fused loss equals the unfused one
+    (tests/test_linear_cross_entropy.py and every layout case of the test suite)."""
     if serial:
-        mesh = single_process_mesh()
         execution = ExecutionConfig(fused_lm_loss=False)
         optim = dataclasses.replace(plan.optim, zero=0, offload=False)
     else:
-        mesh = build_mesh(plan.par, cfg, device_type="cpu")
         execution = ExecutionConfig(recompute=plan.recompute, recompute_layers=plan.recompute_layers,
                                     kernel_backend=plan.kernel_backend, fused_lm_loss=False)
         optim = plan.optim
-    chunks = init_model_chunks(cfg, mesh, plan.seed, execution=execution)
-    if plan.fault and not serial:
-        _inject_fault(plan.fault, chunks)
-    reducer, optimizer = build_reducer_and_optimizer(optim, chunks, mesh)
-    if plan.fault == "grad-skip" and not serial:
-        _skip_reduction(reducer, chunks)
-    executor = None
-    if mesh.pp_size > 1:
-        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, plan.micro, cfg.hidden_size),
-                                    torch.float32, torch.device("cpu"))
-    dp_rank, n_micro, micro = mesh.dp_rank, plan.n_micro, plan.micro
+    return EngineConfig(model=plan.model, micro_batch_size=plan.micro, seed=plan.seed, execution=execution,
+                        optim=optim, max_grad_norm=plan.max_grad_norm, eos_id=plan.eos_id)
+
+
+def _serial_index(plan: Plan, dp_rank: int, serial: bool):
+    """where(index): (serial microbatch, rows of it) of this rank's forward number `index` in a step."""
+    cfg, n_micro, micro = plan.model, plan.n_micro, plan.micro
     global_scope = cfg.is_moe and cfg.aux_loss_scope == "global"
 
     def where(index: int):
-        """(serial microbatch, rows of it) of this rank's forward number `index` in a step."""
         if serial:
             return index, None
         if global_scope:
             return index, (dp_rank * micro, (dp_rank + 1) * micro)
         return dp_rank * n_micro + index, None
 
-    recorder = Recorder(chunks, mesh, plan, where)
-    clip = optimizer.clip_grad_norm
-
-    def recording_clip(chunks_, max_norm, mesh_):
-        recorder.record_gradients(optimizer)
-        return clip(chunks_, max_norm, mesh_)
-
-    optimizer.clip_grad_norm = recording_clip
-    try:
-        for step in range(plan.steps):
-            recorder.start_step(step)
-            mine = serial_microbatches(plan, step) if serial else rank_microbatches(plan, step, dp_rank)
-            if executor is None:
-                out = train_step(chunks[0], reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=plan.max_grad_norm,
-                                 eos_id=plan.eos_id)
-            else:
-                out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule=plan.par.schedule,
-                                          lr=LR, max_grad_norm=plan.max_grad_norm, eos_id=plan.eos_id)
-            recorder.record_step(out)
-    finally:
-        recorder.close()
-        reducer.remove_hooks()
-    return recorder.records
+    return where
 
 
 def _inject_fault(fault: str, chunks) -> None:
@@ -664,7 +656,6 @@ def _rank_failure(tmp: Path, world: int, in_time: bool, timeout_s: float) -> str
 def verify(overrides: list[str], *, steps: int = 2, tol: float = 1e-5, atol: float = 1e-9,
            world: int | None = None, timeout_s: float = 300.0, fault: str | None = None) -> int:
     """Run the verifier (module doc); prints the report and returns the exit status."""
-    from meshtron.training.loop import say_one_line
 
     try:
         if steps < 1:
@@ -744,8 +735,7 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parser.parse_known_args(argv)
     flags = [o for o in overrides if o.startswith("--")]
     if flags:
-        from meshtron.training.loop import say_one_line
-
+    
         say_one_line(f"meshtron verify: configuration error: unknown option {flags[0]}; options: --steps, --tol, "
                      "--atol, --world, --timeout (the rest are train.py overrides)")
         sys.exit(EXIT_CONFIG)

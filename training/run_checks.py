@@ -1,0 +1,70 @@
+"""Everything a training run checks before any process group exists: the layout against the
+world size, the model shape against the layout, batch splits, compiled MoE, the data's
+tokenizer, and the checkpoint to start from. A bad configuration fails here, on every rank
+alike, with one line (`ConfigError`) instead of hanging in a collective.
+
+Used by the training loop and, with the workers' world size, by the parameter-server run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshtron.errors import ConfigError
+from meshtron.mpu.hierarchical import resolve_hierarchical
+from meshtron.mpu.mesh import ParallelConfigError, check_model_fits
+from meshtron.observability.metrics import require_tensorboard
+from meshtron.rules import batch_checks, compile_moe_checks, microbatches, raise_first
+from meshtron.textdata.data import ByteTokenizer
+from meshtron.training.checkpoint import CheckpointError, check_compatible, resolve_resume
+from meshtron.training.config import RunConfig
+
+
+def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None = None) -> tuple:
+    """Validate layout, model shape and batch sizes for `world_size` (`ranks_per_node`: torchrun's
+    LOCAL_WORLD_SIZE, for parallel.dp_hierarchical); return (parallel, micro, n_micro).
+
+    Raises ConfigError (one line, names the numbers and what to change).
+    """
+    try:
+        par = run.parallel.resolved(world_size)
+        check_model_fits(par, run.model)
+        resolve_hierarchical(par.dp_hierarchical, par, world_size, ranks_per_node or world_size,
+                             shard_grads=run.optim.zero >= 2)
+    except ParallelConfigError as err:
+        raise ConfigError(str(err)) from err
+    t = run.trainer
+    raise_first(batch_checks(t.global_batch_size, t.micro_batch_size, par.dp, pp=par.pp, schedule=par.schedule),
+                ConfigError)
+    m = run.model
+    raise_first(compile_moe_checks(t.compile_moe, num_experts=m.num_experts, hidden_size=m.hidden_size,
+                                   moe_ffn_hidden_size=m.moe_ffn_hidden_size, precision=t.precision,
+                                   kernel_backend=run.kernels.backend, recompute=t.recompute, zero=run.optim.zero),
+                ConfigError)
+    micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
+    if t.tensorboard and not t.dry_run:
+        require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra
+    if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
+                          f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}")
+    return par, micro, n_micro
+
+
+def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
+    """("resume" | "init_from", path) after checking the checkpoint is complete and holds the
+    tensors this model needs, or None for a fresh start. Runs before any process group, on
+    every rank alike, so a bad checkpoint fails with one line instead of a hang."""
+    c = run.checkpoint
+    try:
+        if c.init_from:
+            path, kind = resolve_resume(None, c.init_from), "init_from"
+        else:
+            path, kind = resolve_resume(c.dir, c.resume), "resume"
+        if path is None:
+            return None
+        meta = check_compatible(path, run.model)
+        if kind == "resume" and meta.get("weights_only"):
+            raise CheckpointError(f"{path} holds weights only (no optimizer state or step); start from it with "
+                                  f"checkpoint.init_from={path}")
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoint.{'init_from' if c.init_from else 'resume'}: {err}") from err
+    return kind, path
