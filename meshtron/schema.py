@@ -6,6 +6,13 @@ Decision: one dataclass schema rather than Hydra structured configs. The datacla
 what tests, the planner and the HF importer construct directly, so their rules must hold
 without Hydra; Hydra's own checks stop at types and would report in its own multi-line style.
 
+One source per default and per description: `setting(default, help=..., **rule)` declares a
+field's default, its one-line help and its range together; configs/train.yaml is written from
+them (`python -m meshtron.configs.generate`, checked by tests/test_train_yaml.py), never by
+hand. A dataclass that carries a key another one declares (GPTConfig's MoE routing keys are
+MoEConfig's, TrainerConfig's execution keys ExecutionConfig's) copies that declaration with
+`declared_in`, so a default or a help line exists once.
+
 `field_checks(section, obj)` returns (holds, message) pairs for every field: the type (a bool
 is not an int, an int is a number, floats must be finite), then the declared range and
 choices. Messages name the key, the value and what is allowed:
@@ -61,6 +68,37 @@ class Allowed:
 def allowed(**kwargs) -> dict:
     """Field metadata declaring the field's range or choices: `field(default=1, metadata=allowed(ge=1))`."""
     return {"allowed": Allowed(**kwargs)}
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, key: str | None = None, in_train_yaml: bool = True,
+            **rule) -> Any:
+    """A config field: its default, its one-line `help` (the comment configs/train.yaml shows
+    beside the key), its range or choices (`rule`: Allowed's arguments), the config `key` where
+    the field name cannot be it (a Python keyword: checkpoint.async) and whether train.yaml
+    lists the key. `in_train_yaml=False` writes it there commented out: the composed config
+    lacks it, so a command line adds it with `+section.key=value` (Hydra refuses `+` for a key
+    the yaml holds) and presets (configs/model/) set it."""
+    metadata: dict[str, Any] = {"help": help}
+    if rule:
+        metadata["allowed"] = Allowed(**rule)
+    if key is not None:
+        metadata["key"] = key
+    if not in_train_yaml:
+        metadata["in_train_yaml"] = False
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def declared_in(owner: type, name: str) -> Any:
+    """A new field with the default and metadata (help, range, key) of `owner`'s field `name`:
+    how a second dataclass carrying the same key shares its one declaration. Only the type
+    annotation is written again (tests/test_schema.py checks that it matches)."""
+    f = owner.__dataclass_fields__[name]
+    return dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata)
+
+
+def help_of(f: dataclasses.Field) -> str | None:
+    """The one-line help `setting` declared for the field (None: none declared)."""
+    return f.metadata.get("help")
 
 
 def _show(value) -> str:

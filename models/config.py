@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
-from meshtron.moe.config import MoEConfig, score_check, scope_checks
+from meshtron.moe.config import ROUTING_FIELDS, MoEConfig, score_check, scope_checks
 from meshtron.rules import raise_first
-from meshtron.schema import allowed, field_checks
+from meshtron.schema import declared_in, field_checks, setting
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
@@ -30,19 +30,26 @@ class ExecutionConfig:
     their dispatch chunks (`trainer.moe_dispatch_chunks`).
     Given to `GPT` beside its `GPTConfig`; never saved with the weights."""
 
-    recompute: str = field(default="none", metadata=allowed(choices=RECOMPUTE_MODES))
-    recompute_layers: int | None = field(default=None, metadata=allowed(ge=1))
-    kernel_backend: str = field(default="torch", metadata=allowed(choices=RESOLVED_BACKENDS))
+    recompute: str = setting("none", choices=RECOMPUTE_MODES,
+                             help="none | selective (attention core) | full (whole layers)")
+    recompute_layers: int | None = setting(None, ge=1, help="with full: recompute only the first N layers (null = all)")
+    kernel_backend: str = setting("torch", choices=RESOLVED_BACKENDS,
+                                  help="the kernel backend kernels.backend resolved to (torch | triton)")
     # The LM head and the loss in one chunked pass (kernels/linear_cross_entropy.py): the last
     # chunk's forward returns the head's input and `GPT.loss_sum` computes the summed loss.
-    fused_lm_loss: bool = True
-    lm_loss_chunk_rows: int | None = field(default=None, metadata=allowed(ge=1))  # None: by device (chunk_rows_for)
+    fused_lm_loss: bool = setting(
+        True, help="LM head + cross-entropy in row chunks: the [tokens, vocab/tp] logits never exist whole")
+    lm_loss_chunk_rows: int | None = setting(
+        None, ge=1, help="rows per chunk of the fused loss (null: about 2 Mi logits on CPU, 128 Mi on CUDA)")
     # Each MoE layer under torch.compile (`trainer.compile_moe`): whole, or its router and
     # experts (moe/layer.py MoELayer.compile_moe; what it needs: meshtron/rules.py compile_moe_checks).
-    compile_moe: bool = False
+    compile_moe: bool = setting(
+        False, help="torch.compile each MoE layer (whole, or its router and experts); bf16 (meshtron/rules.py)")
     # Each MoE layer's tokens dispatched in this many chunks, so that one chunk's experts run
     # while another's tokens travel (`trainer.moe_dispatch_chunks`; moe/layer.py MoELayer).
-    moe_dispatch_chunks: int = field(default=1, metadata=allowed(ge=1))
+    moe_dispatch_chunks: int = setting(
+        1, ge=1,
+        help="MoE tokens dispatched in N chunks at ep/etp > 1: one chunk's experts overlap another's all-to-alls")
 
     def __post_init__(self) -> None:
         raise_first(field_checks("trainer", self))
@@ -62,55 +69,60 @@ class GPTConfig:
     `arch` picks the family defaults (GPT-2: LayerNorm, GeLU, learned positions, biases;
     Llama: RMSNorm, SwiGLU, RoPE, no biases); `norm`, `activation`, `position` and `bias`
     override them one by one. `num_kv_heads` < `num_heads` gives grouped-query attention.
-    MoE fields are parsed now and used by the MoE layers (see `moe/`).
+    MoE fields are parsed now and used by the MoE layers (see `moe/`); the routing ones are
+    MoEConfig's declarations (moe/config.py ROUTING_FIELDS), copied, never declared again.
+
+    Decision (one source per default): these defaults are the run's model, the tiny GPT-2 that
+    `python train.py` trains (configs/train.yaml is generated from them: 4 layers, hidden 128,
+    seq_len 128). They used to be 2/64/64 here while train.yaml said 4/128/128; the run's
+    values won, and code that needs a smaller model (tests, bench) names its sizes.
     """
 
-    num_layers: int = field(default=2, metadata=allowed(ge=1))
-    hidden_size: int = field(default=64, metadata=allowed(ge=1))
-    num_heads: int = field(default=4, metadata=allowed(ge=1))
-    num_kv_heads: int | None = field(default=None, metadata=allowed(ge=1))
-    ffn_hidden_size: int | None = field(default=None, metadata=allowed(ge=1))
-    vocab_size: int = field(default=256, metadata=allowed(ge=2))
-    seq_len: int = field(default=64, metadata=allowed(ge=1))
-    dropout: float = field(default=0.0, metadata=allowed(ge=0, lt=1))
-    # dropout on the attention probabilities; None = `dropout` (context parallelism needs 0)
-    attention_dropout: float | None = field(default=None, metadata=allowed(ge=0, lt=1))
-    arch: str = field(default="gpt2", metadata=allowed(choices=tuple(ARCH_DEFAULTS)))
-    norm: str | None = field(default=None, metadata=allowed(choices=NORMS + (None,)))
-    activation: str | None = field(default=None, metadata=allowed(choices=ACTIVATIONS + (None,)))
-    position: str | None = field(default=None, metadata=allowed(choices=POSITIONS + (None,)))
-    bias: bool | None = None
-    tie_embeddings: bool = True
-    init_std: float = field(default=0.02, metadata=allowed(gt=0))
-    norm_eps: float = field(default=1e-5, metadata=allowed(gt=0))
-    rope_theta: float = field(default=10000.0, metadata=allowed(gt=0))
+    num_layers: int = setting(4, ge=1, help="transformer layers")
+    hidden_size: int = setting(128, ge=1, help="model width (head dim = hidden_size / num_heads)")
+    num_heads: int = setting(4, ge=1, help="attention heads")
+    num_kv_heads: int | None = setting(None, ge=1, help="null = num_heads; fewer = grouped-query attention")
+    ffn_hidden_size: int | None = setting(None, ge=1, help="null = 4 * hidden_size")
+    vocab_size: int = setting(256, ge=2, help="vocabulary size (256: the byte-level tokenizer's)")
+    seq_len: int = setting(128, ge=1, help="tokens per training sequence")
+    dropout: float = setting(0.0, ge=0, lt=1, help="dropout on hidden states")
+    attention_dropout: float | None = setting(
+        None, ge=0, lt=1, help="dropout on attention probabilities (null = model.dropout; 0 with parallel.cp > 1)")
+    arch: str = setting("gpt2", choices=tuple(ARCH_DEFAULTS),
+                        help="gpt2 (LayerNorm, GeLU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)")
+    norm: str | None = setting(None, choices=NORMS + (None,), in_train_yaml=False,
+                               help="layernorm | rmsnorm (null = the arch's)")
+    activation: str | None = setting(None, choices=ACTIVATIONS + (None,), in_train_yaml=False,
+                                     help="gelu | swiglu (null = the arch's)")
+    position: str | None = setting(None, choices=POSITIONS + (None,), in_train_yaml=False,
+                                   help="learned | rope (null = the arch's)")
+    bias: bool | None = setting(None, in_train_yaml=False, help="biases in linear layers (null = the arch's)")
+    tie_embeddings: bool = setting(True, help="the LM head shares the embedding's weights")
+    init_std: float = setting(0.02, gt=0, help="std of the normal weight init")
+    norm_eps: float = setting(1e-5, gt=0, in_train_yaml=False, help="epsilon of the LayerNorm/RMSNorm")
+    rope_theta: float = setting(10000.0, gt=0, in_train_yaml=False, help="RoPE base")
     # Mixture of Experts (0 experts = dense model).
-    num_experts: int = field(default=0, metadata=allowed(ge=0))
-    top_k: int = 2
-    moe_every: int = field(default=1, metadata=allowed(ge=1))
-    moe_ffn_hidden_size: int | None = field(default=None, metadata=allowed(ge=1))
-    capacity_factor: float | None = None
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    router_score: str = "softmax"
-    router_renormalize: bool = True
-    router_bias_update_rate: float = 0.0
-    # Which tokens one load-balancing statistic pools (moe/scope.py): "microbatch" (each rank's
-    # microbatch), "sequence" (DeepSeek sequence-wise) or "global" (one microbatch of every dp rank).
-    aux_loss_scope: str = "microbatch"
-    # "sum": one aux loss per MoE layer, summed (Switch, Megatron-Core, DeepSeek). "pooled": one
-    # aux loss over the statistics pooled across all MoE layers (transformers' Mixtral/Qwen-MoE
-    # load_balancing_loss_func); needs parallel.pp=1.
-    aux_loss_layers: str = "sum"
-    # Group-limited routing (DeepSeek-V3): experts form `router_groups` equal groups; each token
-    # picks its top-k experts inside its best `router_topk_groups` groups (0 = no limit).
-    router_groups: int = field(default=0, metadata=allowed(ge=0))
-    router_topk_groups: int = field(default=0, metadata=allowed(ge=0))
-    shared_experts: int = field(default=0, metadata=allowed(ge=0))
+    num_experts: int = setting(0, ge=0, help="> 0: MoE layers (see configs/model/moe_tiny.yaml)")
+    top_k: int = setting(2, help="experts each token is routed to")
+    moe_every: int = setting(1, ge=1, in_train_yaml=False, help="every N-th layer's MLP is MoE (counting from 1)")
+    moe_ffn_hidden_size: int | None = setting(None, ge=1, in_train_yaml=False,
+                                              help="each expert's ffn width (null = ffn_hidden_size)")
+    capacity_factor: float | None = declared_in(MoEConfig, "capacity_factor")
+    aux_loss_coef: float = declared_in(MoEConfig, "aux_loss_coef")
+    z_loss_coef: float = declared_in(MoEConfig, "z_loss_coef")
+    router_score: str = declared_in(MoEConfig, "router_score")
+    router_renormalize: bool = declared_in(MoEConfig, "router_renormalize")
+    router_bias_update_rate: float = declared_in(MoEConfig, "router_bias_update_rate")
+    aux_loss_scope: str = declared_in(MoEConfig, "aux_loss_scope")
+    aux_loss_layers: str = declared_in(MoEConfig, "aux_loss_layers")
+    router_groups: int = declared_in(MoEConfig, "router_groups")
+    router_topk_groups: int = declared_in(MoEConfig, "router_topk_groups")
+    shared_experts: int = declared_in(MoEConfig, "shared_experts")
     # Set by models/hf/ on import: the Mixtral config's {"router_aux_loss_coef",
     # "output_router_logits"}, written back on export while aux_loss_coef still equals what
     # they import as (None: not imported). The model never reads it.
-    hf_router_fields: dict | None = None
+    hf_router_fields: dict | None = setting(
+        None, in_train_yaml=False, help="set by meshtron-hf import: the Mixtral router fields export writes back")
 
     def __post_init__(self) -> None:
         raise_first(field_checks("model", self))  # types and ranges before any arithmetic on them
@@ -153,15 +165,12 @@ class GPTConfig:
         return self.moe().checks()
 
     def moe(self) -> MoEConfig:
-        """The config of this model's MoE layers (moe/config.py)."""
+        """The config of this model's MoE layers (moe/config.py): the model's shape and its
+        routing fields (ROUTING_FIELDS, the same names here)."""
         return MoEConfig(
             hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.top_k,
             ffn_hidden_size=self.moe_ffn_hidden_size, activation=self.activation, init_std=self.init_std,
-            num_layers=self.num_layers, capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
-            z_loss_coef=self.z_loss_coef, router_score=self.router_score, router_renormalize=self.router_renormalize,
-            router_bias_update_rate=self.router_bias_update_rate, aux_loss_scope=self.aux_loss_scope,
-            aux_loss_layers=self.aux_loss_layers, router_groups=self.router_groups,
-            router_topk_groups=self.router_topk_groups, shared_experts=self.shared_experts)
+            num_layers=self.num_layers, **{name: getattr(self, name) for name in ROUTING_FIELDS})
 
     @property
     def attention_dropout_p(self) -> float:

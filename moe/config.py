@@ -4,13 +4,20 @@
 `GPTConfig.validate` runs `routing_checks` with the rest of the model's rules; the router
 (`moe/router.py`) and the aux-loss scopes (`moe/scope.py`) raise from the same checks when built
 directly. Messages name the user-facing keys (`model.top_k`, ...). No torch, no process groups.
+
+The routing fields (`ROUTING_FIELDS`: capacity, loss coefficients, router score, scopes,
+groups, shared experts) are declared here once, default and help (meshtron/schema.py
+`setting`); the user writes them as `model.<name>` keys, and `GPTConfig` copies these
+declarations (`schema.declared_in`) rather than declaring them again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from meshtron.rules import Check, raise_first
+from meshtron.schema import help_of, setting
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 # Which tokens one load-balancing statistic pools (moe/scope.py).
@@ -67,28 +74,49 @@ def scope_checks(aux_loss_scope: str, aux_loss_layers: str = "sum") -> list[Chec
 class MoEConfig:
     """One MoE layer: router, experts of width `ffn_hidden_size`, capacity, shared experts.
 
-    `hidden_size`, `activation`, `init_std` and `num_layers` (the scaled init of the second
-    expert matrix) come from the model.
+    `hidden_size`, `num_experts`, `top_k`, `ffn_hidden_size` (model.moe_ffn_hidden_size),
+    `activation`, `init_std` and `num_layers` (the scaled init of the second expert matrix) come
+    from the model (`GPTConfig.moe()`), so they have no default here; the fields after them are
+    the routing fields, declared here only (module docstring).
     """
 
     hidden_size: int
     num_experts: int
     top_k: int
     ffn_hidden_size: int
-    activation: str = "swiglu"
-    init_std: float = 0.02
-    num_layers: int = 1
-    capacity_factor: float | None = None
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    router_score: str = "softmax"
-    router_renormalize: bool = True
-    router_bias_update_rate: float = 0.0
-    aux_loss_scope: str = "microbatch"
-    aux_loss_layers: str = "sum"
-    router_groups: int = 0
-    router_topk_groups: int = 0
-    shared_experts: int = 0
+    activation: str
+    init_std: float
+    num_layers: int
+    capacity_factor: float | None = setting(
+        None, in_train_yaml=False,
+        help="expert capacity per sequence: ceil(cf * seq_len * top_k / num_experts) pairs (null = dropless)")
+    aux_loss_coef: float = setting(0.01, in_train_yaml=False, help="load-balancing (aux) loss coefficient")
+    z_loss_coef: float = setting(0.0, in_train_yaml=False, help="router z-loss coefficient")
+    router_score: str = setting("softmax", in_train_yaml=False, help="softmax | sigmoid: the router's score function")
+    router_renormalize: bool = setting(
+        True, in_train_yaml=False, help="the chosen top_k weights renormalized to sum to 1 (sigmoid needs true)")
+    router_bias_update_rate: float = setting(
+        0.0, in_train_yaml=False, help="aux-loss-free balancing: expert-bias step after each update (0 = off)")
+    # Which tokens one load-balancing statistic pools (moe/scope.py): "microbatch" (each rank's
+    # microbatch), "sequence" (DeepSeek sequence-wise) or "global" (one microbatch of every dp rank).
+    aux_loss_scope: str = setting(
+        "microbatch", in_train_yaml=False,
+        help="microbatch | sequence | global: which tokens one balance statistic pools (moe/scope.py)")
+    # "sum": one aux loss per MoE layer, summed (Switch, Megatron-Core, DeepSeek). "pooled": one
+    # aux loss over the statistics pooled across all MoE layers (transformers' Mixtral/Qwen-MoE
+    # load_balancing_loss_func); needs parallel.pp=1.
+    aux_loss_layers: str = setting(
+        "sum", in_train_yaml=False,
+        help="sum: one aux loss per MoE layer | pooled: one over all layers' statistics (Mixtral; parallel.pp=1)")
+    # Group-limited routing (DeepSeek-V3): experts form `router_groups` equal groups; each token
+    # picks its top-k experts inside its best `router_topk_groups` groups (0 = no limit).
+    router_groups: int = setting(
+        0, in_train_yaml=False, ge=0,
+        help="> 0: group-limited routing (DeepSeek-V3) over this many equal expert groups")
+    router_topk_groups: int = setting(
+        0, in_train_yaml=False, ge=0, help="with router_groups: each token's top_k experts lie in its best N groups")
+    shared_experts: int = setting(
+        0, in_train_yaml=False, ge=0, help="experts every token passes through besides its routed ones")
 
     def validate(self) -> None:
         """Raise ValueError naming the field of the first rule that does not hold."""
@@ -106,3 +134,7 @@ class MoEConfig:
             (self.capacity_factor is None or self.capacity_factor > 0,
              f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)"),
         ]
+
+
+# The routing fields: those declared with a help line (the model-derived fields above them have none).
+ROUTING_FIELDS = tuple(f.name for f in dataclasses.fields(MoEConfig) if help_of(f) is not None)

@@ -30,7 +30,7 @@ across nodes for many experts, or tp=2 over two single-GPU machines).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.mpu.pipeline_schedules import SCHEDULES
 from meshtron.rules import raise_first
-from meshtron.schema import Allowed, allowed, field_checks
+from meshtron.schema import Allowed, field_checks, setting
 
 
 class ParallelConfigError(ValueError):
@@ -51,25 +51,35 @@ class ParallelConfig:
     mesh; `cp`/`cp_comm` context parallelism (ring: KV blocks passed around the cp group;
     a2a: Ulysses all-to-all from sequence to head shards)."""
 
-    tp: int = field(default=1, metadata=allowed(ge=1))
-    pp: int = field(default=1, metadata=allowed(ge=1))
-    dp: int | None = field(default=None, metadata=allowed(ge=1))
-    cp: int = field(default=1, metadata=allowed(ge=1))
-    cp_comm: str = field(default="ring", metadata=allowed(choices=("ring", "a2a")))
-    ep: int = field(default=1, metadata=allowed(ge=1))
-    etp: int = field(default=1, metadata=allowed(ge=1))
-    sp: bool = False
-    vpp: int = field(default=1, metadata=allowed(ge=1))
-    schedule: str = field(default="1f1b", metadata=allowed(choices=SCHEDULES))
+    tp: int = setting(1, ge=1, help="tensor-parallel size")
+    pp: int = setting(1, ge=1, help="pipeline-parallel stages")
+    dp: int | None = setting(None, ge=1, help="null = world / (tp * cp * pp)")
+    cp: int = setting(1, ge=1,
+                      help="context parallelism: each sequence split over cp ranks (2*cp load-balanced chunks)")
+    cp_comm: str = setting("ring", choices=("ring", "a2a"),
+                           help="ring (KV blocks passed around the cp group) | a2a (Ulysses: heads all-to-all)")
+    ep: int = setting(1, ge=1, help="expert parallelism: the experts split over ep ranks")
+    etp: int = setting(1, ge=1, help="expert tensor parallelism: each expert's ffn split over etp ranks")
+    sp: bool = setting(False,
+                       help="sequence parallelism: with tp > 1, activations outside the tp regions split over tp")
+    vpp: int = setting(1, ge=1, help="virtual pipeline stages per rank (with schedule=interleaved)")
+    schedule: str = setting("1f1b", choices=SCHEDULES, help="gpipe | 1f1b | interleaved (with vpp > 1)")
     # "dp" gradient buckets: reduce-scatter in a node, all-reduce across nodes, all-gather
     # (mpu/hierarchical.py); auto = when the dp x cp groups span nodes with > 1 rank on each
-    dp_hierarchical: bool | str = field(default="auto", metadata=allowed(choices=(True, False, "auto")))
-    # layers per virtual stage (pp * vpp entries); None = even
-    stage_layers: list[int] | None = field(default=None, metadata=allowed(items=Allowed(ge=1)))
+    dp_hierarchical: bool | str = setting(
+        "auto", choices=(True, False, "auto"),
+        help="true = dp gradient all-reduce in 3 stages (reduce-scatter in a node, all-reduce across nodes, "
+             "all-gather); auto = when dp spans nodes with > 1 rank on each (ZeRO 0/1)")
+    # pp * vpp entries
+    stage_layers: list[int] | None = setting(
+        None, items=Allowed(ge=1), help="layers per virtual stage, e.g. [3, 5]; null = even split")
     # allreduce: gradients all-reduced over dp; ps: `servers` extra ranks (the last ones) hold the
     # parameters and AdamW state, dp = the workers (training/param_server.py)
-    dp_mode: str = field(default="allreduce", metadata=allowed(choices=("allreduce", "ps")))
-    servers: int = field(default=0, metadata=allowed(ge=0))
+    dp_mode: str = setting(
+        "allreduce", choices=("allreduce", "ps"),
+        help="allreduce | ps (parameter servers: the last `servers` ranks hold weights + AdamW state)")
+    servers: int = setting(
+        0, ge=0, help="parameter-server ranks (dp_mode=ps needs >= 1); workers = (world - servers) / (tp*cp*pp)")
 
     def __post_init__(self) -> None:
         raise_first([*field_checks("parallel", self),

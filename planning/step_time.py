@@ -81,6 +81,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,7 @@ from meshtron.mpu.mesh import ParallelConfig, placement
 from meshtron.mpu.pipeline_schedules import build_all_ranks
 from meshtron.planning.flops import model_flops_per_token, moe_layer_indices
 from meshtron.planning.peak import known_gpu_peak_flops
+from meshtron.schema import declared_in
 
 __all__ = ["Cluster", "Layout", "ModelCosts", "StepTime", "cluster_preset", "CLUSTER_PRESETS", "CPU_CALIBRATION",
            "step_time", "all_reduce_time", "all_gather_time", "all_to_all_time", "bubble_fraction", "compute_time",
@@ -107,7 +109,7 @@ GB = 1e9
 # gloo in the fit run and through shared memory since, priced at latency_s) and
 # wait_cpu_share (fitted 0: a process blocked in gloo or the shared-memory wait gives its core
 # away): grid-fitted (mean absolute error) to the 14 layouts of the 2026-11-25 04:35 UTC run
-# (README, "Choosing a layout"), with the shared-core simulation.
+# (docs/planning.md, "Calibration on this CPU"), with the shared-core simulation.
 CPU_CALIBRATION = {
     "flops_per_core": 99.6e9,
     "cores": 2,
@@ -209,21 +211,31 @@ def cluster_preset(name: str, gpus: int, gpus_per_node: int, gpu_memory_bytes: i
                    GPU_EFFICIENCY, p["latency_s"], p["mem_bw"], overhead_s=GPU_OVERHEAD_S, name=name, device="cuda")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One candidate: the parallel sizes (dp = world / (tp*cp*pp)), `sp`, `vpp` (interleaved
-    schedule when > 1, else 1f1b), `cp_comm`, `zero` (optim.zero), `recompute`
-    (trainer.recompute) and `micro_batch_size`."""
+# The parallel sizes a Layout fixes, in its field order.
+LAYOUT_SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "sp", "cp_comm")
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    vpp: int = 1
-    sp: bool = False
-    cp_comm: str = "ring"
+
+def _size_fields() -> list[tuple[str, object, dataclasses.Field]]:
+    """Layout's size fields as ParallelConfig declares them (type, default, range, help), for
+    `make_dataclass`; dp alone differs: a layout's is resolved, an int (1 by default), where
+    ParallelConfig's may be null (world / (tp*cp*pp))."""
+    hints = typing.get_type_hints(ParallelConfig)
+    resolved_dp = ("dp", int, field(default=1, metadata=ParallelConfig.__dataclass_fields__["dp"].metadata))
+    return [resolved_dp if name == "dp" else (name, hints[name], declared_in(ParallelConfig, name))
+            for name in LAYOUT_SIZES]
+
+
+_LayoutSizes = dataclasses.make_dataclass("_LayoutSizes", _size_fields(), frozen=True,
+                                          namespace={"__module__": __name__})
+
+
+@dataclass(frozen=True)
+class Layout(_LayoutSizes):
+    """One candidate: the parallel sizes (`LAYOUT_SIZES`, declared by ParallelConfig, not here:
+    dp = world / (tp*cp*pp)), `sp`, `vpp` (interleaved schedule when > 1, else 1f1b),
+    `cp_comm`, then `zero` (optim.zero), `recompute` (trainer.recompute) and
+    `micro_batch_size`."""
+
     zero: int = 0
     recompute: str = "none"
     micro_batch_size: int = 1
@@ -238,8 +250,7 @@ class Layout:
 
     def parallel_config(self) -> ParallelConfig:
         """The `ParallelConfig` (resolved: dp set) of this layout."""
-        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
-                              etp=self.etp, sp=self.sp, vpp=self.vpp, schedule=self.schedule)
+        return ParallelConfig(**{name: getattr(self, name) for name in LAYOUT_SIZES}, schedule=self.schedule)
 
     def overrides(self) -> str:
         """Ready-to-paste command-line overrides of train.py for this layout."""

@@ -57,8 +57,8 @@ def test_dropless_block_compiles_whole_and_equals_eager():
 def _bf16_block(capacity_factor=None):
     """A bf16 MoE block (8 experts, top-2, a shared expert, aux and z losses) and its input and
     upstream gradient."""
-    cfg = GPTConfig(arch="llama", hidden_size=64, num_heads=2, num_experts=8, top_k=2, moe_ffn_hidden_size=32,
-                    shared_experts=1, seq_len=32, aux_loss_coef=0.01, z_loss_coef=0.001,
+    cfg = GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=2, num_experts=8, top_k=2,
+                    moe_ffn_hidden_size=32, shared_experts=1, seq_len=32, aux_loss_coef=0.01, z_loss_coef=0.001,
                     capacity_factor=capacity_factor)
     mesh = single_process_mesh()
     layer = MoELayer(cfg.moe(), mesh)

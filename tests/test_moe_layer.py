@@ -114,7 +114,7 @@ def loop_reference_dw(x, sizes, groups, out_dim):
 
 def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
     """A tiny single-process MoE layer (4 experts, hidden 16) with (seed, name)-derived weights."""
-    cfg = GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", hidden_size=16, num_heads=2,
+    cfg = GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", num_layers=2, hidden_size=16, num_heads=2,
                     num_experts=4, top_k=top_k, moe_ffn_hidden_size=12, capacity_factor=capacity_factor,
                     shared_experts=shared, seq_len=8)
     layer = MoELayer(cfg.moe(), single_process_mesh())

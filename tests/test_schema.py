@@ -3,10 +3,17 @@ typed config with one message naming the key, the value and what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 
-from meshtron.schema import Allowed, nearest_key
-from meshtron.training.config import ConfigError, RunConfig, unknown_override
+from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.moe.config import ROUTING_FIELDS, MoEConfig
+from meshtron.mpu.mesh import ParallelConfig
+from meshtron.planning.step_time import LAYOUT_SIZES, Layout
+from meshtron.schema import Allowed, help_of, nearest_key
+from meshtron.training.config import ConfigError, RunConfig, TrainerConfig, unknown_override
 
 
 @pytest.mark.parametrize("section,key,value,message", [
@@ -67,3 +74,36 @@ def test_allowed_describes_its_range():
     assert Allowed(gt=0).describe() == "> 0"
     assert Allowed(choices=(None, True, "a")).describe() == "one of null, true, a"
     assert Allowed(ge=1).holds(1) and not Allowed(ge=1).holds(0)
+
+
+def _declaration(kind: type, name: str) -> tuple:
+    """(type, default, metadata) of `kind`'s field `name`."""
+    f = kind.__dataclass_fields__[name]
+    return typing.get_type_hints(kind)[name], f.default, dict(f.metadata)
+
+
+@pytest.mark.parametrize("copy,owner,names", [
+    (GPTConfig, MoEConfig, ROUTING_FIELDS),
+    (TrainerConfig, ExecutionConfig,
+     ("recompute", "recompute_layers", "fused_lm_loss", "lm_loss_chunk_rows", "compile_moe", "moe_dispatch_chunks")),
+    (Layout, ParallelConfig, tuple(n for n in LAYOUT_SIZES if n != "dp")),
+])
+def test_a_key_carried_twice_is_declared_once(copy, owner, names):
+    """GPTConfig's MoE routing keys are MoEConfig's, TrainerConfig's execution keys
+    ExecutionConfig's, the planner's Layout sizes ParallelConfig's: same type, default, range
+    and help (`schema.declared_in`); only the annotation is written twice, and must agree."""
+    assert names and set(names) <= {f.name for f in dataclasses.fields(copy)}
+    for name in names:
+        assert _declaration(copy, name) == _declaration(owner, name), name
+        assert help_of(owner.__dataclass_fields__[name]), name
+
+
+def test_layout_dp_is_resolved_and_moe_gets_every_routing_field():
+    assert _declaration(Layout, "dp") == (int, 1, dict(ParallelConfig.__dataclass_fields__["dp"].metadata))
+    changed = dict(capacity_factor=1.5, aux_loss_coef=0.02, z_loss_coef=0.001, router_score="sigmoid",
+                   router_renormalize=True, router_bias_update_rate=0.01, aux_loss_scope="sequence",
+                   aux_loss_layers="pooled", router_groups=2, router_topk_groups=1, shared_experts=1)
+    assert set(changed) == set(ROUTING_FIELDS)
+    moe = GPTConfig(num_experts=4, top_k=2, **changed).moe()
+    assert {name: getattr(moe, name) for name in ROUTING_FIELDS} == changed
+    assert GPTConfig(num_experts=4, router_renormalize=False).moe().router_renormalize is False  # sigmoid needs true

@@ -1,8 +1,14 @@
 """Typed run configuration: the Hydra/OmegaConf tree converted into dataclasses at the edge.
 
-`RunConfig.from_omegaconf(cfg)` checks types and unknown keys and raises `ConfigError` with
+`RunConfig.from_dict(tree)` checks types and unknown keys and raises `ConfigError` with
 one line naming the key and what to change. Everything below `train.py` only sees these
 dataclasses (plus `GPTConfig` and `ParallelConfig`).
+
+Every field is declared with its default and its one-line help (`meshtron.schema.setting`);
+configs/train.yaml is generated from `SECTIONS` (`python -m meshtron.configs.generate`), so the
+yaml and the dataclasses cannot disagree. Decision: where they did (trainer.eval_every 0 here,
+50 in train.yaml; the model sizes, see `GPTConfig`), the run's value became the default, so
+`python train.py` trains and evaluates as before.
 """
 
 from __future__ import annotations
@@ -16,105 +22,132 @@ from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig
 from meshtron.rules import batch_size_checks, local_sgd_checks, param_dtype_checks, precision_check, raise_first
-from meshtron.schema import Allowed, allowed, field_checks, nearest_key
+from meshtron.schema import Allowed, declared_in, field_checks, nearest_key, setting
 from meshtron.training.schedule import DECAY_STYLES
 
 
-def _field(default, **rule):
-    """A config field with its default and its declared range/choices (meshtron/schema.py)."""
-    return field(default=default, metadata=allowed(**rule) if rule else {})
+def _execution(name: str):
+    """The trainer key `name` as ExecutionConfig declares it (default, range, help)."""
+    return declared_in(ExecutionConfig, name)
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = _field(200, ge=1)
-    seed: int = _field(1234, ge=0)
-    device: str = _field("auto", choices=("auto", "cpu", "cuda"))
-    global_batch_size: int = 16             # ranges: meshtron/rules.py batch_size_checks (shared with the planner)
-    micro_batch_size: int | None = None
-    dry_run: bool = False
-    log_every: int = _field(10, ge=1)
-    max_grad_norm: float = _field(1.0, ge=0)                  # 0 = no clipping
-    precision: str = "fp32"    # fp32 | bf16 | fp16 (meshtron/rules.py): autocast compute, fp32 main weights and grads
-    initial_loss_scale: float = _field(65536.0, ge=1)        # fp16 only: dynamic loss scale to start from
-    loss_scale_window: int = _field(1000, ge=1)              # fp16 only: clean steps before the scale doubles
-    num_threads: int | None = _field(None, ge=1)
-    progress: bool = True
-    trace_step: int | None = _field(None, ge=1)
-    recompute: str = "none"                  # none | selective | full (rules: models.config.ExecutionConfig)
-    recompute_layers: int | None = None      # full recompute for the first N layers only (None = all)
-    fused_lm_loss: bool = True               # LM head + cross-entropy in row chunks: no whole logits (kernels/linear_cross_entropy.py)
-    lm_loss_chunk_rows: int | None = _field(None, ge=1)  # rows per chunk of the fused loss (None: by device, chunk_rows_for)
-    compile_moe: bool = False                # torch.compile each MoE layer, or its router and experts (meshtron/rules.py compile_moe_checks)
-    moe_dispatch_chunks: int = _field(1, ge=1)  # MoE tokens dispatched in chunks: one chunk's experts overlap another's all-to-alls (moe/layer.py)
-    eval_every: int = _field(0, ge=0)                        # 0 = off
-    eval_batches: int = _field(2, ge=1)
-    max_skipped: int = _field(5, ge=0)
-    collective_timeout_s: float = _field(300.0, gt=0)
-    watchdog_timeout_s: float | None = _field(None, ge=0)    # a phase stuck this long is reported (None = collective_timeout_s / 2; 0 = off)
-    tensorboard: bool = False                                # also write TensorBoard events to <run dir>/tb
+    max_steps: int = setting(200, ge=1, help="optimizer steps")
+    seed: int = setting(1234, ge=0, help="seed of the weights, the data order and dropout")
+    device: str = setting("auto", choices=("auto", "cpu", "cuda"), help="auto | cpu | cuda")
+    # ranges: meshtron/rules.py batch_size_checks (shared with the planner)
+    global_batch_size: int = setting(16, help="sequences per optimizer step, over all data-parallel replicas")
+    micro_batch_size: int | None = setting(None, help="null = global_batch_size / dp (no accumulation)")
+    dry_run: bool = setting(False, help="plan memory per rank (plan.json) and exit without training")
+    log_every: int = setting(10, ge=1, help="log metrics every N steps")
+    max_grad_norm: float = setting(1.0, ge=0, help="gradient clipping norm (0 = no clipping)")
+    # fp32 | bf16 | fp16 (meshtron/rules.py precision_check)
+    precision: str = setting("fp32", help="fp32 | bf16 | fp16: autocast compute, fp32 main weights and grads")
+    initial_loss_scale: float = setting(65536.0, ge=1, in_train_yaml=False,
+                                        help="fp16 only: dynamic loss scale to start from")
+    loss_scale_window: int = setting(1000, ge=1, in_train_yaml=False,
+                                     help="fp16 only: clean steps before the loss scale doubles")
+    num_threads: int | None = setting(None, ge=1, help="CPU threads per process; null = cores / local processes")
+    progress: bool = setting(True, help="a progress bar on the main rank")
+    trace_step: int | None = setting(
+        None, ge=1,
+        help="pipeline runs and ZeRO-1/2 with overlap_param_gather: write trace.json (Chrome trace) of this step")
+    recompute: str = _execution("recompute")            # rules: models.config.ExecutionConfig
+    recompute_layers: int | None = _execution("recompute_layers")
+    fused_lm_loss: bool = _execution("fused_lm_loss")    # kernels/linear_cross_entropy.py
+    lm_loss_chunk_rows: int | None = _execution("lm_loss_chunk_rows")  # None: by device, chunk_rows_for
+    compile_moe: bool = _execution("compile_moe")        # meshtron/rules.py compile_moe_checks
+    moe_dispatch_chunks: int = _execution("moe_dispatch_chunks")  # moe/layer.py
+    eval_every: int = setting(50, ge=0, help="validation loss on the held-out split every N steps (0 = off)")
+    eval_batches: int = setting(2, ge=1, help="global batches of held-out text per evaluation")
+    max_skipped: int = setting(5, ge=0, help="abort after this many consecutive steps with a non-finite loss/grad norm")
+    collective_timeout_s: float = setting(300.0, gt=0,
+                                          help="a collective waiting longer than this raises instead of hanging")
+    watchdog_timeout_s: float | None = setting(
+        None, ge=0, help="print rank, phase and stacks of a phase stuck this long (null = half the above; 0 = off)")
+    tensorboard: bool = setting(False, help="also write TensorBoard events to <run dir>/tb (needs the viz extra)")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _field(3e-3, gt=0)
-    weight_decay: float = _field(0.1, ge=0)
-    betas: tuple[float, float] = _field((0.9, 0.95), items=Allowed(ge=0, lt=1))
-    eps: float = _field(1e-8, gt=0)
-    warmup_steps: int | None = _field(None, ge=0)
-    min_lr_ratio: float = _field(0.1, ge=0, le=1)
-    decay: str = _field("cosine", choices=DECAY_STYLES)
-    zero: int = _field(0, choices=(0, 1, 2, 3))  # 0 replicated AdamW, 1 optimizer state sharded over the replicas, 2 + gradients, 3 + parameters (mpu/zero3.py)
-    offload: bool = False   # AdamW state and fp32 main weights in CPU memory; the update runs on the CPU
-    grad_comm_dtype: str = _field("fp32", choices=("fp32", "bf16"))  # dtype gradients are reduced in over dp
-    # ZeRO-1/2: each bucket's parameter all-gather runs asynchronously, waited for by the first
-    # layer that reads it in the next forward (mpu/param_gather.py); false = blocking after the step
-    overlap_param_gather: bool = True
-    bucket_mb: float = _field(25.0, gt=0)  # gradient (and ZeRO parameter-gather) bucket size, MiB of fp32
-    # bf16 = 16-bit resident weights: bf16 model weights, fp32 main weights only in the optimizer (mpu/resident.py)
-    param_dtype: str = _field("fp32", choices=("fp32", "bf16"))
+    lr: float = setting(3e-3, gt=0, help="peak learning rate (after warm-up)")
+    weight_decay: float = setting(0.1, ge=0, help="AdamW decoupled weight decay")
+    betas: tuple[float, float] = setting((0.9, 0.95), items=Allowed(ge=0, lt=1), help="AdamW betas")
+    eps: float = setting(1e-8, gt=0, help="AdamW epsilon")
+    warmup_steps: int | None = setting(None, ge=0, help="null = 10% of max_steps")
+    min_lr_ratio: float = setting(0.1, ge=0, le=1, help="the decay ends at lr * min_lr_ratio")
+    decay: str = setting("cosine", choices=DECAY_STYLES, help="cosine | linear | constant: the decay after warm-up")
+    zero: int = setting(0, choices=(0, 1, 2, 3),
+                        help="0 = replicated AdamW; 1 = ZeRO-1: AdamW state sharded over the replicas (dp; edp for "
+                             "experts); 2 = also gradients; 3 = also parameters, gathered per layer (mpu/zero3.py)")
+    offload: bool = setting(False, help="true = AdamW state and fp32 main weights in CPU memory, update on the CPU")
+    grad_comm_dtype: str = setting(
+        "fp32", choices=("fp32", "bf16"),
+        help="bf16 = gradients reduced over dp in bf16 (compression), accumulated in fp32")
+    # mpu/param_gather.py
+    overlap_param_gather: bool = setting(
+        True, help="ZeRO-1/2: parameter all-gathers run during the next forward, each bucket waited for by the "
+                   "first layer reading it (false = blocking after the step)")
+    bucket_mb: float = setting(
+        25.0, gt=0, help="gradient bucket size (MiB of fp32): the unit of dp reduction and of ZeRO parameter gathers")
+    # bf16 resident weights: mpu/resident.py
+    param_dtype: str = setting(
+        "fp32", choices=("fp32", "bf16"),
+        help="bf16 = 16-bit resident weights (needs trainer.precision=bf16): fp32 main weights only in the optimizer")
     # local SGD / DiLoCo (training/local_sgd.py): inner steps each data replica takes alone between
     # parameter averages over dp; an outer Nesterov step on the averaged delta with nesterov
-    local_steps: int = _field(1, ge=1)
-    outer_optimizer: str = _field("none", choices=("none", "nesterov"))
-    outer_lr: float = _field(0.7, gt=0)
-    outer_momentum: float = _field(0.9, ge=0, lt=1)
-    # parameter-server synchronisation (parallel.dp_mode=ps; training/param_server.py): bsp waits for
-    # every worker, ssp lets a worker run at most `staleness` steps ahead of the slowest, asp never waits
-    sync: str = _field("bsp", choices=("bsp", "ssp", "asp"))
-    staleness: int = _field(0, ge=0)
+    local_steps: int = setting(
+        1, ge=1,
+        help="local SGD: > 1 = each dp replica takes this many steps alone, then parameters are averaged over dp")
+    outer_optimizer: str = setting(
+        "none", choices=("none", "nesterov"),
+        help="nesterov = DiLoCo: an outer Nesterov SGD step on (global - averaged) parameters at each sync")
+    outer_lr: float = setting(0.7, gt=0, help="DiLoCo outer learning rate")
+    outer_momentum: float = setting(0.9, ge=0, lt=1, help="DiLoCo outer Nesterov momentum")
+    # parameter-server synchronisation (parallel.dp_mode=ps; training/param_server.py)
+    sync: str = setting(
+        "bsp", choices=("bsp", "ssp", "asp"),
+        help="parameter servers: bsp (wait for all: equals all-reduce) | ssp (bounded staleness) | asp (never wait)")
+    staleness: int = setting(0, ge=0, help="ssp: a worker may run at most this many steps ahead of the slowest")
 
 
 @dataclass
 class DataConfig:
-    paths: list[str] | None = None
-    max_bytes: int = _field(16_000_000, ge=1)
-    val_fraction: float = _field(0.01, ge=0, lt=1)
+    paths: list[str] | None = setting(None, help="null = the Python standard library's .py sources; or files/folders")
+    max_bytes: int = setting(16_000_000, ge=1, help="bytes of text read at most (the byte corpus)")
+    val_fraction: float = setting(0.01, ge=0, lt=1, help="share of the text held out for validation")
     # A directory written by `meshtron-prepare` (tokens.bin + index.json), memory-mapped; when
     # set, `paths` and `max_bytes` are ignored. See textdata.data.build_dataset.
-    prepared: str | None = None
-    # Packed documents: attention and positions restart after every end-of-document token
-    # (textdata.data.document_end_id: data.eos_id, or the prepared tokenizer's single EOS id).
-    reset_at_eos: bool = False
-    eos_id: int | None = _field(None, ge=0)
+    prepared: str | None = setting(
+        None, help="a dir from `python -m meshtron.textdata.prepare` (overrides paths/max_bytes)")
+    # Packed documents (textdata.data.document_end_id: data.eos_id, or the prepared tokenizer's single EOS id).
+    reset_at_eos: bool = setting(
+        False, help="packed documents: attention and positions restart after each end-of-document token")
+    eos_id: int | None = setting(
+        None, ge=0, help="that token (null = the prepared tokenizer's EOS; the byte corpus has none)")
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None                      # where step_N folders are written (shared by all ranks)
-    every: int = _field(0, ge=0)                # save every N steps (0 = only at the end and on SIGTERM)
-    keep: int | None = _field(3, ge=1)          # newest checkpoints kept (null = all)
-    resume: str | None = None                   # null | auto (newest valid in dir, else fresh) | a step_N folder
-    init_from: str | None = None                # start from these weights only (step 0, fresh optimizer)
-    # checkpoint.async (a Python keyword, hence the field name): stage to host memory, write in
-    # a background thread while training goes on (training/checkpoint.py AsyncCheckpointer)
-    async_: bool = field(default=False, metadata={"key": "async"})
+    dir: str | None = setting(
+        None, help="where step_N folders go (e.g. checkpoints/run1), shared by all ranks; null = no checkpoints")
+    every: int = setting(0, ge=0, help="also save every N steps (always at the end and on SIGTERM when dir is set)")
+    keep: int | None = setting(3, ge=1, help="newest checkpoints kept (null = all)")
+    resume: str | None = setting(
+        None, help="auto = newest valid checkpoint in dir (fresh start if none); or a step_N path")
+    init_from: str | None = setting(
+        None, help="weights only (e.g. from `meshtron-hf import`), any layout: step 0, fresh optimizer")
+    # checkpoint.async (a Python keyword, hence the field name): training/checkpoint.py AsyncCheckpointer
+    async_: bool = setting(
+        False, key="async", help="true = staged to host memory, written in the background while training goes on")
 
 
 @dataclass
 class KernelsConfig:
-    backend: str = _field("auto", choices=("auto", "torch", "triton"))
-    tf32: str = _field("auto", choices=TF32_MODES)  # fp32 dots of the Triton GEMMs: follow torch's policy | on | off
+    backend: str = setting("auto", choices=("auto", "torch", "triton"), help="auto | torch | triton")
+    tf32: str = setting(
+        "auto", choices=TF32_MODES, help="Triton GEMMs' fp32 dots: auto (as torch's matmuls) | on (TF32) | off (IEEE)")
 
 
 @dataclass
