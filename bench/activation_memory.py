@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 
-
 import torch  # noqa: E402
 
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402

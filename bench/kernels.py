@@ -17,7 +17,6 @@ import json
 import statistics
 import time
 
-
 import torch  # noqa: E402
 
 from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu  # noqa: E402

@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

@@ -38,13 +38,13 @@ from meshtron.kernels import selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from meshtron.planning.flops import model_flops_per_token  # noqa: E402
 from meshtron.observability.memory import peak_memory_bytes  # noqa: E402
+from meshtron.planning.flops import model_flops_per_token  # noqa: E402
 from meshtron.planning.peak import peak_flops  # noqa: E402
 from meshtron.rules import compile_moe_checks, first_failure  # noqa: E402
-from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 from meshtron.training.config import OptimConfig  # noqa: E402
 from meshtron.training.engine import Engine, EngineConfig  # noqa: E402
+from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 from meshtron.training.precision import Precision  # noqa: E402
 
 SEED = 1234

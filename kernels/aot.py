@@ -109,6 +109,7 @@ def _jit(fn):
 def _kernel_fns() -> dict:
     """name -> JITFunction of every Triton kernel in kernels/."""
     import triton
+
     from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
     fns = {}
     for module in (linear_act, grouped_gemm, cross_entropy, swiglu):
@@ -153,6 +154,7 @@ def _workload(label: str) -> None:
     import contextlib
 
     import torch
+
     from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu, tf32
     compute = {"fp32-ieee": None, "fp32-tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[label]
     tf32.set_tf32_mode("on" if label == "fp32-tf32" else "off")
@@ -369,6 +371,7 @@ def compile_case(case: Case) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     from meshtron.kernels import configs as cfgs
     limits = asdict(cfgs.ARCH_LIMITS[case.arch])
     estimate = (case.gemm or {}).get("estimate")

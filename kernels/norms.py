@@ -44,7 +44,6 @@ addressable with unit stride after ``reshape(-1, H)`` (otherwise x is made conti
 
 import functools
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -68,11 +67,11 @@ _ROW_ALIGN = 16
 # --------------------------------------------------------------------------- references
 
 
-def _ref_dtype_ok(x: torch.Tensor, *params: Optional[torch.Tensor]) -> bool:
+def _ref_dtype_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     return all(p is None or p.dtype == x.dtype for p in params)
 
 
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight + bias`` (biased
     variance; ``bias`` may be None), via ``F.layer_norm``. Output has x.dtype; when the
     parameters' dtype differs from x's, computes in fp32 and casts back."""
@@ -196,7 +195,7 @@ if triton_available():
         bwd = [triton.Config({"BLOCK_M": bm}, num_warps=nw) for bm in (1, 2, 4, 8) for nw in (4, 8, 16)]
         return fwd, bwd
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def _kernels(interp: bool):
         """(forward, backward) autotuned kernels for interpreter mode `interp`."""
         if interp:
@@ -362,7 +361,7 @@ class RMSNormFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- public API
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                backend: str = "torch") -> torch.Tensor:
     """LayerNorm over the last dim of x ([..., H]): ``(x - mean) / sqrt(var + eps) * weight +
     bias`` (bias may be None). ``backend``: "torch" (reference), "triton" (fused kernels via

@@ -34,7 +34,6 @@ from typing import Any
 from meshtron.rules import Check
 
 
-
 @dataclass(frozen=True)
 class Allowed:
     """A field's range (ge/gt/le/lt) or its allowed values (choices); `items` applies to each
@@ -45,7 +44,7 @@ class Allowed:
     le: float | None = None
     lt: float | None = None
     choices: tuple | None = None
-    items: "Allowed | None" = None
+    items: Allowed | None = None
 
     def holds(self, value) -> bool:
         if self.choices is not None and value not in self.choices:

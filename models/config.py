@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
-from meshtron.moe.config import ROUTING_FIELDS, MoEConfig, score_check, scope_checks
+from meshtron.moe.config import ROUTING_FIELDS, MoEConfig, scope_checks, score_check
 from meshtron.rules import raise_first
 from meshtron.schema import declared_in, field_checks, setting
 

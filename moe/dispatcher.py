@@ -256,7 +256,7 @@ class AllToAllDispatcher:
                         pair_weight=pair_weight[order], group_sizes=group_sizes)
 
     def _prepare_rows(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-                      keep: torch.Tensor | None) -> "_RowSend":
+                      keep: torch.Tensor | None) -> _RowSend:
         """Everything one chunk's send needs, built before the host sync in buffers of one row
         per pair (an upper bound on the rows: kept rows come first, numbered in sorted order, and
         the rows of dropped pairs after them), so that after the sync the host issues only the
@@ -278,7 +278,7 @@ class AllToAllDispatcher:
         counts = torch.stack([plan.rows_per_dest, plan.pairs_per_dest], 1)  # [ep, 2]
         return _RowSend(tokens, row_token, meta, counts)
 
-    def _start_rows(self, send: "_RowSend", input_splits: list[int], output_splits: list[int],
+    def _start_rows(self, send: _RowSend, input_splits: list[int], output_splits: list[int],
                     etp_sizes: list[int], received_pairs: int) -> InFlight:
         """Gather one chunk's rows and start their all-to-all (and of their metadata) over `ep`."""
         num_rows = sum(input_splits)

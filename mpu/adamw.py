@@ -95,7 +95,7 @@ class TrainingOptimizer(abc.ABC):
         """Install per-parameter moments shaped as `param_moments` returns them (from a
         checkpoint, on any device). No communication."""
 
-    def mark_weights_changed(self) -> None:
+    def mark_weights_changed(self) -> None:  # noqa: B027 - a no-op is the right default
         """The parameters were written outside `step()` (a checkpoint load): an optimizer
         holding its own copy of the weights re-reads them. The others read the parameters at
         every step: nothing to do."""

@@ -101,7 +101,7 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     tiles = row_tiles(q, k.shape[2])
     if len(tiles) > 1:
         parts = [attention_block(q[:, :, t], k, v, scale=scale, mask=_mask_rows(mask, t)) for t in tiles]
-        return torch.cat([o for o, _ in parts], dim=2), torch.cat([l for _, l in parts], dim=2)
+        return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
     p, lse = _probs(q, k, scale, mask, None)
     out = torch.matmul(p, v.float())
     b, h, sq = q.shape[:3]

@@ -140,7 +140,7 @@ class ShardedAdamW(TrainingOptimizer):
         bucket's state shards all-gathered over its replica group (checkpoints save
         `moment_shards` instead, without gathering)."""
         moments, step = {}, 0.0
-        for bucket, shard, start, size in self._shards:
+        for bucket, shard, _start, _size in self._shards:
             state = self.optimizer.state.get(shard, {})
             full = []
             for key in ("exp_avg", "exp_avg_sq"):

@@ -16,7 +16,7 @@ expert mesh: gradient summed over the expert-data-parallel group).
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -49,7 +49,6 @@ from meshtron.mpu import shm_collectives as shm
 from meshtron.mpu.mesh import VirtualGroup, group_rank, group_size
 from meshtron.mpu.waits import wait_for
 
-
 # torch >= 2.13 renames the tensor collectives; keep working on older releases. The
 # functions of this file call them through these names (the collective-count test of
 # tests/distributed/dense_cases.py patches them); elsewhere use `all_gather_into` and

@@ -91,7 +91,7 @@ class ParallelConfig:
                       f"parallel.servers={self.servers} needs parallel.dp_mode=ps (or set parallel.servers=0)")],
                     ParallelConfigError)
 
-    def resolved(self, world_size: int) -> "ParallelConfig":
+    def resolved(self, world_size: int) -> ParallelConfig:
         """Return a copy with dp filled in and every size checked against `world_size`."""
         out = ParallelConfig(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()})
         if out.dp_mode == "ps":  # the server ranks are outside the training mesh; dp counts the workers

@@ -43,8 +43,8 @@ from __future__ import annotations
 import bisect
 import functools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from meshtron.mpu.pipeline_schedules import Action
 

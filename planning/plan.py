@@ -40,11 +40,11 @@ from typing import Any
 import torch
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.mpu.attention_blocks import TILE_SCORE_BYTES
 from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
-from meshtron.mpu.zero3 import unit_of
 from meshtron.mpu.pipeline_schedules import build_schedule
-from meshtron.mpu.attention_blocks import TILE_SCORE_BYTES
+from meshtron.mpu.zero3 import unit_of
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 from meshtron.rules import PRECISIONS, batch_checks, microbatches, param_dtype_checks, precision_check, raise_first
@@ -120,7 +120,9 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
       ZeRO-2 style buffers for them from `zero_grad()` on: alive in every phase).
     Nothing is allocated and no parameter is initialized; no communication.
     """
-    from meshtron.models.gpt import build_model_chunks  # the model imports mpu layers; keep the planner importable without them
+    from meshtron.models.gpt import (
+        build_model_chunks,  # the model imports mpu layers; keep the planner importable without them
+    )
 
     mesh = virtual_mesh(par, world_size, rank)
     chunks = build_model_chunks(model_cfg, mesh, device="meta", dtype=torch.float32, execution=execution)

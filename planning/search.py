@@ -26,10 +26,11 @@ import copy
 import dataclasses
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
-from meshtron.models.config import ExecutionConfig, GPTConfig, RECOMPUTE_MODES
+from meshtron.models.config import RECOMPUTE_MODES, ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError, check_model_fits
 from meshtron.planning.flops import moe_layer_indices, params_per_rank
 from meshtron.planning.plan import plan_rank

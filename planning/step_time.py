@@ -429,7 +429,7 @@ class ModelCosts:
     moe_layers: int
 
     @staticmethod
-    def of(cfg: GPTConfig) -> "ModelCosts":
+    def of(cfg: GPTConfig) -> ModelCosts:
         return ModelCosts(model_flops_per_token(cfg), 3 * 2 * cfg.hidden_size * cfg.padded_vocab_size(1),
                           len(moe_layer_indices(cfg)))
 

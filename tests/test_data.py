@@ -31,7 +31,7 @@ def test_tokenizer_round_trip_and_dtype():
     assert tok.vocab_size == 256
     ids = tok.encode("héllo")
     assert ids.dtype == torch.int64
-    assert ids.tolist() == list("héllo".encode("utf-8"))
+    assert ids.tolist() == list("héllo".encode())
     assert tok.decode(ids) == "héllo"
     assert tok.encode(b"\x00\xff").tolist() == [0, 255]
     assert tok.encode("").numel() == 0

@@ -114,7 +114,8 @@ def path_exists(token: str) -> bool:
 
 
 def known_config_keys() -> set[str]:
-    from meshtron.training.config import SECTIONS as KINDS, config_key
+    from meshtron.training.config import SECTIONS as KINDS
+    from meshtron.training.config import config_key
 
     assert set(KINDS) == set(SECTIONS), f"config sections changed: {sorted(KINDS)}; update SECTIONS here"
     return {f"{section}.{config_key(f)}" for section, kind in KINDS.items() for f in dataclasses.fields(kind)}

@@ -26,7 +26,6 @@ pytest.importorskip("safetensors")
 
 from meshtron.models import hf as mhf  # noqa: E402
 from meshtron.training import hf_cli  # noqa: E402
-
 from tests.distributed.hf_cases import SEQ, VOCAB, hf_config, hf_model  # noqa: E402
 
 ATOL = 1e-4  # max abs error of fp32 logits (|logits| ~ 1)
@@ -264,6 +263,7 @@ def test_mixtral_router_fields_round_trip(output_router_logits, tmp_path):
     `meshtron-hf import/export` checkpoint path), writes back the source config's
     router_aux_loss_coef and output_router_logits (False with a nonzero coefficient too)."""
     from omegaconf import OmegaConf
+
     from meshtron.mpu.grad_reduce import DataParallelGradReducer
     from meshtron.training.optim import build_optimizer
     from meshtron.training.step import train_step
@@ -314,8 +314,8 @@ def test_mixtral_trains_like_transformers(output_router_logits, layers):
     and by meshtron's train_step from the imported weights (one process, one microbatch per
     step, no clipping) trains the same objective: per-step totals LM + aux_loss_coef x aux
     agree to 1e-5 relative, and so do the weights after the steps."""
-    from tests.distributed import hf_cases as hc
     from meshtron.training.step import train_step
+    from tests.distributed import hf_cases as hc
     hf = hc.tiny_mixtral(output_router_logits, layers=layers)
     model, reducer, optimizer, mesh = hc.meshtron_trainer(hf)
     assert model.cfg.aux_loss_layers == "pooled"

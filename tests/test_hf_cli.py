@@ -51,8 +51,8 @@ def test_export_gives_back_the_same_weights(hf_model, imported, tmp_path):
 
 
 def _first_batch_loss(model, seq_len: int, batch: int) -> float:
-    from meshtron.training.config import DataConfig
     from meshtron.textdata.data import build_dataset
+    from meshtron.training.config import DataConfig
 
     dataset = build_dataset(DataConfig(max_bytes=2_000_000), seq_len, 1234, model.config.vocab_size)
     inputs, targets = dataset.local_batch_at(0, batch, 0, 1)

@@ -17,9 +17,9 @@ triton = pytest.importorskip("triton")
 
 from meshtron.kernels import operands, tf32  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
-from tests.test_kernels_in_model import CONFIGS, build_training  # noqa: E402
 from meshtron.training.precision import LossScaler, Precision  # noqa: E402
 from meshtron.training.step import train_step  # noqa: E402
+from tests.test_kernels_in_model import CONFIGS, build_training  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative distance of the triton step from the torch step under the same autocast: both

@@ -17,10 +17,10 @@ import torch  # noqa: E402
 from meshtron.kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
 from meshtron.kernels.backend import AUTO_PREFERS_TORCH_ON_CUDA, CHECKED, auto_runs_torch, resolve_backend  # noqa: E402
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
+from meshtron.training.step import train_step  # noqa: E402
 from tests.distributed.harness import run_world  # noqa: E402
 from tests.distributed.selfcheck_cases import TripledGrad  # noqa: E402
 from tests.test_kernels_in_model import build_training  # noqa: E402
-from meshtron.training.step import train_step  # noqa: E402
 
 LLAMA = GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
                   vocab_size=200, seq_len=8, tie_embeddings=False)

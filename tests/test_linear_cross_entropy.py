@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
+from meshtron.kernels.linear_cross_entropy import chunk_rows_for, linear_cross_entropy_sum
 from meshtron.models.config import ExecutionConfig
 from meshtron.models.gpt import GPT
 from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from meshtron.mpu.init import initialize_parameters
-from meshtron.kernels.linear_cross_entropy import chunk_rows_for, linear_cross_entropy_sum
 from meshtron.mpu.mesh import single_process_mesh
 from tests.distributed.dense_cases import model_config
 

@@ -14,9 +14,9 @@ from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule, max_in_flight
 from meshtron.planning.activations import saved_activation_bytes
+from meshtron.planning.plan import chunk_activations, plan_all_ranks, plan_rank
 from tests.test_plan import BATCH, gpt2_tiny
 from tests.test_plan import llama_tiny as _llama_tiny
-from meshtron.planning.plan import chunk_activations, plan_all_ranks, plan_rank
 
 
 def llama_tiny(**kw) -> GPTConfig:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.models.config import GPTConfig
 from meshtron.errors import ConfigError
-from meshtron.mpu.mesh import (Mesh, ParallelConfig, ParallelConfigError, check_model_fits, dim_groups, placement,
-                               placement_warnings, virtual_mesh)
+from meshtron.models.config import GPTConfig
+from meshtron.mpu.mesh import (
+    Mesh,
+    ParallelConfig,
+    ParallelConfigError,
+    check_model_fits,
+    dim_groups,
+    placement,
+    placement_warnings,
+    virtual_mesh,
+)
 from meshtron.training.distributed import check_nodes
 
 

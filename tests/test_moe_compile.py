@@ -127,13 +127,14 @@ def test_add_counts_counts_every_index():
 def _train(compile_moe: bool, steps: int = 2):
     """`steps` bf16 training steps of a tiny llama MoE (2 layers, the second MoE) with the MoE
     layer compiled or not; returns the per-step outputs, the weights and the routers' loads."""
+    from torch._dynamo.utils import counters  # imported here: importing dynamo at collection imports
+
     from meshtron.models.config import ExecutionConfig
     from meshtron.models.gpt import init_model_chunks
     from meshtron.mpu.grad_reduce import DataParallelGradReducer
     from meshtron.training.optim import build_optimizer
     from meshtron.training.precision import Precision
     from meshtron.training.step import train_step
-    from torch._dynamo.utils import counters  # imported here: importing dynamo at collection imports
     # triton before the kernel tests set TRITON_INTERPRET, which breaks them when collected later
 
     torch._dynamo.reset()

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshtron.models.config import GPTConfig
-from meshtron.moe.capacity import capacity_for, capacity_keep_mask
 from meshtron.kernels.backend import CHECKED
+from meshtron.models.config import GPTConfig
 from meshtron.moe import experts
+from meshtron.moe.capacity import capacity_for, capacity_keep_mask
 from meshtron.moe.experts import _padded_bmm, grouped_backend, grouped_matmul, native_grouped_mm_preferred
 from meshtron.moe.layer import MoELayer
 from meshtron.mpu.init import initialize_parameters

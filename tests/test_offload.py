@@ -10,11 +10,11 @@ import torch
 
 from meshtron.mpu.mesh import single_process_mesh
 from meshtron.mpu.offload import OffloadedAdamW
+from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from meshtron.training.step import train_step
 from tests.distributed.dense_cases import ADAM_EPS, LR, assert_close, build, microbatches, model_config
 from tests.distributed.moe_cases import moe_config
 from tests.distributed.offload_cases import assert_same_weights, checkpoint_dispatch, reference_kind, run, step_once
-from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from meshtron.training.step import train_step
 
 MICRO = 2  # 4 rows per step: 2 microbatches of 2
 

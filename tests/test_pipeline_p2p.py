@@ -146,7 +146,7 @@ def test_executor_posts_a_tag_blind_deadlock_free_order(monkeypatch):
             check_plan(schedules, vpp, plans)
         except AssertionError as err:
             raise AssertionError(f"{_label(*case)}: {err}") from err
-        for (rank, kind, message), layout in tensors.items():
+        for (_rank, kind, message), layout in tensors.items():
             if kind == "send":
                 assert tensors[(message.dst_stage % pp, "recv", message)] == layout == ((2, 1, 3), torch.float32)
 

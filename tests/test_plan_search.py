@@ -5,7 +5,6 @@ enumeration listed by hand for world 4, memory exclusion by the dry-run planner,
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -148,7 +147,7 @@ def test_enumeration_world4_by_hand():
     cfg = tiny(num_heads=2)
     got = enumerate_layouts(cfg, 4, global_batch_size=4, gpus_per_node=4,
                             fixed={"zero": 0, "recompute": "none", "micro_batch_size": 1})
-    key = {(l.tp, l.cp, l.pp, l.dp, l.cp_comm, l.sp, l.vpp) for l in got}
+    key = {(lay.tp, lay.cp, lay.pp, lay.dp, lay.cp_comm, lay.sp, lay.vpp) for lay in got}
     expected = {
         (1, 1, 1, 4, "ring", False, 1), (1, 1, 2, 2, "ring", False, 1),
         (1, 2, 1, 2, "ring", False, 1), (1, 2, 1, 2, "a2a", False, 1),
@@ -168,8 +167,8 @@ def test_enumeration_zero_recompute_micro_batches():
     # dp=2: micro batch 1 or 2 of the per-rank 2, zero 0..3, recompute none|selective|full
     assert len(got) == 2 * 4 * 3
     single = enumerate_layouts(cfg, 1, global_batch_size=4, gpus_per_node=1)
-    assert {l.zero for l in single} == {0}  # ZeRO shards nothing on one rank
-    assert {l.micro_batch_size for l in single} == {1, 2, 4}
+    assert {lay.zero for lay in single} == {0}  # ZeRO shards nothing on one rank
+    assert {lay.micro_batch_size for lay in single} == {1, 2, 4}
 
 
 def test_sp_on_and_off_ranked_by_their_cost():
@@ -259,8 +258,8 @@ TINY_OVERRIDES = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads
 def test_cli_overrides_compose_into_a_runnable_config(capsys, tmp_path):
     """Every printed line's overrides, pasted after the same command-line overrides, compose
     (Hydra, as train.py) into a config the run's checks accept at that world size."""
-    from meshtron.training.run_checks import check_run_config
     from meshtron.training.plan_cli import compose_run
+    from meshtron.training.run_checks import check_run_config
 
     out_json = tmp_path / "plan.json"
     code, out, _ = _cli(["--gpus", "4", "--gpus-per-node", "4", "--gpu", "cpu", "--json", str(out_json),

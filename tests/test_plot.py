@@ -60,7 +60,8 @@ def test_plot_writes_png_default_and_out(tmp_path: pathlib.Path):
 
 def test_plot_in_process_minimal_records(tmp_path: pathlib.Path):
     from meshtron.observability.metrics import METRICS_FILENAME
-    from meshtron.observability.plot import METRICS_FILENAME as plot_name, plot_run
+    from meshtron.observability.plot import METRICS_FILENAME as plot_name
+    from meshtron.observability.plot import plot_run
 
     assert plot_name == METRICS_FILENAME
 

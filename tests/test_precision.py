@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from meshtron.mpu.mesh import single_process_mesh
-from tests.distributed.dense_cases import build, microbatches, model_config
 from meshtron.training.precision import LossScaler, Precision
 from meshtron.training.step import train_step
+from tests.distributed.dense_cases import build, microbatches, model_config
 
 # A 10-step run of the tiny test models on one batch (loss 5.3 -> 4.2 / 3.1): bf16 keeps 8
 # mantissa bits, fp16 11; per-step losses stay within this relative distance of the fp32 run
@@ -22,7 +22,7 @@ def _run(cfg, precision: Precision, steps: int = 10) -> list[float]:
     mesh = single_process_mesh()
     model, reducer, optimizer = build(cfg, mesh)
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         # One batch over and over: the loss must fall (memorisation), in every precision.
         out = train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=3e-3,
                          max_grad_norm=1.0, precision=precision)

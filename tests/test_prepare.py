@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.training.config import DataConfig
 from meshtron.textdata.data import SEPARATOR, TokenDataset, build_dataset, load_corpus, load_prepared
 from meshtron.textdata.prepare import load_tokenizer, prepare
+from meshtron.training.config import DataConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

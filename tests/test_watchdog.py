@@ -13,8 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshtron.observability.watchdog import (StepWatchdog, describe_collective_error,
-                               is_collective_failure, mesh_coords)
+from meshtron.observability.watchdog import StepWatchdog, describe_collective_error, is_collective_failure, mesh_coords
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -59,8 +59,8 @@ from meshtron.textdata.data import (
     TOKENIZER_FILE,
     TOKENS_FILE,
     ByteTokenizer,
-    expand_paths,
     default_corpus_files,
+    expand_paths,
     load_prepared,
     token_dtype_for_vocab,
 )

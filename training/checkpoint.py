@@ -95,14 +95,20 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from meshtron.mpu import zero3
 from meshtron.mpu.adamw import TrainingOptimizer
 from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
 from meshtron.mpu.mesh import group_rank, single_process_mesh
-from meshtron.mpu import zero3
 from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.mpu.random import get_rng_tracker
-from meshtron.mpu.sharded_state import (ShardLoadPlanner, ShardPiece, ShardSavePlanner, flat_range_pieces, global_shape,
-                                        shard_piece)
+from meshtron.mpu.sharded_state import (
+    ShardLoadPlanner,
+    ShardPiece,
+    ShardSavePlanner,
+    flat_range_pieces,
+    global_shape,
+    shard_piece,
+)
 from meshtron.training.distributed import launcher_env
 
 FORMAT = "meshtron-checkpoint"
@@ -166,8 +172,7 @@ def _own_parameters(chunks: list[nn.Module]):
     """(name, param) of this rank's chunks; tied-embedding copies are not saved (the first
     stage's embedding is) but are loaded from the same key."""
     for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            yield name, param
+        yield from chunk.named_parameters()
 
 
 def _persistent_buffers(chunks: list[nn.Module]):

@@ -11,9 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import meshtron.configs
+from meshtron.errors import say_one_line
 from meshtron.schema import nearest_key
 from meshtron.training.config import unknown_override
-from meshtron.errors import say_one_line
 from meshtron.training.loop import main_entry
 
 

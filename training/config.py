@@ -161,7 +161,7 @@ class RunConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     @staticmethod
-    def from_dict(tree: dict[str, Any]) -> "RunConfig":
+    def from_dict(tree: dict[str, Any]) -> RunConfig:
         """Build from a plain nested dict (e.g. `OmegaConf.to_container(cfg, resolve=True)`)."""
         kinds = SECTIONS
         built = {}

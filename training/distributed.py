@@ -46,7 +46,7 @@ class DistEnv:
         return self.rank == 0
 
 
-def submitit_torch_env(job_env: "submitit.JobEnvironment") -> dict[str, str]:  # noqa: F821 (imported lazily)
+def submitit_torch_env(job_env: submitit.JobEnvironment) -> dict[str, str]:  # noqa: F821 (imported lazily)
     """torchrun's variables for one task of a submitit job (one task per GPU, e.g. Hydra's
     `hydra/launcher=slurm_gpu` or `slurm_local`), from a `submitit.JobEnvironment`: ranks as
     Slurm (or the local executor) numbers them, rendezvous on the first host at MASTER_PORT if

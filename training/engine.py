@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ class EngineConfig:
 
     @classmethod
     def from_run(cls, run, execution: ExecutionConfig, micro_batch_size: int,
-                 eos_id: int | None = None) -> "EngineConfig":
+                 eos_id: int | None = None) -> EngineConfig:
         """The engine config of a training run (`RunConfig`)."""
         return cls(model=run.model, micro_batch_size=micro_batch_size, seed=run.trainer.seed,
                    execution=execution, optim=run.optim, max_grad_norm=run.trainer.max_grad_norm, eos_id=eos_id)
@@ -90,7 +90,7 @@ class Engine:
     def build(cls, config: EngineConfig, layout: Mesh | ParallelConfig, device: torch.device | str = "cpu", *,
               precision: Precision = FP32, ranks_per_node: int | None = None, overlap_param_gather: bool = False,
               optimizer_factory: OptimizerFactory | None = None,
-              adjust_model: Callable[[list[nn.Module]], None] | None = None) -> "Engine":
+              adjust_model: Callable[[list[nn.Module]], None] | None = None) -> Engine:
         """Build the run of `config` on `layout` (a built mesh, or the `ParallelConfig` to build
         one over the current world: creates every process group), on `device`.
 

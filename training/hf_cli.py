@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from meshtron.models.config import GPTConfig
+from meshtron.models.gpt import GPT
 from meshtron.models.hf import (
     MAX_POSITION_FIELDS,
     HFConversionError,
@@ -25,7 +26,6 @@ from meshtron.models.hf import (
     save_hf_folder,
     save_import_base,
 )
-from meshtron.models.gpt import GPT
 from meshtron.mpu.mesh import single_process_mesh
 from meshtron.training.checkpoint import (
     CheckpointError,
@@ -35,6 +35,7 @@ from meshtron.training.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+
 
 def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     """Convert a `save_pretrained` folder into a weights-only meshtron checkpoint in `out_dir`

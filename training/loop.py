@@ -29,8 +29,13 @@ from meshtron.observability.watchdog import StepWatchdog, is_collective_failure,
 from meshtron.planning.flops import model_flops_per_token
 from meshtron.planning.peak import peak_flops
 from meshtron.textdata.data import TokenDataset, build_dataset, document_end_id
-from meshtron.training.checkpoint import (AsyncCheckpointer, CheckpointError, TrainState, hold_checkpoint_dir,
-                                         new_checkpoint_group)
+from meshtron.training.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointError,
+    TrainState,
+    hold_checkpoint_dir,
+    new_checkpoint_group,
+)
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
 from meshtron.training.engine import Engine, EngineConfig

@@ -82,8 +82,8 @@ from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.grad_norm import global_grad_norm, scale_to_max_norm
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
-from meshtron.mpu.param_server_comm import PSChannel
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, dim_groups
+from meshtron.mpu.param_server_comm import PSChannel
 from meshtron.training.run_checks import check_run_config
 
 HEADER = 12
@@ -169,7 +169,7 @@ def block_mesh(par: ParallelConfig, offsets: list[int], rank: int) -> Mesh | Non
         inside = offset <= rank < offset + n
         mesh = Mesh(par, n, rank - offset, create_groups=False) if inside else None
 
-        def make(members: list[int]):
+        def make(members: list[int], offset: int = offset, inside: bool = inside):
             if len(members) == 1:
                 return None
             group = dist.new_group([offset + r for r in members])
@@ -713,8 +713,8 @@ class ParameterServerClient(TrainingOptimizer):
 def run_parameter_server(run, run_dir) -> dict:
     """train.py's entry for `parallel.dp_mode=ps` (training/loop.py branches here): check the
     config before any process group, start the world, then serve or train (`train_ps`)."""
-    from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
     from meshtron.textdata.data import build_dataset
+    from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
 
     world_size, _, _, _ = launcher_env()
     check_ps_run(run, world_size)

@@ -132,7 +132,7 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     return out
 
 
-def _finish_step(chunks, optimizer: TrainingOptimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: "MoEStepStats", *,
+def _finish_step(chunks, optimizer: TrainingOptimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: MoEStepStats, *,
                  lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict:
     """Unscale and clip the reduced gradients, reduce the loss over dp and pp (only the last
     stage has it), then update unless the loss or the gradient norm is not finite."""

@@ -98,8 +98,14 @@ from meshtron.errors import ConfigError, say_one_line
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.init import full_tensor
 from meshtron.mpu.mappings import gather_from_region
-from meshtron.mpu.mesh import (Mesh, ParallelConfig, ParallelConfigError, check_model_fits, group_size,
-                               single_process_mesh)
+from meshtron.mpu.mesh import (
+    Mesh,
+    ParallelConfig,
+    ParallelConfigError,
+    check_model_fits,
+    group_size,
+    single_process_mesh,
+)
 from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.training.cli import compose_run
 from meshtron.training.engine import Engine, EngineConfig
@@ -190,7 +196,7 @@ class Plan:
 
     model: GPTConfig
     par: ParallelConfig          # resolved for `world`
-    optim: "OptimConfig"         # of the parallel run
+    optim: OptimConfig         # of the parallel run
     world: int
     steps: int
     seed: int
@@ -211,7 +217,7 @@ class Plan:
         return self.par.dp * self.n_micro * self.micro
 
 
-def make_plan(run: "RunConfig", world: int | None, steps: int, fault: str | None) -> Plan:
+def make_plan(run: RunConfig, world: int | None, steps: int, fault: str | None) -> Plan:
     """Check the user's model against the layout, shrink it, fix the run's numerics (module
     doc). Raises ConfigError (one line)."""
     from meshtron.kernels.backend import resolve_backend
@@ -735,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parser.parse_known_args(argv)
     flags = [o for o in overrides if o.startswith("--")]
     if flags:
-    
+
         say_one_line(f"meshtron verify: configuration error: unknown option {flags[0]}; options: --steps, --tol, "
                      "--atol, --world, --timeout (the rest are train.py overrides)")
         sys.exit(EXIT_CONFIG)

@@ -66,8 +66,8 @@ training it further in transformers then balances the pooled load.
 """
 
 from meshtron.models.hf.config import (
-    SUPPORTED_MODEL_TYPES,
     MAX_POSITION_FIELDS,
+    SUPPORTED_MODEL_TYPES,
     HFConversionError,
     aux_loss_coef_from_hf,
     config_from_hf,

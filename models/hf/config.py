@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from meshtron.models.config import GPTConfig
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")

@@ -5,8 +5,8 @@ mesh's groups with mpu collectives)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp

@@ -24,11 +24,11 @@ from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.packing import local_microbatch
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
-    UNFUSED,
     ADAM_EPS,
     LR,
     SEED,
     STEPS,
+    UNFUSED,
     assert_close,
     build,
     compare_parameters,

@@ -16,7 +16,6 @@ eps=1e-8 and 1e-6 at eps=1e-6; the 8-layer GPT-2 of the pipeline cases 1.6e-4 at
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 

@@ -291,8 +291,8 @@ def mixtral_train_ep2() -> None:
     transformers accumulating over the same two microbatches, output_router_logits=True, two
     MoE layers: needs the per-rank-microbatch statistics (model.aux_loss_scope="microbatch")
     pooled across layers (model.aux_loss_layers="pooled")."""
-    from meshtron.training.step import train_step
     from meshtron.models import hf as mhf
+    from meshtron.training.step import train_step
     hf = tiny_mixtral(output_router_logits=True, layers=2)
     model, reducer, optimizer, mesh = meshtron_trainer(hf, ParallelConfig(tp=1, ep=2))
     if mesh.dp_size != 2 or mesh.par.ep != 2:

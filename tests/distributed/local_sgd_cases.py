@@ -27,9 +27,9 @@ from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.hierarchical import dp_hierarchy
 from meshtron.mpu.mesh import ParallelConfig, build_mesh
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.training.local_sgd import LocalGradReducer, LocalSGD
 from meshtron.training.optim import build_optimizer
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.training.step import pipeline_train_step, train_step
 from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, assert_close, microbatches, model_config
 from tests.distributed.pipeline_cases import pipeline_config

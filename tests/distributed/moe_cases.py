@@ -19,17 +19,17 @@ import torch
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
+from meshtron.training.step import pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
-    UNFUSED,
     LR,
     STEPS,
+    UNFUSED,
     assert_close,
     build,
     compare_parameters,
     global_batch,
     microbatches,
 )
-from meshtron.training.step import pipeline_train_step, train_step
 from tests.distributed.pipeline_cases import build_pipeline
 
 # (arch, tp, sp, ep, etp, top_k, score, capacity_factor, aux_loss_scope, router variant, dispatch chunks)

@@ -26,9 +26,9 @@ import dataclasses
 
 import torch
 
-from meshtron.models.config import GPTConfig
 import meshtron.moe.dispatcher as dispatcher_module
 import meshtron.mpu.mappings as mappings
+from meshtron.models.config import GPTConfig
 from meshtron.moe.layer import MoELayer
 from meshtron.mpu.init import initialize_parameters
 from meshtron.mpu.mappings import all_gather_stats, all_to_all, all_to_all_stats, gather_rows, reduce_scatter_rows

@@ -19,19 +19,19 @@ from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.training.optim import build_optimizer
+from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
-    UNFUSED,
     ADAM_EPS,
     LR,
     SEED,
     STEPS,
+    UNFUSED,
     assert_close,
     build,
     compare_parameters,
     global_batch,
 )
-from meshtron.training.optim import build_optimizer
-from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.moe_dispatch_cases import forced_exchanges
 
 # (arch, moe, pp, vpp, schedule, tp, sp, ep)

@@ -20,8 +20,16 @@ from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import Precision
 from meshtron.training.step import train_step
 from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
-from tests.distributed.dense_cases import (ADAM_EPS, LR, SEED, assert_close, full_tensor, microbatches, model_config,
-                                          trim_vocab)
+from tests.distributed.dense_cases import (
+    ADAM_EPS,
+    LR,
+    SEED,
+    assert_close,
+    full_tensor,
+    microbatches,
+    model_config,
+    trim_vocab,
+)
 
 STEPS = 3
 BF16 = Precision("bf16")

@@ -16,9 +16,16 @@ from meshtron.kernels import cross_entropy, selfcheck
 from meshtron.kernels.backend import CHECKED
 from meshtron.models.config import ExecutionConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from tests.distributed.dense_cases import (GLOBAL_BATCH, LR, assert_close, build, compare_parameters, microbatches,
-                                           model_config)
 from meshtron.training.step import train_step
+from tests.distributed.dense_cases import (
+    GLOBAL_BATCH,
+    LR,
+    assert_close,
+    build,
+    compare_parameters,
+    microbatches,
+    model_config,
+)
 
 
 def _all_verdicts() -> list[dict]:

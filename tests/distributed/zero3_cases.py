@@ -20,15 +20,29 @@ from meshtron.mpu.grad_reduce import GRAD_GROUPS, replica_group
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
 from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.planning.plan import zero3_gathered_bytes, zero3_grad_buffer_bytes
-from meshtron.training.checkpoint import (AsyncCheckpointer, TrainState, load_checkpoint, new_checkpoint_group,
-                                          save_checkpoint)
+from meshtron.training.checkpoint import (
+    AsyncCheckpointer,
+    TrainState,
+    load_checkpoint,
+    new_checkpoint_group,
+    save_checkpoint,
+)
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import Precision
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
-from tests.distributed.dense_cases import (ADAM_EPS, GLOBAL_BATCH, LR, SEED, assert_close, full_tensor, microbatches,
-                                          model_config, trim_vocab)
+from tests.distributed.dense_cases import (
+    ADAM_EPS,
+    GLOBAL_BATCH,
+    LR,
+    SEED,
+    assert_close,
+    full_tensor,
+    microbatches,
+    model_config,
+    trim_vocab,
+)
 from tests.distributed.moe_cases import moe_config
 from tests.distributed.pipeline_cases import pipeline_config
 

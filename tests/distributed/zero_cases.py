@@ -15,22 +15,22 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.models.gpt import init_model_chunks
+from meshtron.mpu import param_gather
 from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
-from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
-from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, assert_close, build, microbatches, model_config
-from tests.distributed.moe_cases import moe_config
-from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
-from tests.distributed.pipeline_cases import pipeline_config
-from meshtron.mpu import param_gather
 from meshtron.mpu.mappings import all_gather_into
+from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
 from meshtron.mpu.param_gather import finish_param_gather
+from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
 from meshtron.training.checkpoint import TrainState, save_checkpoint
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer
 from meshtron.training.precision import FP32, Precision
 from meshtron.training.step import pipeline_train_step, train_step
+from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
+from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, assert_close, build, microbatches, model_config
+from tests.distributed.moe_cases import moe_config
+from tests.distributed.pipeline_cases import pipeline_config
 
 STEPS_ZERO = 5
 MICRO_PER_RANK = 2  # pipeline cases
@@ -266,7 +266,7 @@ class _LateWork:
     issued before it (`previous`, so the order of collectives is kept): `wait` joins the
     thread, then waits for the collective."""
 
-    def __init__(self, issue, delay: float, previous: "_LateWork | None" = None):
+    def __init__(self, issue, delay: float, previous: _LateWork | None = None):
         self.work = None
         self.thread = threading.Thread(target=self._run, args=(issue, time.perf_counter() + delay, previous),
                                        daemon=True)
