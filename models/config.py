@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
+from meshtron.models.fits import layout_checks
 from meshtron.moe.config import ROUTING_FIELDS, MoEConfig, scope_checks, score_check
-from meshtron.rules import raise_first
+from meshtron.mpu.mesh import ParallelConfig
+from meshtron.rules import Check, raise_first
 from meshtron.schema import declared_in, field_checks, setting
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -184,6 +186,11 @@ class GPTConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layout_checks(self, par: ParallelConfig) -> list[Check]:
+        """The rules the resolved layout `par` must meet to split this model (models/fits.py);
+        what `mpu.mesh.build_mesh` asks before it builds any group."""
+        return layout_checks(par, self)
 
     def is_moe_layer(self, index: int) -> bool:
         """Layer `index` (0-based) has an MoE MLP: every `moe_every`-th layer, counting from 1."""

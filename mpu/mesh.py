@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.mpu.pipeline_schedules import SCHEDULES
-from meshtron.rules import raise_first
+from meshtron.rules import Check, raise_first
 from meshtron.schema import Allowed, field_checks, setting
 
 
@@ -145,77 +146,11 @@ def expert_shard_checks(num_experts: int, moe_ffn_hidden_size: int, shared_exper
     ]
 
 
-def tensor_shard_checks(cfg, tp: int) -> list[tuple[bool, str]]:
-    """How the dense layers split over tp, as (holds, message) pairs: attention heads, KV
-    heads and the MLP's ffn dim."""
-    return [
-        (cfg.num_heads % tp == 0, f"tp={tp} does not divide num_heads={cfg.num_heads}; choose parallel.tp dividing it"),
-        (cfg.num_kv_heads % tp == 0, f"tp={tp} does not divide num_kv_heads={cfg.num_kv_heads}; choose parallel.tp "
-                                     "dividing it (or raise model.num_kv_heads)"),
-        (cfg.ffn_hidden_size % tp == 0,
-         f"tp={tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}; choose parallel.tp dividing it"),
-    ]
+class FitsLayout(Protocol):
+    """A model config that says whether a layout can split it (models.config.GPTConfig, whose
+    rules live in models/fits.py: the mesh does not know model shapes)."""
 
-
-def context_parallel_checks(par: ParallelConfig, cfg) -> list[tuple[bool, str]]:
-    """How a sequence splits over cp (x tp under SP), as (holds, message) pairs: 2*cp
-    load-balanced chunks (each cut into tp pieces under SP), heads for the all-to-all, and what
-    context-parallel attention does not offer (attention dropout)."""
-    if par.cp == 1:
-        return []
-    cp, tp = par.cp, par.tp
-    split = 2 * cp * (tp if par.sp and tp > 1 else 1)
-    heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
-    return [
-        (cfg.seq_len % split == 0,
-         f"parallel.cp={cp} needs model.seq_len={cfg.seq_len} divisible by 2*cp"
-         + (f"*tp = {split} (sequence parallelism cuts each cp shard over tp={tp})" if split != 2 * cp else f" = {split}")
-         + "; change model.seq_len or parallel.cp"),
-        (par.cp_comm != "a2a" or heads % cp == 0,
-         f"parallel.cp_comm=a2a needs the attention heads per tensor-parallel rank (num_heads/tp = {heads}) "
-         f"divisible by cp={cp}; use parallel.cp_comm=ring or change parallel.cp"),
-        (cfg.attention_dropout_p == 0,
-         f"parallel.cp={cp} with attention dropout {cfg.attention_dropout_p} (model.attention_dropout, which "
-         "defaults to model.dropout): context-parallel attention has no attention dropout; set "
-         "model.attention_dropout=0 (hidden dropout, model.dropout, stays)"),
-    ]
-
-
-def check_model_fits(par: ParallelConfig, cfg) -> None:
-    """Raise ParallelConfigError when the model's shape cannot be split by the layout."""
-    raise_first(tensor_shard_checks(cfg, par.tp), ParallelConfigError)
-    raise_first(context_parallel_checks(par, cfg), ParallelConfigError)
-    if par.sp and par.tp > 1 and cfg.seq_len % par.tp:
-        raise ParallelConfigError(
-            f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp"
-        )
-    if par.stage_layers is not None:
-        stages = par.pp * par.vpp
-        if len(par.stage_layers) != stages or any(n < 1 for n in par.stage_layers) \
-                or sum(par.stage_layers) != cfg.num_layers:
-            raise ParallelConfigError(
-                f"parallel.stage_layers={list(par.stage_layers)} must list {stages} positive layer counts "
-                f"(pp*vpp={par.pp}*{par.vpp} virtual stages) summing to num_layers={cfg.num_layers}"
-            )
-    elif par.pp > 1 and cfg.num_layers % (par.pp * par.vpp):
-        raise ParallelConfigError(
-            f"pp*vpp={par.pp}*{par.vpp} does not divide num_layers={cfg.num_layers}; "
-            f"choose parallel.pp (and parallel.vpp) dividing it, or list layers per stage in parallel.stage_layers"
-        )
-    if par.vpp > 1 and par.pp == 1:
-        raise ParallelConfigError(f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)")
-    if cfg.num_experts:
-        if getattr(cfg, "aux_loss_layers", "sum") == "pooled" and par.pp > 1:
-            raise ParallelConfigError(
-                "model.aux_loss_layers=pooled pools the routing statistics of every MoE layer into one "
-                f"loss, which parallel.pp={par.pp} stages do not share; use parallel.pp=1 or aux_loss_layers=sum"
-            )
-        raise_first(expert_shard_checks(cfg.num_experts, cfg.moe_ffn_hidden_size, getattr(cfg, "shared_experts", 0),
-                                        ep=par.ep, etp=par.etp, tp=par.tp), ParallelConfigError)
-    elif par.ep > 1 or par.etp > 1:
-        raise ParallelConfigError(
-            f"parallel.ep={par.ep}/etp={par.etp} need an MoE model (model.num_experts > 0); set them to 1"
-        )
+    def layout_checks(self, par: ParallelConfig) -> list[Check]: ...
 
 
 def dim_groups(par: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
@@ -486,7 +421,7 @@ class Mesh:
         return placement_warnings(self.par, self.world_size, self.ranks_per_node)
 
 
-def build_mesh(par: ParallelConfig, model_cfg=None, device_type: str = "cpu",
+def build_mesh(par: ParallelConfig, model_cfg: FitsLayout | None = None, device_type: str = "cpu",
                ranks_per_node: int | None = None) -> Mesh:
     """Validate `par` (and the model shape) against the current world, then build the groups.
     `ranks_per_node` (LOCAL_WORLD_SIZE, equal on every node) places ranks on nodes for
@@ -502,7 +437,7 @@ def build_mesh(par: ParallelConfig, model_cfg=None, device_type: str = "cpu",
         world_size, rank = 1, 0
     resolved = par.resolved(world_size)
     if model_cfg is not None:
-        check_model_fits(resolved, model_cfg)
+        raise_first(model_cfg.layout_checks(resolved), ParallelConfigError)
     return Mesh(resolved, world_size, rank, device_type, ranks_per_node=ranks_per_node)
 
 

@@ -42,7 +42,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
-from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
+from meshtron.models.fits import check_model_fits
+from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from meshtron.mpu.random import TENSOR_PARALLEL, get_rng_tracker
 
 __all__ = ["saved_activation_bytes", "SavedTrace", "trace_layer", "trace_pre", "trace_post", "etp_row_bytes",

@@ -16,7 +16,8 @@ Memory (model states, activations) has one model: `planning.plan`.
 from __future__ import annotations
 
 from meshtron.models.config import GPTConfig
-from meshtron.mpu.mesh import expert_shard_checks, tensor_shard_checks
+from meshtron.models.fits import tensor_shard_checks
+from meshtron.mpu.mesh import expert_shard_checks
 from meshtron.rules import raise_first
 
 __all__ = [

@@ -40,9 +40,10 @@ from typing import Any
 import torch
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.models.fits import check_model_fits
 from meshtron.mpu.attention_blocks import TILE_SCORE_BYTES
 from meshtron.mpu.grad_reduce import bucket_layout, grad_group
-from meshtron.mpu.mesh import ParallelConfig, check_model_fits, virtual_mesh
+from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from meshtron.mpu.pipeline_schedules import build_schedule
 from meshtron.mpu.zero3 import unit_of
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
@@ -633,7 +634,7 @@ def plan_rank(
     """Plan of one rank: coordinates, parameters, memory and FLOPs per step. No communication.
 
     `par` may be unresolved (dp=None); it is resolved against `world_size` and checked against
-    the model shape (`mpu.mesh.check_model_fits`), raising `ParallelConfigError` with what to
+    the model shape (`models.fits.check_model_fits`), raising `ParallelConfigError` with what to
     change. Raises ValueError when the global batch does not split into microbatches over dp,
     and RuntimeError when the meta-built parameter count disagrees with the analytic one.
 

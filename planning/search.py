@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtron.models.config import RECOMPUTE_MODES, ExecutionConfig, GPTConfig
-from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError, check_model_fits
+from meshtron.models.fits import check_model_fits
+from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
 from meshtron.planning.flops import moe_layer_indices, params_per_rank
 from meshtron.planning.plan import plan_rank
 from meshtron.planning.step_time import Cluster, Layout, ModelCosts, StepTime, step_time
@@ -72,7 +73,7 @@ class Candidate:
 
 
 def _shape_ok(cfg: GPTConfig, par: ParallelConfig) -> bool:
-    """The model splits under the resolved layout `par` (`mpu.mesh.check_model_fits`)."""
+    """The model splits under the resolved layout `par` (`models.fits.check_model_fits`)."""
     try:
         check_model_fits(par, cfg)
     except ParallelConfigError:

@@ -6,11 +6,11 @@ import pytest
 
 from meshtron.errors import ConfigError
 from meshtron.models.config import GPTConfig
+from meshtron.models.fits import check_model_fits
 from meshtron.mpu.mesh import (
     Mesh,
     ParallelConfig,
     ParallelConfigError,
-    check_model_fits,
     dim_groups,
     placement,
     placement_warnings,

@@ -218,7 +218,8 @@ def test_pooled_aux_by_hand():
 
 
 def test_pooled_aux_needs_one_pipeline_stage():
-    from meshtron.mpu.mesh import ParallelConfigError, check_model_fits
+    from meshtron.models.fits import check_model_fits
+    from meshtron.mpu.mesh import ParallelConfigError
     cfg = GPTConfig(num_layers=4, num_experts=4, top_k=2, aux_loss_layers="pooled")
     with pytest.raises(ParallelConfigError, match="aux_loss_layers=pooled .* parallel.pp=2"):
         check_model_fits(ParallelConfig(pp=2, dp=1).resolved(2), cfg)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from meshtron.models.config import GPTConfig
-from meshtron.mpu.mesh import ParallelConfig, check_model_fits
+from meshtron.models.fits import check_model_fits
+from meshtron.mpu.mesh import ParallelConfig
 from meshtron.training.verify import compare, layout_world, main, shrink_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -96,13 +96,13 @@ from torch import nn
 
 from meshtron.errors import ConfigError, say_one_line
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.models.fits import check_model_fits
 from meshtron.mpu.init import full_tensor
 from meshtron.mpu.mappings import gather_from_region
 from meshtron.mpu.mesh import (
     Mesh,
     ParallelConfig,
     ParallelConfigError,
-    check_model_fits,
     group_size,
     single_process_mesh,
 )
