@@ -9,8 +9,10 @@
 * "triton": strict, no check; a failing kernel raises (on CPU only under TRITON_INTERPRET=1,
   the numpy interpreter, for tests).
 Tests force the checked mode on CPU by asking for it by name under TRITON_INTERPRET=1.
-The kernel modules' own `backend=` arguments know only torch | triton (their "auto" means
-unchecked Triton on CUDA): the self-check lives at the model's call sites.
+Two vocabularies, on purpose: the config's (`BACKENDS`: auto | triton | torch) and the mode a
+run resolves it to (`RESOLVED`: torch | triton | triton_checked), which the model and the fused
+LM loss take. The kernel modules' own `backend=` arguments take the strict modes torch | triton
+only (anything else raises): the self-check lives at the model's call sites.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Public API (all over the last dimension H of an input of any leading shape [...,
   ``RMSNormFunction.apply(x, weight, eps)``).
 * ``layer_norm(x, weight, bias, eps, backend="torch")`` / ``rms_norm(x, weight, eps,
   backend="torch")``: dispatch on ``backend`` ("torch" -> reference, "triton" -> the autograd
-  Function, "auto" -> Triton on CUDA and torch elsewhere, see ``kernels.backend``).
+  Function), like every kernel module's function: the config's ``auto`` and the self-checked
+  mode are resolved above the kernels (``kernels.backend``, ``kernels.selfcheck``).
 
 Numerics: inputs may be fp32, fp16 or bf16; statistics and all arithmetic are in fp32, the
 output has ``x.dtype`` and the gradients have the dtype of the tensor they belong to.
@@ -48,7 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from meshtron.kernels.backend import interpreting, resolve_backend, triton_available
+from meshtron.kernels.backend import interpreting, triton_available
 
 __all__ = [
     "layer_norm_reference",
@@ -361,20 +362,25 @@ class RMSNormFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- public API
 
 
+def _kernel_backend(backend: str, name: str) -> str:
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"{name} backend={backend!r} must be 'torch' or 'triton'")
+    return backend
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                backend: str = "torch") -> torch.Tensor:
     """LayerNorm over the last dim of x ([..., H]): ``(x - mean) / sqrt(var + eps) * weight +
-    bias`` (bias may be None). ``backend``: "torch" (reference), "triton" (fused kernels via
-    LayerNormFunction) or "auto" (Triton on CUDA, torch elsewhere)."""
-    if resolve_backend(backend, x.device.type) == "torch":
+    bias`` (bias may be None). ``backend``: "torch" (reference) or "triton" (fused kernels via
+    LayerNormFunction)."""
+    if _kernel_backend(backend, "layer_norm") == "torch":
         return layer_norm_reference(x, weight, bias, eps)
     return LayerNormFunction.apply(x, weight, bias, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:
     """RMSNorm over the last dim of x ([..., H]): ``x / sqrt(mean(x**2) + eps) * weight``.
-    ``backend``: "torch" (reference), "triton" (fused kernels via RMSNormFunction) or "auto"
-    (Triton on CUDA, torch elsewhere)."""
-    if resolve_backend(backend, x.device.type) == "torch":
+    ``backend``: "torch" (reference) or "triton" (fused kernels via RMSNormFunction)."""
+    if _kernel_backend(backend, "rms_norm") == "torch":
         return rms_norm_reference(x, weight, eps)
     return RMSNormFunction.apply(x, weight, eps)
