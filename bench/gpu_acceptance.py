@@ -193,8 +193,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def _compare_steps(want, want_params, got, got_params) -> dict:
     """Relative errors of one step's loss, gradient norm and largest per-parameter gradient."""
     grad_err = max((_rel(got_params[n][1], g) for n, (_, g) in want_params.items() if g is not None), default=0.0)
-    return {"loss_rel_error": _rel(got[0]["loss"], want[0]["loss"]),
-            "grad_norm_rel_error": _rel(got[0]["grad_norm"], want[0]["grad_norm"]),
+    return {"loss_rel_error": _rel(got[0].loss, want[0].loss),
+            "grad_norm_rel_error": _rel(got[0].grad_norm, want[0].grad_norm),
             "max_grad_rel_error": grad_err}
 
 
@@ -217,7 +217,7 @@ def run_steps(device: torch.device) -> dict:
             want, want_params = train_steps(cfg, "torch", name, device, fused_lm_loss=False)
             got, got_params = train_steps(cfg, "triton", name, device)
             entry = _compare_steps(want, want_params, got, got_params)
-            entry["loss_torch"], entry["loss_triton"] = float(want[0]["loss"]), float(got[0]["loss"])
+            entry["loss_torch"], entry["loss_triton"] = float(want[0].loss), float(got[0].loss)
             tol = STEP_TOLERANCES[name]
             entry["passed"] = _within(entry, tol)
             # The fused LM loss with the torch chunk operations against the same reference.

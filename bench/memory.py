@@ -224,7 +224,7 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
                     for i in range(n_micro)]
 
     def step():
-        return float(engine.step(microbatches, 1e-3)["loss"])
+        return float(engine.step(microbatches, 1e-3).loss)
 
     saved = None
     if res.pp == 1:  # one microbatch's saved tensors, before the warm-up (no reduction launched)

@@ -72,7 +72,7 @@ def main() -> None:
     result = None
     for _ in range(args.steps):
         result = pipeline_train_step(chunks, reducer, optimizer, micro, mesh, executor, schedule=args.schedule,
-                                     lr=1e-4, max_grad_norm=1.0)["pipeline"]
+                                     lr=1e-4, max_grad_norm=1.0).pipeline
     timelines = [None] * world if mesh.rank == 0 else None
     dist.gather_object(result.timeline, timelines, dst=0)
     if mesh.rank == 0:

@@ -46,6 +46,7 @@ from meshtron.training.config import OptimConfig  # noqa: E402
 from meshtron.training.engine import Engine, EngineConfig  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
 from meshtron.training.precision import Precision  # noqa: E402
+from meshtron.training.step import StepResult  # noqa: E402
 
 SEED = 1234
 DATA_SEED = 4321
@@ -219,10 +220,10 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system
 
 
-def sync_step(out: dict, device: torch.device) -> float:
+def sync_step(out: StepResult, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return float(out["loss"].item())
+    return float(out.loss.item())
 
 
 def profile_step(step, micro, device, rank: int) -> None:

@@ -50,7 +50,7 @@ def _trained(cfg, steps: int, zero: bool = False):
 
 def _step(model, reducer, optimizer, mesh, cfg, step: int) -> float:
     out = train_step(model, reducer, optimizer, microbatches(cfg, step, 0, 1, 2), mesh, lr=LR, max_grad_norm=1.0)
-    return out["loss"].item()
+    return out.loss.item()
 
 
 def _save(root, model, optimizer, mesh, cfg, step: int, keep=None):

@@ -73,7 +73,7 @@ def test_engine_builds_from_a_parallel_config_and_steps():
     try:
         assert engine.executor is None and engine.mesh.world_size == 1 and len(engine.chunks) == 1
         batch = _batches(1)[0]
-        losses = [float(engine.step(batch, 1e-2)["loss"]) for _ in range(4)]
+        losses = [float(engine.step(batch, 1e-2).loss) for _ in range(4)]
         assert losses[-1] < losses[0] - 0.1  # the same batch four times: it learns it
         held_out = engine.evaluate(_batches(1)[0])
         assert held_out.ndim == 0 and torch.isfinite(held_out)
@@ -97,7 +97,7 @@ def test_a_loaded_engine_steps_as_the_saved_one(tmp_path):
     assert not torch.equal(first, next(loaded.model.parameters()))  # other seed: the load changed it
     for b in batches[2:]:
         want, got = saved.step(b, 1e-2), loaded.step(b, 1e-2)
-        assert torch.equal(want["loss"], got["loss"]) and torch.equal(want["grad_norm"], got["grad_norm"])
+        assert torch.equal(want.loss, got.loss) and torch.equal(want.grad_norm, got.grad_norm)
     for p, q in zip(saved.model.parameters(), loaded.model.parameters()):
         assert torch.equal(p, q)
     assert saved.weights_are_finite()

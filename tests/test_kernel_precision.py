@@ -94,7 +94,7 @@ def test_kernels_receive_the_compute_dtype_and_match_torch(name, precision, laun
 
     want, want_grads = _step(CONFIGS[name], "torch", precision)
     rtol = STEP_RTOL[precision]
-    assert abs(got["loss"].item() - want["loss"].item()) <= rtol * want["loss"].item()
+    assert abs(got.loss.item() - want.loss.item()) <= rtol * want.loss.item()
     for param, grad in want_grads.items():
         diff = (got_grads[param] - grad).norm() / grad.norm().clamp(min=1e-12)
         assert diff <= 10 * rtol, f"{param}: relative gradient difference {diff:.2e}"

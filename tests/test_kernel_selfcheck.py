@@ -43,7 +43,7 @@ def two_steps(backend: str) -> tuple[list[torch.Tensor], dict]:
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen)
         out = train_step(model, reducer, optimizer, [(tokens[:, :-1], tokens[:, 1:])], mesh, lr=1e-3,
                          max_grad_norm=1.0)
-        losses.append(out["loss"].detach())
+        losses.append(out.loss.detach())
     reducer.remove_hooks()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 

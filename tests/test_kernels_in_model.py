@@ -50,8 +50,8 @@ def one_step(cfg: GPTConfig, backend: str):
 def test_triton_step_equals_torch_step(name):
     want, want_params = one_step(CONFIGS[name], "torch")
     got, got_params = one_step(CONFIGS[name], "triton")
-    assert torch.allclose(got["loss"], want["loss"], rtol=1e-5)
-    assert torch.allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5)
+    assert torch.allclose(got.loss, want.loss, rtol=1e-5)
+    assert torch.allclose(got.grad_norm, want.grad_norm, rtol=1e-5)
     for param_name, (weight, grad) in want_params.items():
         g_weight, g_grad = got_params[param_name]
         assert torch.allclose(g_grad, grad, rtol=1e-4, atol=1e-6), f"grad {param_name}"

@@ -26,8 +26,8 @@ def _run(cfg, precision: Precision, steps: int = 10) -> list[float]:
         # One batch over and over: the loss must fall (memorisation), in every precision.
         out = train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=3e-3,
                          max_grad_norm=1.0, precision=precision)
-        assert not out["skipped"]
-        losses.append(out["loss"].item())
+        assert not out.skipped
+        losses.append(out.loss.item())
     reducer.remove_hooks()
     return losses
 
@@ -53,7 +53,7 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     out = train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3, max_grad_norm=1.0,
                      precision=precision)
-    assert out["skipped"] and torch.isfinite(out["loss"]), "an overflowing gradient, not the loss, skips the step"
+    assert out.skipped and torch.isfinite(out.loss), "an overflowing gradient, not the loss, skips the step"
     assert precision.loss_scale == 2.0 ** 29
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), f"{name} changed in a skipped step"
@@ -62,17 +62,17 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off():
     while True:
         out = train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3,
                          max_grad_norm=1.0, precision=precision)
-        if not out["skipped"]:
+        if not out.skipped:
             break
         skipped += 1
         assert skipped < 30
     assert precision.loss_scale == 2.0 ** (30 - skipped)
-    assert torch.isfinite(out["grad_norm"]) and optimizer.state
+    assert torch.isfinite(out.grad_norm) and optimizer.state
     # The gradient norm is reported unscaled: it matches the fp32 norm of the same batch.
     fp32_model, fp32_reducer, fp32_opt = build(cfg, mesh)
     ref = train_step(fp32_model, fp32_reducer, fp32_opt, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3,
                      max_grad_norm=1.0)
-    assert abs(out["grad_norm"].item() - ref["grad_norm"].item()) <= 1e-2 * ref["grad_norm"].item()
+    assert abs(out.grad_norm.item() - ref.grad_norm.item()) <= 1e-2 * ref.grad_norm.item()
 
 
 def test_loss_scaler_rule():

@@ -24,7 +24,7 @@ def _losses(param_dtype: str, steps: int = 4) -> list[float]:
     model, = init_model_chunks(cfg, mesh, SEED)
     reducer, optimizer = build_reducer_and_optimizer(OptimConfig(lr=1e-2, param_dtype=param_dtype), [model], mesh)
     out = [float(train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-2,
-                            max_grad_norm=1.0, precision=Precision("bf16"))["loss"]) for step in range(steps)]
+                            max_grad_norm=1.0, precision=Precision("bf16")).loss) for step in range(steps)]
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16 if param_dtype == "bf16" else torch.float32}
     reducer.remove_hooks()
     return out

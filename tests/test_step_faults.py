@@ -33,12 +33,12 @@ def test_non_finite_step_is_skipped_and_the_next_one_runs():
     hook = model.layers["0"].mlp.register_forward_hook(lambda mod, inp, out: out * float("inf"))
     out = train_step(model, reducer, optimizer, micro, mesh, lr=1e-2, max_grad_norm=1.0)
     hook.remove()
-    assert out["skipped"] is True and not torch.isfinite(out["loss"])
+    assert out.skipped is True and not torch.isfinite(out.loss)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), f"{name} changed in a skipped step"
     assert not optimizer.state, "the optimizer must not have taken a step"
     out = train_step(model, reducer, optimizer, micro, mesh, lr=1e-2, max_grad_norm=1.0)
-    assert out["skipped"] is False and torch.isfinite(out["loss"])
+    assert out.skipped is False and torch.isfinite(out.loss)
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 

@@ -40,7 +40,7 @@ from meshtron.training.checkpoint import TrainState, load_checkpoint, save_check
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import FP32, Precision
-from meshtron.training.step import evaluate, pipeline_train_step, train_step
+from meshtron.training.step import StepResult, evaluate, pipeline_train_step, train_step
 
 # (chunks, mesh) -> (reducer, optimizer): a caller's own optimizer (the parameter-server client)
 OptimizerFactory = Callable[[list[nn.Module], Mesh], tuple[DataParallelGradReducer, TrainingOptimizer]]
@@ -119,11 +119,12 @@ class Engine:
         return self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
 
     def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], lr: float, *,
-             token_count: torch.Tensor | None = None, outer_replicas: int = 1) -> dict:
+             token_count: torch.Tensor | None = None, outer_replicas: int = 1) -> StepResult:
         """One optimizer step over this rank's `microbatches` (full sequences) at learning rate
         `lr`: `train_step`, or `pipeline_train_step` over the mesh's schedule at pp > 1
-        (training/step.py; the collectives are theirs). `token_count` and `outer_replicas`:
-        parameter-server workers only (their mesh holds one of several data replicas)."""
+        (training/step.py; the collectives are theirs), and returns their `StepResult`.
+        `token_count` and `outer_replicas`: parameter-server workers only (their mesh holds one
+        of several data replicas)."""
         c = self.config
         if self.executor is None:
             return train_step(self.chunks[0], self.reducer, self.optimizer, microbatches, self.mesh, lr=lr,

@@ -46,6 +46,7 @@ from meshtron.training.precision import LossScaler, Precision
 from meshtron.training.preemption import StopRequest
 from meshtron.training.reporting import StepReporter, lr_schedule, split_microbatches, val_microbatches
 from meshtron.training.run_checks import check_run_config, checkpoint_to_start_from
+from meshtron.training.step import StepResult
 
 
 def run_training(run: RunConfig, run_dir: str | Path) -> dict:
@@ -203,7 +204,7 @@ class Trainer:
               f"dp {par.dp} x {self.n_micro} microbatches x {engine.config.micro_batch_size}; peak "
               f"{peak_total / 1e9:.1f} GFLOP/s ({peak_source}) x{env.world_size}; run dir {self.run_dir}", flush=True)
 
-    def _step(self, step: int, first_step: int) -> dict:
+    def _step(self, step: int, first_step: int) -> StepResult:
         """Step index `step`: this rank's microbatches through the engine, the traces asked for,
         the kernel self-check agreement after the first step, local SGD's parameter sync."""
         engine, t, mesh, env = self.engine, self.run.trainer, self.engine.mesh, self.env
@@ -222,7 +223,7 @@ class Trainer:
         if traced and (engine.executor is not None or gather is not None):
             self.watchdog.phase(f"step {step + 1}: {'pipeline' if engine.executor is not None else 'parameter-gather'} "
                                 "trace gather_object")
-            _export_pipeline_trace(out.get("pipeline"), mesh, len(microbatches), self.run_dir, env, gather,
+            _export_pipeline_trace(out.pipeline, mesh, len(microbatches), self.run_dir, env, gather,
                                    step_start)
         if step == first_step and engine.config.execution.kernel_backend == CHECKED:
             # Every kernel of the model ran (and was checked) in this step: make the
@@ -234,7 +235,7 @@ class Trainer:
             self.local_sgd.after_step(step + 1, final=step + 1 == t.max_steps)
         return out
 
-    def _account(self, step: int, out: dict) -> None:
+    def _account(self, step: int, out: StepResult) -> None:
         """Advance the train state past step index `step`; count a skipped step, and stop the
         run after more than trainer.max_skipped in a row."""
         state, t, precision = self.state, self.run.trainer, self.engine.precision
@@ -243,8 +244,8 @@ class Trainer:
         if precision.scaler is not None:
             state.loss_scale, state.loss_scale_good_steps = precision.scaler.scale, precision.scaler.good_steps
         if self.local_sgd is not None:  # each replica judged its own gradients: abort (max_skipped) together
-            out["skipped"] = self.local_sgd.agree_skipped(out["skipped"])
-        if not out["skipped"]:
+            out.skipped = self.local_sgd.agree_skipped(out.skipped)
+        if not out.skipped:
             state.skipped_in_a_row = 0
             return
         state.skipped_total += 1
@@ -258,14 +259,14 @@ class Trainer:
                                f"gradient norm (trainer.max_skipped={t.max_skipped}); lower optim.lr or "
                                f"check the data")
 
-    def _log(self, step: int, out: dict) -> None:
+    def _log(self, step: int, out: StepResult) -> None:
         """At a logged step: the record of metrics.jsonl (evaluation and peak memory are
         collectives: every rank computes them at the same steps)."""
         n, t, engine, reporter = step + 1, self.run.trainer, self.engine, self.reporter
         if not reporter.log_due(n):
             return
         self.watchdog.phase(f"step {n}: metrics")
-        loss, grad_norm = out["loss"].item(), out["grad_norm"].item()  # host sync only when logging
+        loss, grad_norm = out.loss.item(), out.grad_norm.item()  # host sync only when logging
         record = {"step": n, "loss": loss, "lr": self.lr_at(step), "grad_norm": grad_norm, **reporter.throughput(),
                   "skipped_steps": self.state.skipped_total}
         if self.local_sgd is not None:
@@ -278,7 +279,7 @@ class Trainer:
             record["val_loss"] = engine.evaluate(val_microbatches(self.dataset, t, mesh.dp_rank, mesh.dp_size,
                                                                   engine.config.micro_batch_size,
                                                                   self.env.device)).item()
-        if "moe_layers" in out:
+        if out.moe_layers:
             record.update(moe_metrics(out))
         self.watchdog.phase(f"step {n}: peak-memory all_gather")
         peak_mem = peak_memory_per_rank(self.env.device)  # a collective: every rank, same steps
@@ -364,17 +365,17 @@ def _export_pipeline_trace(result, mesh, num_microbatches: int, run_dir: Path, e
           f"v={par.vpp}", flush=True)
 
 
-def moe_metrics(out: dict) -> dict:
+def moe_metrics(out: StepResult) -> dict:
     """Routing metrics of a step for metrics.jsonl: aux and z-loss (unweighted, summed over MoE
     layers), per-layer tokens per expert with max/mean imbalance and dropped fraction."""
     layers = []
-    for layer in out["moe_layers"]:
-        load = layer["tokens_per_expert"].tolist()
+    for layer in out.moe_layers:
+        load = layer.tokens_per_expert.tolist()
         mean = sum(load) / len(load)
-        layers.append({"layer": layer["layer"], "tokens_per_expert": [int(x) for x in load],
+        layers.append({"layer": layer.layer, "tokens_per_expert": [int(x) for x in load],
                        "imbalance": max(load) / mean if mean else 0.0,
-                       "dropped_fraction": float(layer["dropped_fraction"])})
-    return {"aux_loss": float(out["aux_loss"]), "z_loss": float(out["z_loss"]),
+                       "dropped_fraction": float(layer.dropped_fraction)})
+    return {"aux_loss": float(out.aux_loss), "z_loss": float(out.z_loss),
             "expert_imbalance": max(layer["imbalance"] for layer in layers),
             "dropped_fraction": sum(layer["dropped_fraction"] for layer in layers) / len(layers),
             "moe": layers}

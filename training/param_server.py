@@ -810,8 +810,8 @@ def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, mi
             own = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
             total = _global_tokens(dataset, step, t.global_batch_size, micro, mesh, eos_id).to(env.device)
             out = engine.step(microbatches, schedule(step), token_count=total, outer_replicas=roles.workers)
-            share = float(out["loss"])  # this worker's share of the global batch's mean loss
-            reply = client.exchange(step, own, share, finite=not out["skipped"])
+            share = float(out.loss)  # this worker's share of the global batch's mean loss
+            reply = client.exchange(step, own, share, finite=not out.skipped)
             reporter.tick()
             if not reporter.log_due(step + 1):
                 continue

@@ -3,6 +3,8 @@ bucketed DP reduction, global-norm clipping and the AdamW update."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -13,10 +15,42 @@ from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.mesh import Mesh
-from meshtron.mpu.pipeline import PipelineExecutor
+from meshtron.mpu.pipeline import PipelineExecutor, PipelineResult
 from meshtron.mpu.pipeline_schedules import build_all_ranks
 from meshtron.training.packing import LocalMicrobatch, local_microbatches
 from meshtron.training.precision import FP32, Precision
+
+
+@dataclass
+class MoELayerStats:
+    """One MoE layer's routing figures over the step, global over the aux-loss scope (see
+    `MoEStepStats`): `layer` is the global layer index; `aux_loss`, `z_loss` (unweighted) and
+    `dropped_fraction` are averaged over microbatches, `tokens_per_expert` ([num_experts]) is
+    summed over them."""
+
+    layer: int
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    dropped_fraction: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step returns (`train_step`, `pipeline_train_step`, `Engine.step`).
+    `loss`, `grad_norm` and `skipped` are the same on every rank; the MoE figures cover the
+    global batch (`MoEStepStats.summary`)."""
+
+    loss: torch.Tensor  # global-batch mean LM cross-entropy (reduced over dp x cp and pp), no aux terms
+    grad_norm: torch.Tensor  # global gradient norm, before clipping
+    skipped: bool  # non-finite loss or gradient norm: no update (nor expert-bias update) on any rank
+    # MoE models only (None / empty otherwise): aux and z-loss, unweighted, summed over the MoE
+    # layers (with aux_loss_layers="pooled", `aux_loss` is the pooled loss that was trained),
+    # and each MoE layer's routing figures in layer order.
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    moe_layers: list[MoELayerStats] = field(default_factory=list)
+    pipeline: PipelineResult | None = None  # pp > 1: the executor's result (timeline, peak live activations)
 
 
 def global_token_count(microbatches: list[LocalMicrobatch], mesh: Mesh) -> torch.Tensor:
@@ -36,7 +70,7 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
                microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh, *,
                lr: float, max_grad_norm: float, precision: Precision = FP32,
                eos_id: int | None = None, token_count: torch.Tensor | None = None,
-               outer_replicas: int = 1) -> dict[str, torch.Tensor]:
+               outer_replicas: int = 1) -> StepResult:
     """Forward/backward every microbatch of this rank's share of the global batch, then update.
 
     `microbatches` hold full sequences; each rank runs its context-parallel shard of them, with
@@ -47,11 +81,11 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
     single-process gradient of the mean loss. MoE models add their routers' aux and z-loss
     terms, each pooled over the tokens of its aux-loss scope (moe/scope.py), averaged over the
     step's pooled sets (`AuxLossScope.objective_divisor`).
-    Returns `loss` (global-batch mean LM cross-entropy, reduced over dp, no aux terms) and
-    `grad_norm` (before clipping) as tensors, and `skipped`: True when the loss or the gradient
-    norm is not finite, in which case the optimizer step (and the expert-bias update) is
-    skipped on every rank and the weights stay as they were. MoE adds `aux_loss`, `z_loss`
-    (unweighted, summed over layers) and per-layer `moe_layers` statistics.
+    Returns a `StepResult`: `loss` (global-batch mean LM cross-entropy, reduced over dp, no aux
+    terms) and `grad_norm` (before clipping) as tensors, and `skipped`: True when the loss or
+    the gradient norm is not finite, in which case the optimizer step (and the expert-bias
+    update) is skipped on every rank and the weights stay as they were. MoE adds `aux_loss`,
+    `z_loss` (unweighted, summed over layers) and per-layer `moe_layers` statistics.
     `precision` runs the forward under autocast and scales the loss (fp16; see
     training/precision.py); an overflow skips the step like any non-finite gradient.
     Parameter-server workers (training/param_server.py), whose mesh holds one of
@@ -85,14 +119,14 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
 def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReducer,
                         optimizer: TrainingOptimizer, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
                         mesh: Mesh, executor: PipelineExecutor, *, schedule: str, lr: float,
-                        max_grad_norm: float, precision: Precision = FP32, eos_id: int | None = None) -> dict:
+                        max_grad_norm: float, precision: Precision = FP32, eos_id: int | None = None) -> StepResult:
     """`train_step` for pipeline parallelism: run `schedule` over this rank's model chunks.
 
     Losses are normalised exactly as in `train_step` (the last stage divides by the global
     token count; MoE terms on any stage by the scope's number of pooled sets). Gradient buckets are
     reduced as the last backward of each chunk runs; the tied embedding's two copies (first
-    and last stage) then have their gradients summed. Also returns `pipeline`: the executor's
-    result (timeline, peak live activations).
+    and last stage) then have their gradients summed. The result's `pipeline` holds the
+    executor's result (timeline, peak live activations).
     """
     for chunk in chunks:
         chunk.train()
@@ -128,12 +162,12 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
     out = _finish_step(chunks, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
                        precision=precision)
-    out["pipeline"] = result
+    out.pipeline = result
     return out
 
 
 def _finish_step(chunks, optimizer: TrainingOptimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: MoEStepStats, *,
-                 lr: float, max_grad_norm: float, precision: Precision = FP32) -> dict:
+                 lr: float, max_grad_norm: float, precision: Precision = FP32) -> StepResult:
     """Unscale and clip the reduced gradients, reduce the loss over dp and pp (only the last
     stage has it), then update unless the loss or the gradient norm is not finite."""
     _unscale_gradients(chunks, optimizer, precision.loss_scale)
@@ -151,7 +185,11 @@ def _finish_step(chunks, optimizer: TrainingOptimizer, mesh: Mesh, loss_sum: tor
             for m in chunk.moe_layers():
                 m.router.step_load.zero_()
     precision.update(finite)
-    return {"loss": loss_sum, "grad_norm": grad_norm, "skipped": not finite, **moe.summary(mesh, loss_sum.device)}
+    out = StepResult(loss=loss_sum, grad_norm=grad_norm, skipped=not finite)
+    moe_summary = moe.summary(mesh, loss_sum.device)
+    if moe_summary is not None:
+        out.aux_loss, out.z_loss, out.moe_layers = moe_summary
+    return out
 
 
 def _unscale_gradients(chunks, optimizer: TrainingOptimizer, scale: float) -> None:
@@ -192,9 +230,10 @@ class MoEStepStats:
             row[2] += stats["dropped_fraction"] / n_micro
             row[3:] += stats["tokens_per_expert"]
 
-    def summary(self, mesh: Mesh, device) -> dict:
+    def summary(self, mesh: Mesh, device) -> tuple[torch.Tensor, torch.Tensor, list[MoELayerStats]] | None:
+        """The step's (aux_loss, z_loss, per-layer stats) of `StepResult`; None without MoE layers."""
         if not self.layer_ids:
-            return {}
+            return None
         table = self.table
         if table is None:  # a pipeline stage without MoE layers
             table = torch.zeros(len(self.layer_ids), 3 + self.num_experts, device=device)
@@ -205,10 +244,10 @@ class MoEStepStats:
             if pooled is not None:
                 pooled = all_reduce_stats(pooled, self.scope.replica_group) / self.scope.replicas
         table = all_reduce_stats(table, mesh.pp)
-        layers = [{"layer": layer, "aux_loss": row[0], "z_loss": row[1], "dropped_fraction": row[2],
-                   "tokens_per_expert": row[3:]} for layer, row in zip(self.layer_ids, table)]
+        layers = [MoELayerStats(layer=layer, aux_loss=row[0], z_loss=row[1], dropped_fraction=row[2],
+                                tokens_per_expert=row[3:]) for layer, row in zip(self.layer_ids, table)]
         aux = table[:, 0].sum() if pooled is None else pooled
-        return {"aux_loss": aux, "z_loss": table[:, 1].sum(), "moe_layers": layers}
+        return aux, table[:, 1].sum(), layers
 
 
 @torch.no_grad()

@@ -112,6 +112,7 @@ from meshtron.training.engine import Engine, EngineConfig
 
 if TYPE_CHECKING:
     from meshtron.training.config import OptimConfig, RunConfig
+    from meshtron.training.step import StepResult
 
 EXIT_PASS, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
 LR = 1e-3
@@ -353,15 +354,16 @@ class Recorder:
             full = _trim_vocab(name, full_tensor(g, p.shards, self.mesh), self.cfg)
             self.records.append((("grad", self.step, name), None, full.float().clone()))
 
-    def record_step(self, out: dict) -> None:
-        """Loss terms, gradient norm and every full weight (and expert bias) after the update."""
+    def record_step(self, out: StepResult) -> None:
+        """Loss terms (aux and z-loss: MoE only), gradient norm and every full weight (and expert
+        bias) after the update."""
         from meshtron.mpu import zero3
 
-        for key in ("loss", "aux_loss", "z_loss"):
-            if key in out:
-                self.records.append((("loss", self.step, key), None, out[key].detach().float().reshape(1).clone()))
+        for key, value in (("loss", out.loss), ("aux_loss", out.aux_loss), ("z_loss", out.z_loss)):
+            if value is not None:
+                self.records.append((("loss", self.step, key), None, value.detach().float().reshape(1).clone()))
         self.records.append((("grad_norm", self.step, "grad_norm"), None,
-                             out["grad_norm"].detach().float().reshape(1).clone()))
+                             out.grad_norm.detach().float().reshape(1).clone()))
         finish_param_gather(self.chunks)  # ZeRO-1/2 overlapped gathers: the updated weights, not stale ones
         with zero3.gathered(self.chunks):
             for name, p in self.named_parameters():

@@ -46,7 +46,7 @@ from meshtron.training.checkpoint import (
     verify_checkpoint,
 )
 from meshtron.training.optim import build_optimizer
-from meshtron.training.step import pipeline_train_step, train_step
+from meshtron.training.step import StepResult, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
     ADAM_EPS,
     LR,
@@ -83,7 +83,7 @@ class _Run:
                                                                                      cfg.hidden_size),
                                              torch.float32, torch.device("cpu"))
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> StepResult:
         """One step on the global batch of `step`, one row per microbatch on every layout (so
         MoE statistics, per rank-microbatch, are the same in every layout)."""
         inputs, targets = global_batch(self.cfg, step, BATCH)
@@ -126,14 +126,14 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
         path = save_checkpoint(root, TrainState(step=2, consumed_samples=2 * BATCH), source.chunks, source.optimizer,
                                source.mesh, model_config=dataclasses.asdict(cfg))
         if check_continuation:
-            uninterrupted = [source.step(step)["loss"] for step in (2, 3)]  # step 4's loss depends on the moments
+            uninterrupted = [source.step(step).loss for step in (2, 3)]  # step 4's loss depends on the moments
         source.close()
         if check_continuation:
             serial = _Run(cfg, None)
             load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
             for step, want in zip((2, 3), uninterrupted):
                 assert_close(f"step {step + 1}: serial continuation vs the uninterrupted run",
-                             serial.step(step)["loss"], want, rtol=1e-6)
+                             serial.step(step).loss, want, rtol=1e-6)
             serial.close()
         for par, zero in loads:
             target = _Run(cfg, par, zero)
@@ -148,7 +148,7 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
                     raise AssertionError(f"{par}: loaded {name} differs from the serial load")
             out = target.step(2)
             ref = serial.step(2)
-            assert_close(f"{par} zero={zero}: loss after resharding", out["loss"], ref["loss"], rtol=1e-6)
+            assert_close(f"{par} zero={zero}: loss after resharding", out.loss, ref.loss, rtol=1e-6)
             compare_parameters(target.named, ref_params, target.mesh, cfg, f"{par} zero={zero}: weight after step 3")
             target.close()
             serial.close()

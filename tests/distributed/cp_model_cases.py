@@ -114,11 +114,11 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
         ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0,
                              eos_id=eos)
         for key in ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ()):
-            assert_close(f"step {step} {key}", out[key], ref_out[key])
-        for i, (a, b) in enumerate(zip(out.get("moe_layers", []), ref_out.get("moe_layers", []))):
-            assert_close(f"step {step} layer {i} tokens per expert", a["tokens_per_expert"], b["tokens_per_expert"])
-            assert_close(f"step {step} layer {i} dropped", a["dropped_fraction"] + 1, b["dropped_fraction"] + 1)
-            assert capacity is None or a["dropped_fraction"] > 0, "the capacity case must drop tokens"
+            assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
+        for i, (a, b) in enumerate(zip(out.moe_layers, ref_out.moe_layers)):
+            assert_close(f"step {step} layer {i} tokens per expert", a.tokens_per_expert, b.tokens_per_expert)
+            assert_close(f"step {step} layer {i} dropped", a.dropped_fraction + 1, b.dropped_fraction + 1)
+            assert capacity is None or a.dropped_fraction > 0, "the capacity case must drop tokens"
         # Gradients after the step, without ZeRO only: ZeRO-2/3 keep reduce-scattered shards, and
         # ZeRO-1's fused shard AdamW folds the clip coefficient into its update and writes the
         # clipped gradient back into its own shard only (mpu/adamw.py dividing_gradients), so

@@ -124,8 +124,8 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: s
                          mesh, lr=LR, max_grad_norm=1.0)
         ref_out = train_step(ref, ref_reducer, ref_optimizer, microbatches(cfg, step, 0, 1, GLOBAL_BATCH),
                              serial_mesh, lr=LR, max_grad_norm=1.0)
-        assert_close(f"step {step} loss", out["loss"], ref_out["loss"])
-        assert_close(f"step {step} grad_norm", out["grad_norm"], ref_out["grad_norm"])
+        assert_close(f"step {step} loss", out.loss, ref_out.loss)
+        assert_close(f"step {step} grad_norm", out.grad_norm, ref_out.grad_norm)
         if step == 0:
             # Gradients are post-clipping on both sides; same coefficient since norms match.
             compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from meshtron.models.gpt import build_model_chunks
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.mpu.pipeline import activation_shape
+from meshtron.training.step import StepResult
 
 ATOL = 1e-4
 VOCAB = 300  # padded to 128*tp: padding rows are exercised
@@ -221,12 +222,12 @@ def meshtron_trainer(hf, par: ParallelConfig | None = None, **overrides):
     return model, reducer, optimizer, mesh
 
 
-def meshtron_objective(out: dict, cfg) -> float:
+def meshtron_objective(out: StepResult, cfg) -> float:
     """The total objective of a `train_step` result: its `loss` is the LM loss alone and its
     `aux_loss` the unweighted aux (summed over MoE layers), so add aux_loss_coef x aux."""
-    total = out["loss"]
+    total = out.loss
     if cfg.aux_loss_coef > 0:
-        total = total + cfg.aux_loss_coef * out["aux_loss"]
+        total = total + cfg.aux_loss_coef * out.aux_loss
     return float(total)
 
 
@@ -278,9 +279,9 @@ def pooling_gap(layers: int = 2, coef: float = AUX_COEF, steps: int = 1, aux_los
         result = train_step(model, reducer, optimizer, [(inputs, targets)], mesh, lr=TRAIN_LR, max_grad_norm=0.0)
         out["total_hf"].append(hf_train_step(hf, hf_opt, [(inputs, targets)]))
         out["pooled"].append(ref.aux_loss.item() / k)
-        out["layers"].append([float(s["aux_loss"]) for s in result["moe_layers"]])
+        out["layers"].append([float(s.aux_loss) for s in result.moe_layers])
         out["lm_hf"].append(lm_hf)
-        out["lm_mt"].append(float(result["loss"]))
+        out["lm_mt"].append(float(result.loss))
         out["total_mt"].append(meshtron_objective(result, model.cfg))
     reducer.remove_hooks()
     return out

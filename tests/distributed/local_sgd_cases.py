@@ -85,7 +85,7 @@ def _run(cfg, par, *, local_steps: int | None, optimizer: str = "sgd", steps: in
                                  lr=lr, max_grad_norm=0.0)
             if local is not None:
                 local.after_step(step + 1)
-            losses.append(out["loss"].detach().clone())
+            losses.append(out.loss.detach().clone())
             weights.append(torch.cat([p.detach().reshape(-1) for _, p in named]).clone())
     reducer.remove_hooks()
     return model, torch.stack(losses), weights, sent, local

@@ -19,7 +19,7 @@ import torch
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from meshtron.training.step import pipeline_train_step, train_step
+from meshtron.training.step import StepResult, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
     LR,
     STEPS,
@@ -124,13 +124,13 @@ def count_group_limited_choices(model) -> list[int]:
     return changed
 
 
-def compare_step(step: int, out: dict, ref_out: dict) -> None:
+def compare_step(step: int, out: StepResult, ref_out: StepResult) -> None:
     """One training step's loss, gradient norm, aux and z-loss and per-layer load equal serial."""
     for key in ("loss", "grad_norm", "aux_loss", "z_loss"):
-        assert_close(f"step {step} {key}", out[key], ref_out[key])
-    for i, (a, b) in enumerate(zip(out["moe_layers"], ref_out["moe_layers"], strict=True)):
-        assert_close(f"step {step} layer {i} tokens per expert", a["tokens_per_expert"], b["tokens_per_expert"])
-        assert_close(f"step {step} layer {i} dropped", a["dropped_fraction"] + 1, b["dropped_fraction"] + 1)
+        assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
+    for i, (a, b) in enumerate(zip(out.moe_layers, ref_out.moe_layers, strict=True)):
+        assert_close(f"step {step} layer {i} tokens per expert", a.tokens_per_expert, b.tokens_per_expert)
+        assert_close(f"step {step} layer {i} dropped", a.dropped_fraction + 1, b.dropped_fraction + 1)
 
 
 def compare_expert_bias(chunks, ref) -> None:
@@ -233,8 +233,8 @@ def full_recompute_moe_matches() -> None:
             results[mode] = (out, {n: p.grad.clone() for n, p in model.named_parameters()},
                              [m.router.expert_bias.clone() for m in model.moe_layers()])
         (out_a, grads_a, bias_a), (out_b, grads_b, bias_b) = results["none"], results["full"]
-        assert_close(f"{par} {variant}: loss", out_b["loss"], out_a["loss"], rtol=1e-6)
-        assert_close(f"{par} {variant}: aux loss", out_b["aux_loss"], out_a["aux_loss"], rtol=1e-6)
+        assert_close(f"{par} {variant}: loss", out_b.loss, out_a.loss, rtol=1e-6)
+        assert_close(f"{par} {variant}: aux loss", out_b.aux_loss, out_a.aux_loss, rtol=1e-6)
         for name, grad in grads_a.items():
             assert_close(f"{par} {variant} recompute=full: gradient of {name}", grads_b[name], grad, rtol=1e-6)
         for a, b in zip(bias_a, bias_b):

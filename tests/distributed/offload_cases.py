@@ -71,7 +71,7 @@ def run(cfg, mesh, kind: str, steps: int = STEPS_OFFLOAD, micro: int = 1):
 def step_once(model, reducer, optimizer, mesh, cfg, step: int, micro: int = 1) -> float:
     out = train_step(model, reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro), mesh,
                      lr=LR, max_grad_norm=1.0)
-    return out["loss"].item()
+    return out.loss.item()
 
 
 def assert_same_weights(got_model, want_model, what: str) -> None:

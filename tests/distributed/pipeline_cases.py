@@ -114,9 +114,9 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
         ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0)
         keys = ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ())
         for key in keys:
-            assert_close(f"step {step} {key}", out[key], ref_out[key])
+            assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
         if step == 0:
-            peak = out["pipeline"].peak_live_activations
+            peak = out.pipeline.peak_live_activations
             bound = {"gpipe": MICRO_PER_RANK * vpp, "1f1b": min(pp - mesh.pp_rank, MICRO_PER_RANK)}.get(schedule)
             if bound is not None and peak != bound:
                 raise AssertionError(f"{schedule}: {peak} live activations on stage {mesh.pp_rank}, want {bound}")

@@ -94,7 +94,7 @@ def _reference(run: RunConfig, dataset: TokenDataset, workers: int, per_worker: 
                    min_lr_ratio=o.min_lr_ratio, decay=o.decay)
         out = train_step(chunks[0], reducer, optimizer, [(x[:micro], y[:micro])], mesh, lr=lr,
                          max_grad_norm=t.max_grad_norm)
-        losses.append(float(out["loss"]))
+        losses.append(float(out.loss))
     reducer.remove_hooks()
     return losses, [p.detach().clone() for p in chunks[0].parameters()]
 

@@ -18,7 +18,7 @@ from meshtron.training.checkpoint import TrainState, load_checkpoint, save_check
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import Precision
-from meshtron.training.step import train_step
+from meshtron.training.step import StepResult, train_step
 from tests.distributed.checkpoint_cases import remove_shared_tmpdir, shared_tmpdir
 from tests.distributed.dense_cases import (
     ADAM_EPS,
@@ -45,7 +45,7 @@ class _Run:
         self.reducer, self.optimizer = build_reducer_and_optimizer(o, [self.model], mesh)
         self.named = list(self.model.named_parameters())
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> StepResult:
         micro = microbatches(self.cfg, step, self.mesh.dp_rank, self.mesh.dp_size, 1)
         return train_step(self.model, self.reducer, self.optimizer, micro, self.mesh, lr=LR, max_grad_norm=1.0,
                           precision=BF16)
@@ -93,12 +93,12 @@ def _check_memory(run: _Run, zero: int) -> None:
 
 def resident_zero_stages_equal_serial() -> None:
     serial = _Run(single_process_mesh(), 0)
-    serial_norms = [serial.step(step)["grad_norm"] for step in range(STEPS)]
+    serial_norms = [serial.step(step).grad_norm for step in range(STEPS)]
     want = serial.main_weights()
     serial.close()
     for zero, offload in ((0, False), (1, False), (2, False), (3, False), (1, True)):
         run = _Run(build_mesh(ParallelConfig(), model_config("gpt2")), zero, offload=offload)
-        norms = [run.step(step)["grad_norm"] for step in range(STEPS)]
+        norms = [run.step(step).grad_norm for step in range(STEPS)]
         got = run.main_weights()
         with zero3.gathered([run.model]):  # ZeRO-3: the full bf16 weights (no-op otherwise)
             for name, p in run.named:
@@ -154,7 +154,7 @@ def resident_checkpoint_round_trip() -> None:
         path = save_checkpoint(root / "resident", TrainState(step=2), [source.model], source.optimizer, mesh,
                                model_config=cfg)
         saved = source.main_weights()
-        uninterrupted = source.step(2)["loss"]
+        uninterrupted = source.step(2).loss
         after = source.main_weights()
         source.close()
 
@@ -177,7 +177,7 @@ def resident_checkpoint_round_trip() -> None:
                         raise AssertionError(f"zero={zero} from {where.parent.name}: main weights {name} differ")
                     if not torch.equal(p.detach(), saved[name].to(torch.bfloat16)):
                         raise AssertionError(f"zero={zero} from {where.parent.name}: bf16 {name} is not the rounding")
-            loss = target.step(2)["loss"]
+            loss = target.step(2).loss
             if zero == 1 and where == path:  # same layout and state: the continuation is exact
                 assert_close("resumed loss", loss, uninterrupted, rtol=0)
                 resumed = target.main_weights()

@@ -123,7 +123,7 @@ def llama_tp2_cross_entropy_broken_on_rank1() -> None:
                                      serial, lr=LR, max_grad_norm=1.0)
                 if step == 0:
                     selfcheck.agree()
-                assert_close(f"step {step} loss", out["loss"], ref_out["loss"])
+                assert_close(f"step {step} loss", out.loss, ref_out.loss)
         compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "weight after 3 steps")
         every = _all_verdicts()
         assert all(v == every[0] for v in every), f"ranks disagree: {every}"

@@ -74,8 +74,8 @@ def _run(cfg, par, zero: int, *, recompute: str = "none", precision: str = "fp32
             out = train_step(chunks[0], reducer, optimizer,
                              microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro),
                              mesh, lr=LR, max_grad_norm=1.0, precision=prec)
-        norms.append(out["grad_norm"])
-        losses.append(out["loss"])
+        norms.append(out.grad_norm)
+        losses.append(out.loss)
         if probe is not None:
             probe(chunks[0], reducer, optimizer)
     return chunks, reducer, optimizer, norms, losses
@@ -281,7 +281,7 @@ def zero3_checkpoint_roundtrip() -> None:
                         if not torch.equal(got, ref):
                             raise AssertionError(f"{what}: {key} of {name} differs after the load")
             got = _continue(dst, dst_reducer, dst_opt, cfg, 2)
-            assert_close(f"{what}: loss of the next step", got["loss"], want["loss"], rtol=1e-6)
+            assert_close(f"{what}: loss of the next step", got.loss, want.loss, rtol=1e-6)
             with zero3.gathered([src]), zero3.gathered([dst]):
                 for (name, a), (_, b) in zip(dst.named_parameters(), src.named_parameters()):
                     assert_close(f"{what}: {name} after the next step", a, b, rtol=1e-6)
@@ -316,7 +316,7 @@ def zero3_checkpoint_reshard() -> None:
                 if not torch.equal(trim_vocab(name, p.detach(), cfg), saved[name]):
                     raise AssertionError(f"zero=3 tp=2 -> tp=1: {name} differs after the load")
         got = _continue(dst, dst_reducer, dst_opt, cfg, 2)
-        assert_close("zero=3 tp=2 -> tp=1: loss of the next step", got["loss"], want["loss"], rtol=1e-5)
+        assert_close("zero=3 tp=2 -> tp=1: loss of the next step", got.loss, want.loss, rtol=1e-5)
         src_reducer.remove_hooks()
         dst_reducer.remove_hooks()
     finally:

@@ -64,7 +64,7 @@ def _run(cfg, par, zero: int):
         else:
             out = train_step(chunks[0], reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
                              mesh, lr=LR, max_grad_norm=1.0)
-        norms.append(out["grad_norm"])
+        norms.append(out.grad_norm)
     grad_bytes = reducer.grad_bytes()
     reducer.remove_hooks()
     return named, reducer, optimizer, norms, grad_bytes
@@ -233,7 +233,7 @@ def _overlap_run(cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: 
             else:
                 out = train_step(chunks[0], reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
                                  mesh, lr=LR, max_grad_norm=1.0, precision=precision)
-            losses.append(out["loss"])
+            losses.append(out.loss)
         if gather is not None and not gather.pending():
             raise AssertionError("no gather pending after the last update: they were not asynchronous")
         if save_to is not None:  # a reader outside forward: must wait for the gathers itself
