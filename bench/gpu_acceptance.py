@@ -159,9 +159,9 @@ def train_steps(cfg, backend: str, precision_name: str, device: torch.device, st
     """`steps` training steps of `cfg` with `backend` kernels on one GPU (same seed and data
     for every call), the LM head and loss fused or not; returns (per-step outputs,
     {name: (weight, grad)} after the last step)."""
+    from meshtron.dp.grad_reduce import DataParallelGradReducer
     from meshtron.models.config import ExecutionConfig
     from meshtron.models.gpt import init_model_chunks
-    from meshtron.mpu.grad_reduce import DataParallelGradReducer
     from meshtron.mpu.mesh import ParallelConfig, build_mesh
     from meshtron.training.optim import build_optimizer
     from meshtron.training.precision import Precision

@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 
 # The "nodes" here are torchrun agents on one host, where the flat dp buckets would be summed
-# through shared memory (mpu/grad_reduce.py); on real nodes they go through the process
+# through shared memory (dp/grad_reduce.py); on real nodes they go through the process
 # group, whose calls this bench counts. Read by mpu.shm_collectives at import.
 os.environ["MESHTRON_SHM_COLLECTIVES"] = "0"
 
-import meshtron.mpu.hierarchical as hierarchical  # noqa: E402
+import meshtron.dp.hierarchical as hierarchical  # noqa: E402
+from meshtron.dp.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
 from meshtron.models.gpt import init_model_chunks  # noqa: E402
-from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 
 

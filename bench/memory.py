@@ -38,7 +38,7 @@ Options: --model gpt2|llama|moe --layers --hidden --heads --kv-heads --ffn --voc
 --micro-batch --microbatches (per rank, per step) --tp --pp --sp --vpp --schedule --cp --cp-comm --ep --etp
 --experts --top-k --zero 0|1|2|3 --recompute none|selective|full --recompute-layers --unfused-lm-loss --dropout
 --device cpu|cuda --seed --threads --param-dtype fp32|bf16 (bf16: 16-bit resident weights,
-mpu/resident.py, built by the run's own builder under trainer.precision=bf16; "optimizer" is then
+dp/resident.py, built by the run's own builder under trainer.precision=bf16; "optimizer" is then
 the AdamW moments and "main_params" the fp32 main weights).
 """
 

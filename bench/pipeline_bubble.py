@@ -28,12 +28,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from meshtron.dp.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.models.config import GPTConfig  # noqa: E402
 from meshtron.models.gpt import init_model_chunks  # noqa: E402
-from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape  # noqa: E402
-from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace  # noqa: E402
+from meshtron.pipeline.executor import PipelineExecutor, activation_shape  # noqa: E402
+from meshtron.pipeline.trace import measured_bubble, theoretical_bubble, write_trace  # noqa: E402
 from meshtron.training.optim import build_optimizer  # noqa: E402
 from meshtron.training.step import pipeline_train_step  # noqa: E402
 

@@ -14,7 +14,7 @@ every microbatch and by recomputation; the scope drops the copies when it closes
 optimizer changes the weights. Outside a scope every call casts afresh (always correct,
 never stale). The copies hold 2 bytes per weight element of the layers that use these
 kernels, for the length of the step. With 16-bit resident weights (`optim.param_dtype=bf16`,
-mpu/resident.py) the weights already have the compute dtype: no copy is made or cached, and
+dp/resident.py) the weights already have the compute dtype: no copy is made or cached, and
 their gradients are bf16 (autograd's rule), accumulated into fp32 `main_grad`s by the reducer.
 """
 

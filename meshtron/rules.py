@@ -32,7 +32,7 @@ def precision_check(precision: str) -> Check:
 
 
 def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1) -> list[Check]:
-    """`optim.param_dtype=bf16` (16-bit resident weights, mpu/resident.py) needs bf16 compute and
+    """`optim.param_dtype=bf16` (16-bit resident weights, dp/resident.py) needs bf16 compute and
     is not built for pipeline parallelism yet. (`zero` is kept for rules to come: every stage works.)"""
     if param_dtype == "fp32":
         return []

@@ -8,16 +8,31 @@ planner, the verifier and the run checks call `check_model_fits`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError, expert_shard_checks
 from meshtron.rules import Check, raise_first
 
-if TYPE_CHECKING:
-    from meshtron.models.config import GPTConfig
+
+class ModelShape(Protocol):
+    """What these rules read of a model config (models/config.py's GPTConfig, which imports
+    this module: typed here by the fields, not by the class)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    seq_len: int
+    num_experts: int
+    moe_ffn_hidden_size: int
+    shared_experts: int
+    aux_loss_layers: str
+
+    @property
+    def attention_dropout_p(self) -> float: ...
 
 
-def tensor_shard_checks(cfg: GPTConfig, tp: int) -> list[Check]:
+def tensor_shard_checks(cfg: ModelShape, tp: int) -> list[Check]:
     """How the dense layers split over tp: attention heads, KV heads and the MLP's ffn dim."""
     return [
         (cfg.num_heads % tp == 0, f"tp={tp} does not divide num_heads={cfg.num_heads}; choose parallel.tp dividing it"),
@@ -28,7 +43,7 @@ def tensor_shard_checks(cfg: GPTConfig, tp: int) -> list[Check]:
     ]
 
 
-def context_parallel_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
+def context_parallel_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
     """How a sequence splits over cp (x tp under SP): 2*cp load-balanced chunks (each cut into
     tp pieces under SP), heads for the all-to-all, and what context-parallel attention does
     not offer (attention dropout)."""
@@ -52,7 +67,7 @@ def context_parallel_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
     ]
 
 
-def pipeline_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
+def pipeline_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
     """How the layers split into pp x vpp virtual stages (evenly, or as parallel.stage_layers lists)."""
     stages = par.pp * par.vpp
     if par.stage_layers is not None:
@@ -67,7 +82,7 @@ def pipeline_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
     ]
 
 
-def expert_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
+def expert_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
     """How the MoE layers split over ep, etp and pp (a non-MoE model takes ep = etp = 1)."""
     if not cfg.num_experts:
         return [(par.ep == 1 and par.etp == 1,
@@ -81,7 +96,7 @@ def expert_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
     ]
 
 
-def layout_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
+def layout_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
     """Every rule the resolved layout `par` must meet to split `cfg`, in the order reported."""
     return [
         *tensor_shard_checks(cfg, par.tp),
@@ -94,6 +109,6 @@ def layout_checks(par: ParallelConfig, cfg: GPTConfig) -> list[Check]:
     ]
 
 
-def check_model_fits(par: ParallelConfig, cfg: GPTConfig) -> None:
+def check_model_fits(par: ParallelConfig, cfg: ModelShape) -> None:
     """Raise ParallelConfigError (the first rule broken) when `par` cannot split `cfg`."""
     raise_first(layout_checks(par, cfg), ParallelConfigError)

@@ -14,8 +14,9 @@
     row_parallel_linear     fwd: linear + all-reduce (SP: reduce-scatter) in place   bwd: identity
                             (SP: all-gather) + linear
 
-and the non-differentiable collectives that code outside mpu/ calls instead of
-torch.distributed's (tests/test_module_boundaries.py checks that it does):
+and the non-differentiable collectives that code outside mpu/ (and the pipeline/ and dp/
+folders above it) calls instead of torch.distributed's (tests/test_module_boundaries.py
+checks that it does):
 
     all_reduce_stats, all_gather_stats, all_to_all_stats   statistics (returns new tensors)
     all_gather_into, reduce_scatter_into                   into preallocated flat buffers

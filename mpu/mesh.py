@@ -37,9 +37,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshtron.mpu.pipeline_schedules import SCHEDULES
 from meshtron.rules import Check, raise_first
 from meshtron.schema import Allowed, field_checks, setting
+
+# The pipeline schedules `parallel.schedule` may name (meshtron.pipeline.schedules builds them;
+# the names live here so the config's check needs nothing above mpu).
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class ParallelConfigError(ValueError):
@@ -66,7 +69,7 @@ class ParallelConfig:
     vpp: int = setting(1, ge=1, help="virtual pipeline stages per rank (with schedule=interleaved)")
     schedule: str = setting("1f1b", choices=SCHEDULES, help="gpipe | 1f1b | interleaved (with vpp > 1)")
     # "dp" gradient buckets: reduce-scatter in a node, all-reduce across nodes, all-gather
-    # (mpu/hierarchical.py); auto = when the dp x cp groups span nodes with > 1 rank on each
+    # (dp/hierarchical.py); auto = when the dp x cp groups span nodes with > 1 rank on each
     dp_hierarchical: bool | str = setting(
         "auto", choices=(True, False, "auto"),
         help="true = dp gradient all-reduce in 3 stages (reduce-scatter in a node, all-reduce across nodes, "

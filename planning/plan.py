@@ -19,7 +19,7 @@ plan a 64-GPU layout).
   transient buffers alive at the step's peak (the
   logits the step holds, the cross-entropy's gradient, a recomputed layer, the backward's
   working set), combined over the microbatches the pipeline schedule keeps in flight by
-  replaying this rank's action list (`mpu.pipeline_schedules.build_schedule`).
+  replaying this rank's action list (`pipeline.schedules.build_schedule`).
 * FLOPs: `planning.flops.model_flops_per_token` (forward + backward matmuls, the figure MFU is
   computed from) times the tokens of one global step; a rank's share is that divided evenly by
   the world size.
@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
+from meshtron.dp.grad_reduce import bucket_layout, grad_group
+from meshtron.dp.zero3 import unit_of
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.fits import check_model_fits
 from meshtron.mpu.attention_blocks import TILE_SCORE_BYTES
-from meshtron.mpu.grad_reduce import bucket_layout, grad_group
 from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
-from meshtron.mpu.pipeline_schedules import build_schedule
-from meshtron.mpu.zero3 import unit_of
+from meshtron.pipeline.schedules import build_schedule
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 from meshtron.rules import PRECISIONS, batch_checks, microbatches, param_dtype_checks, precision_check, raise_first
@@ -105,14 +105,14 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
 
     Returns unique-parameter counts (a tied embedding counted once):
     * "total", split into "tp_sharded" (`tp_shard_dim` set) and "replicated" (over TP);
-    * by gradient-reduction (and ZeRO) replica group, as `mpu.grad_reduce` buckets them:
+    * by gradient-reduction (and ZeRO) replica group, as `dp.grad_reduce` buckets them:
       "group_dp" (dense), "group_tp_dp" (sequence-parallel replicated: norms, row-parallel
       biases and positions under SP, MoE routers at tp > 1), "group_edp"
       (experts);
     * "matmul": parameters autocast copies to 16 bits (see `_matmul_param_ids`);
     * "largest": elements of the largest parameter tensor;
     * "buckets": (replica group, elements) of each gradient bucket, laid out by
-      `mpu.grad_reduce.bucket_layout` (the reducer's own function);
+      `dp.grad_reduce.bucket_layout` (the reducer's own function);
     * "zero3_gathered": ZeRO-3's most bytes of full parameters gathered at once beyond the
       shards (`zero3_gathered_bytes` of the rank's largest chunk);
     * "zero3_grad_buffers": ZeRO-3's most bytes of full gradient buffers at once
@@ -195,7 +195,7 @@ def zero3_grad_buffer_bytes(model, replicas: dict[str, int], tied_apart: bool = 
 
 
 def zero3_gathered_bytes(model, replicas: dict[str, int], tied_apart: bool = False) -> int:
-    """Most bytes of full parameter buffers ZeRO-3 (mpu/zero3.py) holds at once beyond the
+    """Most bytes of full parameter buffers ZeRO-3 (dp/zero3.py) holds at once beyond the
     shards: two adjacent units (the one running and the prefetched one, in forward or backward
     order: embedding, blocks, head; the head with the tied embedding), each the fp32 bytes of its
     padded buckets over more than one replica, laid out as the ZeRO-3 reducer lays them out
@@ -235,7 +235,7 @@ def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero:
     * main_params = 0: fp32 weights are the main weights (kept for the plan's schema);
     * autocast_weight_copies = 2 bytes x matmul parameters under bf16/fp16 (saved by the
       forward's matmuls until their backward), 0 for fp32.
-    * `param_dtype="bf16"` (16-bit resident weights, mpu/resident.py): weights = 2 N (bf16),
+    * `param_dtype="bf16"` (16-bit resident weights, dp/resident.py): weights = 2 N (bf16),
       main_params = 4 bytes x share (fp32 main weights, in the total; 0 on the device with
       offload, where `host` holds them), autocast_weight_copies = 0 (the weights are bf16
       already); under ZeRO-3 the bf16 shards and gathered units are half the fp32 bytes. Per

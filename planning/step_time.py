@@ -57,7 +57,7 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
 * CPU (`cores_per_node` > 0, the processes of a node share its cores): instead of the
   pipeline term and the sum above, the step is the makespan of a processor-sharing
   simulation of the schedule (`shared_core_makespan`): each stage's ranks run its action list
-  (`mpu.pipeline_schedules`, 1F1B or interleaved), a virtual stage's forward of one
+  (`pipeline.schedules`, 1F1B or interleaved), a virtual stage's forward of one
   microbatch costing its layers' forward compute and forward communication (+ a third of
   `overhead_s`, half the p2p, the embedding's or the head's share), its backward twice the
   compute plus recomputation and the backward communication, then every stage's gradient
@@ -88,7 +88,7 @@ import torch
 
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, placement
-from meshtron.mpu.pipeline_schedules import build_all_ranks
+from meshtron.pipeline.schedules import build_all_ranks
 from meshtron.planning.flops import model_flops_per_token, moe_layer_indices
 from meshtron.planning.peak import known_gpu_peak_flops
 from meshtron.schema import declared_in
@@ -341,7 +341,7 @@ def shared_core_makespan(schedule: str, pp: int, m: int, vpp: int, fwd_work: tup
     group).
 
     Stage q (pipeline rank q, `nodes[q]` = ((node, processes), ...) of its tp*cp*dp ranks, which
-    run the same tasks in lockstep) runs `mpu.pipeline_schedules.build_all_ranks(schedule, pp,
+    run the same tasks in lockstep) runs `pipeline.schedules.build_all_ranks(schedule, pp,
     m, vpp)[q]` in order, then a `tail` (gradient reduction and optimizer). The forward of
     microbatch j through virtual stage v (= chunk*pp + q) takes `fwd_work[v]` seconds of one
     core, its backward `bwd_work[v]`; F(v, j) starts after F(v-1, j), B(v, j) after B(v+1, j)

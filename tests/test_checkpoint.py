@@ -17,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
+from meshtron.dp.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (

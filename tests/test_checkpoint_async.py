@@ -17,9 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
+from meshtron.dp.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.mpu.sharded_state import _boxes, flat_range_pieces
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     WRITE_DELAY_ENV,
@@ -33,6 +32,7 @@ from meshtron.training.checkpoint import (
     verify_checkpoint,
 )
 from meshtron.training.config import ConfigError, RunConfig
+from meshtron.training.sharded_state import _boxes, flat_range_pieces
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, model_config
 from tests.test_checkpoint import _FillingDisk, _step, _trained
 from tests.test_resume_cli import COMMON, _losses, _start, _wait_for, reference  # noqa: F401 (fixture)

@@ -15,8 +15,8 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 CHECKED = [README, *DOCS, ROOT / "bench" / "README.md"]  # links, paths and config keys checked in these
 
-TOP_FOLDERS = ("mpu", "moe", "models", "kernels", "training", "textdata", "observability", "planning",
-               "configs", "bench", "tests", "docs", "meshtron", "hydra_plugins", "examples")
+TOP_FOLDERS = ("mpu", "pipeline", "dp", "moe", "models", "kernels", "training", "textdata", "observability",
+               "planning", "configs", "bench", "tests", "docs", "meshtron", "hydra_plugins", "examples")
 TOP_FILES = ("train.py", "README.md", "pyproject.toml")
 SECTIONS = ("trainer", "parallel", "model", "optim", "checkpoint", "kernels", "data")
 FILE_SUFFIXES = {"py", "yaml", "yml", "md", "json", "jsonl", "bin", "sh", "txt", "toml", "log", "png"}

@@ -109,7 +109,7 @@ def test_optimizer_factory_and_adjust_model_replace_the_defaults():
     seen = []
 
     def factory(chunks, mesh):
-        from meshtron.mpu.grad_reduce import DataParallelGradReducer
+        from meshtron.dp.grad_reduce import DataParallelGradReducer
         from meshtron.training.optim import build_optimizer
 
         seen.append("factory")

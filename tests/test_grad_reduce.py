@@ -1,4 +1,4 @@
-"""DataParallelGradReducer's first touch (mpu/grad_reduce.py) in one process: zero_grad() leaves
+"""DataParallelGradReducer's first touch (dp/grad_reduce.py) in one process: zero_grad() leaves
 the buffers as they are, the step's first gradient of each parameter is copied into its
 bucket slice, later microbatches accumulate there, and finish() zeroes the slices of
 parameters that got no gradient. The multi-process reductions are proven in
@@ -7,7 +7,7 @@ tests/distributed (mpu_cases, zero_cases, offload_cases)."""
 import torch
 from torch import nn
 
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import single_process_mesh
 
 

@@ -264,7 +264,7 @@ def test_mixtral_router_fields_round_trip(output_router_logits, tmp_path):
     router_aux_loss_coef and output_router_logits (False with a nonzero coefficient too)."""
     from omegaconf import OmegaConf
 
-    from meshtron.mpu.grad_reduce import DataParallelGradReducer
+    from meshtron.dp.grad_reduce import DataParallelGradReducer
     from meshtron.training.optim import build_optimizer
     from meshtron.training.step import train_step
     hf = hf_model("mixtral", output_router_logits=output_router_logits, router_aux_loss_coef=0.02)

@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce of the dp gradient buckets (mpu/hierarchical.py,
+"""Hierarchical all-reduce of the dp gradient buckets (dp/hierarchical.py,
 parallel.dp_hierarchical): when it is selected, its groups, equality with the flat all-reduce
 (tests/distributed/local_sgd_cases.py: hierarchical_equals_flat, 4 ranks as 2 nodes of 2), and
 the bytes crossing nodes counted by bench/hierarchical_allreduce.py in a two-agent localhost
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.mpu.hierarchical import hierarchy_shape, replica_rank_lists, resolve_hierarchical, split_by_node
+from meshtron.dp.hierarchical import hierarchy_shape, replica_rank_lists, resolve_hierarchical, split_by_node
 from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.run_checks import check_run_config

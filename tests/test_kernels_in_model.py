@@ -11,9 +11,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in th
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from meshtron.dp.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from meshtron.models.gpt import GPT  # noqa: E402
-from meshtron.mpu.grad_reduce import DataParallelGradReducer  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
 from meshtron.mpu.mesh import single_process_mesh  # noqa: E402
 from meshtron.training.optim import build_optimizer  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
-from meshtron.mpu.pipeline_schedules import build_schedule, max_in_flight
+from meshtron.pipeline.schedules import build_schedule, max_in_flight
 from meshtron.planning.activations import saved_activation_bytes
 from meshtron.planning.plan import chunk_activations, plan_all_ranks, plan_rank
 from tests.test_plan import BATCH, gpt2_tiny

@@ -129,9 +129,9 @@ def _train(compile_moe: bool, steps: int = 2):
     layer compiled or not; returns the per-step outputs, the weights and the routers' loads."""
     from torch._dynamo.utils import counters  # imported here: importing dynamo at collection imports
 
+    from meshtron.dp.grad_reduce import DataParallelGradReducer
     from meshtron.models.config import ExecutionConfig
     from meshtron.models.gpt import init_model_chunks
-    from meshtron.mpu.grad_reduce import DataParallelGradReducer
     from meshtron.training.optim import build_optimizer
     from meshtron.training.precision import Precision
     from meshtron.training.step import train_step

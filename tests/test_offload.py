@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from meshtron.dp.offload import OffloadedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.mpu.offload import OffloadedAdamW
 from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from meshtron.training.step import train_step
 from tests.distributed.dense_cases import ADAM_EPS, LR, assert_close, build, microbatches, model_config

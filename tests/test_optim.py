@@ -1,11 +1,11 @@
-"""training.optim / mpu.adamw: weight-decay groups and torch's fused AdamW where it applies."""
+"""training.optim / dp.adamw: weight-decay groups and torch's fused AdamW where it applies."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from meshtron.mpu.adamw import adamw, fused_supported
+from meshtron.dp.adamw import adamw, fused_supported
 from meshtron.training.optim import build_optimizer
 
 
@@ -46,7 +46,7 @@ def test_fused_supported():
 def _clip_then_step(fused: bool, max_norm: float, steps: int = 3):
     """Weights, the gradients after each step, and the norms of `steps` clipped updates of a
     tiny model through the TrainingOptimizer interface (`clip_grad_norm`, `update`)."""
-    from meshtron.mpu.adamw import ReplicatedAdamW
+    from meshtron.dp.adamw import ReplicatedAdamW
     from meshtron.mpu.mesh import single_process_mesh
 
     torch.manual_seed(0)

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from meshtron.dp.adamw import ReplicatedAdamW, TrainingOptimizer
+from meshtron.dp.distributed_optimizer import ShardedAdamW
+from meshtron.dp.offload import OffloadedAdamW
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.adamw import ReplicatedAdamW, TrainingOptimizer
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.mpu.offload import OffloadedAdamW
 from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_reducer_and_optimizer

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from meshtron.mpu.param_gather import Span
-from meshtron.mpu.pipeline_trace import write_trace
+from meshtron.dp.param_gather import Span
+from meshtron.pipeline.trace import write_trace
 from tests.test_train_cli import TORCHRUN, metrics, run
 
 

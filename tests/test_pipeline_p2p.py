@@ -1,6 +1,6 @@
 """Pipeline point-to-point messages pair up without tags (NCCL semantics) and never deadlock.
 
-The tag-blind matcher (`mpu.pipeline_p2p.check_plan`) pairs the k-th send on each directed
+The tag-blind matcher (`pipeline.p2p.check_plan`) pairs the k-th send on each directed
 channel with the k-th receive on it by position alone, demands that both carry the same
 message (kind, microbatch, virtual stages), and replays every rank's batches with blocking
 sends and receives. It runs over
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.mpu.mesh import collective_device
-from meshtron.mpu.pipeline import PipelineExecutor
-from meshtron.mpu.pipeline_p2p import (
+from meshtron.pipeline.executor import PipelineExecutor
+from meshtron.pipeline.p2p import (
     ACTIVATION,
     GRADIENT,
     Batch,
@@ -40,7 +40,7 @@ from meshtron.mpu.pipeline_p2p import (
     produced_message,
     replay_tag_blind,
 )
-from meshtron.mpu.pipeline_schedules import build_all_ranks
+from meshtron.pipeline.schedules import build_all_ranks
 
 
 def accepted_schedules(max_pp: int = 8, max_vpp: int = 4, max_m: int = 16, ms=None):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshtron.mpu.pipeline_schedules import Action, build_schedule, max_in_flight
-from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble
+from meshtron.pipeline.schedules import Action, build_schedule, max_in_flight
+from meshtron.pipeline.trace import measured_bubble, theoretical_bubble
 
 
 def simulate(name: str, pp: int, m: int, v: int = 1) -> int:
@@ -85,7 +85,7 @@ def test_bad_schedules_are_rejected():
 
 
 def test_measured_bubble_of_a_timeline():
-    from meshtron.mpu.pipeline import TimelineEvent
+    from meshtron.pipeline.executor import TimelineEvent
     events = [TimelineEvent("recv_F", 0, 0, 0.0, 1.0), TimelineEvent("F", 0, 0, 1.0, 2.0),
               TimelineEvent("B", 0, 0, 3.0, 5.0)]
     assert measured_bubble(events) == pytest.approx(1 - 3 / 5)

@@ -1,4 +1,4 @@
-"""16-bit resident weights (optim.param_dtype=bf16, mpu/resident.py): training loss against
+"""16-bit resident weights (optim.param_dtype=bf16, dp/resident.py): training loss against
 bf16 autocast over fp32 weights, config refusals, the planner's bytes per parameter, and the
 2-rank cases (ZeRO stages equal one process, memory, checkpoints: tests/distributed/resident_cases.py)."""
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.config import GPTConfig
 from meshtron.models.gpt import GPT
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.init import initialize_parameters
 from meshtron.mpu.mesh import single_process_mesh
 from meshtron.training.optim import build_optimizer

@@ -223,7 +223,7 @@ def test_gradient_reducer_labels_its_bucket_waits(monkeypatch):
     import torch
     from torch import nn
 
-    from meshtron.mpu import grad_reduce
+    from meshtron.dp import grad_reduce
     from meshtron.mpu.mesh import single_process_mesh
 
     labels = []

@@ -5,7 +5,7 @@ A checkpoint is a folder `<checkpoint.dir>/step_<8 digits>/` holding DCP files (
 rank plus `.metadata`, written by `torch.distributed.checkpoint`) and `meshtron.json`, the
 manifest (format, step, data position, counters, the model config and the layout it was
 saved under, and every file's size and CRC32). Every tensor is stored under its global,
-layout-free shape (see `mpu.sharded_state`), so a checkpoint loads under any
+layout-free shape (see `training.sharded_state`), so a checkpoint loads under any
 tp/pp/ep/etp/dp/zero.
 
 What is saved: model parameters and persistent buffers (e.g. the MoE routers' expert bias),
@@ -13,7 +13,7 @@ AdamW moments per parameter and the step count, the per-rank RNG states (restore
 the same world size and layout; others reseed), and the loop counters in `TrainState`. The
 learning rate is a pure function of the step and the config. ZeRO-1/2 (and offloaded)
 moments are saved without gathering: each rank writes its shard of every bucket as the boxes
-of the global moment tensors it covers (`mpu.sharded_state.flat_range_pieces`), under the same
+of the global moment tensors it covers (`training.sharded_state.flat_range_pieces`), under the same
 names and global shapes as unsharded moments, so the optimizer layout does not matter either:
 a load reads each rank's local moments from whichever boxes overlap them.
 
@@ -95,13 +95,14 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from meshtron.mpu import zero3
-from meshtron.mpu.adamw import TrainingOptimizer
+from meshtron.dp import zero3
+from meshtron.dp.adamw import TrainingOptimizer
+from meshtron.dp.param_gather import finish_param_gather
 from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
 from meshtron.mpu.mesh import group_rank, single_process_mesh
-from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.mpu.random import get_rng_tracker
-from meshtron.mpu.sharded_state import (
+from meshtron.training.distributed import launcher_env
+from meshtron.training.sharded_state import (
     ShardLoadPlanner,
     ShardPiece,
     ShardSavePlanner,
@@ -109,7 +110,6 @@ from meshtron.mpu.sharded_state import (
     global_shape,
     shard_piece,
 )
-from meshtron.training.distributed import launcher_env
 
 FORMAT = "meshtron-checkpoint"
 VERSION = 2  # 2: files carry {"bytes", "crc32"}; 1: sizes only (still read)
@@ -203,7 +203,7 @@ def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh,
 
     Saving: an optimizer with `moment_shards` (ZeRO-1/2, offload) gives this rank's slice of
     every parameter's moments, saved as the boxes of the global tensor it covers
-    (`mpu.sharded_state.flat_range_pieces`): nothing is gathered, each rank writes its shards.
+    (`training.sharded_state.flat_range_pieces`): nothing is gathered, each rank writes its shards.
     Others (replicated AdamW) give full per-parameter moments (`param_moments`). For loading,
     fresh zero tensors shaped like the local parameters are returned (filled by DCP from
     whichever boxes were saved, then installed with `load_param_moments`). Also returns the
@@ -211,7 +211,7 @@ def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh,
     keys = ("exp_avg", "exp_avg_sq")
     if for_load:  # an offloaded optimizer keeps its moments on the host: read them there
         device = "cpu" if optimizer.offloaded else None
-        # fp32 even for bf16 resident parameters (mpu/resident.py): moments are fp32 state
+        # fp32 even for bf16 resident parameters (dp/resident.py): moments are fp32 state
         moments = {p: (torch.zeros_like(p, device=device, dtype=torch.float32),
                        torch.zeros_like(p, device=device, dtype=torch.float32)) for _, p in _own_parameters(chunks)}
         step = 0.0
@@ -385,7 +385,7 @@ def _on_main_agreed(action, what: str, group="world") -> None:
 
 
 def main_weight_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh) -> dict:
-    """16-bit resident weights (mpu/resident.py): `model/<name>` -> this rank's pieces of the fp32
+    """16-bit resident weights (dp/resident.py): `model/<name>` -> this rank's pieces of the fp32
     main weights, replacing the bf16 parameters, so the checkpoint holds what an fp32 run
     saves. Empty for other optimizers. No communication."""
     if not hasattr(optimizer, "main_weight_shards"):

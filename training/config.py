@@ -80,18 +80,18 @@ class OptimConfig:
     decay: str = setting("cosine", choices=DECAY_STYLES, help="cosine | linear | constant: the decay after warm-up")
     zero: int = setting(0, choices=(0, 1, 2, 3),
                         help="0 = replicated AdamW; 1 = ZeRO-1: AdamW state sharded over the replicas (dp; edp for "
-                             "experts); 2 = also gradients; 3 = also parameters, gathered per layer (mpu/zero3.py)")
+                             "experts); 2 = also gradients; 3 = also parameters, gathered per layer (dp/zero3.py)")
     offload: bool = setting(False, help="true = AdamW state and fp32 main weights in CPU memory, update on the CPU")
     grad_comm_dtype: str = setting(
         "fp32", choices=("fp32", "bf16"),
         help="bf16 = gradients reduced over dp in bf16 (compression), accumulated in fp32")
-    # mpu/param_gather.py
+    # dp/param_gather.py
     overlap_param_gather: bool = setting(
         True, help="ZeRO-1/2: parameter all-gathers run during the next forward, each bucket waited for by the "
                    "first layer reading it (false = blocking after the step)")
     bucket_mb: float = setting(
         25.0, gt=0, help="gradient bucket size (MiB of fp32): the unit of dp reduction and of ZeRO parameter gathers")
-    # bf16 resident weights: mpu/resident.py
+    # bf16 resident weights: dp/resident.py
     param_dtype: str = setting(
         "fp32", choices=("fp32", "bf16"),
         help="bf16 = 16-bit resident weights (needs trainer.precision=bf16): fp32 main weights only in the optimizer")

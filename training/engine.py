@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshtron.dp import zero3
+from meshtron.dp.adamw import TrainingOptimizer
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.param_gather import finish_param_gather
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu import zero3
-from meshtron.mpu.adamw import TrainingOptimizer
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats, world_group
 from meshtron.mpu.mesh import Mesh, ParallelConfig, build_mesh
-from meshtron.mpu.param_gather import finish_param_gather
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.pipeline.executor import PipelineExecutor, activation_shape
 from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_reducer_and_optimizer
@@ -97,7 +97,7 @@ class Engine:
         `optimizer_factory` replaces the `config.optim` reducer and optimizer
         (training/optim.py); `adjust_model` sees the chunks before the reducer takes their
         parameters (the verifier's fault injection); `overlap_param_gather` leaves ZeRO-1/2
-        parameter all-gathers in flight after each update (mpu/param_gather.py)."""
+        parameter all-gathers in flight after each update (dp/param_gather.py)."""
         device = torch.device(device)
         mesh = layout if isinstance(layout, Mesh) else build_mesh(layout, config.model, device_type=device.type,
                                                                   ranks_per_node=ranks_per_node)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.mesh import Mesh, collective_device, group_size
 

@@ -22,10 +22,10 @@ from meshtron.kernels.backend import CHECKED, resolve_backend
 from meshtron.kernels.tf32 import set_tf32_mode
 from meshtron.models.config import ExecutionConfig
 from meshtron.mpu.mappings import gather_object, world_group
-from meshtron.mpu.pipeline_trace import measured_bubble, theoretical_bubble, write_trace
 from meshtron.observability.memory import peak_memory_per_rank
 from meshtron.observability.metrics import ProgressBar
 from meshtron.observability.watchdog import StepWatchdog, is_collective_failure, mesh_coords
+from meshtron.pipeline.trace import measured_bubble, theoretical_bubble, write_trace
 from meshtron.planning.flops import model_flops_per_token
 from meshtron.planning.peak import peak_flops
 from meshtron.textdata.data import TokenDataset, build_dataset, document_end_id

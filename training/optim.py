@@ -1,20 +1,20 @@
 """The run's gradient reducer and optimizer from its `optim` config: replicated AdamW,
-ZeRO-1/2/3 (`ShardedAdamW`, with `mpu.zero3` for 3) or CPU-offloaded AdamW (`OffloadedAdamW`), every one a
-`TrainingOptimizer` (mpu/adamw.py), with decoupled weight decay on matrices only."""
+ZeRO-1/2/3 (`ShardedAdamW`, with `dp.zero3` for 3) or CPU-offloaded AdamW (`OffloadedAdamW`), every one a
+`TrainingOptimizer` (dp/adamw.py), with decoupled weight decay on matrices only."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from meshtron.dp import zero3
+from meshtron.dp.adamw import ReplicatedAdamW, TrainingOptimizer, adamw
+from meshtron.dp.distributed_optimizer import ShardedAdamW
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.offload import OffloadedAdamW
+from meshtron.dp.resident import ResidentAdamW
 from meshtron.kernels.operands import forget_weight_copies
-from meshtron.mpu import zero3
-from meshtron.mpu.adamw import ReplicatedAdamW, TrainingOptimizer, adamw
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import Mesh
-from meshtron.mpu.offload import OffloadedAdamW
-from meshtron.mpu.resident import ResidentAdamW
 from meshtron.training.config import OptimConfig
 from meshtron.training.local_sgd import LocalGradReducer, local_sgd_enabled
 
@@ -24,7 +24,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(
     """AdamW over `model`'s trainable parameters; weight decay applies to parameters with ndim >= 2.
 
     The update is element-wise, so it gives the same result on any shard of a parameter
-    (torch's fused kernel where it applies: mpu/adamw.py).
+    (torch's fused kernel where it applies: dp/adamw.py).
     """
     decay, no_decay = [], []
     for p in model.parameters():
@@ -43,8 +43,8 @@ def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
     in bf16 with `o.grad_comm_dtype == "bf16"`) and the optimizer `o` asks for:
     `OffloadedAdamW` with `o.offload` (at ZeRO stage `o.zero`), else `ShardedAdamW` with
     `o.zero` 1, 2 or 3 (3: the parameters are sharded too and gathered per unit by
-    `mpu.zero3.Zero3`, which this installs on the model), else the replicated AdamW of
-    `build_optimizer`. `o.param_dtype == "bf16"`: `ResidentAdamW` (mpu/resident.py), which casts
+    `dp.zero3.Zero3`, which this installs on the model), else the replicated AdamW of
+    `build_optimizer`. `o.param_dtype == "bf16"`: `ResidentAdamW` (dp/resident.py), which casts
     the parameters to bf16 and keeps fp32 main weights for this rank's shard (on the host with
     `o.offload`); the reducer then accumulates into fp32 `main_grad`s."""
     resident = o.param_dtype == "bf16"

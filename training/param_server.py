@@ -14,14 +14,14 @@ Shards. Each worker rank keeps its local parameters (its tp/ep shard) as one fla
 vector in a fixed order: weight-decayed parameters (ndim >= 2) first, then the rest.
 Worker rank (w, t) exchanges only its own vector with the servers: server s holds the s-th
 of S contiguous, nearly equal ranges of tp position t's vector for every t, with the AdamW
-moments of that range (torch's AdamW, `mpu.adamw.adamw`, over the decayed and non-decayed
+moments of that range (torch's AdamW, `dp.adamw.adamw`, over the decayed and non-decayed
 pieces of the range: the update is element-wise, so it equals the replicated AdamW).
 
 Messages (per step, worker rank -> every server, then back): a float64 header (kind, step,
 parameter version the gradient was computed on, token count, loss, finite flag, the worker's
 gradient norm) and the fp32 gradient range; the reply is a header (version, grad norm, loss,
 staleness statistics, the server's state bytes, start step) and the parameter range. Servers
-receive headers from any source (mpu/param_server_comm.py), so they serve pushes in arrival order.
+receive headers from any source (dp/param_server_comm.py), so they serve pushes in arrival order.
 
 Synchronisation. Each worker normalises its loss by the token count N of the step's whole
 global batch, which it counts from the data itself (`_global_tokens`), and averages MoE aux
@@ -76,14 +76,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.dp.adamw import TrainingOptimizer, adamw
+from meshtron.dp.grad_norm import global_grad_norm, scale_to_max_norm
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.param_server_comm import PSChannel
 from meshtron.errors import ConfigError
-from meshtron.mpu.adamw import TrainingOptimizer, adamw
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
-from meshtron.mpu.grad_norm import global_grad_norm, scale_to_max_norm
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, dim_groups
-from meshtron.mpu.param_server_comm import PSChannel
 from meshtron.training.run_checks import check_run_config
 
 HEADER = 12
@@ -203,7 +203,7 @@ class FlatLayout:
     """A worker rank's local parameters as one flat vector: `params` in vector order
     (weight-decayed first), the decayed prefix length `boundary`, and `counted`: whether each
     parameter's squares enter the global gradient norm from this rank (tp-replicated ones only
-    on tp rank 0, expert shards only on edp rank 0: mpu/grad_norm.py counts them once)."""
+    on tp rank 0, expert shards only on edp rank 0: dp/grad_norm.py counts them once)."""
 
     params: list[nn.Parameter]
     boundary: int
@@ -467,7 +467,7 @@ class ParameterServer:
         return all_reduce_stats(sq, self.group).sqrt()
 
     def _update(self, grads: list[torch.Tensor], norm: torch.Tensor, finite: bool, lr: float) -> None:
-        """Clip `grads` to trainer.max_grad_norm by `norm` (as mpu/grad_norm.py), then one
+        """Clip `grads` to trainer.max_grad_norm by `norm` (as dp/grad_norm.py), then one
         AdamW step of the shards at `lr`; nothing when the step is not finite."""
         finite = finite and bool(torch.isfinite(norm))
         self.last_norm = float(norm)
@@ -639,7 +639,7 @@ class ParameterServerClient(TrainingOptimizer):
         """Nothing: the exchange with the servers happens in `exchange`, after the step's loss is known."""
 
     def clip_grad_norm(self, chunks, max_norm: float, mesh: Mesh) -> torch.Tensor:
-        """The worker's own global gradient norm (mpu/grad_norm.py over its tp/ep groups), not clipped."""
+        """The worker's own global gradient norm (dp/grad_norm.py over its tp/ep groups), not clipped."""
         self.local_norm = global_grad_norm(self.layout.params, mesh)
         return self.local_norm
 

@@ -8,7 +8,7 @@ stay fp32. The cost is a 16-bit copy of each weight used in a matmul, held by au
 the forward runs; the saving is in activations and matmul time (tensor cores on GPUs).
 
 `optim.param_dtype=bf16` (only with bf16) makes the weights themselves bf16 and keeps the fp32
-main weights in the optimizer (16-bit resident weights, mpu/resident.py): autocast then has
+main weights in the optimizer (16-bit resident weights, dp/resident.py): autocast then has
 no weight copies to make, gradients are still accumulated and reduced in fp32.
 
 fp16 has a narrow exponent range, so its gradients are computed on a scaled loss

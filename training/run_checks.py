@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshtron.dp.hierarchical import resolve_hierarchical
 from meshtron.errors import ConfigError
 from meshtron.models.fits import check_model_fits
-from meshtron.mpu.hierarchical import resolve_hierarchical
 from meshtron.mpu.mesh import ParallelConfigError
 from meshtron.observability.metrics import require_tensorboard
 from meshtron.rules import batch_checks, compile_moe_checks, microbatches, raise_first

@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshtron.dp.adamw import TrainingOptimizer
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.kernels.operands import weight_copy_scope
 from meshtron.moe.scope import AuxLossScope, aux_loss_scope
-from meshtron.mpu.adamw import TrainingOptimizer
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.mesh import Mesh
-from meshtron.mpu.pipeline import PipelineExecutor, PipelineResult
-from meshtron.mpu.pipeline_schedules import build_all_ranks
+from meshtron.pipeline.executor import PipelineExecutor, PipelineResult
+from meshtron.pipeline.schedules import build_all_ranks
 from meshtron.training.packing import LocalMicrobatch, local_microbatches
 from meshtron.training.precision import FP32, Precision
 

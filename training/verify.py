@@ -57,7 +57,7 @@ kernels.backend (of the parallel run).
 
 Test-only fault injection (`--inject-fault`), applied in the workers only so library code
 stays clean: `grad-group` sums the gradients of the norm weights over the stage's tp x dp
-ranks instead of their data replicas (patches `mpu.grad_reduce.grad_group`; visible at
+ranks instead of their data replicas (patches `dp.grad_reduce.grad_group`; visible at
 tp > 1 without SP), `grad-skip` leaves them unreduced over dp (visible at dp > 1; ZeRO 0/1).
 
 Context parallelism: the step takes full sequences and runs each rank's cp shard
@@ -94,6 +94,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.dp.param_gather import finish_param_gather
 from meshtron.errors import ConfigError, say_one_line
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.fits import check_model_fits
@@ -106,7 +107,6 @@ from meshtron.mpu.mesh import (
     group_size,
     single_process_mesh,
 )
-from meshtron.mpu.param_gather import finish_param_gather
 from meshtron.training.cli import compose_run
 from meshtron.training.engine import Engine, EngineConfig
 
@@ -357,7 +357,7 @@ class Recorder:
     def record_step(self, out: StepResult) -> None:
         """Loss terms (aux and z-loss: MoE only), gradient norm and every full weight (and expert
         bias) after the update."""
-        from meshtron.mpu import zero3
+        from meshtron.dp import zero3
 
         for key, value in (("loss", out.loss), ("aux_loss", out.aux_loss), ("z_loss", out.z_loss)):
             if value is not None:
@@ -472,7 +472,7 @@ def _inject_fault(fault: str, chunks) -> None:
             if _FAULT_TARGET.search(name):
                 p.verify_fault = True
     if fault == "grad-group":
-        from meshtron.mpu import grad_reduce
+        from meshtron.dp import grad_reduce
 
         correct = grad_reduce.grad_group
 

@@ -25,12 +25,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from meshtron.dp import distributed_optimizer
+from meshtron.dp.distributed_optimizer import ShardedAdamW
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu import distributed_optimizer
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.pipeline.executor import PipelineExecutor, activation_shape
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     LOCK_FILE,

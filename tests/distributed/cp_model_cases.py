@@ -121,13 +121,13 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
             assert capacity is None or a.dropped_fraction > 0, "the capacity case must drop tokens"
         # Gradients after the step, without ZeRO only: ZeRO-2/3 keep reduce-scattered shards, and
         # ZeRO-1's fused shard AdamW folds the clip coefficient into its update and writes the
-        # clipped gradient back into its own shard only (mpu/adamw.py dividing_gradients), so
+        # clipped gradient back into its own shard only (dp/adamw.py dividing_gradients), so
         # the rest of each rank's full gradients stays unclipped. The grad norm (every step) and
         # the weights after the steps cover them.
         if step == 0 and zero == 0:
             compare_parameters(named, ref_params, mesh, cfg, "grad")
     if zero == 3:
-        from meshtron.mpu import zero3
+        from meshtron.dp import zero3
         with zero3.gathered(chunks):
             compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
     else:

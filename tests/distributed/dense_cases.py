@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import GPT, init_model_chunks
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.init import full_tensor, initialize_parameters  # noqa: F401 (full_tensor: used by the case modules)
 from meshtron.mpu.mesh import Mesh, ParallelConfig, build_mesh, single_process_mesh
 from meshtron.mpu.random import seed_parallel_rng

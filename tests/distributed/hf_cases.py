@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from meshtron.models.gpt import build_model_chunks
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from meshtron.mpu.pipeline import activation_shape
+from meshtron.pipeline.executor import activation_shape
 from meshtron.training.step import StepResult
 
 ATOL = 1e-4
@@ -210,8 +210,8 @@ def meshtron_trainer(hf, par: ParallelConfig | None = None, **overrides):
     """(model, reducer, optimizer, mesh): meshtron at layout `par` (None: one process)
     holding `hf`'s current weights, with the AdamW settings of `hf_adamw`; `overrides`
     replace fields of the imported config."""
+    from meshtron.dp.grad_reduce import DataParallelGradReducer
     from meshtron.models import hf as mhf
-    from meshtron.mpu.grad_reduce import DataParallelGradReducer
     from meshtron.training.optim import build_optimizer
     cfg = dataclasses.replace(mhf.config_from_hf(hf.config, seq_len=SEQ), **overrides)
     mesh = single_process_mesh() if par is None else build_mesh(par, cfg)

@@ -1,4 +1,4 @@
-"""Local SGD / DiLoCo (training/local_sgd.py) and the hierarchical all-reduce (mpu/hierarchical.py).
+"""Local SGD / DiLoCo (training/local_sgd.py) and the hierarchical all-reduce (dp/hierarchical.py).
 
 Local SGD: H=1 with plain averaging equals data parallelism (SGD inner optimizer, no
 clipping: the equality needs an update linear in the gradient); with H=4 and AdamW every
@@ -21,13 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 import meshtron.mpu.shm_collectives as shm_mod
+from meshtron.dp.adamw import TrainingOptimizer
+from meshtron.dp.distributed_optimizer import ShardedAdamW
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.hierarchical import dp_hierarchy
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.adamw import TrainingOptimizer
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
-from meshtron.mpu.hierarchical import dp_hierarchy
 from meshtron.mpu.mesh import ParallelConfig, build_mesh
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.pipeline.executor import PipelineExecutor, activation_shape
 from meshtron.training.local_sgd import LocalGradReducer, LocalSGD
 from meshtron.training.optim import build_optimizer
 from meshtron.training.step import pipeline_train_step, train_step

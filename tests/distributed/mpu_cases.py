@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import (
     column_parallel_linear,
     copy_to_region,

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 import meshtron.training.checkpoint as checkpoint
+from meshtron.dp.distributed_optimizer import ShardedAdamW
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.offload import OffloadedAdamW
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh
-from meshtron.mpu.offload import OffloadedAdamW
 from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from meshtron.training.step import train_step
 from tests.distributed.dense_cases import ADAM_EPS, LR, SEED, build, microbatches, model_config

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.pipeline.executor import PipelineExecutor, activation_shape
 from meshtron.training.optim import build_optimizer
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mesh import ParallelConfig
 from meshtron.textdata.data import TokenDataset
 from meshtron.training.config import RunConfig

@@ -1,4 +1,4 @@
-"""16-bit resident weights (optim.param_dtype=bf16, mpu/resident.py) at dp=2: the fp32 main
+"""16-bit resident weights (optim.param_dtype=bf16, dp/resident.py) at dp=2: the fp32 main
 weights after 3 steps at zero=0/1/2 (and zero=1 offloaded) equal those of one process (zero=0) to 1e-6, the bf16
 parameters are exactly their rounding, per-rank parameter and main-weight bytes are 2 x numel
 and 4 x this rank's share; checkpoints carry the fp32 main weights (resident -> fp32 run -> resident
@@ -11,8 +11,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from meshtron.dp import zero3
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu import zero3
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size, single_process_mesh
 from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from meshtron.training.config import OptimConfig

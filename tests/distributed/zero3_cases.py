@@ -1,4 +1,4 @@
-"""ZeRO-3 (optim.zero=3, mpu/zero3.py): parameters sharded over their replica groups and
+"""ZeRO-3 (optim.zero=3, dp/zero3.py): parameters sharded over their replica groups and
 gathered per unit give the weights, AdamW moments, gradient norms and losses of replicated
 AdamW (zero=0) to 1e-6 — dense dp with two microbatches, tp x dp with and without SP, MoE
 experts over edp (ep=1 and ep=2), pipeline 1F1B (tied embedding) and interleaved, full and
@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 
+from meshtron.dp import zero3
+from meshtron.dp.grad_reduce import GRAD_GROUPS, replica_group
 from meshtron.models.config import ExecutionConfig
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu import zero3
-from meshtron.mpu.grad_reduce import GRAD_GROUPS, replica_group
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.pipeline.executor import PipelineExecutor, activation_shape
 from meshtron.planning.plan import zero3_gathered_bytes, zero3_grad_buffer_bytes
 from meshtron.training.checkpoint import (
     AsyncCheckpointer,

@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.dp import param_gather
+from meshtron.dp.distributed_optimizer import ShardedAdamW
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.param_gather import finish_param_gather
 from meshtron.models.gpt import init_model_chunks
-from meshtron.mpu import param_gather
-from meshtron.mpu.distributed_optimizer import ShardedAdamW
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, group_size
-from meshtron.mpu.param_gather import finish_param_gather
-from meshtron.mpu.pipeline import PipelineExecutor, activation_shape
+from meshtron.pipeline.executor import PipelineExecutor, activation_shape
 from meshtron.training.checkpoint import TrainState, save_checkpoint
 from meshtron.training.config import OptimConfig
 from meshtron.training.optim import build_optimizer, build_reducer_and_optimizer

@@ -15,7 +15,7 @@ so per rank only 2(N-1)/N * B/L bytes cross nodes, L x fewer (and the inter-node
 node run in parallel, one per local rank). The sum is the same as the flat one up to the order
 of the fp32 additions.
 
-Groups: for every data-replica group (`dp x cp`, `mpu.grad_reduce.replica_group(mesh, "dp")`)
+Groups: for every data-replica group (`dp x cp`, `dp.grad_reduce.replica_group(mesh, "dp")`)
 of the world, its per-node subgroups ("intra") and its same-local-index subgroups ("inter"),
 with node = rank // ranks_per_node (torchrun's placement, `mpu.mesh`). Every process creates
 every group, in the same order, as torch requires; `dp_hierarchy(mesh)` creates them once per

@@ -2,14 +2,14 @@
 activations forward and their gradients backward with point-to-point messages to the
 neighbouring pipeline stages.
 
-Which message goes when is `mpu.pipeline_p2p`'s plan, derived from every rank's action list:
+Which message goes when is `pipeline.p2p`'s plan, derived from every rank's action list:
 each directed channel between two ranks has one message order that both ends follow, so
 pairing never depends on tags (NCCL ignores them), and the sends and receives two neighbours
 exchange at one step are posted as one `batch_isend_irecv` on each side, so no rank blocks in
 a receive while its peer blocks in another. Tensor shapes are known from the config
 ([s (/tp under SP), micro_batch, h]), so there is no shape handshake. A timeline of every
 forward, backward and communication wait is kept for Chrome-trace export and bubble
-measurement (`mpu.pipeline_trace`).
+measurement (`pipeline.trace`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.mpu.mesh import Mesh, collective_device
-from meshtron.mpu.pipeline_p2p import GRADIENT, Batch, Message, RankPlan, cached_plan, needed_message, produced_message
-from meshtron.mpu.pipeline_schedules import Action
 from meshtron.mpu.waits import wait_for
+from meshtron.pipeline.p2p import GRADIENT, Batch, Message, RankPlan, cached_plan, needed_message, produced_message
+from meshtron.pipeline.schedules import Action
 
 # loss_fn(chunk, output, microbatch_index) -> scalar loss to back-propagate (already scaled)
 LossFn = Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
@@ -122,7 +122,7 @@ class PipelineExecutor:
             forward_kwargs: Sequence[dict] | None = None) -> PipelineResult:
         """Execute this rank's actions `schedules[pp_rank]` (`schedules`: every pipeline rank's
         action list, from which both ends of each channel derive one message order; see
-        `mpu.pipeline_p2p`). `inputs[m]` is microbatch m's input of virtual stage 0 (token ids;
+        `pipeline.p2p`). `inputs[m]` is microbatch m's input of virtual stage 0 (token ids;
         used only there). `before_backward(index, action)` may return a context manager wrapped
         around that backward (gradient-reduction sync). Returns the last stage's
         per-microbatch losses (detached), the timeline and the peak of live activations.

@@ -2,8 +2,8 @@
 
 An action is a forward or backward of one microbatch through one model chunk of this rank.
 Chunk c of rank r is virtual stage c * pp + r (Megatron's interleaved layout: each rank holds
-v non-contiguous chunks). The executor (`mpu.pipeline`) turns the list into compute and
-point-to-point messages (planned in `mpu.pipeline_p2p`, which derives one message order per
+v non-contiguous chunks). The executor (`pipeline.executor`) turns the list into compute and
+point-to-point messages (planned in `pipeline.p2p`, which derives one message order per
 channel from all ranks' lists and checks that the lists do not deadlock).
 
     gpipe        all forwards, then all backwards: m microbatches of activations in flight
@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from meshtron.mpu.mesh import SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The point-to-point plan of a pipeline schedule: which activation and gradient messages each
 pipeline rank sends and receives, in which order and in which batches (no communication here;
-`mpu.pipeline` posts the plan over the pipeline's ranks).
+`pipeline.executor` posts the plan over the pipeline's ranks).
 
 NCCL pairs point-to-point messages by order, not by tag (PyTorch issue 94819): between two
 ranks, the k-th send from A to B meets the k-th receive posted on B from A, whatever the tags
@@ -46,7 +46,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshtron.mpu.pipeline_schedules import Action
+from meshtron.pipeline.schedules import Action
 
 ACTIVATION, GRADIENT = "activation", "gradient"
 

@@ -3,7 +3,7 @@
 `chrome_trace` turns one rank's `TimelineEvent`s into the Trace Event Format that
 chrome://tracing and Perfetto open (one process per rank, complete "X" events in µs);
 `write_trace` writes the ranks' traces into one file, with any other recorded spans
-(`mpu.param_gather.Span`: unit forwards and ZeRO parameter all-gathers, one thread per lane)
+(`dp.param_gather.Span`: unit forwards and ZeRO parameter all-gathers, one thread per lane)
 beside them. `measured_bubble` is the idle
 fraction of a rank's span between its first and last event (waits for receives and any
 other gap count as idle); `theoretical_bubble` is (p - 1) / (m + p - 1), divided by v for the

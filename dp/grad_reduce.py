@@ -28,7 +28,7 @@ Groups:
   * expert parameters: the expert-data-parallel group `mesh.edp` (replicas of the same
     expert shard that saw different tokens).
 
-Hierarchical all-reduce (`parallel.dp_hierarchical`, mpu/hierarchical.py): with ZeRO 0/1 the
+Hierarchical all-reduce (`parallel.dp_hierarchical`, dp/hierarchical.py): with ZeRO 0/1 the
 "dp" buckets are reduce-scattered inside a node when launched; `finish()` then launches every
 bucket's all-reduce across nodes, then every all-gather inside the node (`pipeline_stages`). Local SGD (training/local_sgd.py) passes
 `replica_groups` that leave the data replicas out of every sum.
@@ -41,7 +41,7 @@ its parameters) once the reduce-scatter is done, `zero_grad()` re-creates it and
 every `p.grad` at it, so outside forward/backward a rank holds 1/replicas of the gradients.
 Buckets whose group has one member are not sharded (their shard is the whole buffer).
 
-ZeRO-3 (`unit_buffers()`, called by `mpu.zero3.Zero3`): a sharded bucket's full buffer exists
+ZeRO-3 (`unit_buffers()`, called by `dp.zero3.Zero3`): a sharded bucket's full buffer exists
 only while its unit's backward runs. `ensure_buffers` allocates it (Zero3 calls it before the
 unit's backward); once all its parameters' gradients are in, it is reduce-scattered — after
 every microbatch, not only the last — into a temporary that is added to `bucket.shard` (the
@@ -51,7 +51,7 @@ instead of the whole model's. Summing per microbatch instead of per step changes
 order of the fp32 additions. Tied-embedding buckets under pipeline parallelism keep the
 ZeRO-2 behaviour (summed over the stages first, in `finish()`).
 
-16-bit resident weights (`main_grads=True`, mpu/resident.py): torch requires a gradient's
+16-bit resident weights (`main_grads=True`, dp/resident.py): torch requires a gradient's
 dtype to equal its parameter's, so a bf16 parameter's `.grad` cannot be a view of an fp32
 bucket. Instead each parameter's `main_grad` (Megatron's name) is the fp32 view; a
 post-accumulate-grad hook on every parameter adds the bf16 `.grad` autograd produced into it
@@ -76,8 +76,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.dp.hierarchical import dp_hierarchy, pipeline_stages, resolve_hierarchical
 from meshtron.mpu import shm_collectives as shm
-from meshtron.mpu.hierarchical import dp_hierarchy, pipeline_stages, resolve_hierarchical
 from meshtron.mpu.mappings import reduce_scatter_into
 from meshtron.mpu.mesh import Mesh, group_rank, group_size
 from meshtron.mpu.waits import wait_for
@@ -150,7 +150,7 @@ def bucket_layout(named_params, replicas: dict[str, int], bucket_mb: float = 25.
     their own for tied embeddings; each class is taken in reverse registration order and a
     bucket closed once it reaches `bucket_mb` MiB of fp32. `replicas[key]` is the size of the
     group each bucket's buffer is padded to a multiple of. `unit_of(name)` (ZeRO-3: the unit of
-    parameters gathered together, mpu/zero3.py) also closes a bucket where the unit changes, so
+    parameters gathered together, dp/zero3.py) also closes a bucket where the unit changes, so
     every bucket belongs to one unit."""
     by_class: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
     for name, p in named_params:
@@ -217,7 +217,7 @@ class DataParallelGradReducer:
         groups = {key: replica_group(mesh, key) for key in GRAD_GROUPS}
         groups.update(replica_groups or {})
         replicas = {key: group_size(group) for key, group in groups.items()}
-        # parallel.dp_hierarchical: "dp" buckets all-reduced in three stages (mpu/hierarchical.py)
+        # parallel.dp_hierarchical: "dp" buckets all-reduced in three stages (dp/hierarchical.py)
         self.hierarchy = None
         if "dp" not in (replica_groups or {}) and mesh.dense_mesh is not None and resolve_hierarchical(
                 mesh.par.dp_hierarchical, mesh.par, mesh.world_size, mesh.ranks_per_node, shard_grads=shard_grads):
@@ -349,7 +349,7 @@ class DataParallelGradReducer:
             view.copy_(param.grad)
             param.grad = view
         if bucket.buffer is None and bucket.lazy:
-            raise RuntimeError("a ZeRO-3 gradient bucket has no buffer: mpu.zero3.Zero3 allocates it before its "
+            raise RuntimeError("a ZeRO-3 gradient bucket has no buffer: dp.zero3.Zero3 allocates it before its "
                                "unit's backward (is the model's Zero3 installed and its hooks in place?)")
         if bucket.buffer is None:
             raise RuntimeError("gradient buckets are freed after finish() with shard_grads=True: call "

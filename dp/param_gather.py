@@ -12,7 +12,7 @@ network works. `ParamGather` does what Megatron-Core's distributed optimizer doe
     backward);
   * a forward pre-hook on each unit of each model chunk waits (once per gather) for the
     buckets holding that unit's parameters, so the gathers of later layers' buckets run
-    while earlier layers compute. Units are those of mpu/zero3.py (`unit_of`): the embedding
+    while earlier layers compute. Units are those of dp/zero3.py (`unit_of`): the embedding
     with the learned positions (hooked on `embed`), each block, and the final norm with the
     LM head (hooked on `final_norm`; with tied embeddings it also waits for the embedding's
     buckets: on a last pipeline stage the embedding copy is read only by the head). A unit,
@@ -41,7 +41,7 @@ the wait orders the compute stream after the gather, as `work.wait()` does.
 
 Tracing (`record(True)`, used by `trainer.trace_step`): spans of every gather (launch to
 completion, from the collective's future) and of every unit's forward, with the number of
-gathers still in flight when the unit started (`Span`, written by `mpu.pipeline_trace`).
+gathers still in flight when the unit started (`Span`, written by `pipeline.trace`).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.dp.zero3 import unit_of
 from meshtron.mpu.mappings import all_gather_into, world_group
 from meshtron.mpu.mesh import group_size
 from meshtron.mpu.waits import wait_for
-from meshtron.mpu.zero3 import unit_of
 
 
 @dataclass

@@ -23,7 +23,7 @@ Design (optim.zero=3):
     unit before it) before any of the unit's backward runs; its input passes through one
     whose backward frees it once its backward is done. Gradient buffers follow the units too:
     the reducer (`unit_buffers()`) keeps a bucket's full buffer only from its unit's backward
-    until its reduce-scatter (mpu/grad_reduce.py). A callback queued on the autograd
+    until its reduce-scatter (dp/grad_reduce.py). A callback queued on the autograd
     engine frees whatever is still gathered when backward ends. The embedding's backward
     needs no weight values (only indices), so it is not gathered again.
   * Tied embeddings (GPT-2: the head multiplies by the embedding weight): the head unit
@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from meshtron.dp.buckets import cast_bucket_params, flatten_bucket_params
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
 from meshtron.mpu.waits import wait_for
@@ -106,8 +107,8 @@ class Zero3:
     buckets and gathers them per unit around forward and backward (module doc). The reducer
     must have been built with `unit_of` and `shard_grads=True`. Communicates over each
     bucket's replica group. `on_free(params)` runs when a unit's full weights are freed
-    (training passes `kernels.operands.forget_weight_copies`: mpu does not import kernels).
-    `param_dtype` (16-bit resident weights, mpu/resident.py): the buffers and shards are cast to
+    (training passes `kernels.operands.forget_weight_copies`).
+    `param_dtype` (16-bit resident weights, dp/resident.py): the buffers and shards are cast to
     it; each bucket's fp32 shard values are kept as `bucket.main_init` for the optimizer's
     main weights (which takes and drops them)."""
 
@@ -158,7 +159,6 @@ class Zero3:
         """Flatten the bucket's parameters into `bucket.param_buffer` (cast to `param_dtype`,
         the fp32 range kept as `bucket.main_init`) and keep this rank's range of it as
         `bucket.param_shard` (own storage when the group has > 1 member)."""
-        from meshtron.mpu.distributed_optimizer import cast_bucket_params, flatten_bucket_params
         flat = flatten_bucket_params(bucket)
         start, size = bucket.shard_start, bucket.shard.numel()
         if param_dtype is not None:

@@ -11,16 +11,16 @@ the updated parameters. The update is element-wise, hence identical to unsharded
 ZeRO-1 (reducer without `shard_grads`): gradients are all-reduced in full and the shard's
 gradient is a view of the bucket buffer, so the gradient norm is unchanged.
 ZeRO-2 (reducer with `shard_grads=True`): the gradient is the reducer's reduce-scattered
-`bucket.shard`; the norm is taken over the shards (`mpu.grad_norm.sharded_grad_norm`).
+`bucket.shard`; the norm is taken over the shards (`dp.grad_norm.sharded_grad_norm`).
 Either way the clipping factor goes into the shard AdamW's fused update (`scale_gradients`):
 only the shard this rank updates is scaled (at ZeRO-1 the rest of the all-reduced buffer keeps
 its unclipped values; nothing reads it before the next `zero_grad`).
-ZeRO-3 (`mpu.zero3.Zero3` built on the reducer first): the parameter shards are the buckets'
+ZeRO-3 (`dp.zero3.Zero3` built on the reducer first): the parameter shards are the buckets'
 `param_shard` tensors, updated in place and not all-gathered after the step.
 
 Overlap (`overlap_param_gather(chunks)`, optim.overlap_param_gather): the all-gathers are
 issued asynchronously, bucket by bucket in the order of first use in forward, and each is
-waited for by the first forward unit reading it (mpu/param_gather.py).
+waited for by the first forward unit reading it (dp/param_gather.py).
 """
 
 from __future__ import annotations
@@ -28,40 +28,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.mpu.adamw import TrainingOptimizer, adamw
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.dp.adamw import TrainingOptimizer, adamw
+from meshtron.dp.buckets import bucket_moment_shards, flatten_bucket_params
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.param_gather import ParamGather
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
-from meshtron.mpu.param_gather import ParamGather
-
-
-def flatten_bucket_params(bucket) -> torch.Tensor:
-    """Make the parameters of a gradient bucket views into one flat buffer laid out like the
-    bucket's gradients (so a shard of it is a shard of the gradient); returns the buffer,
-    also kept as `bucket.param_buffer`."""
-    flat = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
-    offset = 0
-    for p in bucket.params:
-        n = p.numel()
-        flat[offset: offset + n].copy_(p.detach().reshape(-1))
-        p.data = flat[offset: offset + n].view_as(p)
-        offset += n
-    bucket.param_buffer = flat
-    return flat
-
-
-@torch.no_grad()
-def cast_bucket_params(bucket, dtype: torch.dtype) -> torch.Tensor:
-    """Replace a flattened bucket's parameter buffer (`flatten_bucket_params`) by one of
-    `dtype` holding the rounded values, the parameters becoming views into it; returns it."""
-    flat = bucket.param_buffer.to(dtype)
-    offset = 0
-    for p in bucket.params:
-        n = p.numel()
-        p.data = flat[offset: offset + n].view(p.shape)
-        offset += n
-    bucket.param_buffer = flat
-    return flat
 
 
 class ShardedAdamW(TrainingOptimizer):
@@ -75,7 +47,7 @@ class ShardedAdamW(TrainingOptimizer):
         self.grad_shards_of = reducer if reducer.shard_grads else None
         decay, no_decay = [], []
         self._shards = []
-        # ZeRO-3 (mpu/zero3.py, built before the optimizer): every bucket already keeps only
+        # ZeRO-3 (dp/zero3.py, built before the optimizer): every bucket already keeps only
         # its shard; the optimizer updates it in place and the next forward gathers it.
         self.zero3 = all(getattr(bucket, "param_shard", None) is not None for bucket in self.buckets)
         for bucket in self.buckets:
@@ -94,7 +66,7 @@ class ShardedAdamW(TrainingOptimizer):
 
     def overlap_param_gather(self, chunks: list[nn.Module]) -> ParamGather | None:
         """From now on `step` launches the all-gathers asynchronously and forward pre-hooks on
-        `chunks` wait for them (mpu/param_gather.py); returns the `ParamGather` (None at ZeRO-3,
+        `chunks` wait for them (dp/param_gather.py); returns the `ParamGather` (None at ZeRO-3,
         which gathers per unit anyway). Whoever reads the parameters outside forward calls
         `param_gather.finish_param_gather(chunks)` first."""
         if self.zero3:
@@ -188,22 +160,3 @@ class ShardedAdamW(TrainingOptimizer):
         """Bytes of optimizer state held by this rank."""
         return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
                    if torch.is_tensor(t) and t.dim() > 0)
-
-
-def bucket_moment_shards(slots) -> tuple[list, float]:
-    """`moment_shards` of an optimizer whose state for elements [start, start + size) of each
-    bucket lives in one AdamW state dict: `slots` yields (bucket, start, size, state)."""
-    out, step = [], 0.0
-    for bucket, start, size, state in slots:
-        if "step" in state:
-            step = float(state["step"])
-        flats = [state[key] if key in state else torch.zeros(size, dtype=torch.float32)
-                 for key in ("exp_avg", "exp_avg_sq")]
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            lo, hi = max(offset, start), min(offset + n, start + size)
-            if lo < hi:
-                out.append((p, lo - offset, tuple(f[lo - start: hi - start] for f in flats)))
-            offset += n
-    return out, step

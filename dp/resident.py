@@ -9,14 +9,14 @@ distributed optimizer does. The decisions:
   weights, then casts the bucket's parameters to bf16 (`cast_bucket_params`). So the main
   weights start exactly where an fp32 run starts and the bf16 weights are their rounding.
 * Gradients: autograd produces bf16 `.grad`s; the reducer (`main_grads=True`,
-  mpu/grad_reduce.py) adds each into its fp32 bucket slice `p.main_grad` and drops `.grad`,
+  dp/grad_reduce.py) adds each into its fp32 bucket slice `p.main_grad` and drops `.grad`,
   so microbatch accumulation and the dp all-reduce / reduce-scatter stay fp32.
-* Optimizer: `ResidentAdamW` is `mpu.offload.OffloadedAdamW` with the main weights on the
+* Optimizer: `ResidentAdamW` is `dp.offload.OffloadedAdamW` with the main weights on the
   training device (`host=False`; with `optim.offload=true` they stay on the host, as before):
   per bucket, fp32 main weights and AdamW moments for this rank's shard (ZeRO-1/2) or the whole
   bucket (zero=0); after the update the main weights are rounded to bf16 into the parameters,
   all-gathered in bf16 over the bucket's replica group under ZeRO-1/2 (half the bytes of fp32).
-  ZeRO-3: `mpu.zero3.Zero3(param_dtype=bf16)` casts the flat buffers and shards to bf16 and
+  ZeRO-3: `dp.zero3.Zero3(param_dtype=bf16)` casts the flat buffers and shards to bf16 and
   hands the fp32 values of this rank's shard over (`bucket.main_init`); the update rounds the
   main weights into the bf16 shard, and each unit gathers bf16. Pipeline parallelism is refused
   at config time (the tied embedding's cross-stage sum is untested with `main_grad`s).
@@ -41,10 +41,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.mpu.grad_norm import clip_coefficient, sharded_grad_norm
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.dp.grad_norm import clip_coefficient, sharded_grad_norm
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.offload import OffloadedAdamW
 from meshtron.mpu.mesh import Mesh
-from meshtron.mpu.offload import OffloadedAdamW
 
 
 class ResidentAdamW(OffloadedAdamW):
@@ -68,7 +68,7 @@ class ResidentAdamW(OffloadedAdamW):
 
     def clip_grad_norm(self, chunks: list[nn.Module], max_norm: float, mesh: Mesh) -> torch.Tensor:
         """Global L2 norm from the reduced bucket shards (summed over each bucket's replica
-        group, then tp/ep/pp as mpu/grad_norm.py does); scales `gradients` to at most `max_norm`."""
+        group, then tp/ep/pp as dp/grad_norm.py does); scales `gradients` to at most `max_norm`."""
         norm = sharded_grad_norm(self._reducer, mesh)
         self.scale_gradients(chunks, clip_coefficient(norm, max_norm))
         return norm

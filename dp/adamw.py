@@ -5,8 +5,8 @@ training/loop.py use of an optimizer. Three classes implement it:
 
   ReplicatedAdamW   every parameter in full on every rank (below; also the per-shard AdamW
                     inside the other two)
-  ShardedAdamW      ZeRO-1/2: this rank's shard of every gradient bucket (mpu/distributed_optimizer.py)
-  OffloadedAdamW    main weights and moments in host memory, any ZeRO stage (mpu/offload.py)
+  ShardedAdamW      ZeRO-1/2: this rank's shard of every gradient bucket (dp/distributed_optimizer.py)
+  OffloadedAdamW    main weights and moments in host memory, any ZeRO stage (dp/offload.py)
 
 Gradients belong to the `DataParallelGradReducer`: it zeroes them (`reducer.zero_grad()`
 before a step's first backward) and reduces them (`reducer.finish()`). An optimizer only reads
@@ -29,7 +29,7 @@ import contextlib
 import torch
 from torch import nn
 
-from meshtron.mpu.grad_norm import clip_coefficient, global_grad_norm, sharded_grad_norm
+from meshtron.dp.grad_norm import clip_coefficient, global_grad_norm, sharded_grad_norm
 from meshtron.mpu.mesh import Mesh
 
 
@@ -67,7 +67,7 @@ class TrainingOptimizer(abc.ABC):
         """Global L2 norm of the full model's gradients (before clipping), computed from the
         tensors of `gradients`; `scale_gradients` then brings them to at most `max_norm`
         (<= 0: no clipping). All-reduces over tp, ep x etp and pp (ZeRO-2 first over each
-        bucket's replica group): mpu/grad_norm.py."""
+        bucket's replica group): dp/grad_norm.py."""
         if self.grad_shards_of is not None:
             norm = sharded_grad_norm(self.grad_shards_of, mesh)
         else:

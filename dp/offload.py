@@ -7,13 +7,13 @@ runs on the CPU. Every step, per gradient bucket of `DataParallelGradReducer`:
 
   1. the (all-reduced) gradients are copied device -> host (into a pinned staging
      buffer when the device is CUDA, `non_blocking`, one CUDA event per bucket);
-  2. torch AdamW (fused, as the device optimizers: mpu/adamw.py) updates the host main weights as soon as
+  2. torch AdamW (fused, as the device optimizers: dp/adamw.py) updates the host main weights as soon as
      that bucket's copy has landed, so the CPU update of bucket i overlaps the copies of the
      others; the clipping factor is applied inside that kernel (its `grad_scale`, as
      `ReplicatedAdamW` does), so the device gradients are never rescaled;
   3. the updated main weights are copied host -> device (`non_blocking` from pinned memory).
 
-Like `mpu.distributed_optimizer.ShardedAdamW`, the parameters of each bucket become views
+Like `dp.distributed_optimizer.ShardedAdamW`, the parameters of each bucket become views
 into one flat device buffer, so each transfer is one contiguous copy. With `zero=1` (ZeRO-1
 composition; `zero=2` over a reducer built with `shard_grads=True`) only this rank's shard of
 every bucket (`bucket.shard_start`, `bucket.shard`) lives on the host and is updated; the
@@ -30,7 +30,7 @@ and the same code runs (plain copies, no pinning).
 Overlap (`overlap_param_gather(chunks)`, optim.overlap_param_gather, zero=1/2): buckets are
 updated in the order of their first use in forward and each bucket's all-gather is launched
 asynchronously right after its update (so it also overlaps the CPU update of the buckets after
-it); the first forward unit reading a bucket waits for it (mpu/param_gather.py).
+it); the first forward unit reading a bucket waits for it (dp/param_gather.py).
 
 Main weights are (re)read from the device weights at the first `step()`, and again after
 `load_param_moments` (a checkpoint load writes the device weights) or `mark_weights_changed()`
@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtron.mpu.adamw import TrainingOptimizer, dividing_gradients, grad_divisor
-from meshtron.mpu.distributed_optimizer import bucket_moment_shards, cast_bucket_params, flatten_bucket_params
-from meshtron.mpu.grad_reduce import DataParallelGradReducer
+from meshtron.dp.adamw import TrainingOptimizer, dividing_gradients, grad_divisor
+from meshtron.dp.buckets import bucket_moment_shards, cast_bucket_params, flatten_bucket_params
+from meshtron.dp.grad_reduce import DataParallelGradReducer
+from meshtron.dp.param_gather import ParamGather
 from meshtron.mpu.mappings import all_gather_into
 from meshtron.mpu.mesh import group_size
-from meshtron.mpu.param_gather import ParamGather
 
 
 @dataclass
@@ -63,7 +63,7 @@ class _Slot:
     device_weights: torch.Tensor  # view of bucket.param_buffer
     main: nn.Parameter            # host fp32 main weights (pinned on CUDA)
     host_grad: torch.Tensor | None  # host staging buffer for the gradients (pinned on CUDA); None when
-                                    # the main weights live on the device (mpu/resident.py): main.grad
+                                    # the main weights live on the device (dp/resident.py): main.grad
                                     # is then the reduced gradient itself
     optimizer: torch.optim.AdamW
     event: object = None
@@ -75,8 +75,8 @@ class OffloadedAdamW(TrainingOptimizer):
     `zero=0`: every bucket in full on the host (replicated AdamW). `zero=1`/`2`: this rank's
     shard of every bucket (`bucket.shard_start`, `bucket.shard`), all-gathered after the update
     (ZeRO-1; ZeRO-2 when the reducer was built with `shard_grads=True`). `zero=3`: the same
-    shard, copied into the bucket's `param_shard` (mpu/zero3.py) and not all-gathered. A `TrainingOptimizer`
-    (mpu/adamw.py) with `offloaded` True and `state_bytes()` (device bytes of optimizer
+    shard, copied into the bucket's `param_shard` (dp/zero3.py) and not all-gathered. A `TrainingOptimizer`
+    (dp/adamw.py) with `offloaded` True and `state_bytes()` (device bytes of optimizer
     state) 0; `host_state_bytes()` and `host_grad_bytes()` count what lives on the host.
     """
 
@@ -93,7 +93,7 @@ class OffloadedAdamW(TrainingOptimizer):
         self._param_groups: list[dict] = []
         self._weights_stale = True  # main weights are read from the device at the first step
         # `host=False` keeps the main weights on the training device; `param_dtype` (16-bit
-        # resident weights, mpu/resident.py) reads them now, from the fp32 parameters, and then
+        # resident weights, dp/resident.py) reads them now, from the fp32 parameters, and then
         # casts each bucket's parameters to `param_dtype`.
         self.host, self.param_dtype = host, param_dtype
         self._fused = fused
@@ -105,7 +105,7 @@ class OffloadedAdamW(TrainingOptimizer):
         for bucket in self.buckets:
             device = bucket.shard.device
             pin = host and ((device.type == "cuda") if pin_memory is None else bool(pin_memory))
-            # ZeRO-3 (mpu/zero3.py sharded the parameters first): the device keeps only the
+            # ZeRO-3 (dp/zero3.py sharded the parameters first): the device keeps only the
             # bucket's `param_shard`; the update is copied into it, the next forward gathers it.
             zero3 = getattr(bucket, "param_shard", None) is not None
             flat = bucket.param_buffer if zero3 else flatten_bucket_params(bucket)
@@ -135,7 +135,7 @@ class OffloadedAdamW(TrainingOptimizer):
 
     def overlap_param_gather(self, chunks: list[nn.Module]) -> ParamGather | None:
         """zero=1/2: from now on `step` launches each bucket's all-gather asynchronously after
-        its update and forward pre-hooks on `chunks` wait for them (mpu/param_gather.py);
+        its update and forward pre-hooks on `chunks` wait for them (dp/param_gather.py);
         returns the `ParamGather`, None when nothing is gathered (zero 0 and 3). Whoever reads
         the parameters outside forward calls `param_gather.finish_param_gather(chunks)` first."""
         if not any(slot.sharded for slot in self._slots) or self.zero == 3:
