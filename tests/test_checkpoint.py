@@ -25,6 +25,7 @@ from meshtron.training.checkpoint import (
     META_FILE,
     CheckpointError,
     TrainState,
+    check_checkpoint_crcs,
     check_compatible,
     hold_checkpoint_dir,
     list_checkpoints,
@@ -32,7 +33,6 @@ from meshtron.training.checkpoint import (
     read_meta,
     resolve_resume,
     save_checkpoint,
-    verify_checkpoint,
 )
 from meshtron.training.step import train_step
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config
@@ -184,12 +184,12 @@ def test_manifest_holds_each_file_crc32_and_corruption_is_named(tmp_path, capsys
     for name, entry in files.items():  # computed while writing, equal to the bytes on disk
         data = (newest / name).read_bytes()
         assert entry == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
-    verify_checkpoint(newest)
+    check_checkpoint_crcs(newest)
     shard = newest / "__0_0.distcp"
     _corrupt(shard)
     read_meta(newest)  # sizes unchanged: only the checksum sees it
     with pytest.raises(CheckpointError, match=rf"checkpoint file {shard} is corrupt: its CRC32 is"):
-        verify_checkpoint(newest)
+        check_checkpoint_crcs(newest)
     with pytest.raises(CheckpointError, match=rf"{shard} is corrupt"):
         resolve_resume(str(tmp_path), str(newest))
     assert resolve_resume(str(tmp_path), "auto") == first
@@ -243,7 +243,7 @@ def test_failed_save_names_the_file_and_keeps_the_previous(tmp_path, monkeypatch
         _save(tmp_path, model, optimizer, mesh, cfg, 2, keep=1)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name]
-    verify_checkpoint(previous)
+    check_checkpoint_crcs(previous)
     fresh, _, fresh_opt = build(cfg, mesh)
     assert load_checkpoint(previous, [fresh], fresh_opt, mesh).step == 1
 

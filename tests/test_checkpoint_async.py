@@ -25,11 +25,11 @@ from meshtron.training.checkpoint import (
     AsyncCheckpointer,
     CheckpointError,
     TrainState,
+    check_checkpoint_crcs,
     list_checkpoints,
     load_checkpoint,
     read_meta,
     save_checkpoint,
-    verify_checkpoint,
 )
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.sharded_state import _boxes, flat_range_pieces
@@ -123,7 +123,7 @@ def test_async_save_writes_the_same_checkpoint(tmp_path, zero):
     folder), the same tensors loaded."""
     cfg, sync, background, _ = _save_both(tmp_path, zero)
     assert background == tmp_path / "async" / "step_00000002"
-    verify_checkpoint(background)
+    check_checkpoint_crcs(background)
     sync_meta, async_meta = read_meta(sync), read_meta(background)
     for meta in (sync_meta, async_meta):  # DCP's .metadata records the folder's path: it differs
         del meta["files"][".metadata"]
@@ -176,7 +176,7 @@ def test_background_failure_surfaces_at_the_next_save_and_wait(tmp_path, monkeyp
     monkeypatch.undo()
     assert saver.wait() is None  # the failed save was reported once; nothing else in flight
     assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name]
-    verify_checkpoint(previous)
+    check_checkpoint_crcs(previous)
     saver.save(tmp_path, TrainState(step=2), *args, model_config=dataclasses.asdict(cfg), keep=1)
     assert saver.wait() == tmp_path / "step_00000002"  # the next save works again
     assert list_checkpoints(tmp_path) == [tmp_path / "step_00000002"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.training.checkpoint import LOCK_FILE, list_checkpoints, verify_checkpoint
+from meshtron.training.checkpoint import LOCK_FILE, check_checkpoint_crcs, list_checkpoints
 from tests.test_checkpoint import _corrupt, _dead_pid
 from tests.test_resume_cli import COMMON, _losses, _start, _wait_for
 from tests.test_train_cli import metrics, run
@@ -89,7 +89,7 @@ def test_resume_auto_skips_a_corrupt_newest(tmp_path, saved_run):
     assert f"resumed from {ckpt / 'step_00000002'} at step 2" in out.stdout
     resumed, uninterrupted = _losses(tmp_path / "run"), saved_run[1]
     assert sorted(resumed) == [3, 4] and all(resumed[s] == uninterrupted[s] for s in resumed), (resumed, uninterrupted)
-    verify_checkpoint(ckpt / "step_00000004")  # saved again over the corrupt one
+    check_checkpoint_crcs(ckpt / "step_00000004")  # saved again over the corrupt one
 
 
 @pytest.mark.slow
@@ -109,7 +109,7 @@ def test_second_run_on_a_dir_in_use_is_refused(tmp_path):
         stdout, stderr = first.communicate(timeout=120)
     assert first.returncode == 0 and "SIGTERM: stopped after step" in stdout, stderr[-3000:]
     saved = list_checkpoints(ckpt)
-    assert saved and all(verify_checkpoint(path) for path in saved)
+    assert saved and all(check_checkpoint_crcs(path) for path in saved)
     assert not (ckpt / LOCK_FILE).exists()
 
 
@@ -160,6 +160,6 @@ def test_save_cut_by_a_file_size_limit_keeps_the_previous(tmp_path, saved_run):
             f"{ckpt / '.tmp-step_00000004' / '__0_0.distcp'}: File too large") in line, line
     assert sorted(_losses(tmp_path / "limited")) == [3, 4]
     assert [p.name for p in ckpt.iterdir()] == ["step_00000002"]  # no partial folder, no lock left
-    verify_checkpoint(ckpt / "step_00000002")
+    check_checkpoint_crcs(ckpt / "step_00000002")
     out = _train(ckpt, tmp_path / "resumed", "checkpoint.resume=auto", "trainer.max_steps=3")
     assert out.returncode == 0 and f"resumed from {ckpt / 'step_00000002'} at step 2" in out.stdout, out.stderr[-3000:]

@@ -45,7 +45,7 @@ read back. CRC32 is the fastest whole-buffer check in the standard library (abou
 on one core, over 2x blake2b) and catches all accidental damage (overwritten blocks,
 truncation, another run's file of the same size) but is no defence against deliberate
 tampering. Ranks send their files' sums to rank 0, which records them in `meshtron.json`,
-written last and published by the rename with the folder. `verify_checkpoint` re-reads
+written last and published by the rename with the folder. `check_checkpoint_crcs` re-reads
 every file and compares; `resolve_resume` runs it (on every rank, before any process group,
 so all ranks take the same decision): an explicit path that fails is an error naming the
 file; `resume=auto` skips a corrupt newest checkpoint with a warning naming the file and
@@ -682,7 +682,7 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
-def verify_checkpoint(path: str | Path) -> dict:
+def check_checkpoint_crcs(path: str | Path) -> dict:
     """`read_meta`, then every file's CRC32 recomputed and compared with the manifest (format
     version 1 has sizes only). Returns the meta; raises CheckpointError naming the first
     corrupt file."""
@@ -722,7 +722,7 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
         found = list_checkpoints(path)  # a checkpoint.dir given as resume: take its newest
         if found:
             return _newest_intact(found)
-    verify_checkpoint(path)
+    check_checkpoint_crcs(path)
     return path
 
 
@@ -732,7 +732,7 @@ def _newest_intact(found: list[Path]) -> Path | None:
     problems = []
     for path in reversed(found):
         try:
-            verify_checkpoint(path)
+            check_checkpoint_crcs(path)
         except CheckpointError as err:
             problems.append(str(err))
             _warn(f"skipping checkpoint {path}: {err}")

@@ -192,7 +192,7 @@ def describe_model(cfg: GPTConfig, par: ParallelConfig) -> str:
 
 
 @dataclasses.dataclass
-class Plan:
+class VerifyJob:
     """Everything a worker (or the serial run) needs; pickled to the workers."""
 
     model: GPTConfig
@@ -218,7 +218,7 @@ class Plan:
         return self.par.dp * self.n_micro * self.micro
 
 
-def make_plan(run: RunConfig, world: int | None, steps: int, fault: str | None) -> Plan:
+def make_job(run: RunConfig, world: int | None, steps: int, fault: str | None) -> VerifyJob:
     """Check the user's model against the layout, shrink it, fix the run's numerics (module
     doc). Raises ConfigError (one line)."""
     from meshtron.kernels.backend import resolve_backend
@@ -262,13 +262,13 @@ def make_plan(run: RunConfig, world: int | None, steps: int, fault: str | None) 
 
         document_end_id(run.data, run.model.vocab_size)  # the run's own check (ConfigError)
         eos_id = PACKED_EOS  # in the shrunk vocabulary; step_batches places it in every sequence
-    plan = Plan(model=model, par=small_par, optim=optim, world=world, steps=steps, seed=run.trainer.seed,
+    job = VerifyJob(model=model, par=small_par, optim=optim, world=world, steps=steps, seed=run.trainer.seed,
                 max_grad_norm=run.trainer.max_grad_norm, recompute=run.trainer.recompute,
                 recompute_layers=run.trainer.recompute_layers, kernel_backend=backend, micro=MICRO,
                 n_micro=n_micro, fault=fault, eos_id=eos_id)
-    raise_first(batch_checks(plan.global_batch, MICRO, small_par.dp, pp=small_par.pp, schedule=small_par.schedule),
+    raise_first(batch_checks(job.global_batch, MICRO, small_par.dp, pp=small_par.pp, schedule=small_par.schedule),
                 ConfigError)
-    return plan
+    return job
 
 
 # ------------------------------------------------------------------------------- recording
@@ -282,9 +282,9 @@ class Recorder:
     """Tensors of one run, in recording order: (key, batch slice or None, tensor). Keys are
     ("act", step, module, serial microbatch), ("loss"|"grad"|"grad_norm"|"weight", step, name)."""
 
-    def __init__(self, chunks, mesh: Mesh, plan: Plan, where):
-        self.chunks, self.mesh, self.plan, self.where = chunks, mesh, plan, where
-        self.cfg = plan.model
+    def __init__(self, chunks, mesh: Mesh, job: VerifyJob, where):
+        self.chunks, self.mesh, self.job, self.where = chunks, mesh, job, where
+        self.cfg = job.model
         self.step = 0
         self.calls: dict[str, int] = defaultdict(int)
         self.records: list[tuple[tuple, tuple | None, torch.Tensor]] = []
@@ -379,42 +379,42 @@ class Recorder:
             handle.remove()
 
 
-def step_batches(plan: Plan, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def step_batches(job: VerifyJob, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step`: random tokens of the shrunk vocabulary (inputs, targets)."""
-    gen = torch.Generator().manual_seed(plan.seed * 1000 + step)
-    tokens = torch.randint(0, plan.model.vocab_size, (plan.global_batch, plan.model.seq_len + 1), generator=gen)
-    if plan.eos_id is not None:  # packed documents: two document ends at random places in every sequence
-        ends = torch.randint(1, plan.model.seq_len, (plan.global_batch, 2), generator=gen)
-        tokens.scatter_(1, ends, plan.eos_id)
+    gen = torch.Generator().manual_seed(job.seed * 1000 + step)
+    tokens = torch.randint(0, job.model.vocab_size, (job.global_batch, job.model.seq_len + 1), generator=gen)
+    if job.eos_id is not None:  # packed documents: two document ends at random places in every sequence
+        ends = torch.randint(1, job.model.seq_len, (job.global_batch, 2), generator=gen)
+        tokens.scatter_(1, ends, job.eos_id)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def rank_microbatches(plan: Plan, step: int, dp_rank: int) -> list:
+def rank_microbatches(job: VerifyJob, step: int, dp_rank: int) -> list:
     """Microbatches of data-parallel rank `dp_rank`: its consecutive rows, `micro` at a time."""
-    inputs, targets = step_batches(plan, step)
-    per_rank = plan.n_micro * plan.micro
+    inputs, targets = step_batches(job, step)
+    per_rank = job.n_micro * job.micro
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     inputs, targets = inputs[rows], targets[rows]
-    return [(inputs[i: i + plan.micro], targets[i: i + plan.micro]) for i in range(0, per_rank, plan.micro)]
+    return [(inputs[i: i + job.micro], targets[i: i + job.micro]) for i in range(0, per_rank, job.micro)]
 
 
-def serial_microbatches(plan: Plan, step: int) -> list:
+def serial_microbatches(job: VerifyJob, step: int) -> list:
     """What one process must take to equal the layout (moe/scope.py invariances)."""
-    per_rank = [rank_microbatches(plan, step, r) for r in range(plan.par.dp)]
-    if plan.model.is_moe and plan.model.aux_loss_scope == "global":
-        return [tuple(torch.cat([per_rank[r][j][i] for r in range(plan.par.dp)]) for i in range(2))
-                for j in range(plan.n_micro)]
+    per_rank = [rank_microbatches(job, step, r) for r in range(job.par.dp)]
+    if job.model.is_moe and job.model.aux_loss_scope == "global":
+        return [tuple(torch.cat([per_rank[r][j][i] for r in range(job.par.dp)]) for i in range(2))
+                for j in range(job.n_micro)]
     return [mb for rank in per_rank for mb in rank]
 
 
-def run_layout(plan: Plan, serial: bool = False) -> list:
-    """Train `plan.steps` steps of the layout (this process's rank; or the serial reference
+def run_layout(job: VerifyJob, serial: bool = False) -> list:
+    """Train `job.steps` steps of the layout (this process's rank; or the serial reference
     with `serial`) and return its Recorder records. Communicates over the world's groups."""
-    engine = Engine.build(_engine_config(plan, serial), single_process_mesh() if serial else plan.par, "cpu",
-                          adjust_model=None if serial or not plan.fault else partial(_inject_fault, plan.fault))
-    if plan.fault == "grad-skip" and not serial:
+    engine = Engine.build(_engine_config(job, serial), single_process_mesh() if serial else job.par, "cpu",
+                          adjust_model=None if serial or not job.fault else partial(_inject_fault, job.fault))
+    if job.fault == "grad-skip" and not serial:
         _skip_reduction(engine.reducer, engine.chunks)
-    recorder = Recorder(engine.chunks, engine.mesh, plan, _serial_index(plan, engine.mesh.dp_rank, serial))
+    recorder = Recorder(engine.chunks, engine.mesh, job, _serial_index(job, engine.mesh.dp_rank, serial))
     clip = engine.optimizer.clip_grad_norm
 
     def recording_clip(chunks_, max_norm, mesh_):
@@ -423,9 +423,9 @@ def run_layout(plan: Plan, serial: bool = False) -> list:
 
     engine.optimizer.clip_grad_norm = recording_clip
     try:
-        for step in range(plan.steps):
+        for step in range(job.steps):
             recorder.start_step(step)
-            mine = serial_microbatches(plan, step) if serial else rank_microbatches(plan, step, engine.mesh.dp_rank)
+            mine = serial_microbatches(job, step) if serial else rank_microbatches(job, step, engine.mesh.dp_rank)
             recorder.record_step(engine.step(mine, LR))
     finally:
         recorder.close()
@@ -433,25 +433,25 @@ def run_layout(plan: Plan, serial: bool = False) -> list:
     return recorder.records
 
 
-def _engine_config(plan: Plan, serial: bool) -> EngineConfig:
+def _engine_config(job: VerifyJob, serial: bool) -> EngineConfig:
     """The layout's engine config, or the serial reference's (replicated AdamW, no
     recomputation, torch kernels). Both build whole logits (trainer.fused_lm_loss=false) so the
     last chunk's output can be compared as logits; the fused loss equals the unfused one
     (tests/test_linear_cross_entropy.py and every layout case of the test suite)."""
     if serial:
         execution = ExecutionConfig(fused_lm_loss=False)
-        optim = dataclasses.replace(plan.optim, zero=0, offload=False)
+        optim = dataclasses.replace(job.optim, zero=0, offload=False)
     else:
-        execution = ExecutionConfig(recompute=plan.recompute, recompute_layers=plan.recompute_layers,
-                                    kernel_backend=plan.kernel_backend, fused_lm_loss=False)
-        optim = plan.optim
-    return EngineConfig(model=plan.model, micro_batch_size=plan.micro, seed=plan.seed, execution=execution,
-                        optim=optim, max_grad_norm=plan.max_grad_norm, eos_id=plan.eos_id)
+        execution = ExecutionConfig(recompute=job.recompute, recompute_layers=job.recompute_layers,
+                                    kernel_backend=job.kernel_backend, fused_lm_loss=False)
+        optim = job.optim
+    return EngineConfig(model=job.model, micro_batch_size=job.micro, seed=job.seed, execution=execution,
+                        optim=optim, max_grad_norm=job.max_grad_norm, eos_id=job.eos_id)
 
 
-def _serial_index(plan: Plan, dp_rank: int, serial: bool):
+def _serial_index(job: VerifyJob, dp_rank: int, serial: bool):
     """where(index): (serial microbatch, rows of it) of this rank's forward number `index` in a step."""
-    cfg, n_micro, micro = plan.model, plan.n_micro, plan.micro
+    cfg, n_micro, micro = job.model, job.n_micro, job.micro
     global_scope = cfg.is_moe and cfg.aux_loss_scope == "global"
 
     def where(index: int):
@@ -591,13 +591,13 @@ def loss_table(serial: list, ranks: dict[int, list], stats: dict, steps: int) ->
 # ---------------------------------------------------------------------------------- running
 
 
-def _spawn_workers(plan: Plan, tmp: Path) -> list:
-    plan.store, plan.out = str(tmp / "store"), str(tmp)
-    spec = tmp / "plan.pkl"
-    spec.write_bytes(pickle.dumps(plan))
+def _spawn_workers(job: VerifyJob, tmp: Path) -> list:
+    job.store, job.out = str(tmp / "store"), str(tmp)
+    spec = tmp / "job.pkl"
+    spec.write_bytes(pickle.dumps(job))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     procs = []
-    for rank in range(plan.world):
+    for rank in range(job.world):
         log = open(tmp / f"rank{rank}.log", "w")
         cmd = [sys.executable, "-m", "meshtron.training.verify", "--worker", str(spec), "--rank", str(rank)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp), log))
@@ -628,14 +628,14 @@ def worker_main(spec: str, rank: int) -> int:
     from meshtron.mpu import shm_collectives
     from meshtron.training.distributed import teardown_distributed
 
-    plan: Plan = pickle.loads(Path(spec).read_bytes())
-    out = Path(plan.out)
+    job: VerifyJob = pickle.loads(Path(spec).read_bytes())
+    out = Path(job.out)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{plan.store}", rank=rank, world_size=plan.world,
-                                timeout=datetime.timedelta(seconds=plan.collective_timeout_s))
-        shm_collectives.set_timeout(plan.collective_timeout_s)
-        records = run_layout(plan)
+        dist.init_process_group("gloo", init_method=f"file://{job.store}", rank=rank, world_size=job.world,
+                                timeout=datetime.timedelta(seconds=job.collective_timeout_s))
+        shm_collectives.set_timeout(job.collective_timeout_s)
+        records = run_layout(job)
         torch.save(records, out / f"rank{rank}.pt")
         return 0
     except Exception:  # noqa: BLE001 - reported by the parent, which names the rank
@@ -668,35 +668,35 @@ def verify(overrides: list[str], *, steps: int = 2, tol: float = 1e-5, atol: flo
     try:
         if steps < 1:
             raise ConfigError(f"--steps {steps}: verify at least one step")
-        plan = make_plan(compose_run(overrides), world, steps, fault)
+        job = make_job(compose_run(overrides), world, steps, fault)
     except ConfigError as err:
         say_one_line(f"meshtron verify: configuration error: {err}")
         return EXIT_CONFIG
-    p = plan.par
+    p = job.par
     print(f"meshtron verify: layout tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp} ep={p.ep} etp={p.etp} sp={p.sp} "
-          f"vpp={p.vpp} schedule={p.schedule} zero={plan.optim.zero} on {plan.world} gloo processes vs 1 serial "
+          f"vpp={p.vpp} schedule={p.schedule} zero={job.optim.zero} on {job.world} gloo processes vs 1 serial "
           f"process{'; injected fault: ' + fault if fault else ''}", flush=True)
-    print(f"shrunk model: {describe_model(plan.model, p)}", flush=True)
-    print(f"batch: {plan.n_micro} microbatches of {plan.micro} x dp {p.dp} = {plan.global_batch} sequences per step; "
+    print(f"shrunk model: {describe_model(job.model, p)}", flush=True)
+    print(f"batch: {job.n_micro} microbatches of {job.micro} x dp {p.dp} = {job.global_batch} sequences per step; "
           f"{steps} step(s); tolerance ||diff|| <= {tol:g} ||serial|| + {atol:g} sqrt(numel)"
-          + (f"; packed documents (data.reset_at_eos): token {plan.eos_id} ends documents at 2 random places per "
-             "sequence" if plan.eos_id is not None else ""), flush=True)
+          + (f"; packed documents (data.reset_at_eos): token {job.eos_id} ends documents at 2 random places per "
+             "sequence" if job.eos_id is not None else ""), flush=True)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshtron-verify-") as tmpdir:
         tmp = Path(tmpdir)
-        procs = _spawn_workers(plan, tmp)
+        procs = _spawn_workers(job, tmp)
         try:
             torch.set_num_threads(1)
-            serial = run_layout(plan, serial=True)
+            serial = run_layout(job, serial=True)
         except BaseException:
             _wait_workers(procs, time.monotonic())
             raise
         in_time = _wait_workers(procs, start + timeout_s)
-        failure = _rank_failure(tmp, plan.world, in_time, timeout_s)
+        failure = _rank_failure(tmp, job.world, in_time, timeout_s)
         if failure is not None:
             print(f"FAIL: {failure}", flush=True)
             return EXIT_FAIL
-        ranks = {r: torch.load(tmp / f"rank{r}.pt") for r in range(plan.world)}
+        ranks = {r: torch.load(tmp / f"rank{r}.pt") for r in range(job.world)}
     departures, stats = compare(serial, ranks, tol, atol)
     print("\n".join(loss_table(serial, ranks, stats, steps)), flush=True)
     elapsed = time.monotonic() - start

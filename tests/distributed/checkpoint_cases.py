@@ -38,12 +38,12 @@ from meshtron.training.checkpoint import (
     AsyncCheckpointer,
     CheckpointError,
     TrainState,
+    check_checkpoint_crcs,
     hold_checkpoint_dir,
     list_checkpoints,
     load_checkpoint,
     new_checkpoint_group,
     save_checkpoint,
-    verify_checkpoint,
 )
 from meshtron.training.optim import build_optimizer
 from meshtron.training.step import StepResult, pipeline_train_step, train_step
@@ -219,7 +219,7 @@ def save_failure_on_one_rank_reaches_every_rank() -> None:
         dist.barrier()
         assert [p.name for p in root.iterdir()] == ["step_00000001"]
         assert list_checkpoints(root) == [root / "step_00000001"]
-        verify_checkpoint(root / "step_00000001")
+        check_checkpoint_crcs(root / "step_00000001")
     finally:
         run.close()
         remove_shared_tmpdir(root)
@@ -349,7 +349,7 @@ def async_save_while_training_in_a_world() -> None:
         finally:
             del os.environ[WRITE_DELAY_ENV]
         background = saver.wait()
-        verify_checkpoint(background)
+        check_checkpoint_crcs(background)
         for name in checkpoint.read_meta(sync)["files"]:
             if name.endswith(".distcp"):
                 assert (sync / name).read_bytes() == (background / name).read_bytes(), name
