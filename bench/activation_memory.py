@@ -29,8 +29,9 @@ from meshtron.planning.plan import chunk_activations  # noqa: E402
 
 def planned_saved_bytes(cfg: GPTConfig, batch: int, execution: ExecutionConfig) -> int:
     """The planner's saved-activation bytes of one microbatch through the whole model (tp = 1)."""
-    return chunk_activations(cfg, batch, layers=range(cfg.num_layers), pre_process=True, post_process=True,
-                             device="cpu", execution=execution).saved
+    return chunk_activations(
+        cfg, batch, layers=range(cfg.num_layers), pre_process=True, post_process=True, device="cpu", execution=execution
+    ).saved
 
 
 def main() -> None:
@@ -47,19 +48,31 @@ def main() -> None:
     args = parser.parse_args()
     report = {"config": vars(args), "modes": {}}
     for mode in ("none", "selective", "full"):
-        cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                        num_kv_heads=args.kv_heads, seq_len=args.seq, vocab_size=args.vocab, dropout=args.dropout)
+        cfg = GPTConfig(
+            arch=args.arch,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            seq_len=args.seq,
+            vocab_size=args.vocab,
+            dropout=args.dropout,
+        )
         execution = ExecutionConfig(recompute=mode)
         mesh = single_process_mesh()
-        model, = init_model_chunks(cfg, mesh, 0, execution=execution)
+        (model,) = init_model_chunks(cfg, mesh, 0, execution=execution)
         model.train()
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
         measured = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
         planned = planned_saved_bytes(cfg, args.batch, execution)
-        report["modes"][mode] = {"saved_bytes": measured, "saved_mib": measured / 2**20,
-                                 "planned_bytes": planned, "planned_mib": planned / 2**20,
-                                 "planned_over_measured": planned / measured}
+        report["modes"][mode] = {
+            "saved_bytes": measured,
+            "saved_mib": measured / 2**20,
+            "planned_bytes": planned,
+            "planned_mib": planned / 2**20,
+            "planned_over_measured": planned / measured,
+        }
     print(json.dumps(report))
 
 

@@ -33,8 +33,15 @@ def commands(tp: int, steps: int, warmup: int, mcore_python: str) -> dict[str, l
     common = [f"--{k}={v}" for k, v in SHAPE.items()]
     common += ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(2 // tp)]
     mcore = [*launch(mcore_python, tp), *peer_script("mcore_gpt.py"), *common]
-    meshtron = [*launch(sys.executable, tp), str(ROOT / "bench" / "throughput.py"), *common, "--arch", "gpt2",
-                "--tp", str(tp)]
+    meshtron = [
+        *launch(sys.executable, tp),
+        str(ROOT / "bench" / "throughput.py"),
+        *common,
+        "--arch",
+        "gpt2",
+        "--tp",
+        str(tp),
+    ]
     return {"megatron_core": mcore, "meshtron": meshtron}
 
 
@@ -44,13 +51,17 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--gloo", action="store_true",
-                   help="at tp=2 also run meshtron with its TP collectives on gloo (MESHTRON_SHM_COLLECTIVES=0)")
+    p.add_argument(
+        "--gloo",
+        action="store_true",
+        help="at tp=2 also run meshtron with its TP collectives on gloo (MESHTRON_SHM_COLLECTIVES=0)",
+    )
     p.add_argument("--mcore-venv", default=DEFAULT_MCORE_VENV)
     args = p.parse_args(argv)
     python = mcore_python(args.mcore_venv)
-    layouts = layout_rounds("tp", args.layouts, lambda tp: commands(tp, args.steps, args.warmup, python),
-                            args.rounds, gloo=args.gloo)
+    layouts = layout_rounds(
+        "tp", args.layouts, lambda tp: commands(tp, args.steps, args.warmup, python), args.rounds, gloo=args.gloo
+    )
     print(json.dumps({"bench": "dense_vs_megatron", "shape": SHAPE, "rounds": args.rounds, "layouts": layouts}))
 
 

@@ -70,8 +70,10 @@ STEP_SHAPE = dict(num_layers=2, hidden_size=256, num_heads=4, vocab_size=1000, s
 def skip_reason() -> str | None:
     """Why this machine cannot run the acceptance, or None when it can."""
     if not torch.cuda.is_available():
-        return (f"no CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
-                f"CUDA build {torch.version.cuda}); run this on a machine with 1-8 NVIDIA GPUs")
+        return (
+            f"no CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda}); run this on a machine with 1-8 NVIDIA GPUs"
+        )
     return None
 
 
@@ -102,24 +104,42 @@ def kernel_cases(device: torch.device, dtype: torch.dtype) -> dict:
     gw = randn(len(shape["group_sizes"]), h, f, scale=0.02)
     eps = 1e-5
     return {
-        "layer_norm": (lambda a, c, d: norms.layer_norm(a, c, d, eps, backend="triton"),
-                       lambda a, c, d: norms.layer_norm(a, c, d, eps, backend="torch"), (x, ln_w, ln_b)),
-        "rms_norm": (lambda a, c: norms.rms_norm(a, c, eps, backend="triton"),
-                     lambda a, c: norms.rms_norm(a, c, eps, backend="torch"), (x, ln_w)),
-        "linear_gelu": (lambda a, c, d: linear_act.linear_gelu(a, c, d, backend="triton"),
-                        lambda a, c, d: linear_act.linear_gelu(a, c, d, backend="torch"), (x, w, b)),
-        "linear_swiglu": (lambda a, c, d, e, k: linear_act.linear_swiglu(a, c, d, e, k, backend="triton"),
-                          lambda a, c, d, e, k: linear_act.linear_swiglu(a, c, d, e, k, backend="torch"),
-                          (x, w, b, w2, b2)),
+        "layer_norm": (
+            lambda a, c, d: norms.layer_norm(a, c, d, eps, backend="triton"),
+            lambda a, c, d: norms.layer_norm(a, c, d, eps, backend="torch"),
+            (x, ln_w, ln_b),
+        ),
+        "rms_norm": (
+            lambda a, c: norms.rms_norm(a, c, eps, backend="triton"),
+            lambda a, c: norms.rms_norm(a, c, eps, backend="torch"),
+            (x, ln_w),
+        ),
+        "linear_gelu": (
+            lambda a, c, d: linear_act.linear_gelu(a, c, d, backend="triton"),
+            lambda a, c, d: linear_act.linear_gelu(a, c, d, backend="torch"),
+            (x, w, b),
+        ),
+        "linear_swiglu": (
+            lambda a, c, d, e, k: linear_act.linear_swiglu(a, c, d, e, k, backend="triton"),
+            lambda a, c, d, e, k: linear_act.linear_swiglu(a, c, d, e, k, backend="torch"),
+            (x, w, b, w2, b2),
+        ),
         # Default in-place backward: the check differentiates clones, so that is safe here.
-        "cross_entropy": (lambda lg, t: cross_entropy.fused_cross_entropy(lg, t, vocab_size=vocab, backend="triton"),
-                          lambda lg, t: cross_entropy.fused_cross_entropy(lg, t, vocab_size=vocab, backend="torch"),
-                          (logits, target)),
-        "grouped_gemm": (lambda a, c, s: grouped_gemm.grouped_gemm(a, c, s, backend="triton"),
-                         lambda a, c, s: grouped_gemm.grouped_gemm(a, c, s, backend="torch"),
-                         (randn(tokens, h), gw, sizes)),
-        "swiglu": (lambda a, c: swiglu.swiglu(a, c, backend="triton"), lambda a, c: swiglu.swiglu(a, c, backend="torch"),
-                   (randn(tokens, f), randn(tokens, f))),
+        "cross_entropy": (
+            lambda lg, t: cross_entropy.fused_cross_entropy(lg, t, vocab_size=vocab, backend="triton"),
+            lambda lg, t: cross_entropy.fused_cross_entropy(lg, t, vocab_size=vocab, backend="torch"),
+            (logits, target),
+        ),
+        "grouped_gemm": (
+            lambda a, c, s: grouped_gemm.grouped_gemm(a, c, s, backend="triton"),
+            lambda a, c, s: grouped_gemm.grouped_gemm(a, c, s, backend="torch"),
+            (randn(tokens, h), gw, sizes),
+        ),
+        "swiglu": (
+            lambda a, c: swiglu.swiglu(a, c, backend="triton"),
+            lambda a, c: swiglu.swiglu(a, c, backend="torch"),
+            (randn(tokens, f), randn(tokens, f)),
+        ),
     }
 
 
@@ -132,8 +152,13 @@ def run_kernels(device: torch.device) -> dict:
         out[name] = {}
         for kernel, (triton_fn, torch_fn, args) in kernel_cases(device, dtype).items():
             r = selfcheck.check(triton_fn, torch_fn, args)
-            out[name][kernel] = {"passed": r.passed, "error": None if math.isinf(r.error) else r.error,
-                                 "tolerance": r.tolerance, "compute": r.dtype, "raised": r.reason or None}
+            out[name][kernel] = {
+                "passed": r.passed,
+                "error": None if math.isinf(r.error) else r.error,
+                "tolerance": r.tolerance,
+                "compute": r.dtype,
+                "raised": r.reason or None,
+            }
             out["ok"] &= r.passed
     return out
 
@@ -150,12 +175,21 @@ def step_config(family: str):
         return GPTConfig(arch="gpt2", **common)
     if family == "llama":
         return GPTConfig(arch="llama", num_kv_heads=2, ffn_hidden_size=704, tie_embeddings=False, **common)
-    return GPTConfig(arch="llama", num_kv_heads=2, ffn_hidden_size=704, tie_embeddings=False, num_experts=4,
-                     top_k=2, moe_ffn_hidden_size=256, **common)
+    return GPTConfig(
+        arch="llama",
+        num_kv_heads=2,
+        ffn_hidden_size=704,
+        tie_embeddings=False,
+        num_experts=4,
+        top_k=2,
+        moe_ffn_hidden_size=256,
+        **common,
+    )
 
 
-def train_steps(cfg, backend: str, precision_name: str, device: torch.device, steps: int = 1,
-                fused_lm_loss: bool = True):
+def train_steps(
+    cfg, backend: str, precision_name: str, device: torch.device, steps: int = 1, fused_lm_loss: bool = True
+):
     """`steps` training steps of `cfg` with `backend` kernels on one GPU (same seed and data
     for every call), the LM head and loss fused or not; returns (per-step outputs,
     {name: (weight, grad)} after the last step)."""
@@ -169,7 +203,7 @@ def train_steps(cfg, backend: str, precision_name: str, device: torch.device, st
 
     mesh = build_mesh(ParallelConfig(), cfg, device_type=device.type)
     execution = ExecutionConfig(kernel_backend=backend, fused_lm_loss=fused_lm_loss)
-    model, = init_model_chunks(cfg, mesh, 1234, device=device, execution=execution)
+    (model,) = init_model_chunks(cfg, mesh, 1234, device=device, execution=execution)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, eps=1e-4)
     precision = Precision(precision_name, device.type)
@@ -177,10 +211,22 @@ def train_steps(cfg, backend: str, precision_name: str, device: torch.device, st
     outs = []
     for _ in range(steps):
         tokens = torch.randint(0, cfg.vocab_size, (STEP_SHAPE["batch"], cfg.seq_len + 1), generator=gen).to(device)
-        outs.append(train_step(model, reducer, optimizer, [(tokens[:, :-1], tokens[:, 1:])], mesh, lr=1e-3,
-                               max_grad_norm=1.0, precision=precision))
-    params = {n: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
-              for n, p in model.named_parameters()}
+        outs.append(
+            train_step(
+                model,
+                reducer,
+                optimizer,
+                [(tokens[:, :-1], tokens[:, 1:])],
+                mesh,
+                lr=1e-3,
+                max_grad_norm=1.0,
+                precision=precision,
+            )
+        )
+    params = {
+        n: (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
+        for n, p in model.named_parameters()
+    }
     reducer.remove_hooks()
     return outs, params
 
@@ -193,14 +239,19 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def _compare_steps(want, want_params, got, got_params) -> dict:
     """Relative errors of one step's loss, gradient norm and largest per-parameter gradient."""
     grad_err = max((_rel(got_params[n][1], g) for n, (_, g) in want_params.items() if g is not None), default=0.0)
-    return {"loss_rel_error": _rel(got[0].loss, want[0].loss),
-            "grad_norm_rel_error": _rel(got[0].grad_norm, want[0].grad_norm),
-            "max_grad_rel_error": grad_err}
+    return {
+        "loss_rel_error": _rel(got[0].loss, want[0].loss),
+        "grad_norm_rel_error": _rel(got[0].grad_norm, want[0].grad_norm),
+        "max_grad_rel_error": grad_err,
+    }
 
 
 def _within(entry: dict, tol: dict) -> bool:
-    return (entry["loss_rel_error"] <= tol["loss"] and entry["grad_norm_rel_error"] <= tol["grad"]
-            and entry["max_grad_rel_error"] <= tol["grad"])
+    return (
+        entry["loss_rel_error"] <= tol["loss"]
+        and entry["grad_norm_rel_error"] <= tol["grad"]
+        and entry["max_grad_rel_error"] <= tol["grad"]
+    )
 
 
 def run_steps(device: torch.device) -> dict:
@@ -229,11 +280,15 @@ def run_steps(device: torch.device) -> dict:
                 warnings.simplefilter("always")
                 train_steps(cfg, CHECKED, name, device, steps=2)
             failed = [str(w.message) for w in caught if issubclass(w.category, selfcheck.KernelSelfCheckWarning)]
-            entry["selfcheck"] = {"verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS
-                                               if selfcheck.verdict(k) is not None},
-                                  "warnings": failed,
-                                  "errors": {k: selfcheck.local_result(k).error for k in selfcheck.KERNELS
-                                             if selfcheck.local_result(k) is not None}}
+            entry["selfcheck"] = {
+                "verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
+                "warnings": failed,
+                "errors": {
+                    k: selfcheck.local_result(k).error
+                    for k in selfcheck.KERNELS
+                    if selfcheck.local_result(k) is not None
+                },
+            }
             entry["selfcheck_passed"] = not failed and all(entry["selfcheck"]["verdicts"].values())
             selfcheck.reset()
             out[family][name] = entry
@@ -253,13 +308,32 @@ def card_layout(gpus: int) -> dict:
 def card_command(gpus: int, run_dir: str, steps: int = 10) -> list[str]:
     """The shrunken card command line (torchrun over `gpus` local processes, NCCL)."""
     lay = card_layout(gpus)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py",
-            "+model=gpt_1b", f"parallel.tp={lay['tp']}", f"parallel.ep={lay['ep']}",
-            "model.num_layers=4", "model.hidden_size=1024", "model.ffn_hidden_size=2816",
-            "model.moe_ffn_hidden_size=1408", "model.seq_len=512",
-            f"trainer.max_steps={steps}", f"trainer.global_batch_size={4 * lay['dp']}", "trainer.device=cuda",
-            "trainer.precision=bf16", "trainer.log_every=1", "trainer.eval_every=0", "trainer.progress=false",
-            "optim.lr=1e-3", "kernels.backend=auto", f"hydra.run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+        "train.py",
+        "+model=gpt_1b",
+        f"parallel.tp={lay['tp']}",
+        f"parallel.ep={lay['ep']}",
+        "model.num_layers=4",
+        "model.hidden_size=1024",
+        "model.ffn_hidden_size=2816",
+        "model.moe_ffn_hidden_size=1408",
+        "model.seq_len=512",
+        f"trainer.max_steps={steps}",
+        f"trainer.global_batch_size={4 * lay['dp']}",
+        "trainer.device=cuda",
+        "trainer.precision=bf16",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.progress=false",
+        "optim.lr=1e-3",
+        "kernels.backend=auto",
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def run_card(gpus: int, timeout: float) -> dict:
@@ -274,15 +348,26 @@ def run_card(gpus: int, timeout: float) -> dict:
     log = proc.stdout + proc.stderr
     losses = [r["loss"] for r in records]
     selfcheck_failures = [line for line in log.splitlines() if "failed its self-check" in line]
-    out = {"command": " ".join(cmd[2:]), "layout": card_layout(gpus), "returncode": proc.returncode,
-           "wall_s": wall, "steps_logged": len(records), "loss_first": losses[0] if losses else None,
-           "loss_last": losses[-1] if losses else None,
-           "tokens_per_s_last": records[-1].get("tokens_per_s") if records else None,
-           "mfu_last": records[-1].get("mfu") if records else None,
-           "peak_mem_max_bytes": records[-1].get("peak_mem_max_bytes") if records else None,
-           "selfcheck_failures": selfcheck_failures}
-    out["ok"] = (proc.returncode == 0 and len(records) == 10 and all(math.isfinite(x) for x in losses)
-                 and losses[-1] < losses[0] and not selfcheck_failures)
+    out = {
+        "command": " ".join(cmd[2:]),
+        "layout": card_layout(gpus),
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "steps_logged": len(records),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "tokens_per_s_last": records[-1].get("tokens_per_s") if records else None,
+        "mfu_last": records[-1].get("mfu") if records else None,
+        "peak_mem_max_bytes": records[-1].get("peak_mem_max_bytes") if records else None,
+        "selfcheck_failures": selfcheck_failures,
+    }
+    out["ok"] = (
+        proc.returncode == 0
+        and len(records) == 10
+        and all(math.isfinite(x) for x in losses)
+        and losses[-1] < losses[0]
+        and not selfcheck_failures
+    )
     if not out["ok"]:
         out["log_tail"] = log[-4000:]
     return out
@@ -292,8 +377,9 @@ def run_card(gpus: int, timeout: float) -> dict:
 
 
 def _bench_json(args: list[str], timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -307,17 +393,53 @@ def run_bench(timeout: float) -> dict:
         summary = {}
         for kernel, entry in report["kernels"].items():
             tri = entry.get("triton", {})
-            summary[kernel] = {"triton_ms": tri.get("ms"), "torch_ms": entry["torch"]["ms"],
-                               "triton_tflops": tri.get("tflops"), "triton_gb_per_s": tri.get("gb_per_s"),
-                               "fraction_of_peak": tri.get("fraction_of_peak"),
-                               "speedup_vs_torch": entry.get("speedup_vs_torch")}
-        out["kernels"][name] = {"peak_flops": report["peak_flops"], "peak_source": report["peak_source"],
-                                "tokens": report["tokens"], "per_kernel": summary}
-    shape = ["--arch", "llama", "--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "8",
-             "--ffn", "2816", "--vocab", "32000", "--seq", "1024", "--batch", "8", "--device", "cuda",
-             "--precision", "bf16", "--warmup", "3", "--steps", "10"]
-    runs = {"torch": ["--kernels", "torch"], "auto": ["--kernels", "auto"],
-            "auto_unfused_lm_loss": ["--kernels", "auto", "--unfused-lm-loss"]}
+            summary[kernel] = {
+                "triton_ms": tri.get("ms"),
+                "torch_ms": entry["torch"]["ms"],
+                "triton_tflops": tri.get("tflops"),
+                "triton_gb_per_s": tri.get("gb_per_s"),
+                "fraction_of_peak": tri.get("fraction_of_peak"),
+                "speedup_vs_torch": entry.get("speedup_vs_torch"),
+            }
+        out["kernels"][name] = {
+            "peak_flops": report["peak_flops"],
+            "peak_source": report["peak_source"],
+            "tokens": report["tokens"],
+            "per_kernel": summary,
+        }
+    shape = [
+        "--arch",
+        "llama",
+        "--layers",
+        "8",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "8",
+        "--ffn",
+        "2816",
+        "--vocab",
+        "32000",
+        "--seq",
+        "1024",
+        "--batch",
+        "8",
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--warmup",
+        "3",
+        "--steps",
+        "10",
+    ]
+    runs = {
+        "torch": ["--kernels", "torch"],
+        "auto": ["--kernels", "auto"],
+        "auto_unfused_lm_loss": ["--kernels", "auto", "--unfused-lm-loss"],
+    }
     for label, extra in runs.items():
         report = _bench_json(["bench/throughput.py", *shape, *extra], timeout)
         out["throughput"][label] = {k: report[k] for k in ("tokens_per_s", "mfu", "peak_source", "step_time_s")}
@@ -325,10 +447,12 @@ def run_bench(timeout: float) -> dict:
         out["throughput"][label]["kernel_verdicts"] = report["config"]["kernel_verdicts"]
         if "memory" in report:
             out["throughput"][label]["memory"] = report["memory"]
-    out["throughput"]["speedup_auto_vs_torch"] = (out["throughput"]["auto"]["tokens_per_s"]
-                                                  / out["throughput"]["torch"]["tokens_per_s"])
-    out["throughput"]["speedup_fused_vs_unfused_lm_loss"] = (out["throughput"]["auto"]["tokens_per_s"]
-                                                             / out["throughput"]["auto_unfused_lm_loss"]["tokens_per_s"])
+    out["throughput"]["speedup_auto_vs_torch"] = (
+        out["throughput"]["auto"]["tokens_per_s"] / out["throughput"]["torch"]["tokens_per_s"]
+    )
+    out["throughput"]["speedup_fused_vs_unfused_lm_loss"] = (
+        out["throughput"]["auto"]["tokens_per_s"] / out["throughput"]["auto_unfused_lm_loss"]["tokens_per_s"]
+    )
     out["moe_layer"] = run_moe_layer(timeout)
     out["ok"] &= all("error" not in entry for entry in out["moe_layer"].values())
     return out
@@ -342,8 +466,18 @@ def run_moe_layer(timeout: float) -> dict:
     kernels), per dtype; a run that fails is recorded with its error (the other results stay)."""
     out = {}
     for name in ("bf16", "fp32"):  # bf16: the headline
-        args = ["bench/moe_layer.py", "--device", "cuda", "--dtype", name, "--kernels", "auto", "--peer",
-                "--rounds", "3"]
+        args = [
+            "bench/moe_layer.py",
+            "--device",
+            "cuda",
+            "--dtype",
+            name,
+            "--kernels",
+            "auto",
+            "--peer",
+            "--rounds",
+            "3",
+        ]
         try:
             report = _bench_json(args, timeout)
         except Exception as err:  # noqa: BLE001 - recorded; fails the section
@@ -351,17 +485,25 @@ def run_moe_layer(timeout: float) -> dict:
             continue
         ratio = report["ratio_tokens_per_s_vs_peer"]
         brk = report.get("breakdown") or {}
-        out[name] = {"command": " ".join(args), "tokens_per_s": report["tokens_per_s"], "ms": report["ms"],
-                     "peer_tokens_per_s": report["peer"]["tokens_per_s"], "peer_ms": report["peer"]["ms"],
-                     "peer_experts_implementation": report["peer"]["experts_implementation"],
-                     "peer_native_grouped_mm": report["peer"].get("native_grouped_mm"),
-                     "ratio_tokens_per_s_vs_peer": ratio,
-                     "ratio_vs_peer_by_min_ms": report["ratio_vs_peer_by_min_ms"],
-                     "target": MOE_TARGET, "meets_target": ratio >= MOE_TARGET,
-                     "kernels": report["kernels"], "kernel_verdicts": report["kernel_verdicts"],
-                     "tf32": report.get("tf32"), "config": report["config"],
-                     "breakdown_time": brk.get("time"),
-                     "breakdown_fractions": {r: v["fraction"] for r, v in brk.get("regions", {}).items()}}
+        out[name] = {
+            "command": " ".join(args),
+            "tokens_per_s": report["tokens_per_s"],
+            "ms": report["ms"],
+            "peer_tokens_per_s": report["peer"]["tokens_per_s"],
+            "peer_ms": report["peer"]["ms"],
+            "peer_experts_implementation": report["peer"]["experts_implementation"],
+            "peer_native_grouped_mm": report["peer"].get("native_grouped_mm"),
+            "ratio_tokens_per_s_vs_peer": ratio,
+            "ratio_vs_peer_by_min_ms": report["ratio_vs_peer_by_min_ms"],
+            "target": MOE_TARGET,
+            "meets_target": ratio >= MOE_TARGET,
+            "kernels": report["kernels"],
+            "kernel_verdicts": report["kernel_verdicts"],
+            "tf32": report.get("tf32"),
+            "config": report["config"],
+            "breakdown_time": brk.get("time"),
+            "breakdown_fractions": {r: v["fraction"] for r, v in brk.get("regions", {}).items()},
+        }
     return out
 
 
@@ -376,8 +518,9 @@ def _clean_env() -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
+    p.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess (card run, each bench)")
     args = p.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
@@ -396,19 +539,35 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     gpus = torch.cuda.device_count()
-    result: dict = {"bench": "gpu_acceptance", "device": torch.cuda.get_device_name(device), "gpus": gpus,
-                    "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
-                    "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-                    "tf32": {"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)},
-                    "triton_interpret_removed": _INTERPRETER_REMOVED, "sections": {}, "failures": []}
-    runners = {"kernels": lambda: run_kernels(device), "steps": lambda: run_steps(device),
-               "card": lambda: run_card(gpus, args.timeout), "bench": lambda: run_bench(args.timeout)}
+    result: dict = {
+        "bench": "gpu_acceptance",
+        "device": torch.cuda.get_device_name(device),
+        "gpus": gpus,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "tf32": {"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)},
+        "triton_interpret_removed": _INTERPRETER_REMOVED,
+        "sections": {},
+        "failures": [],
+    }
+    runners = {
+        "kernels": lambda: run_kernels(device),
+        "steps": lambda: run_steps(device),
+        "card": lambda: run_card(gpus, args.timeout),
+        "bench": lambda: run_bench(args.timeout),
+    }
     for name in sections:
         start = time.perf_counter()
         try:
             section = runners[name]()
         except Exception as err:  # noqa: BLE001 - reported in the JSON, fails the run
-            section = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+            section = {
+                "ok": False,
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
         section["seconds"] = time.perf_counter() - start
         result["sections"][name] = section
         if not section["ok"]:

@@ -99,15 +99,19 @@ def formulas(bucket_bytes: int, nodes: int, local: int) -> dict:
     n = nodes * local
     flat = 2 * (n - 1) / n * bucket_bytes
     hier = 2 * (nodes - 1) / nodes * bucket_bytes / local
-    return {"flat_per_boundary_rank": flat, "flat_total": nodes * flat if nodes > 1 else 0.0,
-            "hierarchical_per_rank": hier, "hierarchical_total": n * hier}
+    return {
+        "flat_per_boundary_rank": flat,
+        "flat_total": nodes * flat if nodes > 1 else 0.0,
+        "hierarchical_per_rank": hier,
+        "hierarchical_total": n * hier,
+    }
 
 
 def measure(cfg: GPTConfig, ranks_per_node: int, steps: int, mode: bool) -> dict:
     """`steps` forward/backward + gradient reductions with parallel.dp_hierarchical=`mode`:
     this rank's counted bytes, the dp buckets' bytes, the reduced gradients and the time."""
     mesh = build_mesh(ParallelConfig(tp=1, dp_hierarchical=mode), cfg, ranks_per_node=ranks_per_node)
-    model, = init_model_chunks(cfg, mesh, 1234)
+    (model,) = init_model_chunks(cfg, mesh, 1234)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     if mode and reducer.hierarchy is None:
         raise SystemExit("parallel.dp_hierarchical=true did not select the hierarchical all-reduce")
@@ -126,14 +130,24 @@ def measure(cfg: GPTConfig, ranks_per_node: int, steps: int, mode: bool) -> dict
     grads = torch.cat([b.buffer.clone() for b in reducer.buckets])
     bucket_bytes = sum(b.numel * b.buffer.element_size() for b in reducer.buckets if b.key == "dp")
     reducer.remove_hooks()
-    return {"inter_node": counter.inter_node / steps, "sent": counter.sent / steps, "calls": counter.calls / steps,
-            "bucket_bytes": bucket_bytes, "grads": grads, "step_s": sorted(times)[len(times) // 2]}
+    return {
+        "inter_node": counter.inter_node / steps,
+        "sent": counter.sent / steps,
+        "calls": counter.calls / steps,
+        "bucket_bytes": bucket_bytes,
+        "grads": grads,
+        "step_s": sorted(times)[len(times) // 2],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="simulate nodes of this many ranks (default: torchrun's LOCAL_WORLD_SIZE)")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="simulate nodes of this many ranks (default: torchrun's LOCAL_WORLD_SIZE)",
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
@@ -145,35 +159,62 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rpn = args.ranks_per_node or int(os.environ["LOCAL_WORLD_SIZE"])
     world = dist.get_world_size()
-    cfg = GPTConfig(arch="gpt2", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
-                    vocab_size=256, seq_len=args.seq, tie_embeddings=True)
+    cfg = GPTConfig(
+        arch="gpt2",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=4,
+        vocab_size=256,
+        seq_len=args.seq,
+        tie_embeddings=True,
+    )
     flat = measure(cfg, rpn, args.steps, False)
     hier = measure(cfg, rpn, args.steps, True)
     diff = ((hier["grads"] - flat["grads"]).norm() / flat["grads"].norm()).item()
-    mine = {"rank": dist.get_rank(), "flat": flat["inter_node"], "hierarchical": hier["inter_node"],
-            "flat_sent": flat["sent"], "hierarchical_sent": hier["sent"], "rel_diff": diff,
-            "flat_step_s": flat["step_s"], "hierarchical_step_s": hier["step_s"]}
+    mine = {
+        "rank": dist.get_rank(),
+        "flat": flat["inter_node"],
+        "hierarchical": hier["inter_node"],
+        "flat_sent": flat["sent"],
+        "hierarchical_sent": hier["sent"],
+        "rel_diff": diff,
+        "flat_step_s": flat["step_s"],
+        "hierarchical_step_s": hier["step_s"],
+    }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     shape = hierarchical.hierarchy_shape(ParallelConfig(tp=1).resolved(world), world, rpn)
     if dist.get_rank() == 0:
         nodes, local = shape
         b = flat["bucket_bytes"]
-        print(json.dumps({
-            "world": world, "nodes": nodes, "ranks_per_node": local, "bucket_bytes_per_step": b,
-            "model": "ring over each group's ranks in group order; bytes counted from the collectives called",
-            "flat": {"inter_node_bytes_per_rank": [r["flat"] for r in everyone],
-                     "max": max(r["flat"] for r in everyone), "total": sum(r["flat"] for r in everyone),
-                     "all_bytes_per_rank": [r["flat_sent"] for r in everyone],
-                     "median_step_s": [r["flat_step_s"] for r in everyone]},
-            "hierarchical": {"inter_node_bytes_per_rank": [r["hierarchical"] for r in everyone],
-                             "max": max(r["hierarchical"] for r in everyone),
-                             "total": sum(r["hierarchical"] for r in everyone),
-                             "all_bytes_per_rank": [r["hierarchical_sent"] for r in everyone],
-                             "median_step_s": [r["hierarchical_step_s"] for r in everyone]},
-            "formula": formulas(b, nodes, local),
-            "max_rel_diff_of_reduced_gradients": max(r["rel_diff"] for r in everyone),
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "world": world,
+                    "nodes": nodes,
+                    "ranks_per_node": local,
+                    "bucket_bytes_per_step": b,
+                    "model": "ring over each group's ranks in group order; bytes counted from the collectives called",
+                    "flat": {
+                        "inter_node_bytes_per_rank": [r["flat"] for r in everyone],
+                        "max": max(r["flat"] for r in everyone),
+                        "total": sum(r["flat"] for r in everyone),
+                        "all_bytes_per_rank": [r["flat_sent"] for r in everyone],
+                        "median_step_s": [r["flat_step_s"] for r in everyone],
+                    },
+                    "hierarchical": {
+                        "inter_node_bytes_per_rank": [r["hierarchical"] for r in everyone],
+                        "max": max(r["hierarchical"] for r in everyone),
+                        "total": sum(r["hierarchical"] for r in everyone),
+                        "all_bytes_per_rank": [r["hierarchical_sent"] for r in everyone],
+                        "median_step_s": [r["hierarchical_step_s"] for r in everyone],
+                    },
+                    "formula": formulas(b, nodes, local),
+                    "max_rel_diff_of_reduced_gradients": max(r["rel_diff"] for r in everyone),
+                },
+                indent=1,
+            )
+        )
     dist.destroy_process_group()
 
 

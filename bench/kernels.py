@@ -47,6 +47,7 @@ def _fwd_bwd(op, *tensors):
         inputs = [t.detach().requires_grad_(t.is_floating_point()) if torch.is_tensor(t) else t for t in tensors]
         out = op(*inputs)
         out.backward(torch.ones_like(out))
+
     return run
 
 
@@ -66,23 +67,51 @@ def cases(tokens: int, device: torch.device, dtype: torch.dtype):
     gx_ffn = torch.randn(sum(per_expert), MOE_FFN, device=device, dtype=dtype, generator=g)
     elt = x.element_size()
     return [
-        ("linear_gelu", lambda be: _fwd_bwd(lambda a, c, d: linear_act.linear_gelu(a, c, d, backend=be), x, w, b),
-         3 * 2 * tokens * H * FFN_LOCAL, None),
-        ("linear_swiglu", lambda be: _fwd_bwd(
-            lambda a, c, d: linear_act.linear_swiglu(a, c, None, d, None, backend=be), x, w, w.clone()),
-         3 * 2 * 2 * tokens * H * FFN_LOCAL, None),
-        ("rms_norm", lambda be: _fwd_bwd(lambda a, c: norms.rms_norm(a, c, 1e-5, backend=be), x, ln_w),
-         None, 5 * tokens * H * elt),
-        ("layer_norm", lambda be: _fwd_bwd(lambda a, c: norms.layer_norm(a, c, None, 1e-5, backend=be), x, ln_w),
-         None, 5 * tokens * H * elt),
-        ("cross_entropy", lambda be: _fwd_bwd(
-            lambda a: cross_entropy.fused_cross_entropy(a, target, backend=be), logits),
-         None, 3 * tokens * VOCAB_LOCAL * elt),
-        ("grouped_gemm", lambda be: _fwd_bwd(lambda a, c: grouped_gemm.grouped_gemm(a, c, sizes, backend=be), gx, gw),
-         3 * 2 * sum(per_expert) * H * MOE_FFN, None),
+        (
+            "linear_gelu",
+            lambda be: _fwd_bwd(lambda a, c, d: linear_act.linear_gelu(a, c, d, backend=be), x, w, b),
+            3 * 2 * tokens * H * FFN_LOCAL,
+            None,
+        ),
+        (
+            "linear_swiglu",
+            lambda be: _fwd_bwd(
+                lambda a, c, d: linear_act.linear_swiglu(a, c, None, d, None, backend=be), x, w, w.clone()
+            ),
+            3 * 2 * 2 * tokens * H * FFN_LOCAL,
+            None,
+        ),
+        (
+            "rms_norm",
+            lambda be: _fwd_bwd(lambda a, c: norms.rms_norm(a, c, 1e-5, backend=be), x, ln_w),
+            None,
+            5 * tokens * H * elt,
+        ),
+        (
+            "layer_norm",
+            lambda be: _fwd_bwd(lambda a, c: norms.layer_norm(a, c, None, 1e-5, backend=be), x, ln_w),
+            None,
+            5 * tokens * H * elt,
+        ),
+        (
+            "cross_entropy",
+            lambda be: _fwd_bwd(lambda a: cross_entropy.fused_cross_entropy(a, target, backend=be), logits),
+            None,
+            3 * tokens * VOCAB_LOCAL * elt,
+        ),
+        (
+            "grouped_gemm",
+            lambda be: _fwd_bwd(lambda a, c: grouped_gemm.grouped_gemm(a, c, sizes, backend=be), gx, gw),
+            3 * 2 * sum(per_expert) * H * MOE_FFN,
+            None,
+        ),
         # the experts' activation on the grouped GEMM's rows: 3 [rows, ffn] tensors forward, 5 backward
-        ("swiglu", lambda be: _fwd_bwd(lambda a, c: swiglu.swiglu(a, c, backend=be), gx_ffn, gx_ffn.clone()),
-         None, 8 * sum(per_expert) * MOE_FFN * elt),
+        (
+            "swiglu",
+            lambda be: _fwd_bwd(lambda a, c: swiglu.swiglu(a, c, backend=be), gx_ffn, gx_ffn.clone()),
+            None,
+            8 * sum(per_expert) * MOE_FFN * elt,
+        ),
     ]
 
 
@@ -91,22 +120,35 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                        help="input dtype (auto: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="input dtype (auto: bf16 on GPU, fp32 on CPU)",
+    )
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the reference")
     args = parser.parse_args()
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = torch.device(
+        "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
     gpu = device.type == "cuda"
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     dtype = dtypes[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if gpu else torch.float32)
     tokens = args.tokens or (4096 if gpu else 256)
     peak, peak_source = peak_flops(device, dtype)
-    report = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "dtype": str(dtype), "tokens": tokens,
-              "peak_flops": peak, "peak_source": peak_source, "kernels": {}}
+    report = {
+        "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+        "dtype": str(dtype),
+        "tokens": tokens,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "kernels": {},
+    }
     if not gpu:
-        report["note"] = ("the Triton kernels need a GPU (on CPU they run only in the numpy interpreter, which "
-                          "measures nothing useful); only the torch reference path is timed")
+        report["note"] = (
+            "the Triton kernels need a GPU (on CPU they run only in the numpy interpreter, which "
+            "measures nothing useful); only the torch reference path is timed"
+        )
     for name, make, flops, nbytes in cases(tokens, device, dtype):
         entry = {}
         backends = ["torch"] + (["triton"] if gpu else [])

@@ -88,8 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--recompute-layers", type=int, default=None)
-    p.add_argument("--unfused-lm-loss", action="store_true",
-                   help="whole logits, then the cross-entropy (default: head and loss fused in row chunks)")
+    p.add_argument(
+        "--unfused-lm-loss",
+        action="store_true",
+        help="whole logits, then the cross-entropy (default: head and loss fused in row chunks)",
+    )
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -100,10 +103,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
     arch = "gpt2" if args.model == "gpt2" else "llama"
-    kw = dict(arch=arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-              num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq_len=args.seq,
-              dropout=args.dropout,
-              tie_embeddings=arch == "gpt2")
+    kw = dict(
+        arch=arch,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        ffn_hidden_size=args.ffn,
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        dropout=args.dropout,
+        tie_embeddings=arch == "gpt2",
+    )
     if args.model == "moe":
         kw.update(num_experts=args.experts, top_k=args.top_k)
     return GPTConfig(**kw)
@@ -132,9 +143,12 @@ def state_bytes(chunks, reducer, optimizer) -> dict[str, int]:
     if hasattr(optimizer, "state_tensors"):  # 16-bit resident weights: fp32 main weights + moments
         main, opt = optimizer.state_tensors()
     shards = [getattr(bucket, "param_shard", None) for bucket in reducer.buckets]
-    return {"weights": _storage_bytes(params + [s for s in shards if s is not None]),
-            "grads": _storage_bytes(g for g in grads if g is not None),
-            "optimizer": _storage_bytes(opt), "main_params": _storage_bytes(main)}
+    return {
+        "weights": _storage_bytes(params + [s for s in shards if s is not None]),
+        "grads": _storage_bytes(g for g in grads if g is not None),
+        "optimizer": _storage_bytes(opt),
+        "main_params": _storage_bytes(main),
+    }
 
 
 def profiled_peak(fn, device: torch.device) -> int:
@@ -148,11 +162,13 @@ def profiled_peak(fn, device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False) as prof:
         fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-              and e.device_type() == torch.autograd.DeviceType.CPU]
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
     events.sort(key=lambda e: e.start_ns())
     running = high = 0
     for e in events:
@@ -164,7 +180,9 @@ def profiled_peak(fn, device: torch.device) -> int:
 def main(argv=None) -> None:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else torch.device("cpu")
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     if world > 1:
@@ -184,9 +202,12 @@ def main(argv=None) -> None:
                 "config": vars(args),
                 "device": str(device),
                 "world_size": world,
-                "method": ("cpu: torch.profiler [memory] events of the second step (peak above the step's start) "
-                           "+ exact state tensor bytes" if device.type == "cpu" else
-                           "cuda: torch.cuda.max_memory_allocated of the second step"),
+                "method": (
+                    "cpu: torch.profiler [memory] events of the second step (peak above the step's start) "
+                    "+ exact state tensor bytes"
+                    if device.type == "cpu"
+                    else "cuda: torch.cuda.max_memory_allocated of the second step"
+                ),
                 "ranks": gathered,
                 "max_abs_rel_error_total": max(abs(r["rel_error"]["total"]) for r in gathered),
                 "max_abs_rel_error_activations": max(abs(r["rel_error"]["activations"]) for r in gathered),
@@ -204,24 +225,39 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
 
     cfg = model_config(args)
     schedule = args.schedule or ("interleaved" if args.vpp > 1 else "1f1b")
-    par = ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, ep=args.ep, etp=args.etp, vpp=args.vpp,
-                         schedule=schedule, cp=args.cp, cp_comm=args.cp_comm)
+    par = ParallelConfig(
+        tp=args.tp,
+        pp=args.pp,
+        sp=args.sp,
+        ep=args.ep,
+        etp=args.etp,
+        vpp=args.vpp,
+        schedule=schedule,
+        cp=args.cp,
+        cp_comm=args.cp_comm,
+    )
     mesh = build_mesh(par, cfg, device_type=device.type)
     res = mesh.par
-    execution = ExecutionConfig(recompute=args.recompute, recompute_layers=args.recompute_layers,
-                                fused_lm_loss=not args.unfused_lm_loss)
+    execution = ExecutionConfig(
+        recompute=args.recompute, recompute_layers=args.recompute_layers, fused_lm_loss=not args.unfused_lm_loss
+    )
     precision = Precision(args.param_dtype if args.param_dtype == "bf16" else "fp32", device.type)
     optim = OptimConfig(zero=args.zero, param_dtype=args.param_dtype, lr=1e-3, weight_decay=0.1)
-    engine = Engine.build(EngineConfig(model=cfg, micro_batch_size=args.micro_batch, seed=args.seed,
-                                       execution=execution, optim=optim), mesh, device, precision=precision)
+    engine = Engine.build(
+        EngineConfig(model=cfg, micro_batch_size=args.micro_batch, seed=args.seed, execution=execution, optim=optim),
+        mesh,
+        device,
+        precision=precision,
+    )
     chunks, reducer, optimizer = engine.chunks, engine.reducer, engine.optimizer
     micro, n_micro = args.micro_batch, args.microbatches
     global_batch = micro * n_micro * res.dp
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen)
-    mine = tokens[mesh.dp_rank * micro * n_micro: (mesh.dp_rank + 1) * micro * n_micro].to(device)
-    microbatches = [(mine[i * micro:(i + 1) * micro, :-1], mine[i * micro:(i + 1) * micro, 1:])
-                    for i in range(n_micro)]
+    mine = tokens[mesh.dp_rank * micro * n_micro : (mesh.dp_rank + 1) * micro * n_micro].to(device)
+    microbatches = [
+        (mine[i * micro : (i + 1) * micro, :-1], mine[i * micro : (i + 1) * micro, 1:]) for i in range(n_micro)
+    ]
 
     def step():
         return float(engine.step(microbatches, 1e-3).loss)
@@ -239,14 +275,29 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
     above = profiled_peak(step, device)
     measured = dict(states, activations=above, total=persistent + above, activations_saved=saved)
 
-    plan = plan_rank(cfg, res, world, rank, micro_batch_size=micro, global_batch_size=global_batch,
-                     precision=precision.name, zero=args.zero, param_dtype=args.param_dtype, device=device.type,
-                     execution=execution)
+    plan = plan_rank(
+        cfg,
+        res,
+        world,
+        rank,
+        micro_batch_size=micro,
+        global_batch_size=global_batch,
+        precision=precision.name,
+        zero=args.zero,
+        param_dtype=args.param_dtype,
+        device=device.type,
+        execution=execution,
+    )
     b = plan["memory"]["bytes"]
-    planned = {"weights": b["weights"], "grads": b["grads"], "optimizer": b["optimizer"],
-               "main_params": b["main_params"],
-               "activations": b["activations"], "total": b["total"],
-               "activations_saved": b["activations_per_microbatch"]}
+    planned = {
+        "weights": b["weights"],
+        "grads": b["grads"],
+        "optimizer": b["optimizer"],
+        "main_params": b["main_params"],
+        "activations": b["activations"],
+        "total": b["total"],
+        "activations_saved": b["activations_per_microbatch"],
+    }
     keys = CATEGORIES + (("activations_saved",) if saved is not None else ())
     error = {k: (planned[k] - measured[k]) / measured[k] if measured[k] else 0.0 for k in keys}
     mib = 2**20

@@ -92,29 +92,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--shared-experts", type=int, default=0)
     p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu"])
-    p.add_argument("--aux-loss-coef", type=float, default=None,
-                   help="router aux-loss coefficient (default: GPTConfig's); its term is in the backward")
+    p.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=None,
+        help="router aux-loss coefficient (default: GPTConfig's); its term is in the backward",
+    )
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (torchrun, gloo)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (torchrun, gloo)")
-    p.add_argument("--dispatch-chunks", type=int, default=1,
-                   help="trainer.moe_dispatch_chunks: tokens dispatched in this many chunks (at ep/etp > 1)")
+    p.add_argument(
+        "--dispatch-chunks",
+        type=int,
+        default=1,
+        help="trainer.moe_dispatch_chunks: tokens dispatched in this many chunks (at ep/etp > 1)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10, help="timed iterations (per round with --peer)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds with --peer")
-    p.add_argument("--peer", action="store_true",
-                   help="also time transformers' MixtralSparseMoeBlock (grouped_mm) in the same run")
+    p.add_argument(
+        "--peer", action="store_true", help="also time transformers' MixtralSparseMoeBlock (grouped_mm) in the same run"
+    )
     p.add_argument("--no-profile", action="store_true", help="skip the profiled breakdown iteration")
-    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
-                   help="torch.compile both blocks with this mode (meshtron's with fullgraph=True; "
-                        "single process, bf16, dropless; reduce-overhead adds CUDA graphs on a GPU)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda when torch.cuda.is_available(), else cpu (both blocks run there)")
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES),
-                   help="dtype of the parameters, input and upstream gradient of both blocks")
-    p.add_argument("--kernels", default="torch", choices=["auto", "torch", "triton"],
-                   help="meshtron's kernels.backend: torch (default), triton (strict) or auto (self-checked "
-                        "Triton on CUDA, torch on CPU)")
+    p.add_argument(
+        "--compile",
+        default=None,
+        choices=COMPILE_MODES,
+        help="torch.compile both blocks with this mode (meshtron's with fullgraph=True; "
+        "single process, bf16, dropless; reduce-overhead adds CUDA graphs on a GPU)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda when torch.cuda.is_available(), else cpu (both blocks run there)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=list(DTYPES),
+        help="dtype of the parameters, input and upstream gradient of both blocks",
+    )
+    p.add_argument(
+        "--kernels",
+        default="torch",
+        choices=["auto", "torch", "triton"],
+        help="meshtron's kernels.backend: torch (default), triton (strict) or auto (self-checked "
+        "Triton on CUDA, torch on CPU)",
+    )
     args = p.parse_args(argv)
     if args.tokens < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1 or args.dispatch_chunks < 1:
         p.error("--tokens, --iters, --rounds and --dispatch-chunks must be >= 1 and --warmup >= 0")
@@ -139,11 +164,20 @@ def build_meshtron(args, mesh, local_tokens: int, device: torch.device, backend:
     """meshtron's MoELayer on `device` in `args.dtype` with `backend` kernels, and its timed step."""
     kw = {} if args.aux_loss_coef is None else {"aux_loss_coef": args.aux_loss_coef}
     dtype = DTYPES[args.dtype]
-    cfg = GPTConfig(arch="llama", num_layers=1, hidden_size=args.hidden, num_heads=1, activation=args.activation,
-                    num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn,
-                    shared_experts=args.shared_experts, seq_len=local_tokens, **kw)
-    layer = MoELayer(cfg.moe(), mesh, device=device, dtype=dtype, backend=backend,
-                     dispatch_chunks=args.dispatch_chunks)
+    cfg = GPTConfig(
+        arch="llama",
+        num_layers=1,
+        hidden_size=args.hidden,
+        num_heads=1,
+        activation=args.activation,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        moe_ffn_hidden_size=args.ffn,
+        shared_experts=args.shared_experts,
+        seq_len=local_tokens,
+        **kw,
+    )
+    layer = MoELayer(cfg.moe(), mesh, device=device, dtype=dtype, backend=backend, dispatch_chunks=args.dispatch_chunks)
     initialize_parameters(layer, SEED, mesh)
     layer.train()
     gen = torch.Generator().manual_seed(SEED + 1 + _rank())
@@ -191,24 +225,49 @@ def build_peer(args, device: torch.device):
     from transformers import MixtralConfig
     from transformers.models.mixtral import modeling_mixtral as mm
 
-    tiny = mm.MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                                               num_local_experts=args.experts, num_experts_per_tok=args.top_k))
+    tiny = mm.MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=128,
+            num_local_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+        )
+    )
     impl = tiny.config._experts_implementation
     del tiny
-    cfg = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_local_experts=args.experts,
-                        num_experts_per_tok=args.top_k, router_jitter_noise=0.0, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=4, vocab_size=8192,
-                        max_position_embeddings=128)
+    cfg = MixtralConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        router_jitter_noise=0.0,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        max_position_embeddings=128,
+    )
     cfg._experts_implementation = impl
     # Does grouped_mm run torch's native grouped_mm kernel on this device and dtype, or
     # transformers' python fallback loop? (as hf_mixtral_moe.py asks; a private helper)
     from transformers.integrations import moe as hf_moe
+
     can_use = getattr(hf_moe, "_can_use_grouped_mm", None)
-    native = None if can_use is None else bool(can_use(
-        torch.zeros(4, args.hidden, device=device, dtype=DTYPES[args.dtype]),
-        torch.zeros(args.experts, 2 * args.ffn, args.hidden, device=device, dtype=DTYPES[args.dtype]),
-        torch.arange(1, args.experts + 1, dtype=torch.int32, device=device)))
+    native = (
+        None
+        if can_use is None
+        else bool(
+            can_use(
+                torch.zeros(4, args.hidden, device=device, dtype=DTYPES[args.dtype]),
+                torch.zeros(args.experts, 2 * args.ffn, args.hidden, device=device, dtype=DTYPES[args.dtype]),
+                torch.arange(1, args.experts + 1, dtype=torch.int32, device=device),
+            )
+        )
+    )
     torch.manual_seed(0)
     block = mm.MixtralSparseMoeBlock(cfg)
     for prm in block.parameters():
@@ -232,11 +291,16 @@ def build_peer(args, device: torch.device):
             q.grad = None
         return out.detach()
 
-    info = {"system": f"transformers {transformers.__version__} {mm.MixtralSparseMoeBlock.__name__}",
-            "experts_implementation": impl, "script": str(PEER_SCRIPT), "dtype": args.dtype,
-            "device": str(device), "native_grouped_mm": native,
-            "setup": "as hf_mixtral_moe.py: MixtralConfig(router_jitter_noise=0), N(0, 0.02) weights, "
-                     "forward + backward(gy) w.r.t. input and all weights"}
+    info = {
+        "system": f"transformers {transformers.__version__} {mm.MixtralSparseMoeBlock.__name__}",
+        "experts_implementation": impl,
+        "script": str(PEER_SCRIPT),
+        "dtype": args.dtype,
+        "device": str(device),
+        "native_grouped_mm": native,
+        "setup": "as hf_mixtral_moe.py: MixtralConfig(router_jitter_noise=0), N(0, 0.02) weights, "
+        "forward + backward(gy) w.r.t. input and all weights",
+    }
     return info, step
 
 
@@ -264,10 +328,11 @@ def time_iters(step, n: int, world: int, device: torch.device) -> list[float]:
 
 def summary(times: list[float], tokens: int) -> dict:
     med = statistics.median(times)
-    return {"tokens_per_s": round(tokens / med, 1),
-            "ms": {"median": round(med * 1e3, 3), "min": round(min(times) * 1e3, 3),
-                   "max": round(max(times) * 1e3, 3)},
-            "timed_iters": len(times)}
+    return {
+        "tokens_per_s": round(tokens / med, 1),
+        "ms": {"median": round(med * 1e3, 3), "min": round(min(times) * 1e3, 3), "max": round(max(times) * 1e3, 3)},
+        "timed_iters": len(times),
+    }
 
 
 # ---------------------------------------------------------------- where the time goes
@@ -279,17 +344,18 @@ def _wrap(region: str, fn):
     def wrapped(*a, **kw):
         with record_function(f"moe::{region}"):
             return fn(*a, **kw)
+
     return wrapped
 
 
 def instrument(layer: MoELayer) -> None:
     """Mark the layer's parts with record_function regions (instance attributes only; moe/ is untouched)."""
-    layer.router.route = _wrap("router", layer.router.route)            # the expert choice
+    layer.router.route = _wrap("router", layer.router.route)  # the expert choice
     layer.router.statistics = _wrap("router", layer.router.statistics)  # balancing statistics, after the experts
     layer.dispatcher.dispatch_chunks = _wrap("dispatch", layer.dispatcher.dispatch_chunks)  # plan rows, start sending
-    layer.dispatcher.receive = _wrap("dispatch", layer.dispatcher.receive)    # wait, expand rows to pairs
-    layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)     # weighted row sums, start the return
-    layer.dispatcher.finish = _wrap("combine", layer.dispatcher.finish)       # wait, sum each token's rows
+    layer.dispatcher.receive = _wrap("dispatch", layer.dispatcher.receive)  # wait, expand rows to pairs
+    layer.dispatcher.combine = _wrap("combine", layer.dispatcher.combine)  # weighted row sums, start the return
+    layer.dispatcher.finish = _wrap("combine", layer.dispatcher.finish)  # wait, sum each token's rows
     if layer.shared is not None:
         layer.shared.hidden = _wrap("shared_experts", layer.shared.hidden)
         layer.shared.output = _wrap("shared_experts", layer.shared.output)
@@ -298,14 +364,20 @@ def instrument(layer: MoELayer) -> None:
     # come from the call site). GroupedExperts looks grouped_matmul up in its module at each
     # call; this rebinds it in this process only, after the timed iterations.
     from meshtron.moe import experts as experts_module
+
     experts_module.grouped_matmul = _wrap("expert_gemm", experts_module.grouped_matmul)
 
 
 def _is_gemm(name: str) -> bool:
     """An expert GEMM op or autograd node: torch's grouped_mm, the padded bmm (CUDA fp32), the
     Triton GroupedGemmFunction."""
-    return ("grouped_mm" in name or "GroupedMm" in name or "GroupedGemm" in name or "bmm" in name.lower()
-            or name in ("aten::mm",))
+    return (
+        "grouped_mm" in name
+        or "GroupedMm" in name
+        or "GroupedGemm" in name
+        or "bmm" in name.lower()
+        or name in ("aten::mm",)
+    )
 
 
 def _is_annotation(name: str) -> bool:
@@ -316,8 +388,7 @@ def _is_annotation(name: str) -> bool:
 
 def _is_device_work(e) -> bool:
     """A kernel, copy or memset on the device (not a region annotation)."""
-    return (e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
-            and not _is_annotation(e.name))
+    return e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False) and not _is_annotation(e.name)
 
 
 def device_regions(events, seq_region: dict) -> tuple[dict, dict]:
@@ -355,12 +426,12 @@ def device_regions(events, seq_region: dict) -> tuple[dict, dict]:
 TIME_NOTE = {  # (on CUDA, kernel events recorded) -> what the region figures are
     (False, False): "Times: host (CPU) time of the ops; fractions of the profiled iteration.",
     (True, True): "Times: DEVICE time (ProfilerActivity.CUDA): each CUDA kernel or copy goes to the CPU event that "
-                  "launched it, hence to its innermost autograd node (backward, as above) or else its innermost "
-                  "region (forward; the grouped GEMM calls, torch or Triton, are a region of their own); "
-                  "fractions and unattributed_ms are relative to kernel_ms, the summed time of every kernel and "
-                  "copy in the iteration (profiled_iteration_ms is its host wall time, synchronized).",
+    "launched it, hence to its innermost autograd node (backward, as above) or else its innermost "
+    "region (forward; the grouped GEMM calls, torch or Triton, are a region of their own); "
+    "fractions and unattributed_ms are relative to kernel_ms, the summed time of every kernel and "
+    "copy in the iteration (profiled_iteration_ms is its host wall time, synchronized).",
     (True, False): "Times: HOST time (the profiler recorded no CUDA kernels, so device time could not be "
-                   "attributed); on CUDA host time is launch overhead, not where the GPU spends its time.",
+    "attributed); on CUDA host time is launch overhead, not where the GPU spends its time.",
 }
 
 
@@ -404,11 +475,15 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
     bwd = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
     bwd_ranges = [(e.time_range.start, e.time_range.end) for e in bwd]
     bwd_start = min((s for s, _ in bwd_ranges), default=float("inf"))
+
     def is_op(e) -> bool:
         return e.name.startswith(("aten::", "c10d::"))
 
-    fwd_ops = [e for e in events if is_op(e) and e.cpu_parent is not None and not is_op(e.cpu_parent)
-               and e.time_range.start < bwd_start]
+    fwd_ops = [
+        e
+        for e in events
+        if is_op(e) and e.cpu_parent is not None and not is_op(e.cpu_parent) and e.time_range.start < bwd_start
+    ]
     fwd = defaultdict(float)
     seq_region = {}
     for e in fwd_ops:
@@ -435,16 +510,19 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
     regions = {}
     for r in REGIONS:
         f, b = fwd.get(r, 0.0) / 1e3, back.get(r, 0.0) / 1e3
-        regions[r] = {"forward_ms": round(f, 3), "backward_ms": round(b, 3),
-                      "fraction": round((f + b) / (total / 1e3), 3) if total else None}
+        regions[r] = {
+            "forward_ms": round(f, 3),
+            "backward_ms": round(b, 3),
+            "fraction": round((f + b) / (total / 1e3), 3) if total else None,
+        }
     return {
         "method": "torch.profiler, one extra iteration (times include profiler overhead): forward = top-level "
-                  "aten/c10d ops inside record_function regions wrapped around router / dispatcher.dispatch / "
-                  "experts / dispatcher.combine / shared experts (router = routing + balancing statistics, "
-                  "dispatch = dispatcher.dispatch + receive, combine = dispatcher.combine + finish, including "
-                  "the weighted sum of the k choices; the rest of MoELayer.forward, i.e. capacity bookkeeping, "
-                  "is 'other' for the forward); backward = autograd nodes attributed by sequence number to the "
-                  "forward op that made them (AccumulateGrad: other). " + TIME_NOTE[(cuda, device_time)],
+        "aten/c10d ops inside record_function regions wrapped around router / dispatcher.dispatch / "
+        "experts / dispatcher.combine / shared experts (router = routing + balancing statistics, "
+        "dispatch = dispatcher.dispatch + receive, combine = dispatcher.combine + finish, including "
+        "the weighted sum of the k choices; the rest of MoELayer.forward, i.e. capacity bookkeeping, "
+        "is 'other' for the forward); backward = autograd nodes attributed by sequence number to the "
+        "forward op that made them (AccumulateGrad: other). " + TIME_NOTE[(cuda, device_time)],
         "time": "device" if device_time else "host",
         "profiled_iteration_ms": round(iteration / 1e3, 3),
         "kernel_ms": round(kernel_total / 1e3, 3) if cuda else None,
@@ -456,12 +534,52 @@ def breakdown(step, layer: MoELayer, device: torch.device) -> tuple[dict, list]:
 
 
 # Ops that only make views or read metadata: no kernel of their own on a GPU.
-METADATA_OPS = frozenset({
-    "alias", "as_strided", "chunk", "contiguous", "detach", "empty", "empty_like", "empty_strided", "expand",
-    "expand_as", "flatten", "is_nonzero", "is_same_size", "item", "lift_fresh", "movedim", "narrow", "new_empty",
-    "new_empty_strided", "permute", "reshape", "_reshape_alias", "resolve_conj", "resolve_neg", "result_type",
-    "select", "size", "slice", "split", "split_with_sizes", "squeeze", "stride", "t", "to", "transpose", "unbind",
-    "unflatten", "unsqueeze", "_unsafe_view", "view", "view_as", "_local_scalar_dense"})
+METADATA_OPS = frozenset(
+    {
+        "alias",
+        "as_strided",
+        "chunk",
+        "contiguous",
+        "detach",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "expand",
+        "expand_as",
+        "flatten",
+        "is_nonzero",
+        "is_same_size",
+        "item",
+        "lift_fresh",
+        "movedim",
+        "narrow",
+        "new_empty",
+        "new_empty_strided",
+        "permute",
+        "reshape",
+        "_reshape_alias",
+        "resolve_conj",
+        "resolve_neg",
+        "result_type",
+        "select",
+        "size",
+        "slice",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "stride",
+        "t",
+        "to",
+        "transpose",
+        "unbind",
+        "unflatten",
+        "unsqueeze",
+        "_unsafe_view",
+        "view",
+        "view_as",
+        "_local_scalar_dense",
+    }
+)
 
 
 def host_ops(step, device: torch.device) -> dict:
@@ -489,8 +607,10 @@ def count_host_ops(events, cuda: bool, top: int = 25) -> dict:
     `device_idle` where it waits for the host instead (`_device_idle`)."""
     device_events = [e for e in events if _is_device_work(e)]
     events = [e for e in events if e.device_type.name == "CPU"]
-    bwd_start = min((e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
-                    default=float("inf"))
+    bwd_start = min(
+        (e.time_range.start for e in events if e.name.startswith("autograd::engine::evaluate_function")),
+        default=float("inf"),
+    )
 
     def op_parent(e):
         parent = e.cpu_parent
@@ -512,17 +632,24 @@ def count_host_ops(events, cuda: bool, top: int = 25) -> dict:
     for e in ops:
         names[e.name.split("::", 1)[1]] += 1
     forward = sum(1 for e in ops if e.time_range.start < bwd_start)
-    launches = sum(1 for e in events if "LaunchKernel" in e.name) if cuda else None  # cudaLaunchKernel(Ex), cuLaunchKernel
+    launches = (
+        sum(1 for e in events if "LaunchKernel" in e.name) if cuda else None
+    )  # cudaLaunchKernel(Ex), cuLaunchKernel
     gemm_starts = [e.time_range.start for e in ops if "grouped_mm" in e.name or "bmm" in e.name]
     first_gemm = min(gemm_starts) if gemm_starts else None
-    return {"forward": forward, "backward": len(ops) - forward, "total": len(ops), "kernel_launches": launches,
-            # ops the host issues before the first expert GEMM (torch's grouped_mm or the padded bmm;
-            # None for the Triton kernel, no aten op): an iteration that starts on an idle GPU waits
-            # for them before the first large kernel
-            "before_first_gemm": None if first_gemm is None else sum(1 for e in ops if e.time_range.start < first_gemm),
-            "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))),
-            "device_kernels": _device_kernels(device_events, top) if device_events else None,
-            "device_idle": _device_idle(device_events, ops, bwd_start) if device_events and ops else None}
+    return {
+        "forward": forward,
+        "backward": len(ops) - forward,
+        "total": len(ops),
+        "kernel_launches": launches,
+        # ops the host issues before the first expert GEMM (torch's grouped_mm or the padded bmm;
+        # None for the Triton kernel, no aten op): an iteration that starts on an idle GPU waits
+        # for them before the first large kernel
+        "before_first_gemm": None if first_gemm is None else sum(1 for e in ops if e.time_range.start < first_gemm),
+        "by_op": dict(sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "device_kernels": _device_kernels(device_events, top) if device_events else None,
+        "device_idle": _device_idle(device_events, ops, bwd_start) if device_events and ops else None,
+    }
 
 
 def _device_kernels(device_events, top: int) -> dict:
@@ -533,8 +660,11 @@ def _device_kernels(device_events, top: int) -> dict:
         entry[0] += 1
         entry[1] += (e.time_range.end - e.time_range.start) / 1e3
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    return {"total_ms": round(sum(ms for _, (_, ms) in ranked), 3), "kernels": len(device_events),
-            "top": [{"name": name[:120], "calls": calls, "ms": round(ms, 3)} for name, (calls, ms) in ranked[:top]]}
+    return {
+        "total_ms": round(sum(ms for _, (_, ms) in ranked), 3),
+        "kernels": len(device_events),
+        "top": [{"name": name[:120], "calls": calls, "ms": round(ms, 3)} for name, (calls, ms) in ranked[:top]],
+    }
 
 
 def _device_idle(device_events, ops, bwd_start: float, min_gap_us: float = 10.0, top: int = 8) -> dict:
@@ -555,14 +685,21 @@ def _device_idle(device_events, ops, bwd_start: float, min_gap_us: float = 10.0,
 
     def described(gap):
         begin, end, name = gap
-        return {"at_ms": round((begin - start) / 1e3, 3), "ms": round((end - begin) / 1e3, 3),
-                "phase": "forward" if end < bwd_start else "backward", "next_kernel": name[:80],
-                "host_ops_started": sum(1 for e in ops if begin <= e.time_range.start < end)}
+        return {
+            "at_ms": round((begin - start) / 1e3, 3),
+            "ms": round((end - begin) / 1e3, 3),
+            "phase": "forward" if end < bwd_start else "backward",
+            "next_kernel": name[:80],
+            "host_ops_started": sum(1 for e in ops if begin <= e.time_range.start < end),
+        }
 
     longest = sorted(sorted(gaps, key=lambda g: g[0] - g[1])[:top])
-    return {"span_ms": round((busy_until - start) / 1e3, 3),
-            "idle_ms": round(sum(end - begin for begin, end, _ in gaps) / 1e3, 3),
-            "before_first_kernel_ms": round(first / 1e3, 3), "gaps": [described(g) for g in longest]}
+    return {
+        "span_ms": round((busy_until - start) / 1e3, 3),
+        "idle_ms": round(sum(end - begin for begin, end, _ in gaps) / 1e3, 3),
+        "before_first_kernel_ms": round(first / 1e3, 3),
+        "gaps": [described(g) for g in longest],
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -580,9 +717,11 @@ def main(argv=None) -> None:
     if args.peer and world > 1:
         fail("--peer runs single-process only (the Mixtral block has no expert parallelism); drop torchrun")
     if args.compile and (world > 1 or args.dtype != "bf16"):
-        fail(f"--compile={args.compile} compiles the single-process block in bf16 only: at ep > 1 the "
-             "dispatch syncs the host for the all-to-all sizes, and torch's grouped GEMM traces only in bf16; "
-             "use --dtype bf16 without torchrun")
+        fail(
+            f"--compile={args.compile} compiles the single-process block in bf16 only: at ep > 1 the "
+            "dispatch syncs the host for the all-to-all sizes, and torch's grouped GEMM traces only in bf16; "
+            "use --dtype bf16 without torchrun"
+        )
     if args.tokens % world:
         fail(f"--tokens={args.tokens} is not divisible by the world size {world}")
     from throughput import init_process_group, pick_device
@@ -595,8 +734,10 @@ def main(argv=None) -> None:
     if args.compile and backend == "triton":
         fail(f"--compile={args.compile} traces torch's grouped GEMM; use --kernels torch or auto")
     if backend == CHECKED and args.warmup < 1:
-        fail(f"--kernels={args.kernels} self-checks each Triton kernel on the first step: "
-             "use --warmup >= 1 so that the check is not timed")
+        fail(
+            f"--kernels={args.kernels} self-checks each Triton kernel on the first step: "
+            "use --warmup >= 1 so that the check is not timed"
+        )
     if world > 1:
         init_process_group(device)
     local_tokens = args.tokens // world
@@ -632,9 +773,12 @@ def main(argv=None) -> None:
         dist.all_reduce(own)
     host1 = _host_cpu_seconds()
     busy, steal = host_load(host0, host1, float(own.sum()), wall)
-    host = {"cpus": os.cpu_count(), "other_busy_cpus": None if busy is None else round(busy, 3),
-            "steal_cpus": None if steal is None else round(steal, 3),
-            "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    host = {
+        "cpus": os.cpu_count(),
+        "other_busy_cpus": None if busy is None else round(busy, 3),
+        "steal_cpus": None if steal is None else round(steal, 3),
+        "loadavg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
     result_breakdown = ops = peer_ops = None
     if not args.no_profile:
@@ -649,24 +793,42 @@ def main(argv=None) -> None:
 
     # FLOPs the block needs per token, fwd+bwd (peers/README.md's MoE formula, + shared experts).
     mats = 3 if args.activation == "swiglu" else 2
-    fwd_flops_tok = 2 * args.hidden * args.experts + (args.top_k + args.shared_experts) * 2 * mats * args.hidden * args.ffn
+    fwd_flops_tok = (
+        2 * args.hidden * args.experts + (args.top_k + args.shared_experts) * 2 * mats * args.hidden * args.ffn
+    )
     flops_tok = 3 * fwd_flops_tok
 
     res = summary(mine, args.tokens)
     result = {
         "bench": "moe_layer",
         "system": "meshtron moe.layer.MoELayer",
-        "config": {"tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts,
-                   "top_k": args.top_k, "shared_experts": args.shared_experts, "activation": cfg.activation,
-                   "router": cfg.router_score, "renormalize": cfg.router_renormalize,
-                   "aux_loss_coef": cfg.aux_loss_coef, "capacity_factor": cfg.capacity_factor,
-                   "dtype": args.dtype, "kernels": backend,
-                   "dispatch_chunks": layer.dispatch_chunk_count(local_tokens),
-                   "timed": "forward + backward (input and all weights; aux-loss term included when coef > 0)"},
-        "layout": {"world": world, "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
-                   "tokens_per_rank": local_tokens,
-                   "processes": "single process" if world == 1 else
-                   f"{world} processes (torchrun, {'nccl' if device.type == 'cuda' else 'gloo'})"},
+        "config": {
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "ffn": args.ffn,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "shared_experts": args.shared_experts,
+            "activation": cfg.activation,
+            "router": cfg.router_score,
+            "renormalize": cfg.router_renormalize,
+            "aux_loss_coef": cfg.aux_loss_coef,
+            "capacity_factor": cfg.capacity_factor,
+            "dtype": args.dtype,
+            "kernels": backend,
+            "dispatch_chunks": layer.dispatch_chunk_count(local_tokens),
+            "timed": "forward + backward (input and all weights; aux-loss term included when coef > 0)",
+        },
+        "layout": {
+            "world": world,
+            "ep": mesh.par.ep,
+            "etp": mesh.par.etp,
+            "edp": mesh.par.edp,
+            "tokens_per_rank": local_tokens,
+            "processes": "single process"
+            if world == 1
+            else f"{world} processes (torchrun, {'nccl' if device.type == 'cuda' else 'gloo'})",
+        },
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
         # kernels: the resolved backend of meshtron's grouped GEMMs (triton_checked = auto on CUDA);
@@ -676,12 +838,16 @@ def main(argv=None) -> None:
         "kernels": backend,
         "kernels_requested": args.kernels,
         "compile": args.compile,  # torch.compile mode of both blocks (None: eager)
-        "grouped_gemm_path": grouped_backend(torch.empty(0, device=device, dtype=DTYPES[args.dtype]),
-                                             layer.experts.w_up, backend),
+        "grouped_gemm_path": grouped_backend(
+            torch.empty(0, device=device, dtype=DTYPES[args.dtype]), layer.experts.w_up, backend
+        ),
         "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
         # fp32 on CUDA: whether torch's matmuls (both blocks) and the Triton GEMMs may round to TF32.
-        "tf32": ({"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)}
-                 if device.type == "cuda" else None),
+        "tf32": (
+            {"torch": torch_allows_tf32(), "triton_fp32_dots": dot_precision(torch.float32)}
+            if device.type == "cuda"
+            else None
+        ),
         "threads": threads,
         "host": host,
         "warmup": args.warmup,
@@ -700,8 +866,10 @@ def main(argv=None) -> None:
         # On a loaded host the fastest iteration of each side is the least disturbed one.
         result["ratio_vs_peer_by_min_ms"] = round(p["ms"]["min"] / res["ms"]["min"], 3)
         result["peer"]["host_ops"] = peer_ops
-        result["peer_note"] = ("interleaved: each round times meshtron then the peer, --iters each; medians over "
-                               "all rounds (ratio_tokens_per_s_vs_peer), and the ratio of the fastest iterations (by_min)")
+        result["peer_note"] = (
+            "interleaved: each round times meshtron then the peer, --iters each; medians over "
+            "all rounds (ratio_tokens_per_s_vs_peer), and the ratio of the fastest iterations (by_min)"
+        )
     if _rank() == 0:
         print(json.dumps(result), flush=True)
     if world > 1:

@@ -41,15 +41,56 @@ KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 -
 def commands(ep: int, steps: int, warmup: int, mcore_python: str) -> dict[str, list[str]]:
     """The Megatron-Core and meshtron commands of one layout (ep = number of processes)."""
     s = SHAPE
-    common = ["--layers", str(s["layers"]), "--hidden", str(s["hidden"]), "--heads", str(s["heads"]),
-              "--seq", str(s["seq"]), "--batch", str(s["batch"]), "--vocab", str(s["vocab"]),
-              "--steps", str(steps), "--warmup", str(warmup), "--threads", str(2 // ep)]
-    mcore = [*launch(mcore_python, ep), *peer_script("mcore_moe.py"), *common, "--ep", str(ep),
-             "--experts", str(s["experts"]), "--topk", str(s["topk"]), "--moe-ffn", str(s["moe_ffn"]),
-             "--aux-loss-coeff", "0.01"]
-    meshtron = [*launch(sys.executable, ep), str(ROOT / "bench" / "throughput.py"), *common, "--arch", "llama",
-                "--experts", str(s["experts"]), "--top-k", str(s["topk"]), "--moe-ffn", str(s["moe_ffn"]),
-                "--ep", str(ep)]
+    common = [
+        "--layers",
+        str(s["layers"]),
+        "--hidden",
+        str(s["hidden"]),
+        "--heads",
+        str(s["heads"]),
+        "--seq",
+        str(s["seq"]),
+        "--batch",
+        str(s["batch"]),
+        "--vocab",
+        str(s["vocab"]),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--threads",
+        str(2 // ep),
+    ]
+    mcore = [
+        *launch(mcore_python, ep),
+        *peer_script("mcore_moe.py"),
+        *common,
+        "--ep",
+        str(ep),
+        "--experts",
+        str(s["experts"]),
+        "--topk",
+        str(s["topk"]),
+        "--moe-ffn",
+        str(s["moe_ffn"]),
+        "--aux-loss-coeff",
+        "0.01",
+    ]
+    meshtron = [
+        *launch(sys.executable, ep),
+        str(ROOT / "bench" / "throughput.py"),
+        *common,
+        "--arch",
+        "llama",
+        "--experts",
+        str(s["experts"]),
+        "--top-k",
+        str(s["topk"]),
+        "--moe-ffn",
+        str(s["moe_ffn"]),
+        "--ep",
+        str(ep),
+    ]
     return {"megatron_core": mcore, "meshtron": meshtron}
 
 
@@ -59,20 +100,33 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-peer-keep-freed", action="store_true",
-                   help="skip the Megatron-Core run with meshtron's glibc malloc settings")
-    p.add_argument("--gloo", action="store_true",
-                   help="at ep=2 also run meshtron with its CPU collectives on gloo (MESHTRON_SHM_COLLECTIVES=0)")
+    p.add_argument(
+        "--no-peer-keep-freed",
+        action="store_true",
+        help="skip the Megatron-Core run with meshtron's glibc malloc settings",
+    )
+    p.add_argument(
+        "--gloo",
+        action="store_true",
+        help="at ep=2 also run meshtron with its CPU collectives on gloo (MESHTRON_SHM_COLLECTIVES=0)",
+    )
     p.add_argument("--mcore-venv", default=DEFAULT_MCORE_VENV)
     args = p.parse_args(argv)
     python = mcore_python(args.mcore_venv)
+
     def keep_freed_peer(cmds: dict, envs: dict) -> None:
         if not args.no_peer_keep_freed:  # Megatron-Core again with meshtron's glibc malloc settings
             cmds["megatron_core_keep_freed"] = cmds["megatron_core"]
             envs["megatron_core_keep_freed"] = KEEP_FREED_ENV
 
-    layouts = layout_rounds("ep", args.layouts, lambda ep: commands(ep, args.steps, args.warmup, python),
-                            args.rounds, gloo=args.gloo, variants=keep_freed_peer)
+    layouts = layout_rounds(
+        "ep",
+        args.layouts,
+        lambda ep: commands(ep, args.steps, args.warmup, python),
+        args.rounds,
+        gloo=args.gloo,
+        variants=keep_freed_peer,
+    )
     print(json.dumps({"bench": "moe_vs_megatron", "shape": SHAPE, "rounds": args.rounds, "layouts": layouts}))
 
 

@@ -116,13 +116,22 @@ def pooled_quantiles(times: dict[str, list[float]], tokens_per_step: float, base
     holds at least a third of the steps) compares like with like."""
     rates = {name: {q: tokens_per_step / t for q, t in step_quantiles(ts).items()} for name, ts in times.items()}
     over = {peer: {q: round(rates[baseline][q] / r[q], 3) for q in r} for peer, r in rates.items() if peer != baseline}
-    return {"steps": {name: len(ts) for name, ts in times.items()},
-            "tokens_per_s": {name: {q: round(v, 1) for q, v in r.items()} for name, r in rates.items()},
-            f"{baseline}_over": over}
+    return {
+        "steps": {name: len(ts) for name, ts in times.items()},
+        "tokens_per_s": {name: {q: round(v, 1) for q, v in r.items()} for name, r in rates.items()},
+        f"{baseline}_over": over,
+    }
 
 
-def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *, baseline: str,
-                       envs: dict[str, dict] | None = None, label: str = "") -> dict:
+def interleaved_rounds(
+    cmds: dict[str, list[str]],
+    threads: int,
+    rounds: int,
+    *,
+    baseline: str,
+    envs: dict[str, dict] | None = None,
+    label: str = "",
+) -> dict:
     """Run every command of `cmds` once per round (order reversed every other round) and
     summarise: tokens/s of every run from its median step (`step_rates`: the same statistic
     for both formats), the 1-minute load average (the larger of before/after) and the CPUs
@@ -151,8 +160,11 @@ def interleaved_rounds(cmds: dict[str, list[str]], threads: int, rounds: int, *,
             fastest[name].append(round(fastest_rate, 1))
             loads[name].append(round(max(load_before, os.getloadavg()[0]), 2))
             others[name].append(round(other, 2))
-            print(f"{label} round {r} {name}: {median_rate:.0f} tokens/s median step, {fastest_rate:.0f} fastest "
-                  f"(load {loads[name][-1]}, other busy CPUs {others[name][-1]})", file=sys.stderr)
+            print(
+                f"{label} round {r} {name}: {median_rate:.0f} tokens/s median step, {fastest_rate:.0f} fastest "
+                f"(load {loads[name][-1]}, other busy CPUs {others[name][-1]})",
+                file=sys.stderr,
+            )
 
     def over(rates):
         return {peer: [m / c for m, c in zip(rates[baseline], rates[peer])] for peer in rates if peer != baseline}

@@ -58,21 +58,34 @@ def main() -> None:
         raise SystemExit("run under torchrun with at least 2 processes (pp = world size)")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    cfg = GPTConfig(arch="gpt2", num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                    vocab_size=args.vocab, seq_len=args.seq, tie_embeddings=False)
+    cfg = GPTConfig(
+        arch="gpt2",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        tie_embeddings=False,
+    )
     mesh = build_mesh(ParallelConfig(pp=world, vpp=args.vpp, schedule=args.schedule), cfg)
     chunks = init_model_chunks(cfg, mesh, 0)
     reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh)
     optimizer = build_optimizer(nn.ModuleList(chunks), lr=1e-4, weight_decay=0.0)
-    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, args.seq, args.micro_batch, args.hidden),
-                                torch.float32, torch.device("cpu"))
+    executor = PipelineExecutor(
+        chunks,
+        mesh,
+        activation_shape(mesh, args.seq, args.micro_batch, args.hidden),
+        torch.float32,
+        torch.device("cpu"),
+    )
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1), generator=gen)
     micro = [(t[:, :-1], t[:, 1:]) for t in tokens]
     result = None
     for _ in range(args.steps):
-        result = pipeline_train_step(chunks, reducer, optimizer, micro, mesh, executor, schedule=args.schedule,
-                                     lr=1e-4, max_grad_norm=1.0).pipeline
+        result = pipeline_train_step(
+            chunks, reducer, optimizer, micro, mesh, executor, schedule=args.schedule, lr=1e-4, max_grad_norm=1.0
+        ).pipeline
     timelines = [None] * world if mesh.rank == 0 else None
     dist.gather_object(result.timeline, timelines, dst=0)
     if mesh.rank == 0:
@@ -80,11 +93,20 @@ def main() -> None:
         expected = theoretical_bubble(world, args.microbatches, args.vpp)
         cores = os.cpu_count() or 1
         report = {
-            "schedule": args.schedule, "pp": world, "vpp": args.vpp, "microbatches": args.microbatches,
-            "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
-            "measured_bubble": sum(per_rank) / world, "measured_bubble_per_rank": per_rank,
-            "theoretical_bubble": expected, "formula": "((p-1)/v) / (m + (p-1)/v)",
-            "tolerance_abs": 0.10, "oversubscribed": world > cores,
+            "schedule": args.schedule,
+            "pp": world,
+            "vpp": args.vpp,
+            "microbatches": args.microbatches,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "seq": args.seq,
+            "micro_batch": args.micro_batch,
+            "measured_bubble": sum(per_rank) / world,
+            "measured_bubble_per_rank": per_rank,
+            "theoretical_bubble": expected,
+            "formula": "((p-1)/v) / (m + (p-1)/v)",
+            "tolerance_abs": 0.10,
+            "oversubscribed": world > cores,
             "within_tolerance": abs(sum(per_rank) / world - expected) <= 0.10,
             "step_span_s": max(e.end for t in timelines for e in t) - min(e.start for t in timelines for e in t),
         }

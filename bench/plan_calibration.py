@@ -58,10 +58,14 @@ LAYOUTS = {
     "tp4_sp": (Layout(tp=4, dp=1, sp=True, micro_batch_size=8), ["--tp", "4", "--sp"]),
     "tp1_dp4_mb1": (Layout(tp=1, dp=4, micro_batch_size=1), ["--tp", "1", "--micro-batch", "1"]),
     "tp1_dp4_full": (Layout(tp=1, dp=4, recompute="full", micro_batch_size=2), ["--tp", "1", "--recompute", "full"]),
-    "pp4_full": (Layout(pp=4, dp=1, recompute="full", micro_batch_size=1),
-                 ["--pp", "4", "--micro-batch", "1", "--recompute", "full"]),
-    "tp4_sp_full": (Layout(tp=4, dp=1, sp=True, recompute="full", micro_batch_size=8),
-                    ["--tp", "4", "--sp", "--recompute", "full"]),
+    "pp4_full": (
+        Layout(pp=4, dp=1, recompute="full", micro_batch_size=1),
+        ["--pp", "4", "--micro-batch", "1", "--recompute", "full"],
+    ),
+    "tp4_sp_full": (
+        Layout(tp=4, dp=1, sp=True, recompute="full", micro_batch_size=8),
+        ["--tp", "4", "--sp", "--recompute", "full"],
+    ),
     "cp4_ring": (Layout(cp=4, dp=1, cp_comm="ring", micro_batch_size=8), ["--cp", "4", "--cp-comm", "ring"]),
     "cp4_a2a": (Layout(cp=4, dp=1, cp_comm="a2a", micro_batch_size=8), ["--cp", "4", "--cp-comm", "a2a"]),
 }
@@ -70,8 +74,7 @@ DEFAULT_LAYOUTS = ("tp1_dp4", "pp4", "pp4_full", "tp4_sp_full")
 
 def model() -> GPTConfig:
     """bench/throughput.py's default (DESIGN.md reference) shape."""
-    return GPTConfig(arch="gpt2", num_layers=4, hidden_size=256, num_heads=4, vocab_size=8192, seq_len=128,
-                     dropout=0.0)
+    return GPTConfig(arch="gpt2", num_layers=4, hidden_size=256, num_heads=4, vocab_size=8192, seq_len=128, dropout=0.0)
 
 
 def memory_bandwidth(mib: int = 64, seconds: float = 0.5) -> float:
@@ -89,9 +92,21 @@ def memory_bandwidth(mib: int = 64, seconds: float = 0.5) -> float:
 
 def measure(args_list: list[str], steps: int) -> dict:
     """One bench/throughput.py run at world 4 (torchrun, one thread per process); its JSON."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           str(ROOT / "bench" / "throughput.py"), "--batch", str(BATCH), "--steps", str(steps), "--warmup", "2",
-           *args_list]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        str(ROOT / "bench" / "throughput.py"),
+        "--batch",
+        str(BATCH),
+        "--steps",
+        str(steps),
+        "--warmup",
+        "2",
+        *args_list,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     if out.returncode:
@@ -109,6 +124,7 @@ def spearman(a: dict[str, float], b: dict[str, float]) -> float | None:
     """Spearman rank correlation of two {layout: tokens/s}: Pearson's r of the ranks, tied
     values sharing their average rank (the model can price two layouts alike); None for fewer
     than 2 layouts or a constant side."""
+
     def avg_ranks(values: dict[str, float]) -> list[float]:
         vals = list(values.values())
         return [sum(w < v for w in vals) + (sum(w == v for w in vals) + 1) / 2 for v in (values[k] for k in a)]
@@ -134,11 +150,16 @@ def summary(names: list[str], rounds: dict[str, list[dict]], host: dict[str, lis
         t = step_time(cfg, layout, cluster, global_batch_size=BATCH, grad_elements=mem["grad_elements"])
         rates = rounds[name]
         measured[name], modelled[name] = statistics.median(rates), t.tokens_per_s
-        detail[name] = {"overrides": layout.overrides(), "measured_tokens_per_s": measured[name],
-                        "measured_rounds": rates, "modelled_tokens_per_s": t.tokens_per_s,
-                        "relative_error": t.tokens_per_s / measured[name] - 1, "modelled_step_s": t.total,
-                        "modelled_terms": {k: v for k, v in t.as_dict().items() if k != "terms"},
-                        "host_other_busy_cpus": host[name]}
+        detail[name] = {
+            "overrides": layout.overrides(),
+            "measured_tokens_per_s": measured[name],
+            "measured_rounds": rates,
+            "modelled_tokens_per_s": t.tokens_per_s,
+            "relative_error": t.tokens_per_s / measured[name] - 1,
+            "modelled_step_s": t.total,
+            "modelled_terms": {k: v for k, v in t.as_dict().items() if k != "terms"},
+            "host_other_busy_cpus": host[name],
+        }
     rm, rp = ranks(measured), ranks(modelled)
     for name in names:
         detail[name].update(measured_rank=rm[name], modelled_rank=rp[name])
@@ -146,28 +167,44 @@ def summary(names: list[str], rounds: dict[str, list[dict]], host: dict[str, lis
     four = [n for n in names if n in DEFAULT_LAYOUTS]
     gaps = sorted((measured[n] for n in four), reverse=True)
     return {
-        "bench": "plan_calibration", "world": WORLD, "global_batch": BATCH, "shape": "gpt2 L4 h256 a4 s128 V8192 fp32",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_preset": CPU_CALIBRATION,
-        "measured_constants": constants, "layouts": detail,
+        "bench": "plan_calibration",
+        "world": WORLD,
+        "global_batch": BATCH,
+        "shape": "gpt2 L4 h256 a4 s128 V8192 fp32",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu_preset": CPU_CALIBRATION,
+        "measured_constants": constants,
+        "layouts": detail,
         "default_layouts": four,
         "order_agrees": (sorted(four, key=lambda k: -measured[k]) == sorted(four, key=lambda k: -modelled[k]))
-        if four else None,
+        if four
+        else None,
         "default_layouts_min_gap": min((a / b - 1 for a, b in zip(gaps, gaps[1:])), default=None),
         "spearman_all": spearman(measured, modelled),
-        "mean_abs_relative_error": sum(errors) / len(errors), "max_abs_relative_error": max(errors),
-        "torch": torch.__version__}
+        "mean_abs_relative_error": sum(errors) / len(errors),
+        "max_abs_relative_error": max(errors),
+        "torch": torch.__version__,
+    }
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds over the layouts; the median tokens/s of each is compared")
-    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
-                   help=f"comma-separated, or all: {', '.join(LAYOUTS)}")
-    p.add_argument("--remodel", metavar="JSON",
-                   help="measure nothing: compare the rounds a previous run of this script wrote with the "
-                        "current model (after a change of the cpu preset)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds over the layouts; the median tokens/s of each is compared",
+    )
+    p.add_argument(
+        "--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, or all: {', '.join(LAYOUTS)}"
+    )
+    p.add_argument(
+        "--remodel",
+        metavar="JSON",
+        help="measure nothing: compare the rounds a previous run of this script wrote with the "
+        "current model (after a change of the cpu preset)",
+    )
     args = p.parse_args(argv)
     if args.remodel:
         old = json.loads(Path(args.remodel).read_text())
@@ -188,8 +225,12 @@ def main(argv=None) -> None:
     for r in range(args.rounds):  # interleaved, so a burst of load on the shared host hits every layout
         for name in names:
             runs[name].append(measure(LAYOUTS[name][1], args.steps))
-            print(f"round {r + 1} {name}: {runs[name][-1]['tokens_per_s']:.0f} tokens/s "
-                  f"(others busy {runs[name][-1]['host']['other_busy_cpus']})", file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1} {name}: {runs[name][-1]['tokens_per_s']:.0f} tokens/s "
+                f"(others busy {runs[name][-1]['host']['other_busy_cpus']})",
+                file=sys.stderr,
+                flush=True,
+            )
     rounds = {n: [r["tokens_per_s"] for r in runs[n]] for n in names}
     host = {n: [r["host"]["other_busy_cpus"] for r in runs[n]] for n in names}
     print(json.dumps(summary(names, rounds, host, constants), indent=1))

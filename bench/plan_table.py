@@ -33,7 +33,14 @@ LAYOUTS = [  # (name, parallel sizes, optim.zero, trainer.recompute[, optim.para
     ("tp=8 ep=8", dict(tp=8, ep=8), 0, "none"),
     ("tp=4 pp=2 ep=4 (1f1b), zero=1", dict(tp=4, pp=2, ep=4), 1, "none"),
 ]
-KEYS = ("weights", "main_params", "grads", "optimizer", "activations", "total")  # main_params: fp32 main weights of bf16-resident runs
+KEYS = (
+    "weights",
+    "main_params",
+    "grads",
+    "optimizer",
+    "activations",
+    "total",
+)  # main_params: fp32 main weights of bf16-resident runs
 
 
 def main(argv=None) -> None:
@@ -44,9 +51,18 @@ def main(argv=None) -> None:
     cfg = GPTConfig(**yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text()))
     rows = []
     for name, par, zero, recompute, *param_dtype in LAYOUTS:
-        plan = plan_all_ranks(cfg, ParallelConfig(**par), 8, micro_batch_size=1, global_batch_size=16,
-                              precision="bf16", zero=zero, device="cuda", param_dtype=(param_dtype or ["fp32"])[0],
-                              execution=ExecutionConfig(recompute=recompute))
+        plan = plan_all_ranks(
+            cfg,
+            ParallelConfig(**par),
+            8,
+            micro_batch_size=1,
+            global_batch_size=16,
+            precision="bf16",
+            zero=zero,
+            device="cuda",
+            param_dtype=(param_dtype or ["fp32"])[0],
+            execution=ExecutionConfig(recompute=recompute),
+        )
         heaviest = max(plan["ranks"], key=lambda r: r["memory"]["bytes"]["total"])
         rows.append({"layout": name, "bytes": {k: heaviest["memory"]["bytes"].get(k, 0) for k in KEYS}})
     if not args.markdown:

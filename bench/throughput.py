@@ -56,11 +56,10 @@ MAX_GRAD_NORM = 1.0
 
 # DESIGN.md "Performance principles": measured side by side on the 2-core CPU, fp32, AdamW,
 # tokens/s per step, 1 process x 2 threads (tp=1) vs 2 processes x 1 thread (tp=2).
-REFERENCE_SHAPE = dict(arch="gpt2", layers=4, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=8192,
-                       seq=128, batch=8)
+REFERENCE_SHAPE = dict(arch="gpt2", layers=4, hidden=256, heads=4, kv_heads=4, ffn=1024, vocab=8192, seq=128, batch=8)
 REFERENCE = {
     "source": "DESIGN.md, Performance principles (2-core CPU, fp32, AdamW; 1 process x 2 threads "
-              "vs 2 processes x 1 thread)",
+    "vs 2 processes x 1 thread)",
     "tokens_per_s": {
         "megatron_core_0.19_tp1": 2600,
         "megatron_core_0.19_tp2": 2100,
@@ -83,54 +82,93 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="global batch size (sequences per step)")
-    p.add_argument("--micro-batch", type=int, default=None,
-                   help="sequences per microbatch on one dp rank (default: batch // dp, one microbatch)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per microbatch on one dp rank (default: batch // dp, one microbatch)",
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs tp > 1 to matter)")
-    p.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages (parallel.pp; runs pipeline_train_step with --schedule)")
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (parallel.pp; runs pipeline_train_step with --schedule)"
+    )
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule at --pp > 1 (parallel.schedule)")
     p.add_argument("--experts", type=int, default=0, help="model.num_experts (0 = dense MLPs)")
     p.add_argument("--top-k", type=int, default=2, help="model.top_k (with --experts)")
-    p.add_argument("--moe-ffn", type=int, default=None,
-                   help="model.moe_ffn_hidden_size (default: the dense --ffn)")
+    p.add_argument("--moe-ffn", type=int, default=None, help="model.moe_ffn_hidden_size (default: the dense --ffn)")
     p.add_argument("--shared-experts", type=int, default=0, help="model.shared_experts (with --experts)")
-    p.add_argument("--capacity-factor", type=float, default=None,
-                   help="model.capacity_factor (with --experts; default dropless)")
+    p.add_argument(
+        "--capacity-factor", type=float, default=None, help="model.capacity_factor (with --experts; default dropless)"
+    )
     p.add_argument("--cp", type=int, default=1, help="context parallelism (parallel.cp)")
     p.add_argument("--cp-comm", default="ring", choices=["ring", "a2a"], help="parallel.cp_comm")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (parallel.ep)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor parallelism (parallel.etp)")
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="activation recomputation (trainer.recompute)")
-    p.add_argument("--unfused-lm-loss", action="store_true",
-                   help="trainer.fused_lm_loss=false: whole logits, then the cross-entropy")
-    p.add_argument("--compile-moe", action="store_true",
-                   help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph, or its "
-                        "router and experts where collectives or host syncs cut it; bf16: meshtron/rules.py "
-                        "compile_moe_checks)")
-    p.add_argument("--moe-dispatch-chunks", type=int, default=1,
-                   help="trainer.moe_dispatch_chunks: each MoE layer's tokens dispatched in this many chunks "
-                        "(at ep/etp > 1), one chunk's experts overlapping another's all-to-alls")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        choices=["none", "selective", "full"],
+        help="activation recomputation (trainer.recompute)",
+    )
+    p.add_argument(
+        "--unfused-lm-loss",
+        action="store_true",
+        help="trainer.fused_lm_loss=false: whole logits, then the cross-entropy",
+    )
+    p.add_argument(
+        "--compile-moe",
+        action="store_true",
+        help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph, or its "
+        "router and experts where collectives or host syncs cut it; bf16: meshtron/rules.py "
+        "compile_moe_checks)",
+    )
+    p.add_argument(
+        "--moe-dispatch-chunks",
+        type=int,
+        default=1,
+        help="trainer.moe_dispatch_chunks: each MoE layer's tokens dispatched in this many chunks "
+        "(at ep/etp > 1), one chunk's experts overlapping another's all-to-alls",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per process (default: torch's current count; under torchrun "
-                        "on CPU without OMP_NUM_THREADS: max(1, cores // local processes))")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: torch's current count; under torchrun "
+        "on CPU without OMP_NUM_THREADS: max(1, cores // local processes))",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--kernels", default="torch", choices=["auto", "torch", "triton"],
-                   help="kernels.backend: torch (default), triton (strict) or auto (self-checked Triton on CUDA)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="compute precision as trainer.precision (autocast; fp32 main weights)")
-    p.add_argument("--profile", action="store_true",
-                   help="profile one extra step with torch.profiler; table to stderr on rank 0")
+    p.add_argument(
+        "--kernels",
+        default="torch",
+        choices=["auto", "torch", "triton"],
+        help="kernels.backend: torch (default), triton (strict) or auto (self-checked Triton on CUDA)",
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="compute precision as trainer.precision (autocast; fp32 main weights)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="profile one extra step with torch.profiler; table to stderr on rank 0"
+    )
     args = p.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         p.error(f"--warmup={args.warmup} must be >= 0 and --steps={args.steps} >= 1")
-    if not args.experts and (args.ep > 1 or args.etp > 1 or args.shared_experts or args.moe_ffn is not None
-                             or args.capacity_factor is not None):
-        p.error(f"--ep={args.ep} / --etp={args.etp} / --shared-experts / --moe-ffn / --capacity-factor need --experts > 0 "
-                f"(a dense model has no experts to split)")
+    if not args.experts and (
+        args.ep > 1
+        or args.etp > 1
+        or args.shared_experts
+        or args.moe_ffn is not None
+        or args.capacity_factor is not None
+    ):
+        p.error(
+            f"--ep={args.ep} / --etp={args.etp} / --shared-experts / --moe-ffn / --capacity-factor need --experts > 0 "
+            f"(a dense model has no experts to split)"
+        )
     if args.moe_dispatch_chunks < 1:
         p.error(f"--moe-dispatch-chunks={args.moe_dispatch_chunks} must be >= 1")
     return args
@@ -157,8 +195,10 @@ def pick_device(name: str, on_error=None) -> torch.device:
     """The device of `--device` auto|cpu|cuda: cuda:LOCAL_RANK for cuda (auto: when available),
     else cpu; cuda without CUDA goes to `on_error` (default: this script's exit 2)."""
     if name == "cuda" and not torch.cuda.is_available():
-        (on_error or fail)(f"--device=cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
-                           f"CUDA build {torch.version.cuda}); use --device cpu or auto")
+        (on_error or fail)(
+            f"--device=cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda}); use --device cpu or auto"
+        )
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -183,13 +223,14 @@ def global_batches(cfg: GPTConfig, batch: int, count: int) -> list[tuple[torch.T
     return out
 
 
-def rank_microbatches(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int, dp: int, micro: int,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rank_microbatches(
+    inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int, dp: int, micro: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This dp rank's contiguous slice of the global batch, cut into microbatches of `micro`."""
     per_rank = inputs.shape[0] // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     x, y = inputs[rows].to(device), targets[rows].to(device)
-    return [(x[i: i + micro], y[i: i + micro]) for i in range(0, per_rank, micro)]
+    return [(x[i : i + micro], y[i : i + micro]) for i in range(0, per_rank, micro)]
 
 
 def _host_cpu_seconds() -> tuple[float, float] | None:
@@ -240,19 +281,33 @@ def profile_step(step, micro, device, rank: int) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=30), file=sys.stderr)
     # Phase breakdown from profiler events: autograd engine (backward), optimizer, forward.
     events = prof.key_averages()
-    wanted = ["bench::train_step", "Optimizer.step#AdamW.step", "autograd::engine::evaluate_function",
-              "_VocabParallelCrossEntropyBackward", "_VocabParallelCrossEntropy",
-              "aten::_scaled_dot_product_flash_attention_for_cpu",
-              "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-              "_ColumnParallelLinear", "_RowParallelLinear",
-              "aten::addmm", "aten::mm", "aten::linear", "gloo:", "c10d::", "shm::"]
+    wanted = [
+        "bench::train_step",
+        "Optimizer.step#AdamW.step",
+        "autograd::engine::evaluate_function",
+        "_VocabParallelCrossEntropyBackward",
+        "_VocabParallelCrossEntropy",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_ColumnParallelLinear",
+        "_RowParallelLinear",
+        "aten::addmm",
+        "aten::mm",
+        "aten::linear",
+        "gloo:",
+        "c10d::",
+        "shm::",
+    ]
     rows = {e.key: e for e in events}
     print("phase/op cpu totals (ms):", file=sys.stderr)
     for key in wanted:
         for name, e in rows.items():
             if name.startswith(key):
-                print(f"  {name:70s} total {e.cpu_time_total / 1e3:8.2f}  self {e.self_cpu_time_total / 1e3:8.2f}"
-                      f"  calls {e.count}", file=sys.stderr)
+                print(
+                    f"  {name:70s} total {e.cpu_time_total / 1e3:8.2f}  self {e.self_cpu_time_total / 1e3:8.2f}"
+                    f"  calls {e.count}",
+                    file=sys.stderr,
+                )
 
 
 def build_run(args: argparse.Namespace, device: torch.device, world: int):
@@ -260,38 +315,84 @@ def build_run(args: argparse.Namespace, device: torch.device, world: int):
     per dp rank); a bad shape or layout fails with one line (exit 2)."""
     try:
         backend = resolve_backend(args.kernels, device.type)
-        cfg = GPTConfig(arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                        num_kv_heads=args.kv_heads, ffn_hidden_size=args.ffn, vocab_size=args.vocab,
-                        seq_len=args.seq, dropout=0.0,
-                        num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.moe_ffn,
-                        shared_experts=args.shared_experts, capacity_factor=args.capacity_factor)
-        mesh = build_mesh(ParallelConfig(tp=args.tp, sp=args.sp, pp=args.pp, ep=args.ep, etp=args.etp,
-                                         schedule=args.schedule, cp=args.cp, cp_comm=args.cp_comm), cfg,
-                          device_type=device.type)
+        cfg = GPTConfig(
+            arch=args.arch,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            ffn_hidden_size=args.ffn,
+            vocab_size=args.vocab,
+            seq_len=args.seq,
+            dropout=0.0,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            moe_ffn_hidden_size=args.moe_ffn,
+            shared_experts=args.shared_experts,
+            capacity_factor=args.capacity_factor,
+        )
+        mesh = build_mesh(
+            ParallelConfig(
+                tp=args.tp,
+                sp=args.sp,
+                pp=args.pp,
+                ep=args.ep,
+                etp=args.etp,
+                schedule=args.schedule,
+                cp=args.cp,
+                cp_comm=args.cp_comm,
+            ),
+            cfg,
+            device_type=device.type,
+        )
     except (ValueError, RuntimeError) as exc:  # ParallelConfigError is a ValueError
         fail(str(exc))
     precision = Precision(args.precision, device.type)
     dp = mesh.dp_size
     if args.batch % dp:
-        fail(f"--batch={args.batch} is not divisible by dp={dp} "
-             f"(world {world} / (tp={args.tp} * cp={args.cp} * pp={args.pp}))")
+        fail(
+            f"--batch={args.batch} is not divisible by dp={dp} "
+            f"(world {world} / (tp={args.tp} * cp={args.cp} * pp={args.pp}))"
+        )
     per_rank = args.batch // dp
     micro = per_rank if args.micro_batch is None else args.micro_batch
     if micro < 1 or per_rank % micro:
         fail(f"--micro-batch={micro} must divide the per-dp-rank batch {per_rank} (batch {args.batch} / dp {dp})")
 
-    failure = first_failure(compile_moe_checks(
-        args.compile_moe, num_experts=cfg.num_experts, hidden_size=cfg.hidden_size,
-        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, precision=args.precision, kernel_backend=args.kernels,
-        recompute=args.recompute, zero=0))
+    failure = first_failure(
+        compile_moe_checks(
+            args.compile_moe,
+            num_experts=cfg.num_experts,
+            hidden_size=cfg.hidden_size,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            precision=args.precision,
+            kernel_backend=args.kernels,
+            recompute=args.recompute,
+            zero=0,
+        )
+    )
     if failure:
         fail(f"--compile-moe: {failure}")
-    execution = ExecutionConfig(recompute=args.recompute, kernel_backend=backend,
-                                fused_lm_loss=not args.unfused_lm_loss, compile_moe=args.compile_moe,
-                                moe_dispatch_chunks=args.moe_dispatch_chunks)
-    engine = Engine.build(EngineConfig(model=cfg, micro_batch_size=micro, seed=SEED, execution=execution,
-                                       optim=OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY),
-                                       max_grad_norm=MAX_GRAD_NORM), mesh, device, precision=precision)
+    execution = ExecutionConfig(
+        recompute=args.recompute,
+        kernel_backend=backend,
+        fused_lm_loss=not args.unfused_lm_loss,
+        compile_moe=args.compile_moe,
+        moe_dispatch_chunks=args.moe_dispatch_chunks,
+    )
+    engine = Engine.build(
+        EngineConfig(
+            model=cfg,
+            micro_batch_size=micro,
+            seed=SEED,
+            execution=execution,
+            optim=OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY),
+            max_grad_norm=MAX_GRAD_NORM,
+        ),
+        mesh,
+        device,
+        precision=precision,
+    )
     return engine, backend, precision, micro, per_rank
 
 
@@ -350,8 +451,9 @@ def main(argv=None) -> None:
         return engine.step(micro_batches, LR)
 
     total = args.warmup + args.steps + (1 if args.profile else 0)
-    batches = [rank_microbatches(x, y, mesh.dp_rank, dp, micro, device)
-               for x, y in global_batches(cfg, args.batch, total)]
+    batches = [
+        rank_microbatches(x, y, mesh.dp_rank, dp, micro, device) for x, y in global_batches(cfg, args.batch, total)
+    ]
 
     times, losses, other_busy, steal = time_steps(step, batches, args, world, device, backend)
 
@@ -374,14 +476,28 @@ def main(argv=None) -> None:
     fpt = model_flops_per_token(cfg)
     achieved = fpt * tokens_per_s
 
-    shape = dict(arch=cfg.arch, layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
-                 kv_heads=cfg.num_kv_heads, ffn=cfg.ffn_hidden_size, vocab=cfg.vocab_size, seq=cfg.seq_len,
-                 batch=args.batch)
+    shape = dict(
+        arch=cfg.arch,
+        layers=cfg.num_layers,
+        hidden=cfg.hidden_size,
+        heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads,
+        ffn=cfg.ffn_hidden_size,
+        vocab=cfg.vocab_size,
+        seq=cfg.seq_len,
+        batch=args.batch,
+    )
     moe = None
     if cfg.num_experts:
-        moe = dict(experts=cfg.num_experts, top_k=cfg.top_k, moe_ffn=cfg.moe_ffn_hidden_size,
-                   shared_experts=cfg.shared_experts, moe_every=cfg.moe_every, activation=cfg.activation,
-                   capacity_factor=cfg.capacity_factor)
+        moe = dict(
+            experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            moe_ffn=cfg.moe_ffn_hidden_size,
+            shared_experts=cfg.shared_experts,
+            moe_every=cfg.moe_every,
+            activation=cfg.activation,
+            capacity_factor=cfg.capacity_factor,
+        )
     reference = None
     if shape == REFERENCE_SHAPE and moe is None and args.pp == 1:
         reference = dict(REFERENCE)
@@ -392,25 +508,43 @@ def main(argv=None) -> None:
 
     result = {
         "bench": "throughput",
-        "config": {**shape, "moe": moe, "micro_batch": micro, "dtype": args.precision, "optimizer": "AdamW",
-                   "recompute": args.recompute, "compile_moe": args.compile_moe,
-                   "moe_dispatch_chunks": args.moe_dispatch_chunks,
-                   "kernels": backend,
-                   "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS
-                                       if selfcheck.verdict(k) is not None},
-                   "tie_embeddings": cfg.tie_embeddings, "padded_vocab": cfg.padded_vocab_size(args.tp)},
-        "layout": {"world": world, "tp": args.tp, "dp": dp, "sp": bool(args.sp), "pp": mesh.pp_size,
-                   "schedule": args.schedule if mesh.pp_size > 1 else None,
-                   "ep": mesh.par.ep, "etp": mesh.par.etp, "edp": mesh.par.edp,
-                   "microbatches_per_rank": per_rank // micro, "threads_per_process": threads},
+        "config": {
+            **shape,
+            "moe": moe,
+            "micro_batch": micro,
+            "dtype": args.precision,
+            "optimizer": "AdamW",
+            "recompute": args.recompute,
+            "compile_moe": args.compile_moe,
+            "moe_dispatch_chunks": args.moe_dispatch_chunks,
+            "kernels": backend,
+            "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
+            "tie_embeddings": cfg.tie_embeddings,
+            "padded_vocab": cfg.padded_vocab_size(args.tp),
+        },
+        "layout": {
+            "world": world,
+            "tp": args.tp,
+            "dp": dp,
+            "sp": bool(args.sp),
+            "pp": mesh.pp_size,
+            "schedule": args.schedule if mesh.pp_size > 1 else None,
+            "ep": mesh.par.ep,
+            "etp": mesh.par.etp,
+            "edp": mesh.par.edp,
+            "microbatches_per_rank": per_rank // micro,
+            "threads_per_process": threads,
+        },
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         # Other work on the host skews CPU timings: other_busy_cpus is the average number of
         # CPUs other processes kept busy during the timed steps, steal_cpus the average number
         # taken by the hypervisor (both from /proc/stat; null elsewhere).
-        "host": {"cpus": os.cpu_count(),
-                 "other_busy_cpus": None if other_busy is None else round(other_busy, 3),
-                 "steal_cpus": None if steal is None else round(steal, 3),
-                 "malloc": "keep_freed" if kept_freed_memory else "system"},
+        "host": {
+            "cpus": os.cpu_count(),
+            "other_busy_cpus": None if other_busy is None else round(other_busy, 3),
+            "steal_cpus": None if steal is None else round(steal, 3),
+            "malloc": "keep_freed" if kept_freed_memory else "system",
+        },
         "steps": {"warmup": args.warmup, "timed": args.steps},
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
@@ -424,8 +558,10 @@ def main(argv=None) -> None:
         "mfu": achieved / total_peak,
         "loss": {"first": losses[0], "last": losses[-1]},
         # Rank 0's peak: CUDA max_memory_allocated, CPU the process's peak resident set.
-        "memory": {"peak_bytes": peak_memory_bytes(device),
-                   "measure": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS"},
+        "memory": {
+            "peak_bytes": peak_memory_bytes(device),
+            "measure": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS",
+        },
         "reference": reference,
         "torch": torch.__version__,
     }

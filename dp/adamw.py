@@ -180,17 +180,25 @@ class ReplicatedAdamW(torch.optim.AdamW, TrainingOptimizer):
     def load_param_moments(self, moments: dict, step: float) -> None:
         for param in self._params():
             exp_avg, exp_avg_sq = moments[param]
-            self.state[param] = {"step": torch.tensor(step, dtype=torch.float32),
-                                 "exp_avg": exp_avg.to(param.device), "exp_avg_sq": exp_avg_sq.to(param.device)}
+            self.state[param] = {
+                "step": torch.tensor(step, dtype=torch.float32),
+                "exp_avg": exp_avg.to(param.device),
+                "exp_avg_sq": exp_avg_sq.to(param.device),
+            }
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if torch.is_tensor(t) and t.dim() > 0)
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
 
 
 def adamw(param_groups: list[dict], *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8) -> ReplicatedAdamW:
     """`ReplicatedAdamW` over `param_groups` (dicts with "params" and "weight_decay"), fused
     when `fused_supported`. No communication."""
     params = [p for g in param_groups for p in g["params"]]
-    return ReplicatedAdamW(param_groups, lr=lr, betas=tuple(betas), eps=eps,
-                           fused=True if fused_supported(params) else None)
+    return ReplicatedAdamW(
+        param_groups, lr=lr, betas=tuple(betas), eps=eps, fused=True if fused_supported(params) else None
+    )

@@ -21,8 +21,8 @@ def flatten_bucket_params(bucket) -> torch.Tensor:
     offset = 0
     for p in bucket.params:
         n = p.numel()
-        flat[offset: offset + n].copy_(p.detach().reshape(-1))
-        p.data = flat[offset: offset + n].view_as(p)
+        flat[offset : offset + n].copy_(p.detach().reshape(-1))
+        p.data = flat[offset : offset + n].view_as(p)
         offset += n
     bucket.param_buffer = flat
     return flat
@@ -36,7 +36,7 @@ def cast_bucket_params(bucket, dtype: torch.dtype) -> torch.Tensor:
     offset = 0
     for p in bucket.params:
         n = p.numel()
-        p.data = flat[offset: offset + n].view(p.shape)
+        p.data = flat[offset : offset + n].view(p.shape)
         offset += n
     bucket.param_buffer = flat
     return flat
@@ -49,13 +49,14 @@ def bucket_moment_shards(slots) -> tuple[list, float]:
     for bucket, start, size, state in slots:
         if "step" in state:
             step = float(state["step"])
-        flats = [state[key] if key in state else torch.zeros(size, dtype=torch.float32)
-                 for key in ("exp_avg", "exp_avg_sq")]
+        flats = [
+            state[key] if key in state else torch.zeros(size, dtype=torch.float32) for key in ("exp_avg", "exp_avg_sq")
+        ]
         offset = 0
         for p in bucket.params:
             n = p.numel()
             lo, hi = max(offset, start), min(offset + n, start + size)
             if lo < hi:
-                out.append((p, lo - offset, tuple(f[lo - start: hi - start] for f in flats)))
+                out.append((p, lo - offset, tuple(f[lo - start : hi - start] for f in flats)))
             offset += n
     return out, step

@@ -41,8 +41,9 @@ class ShardedAdamW(TrainingOptimizer):
     over each bucket's replica group. Exposes `param_groups` and `state` like an optimizer;
     reads the reducer's gradient shards when it reduce-scatters them (ZeRO-2)."""
 
-    def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8):
+    def __init__(
+        self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8
+    ):
         self.buckets = reducer.buckets
         self.grad_shards_of = reducer if reducer.shard_grads else None
         decay, no_decay = [], []
@@ -56,7 +57,7 @@ class ShardedAdamW(TrainingOptimizer):
                 shard = nn.Parameter(bucket.param_shard)
             else:
                 flat = flatten_bucket_params(bucket)
-                shard = nn.Parameter(flat[start: start + size])
+                shard = nn.Parameter(flat[start : start + size])
             shard.grad = bucket.shard  # ZeRO-1: a view of the bucket buffer; ZeRO-2: the reduced shard
             self._shards.append((bucket, shard, start, size))
             (decay if bucket.decay else no_decay).append(shard)
@@ -98,10 +99,10 @@ class ShardedAdamW(TrainingOptimizer):
         self.optimizer.step()
         if self.zero3:
             return
-        for index in (gather.order if gather is not None else range(len(self._shards))):
+        for index in gather.order if gather is not None else range(len(self._shards)):
             bucket, _, start, size = self._shards[index]
             if group_size(bucket.group) > 1:
-                own = bucket.param_buffer[start: start + size].clone()
+                own = bucket.param_buffer[start : start + size].clone()
                 if gather is not None:
                     gather.launch(index, bucket.param_buffer, own, bucket.group)
                 else:
@@ -129,7 +130,7 @@ class ShardedAdamW(TrainingOptimizer):
             offset = 0
             for p in bucket.params:
                 n = p.numel()
-                moments[p] = tuple(f[offset: offset + n].view_as(p) for f in full)
+                moments[p] = tuple(f[offset : offset + n].view_as(p) for f in full)
                 offset += n
         return moments, step
 
@@ -142,21 +143,28 @@ class ShardedAdamW(TrainingOptimizer):
             for p in bucket.params:
                 n = p.numel()
                 for flat, tensor in zip(flats, moments[p]):
-                    flat[offset: offset + n].copy_(tensor.reshape(-1))
+                    flat[offset : offset + n].copy_(tensor.reshape(-1))
                 offset += n
-            self.optimizer.state[shard] = {"step": torch.tensor(step, dtype=torch.float32),
-                                           "exp_avg": flats[0][start: start + size].clone(),
-                                           "exp_avg_sq": flats[1][start: start + size].clone()}
+            self.optimizer.state[shard] = {
+                "step": torch.tensor(step, dtype=torch.float32),
+                "exp_avg": flats[0][start : start + size].clone(),
+                "exp_avg_sq": flats[1][start : start + size].clone(),
+            }
 
     def moment_shards(self) -> tuple[list, float]:
         """([(param, first, (exp_avg, exp_avg_sq))], step count): this rank's slice of each
         parameter's flattened moments (1-D views of the shard state, zeros before the first
         step), starting at element `first` of the flattened local parameter; for checkpoints
         that save shards without gathering them. No communication."""
-        return bucket_moment_shards((bucket, start, size, self.optimizer.state.get(shard, {}))
-                                    for bucket, shard, start, size in self._shards)
+        return bucket_moment_shards(
+            (bucket, start, size, self.optimizer.state.get(shard, {})) for bucket, shard, start, size in self._shards
+        )
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                   if torch.is_tensor(t) and t.dim() > 0)
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )

@@ -141,8 +141,9 @@ class BucketSpec:
     padded_numel: int
 
 
-def bucket_layout(named_params, replicas: dict[str, int], bucket_mb: float = 25.0, *,
-                  tied_apart: bool = False, unit_of=None) -> list[BucketSpec]:
+def bucket_layout(
+    named_params, replicas: dict[str, int], bucket_mb: float = 25.0, *, tied_apart: bool = False, unit_of=None
+) -> list[BucketSpec]:
     """The buckets `DataParallelGradReducer` fills (pure: no tensor is touched, so meta
     parameters work): parameters needing a gradient, classed by replica group (`grad_group`),
     by weight decay (ndim >= 2, so a ZeRO shard of a bucket belongs to one optimizer group) and,
@@ -193,9 +194,18 @@ class DataParallelGradReducer:
         reducer.finish()      # all bucket collectives done; grads are final
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: Mesh, bucket_mb: float = 25.0, *,
-                 shard_grads: bool = False, comm_dtype: torch.dtype | None = None, unit_of=None,
-                 main_grads: bool = False, replica_groups: dict | None = None):
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        mesh: Mesh,
+        bucket_mb: float = 25.0,
+        *,
+        shard_grads: bool = False,
+        comm_dtype: torch.dtype | None = None,
+        unit_of=None,
+        main_grads: bool = False,
+        replica_groups: dict | None = None,
+    ):
         """`replica_groups` {key: group} replaces `replica_group(mesh, key)` for those keys (local
         SGD, training/local_sgd.py: the data replicas left out of the sum)."""
         self.mesh = mesh
@@ -219,13 +229,19 @@ class DataParallelGradReducer:
         replicas = {key: group_size(group) for key, group in groups.items()}
         # parallel.dp_hierarchical: "dp" buckets all-reduced in three stages (dp/hierarchical.py)
         self.hierarchy = None
-        if "dp" not in (replica_groups or {}) and mesh.dense_mesh is not None and resolve_hierarchical(
-                mesh.par.dp_hierarchical, mesh.par, mesh.world_size, mesh.ranks_per_node, shard_grads=shard_grads):
+        if (
+            "dp" not in (replica_groups or {})
+            and mesh.dense_mesh is not None
+            and resolve_hierarchical(
+                mesh.par.dp_hierarchical, mesh.par, mesh.world_size, mesh.ranks_per_node, shard_grads=shard_grads
+            )
+        ):
             self.hierarchy = dp_hierarchy(mesh)
         for spec in bucket_layout(named_params, replicas, bucket_mb, tied_apart=tied_apart, unit_of=unit_of):
             self._make_bucket(groups[spec.key], spec)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for bucket in self.buckets for p in bucket.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for bucket in self.buckets for p in bucket.params
+        ]
 
     def _reduces_in_shm(self, group, buffer: torch.Tensor) -> bool:
         """Whether a bucket of `buffer` is all-reduced through shared memory (mpu/shm_collectives)
@@ -243,10 +259,17 @@ class DataParallelGradReducer:
         dtype = torch.float32 if params[0].dtype in (torch.float16, torch.bfloat16) else params[0].dtype
         replicas, rank = group_size(group), group_rank(group)
         buffer = torch.zeros(spec.padded_numel, dtype=dtype, device=params[0].device)
-        bucket = _Bucket(group=group, buffer=buffer, params=params, names=[n for n, _ in spec.items],
-                         decay=spec.decay, key=spec.key, numel=spec.padded_numel,
-                         deferred=spec.tied and self.shard_grads,
-                         padding=spec.padded_numel - sum(p.numel() for p in params))
+        bucket = _Bucket(
+            group=group,
+            buffer=buffer,
+            params=params,
+            names=[n for n, _ in spec.items],
+            decay=spec.decay,
+            key=spec.key,
+            numel=spec.padded_numel,
+            deferred=spec.tied and self.shard_grads,
+            padding=spec.padded_numel - sum(p.numel() for p in params),
+        )
         bucket.in_shm = self._reduces_in_shm(group, buffer)
         self._point_grads(bucket, self.main_grads)
         size = spec.padded_numel // replicas
@@ -254,7 +277,7 @@ class DataParallelGradReducer:
         if self._sharded(bucket):
             bucket.shard = torch.zeros(size, dtype=dtype, device=buffer.device)
         else:  # ZeRO-0/1, or a group of one: the shard is a view of the (persistent) buffer
-            bucket.shard = buffer[rank * size: (rank + 1) * size]
+            bucket.shard = buffer[rank * size : (rank + 1) * size]
         for p in params:
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
@@ -268,7 +291,7 @@ class DataParallelGradReducer:
         (`main_grad`); `unset`: leave `.grad` unset for a first touch (see the module doc)."""
         offset = 0
         for p in bucket.params:
-            view = bucket.buffer[offset: offset + p.numel()].view(p.shape)
+            view = bucket.buffer[offset : offset + p.numel()].view(p.shape)
             self._slice_of[id(p)] = view
             if main_grads:
                 p.main_grad = view
@@ -311,8 +334,11 @@ class DataParallelGradReducer:
         """Wait for the ZeRO-3 unit buckets in flight, add each result to its shard, free its buffer."""
         for bucket in self._in_flight:
             if bucket.work is not None:
-                wait_for(bucket.work, f"reduce_scatter of a ZeRO-3 gradient bucket over {bucket.key} "
-                                      f"({bucket.numel * bucket.shard.element_size() / 2**20:.1f} MiB)")
+                wait_for(
+                    bucket.work,
+                    f"reduce_scatter of a ZeRO-3 gradient bucket over {bucket.key} "
+                    f"({bucket.numel * bucket.shard.element_size() / 2**20:.1f} MiB)",
+                )
             result, _ = bucket.comm
             bucket.shard.add_(result)
             self._free_buffer(bucket)
@@ -337,8 +363,10 @@ class DataParallelGradReducer:
         first = self._untouched.pop(id(param), None) is not None
         if self.main_grads:  # 16-bit weights: accumulate the 16-bit gradient into the fp32 bucket
             if param.main_grad is None:
-                raise RuntimeError("gradient buckets are freed after finish() with shard_grads=True: call "
-                                   "reducer.zero_grad() before backward")
+                raise RuntimeError(
+                    "gradient buckets are freed after finish() with shard_grads=True: call "
+                    "reducer.zero_grad() before backward"
+                )
             if first:
                 param.main_grad.copy_(param.grad)
             else:
@@ -349,11 +377,15 @@ class DataParallelGradReducer:
             view.copy_(param.grad)
             param.grad = view
         if bucket.buffer is None and bucket.lazy:
-            raise RuntimeError("a ZeRO-3 gradient bucket has no buffer: dp.zero3.Zero3 allocates it before its "
-                               "unit's backward (is the model's Zero3 installed and its hooks in place?)")
+            raise RuntimeError(
+                "a ZeRO-3 gradient bucket has no buffer: dp.zero3.Zero3 allocates it before its "
+                "unit's backward (is the model's Zero3 installed and its hooks in place?)"
+            )
         if bucket.buffer is None:
-            raise RuntimeError("gradient buckets are freed after finish() with shard_grads=True: call "
-                               "reducer.zero_grad() before backward")
+            raise RuntimeError(
+                "gradient buckets are freed after finish() with shard_grads=True: call "
+                "reducer.zero_grad() before backward"
+            )
         if bucket.lazy:  # ZeRO-3: reduced after every microbatch
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
@@ -379,7 +411,9 @@ class DataParallelGradReducer:
         source, target = bucket.buffer, (bucket.shard if self.shard_grads else bucket.buffer)
         if self.comm_dtype is not None and self.comm_dtype != source.dtype:
             wire = source.to(self.comm_dtype)
-            result = torch.empty(target.numel(), dtype=self.comm_dtype, device=wire.device) if self.shard_grads else wire
+            result = (
+                torch.empty(target.numel(), dtype=self.comm_dtype, device=wire.device) if self.shard_grads else wire
+            )
             bucket.comm = (result, target)
             source, target = wire, result
         if self.shard_grads:
@@ -432,8 +466,11 @@ class DataParallelGradReducer:
                 shm.all_reduce_in_slots(bucket.buffer, bucket.group)
             if bucket.work is not None:
                 op = "reduce_scatter" if self.shard_grads else "all_reduce"
-                wait_for(bucket.work, f"{op} of gradient bucket {index + 1}/{len(self.buckets)} over {bucket.key} "
-                                      f"({bucket.numel * bucket.shard.element_size() / 2**20:.1f} MiB)")
+                wait_for(
+                    bucket.work,
+                    f"{op} of gradient bucket {index + 1}/{len(self.buckets)} over {bucket.key} "
+                    f"({bucket.numel * bucket.shard.element_size() / 2**20:.1f} MiB)",
+                )
             if bucket.comm is not None:  # compressed: back into the fp32 gradient
                 result, target = bucket.comm
                 target.copy_(result)
@@ -461,7 +498,7 @@ class DataParallelGradReducer:
                 if bucket.buffer is None:
                     bucket.buffer = torch.empty(bucket.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
                     if bucket.padding:
-                        bucket.buffer[bucket.numel - bucket.padding:].zero_()
+                        bucket.buffer[bucket.numel - bucket.padding :].zero_()
                     self._point_grads(bucket, self.main_grads, unset=True)
                 elif not self.main_grads:
                     for p in bucket.params:

@@ -64,8 +64,9 @@ def hierarchy_shape(par: ParallelConfig, world_size: int, ranks_per_node: int) -
     return shapes.pop() if len(shapes) == 1 else None
 
 
-def resolve_hierarchical(mode, par: ParallelConfig, world_size: int, ranks_per_node: int, *,
-                         shard_grads: bool = False) -> bool:
+def resolve_hierarchical(
+    mode, par: ParallelConfig, world_size: int, ranks_per_node: int, *, shard_grads: bool = False
+) -> bool:
     """Whether the "dp" gradient buckets are all-reduced hierarchically. `mode` True: yes, or
     ParallelConfigError saying why it cannot be (reduce-scattered buckets: ZeRO-2/3; groups with
     unequal ranks per node); "auto": yes exactly when every data-replica group spans N > 1 nodes
@@ -75,19 +76,25 @@ def resolve_hierarchical(mode, par: ParallelConfig, world_size: int, ranks_per_n
         return False
     if getattr(par, "dp_mode", "allreduce") != "allreduce":  # parameter servers: no dp all-reduce to split
         if mode is True or mode == "true":
-            raise ParallelConfigError(f"parallel.dp_hierarchical=true applies to all-reduce data parallelism; "
-                                      f"parallel.dp_mode={par.dp_mode} has none: set parallel.dp_hierarchical=false")
+            raise ParallelConfigError(
+                f"parallel.dp_hierarchical=true applies to all-reduce data parallelism; "
+                f"parallel.dp_mode={par.dp_mode} has none: set parallel.dp_hierarchical=false"
+            )
         return False
     shape = hierarchy_shape(par, world_size, ranks_per_node)
     if mode is True or mode == "true":
         if shard_grads:
-            raise ParallelConfigError("parallel.dp_hierarchical=true is built for all-reduced gradient buckets "
-                                      "(optim.zero 0 or 1); ZeRO-2/3 reduce-scatter them: set optim.zero<=1 or "
-                                      "parallel.dp_hierarchical=false")
+            raise ParallelConfigError(
+                "parallel.dp_hierarchical=true is built for all-reduced gradient buckets "
+                "(optim.zero 0 or 1); ZeRO-2/3 reduce-scatter them: set optim.zero<=1 or "
+                "parallel.dp_hierarchical=false"
+            )
         if shape is None:
-            raise ParallelConfigError(f"parallel.dp_hierarchical=true needs every data-replica group (dp x cp) to "
-                                      f"hold the same number of ranks on each node ({ranks_per_node} ranks per "
-                                      f"node); use parallel.dp_hierarchical=false or change the layout")
+            raise ParallelConfigError(
+                f"parallel.dp_hierarchical=true needs every data-replica group (dp x cp) to "
+                f"hold the same number of ranks on each node ({ranks_per_node} ranks per "
+                f"node); use parallel.dp_hierarchical=false or change the layout"
+            )
         return True
     if mode != "auto":
         raise ParallelConfigError(f"parallel.dp_hierarchical={mode!r} must be one of true, false, auto")
@@ -107,8 +114,9 @@ class HierarchicalAllReduce:
         `async_op` the intra-node reduce-scatter is launched now and the returned handle's
         `wait()` runs the other two stages; without, all three run now and None is returned."""
         if x.numel() % self.local:
-            raise ValueError(f"a hierarchical all-reduce needs a numel divisible by {self.local} ranks per node, "
-                             f"got {x.numel()}")
+            raise ValueError(
+                f"a hierarchical all-reduce needs a numel divisible by {self.local} ranks per node, got {x.numel()}"
+            )
         part = torch.empty(x.numel() // self.local, dtype=x.dtype, device=x.device)
         work = reduce_scatter_into(part, x, group=self.intra, async_op=True)
         pending = _Pending(self, x, part, work)

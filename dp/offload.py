@@ -59,12 +59,12 @@ class _Slot:
     bucket: object
     start: int
     size: int
-    sharded: bool               # all-gather over bucket.group after the update
+    sharded: bool  # all-gather over bucket.group after the update
     device_weights: torch.Tensor  # view of bucket.param_buffer
-    main: nn.Parameter            # host fp32 main weights (pinned on CUDA)
+    main: nn.Parameter  # host fp32 main weights (pinned on CUDA)
     host_grad: torch.Tensor | None  # host staging buffer for the gradients (pinned on CUDA); None when
-                                    # the main weights live on the device (dp/resident.py): main.grad
-                                    # is then the reduced gradient itself
+    # the main weights live on the device (dp/resident.py): main.grad
+    # is then the reduced gradient itself
     optimizer: torch.optim.AdamW
     event: object = None
 
@@ -82,9 +82,20 @@ class OffloadedAdamW(TrainingOptimizer):
 
     offloaded = True
 
-    def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, zero: int = 0, fused: bool = True, pin_memory: bool | None = None,
-                 host: bool = True, param_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        reducer: DataParallelGradReducer,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        zero: int = 0,
+        fused: bool = True,
+        pin_memory: bool | None = None,
+        host: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={zero}: OffloadedAdamW supports 0 (replicated), 1, 2 and 3 (sharded over replicas)")
         self.zero = zero
@@ -115,8 +126,9 @@ class OffloadedAdamW(TrainingOptimizer):
             main = nn.Parameter(torch.empty(size, dtype=torch.float32, device=main_device, pin_memory=pin))
             host_grad = torch.zeros(size, dtype=torch.float32, pin_memory=pin) if host else None
             main.grad = host_grad
-            optimizer = torch.optim.AdamW([{"params": [main], "weight_decay": weight_decay if bucket.decay else 0.0}],
-                                          **kwargs)
+            optimizer = torch.optim.AdamW(
+                [{"params": [main], "weight_decay": weight_decay if bucket.decay else 0.0}], **kwargs
+            )
             self._param_groups += optimizer.param_groups
             if param_dtype is not None and zero3:  # Zero3 cast the shards and kept their fp32 values
                 with torch.no_grad():
@@ -124,9 +136,9 @@ class OffloadedAdamW(TrainingOptimizer):
                 del bucket.main_init
             elif param_dtype is not None:
                 with torch.no_grad():
-                    main.copy_(flat[start: start + size])
+                    main.copy_(flat[start : start + size])
                 flat = cast_bucket_params(bucket, param_dtype)
-            device_weights = bucket.param_shard if zero3 else flat[start: start + size]
+            device_weights = bucket.param_shard if zero3 else flat[start : start + size]
             self._slots.append(_Slot(bucket, start, size, sharded, device_weights, main, host_grad, optimizer))
         self._pin = any(s.main.is_pinned() for s in self._slots)
         if param_dtype is not None:
@@ -200,7 +212,7 @@ class OffloadedAdamW(TrainingOptimizer):
                 slot.event = torch.cuda.Event()
                 slot.event.record(torch.cuda.current_stream(grads.device))
         # Updated (and gathered) in the order forward reads the buckets when gathers overlap.
-        for index in (gather.order if gather is not None else range(len(self._slots))):
+        for index in gather.order if gather is not None else range(len(self._slots)):
             slot = self._slots[index]
             if slot.event is not None:
                 slot.event.synchronize()  # this bucket's gradients are on the host
@@ -249,7 +261,7 @@ class OffloadedAdamW(TrainingOptimizer):
             offset = 0
             for p in slot.bucket.params:
                 n = p.numel()
-                moments[p] = tuple(f[offset: offset + n].view(p.shape) for f in full)
+                moments[p] = tuple(f[offset : offset + n].view(p.shape) for f in full)
                 offset += n
         return moments, step
 
@@ -258,8 +270,9 @@ class OffloadedAdamW(TrainingOptimizer):
         parameter's flattened moments this rank updates (its shard with zero=1/2, all of it with
         zero=0), starting at element `first`; for checkpoints that save shards without
         gathering them. No communication."""
-        return bucket_moment_shards((slot.bucket, slot.start, slot.size, slot.optimizer.state.get(slot.main, {}))
-                                    for slot in self._slots)
+        return bucket_moment_shards(
+            (slot.bucket, slot.start, slot.size, slot.optimizer.state.get(slot.main, {})) for slot in self._slots
+        )
 
     @torch.no_grad()
     def load_param_moments(self, moments: dict, step: float) -> None:
@@ -275,10 +288,13 @@ class OffloadedAdamW(TrainingOptimizer):
                 lo, hi = max(offset, slot.start), min(offset + n, end)
                 if lo < hi:
                     for dst, src in zip((exp_avg, exp_avg_sq), moments[p]):
-                        dst[lo - slot.start: hi - slot.start].copy_(src.reshape(-1)[lo - offset: hi - offset])
+                        dst[lo - slot.start : hi - slot.start].copy_(src.reshape(-1)[lo - offset : hi - offset])
                 offset += n
-            slot.optimizer.state[slot.main] = {"step": torch.tensor(step, dtype=torch.float32),
-                                               "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+            slot.optimizer.state[slot.main] = {
+                "step": torch.tensor(step, dtype=torch.float32),
+                "exp_avg": exp_avg,
+                "exp_avg_sq": exp_avg_sq,
+            }
         self.mark_weights_changed()
 
     # ---------------------------------------------------------------------------- memory
@@ -290,13 +306,18 @@ class OffloadedAdamW(TrainingOptimizer):
     def host_state_bytes(self, main_weights: bool = True) -> int:
         """Host bytes of the AdamW moments (8 per updated element once stepped) plus, unless
         `main_weights=False`, the fp32 main weights (4 per element)."""
-        total = sum(t.numel() * t.element_size() for slot in self._slots
-                    for t in slot.optimizer.state.get(slot.main, {}).values() if torch.is_tensor(t) and t.dim() > 0)
+        total = sum(
+            t.numel() * t.element_size()
+            for slot in self._slots
+            for t in slot.optimizer.state.get(slot.main, {}).values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
         if main_weights:
             total += sum(slot.main.numel() * slot.main.element_size() for slot in self._slots)
         return total
 
     def host_grad_bytes(self) -> int:
         """Host bytes of the gradient staging buffers (4 per updated element)."""
-        return sum(slot.host_grad.numel() * slot.host_grad.element_size() for slot in self._slots
-                   if slot.host_grad is not None)
+        return sum(
+            slot.host_grad.numel() * slot.host_grad.element_size() for slot in self._slots if slot.host_grad is not None
+        )

@@ -112,10 +112,12 @@ class ParamGather:
                 first_use.setdefault(i, (ci, len(hooked)))
             for unit, module in hooked:
                 self.unit_buckets[(ci, unit)] = sorted(per_unit[unit])
-                self._hooks.append(module.register_forward_pre_hook(
-                    lambda m, args, key=(ci, unit): self._before_unit(key)))
-                self._hooks.append(module.register_forward_hook(
-                    lambda m, args, out, key=(ci, unit): self._after_unit(key)))
+                self._hooks.append(
+                    module.register_forward_pre_hook(lambda m, args, key=(ci, unit): self._before_unit(key))
+                )
+                self._hooks.append(
+                    module.register_forward_hook(lambda m, args, out, key=(ci, unit): self._after_unit(key))
+                )
             self.leftover[ci] = sorted(leftover)
             everything = sorted(set().union(leftover, *per_unit.values()))
             self._hooks.append(chunk.register_forward_hook(lambda m, args, out, idx=everything: self._wait(idx)))
@@ -158,8 +160,13 @@ class ParamGather:
         span = None
         if self.recording:
             names = self.buckets[index].names if getattr(self.buckets[index], "names", None) else []
-            span = Span(f"all-gather bucket {index}", "param all-gather", start, start,
-                        {"bucket": index, "numel": output.numel(), "first": names[:1], "last": names[-1:]})
+            span = Span(
+                f"all-gather bucket {index}",
+                "param all-gather",
+                start,
+                start,
+                {"bucket": index, "numel": output.numel(), "first": names[:1], "last": names[-1:]},
+            )
             self.spans.append(span)
             _record_completion(work, span)
         self._pending[index] = _Pending(work, own, span)
@@ -171,8 +178,11 @@ class ParamGather:
                 continue
             bucket = self.buckets[index]
             mib = pending.source.numel() * pending.source.element_size() * group_size(bucket.group) / 2**20
-            wait_for(pending.work, f"ZeRO parameter all-gather of bucket {index + 1}/{len(self.buckets)} over "
-                                   f"{bucket.key} ({mib:.1f} MiB)")
+            wait_for(
+                pending.work,
+                f"ZeRO parameter all-gather of bucket {index + 1}/{len(self.buckets)} over "
+                f"{bucket.key} ({mib:.1f} MiB)",
+            )
             if pending.span is not None and pending.span.end == pending.span.start:
                 pending.span.end = time.perf_counter()  # no completion callback on this backend
 
@@ -199,8 +209,13 @@ class ParamGather:
         now = time.perf_counter()
         if needed:
             self.spans.append(Span(f"wait params {key[1]}", "compute", start, now, {"buckets": needed}))
-        self._open[key] = Span(f"F {key[1]}" + (f" chunk{key[0]}" if key[0] else ""), "compute", now, now,
-                               {"gathers_in_flight": len(self.in_flight()), "gathers_pending": len(self._pending)})
+        self._open[key] = Span(
+            f"F {key[1]}" + (f" chunk{key[0]}" if key[0] else ""),
+            "compute",
+            now,
+            now,
+            {"gathers_in_flight": len(self.in_flight()), "gathers_pending": len(self._pending)},
+        )
 
     def _after_unit(self, key: tuple[int, str]) -> None:
         span = self._open.pop(key, None)

@@ -52,12 +52,30 @@ class ResidentAdamW(OffloadedAdamW):
     (module doc). Build it on a reducer with `main_grads=True`, while the parameters are still
     fp32: it casts them. Communicates like `OffloadedAdamW` (bf16 all-gathers at zero 1/2)."""
 
-    def __init__(self, reducer: DataParallelGradReducer, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, zero: int = 0, offload: bool = False, param_dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        reducer: DataParallelGradReducer,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        zero: int = 0,
+        offload: bool = False,
+        param_dtype: torch.dtype = torch.bfloat16,
+    ):
         if not reducer.main_grads:
             raise ValueError("16-bit resident weights need a reducer built with main_grads=True")
-        super().__init__(reducer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, zero=zero,
-                         host=offload, param_dtype=param_dtype)
+        super().__init__(
+            reducer,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            zero=zero,
+            host=offload,
+            param_dtype=param_dtype,
+        )
         self.offloaded = offload
         self._reducer = reducer
 
@@ -83,8 +101,12 @@ class ResidentAdamW(OffloadedAdamW):
 
     def state_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(fp32 main weights, AdamW moment tensors) this rank holds, for memory accounting."""
-        moments = [t for slot in self._slots for t in slot.optimizer.state.get(slot.main, {}).values()
-                   if torch.is_tensor(t) and t.dim() > 0]
+        moments = [
+            t
+            for slot in self._slots
+            for t in slot.optimizer.state.get(slot.main, {}).values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ]
         return [slot.main for slot in self._slots], moments
 
     def main_weight_shards(self) -> list:
@@ -97,7 +119,7 @@ class ResidentAdamW(OffloadedAdamW):
                 n = p.numel()
                 lo, hi = max(offset, slot.start), min(offset + n, slot.start + slot.size)
                 if lo < hi:
-                    out.append((p, lo - offset, slot.main.detach()[lo - slot.start: hi - slot.start]))
+                    out.append((p, lo - offset, slot.main.detach()[lo - slot.start : hi - slot.start]))
                 offset += n
         return out
 
@@ -113,7 +135,7 @@ class ResidentAdamW(OffloadedAdamW):
                 flat = weights[p].reshape(-1)
                 lo, hi = max(offset, slot.start), min(offset + n, end)
                 if lo < hi:
-                    slot.main[lo - slot.start: hi - slot.start].copy_(flat[lo - offset: hi - offset])
+                    slot.main[lo - slot.start : hi - slot.start].copy_(flat[lo - offset : hi - offset])
                 p.copy_(flat.view(p.shape))
                 offset += n
         self._weights_stale = False

@@ -162,10 +162,10 @@ class Zero3:
         flat = flatten_bucket_params(bucket)
         start, size = bucket.shard_start, bucket.shard.numel()
         if param_dtype is not None:
-            bucket.main_init = flat[start: start + size].clone()
+            bucket.main_init = flat[start : start + size].clone()
             flat = cast_bucket_params(bucket, param_dtype)
         sharded = group_size(bucket.group) > 1
-        shard = flat[start: start + size].clone() if sharded else flat[start: start + size]
+        shard = flat[start : start + size].clone() if sharded else flat[start : start + size]
         bucket.param_shard = shard
         return _Slot(bucket, flat, shard, start, flat.untyped_storage().nbytes(), sharded, list(bucket.params))
 
@@ -184,8 +184,9 @@ class Zero3:
 
     def _wait(self, slot: _Slot) -> None:
         if slot.work is not None:
-            wait_for(slot.work, f"ZeRO-3 all-gather of a {slot.bucket.key} parameter bucket "
-                                f"({slot.nbytes / 2**20:.1f} MiB)")
+            wait_for(
+                slot.work, f"ZeRO-3 all-gather of a {slot.bucket.key} parameter bucket ({slot.nbytes / 2**20:.1f} MiB)"
+            )
             slot.work = None
             slot.gathered = True
 
@@ -251,16 +252,18 @@ class Zero3:
         model = self.model
         unit = {u.name: u for u in self.units}
         if model.embed is not None and model.pre_process:
-            self._hooks.append(model.embed.register_forward_pre_hook(
-                lambda m, args: self._pre_forward(unit["embed"], args, release_at_next=True)))
+            self._hooks.append(
+                model.embed.register_forward_pre_hook(
+                    lambda m, args: self._pre_forward(unit["embed"], args, release_at_next=True)
+                )
+            )
         for i, block in model.layers.items():
             u = unit[f"layers.{i}"]
             self._hooks.append(block.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u, args)))
             self._hooks.append(block.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out)))
         if model.final_norm is not None:
             u = unit["head"]
-            self._hooks.append(model.final_norm.register_forward_pre_hook(
-                lambda m, args: self._pre_forward(u, args)))
+            self._hooks.append(model.final_norm.register_forward_pre_hook(lambda m, args: self._pre_forward(u, args)))
             self._hooks.append(model.register_forward_hook(lambda m, args, out: self._post_forward(u, out)))
 
     def _pre_forward(self, unit: _Unit, args: tuple, release_at_next: bool = False) -> tuple:
@@ -373,5 +376,5 @@ def gathered(chunks):
             with torch.no_grad():
                 for slot in z.slots:
                     if slot.sharded:
-                        slot.shard.copy_(slot.full[slot.start: slot.start + slot.shard.numel()])
+                        slot.shard.copy_(slot.full[slot.start : slot.start + slot.shard.numel()])
             z.release_all()

@@ -37,8 +37,12 @@ from dataclasses import asdict, dataclass, field
 
 ARCHS = (80, 90)
 # Operand dtypes the wrappers feed, as (label, compute type, dot precision).
-PRECISIONS = (("fp32-ieee", "fp32", "ieee"), ("fp32-tf32", "fp32", "tf32"), ("bf16", "bf16", "ieee"),
-              ("fp16", "fp16", "ieee"))
+PRECISIONS = (
+    ("fp32-ieee", "fp32", "ieee"),
+    ("fp32-tf32", "fp32", "tf32"),
+    ("bf16", "bf16", "ieee"),
+    ("fp16", "fp16", "ieee"),
+)
 NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
 
 # Stack-frame bytes per thread each kernel may use on the configs the pruning keeps (spills
@@ -50,12 +54,12 @@ NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
 SPILL_BUDGET = {
     "_linear_gelu_fwd_kernel": 0,
     "_linear_gelu_bwd_kernel": 0,
-    "_linear_swiglu_fwd_kernel": 24,   # IEEE fp32 64x64x16 on sm_90
-    "_linear_swiglu_bwd_kernel": 56,   # 16-bit 128x64x32 on 4 warps, sm_90 (two accumulators + dy)
+    "_linear_swiglu_fwd_kernel": 24,  # IEEE fp32 64x64x16 on sm_90
+    "_linear_swiglu_bwd_kernel": 56,  # 16-bit 128x64x32 on 4 warps, sm_90 (two accumulators + dy)
     "_matmul_kernel": 8,
-    "_grouped_gemm_kernel": 16,        # IEEE fp32 128x128x16 on sm_90
+    "_grouped_gemm_kernel": 16,  # IEEE fp32 128x128x16 on sm_90
     "_grouped_gemm_dw_kernel": 0,
-    "_norm_fwd_kernel": 8,             # triton 3.6 (the GPU image's): fp32 H=8192, 2 rows on 16 warps, sm_80
+    "_norm_fwd_kernel": 8,  # triton 3.6 (the GPU image's): fp32 H=8192, 2 rows on 16 warps, sm_80
     "_norm_bwd_kernel": 8,
     "_swiglu_fwd_kernel": 0,
     "_swiglu_bwd_kernel": 0,
@@ -71,9 +75,9 @@ class Case:
     kernel: str
     dtype: str
     arch: int
-    config: dict            # block sizes + num_warps + num_stages
+    config: dict  # block sizes + num_warps + num_stages
     constexprs: dict
-    signature: dict         # argument name -> Triton type ("*bf16", "i32", "constexpr")
+    signature: dict  # argument name -> Triton type ("*bf16", "i32", "constexpr")
     gemm: dict | None = None  # shared-memory estimate inputs for GEMMs (kernels/configs.py)
     variant: str = ""
     divisible: list = field(default_factory=list)  # argument indices Triton marks divisible by 16
@@ -101,6 +105,7 @@ def _jit(fn):
     TRITON_INTERPRET=1: enough to enumerate cases, not to compile them)."""
     import triton
     from triton.runtime.interpreter import InterpretedFunction
+
     while not isinstance(fn, (triton.runtime.jit.JITFunction, InterpretedFunction)):
         fn = fn.fn
     return fn
@@ -111,6 +116,7 @@ def _kernel_fns() -> dict:
     import triton
 
     from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
+
     fns = {}
     for module in (linear_act, grouped_gemm, cross_entropy, swiglu):
         for name in dir(module):
@@ -135,9 +141,15 @@ CAPTURE_ROWS, CAPTURE_IN, CAPTURE_OUT, CAPTURE_VOCAB, CAPTURE_EXPERTS = 64, 64, 
 def _describe(value):
     """How Triton specialises one launch argument: pointer type (+ alignment), int class or fp32."""
     import torch
+
     if isinstance(value, torch.Tensor):
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-                torch.int64: "i64"}[value.dtype]
+        name = {
+            torch.float32: "fp32",
+            torch.bfloat16: "bf16",
+            torch.float16: "fp16",
+            torch.int32: "i32",
+            torch.int64: "i64",
+        }[value.dtype]
         return {"type": "*" + name, "aligned": value.data_ptr() % 16 == 0}
     if isinstance(value, bool) or value is None:
         return {"type": "constexpr", "value": value}
@@ -156,6 +168,7 @@ def _workload(label: str) -> None:
     import torch
 
     from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu, tf32
+
     compute = {"fp32-ieee": None, "fp32-tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[label]
     tf32.set_tf32_mode("on" if label == "fp32-tf32" else "off")
     gen = torch.Generator().manual_seed(0)
@@ -168,15 +181,19 @@ def _workload(label: str) -> None:
     rows, k, n = CAPTURE_ROWS, CAPTURE_IN, CAPTURE_OUT
     with autocast:
         x = leaf(rows, k)
-        outs = [linear_act.linear_gelu(x, leaf(n, k), leaf(n), backend="triton"),
-                linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), leaf(n), backend="triton")]
+        outs = [
+            linear_act.linear_gelu(x, leaf(n, k), leaf(n), backend="triton"),
+            linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), leaf(n), backend="triton"),
+        ]
         sizes = torch.tensor([16, 0, 16, 0, 16, 0, 16, 0])
         outs.append(grouped_gemm.grouped_gemm(x, leaf(CAPTURE_EXPERTS, k, n), sizes, backend="triton"))
         outs.append(swiglu.swiglu(leaf(rows, n, dtype=fed), leaf(rows, n, dtype=fed), backend="triton"))
         for width in NORM_WIDTHS:
             h = leaf(16, width, dtype=fed)
-            outs += [norms.layer_norm(h, leaf(width), leaf(width), 1e-5, backend="triton"),
-                     norms.rms_norm(h, leaf(width), 1e-5, backend="triton")]
+            outs += [
+                norms.layer_norm(h, leaf(width), leaf(width), 1e-5, backend="triton"),
+                norms.rms_norm(h, leaf(width), 1e-5, backend="triton"),
+            ]
         logits = leaf(rows, CAPTURE_VOCAB, dtype=fed)
         target = torch.randint(0, CAPTURE_VOCAB, (rows,), generator=gen)
         outs.append(cross_entropy.fused_cross_entropy(logits.clone(), target, backend="triton"))
@@ -187,15 +204,21 @@ def capture_launches() -> list[dict]:
     """Every autotuned kernel launch of `_workload` at each precision, as
     {"kernel", "dtype", "args": {name: description}, "constexprs"}; needs TRITON_INTERPRET=1."""
     from triton.runtime.autotuner import Autotuner
+
     launches = []
     original = Autotuner.run
     label = None
 
     def record(self, *args, **kwargs):
         named = dict(zip(self.arg_names, args))
-        launches.append({"kernel": self.base_fn.__name__, "dtype": label,
-                         "args": {k: _describe(v) for k, v in named.items()},
-                         "constexprs": {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}})
+        launches.append(
+            {
+                "kernel": self.base_fn.__name__,
+                "dtype": label,
+                "args": {k: _describe(v) for k, v in named.items()},
+                "constexprs": {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")},
+            }
+        )
         return original(self, *args, **kwargs)
 
     Autotuner.run = record
@@ -221,6 +244,7 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     """(GPU candidate configs, GEMM prune shape or None) of a kernel before the GEMM pruning
     (the norms' per-thread pruning already applied)."""
     from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
+
     if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel"):
         fwd, bwd = norms.gpu_norm_configs()
         block_h = launch["constexprs"]["BLOCK_H"]
@@ -244,10 +268,16 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
 
 def _variant(launch: dict, compute: str) -> str:
     """What distinguishes launches of one kernel at one precision: flags and mixed dtypes."""
-    flags = [f"{k}={v}" for k, v in sorted(launch["constexprs"].items())
-             if k not in ("CAST_F32", "CAST_FP32", "PRECISION", "INPUT_PRECISION")]
-    mixed = [f"{k}:{d['type'][1:]}" for k, d in sorted(launch["args"].items())
-             if d["type"].startswith("*") and d["type"][1:] != compute]
+    flags = [
+        f"{k}={v}"
+        for k, v in sorted(launch["constexprs"].items())
+        if k not in ("CAST_F32", "CAST_FP32", "PRECISION", "INPUT_PRECISION")
+    ]
+    mixed = [
+        f"{k}:{d['type'][1:]}"
+        for k, d in sorted(launch["args"].items())
+        if d["type"].startswith("*") and d["type"][1:] != compute
+    ]
     unit = [k for k, d in sorted(launch["args"].items()) if d["type"] == "i32" and d["one"]]
     return " ".join(flags + mixed + ([f"unit={','.join(unit)}"] if unit else []))
 
@@ -256,6 +286,7 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     """The compile cases of one captured launch on `arch`: one per config kept after pruning,
     its arguments specialised as Triton does at run time."""
     from meshtron.kernels import configs as cfgs
+
     kernel, label = launch["kernel"], launch["dtype"]
     compute = dict((lbl, ctype) for lbl, ctype, _ in PRECISIONS)[label]
     fn = _kernel_fns()[kernel]
@@ -271,11 +302,16 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     if shape is not None:
         elem = 4 if compute == "fp32" else 2
         factor = 2 if shape["dual"] and base.get(shape["dual"]) else 1
-        gemm_args = dict(a_tiles=shape["a_tiles"] * factor, b_tiles=shape["b_tiles"] * factor,
-                         accumulators=shape["accumulators"], dims=shape["dims"])
+        gemm_args = dict(
+            a_tiles=shape["a_tiles"] * factor,
+            b_tiles=shape["b_tiles"] * factor,
+            accumulators=shape["accumulators"],
+            dims=shape["dims"],
+        )
         try:
-            candidates = cfgs.prune_gemm_configs(candidates, cfgs.ARCH_LIMITS[arch], elem, **gemm_args,
-                                                 fma=label == "fp32-ieee")
+            candidates = cfgs.prune_gemm_configs(
+                candidates, cfgs.ARCH_LIMITS[arch], elem, **gemm_args, fma=label == "fp32-ieee"
+            )
         except RuntimeError:
             candidates = []
     if not candidates:
@@ -299,10 +335,24 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
                     divisible.append(i)
         gemm = None
         if gemm_args is not None:
-            gemm = {"estimate": cfgs.config_shared_bytes(config, elem, gemm_args["a_tiles"], gemm_args["b_tiles"],
-                                                         gemm_args["dims"])}
-        cases.append(Case(kernel, label, arch, _config_dict(config), constexprs, signature, gemm=gemm,
-                          variant=variant, divisible=divisible))
+            gemm = {
+                "estimate": cfgs.config_shared_bytes(
+                    config, elem, gemm_args["a_tiles"], gemm_args["b_tiles"], gemm_args["dims"]
+                )
+            }
+        cases.append(
+            Case(
+                kernel,
+                label,
+                arch,
+                _config_dict(config),
+                constexprs,
+                signature,
+                gemm=gemm,
+                variant=variant,
+                divisible=divisible,
+            )
+        )
     return cases
 
 
@@ -313,8 +363,9 @@ def all_cases(archs=ARCHS, launches: list[dict] | None = None) -> list[Case]:
     for arch in archs:
         for launch in launches:
             for case in _cases_of(launch, arch):
-                key = json.dumps([case.kernel, case.dtype, case.arch, case.config, case.constexprs, case.signature],
-                                 sort_keys=True)
+                key = json.dumps(
+                    [case.kernel, case.dtype, case.arch, case.config, case.constexprs, case.signature], sort_keys=True
+                )
                 unique.setdefault(key, case)
     return list(unique.values())
 
@@ -351,6 +402,7 @@ def select(cases: list[Case], sample: int, seed: int) -> list[Case]:
 
 def _bin(name: str) -> str:
     import triton.backends.nvidia as nvidia
+
     return os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
 
 
@@ -359,8 +411,9 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            [_bin("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     regs = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
@@ -373,6 +426,7 @@ def compile_case(case: Case) -> Result:
     from triton.compiler import ASTSource
 
     from meshtron.kernels import configs as cfgs
+
     limits = asdict(cfgs.ARCH_LIMITS[case.arch])
     estimate = (case.gemm or {}).get("estimate")
     if not case.config:
@@ -382,15 +436,33 @@ def compile_case(case: Case) -> Result:
         fn = _kernel_fns()[case.kernel]
         options = {"num_warps": case.config["num_warps"], "num_stages": case.config["num_stages"]}
         attrs = {(i,): [["tt.divisibility", 16]] for i in case.divisible}
-        kernel = triton.compile(ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs, attrs=attrs),
-                                target=GPUTarget("cuda", case.arch, 32), options=options)
+        kernel = triton.compile(
+            ASTSource(fn=fn, signature=case.signature, constexprs=case.constexprs, attrs=attrs),
+            target=GPUTarget("cuda", case.arch, 32),
+            options=options,
+        )
         regs, stack = _resource_usage(kernel.asm["cubin"])
         wgmma = "wgmma" in kernel.asm["ptx"]
-        return Result(case, True, shared=int(kernel.metadata.shared), registers=regs, stack=stack, wgmma=wgmma,
-                      estimate=estimate, seconds=time.time() - start, limits=limits)
+        return Result(
+            case,
+            True,
+            shared=int(kernel.metadata.shared),
+            registers=regs,
+            stack=stack,
+            wgmma=wgmma,
+            estimate=estimate,
+            seconds=time.time() - start,
+            limits=limits,
+        )
     except Exception as exc:  # noqa: BLE001 - a compile error is a finding, reported by check()
-        return Result(case, False, f"{type(exc).__name__}: {str(exc)[:300]}", estimate=estimate,
-                      seconds=time.time() - start, limits=limits)
+        return Result(
+            case,
+            False,
+            f"{type(exc).__name__}: {str(exc)[:300]}",
+            estimate=estimate,
+            seconds=time.time() - start,
+            limits=limits,
+        )
 
 
 def compile_all(cases: list[Case], workers: int = 2) -> list[Result]:
@@ -402,10 +474,13 @@ def compile_all(cases: list[Case], workers: int = 2) -> list[Result]:
     with futures.ProcessPoolExecutor(workers) as pool:
         for result in pool.map(compile_case, order, chunksize=1):
             c = result.case
-            print(f"{c.kernel}{'/' + c.variant if c.variant else ''} {c.dtype} sm_{c.arch} {c.config}: "
-                  f"{'ok' if result.ok else result.error[:80]} shared={result.shared} est={result.estimate} "
-                  f"regs={result.registers} stack={result.stack} wgmma={result.wgmma} {result.seconds:.1f}s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{c.kernel}{'/' + c.variant if c.variant else ''} {c.dtype} sm_{c.arch} {c.config}: "
+                f"{'ok' if result.ok else result.error[:80]} shared={result.shared} est={result.estimate} "
+                f"regs={result.registers} stack={result.stack} wgmma={result.wgmma} {result.seconds:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
             results.append(result)
     return results
 
@@ -448,7 +523,9 @@ def summary(results: list[Result]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="meshtron-aot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="meshtron-aot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--all", action="store_true", help="compile every kept config")
     parser.add_argument("--sample", type=int, default=24, help="extra cases beyond one per (kernel, dtype, arch)")
     parser.add_argument("--seed", type=int, default=0)
@@ -474,8 +551,14 @@ def main(argv=None) -> int:
     failures = check(results)
     every = {(c.kernel, c.dtype, c.arch) for c in cases}
     missing = sorted(every - {(r.case.kernel, r.case.dtype, r.case.arch) for r in results if r.ok})
-    report = {"cases_total": len(cases), "compiled": len(results), "seconds": round(time.time() - start, 1),
-              "failures": failures, "missing": [list(m) for m in missing], "per_kernel": summary(results)}
+    report = {
+        "cases_total": len(cases),
+        "compiled": len(results),
+        "seconds": round(time.time() - start, 1),
+        "failures": failures,
+        "missing": [list(m) for m in missing],
+        "per_kernel": summary(results),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**report, "results": [asdict(r) for r in results]}, f, indent=1)

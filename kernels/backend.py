@@ -71,7 +71,7 @@ def auto_runs_torch(kernel: str, device_type: str, numel: int | None = None) -> 
 
 
 def resolve_backend(name: str, device_type: str) -> str:
-    """"torch", "triton" or "triton_checked" for the configured `name` on `device_type`
+    """ "torch", "triton" or "triton_checked" for the configured `name` on `device_type`
     (auto -> triton_checked on CUDA, torch elsewhere; `name` may also be "triton_checked",
     which tests use on CPU under TRITON_INTERPRET=1); raises with the reason when Triton is
     asked for but cannot run."""
@@ -81,8 +81,12 @@ def resolve_backend(name: str, device_type: str) -> str:
         return "torch"
     if not triton_available():
         if name == "auto":
-            raise RuntimeError("kernels.backend=auto on CUDA needs the triton package; install it or set kernels.backend=torch")
+            raise RuntimeError(
+                "kernels.backend=auto on CUDA needs the triton package; install it or set kernels.backend=torch"
+            )
         raise RuntimeError(f"kernels.backend={name} needs the triton package (pip install triton)")
     if device_type != "cuda" and not interpreting():
-        raise RuntimeError(f"kernels.backend={name} on CPU runs only under TRITON_INTERPRET=1 (tests); use kernels.backend=torch")
+        raise RuntimeError(
+            f"kernels.backend={name} on CPU runs only under TRITON_INTERPRET=1 (tests); use kernels.backend=torch"
+        )
     return CHECKED if name in ("auto", CHECKED) else "triton"

@@ -24,11 +24,11 @@ class DeviceLimits:
     """What one thread block may use on a GPU architecture (the register limits are ours:
     measured by `python -m meshtron.kernels.aot` to keep every kept config free of spills)."""
 
-    arch: int                   # compute capability major * 10 + minor (80 = A100, 90 = H100)
-    shared_bytes: int           # dynamic shared memory per block (opt-in maximum)
-    max_acc_regs: int = 128     # fp32 accumulator registers per thread, 16-bit tensor-core dots
+    arch: int  # compute capability major * 10 + minor (80 = A100, 90 = H100)
+    shared_bytes: int  # dynamic shared memory per block (opt-in maximum)
+    max_acc_regs: int = 128  # fp32 accumulator registers per thread, 16-bit tensor-core dots
     max_acc_regs_fp32: int = 64  # the same with 4-byte operands (tf32 and IEEE dots)
-    fma_max_block_k: int = 16   # IEEE fp32 dots run on CUDA cores with a K slice per thread:
+    fma_max_block_k: int = 16  # IEEE fp32 dots run on CUDA cores with a K slice per thread:
     #                             wider K tiles spill; tensor-core configs use K tiles >= 32
 
 
@@ -47,8 +47,9 @@ def device_limits(device: torch.device) -> DeviceLimits:
     return DeviceLimits(arch, int(shared), known.max_acc_regs, known.max_acc_regs_fp32, known.fma_max_block_k)
 
 
-def gemm_shared_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, elem_bytes: int,
-                      a_tiles: int = 1, b_tiles: int = 1) -> int:
+def gemm_shared_bytes(
+    block_m: int, block_n: int, block_k: int, num_stages: int, elem_bytes: int, a_tiles: int = 1, b_tiles: int = 1
+) -> int:
     """Upper bound of the shared memory of a pipelined GEMM K loop with `a_tiles` A tiles and
     `b_tiles` B tiles loaded per K step."""
     per_stage = (a_tiles * block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
@@ -69,8 +70,16 @@ def config_shared_bytes(config, elem_bytes: int, a_tiles: int = 1, b_tiles: int 
     return gemm_shared_bytes(m, n, k, config.num_stages, elem_bytes, a_tiles, b_tiles)
 
 
-def config_fits(config, limits: DeviceLimits, elem_bytes: int, a_tiles: int, b_tiles: int,
-                accumulators: int = 1, dims=GEMM_DIMS, fma: bool = False) -> bool:
+def config_fits(
+    config,
+    limits: DeviceLimits,
+    elem_bytes: int,
+    a_tiles: int,
+    b_tiles: int,
+    accumulators: int = 1,
+    dims=GEMM_DIMS,
+    fma: bool = False,
+) -> bool:
     """True when a GEMM `triton.Config` fits `limits`: shared memory, accumulator registers and
     the K tile of its dot kind (`fma`: IEEE fp32 on CUDA cores, else tensor cores)."""
     m, n, k = (config.kwargs[d] for d in dims)
@@ -81,23 +90,34 @@ def config_fits(config, limits: DeviceLimits, elem_bytes: int, a_tiles: int, b_t
     return shared <= limits.shared_bytes and regs <= max_regs and k_ok
 
 
-def prune_gemm_configs(configs: list, limits: DeviceLimits, elem_bytes: int, a_tiles: int, b_tiles: int,
-                       accumulators: int = 1, dims=GEMM_DIMS, fma: bool = False) -> list:
+def prune_gemm_configs(
+    configs: list,
+    limits: DeviceLimits,
+    elem_bytes: int,
+    a_tiles: int,
+    b_tiles: int,
+    accumulators: int = 1,
+    dims=GEMM_DIMS,
+    fma: bool = False,
+) -> list:
     """The configs that fit `limits`; raises when none does (a kernel left without a config
     must fail loudly, not autotune over nothing)."""
     kept = [c for c in configs if config_fits(c, limits, elem_bytes, a_tiles, b_tiles, accumulators, dims, fma)]
     if not kept:
-        raise RuntimeError(f"no GEMM config fits sm_{limits.arch} ({limits.shared_bytes} B shared, "
-                           f"{elem_bytes}-byte operands, {a_tiles}+{b_tiles} tiles per step"
-                           f"{', IEEE fp32' if fma else ''})")
+        raise RuntimeError(
+            f"no GEMM config fits sm_{limits.arch} ({limits.shared_bytes} B shared, "
+            f"{elem_bytes}-byte operands, {a_tiles}+{b_tiles} tiles per step"
+            f"{', IEEE fp32' if fma else ''})"
+        )
     return kept
 
 
 PRECISION_ARGS = ("PRECISION", "INPUT_PRECISION")  # the dot-precision constexpr of our GEMM kernels
 
 
-def gemm_prune(elem_arg: str, a_tiles: int, b_tiles: int, dual: str | None = None, accumulators: int = 1,
-               dims=GEMM_DIMS):
+def gemm_prune(
+    elem_arg: str, a_tiles: int, b_tiles: int, dual: str | None = None, accumulators: int = 1, dims=GEMM_DIMS
+):
     """An `early_config_prune` hook for `triton.autotune`: prunes for the device of the tensor
     argument `elem_arg`, its element size and the dot precision constexpr. `dual` names a
     constexpr that, when true, doubles the A and B tiles per K step (two products
@@ -110,9 +130,18 @@ def gemm_prune(elem_arg: str, a_tiles: int, b_tiles: int, dual: str | None = Non
         args = {**named_args, **kwargs}
         factor = 2 if dual is not None and args.get(dual) else 1
         fma = x.element_size() == 4 and any(args.get(p) == "ieee" for p in PRECISION_ARGS)
-        return prune_gemm_configs(configs, device_limits(x.device), x.element_size(), a_tiles * factor,
-                                  b_tiles * factor, accumulators, dims, fma)
+        return prune_gemm_configs(
+            configs,
+            device_limits(x.device),
+            x.element_size(),
+            a_tiles * factor,
+            b_tiles * factor,
+            accumulators,
+            dims,
+            fma,
+        )
 
-    prune.gemm_shape = dict(elem_arg=elem_arg, a_tiles=a_tiles, b_tiles=b_tiles, dual=dual,
-                            accumulators=accumulators, dims=dims)  # read by kernels/aot.py
+    prune.gemm_shape = dict(
+        elem_arg=elem_arg, a_tiles=a_tiles, b_tiles=b_tiles, dual=dual, accumulators=accumulators, dims=dims
+    )  # read by kernels/aot.py
     return prune

@@ -48,20 +48,23 @@ __all__ = [
 
 # --------------------------------------------------------------------------- reference
 
-def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0,
-                            vocab_size: int | None = None, group=None) -> torch.Tensor:
+
+def cross_entropy_reference(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, vocab_size: int | None = None, group=None
+) -> torch.Tensor:
     """Plain-torch reference: per-token fp32 cross-entropy of target's shape for logits
     [..., V_local] holding vocab columns [vocab_start, vocab_start + V_local); columns at or
     past `vocab_size` are padding. Communicates over `group` (TP): one all-gather of [3, N]
     statistics forward, none backward. Stores the fp32 exponentials (the unnormalised softmax)."""
-    return vocab_parallel_cross_entropy(logits, target, vocab_start=vocab_start,
-                                        vocab_size=vocab_size, group=group)
+    return vocab_parallel_cross_entropy(logits, target, vocab_start=vocab_start, vocab_size=vocab_size, group=group)
 
 
 # --------------------------------------------------------------------------- combine (torch)
 
-def combine_partials(local_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor,
-                     group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def combine_partials(
+    local_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor, group
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Combine per-rank kernel-1 partials over the TP `group` into global per-row statistics.
 
     local_max, sum_exp (relative to local_max), target_logit: fp32 [N] from this rank.
@@ -98,9 +101,19 @@ if triton_available():
 
     @triton.autotune(configs=_configs(), key=["V_local"])
     @triton.jit
-    def _ce_partials_kernel(logits_ptr, target_ptr, max_ptr, sumexp_ptr, tgt_logit_ptr,
-                            stride_row, V_local, vocab_start, vocab_size, ignore_index,
-                            BLOCK_V: tl.constexpr):
+    def _ce_partials_kernel(
+        logits_ptr,
+        target_ptr,
+        max_ptr,
+        sumexp_ptr,
+        tgt_logit_ptr,
+        stride_row,
+        V_local,
+        vocab_start,
+        vocab_size,
+        ignore_index,
+        BLOCK_V: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * stride_row
         # Columns this shard holds that belong to the real vocabulary.
@@ -127,9 +140,21 @@ if triton_available():
     # Autotuning reruns the kernel: restore the logits it may overwrite (in-place backward).
     @triton.autotune(configs=_configs(), key=["V_local"], restore_value=["logits_ptr", "grad_ptr"])
     @triton.jit
-    def _ce_backward_kernel(logits_ptr, grad_ptr, target_ptr, lse_ptr, dloss_ptr,
-                            stride_row, stride_grad_row, stride_dloss, V_local, vocab_start, vocab_size,
-                            ignore_index, BLOCK_V: tl.constexpr):
+    def _ce_backward_kernel(
+        logits_ptr,
+        grad_ptr,
+        target_ptr,
+        lse_ptr,
+        dloss_ptr,
+        stride_row,
+        stride_grad_row,
+        stride_dloss,
+        V_local,
+        vocab_start,
+        vocab_size,
+        ignore_index,
+        BLOCK_V: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * stride_row
         grad_row_ptr = grad_ptr + row * stride_grad_row
@@ -171,8 +196,9 @@ def _as_rows(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, 
     return rows, target.reshape(-1).contiguous()
 
 
-def cross_entropy_partials(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0,
-                           vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cross_entropy_partials(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel 1 on this rank's shard only: fp32 (local_max, sum_exp relative to local_max,
     target_logit) per row, flattened to [N]; no communication. target_logit is the raw logit
     of the target when it lies in [vocab_start, vocab_start + V_local) and is not ignored, else 0.
@@ -184,13 +210,15 @@ def cross_entropy_partials(logits: torch.Tensor, target: torch.Tensor, vocab_sta
         vocab_size = vocab_start + v
     out = torch.empty(3, n, dtype=torch.float32, device=rows.device)
     if n:
-        _ce_partials_kernel[(n,)](rows, tgt, out[0], out[1], out[2], rows.stride(0), v,
-                                  vocab_start, vocab_size, IGNORE_INDEX)
+        _ce_partials_kernel[(n,)](
+            rows, tgt, out[0], out[1], out[2], rows.stride(0), v, vocab_start, vocab_size, IGNORE_INDEX
+        )
     return out[0], out[1], out[2]
 
 
-def softmax_minus_onehot_(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                          vocab_start: int = 0) -> torch.Tensor:
+def softmax_minus_onehot_(
+    logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, vocab_start: int = 0
+) -> torch.Tensor:
     """Kernel 2 with a unit loss gradient, in place: each row of `logits` [N, V_local] (all
     columns real vocabulary) becomes softmax - onehot(target) given the row's global fp32
     log-sum-exp `lse` [N]; rows whose target is IGNORE_INDEX become 0. Returns `logits`.
@@ -201,8 +229,20 @@ def softmax_minus_onehot_(logits: torch.Tensor, target: torch.Tensor, lse: torch
     n, v = logits.shape
     if n:
         ones = torch.ones(1, dtype=torch.float32, device=logits.device)
-        _ce_backward_kernel[(n,)](logits, logits, target.contiguous(), lse.contiguous(), ones, logits.stride(0),
-                                  logits.stride(0), 0, v, vocab_start, vocab_start + v, IGNORE_INDEX)
+        _ce_backward_kernel[(n,)](
+            logits,
+            logits,
+            target.contiguous(),
+            lse.contiguous(),
+            ones,
+            logits.stride(0),
+            logits.stride(0),
+            0,
+            v,
+            vocab_start,
+            vocab_start + v,
+            IGNORE_INDEX,
+        )
     return logits
 
 
@@ -225,8 +265,20 @@ class _FusedCrossEntropy(torch.autograd.Function):
         grad = rows if inplace else torch.empty_like(rows)
         dloss = grad_loss.reshape(-1)
         if n:
-            _ce_backward_kernel[(n,)](rows, grad, tgt, lse, dloss, rows.stride(0), grad.stride(0),
-                                      dloss.stride(0), v, vocab_start, vocab_size, IGNORE_INDEX)
+            _ce_backward_kernel[(n,)](
+                rows,
+                grad,
+                tgt,
+                lse,
+                dloss,
+                rows.stride(0),
+                grad.stride(0),
+                dloss.stride(0),
+                v,
+                vocab_start,
+                vocab_size,
+                IGNORE_INDEX,
+            )
         if inplace:
             # Triton wrote behind autograd's back: bump the version so any other saved use of
             # these logits fails loudly instead of silently reading gradients.
@@ -234,9 +286,16 @@ class _FusedCrossEntropy(torch.autograd.Function):
         return grad.view(shape), None, None, None, None, None
 
 
-def fused_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
-                        vocab_size: int | None = None, group=None, backend: str = "torch",
-                        inplace_backward: bool = True) -> torch.Tensor:
+def fused_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    group=None,
+    backend: str = "torch",
+    inplace_backward: bool = True,
+) -> torch.Tensor:
     """Per-token cross-entropy (no reduction) over a vocab-parallel logits shard.
 
     logits: [..., V_local] (fp32/bf16/fp16, computed in fp32), this rank's vocabulary columns

@@ -54,11 +54,15 @@ except ImportError:  # the torch reference still works without triton
 
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> None:
     if x.dim() != 2 or weight.dim() != 3 or group_sizes.dim() != 1:
-        raise ValueError(f"grouped_gemm wants x [N, in], weight [G, in, out], group_sizes [G]; got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(group_sizes.shape)}")
+        raise ValueError(
+            f"grouped_gemm wants x [N, in], weight [G, in, out], group_sizes [G]; got "
+            f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(group_sizes.shape)}"
+        )
     if x.shape[1] != weight.shape[1] or group_sizes.shape[0] != weight.shape[0]:
-        raise ValueError(f"grouped_gemm shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"group_sizes {tuple(group_sizes.shape)}")
+        raise ValueError(
+            f"grouped_gemm shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"group_sizes {tuple(group_sizes.shape)}"
+        )
     if group_sizes.dtype.is_floating_point or group_sizes.dtype == torch.bool:
         raise ValueError(f"group_sizes must be integer, got {group_sizes.dtype}")
 
@@ -76,7 +80,7 @@ def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes: t
     outs, start = [], 0
     for g, n in enumerate(sizes):
         # Empty groups still contribute a [0, out] piece so the graph reaches every input.
-        outs.append((x[start:start + n].float() @ weight[g].float()).to(x.dtype))
+        outs.append((x[start : start + n].float() @ weight[g].float()).to(x.dtype))
         start += n
     if not outs:  # G == 0 (then N == 0)
         return x.new_zeros(0, weight.shape[2])
@@ -122,17 +126,33 @@ if triton is not None:
         return _interpreter_configs() if interpreting() else gpu_dw_configs()
 
     # y = x @ w: A tiles [BLOCK_M, BLOCK_K] of x, B tiles [BLOCK_K, BLOCK_N] of w.
-    @triton.autotune(configs=_gemm_configs(), key=["K", "N_OUT", "G_BLOCK", "INPUT_PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)})
+    @triton.autotune(
+        configs=_gemm_configs(),
+        key=["K", "N_OUT", "G_BLOCK", "INPUT_PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)},
+    )
     @triton.jit
     def _grouped_gemm_kernel(
-        x_ptr, w_ptr, y_ptr, sizes_ptr,
-        G, K, N_OUT,
-        stride_xm, stride_xk,
-        stride_wg, stride_wk, stride_wn,
-        stride_ym, stride_yn,
-        G_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        sizes_ptr,
+        G,
+        K,
+        N_OUT,
+        stride_xm,
+        stride_xk,
+        stride_wg,
+        stride_wk,
+        stride_wn,
+        stride_ym,
+        stride_yn,
+        G_BLOCK: tl.constexpr,
+        CAST_FP32: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         """y[rows of g, n tile] = x[rows of g] @ w[g][:, n tile] for the row tile of this program.
 
@@ -147,7 +167,7 @@ if triton is not None:
         gidx = tl.arange(0, G_BLOCK)
         sizes = tl.load(sizes_ptr + gidx, mask=gidx < G, other=0)
         tiles = (sizes + BLOCK_M - 1) // BLOCK_M
-        tile_end = tl.cumsum(tiles, axis=0)           # inclusive
+        tile_end = tl.cumsum(tiles, axis=0)  # inclusive
         row_end = tl.cumsum(sizes, axis=0)
         g = tl.sum((tile_end <= tile).to(tl.int32), axis=0)
         if g >= G:
@@ -182,18 +202,35 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     # dW = x^T @ dy: output tiles [BLOCK_K, BLOCK_N], reduction over BLOCK_M rows.
-    @triton.autotune(configs=_dw_configs(), key=["K", "N_OUT", "G_BLOCK", "INPUT_PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune(
-                         "x_ptr", a_tiles=1, b_tiles=1, dims=("BLOCK_K", "BLOCK_N", "BLOCK_M"))})
+    @triton.autotune(
+        configs=_dw_configs(),
+        key=["K", "N_OUT", "G_BLOCK", "INPUT_PRECISION"],
+        prune_configs_by={
+            "early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1, dims=("BLOCK_K", "BLOCK_N", "BLOCK_M"))
+        },
+    )
     @triton.jit
     def _grouped_gemm_dw_kernel(
-        x_ptr, dy_ptr, dw_ptr, sizes_ptr,
-        G, K, N_OUT,
-        stride_xm, stride_xk,
-        stride_dym, stride_dyn,
-        stride_dwg, stride_dwk, stride_dwn,
-        G_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr,
+        dy_ptr,
+        dw_ptr,
+        sizes_ptr,
+        G,
+        K,
+        N_OUT,
+        stride_xm,
+        stride_xk,
+        stride_dym,
+        stride_dyn,
+        stride_dwg,
+        stride_dwk,
+        stride_dwn,
+        G_BLOCK: tl.constexpr,
+        CAST_FP32: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         """dW[g][k tile, n tile] = x[rows of g][:, k tile]^T @ dy[rows of g][:, n tile].
 
@@ -223,10 +260,16 @@ if triton is not None:
             row_mask = local_m < g_size
             rows = (g_row_start + local_m).to(tl.int64)
             # x^T tile [BLOCK_K, BLOCK_M] loaded directly through strides.
-            a = tl.load(x_ptr + rows[None, :] * stride_xm + ks[:, None] * stride_xk,
-                        mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-            b = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
-                        mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            a = tl.load(
+                x_ptr + rows[None, :] * stride_xm + ks[:, None] * stride_xk,
+                mask=k_mask[:, None] & row_mask[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
+                mask=row_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
             if CAST_FP32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -264,17 +307,29 @@ def _launch_gemm(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor, out_dtyp
         return (triton.cdiv(rows, meta["BLOCK_M"]) + groups, triton.cdiv(n_out, meta["BLOCK_N"]))
 
     _grouped_gemm_kernel[grid](
-        x, w, y, sizes,
-        groups, k, n_out,
-        x.stride(0), x.stride(1),
-        w.stride(0), w.stride(1), w.stride(2),
-        y.stride(0), y.stride(1),
-        G_BLOCK=_g_block(groups), **_kernel_flags(x.dtype),
+        x,
+        w,
+        y,
+        sizes,
+        groups,
+        k,
+        n_out,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        y.stride(0),
+        y.stride(1),
+        G_BLOCK=_g_block(groups),
+        **_kernel_flags(x.dtype),
     )
     return y
 
 
-def _launch_dw(x: torch.Tensor, dy: torch.Tensor, sizes: torch.Tensor, groups: int, out_dtype: torch.dtype) -> torch.Tensor:
+def _launch_dw(
+    x: torch.Tensor, dy: torch.Tensor, sizes: torch.Tensor, groups: int, out_dtype: torch.dtype
+) -> torch.Tensor:
     """dW[g] = x[rows of g]^T @ dy[rows of g], [G, K, N_OUT]; zeros for empty groups."""
     k, n_out = x.shape[1], dy.shape[1]
     dw = torch.empty(groups, k, n_out, device=x.device, dtype=out_dtype)
@@ -285,12 +340,22 @@ def _launch_dw(x: torch.Tensor, dy: torch.Tensor, sizes: torch.Tensor, groups: i
         return (groups, triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(n_out, meta["BLOCK_N"]))
 
     _grouped_gemm_dw_kernel[grid](
-        x, dy, dw, sizes,
-        groups, k, n_out,
-        x.stride(0), x.stride(1),
-        dy.stride(0), dy.stride(1),
-        dw.stride(0), dw.stride(1), dw.stride(2),
-        G_BLOCK=_g_block(groups), **_kernel_flags(x.dtype),
+        x,
+        dy,
+        dw,
+        sizes,
+        groups,
+        k,
+        n_out,
+        x.stride(0),
+        x.stride(1),
+        dy.stride(0),
+        dy.stride(1),
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+        G_BLOCK=_g_block(groups),
+        **_kernel_flags(x.dtype),
     )
     return dw
 
@@ -328,7 +393,9 @@ class GroupedGemmFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+def grouped_gemm(
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
     """y[rows of group g] = x[rows of group g] @ weight[g] for consecutive row groups.
 
     x [N, in] sorted by group; weight [G, in, out]; group_sizes [G] on x's device, summing to N.

@@ -64,8 +64,9 @@ GELU_APPROXIMATIONS = ("tanh", "none")
 # ----------------------------------------------------------------------------- references
 
 
-def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          approximate: str = "tanh") -> torch.Tensor:
+def linear_gelu_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh"
+) -> torch.Tensor:
     """gelu(x @ weight.T + bias) in plain torch; x [..., K], weight [N, K], bias [N] or None,
     `approximate` "tanh" or "none" (erf). Output [..., N]."""
     if approximate not in GELU_APPROXIMATIONS:
@@ -73,8 +74,9 @@ def linear_gelu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return F.gelu(F.linear(x, weight, bias), approximate=approximate)
 
 
-def linear_swiglu_reference(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None,
-                            w_up: torch.Tensor, b_up: torch.Tensor | None) -> torch.Tensor:
+def linear_swiglu_reference(
+    x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor, b_up: torch.Tensor | None
+) -> torch.Tensor:
     """silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up) in plain torch; x [..., K], weights
     [N, K], biases [N] or None. Output [..., N]."""
     return F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)
@@ -87,21 +89,33 @@ _GELU_NONE, _GELU_TANH, _SWIGLU = 0, 1, 2
 
 
 def _configs(bm_bn_bk_warps_stages):
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                          num_warps=w, num_stages=s)
-            for bm, bn, bk, w, s in bm_bn_bk_warps_stages]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in bm_bn_bk_warps_stages
+    ]
 
 
 def gpu_configs(dual: bool = False) -> list:
     """The Ampere/Hopper autotune candidates (before the per-device pruning of
     `kernels.configs.gemm_prune`). `dual`: two B operands per K step (SwiGLU, dual dx)."""
     if dual:  # two accumulators or two products per step: smaller tiles keep registers in check
-        tensor_core = [(128, 64, 64, 8, 3), (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 128, 32, 4, 4),
-                       (64, 64, 32, 4, 3)]
+        tensor_core = [
+            (128, 64, 64, 8, 3),
+            (128, 64, 32, 4, 4),
+            (64, 64, 64, 4, 4),
+            (64, 128, 32, 4, 4),
+            (64, 64, 32, 4, 3),
+        ]
         cuda_core = [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]  # IEEE fp32: thin K tiles
     else:
-        tensor_core = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4),
-                       (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)]
+        tensor_core = [
+            (128, 128, 64, 8, 3),
+            (128, 128, 32, 4, 4),
+            (128, 64, 32, 4, 4),
+            (64, 128, 32, 4, 4),
+            (64, 64, 64, 4, 4),
+            (64, 64, 32, 4, 3),
+        ]
         cuda_core = [(128, 128, 16, 8, 3), (128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]
     return _configs(tensor_core + cuda_core)
 
@@ -136,10 +150,28 @@ if triton is not None:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit
-    def _xwt(x_ptr, w_ptr, w2_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-             stride_w2n, stride_w2k, offs_m, offs_n,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             DUAL: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr):
+    def _xwt(
+        x_ptr,
+        w_ptr,
+        w2_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_w2n,
+        stride_w2k,
+        offs_m,
+        offs_n,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DUAL: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """fp32 tiles x[offs_m] @ W[offs_n]^T (and, when DUAL, x[offs_m] @ W2[offs_n]^T from the
         same x tile; otherwise the second result is zeros)."""
         offs_k = tl.arange(0, BLOCK_K)
@@ -193,44 +225,125 @@ if triton is not None:
             dy = cdf + u * 0.3989422804014327 * tl.exp(-0.5 * u * u)  # 1/sqrt(2 pi)
         return y, dy
 
-    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)})
+    @triton.autotune(
+        configs=_autotune_configs(),
+        key=["M", "N", "K", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)},
+    )
     @triton.jit
-    def _linear_gelu_fwd_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-                                stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-                                HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr,
-                                CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                GROUP_M: tl.constexpr):
+    def _linear_gelu_fwd_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_om,
+        stride_on,
+        HAS_BIAS: tl.constexpr,
+        APPROX_TANH: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """out = gelu(x @ W^T + b)."""
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, _unused = _xwt(x_ptr, w_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                            stride_wn, stride_wk, offs_m, offs_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                            False, CAST_F32, PRECISION)
+        acc, _unused = _xwt(
+            x_ptr,
+            w_ptr,
+            w_ptr,
+            M,
+            N,
+            K,
+            stride_xm,
+            stride_xk,
+            stride_wn,
+            stride_wk,
+            stride_wn,
+            stride_wk,
+            offs_m,
+            offs_n,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            False,
+            CAST_F32,
+            PRECISION,
+        )
         acc = _add_bias(acc, b_ptr, offs_n, N, HAS_BIAS)
         y, _dy = _gelu_and_grad(acc, APPROX_TANH)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
-    @triton.autotune(configs=_autotune_configs(dual=True), key=["M", "N", "K", "PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)})
+    @triton.autotune(
+        configs=_autotune_configs(dual=True),
+        key=["M", "N", "K", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
+    )
     @triton.jit
-    def _linear_swiglu_fwd_kernel(x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, out_ptr, M, N, K,
-                                  stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
-                                  stride_om, stride_on,
-                                  HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-                                  CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  GROUP_M: tl.constexpr):
+    def _linear_swiglu_fwd_kernel(
+        x_ptr,
+        wg_ptr,
+        bg_ptr,
+        wu_ptr,
+        bu_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wgn,
+        stride_wgk,
+        stride_wun,
+        stride_wuk,
+        stride_om,
+        stride_on,
+        HAS_BG: tl.constexpr,
+        HAS_BU: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """out = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), gate and up from the same x tiles."""
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        a, u = _xwt(x_ptr, wg_ptr, wu_ptr, M, N, K, stride_xm, stride_xk, stride_wgn, stride_wgk,
-                    stride_wun, stride_wuk, offs_m, offs_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                    True, CAST_F32, PRECISION)
+        a, u = _xwt(
+            x_ptr,
+            wg_ptr,
+            wu_ptr,
+            M,
+            N,
+            K,
+            stride_xm,
+            stride_xk,
+            stride_wgn,
+            stride_wgk,
+            stride_wun,
+            stride_wuk,
+            offs_m,
+            offs_n,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            True,
+            CAST_F32,
+            PRECISION,
+        )
         a = _add_bias(a, bg_ptr, offs_n, N, HAS_BG)
         u = _add_bias(u, bu_ptr, offs_n, N, HAS_BU)
         y = a * tl.sigmoid(a) * u
@@ -238,23 +351,64 @@ if triton is not None:
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     # The epilogue holds the dy tile beside the accumulator: budgeted as a second accumulator.
-    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1, accumulators=2)})
+    @triton.autotune(
+        configs=_autotune_configs(),
+        key=["M", "N", "K", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1, accumulators=2)},
+    )
     @triton.jit
-    def _linear_gelu_bwd_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, g_ptr, M, N, K,
-                                stride_xm, stride_xk, stride_wn, stride_wk, stride_dym, stride_dyn,
-                                stride_gm, stride_gn,
-                                HAS_BIAS: tl.constexpr, APPROX_TANH: tl.constexpr,
-                                CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                GROUP_M: tl.constexpr):
+    def _linear_gelu_bwd_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        dy_ptr,
+        g_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_dym,
+        stride_dyn,
+        stride_gm,
+        stride_gn,
+        HAS_BIAS: tl.constexpr,
+        APPROX_TANH: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """g = dy * gelu'(x @ W^T + b), the pre-activation recomputed here."""
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, _unused = _xwt(x_ptr, w_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                            stride_wn, stride_wk, offs_m, offs_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                            False, CAST_F32, PRECISION)
+        acc, _unused = _xwt(
+            x_ptr,
+            w_ptr,
+            w_ptr,
+            M,
+            N,
+            K,
+            stride_xm,
+            stride_xk,
+            stride_wn,
+            stride_wk,
+            stride_wn,
+            stride_wk,
+            offs_m,
+            offs_n,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            False,
+            CAST_F32,
+            PRECISION,
+        )
         acc = _add_bias(acc, b_ptr, offs_n, N, HAS_BIAS)
         _y, dact = _gelu_and_grad(acc, APPROX_TANH)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -263,24 +417,70 @@ if triton is not None:
         g = dy.to(tl.float32) * dact
         tl.store(g_ptr + rows * stride_gm + offs_n[None, :] * stride_gn, g.to(g_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune(configs=_autotune_configs(dual=True), key=["M", "N", "K", "PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)})
+    @triton.autotune(
+        configs=_autotune_configs(dual=True),
+        key=["M", "N", "K", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
+    )
     @triton.jit
-    def _linear_swiglu_bwd_kernel(x_ptr, wg_ptr, bg_ptr, wu_ptr, bu_ptr, dy_ptr, gg_ptr, gu_ptr, M, N, K,
-                                  stride_xm, stride_xk, stride_wgn, stride_wgk, stride_wun, stride_wuk,
-                                  stride_dym, stride_dyn, stride_gm, stride_gn,
-                                  HAS_BG: tl.constexpr, HAS_BU: tl.constexpr,
-                                  CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  GROUP_M: tl.constexpr):
+    def _linear_swiglu_bwd_kernel(
+        x_ptr,
+        wg_ptr,
+        bg_ptr,
+        wu_ptr,
+        bu_ptr,
+        dy_ptr,
+        gg_ptr,
+        gu_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wgn,
+        stride_wgk,
+        stride_wun,
+        stride_wuk,
+        stride_dym,
+        stride_dyn,
+        stride_gm,
+        stride_gn,
+        HAS_BG: tl.constexpr,
+        HAS_BU: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """With a = x Wg^T + bg, u = x Wu^T + bu recomputed here:
         g_gate = dy * u * silu'(a), g_up = dy * silu(a) (gg and gu share strides)."""
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        a, u = _xwt(x_ptr, wg_ptr, wu_ptr, M, N, K, stride_xm, stride_xk, stride_wgn, stride_wgk,
-                    stride_wun, stride_wuk, offs_m, offs_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                    True, CAST_F32, PRECISION)
+        a, u = _xwt(
+            x_ptr,
+            wg_ptr,
+            wu_ptr,
+            M,
+            N,
+            K,
+            stride_xm,
+            stride_xk,
+            stride_wgn,
+            stride_wgk,
+            stride_wun,
+            stride_wuk,
+            offs_m,
+            offs_n,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            True,
+            CAST_F32,
+            PRECISION,
+        )
         a = _add_bias(a, bg_ptr, offs_n, N, HAS_BG)
         u = _add_bias(u, bu_ptr, offs_n, N, HAS_BU)
         s = tl.sigmoid(a)
@@ -293,15 +493,39 @@ if triton is not None:
         tl.store(gg_ptr + g_off, g_gate.to(gg_ptr.dtype.element_ty), mask=mask)
         tl.store(gu_ptr + g_off, g_up.to(gu_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune(configs=_autotune_configs(), key=["M", "N", "K", "DUAL", "PRECISION"],
-                     prune_configs_by={"early_config_prune": gemm_prune("a_ptr", a_tiles=1, b_tiles=1, dual="DUAL")})
+    @triton.autotune(
+        configs=_autotune_configs(),
+        key=["M", "N", "K", "DUAL", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("a_ptr", a_tiles=1, b_tiles=1, dual="DUAL")},
+    )
     @triton.jit
-    def _matmul_kernel(a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, M, N, K,
-                       stride_am, stride_ak, stride_bk, stride_bn,
-                       stride_a2m, stride_a2k, stride_b2k, stride_b2n, stride_cm, stride_cn,
-                       DUAL: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr):
+    def _matmul_kernel(
+        a_ptr,
+        b_ptr,
+        a2_ptr,
+        b2_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        stride_a2m,
+        stride_a2k,
+        stride_b2k,
+        stride_b2n,
+        stride_cm,
+        stride_cn,
+        DUAL: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """C = A @ B (+ A2 @ B2 when DUAL), any strides (transposes are stride swaps), fp32
         accumulation, C in its own dtype."""
         pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -332,8 +556,11 @@ if triton is not None:
                 b2_ptrs += BLOCK_K * stride_b2k
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        tl.store(c_ptr + rows * stride_cm + cols * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(
+            c_ptr + rows * stride_cm + cols * stride_cn,
+            acc.to(c_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & n_mask[None, :],
+        )
 
 
 # ----------------------------------------------------------------------------- launch helpers
@@ -379,10 +606,28 @@ def _matmul(a, b, out, a2=None, b2=None):
     b2 = b if b2 is None else b2
     cast, prec = _dot_flags(a.dtype)
     _matmul_kernel[_grid(M, N)](
-        a, b, a2, b2, out, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        a2.stride(0), a2.stride(1), b2.stride(0), b2.stride(1), out.stride(0), out.stride(1),
-        DUAL=dual, CAST_F32=cast, PRECISION=prec)
+        a,
+        b,
+        a2,
+        b2,
+        out,
+        M,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        a2.stride(0),
+        a2.stride(1),
+        b2.stride(0),
+        b2.stride(1),
+        out.stride(0),
+        out.stride(1),
+        DUAL=dual,
+        CAST_F32=cast,
+        PRECISION=prec,
+    )
     return out
 
 
@@ -397,16 +642,49 @@ def _linear_act_fwd(x2, weights, biases, act):
     if act == _SWIGLU:
         (wg, wu), (bg, bu) = weights, biases
         _linear_swiglu_fwd_kernel[_grid(M, N)](
-            x2, wg, bg if bg is not None else wg, wu, bu if bu is not None else wu, out, M, N, K,
-            x2.stride(0), x2.stride(1), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1),
-            out.stride(0), out.stride(1),
-            HAS_BG=bg is not None, HAS_BU=bu is not None, CAST_F32=cast, PRECISION=prec)
+            x2,
+            wg,
+            bg if bg is not None else wg,
+            wu,
+            bu if bu is not None else wu,
+            out,
+            M,
+            N,
+            K,
+            x2.stride(0),
+            x2.stride(1),
+            wg.stride(0),
+            wg.stride(1),
+            wu.stride(0),
+            wu.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_BG=bg is not None,
+            HAS_BU=bu is not None,
+            CAST_F32=cast,
+            PRECISION=prec,
+        )
     else:
         (w,), (b,) = weights, biases
         _linear_gelu_fwd_kernel[_grid(M, N)](
-            x2, w, b if b is not None else w, out, M, N, K,
-            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=b is not None, APPROX_TANH=act == _GELU_TANH, CAST_F32=cast, PRECISION=prec)
+            x2,
+            w,
+            b if b is not None else w,
+            out,
+            M,
+            N,
+            K,
+            x2.stride(0),
+            x2.stride(1),
+            w.stride(0),
+            w.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_BIAS=b is not None,
+            APPROX_TANH=act == _GELU_TANH,
+            CAST_F32=cast,
+            PRECISION=prec,
+        )
     return out
 
 
@@ -426,17 +704,56 @@ def _linear_act_bwd(x2, weights, biases, act, dy, needs, dw_dtype):
             (wg, wu), (bg, bu) = weights, biases
             gg, gu = g[:, :N], g[:, N:]
             _linear_swiglu_bwd_kernel[_grid(M, N)](
-                x2, wg, bg if bg is not None else wg, wu, bu if bu is not None else wu, dy, gg, gu, M, N, K,
-                x2.stride(0), x2.stride(1), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1),
-                dy.stride(0), dy.stride(1), g.stride(0), g.stride(1),
-                HAS_BG=bg is not None, HAS_BU=bu is not None, CAST_F32=cast, PRECISION=prec)
+                x2,
+                wg,
+                bg if bg is not None else wg,
+                wu,
+                bu if bu is not None else wu,
+                dy,
+                gg,
+                gu,
+                M,
+                N,
+                K,
+                x2.stride(0),
+                x2.stride(1),
+                wg.stride(0),
+                wg.stride(1),
+                wu.stride(0),
+                wu.stride(1),
+                dy.stride(0),
+                dy.stride(1),
+                g.stride(0),
+                g.stride(1),
+                HAS_BG=bg is not None,
+                HAS_BU=bu is not None,
+                CAST_F32=cast,
+                PRECISION=prec,
+            )
         else:
             (w,), (b,) = weights, biases
             _linear_gelu_bwd_kernel[_grid(M, N)](
-                x2, w, b if b is not None else w, dy, g, M, N, K,
-                x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), dy.stride(0), dy.stride(1),
-                g.stride(0), g.stride(1),
-                HAS_BIAS=b is not None, APPROX_TANH=act == _GELU_TANH, CAST_F32=cast, PRECISION=prec)
+                x2,
+                w,
+                b if b is not None else w,
+                dy,
+                g,
+                M,
+                N,
+                K,
+                x2.stride(0),
+                x2.stride(1),
+                w.stride(0),
+                w.stride(1),
+                dy.stride(0),
+                dy.stride(1),
+                g.stride(0),
+                g.stride(1),
+                HAS_BIAS=b is not None,
+                APPROX_TANH=act == _GELU_TANH,
+                CAST_F32=cast,
+                PRECISION=prec,
+            )
     # (2) dx = g @ W  (SwiGLU: g_gate @ W_gate + g_up @ W_up in one kernel)
     dx = None
     if needs[0]:
@@ -449,18 +766,18 @@ def _linear_act_bwd(x2, weights, biases, act, dy, needs, dw_dtype):
             _matmul(g, weights[0], dx)
     # dW = g^T @ x  (SwiGLU: one launch giving [dW_gate; dW_up])
     dws = [None] * nw
-    if any(needs[1:1 + nw]):
+    if any(needs[1 : 1 + nw]):
         dw = torch.empty((nw * N, K), device=x2.device, dtype=dw_dtype)
         if M == 0:
             dw.zero_()
         else:
             _matmul(g.t(), x2, dw)
-        dws = [dw[i * N:(i + 1) * N] if needs[1 + i] else None for i in range(nw)]
+        dws = [dw[i * N : (i + 1) * N] if needs[1 + i] else None for i in range(nw)]
     # db = sum over rows of g (torch reduction, fp32 accumulation)
     dbs = [None] * nw
     for i, b in enumerate(biases):
         if b is not None and needs[1 + nw + i]:
-            dbs[i] = g[:, i * N:(i + 1) * N].sum(0, dtype=torch.float32).to(b.dtype)
+            dbs[i] = g[:, i * N : (i + 1) * N].sum(0, dtype=torch.float32).to(b.dtype)
     return (dx, *dws, *dbs)
 
 
@@ -512,8 +829,7 @@ class _LinearSwigluFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, wg_c.shape[0])
         n = ctx.needs_input_grad
         needs = (n[0], n[1], n[3], n[2], n[4])  # (x, w_gate, w_up, b_gate, b_up)
-        dx, dwg, dwu, dbg, dbu = _linear_act_bwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, dy2, needs,
-                                                 ctx.w_dtype)
+        dx, dwg, dwu, dbg, dbu = _linear_act_bwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, dy2, needs, ctx.w_dtype)
         if dx is not None:
             dx = dx.view(ctx.shape)
         return dx, dwg, dbg, dwu, dbu, None, None
@@ -522,8 +838,9 @@ class _LinearSwigluFn(torch.autograd.Function):
 # ----------------------------------------------------------------------------- public API
 
 
-def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                approximate: str = "tanh", backend: str = "torch") -> torch.Tensor:
+def linear_gelu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh", backend: str = "torch"
+) -> torch.Tensor:
     """gelu(x @ weight.T + bias), differentiable in x, weight and bias.
 
     x [..., K], weight [N, K], bias [N] or None; approximate "tanh" or "none"; output
@@ -545,8 +862,14 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _LinearGeluFn.apply(x, weight, bias, w_c, approximate)
 
 
-def linear_swiglu(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None,
-                  w_up: torch.Tensor, b_up: torch.Tensor | None, backend: str = "torch") -> torch.Tensor:
+def linear_swiglu(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    backend: str = "torch",
+) -> torch.Tensor:
     """silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), differentiable in all inputs.
 
     x [..., K], w_gate/w_up [N, K], b_gate/b_up [N] or None; output [..., N] in the compute

@@ -65,6 +65,7 @@ def _ce_kernels():
     autotune configs, which must happen after a test has set TRITON_INTERPRET. Its functions
     are looked up per call (the self-check tests patch them)."""
     from meshtron.kernels import cross_entropy
+
     return cross_entropy
 
 
@@ -80,12 +81,14 @@ class _TorchChunkLoss:
     @staticmethod
     def statistics(logits: torch.Tensor, target: torch.Tensor, vocab_start: int) -> torch.Tensor:
         # The chunk is already the unit of work: one pass per statistic over all its rows.
-        return local_statistics(logits, target, vocab_start, logits.shape[1], exp_out=logits,
-                                chunk_elements=logits.numel())
+        return local_statistics(
+            logits, target, vocab_start, logits.shape[1], exp_out=logits, chunk_elements=logits.numel()
+        )
 
     @staticmethod
-    def gradient(exp: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
-                 vocab_start: int) -> torch.Tensor:
+    def gradient(
+        exp: torch.Tensor, local_max: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, vocab_start: int
+    ) -> torch.Tensor:
         """softmax - onehot over this shard's columns (ignored rows: zero), in the storage of
         `exp`, the exponentials `statistics` left in the logits."""
         local_t = target - vocab_start
@@ -129,19 +132,36 @@ def _chunk_ops(backend: str, logits: torch.Tensor, target: torch.Tensor, vocab_s
     vocab_end = vocab_start + logits.shape[1]
 
     def triton_local(lg, tg):
-        return _ce_kernels().fused_cross_entropy(lg, tg, vocab_start=vocab_start, vocab_size=vocab_end, group=None,
-                                   backend="triton", inplace_backward=False)
+        return _ce_kernels().fused_cross_entropy(
+            lg, tg, vocab_start=vocab_start, vocab_size=vocab_end, group=None, backend="triton", inplace_backward=False
+        )
 
     def torch_local(lg, tg):
         return vocab_parallel_cross_entropy(lg, tg, vocab_start=vocab_start, vocab_size=vocab_end, group=None)
 
-    return selfcheck.dispatch("cross_entropy", CHECKED, lambda *_: _TritonChunkLoss, lambda *_: _TorchChunkLoss,
-                              logits, target, check_fns=(triton_local, torch_local))
+    return selfcheck.dispatch(
+        "cross_entropy",
+        CHECKED,
+        lambda *_: _TritonChunkLoss,
+        lambda *_: _TorchChunkLoss,
+        logits,
+        target,
+        check_fns=(triton_local, torch_local),
+    )
 
 
-def _chunk_loss(xc: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, vocab_start: int, local_vocab: int, group,
-                backend: str, dtype: torch.dtype, grad_x: torch.Tensor | None,
-                grad_w: torch.Tensor | None) -> torch.Tensor:
+def _chunk_loss(
+    xc: torch.Tensor,
+    w: torch.Tensor,
+    tgt: torch.Tensor,
+    vocab_start: int,
+    local_vocab: int,
+    group,
+    backend: str,
+    dtype: torch.dtype,
+    grad_x: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+) -> torch.Tensor:
     """Summed loss of one chunk of rows xc [rows, h] (already in the GEMM dtype) against `w`,
     this shard's real vocabulary rows [n_valid, h]; with `grad_x` [rows, h] and `grad_w`
     [n_valid, h] (fp32) given, writes the chunk's input gradient and adds its weight-gradient
@@ -194,9 +214,18 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for i in range(0, n, step):
             # One chunk per call: its logits and exponentials are freed before the next is made.
-            total += _chunk_loss(xc_all[i:i + step], w, target[i:i + step], vocab_start, local_vocab, group, backend,
-                                 dtype, None if grad_x is None else grad_x[i:i + step],
-                                 None if grad_w is None else grad_w[:n_valid])
+            total += _chunk_loss(
+                xc_all[i : i + step],
+                w,
+                target[i : i + step],
+                vocab_start,
+                local_vocab,
+                group,
+                backend,
+                dtype,
+                None if grad_x is None else grad_x[i : i + step],
+                None if grad_w is None else grad_w[:n_valid],
+            )
         ctx.x_dtype, ctx.w_dtype, ctx.want_grad = x.dtype, weight.dtype, want_grad
         if want_grad:
             ctx.save_for_backward(grad_x, grad_w)
@@ -213,9 +242,17 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         return gx, gw, None, None, None, None, None, None, None
 
 
-def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
-                             vocab_size: int | None = None, group=None, chunk_rows: int | None = None,
-                             backend: str = "torch") -> torch.Tensor:
+def linear_cross_entropy_sum(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    group=None,
+    chunk_rows: int | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
     """Summed cross-entropy (fp32 scalar, identical on every rank of `group`) of the logits
     x W^T without materializing them: x [..., h] the LM head's input (already entered into the
     TP region), weight [V_local, h] this rank's vocabulary rows starting at `vocab_start`,
@@ -229,11 +266,15 @@ def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target: torc
     if backend not in BACKENDS:
         raise ValueError(f"linear_cross_entropy_sum: backend={backend!r} must be one of {sorted(BACKENDS)}")
     if x.shape[:-1] != target.shape:
-        raise ValueError(f"linear_cross_entropy_sum: x {tuple(x.shape)} and target {tuple(target.shape)} "
-                         "disagree on the leading dims")
+        raise ValueError(
+            f"linear_cross_entropy_sum: x {tuple(x.shape)} and target {tuple(target.shape)} "
+            "disagree on the leading dims"
+        )
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_cross_entropy_sum: x has {x.shape[-1]} features, weight {tuple(weight.shape)} "
-                         f"expects {weight.shape[1]}")
+        raise ValueError(
+            f"linear_cross_entropy_sum: x has {x.shape[-1]} features, weight {tuple(weight.shape)} "
+            f"expects {weight.shape[1]}"
+        )
     if vocab_size is None:
         vocab_size = vocab_start + weight.shape[0]
     rows = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0], x.device.type)
@@ -242,5 +283,6 @@ def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target: torc
     x2 = x.reshape(-1, x.shape[-1])
     # Inside forward autograd has turned grad mode off: decide here whether to build gradients.
     want_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropySum.apply(x2, weight, target.reshape(-1), vocab_start, vocab_size, group, rows, backend,
-                                        want_grad)
+    return _LinearCrossEntropySum.apply(
+        x2, weight, target.reshape(-1), vocab_start, vocab_size, group, rows, backend, want_grad
+    )

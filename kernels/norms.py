@@ -79,9 +79,7 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     h = x.shape[-1]
     if _ref_dtype_ok(x, weight, bias):
         return F.layer_norm(x, (h,), weight, bias, eps)
-    return F.layer_norm(
-        x.float(), (h,), weight.float(), None if bias is None else bias.float(), eps
-    ).to(x.dtype)
+    return F.layer_norm(x.float(), (h,), weight.float(), None if bias is None else bias.float(), eps).to(x.dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,10 +98,21 @@ if triton_available():
     import triton.language as tl
 
     def _norm_fwd_kernel(
-        X, W, B, Y, Mean, Rstd,
-        M, H, stride_x, stride_y, eps,
-        IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+        X,
+        W,
+        B,
+        Y,
+        Mean,
+        Rstd,
+        M,
+        H,
+        stride_x,
+        stride_y,
+        eps,
+        IS_RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
         """y = norm(x) * w (+ b) for BLOCK_M rows; stores mean (LayerNorm) and rstd per row."""
         pid = tl.program_id(0)
@@ -131,10 +140,24 @@ if triton_available():
         tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     def _norm_bwd_kernel(
-        X, W, DY, DX, Mean, Rstd, DW_part, DB_part,
-        M, H, stride_x, stride_dy, stride_dx, rows_per_prog,
-        IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+        X,
+        W,
+        DY,
+        DX,
+        Mean,
+        Rstd,
+        DW_part,
+        DB_part,
+        M,
+        H,
+        stride_x,
+        stride_dy,
+        stride_dx,
+        rows_per_prog,
+        IS_RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
         """dx for rows [pid*rows_per_prog, ...) and this row block's partial dw (db) sums."""
         pid = tl.program_id(0)
@@ -263,8 +286,10 @@ def _norm_forward(x, weight, bias, eps, is_rms):
     _require_triton()
     h = x.shape[-1]
     if weight.shape != (h,) or (bias is not None and bias.shape != (h,)):
-        raise ValueError(f"weight/bias must have shape ({h},), got {tuple(weight.shape)}"
-                         f"{'' if bias is None else ' / ' + str(tuple(bias.shape))}")
+        raise ValueError(
+            f"weight/bias must have shape ({h},), got {tuple(weight.shape)}"
+            f"{'' if bias is None else ' / ' + str(tuple(bias.shape))}"
+        )
     x2 = _rows(x, h)
     m = x2.shape[0]
     y = torch.empty((m, h), dtype=x.dtype, device=x.device)
@@ -278,9 +303,20 @@ def _norm_forward(x, weight, bias, eps, is_rms):
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
         with _device_guard(x):
             fwd[grid](
-                x2, weight, bias_c if bias_c is not None else weight, y, mean, rstd,
-                m, h, x2.stride(0), y.stride(0), float(eps),
-                IS_RMS=is_rms, HAS_BIAS=bias_c is not None, BLOCK_H=block_h,
+                x2,
+                weight,
+                bias_c if bias_c is not None else weight,
+                y,
+                mean,
+                rstd,
+                m,
+                h,
+                x2.stride(0),
+                y.stride(0),
+                float(eps),
+                IS_RMS=is_rms,
+                HAS_BIAS=bias_c is not None,
+                BLOCK_H=block_h,
             )
     return y.view(x.shape), x2, weight, bias_c, mean, rstd
 
@@ -302,9 +338,23 @@ def _norm_backward(dy, x2, weight, has_bias, mean, rstd, is_rms):
     db_part = torch.empty((num_blocks, h), dtype=torch.float32, device=x2.device) if has_bias else dw_part
     with _device_guard(x2):
         bwd[(num_blocks,)](
-            x2, weight, dy2, dx, mean, rstd, dw_part, db_part,
-            m, h, x2.stride(0), dy2.stride(0), dx.stride(0), rows_per_prog,
-            IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_H=block_h,
+            x2,
+            weight,
+            dy2,
+            dx,
+            mean,
+            rstd,
+            dw_part,
+            db_part,
+            m,
+            h,
+            x2.stride(0),
+            dy2.stride(0),
+            dx.stride(0),
+            rows_per_prog,
+            IS_RMS=is_rms,
+            HAS_BIAS=has_bias,
+            BLOCK_H=block_h,
         )
     # Reduction of the per-row-block partials: num_blocks (~2*SMs) x H, done in torch.
     dw = dw_part.sum(0)
@@ -368,8 +418,9 @@ def _kernel_backend(backend: str, name: str) -> str:
     return backend
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-               backend: str = "torch") -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, backend: str = "torch"
+) -> torch.Tensor:
     """LayerNorm over the last dim of x ([..., H]): ``(x - mean) / sqrt(var + eps) * weight +
     bias`` (bias may be None). ``backend``: "torch" (reference) or "triton" (fused kernels via
     LayerNormFunction)."""

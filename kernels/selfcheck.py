@@ -59,8 +59,20 @@ from meshtron.kernels.tf32 import dot_precision, torch_allows_tf32
 from meshtron.mpu.mappings import all_reduce_stats, world_group
 from meshtron.mpu.mesh import collective_device, group_size
 
-__all__ = ["CHECKED", "KERNELS", "TOLERANCES", "KernelSelfCheckWarning", "CheckResult", "dispatch", "check", "agree",
-           "verdict", "local_result", "reset", "tolerance_for"]
+__all__ = [
+    "CHECKED",
+    "KERNELS",
+    "TOLERANCES",
+    "KernelSelfCheckWarning",
+    "CheckResult",
+    "dispatch",
+    "check",
+    "agree",
+    "verdict",
+    "local_result",
+    "reset",
+    "tolerance_for",
+]
 
 # Every kernel name a call site may pass: the agreement vector has one slot per name, in this
 # order, on every rank.
@@ -92,7 +104,9 @@ class CheckResult:
     def describe(self) -> str:
         if self.reason:
             return f"raised {self.reason}"
-        return f"max error {self.error:.3g} {'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} ({self.dtype})"
+        return (
+            f"max error {self.error:.3g} {'<=' if self.passed else '>'} tolerance {self.tolerance:.3g} ({self.dtype})"
+        )
 
 
 @dataclass
@@ -207,9 +221,12 @@ def _warn(kernel: str, detail: str) -> None:
     if kernel in _state.warned:
         return
     _state.warned.add(kernel)
-    warnings.warn(f"kernels: Triton kernel '{kernel}' failed its self-check against the torch reference "
-                  f"({detail}); using the torch path for '{kernel}' for the rest of this process",
-                  KernelSelfCheckWarning, stacklevel=3)
+    warnings.warn(
+        f"kernels: Triton kernel '{kernel}' failed its self-check against the torch reference "
+        f"({detail}); using the torch path for '{kernel}' for the rest of this process",
+        KernelSelfCheckWarning,
+        stacklevel=3,
+    )
 
 
 def _first_tensor(args: tuple) -> torch.Tensor | None:
@@ -221,8 +238,14 @@ def _has_empty_input(args: tuple) -> bool:
     return any(torch.is_tensor(a) and a.is_floating_point() and a.numel() == 0 for a in args)
 
 
-def dispatch(kernel: str, backend: str, triton_fn: Callable, torch_fn: Callable, *args: Any,
-             check_fns: tuple[Callable, Callable] | None = None) -> Any:
+def dispatch(
+    kernel: str,
+    backend: str,
+    triton_fn: Callable,
+    torch_fn: Callable,
+    *args: Any,
+    check_fns: tuple[Callable, Callable] | None = None,
+) -> Any:
     """Run `kernel` on `args` with `backend` ("torch", "triton" or "triton_checked"; see the
     module docstring). `check_fns` = (triton, torch) functions to check instead of the real
     pair, for kernels whose real call communicates (they must not). The check itself talks to
@@ -248,8 +271,10 @@ def dispatch(kernel: str, backend: str, triton_fn: Callable, torch_fn: Callable,
         # First reached after the agreement: no rank checked it before, so no rank can be on
         # Triton for it; every rank that reaches it takes torch.
         _state.verdicts[kernel] = False
-        _warn(kernel, "first used after the ranks agreed on the self-checks, so it cannot be checked "
-                      "consistently on every rank")
+        _warn(
+            kernel,
+            "first used after the ranks agreed on the self-checks, so it cannot be checked consistently on every rank",
+        )
         return torch_fn(*args)
     if _has_empty_input(args):  # nothing to compare yet: check on the first non-empty call
         return torch_fn(*args)

@@ -35,8 +35,11 @@ if triton_available():
 
     def gpu_configs() -> list:
         """Ampere/Hopper candidates: elements per program."""
-        return [triton.Config({"BLOCK": 1024}, num_warps=4), triton.Config({"BLOCK": 2048}, num_warps=8),
-                triton.Config({"BLOCK": 4096}, num_warps=8)]
+        return [
+            triton.Config({"BLOCK": 1024}, num_warps=4),
+            triton.Config({"BLOCK": 2048}, num_warps=8),
+            triton.Config({"BLOCK": 4096}, num_warps=8),
+        ]
 
     def _configs() -> list:
         # One config under the interpreter (more need a driver to benchmark); 128 keeps the
@@ -104,6 +107,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "torch") -> torc
     if gate.device.type != "cuda" and not interpreting():
         raise RuntimeError("swiglu backend='triton' on CPU runs only under TRITON_INTERPRET=1 (tests)")
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"swiglu needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
-                         f"and {tuple(up.shape)} {up.dtype}")
+        raise ValueError(
+            f"swiglu needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
+            f"and {tuple(up.shape)} {up.dtype}"
+        )
     return _SwiGLU.apply(gate, up)

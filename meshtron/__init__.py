@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # so `meshtron` is this folder, which holds only the root modules. Let the subpackages
 # resolve from the checkout's top-level folders, the files that install maps them from.
 _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if (_os.path.isfile(_os.path.join(_checkout, "pyproject.toml"))
-        and _os.path.isfile(_os.path.join(_checkout, "training", "cli.py"))):
+if _os.path.isfile(_os.path.join(_checkout, "pyproject.toml")) and _os.path.isfile(
+    _os.path.join(_checkout, "training", "cli.py")
+):
     __path__.append(_checkout)

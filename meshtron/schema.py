@@ -49,8 +49,12 @@ class Allowed:
     def holds(self, value) -> bool:
         if self.choices is not None and value not in self.choices:
             return False
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
 
     def describe(self) -> str:
         if self.choices is not None:
@@ -59,8 +63,12 @@ class Allowed:
         upper = f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
         if lower and upper:
             return f"in {lower}, {upper}"
-        bounds = [f">= {self.ge}" if self.ge is not None else None, f"> {self.gt}" if self.gt is not None else None,
-                  f"<= {self.le}" if self.le is not None else None, f"< {self.lt}" if self.lt is not None else None]
+        bounds = [
+            f">= {self.ge}" if self.ge is not None else None,
+            f"> {self.gt}" if self.gt is not None else None,
+            f"<= {self.le}" if self.le is not None else None,
+            f"< {self.lt}" if self.lt is not None else None,
+        ]
         return " and ".join(b for b in bounds if b)
 
 
@@ -69,8 +77,9 @@ def allowed(**kwargs) -> dict:
     return {"allowed": Allowed(**kwargs)}
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, key: str | None = None, in_train_yaml: bool = True,
-            **rule) -> Any:
+def setting(
+    default: Any = dataclasses.MISSING, *, help: str, key: str | None = None, in_train_yaml: bool = True, **rule
+) -> Any:
     """A config field: its default, its one-line `help` (the comment configs/train.yaml shows
     beside the key), its range or choices (`rule`: Allowed's arguments), the config `key` where
     the field name cannot be it (a Python keyword: checkpoint.async) and whether train.yaml
@@ -148,7 +157,8 @@ def _describe_type(hint) -> str:
         noun = {int: "integers", float: "finite numbers", str: "strings", bool: "booleans"}.get(args[0], "values")
         return f"a list of {count}{noun}"
     return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}.get(
-        hint, "a mapping" if origin is dict or hint is dict else getattr(hint, "__name__", str(hint)))
+        hint, "a mapping" if origin is dict or hint is dict else getattr(hint, "__name__", str(hint))
+    )
 
 
 def field_checks(section: str, obj) -> list[Check]:

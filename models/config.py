@@ -32,26 +32,33 @@ class ExecutionConfig:
     their dispatch chunks (`trainer.moe_dispatch_chunks`).
     Given to `GPT` beside its `GPTConfig`; never saved with the weights."""
 
-    recompute: str = setting("none", choices=RECOMPUTE_MODES,
-                             help="none | selective (attention core) | full (whole layers)")
+    recompute: str = setting(
+        "none", choices=RECOMPUTE_MODES, help="none | selective (attention core) | full (whole layers)"
+    )
     recompute_layers: int | None = setting(None, ge=1, help="with full: recompute only the first N layers (null = all)")
-    kernel_backend: str = setting("torch", choices=RESOLVED_BACKENDS,
-                                  help="the kernel backend kernels.backend resolved to (torch | triton)")
+    kernel_backend: str = setting(
+        "torch", choices=RESOLVED_BACKENDS, help="the kernel backend kernels.backend resolved to (torch | triton)"
+    )
     # The LM head and the loss in one chunked pass (kernels/linear_cross_entropy.py): the last
     # chunk's forward returns the head's input and `GPT.loss_sum` computes the summed loss.
     fused_lm_loss: bool = setting(
-        True, help="LM head + cross-entropy in row chunks: the [tokens, vocab/tp] logits never exist whole")
+        True, help="LM head + cross-entropy in row chunks: the [tokens, vocab/tp] logits never exist whole"
+    )
     lm_loss_chunk_rows: int | None = setting(
-        None, ge=1, help="rows per chunk of the fused loss (null: about 2 Mi logits on CPU, 128 Mi on CUDA)")
+        None, ge=1, help="rows per chunk of the fused loss (null: about 2 Mi logits on CPU, 128 Mi on CUDA)"
+    )
     # Each MoE layer under torch.compile (`trainer.compile_moe`): whole, or its router and
     # experts (moe/layer.py MoELayer.compile_moe; what it needs: meshtron/rules.py compile_moe_checks).
     compile_moe: bool = setting(
-        False, help="torch.compile each MoE layer (whole, or its router and experts); bf16 (meshtron/rules.py)")
+        False, help="torch.compile each MoE layer (whole, or its router and experts); bf16 (meshtron/rules.py)"
+    )
     # Each MoE layer's tokens dispatched in this many chunks, so that one chunk's experts run
     # while another's tokens travel (`trainer.moe_dispatch_chunks`; moe/layer.py MoELayer).
     moe_dispatch_chunks: int = setting(
-        1, ge=1,
-        help="MoE tokens dispatched in N chunks at ep/etp > 1: one chunk's experts overlap another's all-to-alls")
+        1,
+        ge=1,
+        help="MoE tokens dispatched in N chunks at ep/etp > 1: one chunk's experts overlap another's all-to-alls",
+    )
 
     def __post_init__(self) -> None:
         raise_first(field_checks("trainer", self))
@@ -89,15 +96,22 @@ class GPTConfig:
     seq_len: int = setting(128, ge=1, help="tokens per training sequence")
     dropout: float = setting(0.0, ge=0, lt=1, help="dropout on hidden states")
     attention_dropout: float | None = setting(
-        None, ge=0, lt=1, help="dropout on attention probabilities (null = model.dropout; 0 with parallel.cp > 1)")
-    arch: str = setting("gpt2", choices=tuple(ARCH_DEFAULTS),
-                        help="gpt2 (LayerNorm, GeLU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)")
-    norm: str | None = setting(None, choices=NORMS + (None,), in_train_yaml=False,
-                               help="layernorm | rmsnorm (null = the arch's)")
-    activation: str | None = setting(None, choices=ACTIVATIONS + (None,), in_train_yaml=False,
-                                     help="gelu | swiglu (null = the arch's)")
-    position: str | None = setting(None, choices=POSITIONS + (None,), in_train_yaml=False,
-                                   help="learned | rope (null = the arch's)")
+        None, ge=0, lt=1, help="dropout on attention probabilities (null = model.dropout; 0 with parallel.cp > 1)"
+    )
+    arch: str = setting(
+        "gpt2",
+        choices=tuple(ARCH_DEFAULTS),
+        help="gpt2 (LayerNorm, GeLU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)",
+    )
+    norm: str | None = setting(
+        None, choices=NORMS + (None,), in_train_yaml=False, help="layernorm | rmsnorm (null = the arch's)"
+    )
+    activation: str | None = setting(
+        None, choices=ACTIVATIONS + (None,), in_train_yaml=False, help="gelu | swiglu (null = the arch's)"
+    )
+    position: str | None = setting(
+        None, choices=POSITIONS + (None,), in_train_yaml=False, help="learned | rope (null = the arch's)"
+    )
     bias: bool | None = setting(None, in_train_yaml=False, help="biases in linear layers (null = the arch's)")
     tie_embeddings: bool = setting(True, help="the LM head shares the embedding's weights")
     init_std: float = setting(0.02, gt=0, help="std of the normal weight init")
@@ -107,8 +121,9 @@ class GPTConfig:
     num_experts: int = setting(0, ge=0, help="> 0: MoE layers (see configs/model/moe_tiny.yaml)")
     top_k: int = setting(2, help="experts each token is routed to")
     moe_every: int = setting(1, ge=1, in_train_yaml=False, help="every N-th layer's MLP is MoE (counting from 1)")
-    moe_ffn_hidden_size: int | None = setting(None, ge=1, in_train_yaml=False,
-                                              help="each expert's ffn width (null = ffn_hidden_size)")
+    moe_ffn_hidden_size: int | None = setting(
+        None, ge=1, in_train_yaml=False, help="each expert's ffn width (null = ffn_hidden_size)"
+    )
     capacity_factor: float | None = declared_in(MoEConfig, "capacity_factor")
     aux_loss_coef: float = declared_in(MoEConfig, "aux_loss_coef")
     z_loss_coef: float = declared_in(MoEConfig, "z_loss_coef")
@@ -124,7 +139,8 @@ class GPTConfig:
     # "output_router_logits"}, written back on export while aux_loss_coef still equals what
     # they import as (None: not imported). The model never reads it.
     hf_router_fields: dict | None = setting(
-        None, in_train_yaml=False, help="set by meshtron-hf import: the Mixtral router fields export writes back")
+        None, in_train_yaml=False, help="set by meshtron-hf import: the Mixtral router fields export writes back"
+    )
 
     def __post_init__(self) -> None:
         raise_first(field_checks("model", self))  # types and ranges before any arithmetic on them
@@ -150,12 +166,18 @@ class GPTConfig:
     def _cross_field_checks(self) -> list[tuple[bool, str]]:
         """The rules between fields (types and ranges already hold)."""
         return [
-            (self.hidden_size % self.num_heads == 0,
-             f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"),
-            (self.num_heads % self.num_kv_heads == 0,
-             f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}"),
-            (self.position != "rope" or self.head_dim % 2 == 0,
-             f"RoPE needs an even head dim; hidden_size/num_heads={self.head_dim}"),
+            (
+                self.hidden_size % self.num_heads == 0,
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}",
+            ),
+            (
+                self.num_heads % self.num_kv_heads == 0,
+                f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}",
+            ),
+            (
+                self.position != "rope" or self.head_dim % 2 == 0,
+                f"RoPE needs an even head dim; hidden_size/num_heads={self.head_dim}",
+            ),
             *self._moe_checks(),
         ]
 
@@ -170,9 +192,15 @@ class GPTConfig:
         """The config of this model's MoE layers (moe/config.py): the model's shape and its
         routing fields (ROUTING_FIELDS, the same names here)."""
         return MoEConfig(
-            hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.top_k,
-            ffn_hidden_size=self.moe_ffn_hidden_size, activation=self.activation, init_std=self.init_std,
-            num_layers=self.num_layers, **{name: getattr(self, name) for name in ROUTING_FIELDS})
+            hidden_size=self.hidden_size,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            ffn_hidden_size=self.moe_ffn_hidden_size,
+            activation=self.activation,
+            init_std=self.init_std,
+            num_layers=self.num_layers,
+            **{name: getattr(self, name) for name in ROUTING_FIELDS},
+        )
 
     @property
     def attention_dropout_p(self) -> float:

@@ -52,12 +52,14 @@ class Norm(nn.Module):
         h, sp = cfg.hidden_size, mesh.sequence_parallel
         self.kind, self.eps = cfg.norm, cfg.norm_eps
         self.backend = backend
-        self.weight = tag(nn.Parameter(torch.empty(h, device=device, dtype=dtype)),
-                          constant_init((h,), 1.0), sequence_parallel=sp)
+        self.weight = tag(
+            nn.Parameter(torch.empty(h, device=device, dtype=dtype)), constant_init((h,), 1.0), sequence_parallel=sp
+        )
         self.bias = None
         if cfg.norm == "layernorm" and cfg.bias:
-            self.bias = tag(nn.Parameter(torch.empty(h, device=device, dtype=dtype)),
-                            constant_init((h,), 0.0), sequence_parallel=sp)
+            self.bias = tag(
+                nn.Parameter(torch.empty(h, device=device, dtype=dtype)), constant_init((h,), 0.0), sequence_parallel=sp
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = "layer_norm" if self.kind == "layernorm" else "rms_norm"
@@ -65,6 +67,7 @@ class Norm(nn.Module):
 
     def _triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from meshtron.kernels import norms
+
         if self.kind == "layernorm":
             return norms.layer_norm(x, weight, bias, self.eps, backend="triton")
         return norms.rms_norm(x, weight, self.eps, backend="triton")
@@ -97,13 +100,22 @@ class Attention(nn.Module):
         self.q_per_group = cfg.num_heads // cfg.num_kv_heads
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, mesh, bias=cfg.bias,
-                                        init_std=cfg.init_std, device=device, dtype=dtype)
-        self.proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, mesh, bias=cfg.bias,
-                                      init_std=out_std, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, qkv_out, mesh, bias=cfg.bias, init_std=cfg.init_std, device=device, dtype=dtype
+        )
+        self.proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim,
+            cfg.hidden_size,
+            mesh,
+            bias=cfg.bias,
+            init_std=out_std,
+            device=device,
+            dtype=dtype,
+        )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         qkv = rearrange(qkv, "s b (g r d) -> b g r s d", r=self.q_per_group + 2, d=self.head_dim)
         q = rearrange(qkv[:, :, : self.q_per_group], "b g r s d -> b (g r) s d")
@@ -117,8 +129,9 @@ class Attention(nn.Module):
             out = self._core(q, k, v, doc_ids)
         return self.proj(rearrange(out, "b h s d -> s b (h d)"))
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal mask) v over this rank's heads (dropout on the
         probabilities from the tensor-parallel RNG stream). With context parallelism the
         sequence is sharded over `mesh.cp` and the ring / all-to-all attention of
@@ -126,16 +139,18 @@ class Attention(nn.Module):
         sequence's, on every cp rank) adds the document mask of packed sequences."""
         p = self.cfg.attention_dropout_p if self.training else 0.0
         if self.mesh.cp_size > 1:
-            out = context_parallel_attention(q, k, v, self.mesh.cp, self.mesh.par.cp_comm,
-                                             sequence_doc_ids=doc_ids, dropout_p=p)
+            out = context_parallel_attention(
+                q, k, v, self.mesh.cp, self.mesh.par.cp_comm, sequence_doc_ids=doc_ids, dropout_p=p
+            )
             return out.to(q.dtype)
         mask = None
         if doc_ids is not None:  # causal within each document: [b, 1, s, s]
             same = doc_ids[:, :, None] == doc_ids[:, None, :]
             mask = (same & torch.ones_like(same).tril_())[:, None]
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-                                                  enable_gqa=self.q_per_group > 1)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=self.q_per_group > 1
+            )
 
 
 class MLP(nn.Module):
@@ -159,11 +174,21 @@ class MLP(nn.Module):
             return self.down(F.gelu(self.up(x), approximate="tanh"))
         x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
         if self.gate is None:
-            hidden = selfcheck.dispatch("linear_gelu", backend, _linear_gelu_triton, _linear_gelu_torch,
-                                        x, self.up.weight, self.up.bias)
+            hidden = selfcheck.dispatch(
+                "linear_gelu", backend, _linear_gelu_triton, _linear_gelu_torch, x, self.up.weight, self.up.bias
+            )
         else:
-            hidden = selfcheck.dispatch("linear_swiglu", backend, _linear_swiglu_triton, _linear_swiglu_torch,
-                                        x, self.gate.weight, self.gate.bias, self.up.weight, self.up.bias)
+            hidden = selfcheck.dispatch(
+                "linear_swiglu",
+                backend,
+                _linear_swiglu_triton,
+                _linear_swiglu_torch,
+                x,
+                self.gate.weight,
+                self.gate.bias,
+                self.up.weight,
+                self.up.bias,
+            )
         return self.down(hidden)
 
 
@@ -173,6 +198,7 @@ def _linear_gelu_torch(x, weight, bias):
 
 def _linear_gelu_triton(x, weight, bias):
     from meshtron.kernels import linear_act
+
     return linear_act.linear_gelu(x, weight, bias, approximate="tanh", backend="triton")
 
 
@@ -182,6 +208,7 @@ def _linear_swiglu_torch(x, w_gate, b_gate, w_up, b_up):
 
 def _linear_swiglu_triton(x, w_gate, b_gate, w_up, b_up):
     from meshtron.kernels import linear_act
+
     return linear_act.linear_swiglu(x, w_gate, b_gate, w_up, b_up, backend="triton")
 
 
@@ -189,8 +216,16 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)));
     the MLP is an MoE layer for the layers `cfg.is_moe_layer` selects."""
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, index: int, device=None, dtype=None, *,
-                 execution: ExecutionConfig = ExecutionConfig()):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mesh: Mesh,
+        index: int,
+        device=None,
+        dtype=None,
+        *,
+        execution: ExecutionConfig = ExecutionConfig(),
+    ):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
         backend, self.mode = execution.kernel_backend, execution.layer_mode(index)
@@ -198,9 +233,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg, mesh, device, dtype, selective=self.mode == "selective")
         self.norm2 = Norm(cfg, mesh, device, dtype, backend=backend)
         self.index = index
-        self.mlp = (MoELayer(cfg.moe(), mesh, device, dtype, backend=backend,
-                             dispatch_chunks=execution.moe_dispatch_chunks) if cfg.is_moe_layer(index)
-                    else MLP(cfg, mesh, device, dtype, backend=backend))
+        self.mlp = (
+            MoELayer(cfg.moe(), mesh, device, dtype, backend=backend, dispatch_chunks=execution.moe_dispatch_chunks)
+            if cfg.is_moe_layer(index)
+            else MLP(cfg, mesh, device, dtype, backend=backend)
+        )
         if execution.compile_moe and isinstance(self.mlp, MoELayer):
             # fused elementwise kernels, far fewer launches: the whole layer where it traces,
             # else its router and experts (MoELayer.compile_moe)
@@ -214,14 +251,14 @@ class Block(nn.Module):
                 # The router's aux terms (and its summed probabilities, for a loss pooled across
                 # layers) leave the recomputed region as outputs, so their gradient flows
                 # through the replay (the first pass runs without grad).
-                out, self.recomputed_aux, self.recomputed_prob_sum = recompute(self._forward_with_aux, x, rope,
-                                                                               doc_ids)
+                out, self.recomputed_aux, self.recomputed_prob_sum = recompute(self._forward_with_aux, x, rope, doc_ids)
                 return out
             return recompute(self._forward, x, rope, doc_ids)
         return self._forward(x, rope, doc_ids)
 
-    def _forward_with_aux(self, x: torch.Tensor, rope,
-                          doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward_with_aux(
+        self, x: torch.Tensor, rope, doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self._forward(x, rope, doc_ids)
         routed = self.mlp.last_router
         return out, routed.aux_loss + routed.z_loss, routed.set_prob_sum
@@ -245,8 +282,18 @@ class GPT(nn.Module):
     (`tied_embedding_copy`), kept identical by summing both copies' gradients.
     """
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, layers=None,
-                 pre_process: bool = True, post_process: bool = True, execution: ExecutionConfig = ExecutionConfig()):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mesh: Mesh,
+        device=None,
+        dtype=None,
+        *,
+        layers=None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        execution: ExecutionConfig = ExecutionConfig(),
+    ):
         super().__init__()
         self.cfg, self.mesh, self.execution = cfg, mesh, execution
         self.pre_process, self.post_process = pre_process, post_process
@@ -257,8 +304,15 @@ class GPT(nn.Module):
         needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
         self.embed = None
         if needs_embedding:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, self.padded_vocab_size, cfg.hidden_size, mesh,
-                                                init_std=cfg.init_std, device=device, dtype=dtype)
+            self.embed = VocabParallelEmbedding(
+                cfg.vocab_size,
+                self.padded_vocab_size,
+                cfg.hidden_size,
+                mesh,
+                init_std=cfg.init_std,
+                device=device,
+                dtype=dtype,
+            )
             self.embed.weight.tied_embedding_copy = not pre_process
             # Shared with the LM head: under pp the first and last stage hold a copy each,
             # whose gradients the reducer sums over `mesh.embedding`.
@@ -278,10 +332,18 @@ class GPT(nn.Module):
             # a hook point for tools that watch logits (meshtron.verify).
             self.logits_out = nn.Identity()
             if not cfg.tie_embeddings:
-                self.head = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, mesh, bias=False,
-                                                 init_std=cfg.init_std, device=device, dtype=dtype)
-                self.head.weight.init_fn = normal_init((self.padded_vocab_size, cfg.hidden_size), cfg.init_std,
-                                                       valid_rows=cfg.vocab_size)
+                self.head = ColumnParallelLinear(
+                    cfg.hidden_size,
+                    self.padded_vocab_size,
+                    mesh,
+                    bias=False,
+                    init_std=cfg.init_std,
+                    device=device,
+                    dtype=dtype,
+                )
+                self.head.weight.init_fn = normal_init(
+                    (self.padded_vocab_size, cfg.hidden_size), cfg.init_std, valid_rows=cfg.vocab_size
+                )
                 self.head.weight.valid_rows = cfg.vocab_size
 
     def _rope(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,8 +392,14 @@ class GPT(nn.Module):
             return cos[pos], sin[pos]
         return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, *, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token ids [b, s/cp] (first chunk) or hidden [s/cp(/tp), b, h] -> logits [b, s/cp, V_pad/tp]
         (last chunk) or hidden [s/cp(/tp), b, h]. Packed sequences: `positions` [b, s/cp], this
         rank's tokens' positions within their documents, and `doc_ids` [b, s], the whole
@@ -387,10 +455,16 @@ class GPT(nn.Module):
         region as the head does (SP all-gather / gradient all-reduce over TP); one all-gather of
         [3, rows] statistics per chunk over TP."""
         x = enter_tp_region(normed, self.mesh).transpose(0, 1)  # [b, s, h]: rows in the targets' order
-        return linear_cross_entropy_sum(x, self.lm_head_weight, targets, vocab_start=self.vocab_start,
-                                        vocab_size=self.cfg.vocab_size, group=self.mesh.tp,
-                                        chunk_rows=self.execution.lm_loss_chunk_rows,
-                                        backend=self.execution.kernel_backend)
+        return linear_cross_entropy_sum(
+            x,
+            self.lm_head_weight,
+            targets,
+            vocab_start=self.vocab_start,
+            vocab_size=self.cfg.vocab_size,
+            group=self.mesh.tp,
+            chunk_rows=self.execution.lm_loss_chunk_rows,
+            backend=self.execution.kernel_backend,
+        )
 
     def loss_per_token(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Unreduced cross-entropy [b, s] over vocab-parallel logits; padded vocabulary excluded.
@@ -402,8 +476,10 @@ class GPT(nn.Module):
 
         def triton(lg, tg):
             from meshtron.kernels import cross_entropy
-            return cross_entropy.fused_cross_entropy(lg, tg, vocab_start=start, vocab_size=vocab, group=group,
-                                                     backend="triton")
+
+            return cross_entropy.fused_cross_entropy(
+                lg, tg, vocab_start=start, vocab_size=vocab, group=group, backend="triton"
+            )
 
         def torch_path(lg, tg):
             return vocab_parallel_cross_entropy(lg, tg, vocab_start=start, vocab_size=vocab, group=group)
@@ -416,15 +492,24 @@ class GPT(nn.Module):
 
             def triton_local(lg, tg):
                 from meshtron.kernels import cross_entropy
-                return cross_entropy.fused_cross_entropy(lg, tg, vocab_start=start, vocab_size=local_vocab,
-                                                         group=None, backend="triton", inplace_backward=False)
+
+                return cross_entropy.fused_cross_entropy(
+                    lg,
+                    tg,
+                    vocab_start=start,
+                    vocab_size=local_vocab,
+                    group=None,
+                    backend="triton",
+                    inplace_backward=False,
+                )
 
             def torch_local(lg, tg):
                 return vocab_parallel_cross_entropy(lg, tg, vocab_start=start, vocab_size=local_vocab, group=None)
 
             check_fns = (triton_local, torch_local)
-        return selfcheck.dispatch("cross_entropy", self.execution.kernel_backend, triton, torch_path, logits, targets,
-                                  check_fns=check_fns)
+        return selfcheck.dispatch(
+            "cross_entropy", self.execution.kernel_backend, triton, torch_path, logits, targets, check_fns=check_fns
+        )
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All-gather local logits over TP and drop the padded vocabulary: [b, s, vocab_size]."""
@@ -441,15 +526,22 @@ class GPT(nn.Module):
         blocks = [block for block in self.layers.values() if isinstance(block.mlp, MoELayer)]
         if not blocks:
             return None
-        total = sum(block.recomputed_aux if getattr(block, "recomputed_aux", None) is not None
-                    else block.mlp.last_router.aux_loss + block.mlp.last_router.z_loss for block in blocks)
+        total = sum(
+            block.recomputed_aux
+            if getattr(block, "recomputed_aux", None) is not None
+            else block.mlp.last_router.aux_loss + block.mlp.last_router.z_loss
+            for block in blocks
+        )
         self.pooled_aux_value = None
         if self.cfg.aux_loss_layers == "pooled":
             routed = [block.mlp.last_router for block in blocks]
-            prob_sums = [block.recomputed_prob_sum if getattr(block, "recomputed_prob_sum", None) is not None
-                         else r.set_prob_sum for block, r in zip(blocks, routed)]
-            contribution, self.pooled_aux_value = pooled_aux_loss(routed, prob_sums, self.cfg.num_experts,
-                                                                  self.cfg.top_k)
+            prob_sums = [
+                block.recomputed_prob_sum if getattr(block, "recomputed_prob_sum", None) is not None else r.set_prob_sum
+                for block, r in zip(blocks, routed)
+            ]
+            contribution, self.pooled_aux_value = pooled_aux_loss(
+                routed, prob_sums, self.cfg.num_experts, self.cfg.top_k
+            )
             if self.cfg.aux_loss_coef > 0:
                 total = total + self.cfg.aux_loss_coef * contribution
         return total
@@ -457,11 +549,17 @@ class GPT(nn.Module):
     def moe_stats(self) -> list[dict]:
         """Per MoE layer of this chunk, routing statistics of the last forward over the aux-loss
         scope's stats group (no gradient); `layer` is the global layer index."""
-        return [{"layer": block.index, "aux_loss": block.mlp.last_router.aux_value,
-                 "z_loss": block.mlp.last_router.z_value,
-                 "tokens_per_expert": block.mlp.last_router.tokens_per_expert,
-                 "dropped_fraction": block.mlp.last_dropped}
-                for block in self.layers.values() if isinstance(block.mlp, MoELayer)]
+        return [
+            {
+                "layer": block.index,
+                "aux_loss": block.mlp.last_router.aux_value,
+                "z_loss": block.mlp.last_router.z_value,
+                "tokens_per_expert": block.mlp.last_router.tokens_per_expert,
+                "dropped_fraction": block.mlp.last_dropped,
+            }
+            for block in self.layers.values()
+            if isinstance(block.mlp, MoELayer)
+        ]
 
     def update_expert_bias(self) -> None:
         """Aux-loss-free balancing: adjust each router's expert bias from the step's load.
@@ -473,16 +571,18 @@ class GPT(nn.Module):
         layers = self.moe_layers()
         updating = [m for m in layers if m.router.bias_update_rate > 0]
         if updating and updating[0].scope.replicas > 1:
-            loads = all_reduce_stats(torch.stack([m.router.step_load for m in updating]),
-                                     updating[0].scope.replica_group)
+            loads = all_reduce_stats(
+                torch.stack([m.router.step_load for m in updating]), updating[0].scope.replica_group
+            )
             for m, load in zip(updating, loads):
                 m.router.step_load.copy_(load)
         for m in layers:
             m.router.update_expert_bias()
 
 
-def virtual_stage_layers(num_layers: int, pp: int, vpp: int, virtual_stage: int,
-                         stage_layers: list[int] | None = None) -> range:
+def virtual_stage_layers(
+    num_layers: int, pp: int, vpp: int, virtual_stage: int, stage_layers: list[int] | None = None
+) -> range:
     """Global layer indices of one virtual stage: `stage_layers[i]` consecutive layers for
     virtual stage i, or an even split over pp * vpp when None."""
     counts = stage_layers if stage_layers is not None else [num_layers // (pp * vpp)] * (pp * vpp)
@@ -490,8 +590,9 @@ def virtual_stage_layers(num_layers: int, pp: int, vpp: int, virtual_stage: int,
     return range(start, start + counts[virtual_stage])
 
 
-def init_model_chunks(cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=None, *,
-                      execution: ExecutionConfig = ExecutionConfig()) -> list[GPT]:
+def init_model_chunks(
+    cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=None, *, execution: ExecutionConfig = ExecutionConfig()
+) -> list[GPT]:
     """This rank's model chunks with their layout-independent initial values, after seeding
     the default and tensor-parallel RNG streams from `seed` (what every run does first)."""
     seed_parallel_rng(seed, mesh.tp_rank, mesh.pp_rank, torch.device(device or "cpu").type, cp_rank=mesh.cp_rank)
@@ -501,8 +602,9 @@ def init_model_chunks(cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=
     return chunks
 
 
-def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *,
-                       execution: ExecutionConfig = ExecutionConfig()) -> list[GPT]:
+def build_model_chunks(
+    cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, execution: ExecutionConfig = ExecutionConfig()
+) -> list[GPT]:
     """This rank's model chunks: chunk c is virtual stage c * pp + pp_rank (one chunk without
     interleaving). The first virtual stage embeds, the last one holds the norm and head."""
     pp, vpp = mesh.pp_size, mesh.par.vpp
@@ -510,6 +612,16 @@ def build_model_chunks(cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *,
     for c in range(vpp):
         stage = c * pp + mesh.pp_rank
         layers = virtual_stage_layers(cfg.num_layers, pp, vpp, stage, mesh.par.stage_layers)
-        chunks.append(GPT(cfg, mesh, device, dtype, layers=layers,
-                          pre_process=stage == 0, post_process=stage == pp * vpp - 1, execution=execution))
+        chunks.append(
+            GPT(
+                cfg,
+                mesh,
+                device,
+                dtype,
+                layers=layers,
+                pre_process=stage == 0,
+                post_process=stage == pp * vpp - 1,
+                execution=execution,
+            )
+        )
     return chunks

@@ -52,7 +52,7 @@ def capacity_keep_mask(topk_idx: torch.Tensor, num_experts: int, capacity: int, 
     for j in range(k):
         # scatter instead of F.one_hot: no device-side index check, so no host sync on GPU
         hot = torch.zeros(s, b, E, dtype=torch.int64, device=topk_idx.device)
-        hot.scatter_(-1, topk_idx[:, :, j:j + 1], 1)  # [s, b, E]
+        hot.scatter_(-1, topk_idx[:, :, j : j + 1], 1)  # [s, b, E]
         cum = hot.cumsum(dim=0)
         before_local.append(cum - hot)
         counts.append(cum[-1] if s > 0 else hot.sum(dim=0))
@@ -68,7 +68,7 @@ def capacity_keep_mask(topk_idx: torch.Tensor, num_experts: int, capacity: int, 
     keep = torch.empty(s, b, k, dtype=torch.bool, device=topk_idx.device)
     for j in range(k):
         pos = before_local[j] + offset[:, j].unsqueeze(0)  # [s, b, E]
-        keep[:, :, j] = pos.gather(-1, topk_idx[:, :, j:j + 1]).squeeze(-1) < capacity
+        keep[:, :, j] = pos.gather(-1, topk_idx[:, :, j : j + 1]).squeeze(-1) < capacity
     return keep
 
 
@@ -84,4 +84,4 @@ def capacity_keep_mask_cp(topk_idx: torch.Tensor, num_experts: int, capacity: in
     shards = every.reshape((mesh.cp_size, mesh.tp_size * s) + tuple(topk_idx.shape[1:])).unbind(0)
     keep = capacity_keep_mask(unshard_sequence(list(shards), 0), num_experts, capacity, None)
     mine = shard_sequence(keep, 0, mesh.cp_size, mesh.cp_rank)
-    return mine[mesh.tp_rank * s:(mesh.tp_rank + 1) * s]
+    return mine[mesh.tp_rank * s : (mesh.tp_rank + 1) * s]

@@ -25,37 +25,58 @@ AUX_LOSS_SCOPES = ("microbatch", "sequence", "global")
 # One aux loss per MoE layer, summed, or one over the statistics pooled across MoE layers.
 AUX_LOSS_LAYERS = ("sum", "pooled")
 
+
 def score_check(score: str) -> Check:
     """The router score function is one meshtron implements."""
     return score in ROUTER_SCORES, f"model.router_score={score!r} must be softmax or sigmoid"
 
 
-def routing_checks(num_experts: int, top_k: int, *, score: str = "softmax", renormalize: bool = True,
-                   groups: int = 0, topk_groups: int = 0, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                   bias_update_rate: float = 0.0) -> list[Check]:
+def routing_checks(
+    num_experts: int,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    renormalize: bool = True,
+    groups: int = 0,
+    topk_groups: int = 0,
+    aux_loss_coef: float = 0.0,
+    z_loss_coef: float = 0.0,
+    bias_update_rate: float = 0.0,
+) -> list[Check]:
     """The router's rules as (holds, message) pairs: score, top_k range, group-limited routing,
     non-negative coefficients."""
     checks = [
         score_check(score),
         (1 <= top_k <= num_experts, f"model.top_k={top_k} must be between 1 and model.num_experts={num_experts}"),
-        (score != "sigmoid" or renormalize,
-         "sigmoid router weights are always normalized over the chosen k: set model.router_renormalize=true "
-         "(or model.router_score=softmax for raw weights)"),
+        (
+            score != "sigmoid" or renormalize,
+            "sigmoid router weights are always normalized over the chosen k: set model.router_renormalize=true "
+            "(or model.router_score=softmax for raw weights)",
+        ),
     ]
-    for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
-                        ("router_bias_update_rate", bias_update_rate)):
+    for name, value in (
+        ("aux_loss_coef", aux_loss_coef),
+        ("z_loss_coef", z_loss_coef),
+        ("router_bias_update_rate", bias_update_rate),
+    ):
         checks.append((value >= 0, f"model.{name}={value} must be >= 0"))
     if groups or topk_groups:
         per_group = num_experts // groups if groups > 0 else 0
         checks += [
-            (groups >= 1 and num_experts % groups == 0,
-             f"model.router_groups={groups} must divide model.num_experts={num_experts} "
-             "(or set both router_groups and router_topk_groups to 0: no group limit)"),
-            (1 <= topk_groups <= groups,
-             f"model.router_topk_groups={topk_groups} must be between 1 and model.router_groups={groups}"),
-            (top_k <= topk_groups * per_group,
-             f"model.top_k={top_k} experts do not fit in router_topk_groups={topk_groups} groups of "
-             f"{per_group} experts; raise router_topk_groups"),
+            (
+                groups >= 1 and num_experts % groups == 0,
+                f"model.router_groups={groups} must divide model.num_experts={num_experts} "
+                "(or set both router_groups and router_topk_groups to 0: no group limit)",
+            ),
+            (
+                1 <= topk_groups <= groups,
+                f"model.router_topk_groups={topk_groups} must be between 1 and model.router_groups={groups}",
+            ),
+            (
+                top_k <= topk_groups * per_group,
+                f"model.top_k={top_k} experts do not fit in router_topk_groups={topk_groups} groups of "
+                f"{per_group} experts; raise router_topk_groups",
+            ),
         ]
     return checks
 
@@ -63,10 +84,14 @@ def routing_checks(num_experts: int, top_k: int, *, score: str = "softmax", reno
 def scope_checks(aux_loss_scope: str, aux_loss_layers: str = "sum") -> list[Check]:
     """The aux-loss scope and layer-pooling rules."""
     return [
-        (aux_loss_scope in AUX_LOSS_SCOPES,
-         f"model.aux_loss_scope={aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}"),
-        (aux_loss_layers in AUX_LOSS_LAYERS,
-         f"model.aux_loss_layers={aux_loss_layers!r} must be one of {', '.join(AUX_LOSS_LAYERS)}"),
+        (
+            aux_loss_scope in AUX_LOSS_SCOPES,
+            f"model.aux_loss_scope={aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}",
+        ),
+        (
+            aux_loss_layers in AUX_LOSS_LAYERS,
+            f"model.aux_loss_layers={aux_loss_layers!r} must be one of {', '.join(AUX_LOSS_LAYERS)}",
+        ),
     ]
 
 
@@ -88,35 +113,45 @@ class MoEConfig:
     init_std: float
     num_layers: int
     capacity_factor: float | None = setting(
-        None, in_train_yaml=False,
-        help="expert capacity per sequence: ceil(cf * seq_len * top_k / num_experts) pairs (null = dropless)")
+        None,
+        in_train_yaml=False,
+        help="expert capacity per sequence: ceil(cf * seq_len * top_k / num_experts) pairs (null = dropless)",
+    )
     aux_loss_coef: float = setting(0.01, in_train_yaml=False, help="load-balancing (aux) loss coefficient")
     z_loss_coef: float = setting(0.0, in_train_yaml=False, help="router z-loss coefficient")
     router_score: str = setting("softmax", in_train_yaml=False, help="softmax | sigmoid: the router's score function")
     router_renormalize: bool = setting(
-        True, in_train_yaml=False, help="the chosen top_k weights renormalized to sum to 1 (sigmoid needs true)")
+        True, in_train_yaml=False, help="the chosen top_k weights renormalized to sum to 1 (sigmoid needs true)"
+    )
     router_bias_update_rate: float = setting(
-        0.0, in_train_yaml=False, help="aux-loss-free balancing: expert-bias step after each update (0 = off)")
+        0.0, in_train_yaml=False, help="aux-loss-free balancing: expert-bias step after each update (0 = off)"
+    )
     # Which tokens one load-balancing statistic pools (moe/scope.py): "microbatch" (each rank's
     # microbatch), "sequence" (DeepSeek sequence-wise) or "global" (one microbatch of every dp rank).
     aux_loss_scope: str = setting(
-        "microbatch", in_train_yaml=False,
-        help="microbatch | sequence | global: which tokens one balance statistic pools (moe/scope.py)")
+        "microbatch",
+        in_train_yaml=False,
+        help="microbatch | sequence | global: which tokens one balance statistic pools (moe/scope.py)",
+    )
     # "sum": one aux loss per MoE layer, summed (Switch, Megatron-Core, DeepSeek). "pooled": one
     # aux loss over the statistics pooled across all MoE layers (transformers' Mixtral/Qwen-MoE
     # load_balancing_loss_func); needs parallel.pp=1.
     aux_loss_layers: str = setting(
-        "sum", in_train_yaml=False,
-        help="sum: one aux loss per MoE layer | pooled: one over all layers' statistics (Mixtral; parallel.pp=1)")
+        "sum",
+        in_train_yaml=False,
+        help="sum: one aux loss per MoE layer | pooled: one over all layers' statistics (Mixtral; parallel.pp=1)",
+    )
     # Group-limited routing (DeepSeek-V3): experts form `router_groups` equal groups; each token
     # picks its top-k experts inside its best `router_topk_groups` groups (0 = no limit).
     router_groups: int = setting(
-        0, in_train_yaml=False, ge=0,
-        help="> 0: group-limited routing (DeepSeek-V3) over this many equal expert groups")
+        0, in_train_yaml=False, ge=0, help="> 0: group-limited routing (DeepSeek-V3) over this many equal expert groups"
+    )
     router_topk_groups: int = setting(
-        0, in_train_yaml=False, ge=0, help="with router_groups: each token's top_k experts lie in its best N groups")
+        0, in_train_yaml=False, ge=0, help="with router_groups: each token's top_k experts lie in its best N groups"
+    )
     shared_experts: int = setting(
-        0, in_train_yaml=False, ge=0, help="experts every token passes through besides its routed ones")
+        0, in_train_yaml=False, ge=0, help="experts every token passes through besides its routed ones"
+    )
 
     def validate(self) -> None:
         """Raise ValueError naming the field of the first rule that does not hold."""
@@ -125,14 +160,23 @@ class MoEConfig:
     def checks(self) -> list[Check]:
         """Every rule of an MoE layer's fields."""
         return [
-            *routing_checks(self.num_experts, self.top_k, score=self.router_score,
-                            renormalize=self.router_renormalize, groups=self.router_groups,
-                            topk_groups=self.router_topk_groups, aux_loss_coef=self.aux_loss_coef,
-                            z_loss_coef=self.z_loss_coef, bias_update_rate=self.router_bias_update_rate),
+            *routing_checks(
+                self.num_experts,
+                self.top_k,
+                score=self.router_score,
+                renormalize=self.router_renormalize,
+                groups=self.router_groups,
+                topk_groups=self.router_topk_groups,
+                aux_loss_coef=self.aux_loss_coef,
+                z_loss_coef=self.z_loss_coef,
+                bias_update_rate=self.router_bias_update_rate,
+            ),
             *scope_checks(self.aux_loss_scope, self.aux_loss_layers),
             (self.shared_experts >= 0, f"model.shared_experts={self.shared_experts} must be >= 0"),
-            (self.capacity_factor is None or self.capacity_factor > 0,
-             f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)"),
+            (
+                self.capacity_factor is None or self.capacity_factor > 0,
+                f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)",
+            ),
         ]
 
 

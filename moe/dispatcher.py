@@ -98,8 +98,8 @@ def gather_permuted(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor)
 class RowPlan:
     """The rows one rank sends (`plan_rows`): pairs sorted by (destination, token, expert)."""
 
-    order: torch.Tensor         # [P] sorted position -> index of the pair in the caller's order
-    row_of_pair: torch.Tensor   # [P] row of each sorted pair
+    order: torch.Tensor  # [P] sorted position -> index of the pair in the caller's order
+    row_of_pair: torch.Tensor  # [P] row of each sorted pair
     slot_of_pair: torch.Tensor  # [P] 0..slots-1: position of the pair within its row
     local_expert: torch.Tensor  # [P] expert index on the destination rank, per sorted pair
     token_of_pair: torch.Tensor  # [P] token of each sorted pair
@@ -107,8 +107,14 @@ class RowPlan:
     pairs_per_dest: torch.Tensor  # [ep] pairs sent to each ep rank (on device)
 
 
-def plan_rows(pair_expert: torch.Tensor, pair_token: torch.Tensor, num_tokens: int, num_experts: int,
-              ep: int, keep: torch.Tensor | None = None) -> RowPlan:
+def plan_rows(
+    pair_expert: torch.Tensor,
+    pair_token: torch.Tensor,
+    num_tokens: int,
+    num_experts: int,
+    ep: int,
+    keep: torch.Tensor | None = None,
+) -> RowPlan:
     """Group the kept (token, choice) pairs into rows, one per (token, destination ep rank).
 
     pair_expert / pair_token [P]: expert and token of each pair (a token's experts distinct);
@@ -132,9 +138,15 @@ def plan_rows(pair_expert: torch.Tensor, pair_token: torch.Tensor, num_tokens: i
     row_start = torch.cummax(torch.where(first, position, 0), 0).values if row_key.numel() else position
     dest_sorted = dest[order]
     zeros = torch.zeros(ep + 1, dtype=torch.long, device=pair_expert.device)
-    return RowPlan(order, row_of_pair, position - row_start, local, pair_token[order],
-                   zeros.index_add(0, dest_sorted, first.long())[:ep],
-                   zeros.index_add(0, dest_sorted, torch.ones_like(dest_sorted))[:ep])
+    return RowPlan(
+        order,
+        row_of_pair,
+        position - row_start,
+        local,
+        pair_token[order],
+        zeros.index_add(0, dest_sorted, first.long())[:ep],
+        zeros.index_add(0, dest_sorted, torch.ones_like(dest_sorted))[:ep],
+    )
 
 
 def host_sync(counts: torch.Tensor) -> list[int]:
@@ -148,10 +160,10 @@ def host_sync(counts: torch.Tensor) -> list[int]:
 class _RowSend:
     """One chunk's send, built before the host sync (`AllToAllDispatcher._prepare_rows`)."""
 
-    tokens: torch.Tensor     # [T, h] the chunk's tokens
+    tokens: torch.Tensor  # [T, h] the chunk's tokens
     row_token: torch.Tensor  # [P] token of each row (the first sum(splits) are the kept rows)
-    meta: torch.Tensor       # [P, 2 * slots] combine weights and local expert ids per row
-    counts: torch.Tensor     # [ep, 2] rows and pairs sent to each ep rank
+    meta: torch.Tensor  # [P, 2 * slots] combine weights and local expert ids per row
+    counts: torch.Tensor  # [ep, 2] rows and pairs sent to each ep rank
 
 
 @dataclass
@@ -159,22 +171,22 @@ class InFlight:
     """One dispatch between `dispatch` and `finish`: what the later steps need (per call, so
     recomputation and several microbatches in flight never share state)."""
 
-    tokens: torch.Tensor                         # [T, h] this rank's tokens
-    rows: bool                                   # row path (False: pairs straight to the experts)
+    tokens: torch.Tensor  # [T, h] this rank's tokens
+    rows: bool  # row path (False: pairs straight to the experts)
     # pair path
-    pair_token: torch.Tensor | None = None       # [P] token of each expert-sorted pair
-    pair_weight: torch.Tensor | None = None      # combine weights: [P] per expert-sorted pair with a
-                                                 # capacity, [T, k] token-major dropless
-    group_sizes: torch.Tensor | None = None      # [E] pairs per expert
-    pair_order: torch.Tensor | None = None       # [T * k] dropless: token-major index of each expert-sorted pair
+    pair_token: torch.Tensor | None = None  # [P] token of each expert-sorted pair
+    pair_weight: torch.Tensor | None = None  # combine weights: [P] per expert-sorted pair with a
+    # capacity, [T, k] token-major dropless
+    group_sizes: torch.Tensor | None = None  # [E] pairs per expert
+    pair_order: torch.Tensor | None = None  # [T * k] dropless: token-major index of each expert-sorted pair
     sorted_position: torch.Tensor | None = None  # [T * k] dropless: its inverse, the sorted position of each pair
     # row path
-    row_token: torch.Tensor | None = None        # [R] token of each sent row
-    input_splits: list[int] = field(default_factory=list)    # rows sent to each ep rank
-    output_splits: list[int] = field(default_factory=list)   # rows received from each ep rank
-    etp_sizes: list[int] = field(default_factory=list)       # rows received by each etp rank
-    received_pairs: int = 0                      # pairs of the rows this rank computes (etp-gathered)
-    sent: tuple = ()                             # buffers of the all-to-all in flight
+    row_token: torch.Tensor | None = None  # [R] token of each sent row
+    input_splits: list[int] = field(default_factory=list)  # rows sent to each ep rank
+    output_splits: list[int] = field(default_factory=list)  # rows received from each ep rank
+    etp_sizes: list[int] = field(default_factory=list)  # rows received by each etp rank
+    received_pairs: int = 0  # pairs of the rows this rank computes (etp-gathered)
+    sent: tuple = ()  # buffers of the all-to-all in flight
     handle: AllToAllHandle | None = None
     recv_row_of_pair: torch.Tensor | None = None  # [N] received row of each expert-sorted pair
     recv_pair_weight: torch.Tensor | None = None  # [N] combine weight of each expert-sorted pair
@@ -197,8 +209,13 @@ class AllToAllDispatcher:
 
     # ------------------------------------------------------------------ forward steps
 
-    def dispatch(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-                 keep: torch.Tensor | None = None) -> InFlight:
+    def dispatch(
+        self,
+        tokens: torch.Tensor,
+        pair_expert: torch.Tensor,
+        pair_weight: torch.Tensor,
+        keep: torch.Tensor | None = None,
+    ) -> InFlight:
         """Plan the rows and start sending them. tokens [T, h]; pair_expert / pair_weight
         [T * top_k]: expert and (differentiable) combine weight of each (token, choice) pair,
         token-major (pair i is a choice of token i // top_k); keep [P] bool: the pairs capacity
@@ -217,14 +234,15 @@ class AllToAllDispatcher:
         sends = [self._prepare_rows(*chunk) for chunk in chunks]
         n, ep = len(sends), self.ep
         counts = torch.stack([send.counts for send in sends], 1)  # [ep (destination), chunk, (rows, pairs)]
-        received = all_to_all_stats(counts, self.mesh.ep)         # [ep (source), chunk, 2]
-        gathered = all_gather_stats(received, self.mesh.etp)      # [etp, ep (source), chunk, 2]
+        received = all_to_all_stats(counts, self.mesh.ep)  # [ep (source), chunk, 2]
+        gathered = all_gather_stats(received, self.mesh.etp)  # [etp, ep (source), chunk, 2]
         host = host_sync(torch.cat([counts.flatten(), gathered.flatten()]))
         # plain Python from here to the sends: no tensor op between the sync and the row gathers
-        sent, table = host[:2 * ep * n], host[2 * ep * n:]
+        sent, table = host[: 2 * ep * n], host[2 * ep * n :]
         me = group_rank(self.mesh.etp)
         flights = []
         for c, send in enumerate(sends):
+
             def got(etp_rank: int, source: int, what: int, c=c) -> int:  # what: 0 rows, 1 pairs
                 return table[((etp_rank * ep + source) * n + c) * 2 + what]
 
@@ -236,8 +254,9 @@ class AllToAllDispatcher:
         self.last_send_splits = [sum(f.input_splits[d] for f in flights) for d in range(ep)]
         return flights
 
-    def _pairs(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-               keep: torch.Tensor | None) -> InFlight:
+    def _pairs(
+        self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor, keep: torch.Tensor | None
+    ) -> InFlight:
         """The pair path (ep = etp = 1): pairs sorted by expert, straight to the experts."""
         T, k = tokens.shape[0], self.top_k
         group_sizes = torch.zeros(self.num_experts, dtype=torch.long, device=tokens.device)
@@ -245,18 +264,30 @@ class AllToAllDispatcher:
             order = torch.argsort(pair_expert, stable=True)
             add_counts(group_sizes, pair_expert)
             position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-            return InFlight(tokens, False, pair_token=torch.div(order, k, rounding_mode="floor"),
-                            pair_weight=pair_weight.view(T, k), group_sizes=group_sizes,
-                            pair_order=order, sorted_position=position)
+            return InFlight(
+                tokens,
+                False,
+                pair_token=torch.div(order, k, rounding_mode="floor"),
+                pair_weight=pair_weight.view(T, k),
+                group_sizes=group_sizes,
+                pair_order=order,
+                sorted_position=position,
+            )
         pair = keep.nonzero().squeeze(1)  # index of each kept pair in the token-major order
         pair_expert, pair_weight = pair_expert[pair], pair_weight[pair]
         order = torch.argsort(pair_expert, stable=True)
         add_counts(group_sizes, pair_expert)
-        return InFlight(tokens, False, pair_token=torch.div(pair[order], k, rounding_mode="floor"),
-                        pair_weight=pair_weight[order], group_sizes=group_sizes)
+        return InFlight(
+            tokens,
+            False,
+            pair_token=torch.div(pair[order], k, rounding_mode="floor"),
+            pair_weight=pair_weight[order],
+            group_sizes=group_sizes,
+        )
 
-    def _prepare_rows(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-                      keep: torch.Tensor | None) -> _RowSend:
+    def _prepare_rows(
+        self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor, keep: torch.Tensor | None
+    ) -> _RowSend:
         """Everything one chunk's send needs, built before the host sync in buffers of one row
         per pair (an upper bound on the rows: kept rows come first, numbered in sorted order, and
         the rows of dropped pairs after them), so that after the sync the host issues only the
@@ -278,16 +309,30 @@ class AllToAllDispatcher:
         counts = torch.stack([plan.rows_per_dest, plan.pairs_per_dest], 1)  # [ep, 2]
         return _RowSend(tokens, row_token, meta, counts)
 
-    def _start_rows(self, send: _RowSend, input_splits: list[int], output_splits: list[int],
-                    etp_sizes: list[int], received_pairs: int) -> InFlight:
+    def _start_rows(
+        self,
+        send: _RowSend,
+        input_splits: list[int],
+        output_splits: list[int],
+        etp_sizes: list[int],
+        received_pairs: int,
+    ) -> InFlight:
         """Gather one chunk's rows and start their all-to-all (and of their metadata) over `ep`."""
         num_rows = sum(input_splits)
         row_token = send.row_token[:num_rows]
         rows = send.tokens.index_select(0, row_token)
         sent, handle = all_to_all_start([rows, send.meta[:num_rows]], output_splits, input_splits, self.mesh.ep)
-        return InFlight(send.tokens, True, row_token=row_token, input_splits=input_splits,
-                        output_splits=output_splits, etp_sizes=etp_sizes, received_pairs=received_pairs,
-                        sent=sent, handle=handle)
+        return InFlight(
+            send.tokens,
+            True,
+            row_token=row_token,
+            input_splits=input_splits,
+            output_splits=output_splits,
+            etp_sizes=etp_sizes,
+            received_pairs=received_pairs,
+            sent=sent,
+            handle=handle,
+        )
 
     def receive(self, state: InFlight) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the rows; returns (expert inputs [N, h] sorted by local expert, group sizes

@@ -36,8 +36,13 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
-                   backend: str = "torch", offsets: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: torch.Tensor,
+    backend: str = "torch",
+    offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y[rows of group g] = x[rows of group g] @ weight[g] for consecutive row groups.
 
     x [N, in] sorted by group; weight [G, in, out]; group_sizes [G] (on device, no host sync).
@@ -53,8 +58,16 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     groups compute it once; torch's path computes it when not given, Triton's needs none). No
     communication.
     """
-    return selfcheck.dispatch("grouped_gemm", grouped_backend(x, weight, backend), _grouped_gemm_triton,
-                              _grouped_matmul_torch, x, weight, group_sizes, offsets)
+    return selfcheck.dispatch(
+        "grouped_gemm",
+        grouped_backend(x, weight, backend),
+        _grouped_gemm_triton,
+        _grouped_matmul_torch,
+        x,
+        weight,
+        group_sizes,
+        offsets,
+    )
 
 
 def grouped_backend(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
@@ -77,8 +90,11 @@ def native_grouped_mm_preferred(device_type: str, dtype: torch.dtype, in_feature
     h 256 (each pair on one machine). fp32 and fp16 on CUDA keep the Triton kernel (torch has
     no fast path there; its fp32 path pads the groups into a bmm); the CPU keeps whatever was
     asked for (the Triton interpreter is for tests)."""
-    return (device_type == "cuda" and dtype == torch.bfloat16
-            and _grouped_mm_applies(device_type, dtype, in_features, out_features))
+    return (
+        device_type == "cuda"
+        and dtype == torch.bfloat16
+        and _grouped_mm_applies(device_type, dtype, in_features, out_features)
+    )
 
 
 def _grouped_mm_applies(device_type: str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
@@ -92,15 +108,18 @@ def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(group_sizes, 0, dtype=torch.int32)
 
 
-def _grouped_gemm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
-                         offsets: torch.Tensor | None) -> torch.Tensor:
+def _grouped_gemm_triton(
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
     """`offsets` unused: the kernel sums the group sizes itself."""
     from meshtron.kernels import grouped_gemm
+
     return grouped_gemm.grouped_gemm(x, weight, group_sizes, backend="triton")
 
 
-def _grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
-                          offsets: torch.Tensor | None) -> torch.Tensor:
+def _grouped_matmul_torch(
+    x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
     # Autocast does not list grouped_mm: apply its matmul rule here (both operands in the
     # autocast dtype, differentiable casts), as the Triton path does (kernels/operands.py).
     # Without it a bf16 step mixes bf16 rows with fp32 weights and grouped_mm refuses them.
@@ -116,8 +135,7 @@ def _grouped_matmul_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: to
 def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     groups = weight.shape[0]
     starts = torch.cumsum(group_sizes, 0) - group_sizes
-    group_of_row = torch.repeat_interleave(torch.arange(groups, device=x.device), group_sizes,
-                                           output_size=x.shape[0])
+    group_of_row = torch.repeat_interleave(torch.arange(groups, device=x.device), group_sizes, output_size=x.shape[0])
     slot = torch.arange(x.shape[0], device=x.device) - starts[group_of_row]
     longest = int(group_sizes.max()) if groups else 0
     padded = x.new_zeros(groups, longest, x.shape[1])
@@ -133,8 +151,20 @@ class GroupedExperts(nn.Module):
     the etp group (the caller reduces them).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str, mesh, *,
-                 init_std: float, out_init_std: float, backend: str = "torch", device=None, dtype=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str,
+        mesh,
+        *,
+        init_std: float,
+        out_init_std: float,
+        backend: str = "torch",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         ep, etp = mesh.par.ep, mesh.par.etp
         raise_first(expert_shard_checks(num_experts, ffn_hidden_size, 0, ep=ep, etp=etp, tp=1))
@@ -144,8 +174,11 @@ class GroupedExperts(nn.Module):
         h = hidden_size
 
         def weight(shape_full, shape_local, std, ffn_dim):
-            return tag(nn.Parameter(torch.empty(shape_local, device=device, dtype=dtype)),
-                       normal_init(shape_full, std), expert_shards=((0, "ep"), (ffn_dim, "etp")))
+            return tag(
+                nn.Parameter(torch.empty(shape_local, device=device, dtype=dtype)),
+                normal_init(shape_full, std),
+                expert_shards=((0, "ep"), (ffn_dim, "etp")),
+            )
 
         self.w_up = weight((num_experts, h, ffn_hidden_size), (local_e, h, local_f), init_std, 2)
         self.w_gate = None
@@ -162,8 +195,11 @@ class GroupedExperts(nn.Module):
             return grouped_matmul(rows, weight, group_sizes, backend, offsets)
 
         up = gemm(x, self.w_up)
-        hidden = F.gelu(up, approximate="tanh") if self.w_gate is None else expert_swiglu(gemm(x, self.w_gate), up,
-                                                                                           self.backend)
+        hidden = (
+            F.gelu(up, approximate="tanh")
+            if self.w_gate is None
+            else expert_swiglu(gemm(x, self.w_gate), up, self.backend)
+        )
         return gemm(hidden, self.w_down)
 
 
@@ -183,6 +219,7 @@ def _swiglu_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     from meshtron.kernels import swiglu  # imports Triton: only when a Triton backend runs (see _grouped_gemm_triton)
+
     return swiglu.swiglu(gate, up, backend="triton")
 
 

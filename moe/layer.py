@@ -56,8 +56,9 @@ class SharedExperts(nn.Module):
         out_std = expert_out_init_std(cfg.init_std, cfg.num_layers)
 
         def weight(full, local, std, dim):
-            return tag(nn.Parameter(torch.empty(local, device=device, dtype=dtype)), normal_init(full, std),
-                       tp_shard_dim=dim)
+            return tag(
+                nn.Parameter(torch.empty(local, device=device, dtype=dtype)), normal_init(full, std), tp_shard_dim=dim
+            )
 
         self.up = weight((f, h), (f // tp, h), cfg.init_std, 0)
         self.gate = weight((f, h), (f // tp, h), cfg.init_std, 0) if cfg.activation == "swiglu" else None
@@ -104,8 +105,9 @@ class MoELayer(nn.Module):
     and no collective).
     """
 
-    def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch",
-                 dispatch_chunks: int = 1):
+    def __init__(
+        self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch", dispatch_chunks: int = 1
+    ):
         super().__init__()
         cfg.validate()
         if dispatch_chunks < 1:
@@ -114,16 +116,34 @@ class MoELayer(nn.Module):
         self.dispatch_chunks = dispatch_chunks
         self.scope = aux_loss_scope(cfg.aux_loss_scope, mesh)
         self.router = TopKRouter(
-            cfg.hidden_size, cfg.num_experts, cfg.top_k, score=cfg.router_score,
-            renormalize=cfg.router_renormalize, aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
-            bias_update_rate=cfg.router_bias_update_rate, groups=cfg.router_groups,
-            topk_groups=cfg.router_topk_groups, pooled_aux=cfg.aux_loss_layers == "pooled", init_std=cfg.init_std,
-            sequence_parallel=mesh.tp_size > 1, device=device, dtype=dtype,
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.top_k,
+            score=cfg.router_score,
+            renormalize=cfg.router_renormalize,
+            aux_loss_coef=cfg.aux_loss_coef,
+            z_loss_coef=cfg.z_loss_coef,
+            bias_update_rate=cfg.router_bias_update_rate,
+            groups=cfg.router_groups,
+            topk_groups=cfg.router_topk_groups,
+            pooled_aux=cfg.aux_loss_layers == "pooled",
+            init_std=cfg.init_std,
+            sequence_parallel=mesh.tp_size > 1,
+            device=device,
+            dtype=dtype,
         )
-        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.activation, mesh,
-                                      init_std=cfg.init_std,
-                                      out_init_std=expert_out_init_std(cfg.init_std, cfg.num_layers),
-                                      backend=backend, device=device, dtype=dtype)
+        self.experts = GroupedExperts(
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.ffn_hidden_size,
+            cfg.activation,
+            mesh,
+            init_std=cfg.init_std,
+            out_init_std=expert_out_init_std(cfg.init_std, cfg.num_layers),
+            backend=backend,
+            device=device,
+            dtype=dtype,
+        )
         self.shared = SharedExperts(cfg, mesh, device, dtype) if cfg.shared_experts else None
         self.dispatcher = AllToAllDispatcher(cfg.num_experts, cfg.top_k, mesh)
         self.last_router: RouterOutput | None = None
@@ -157,16 +177,24 @@ class MoELayer(nn.Module):
         nothing travels, so there is nothing to overlap)."""
         return max(1, min(self.dispatch_chunks, num_tokens)) if self.dispatcher.rows else 1
 
-    def _chunks(self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-                keep: torch.Tensor | None) -> list[tuple]:
+    def _chunks(
+        self, tokens: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor, keep: torch.Tensor | None
+    ) -> list[tuple]:
         """The dispatcher's inputs (tokens, pair_expert, pair_weight, keep) cut into
         `dispatch_chunk_count` contiguous token ranges (pairs are token-major: k per token)."""
         n, T, k = self.dispatch_chunk_count(tokens.shape[0]), tokens.shape[0], self.cfg.top_k
         if n == 1:
             return [(tokens, pair_expert, pair_weight, keep)]
         bounds = [T * i // n for i in range(n + 1)]
-        return [(tokens[a:e], pair_expert[a * k:e * k], pair_weight[a * k:e * k],
-                 None if keep is None else keep[a * k:e * k]) for a, e in zip(bounds, bounds[1:])]
+        return [
+            (
+                tokens[a:e],
+                pair_expert[a * k : e * k],
+                pair_weight[a * k : e * k],
+                None if keep is None else keep[a * k : e * k],
+            )
+            for a, e in zip(bounds, bounds[1:])
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mesh, k = self.mesh, self.cfg.top_k
@@ -189,8 +217,7 @@ class MoELayer(nn.Module):
                 keep = capacity_keep_mask(routing.topk_idx, self.cfg.num_experts, capacity, mesh.tp)
             keep = keep.reshape(-1)  # dropped pairs are not sent (the dispatcher filters them)
             kept = keep.sum().to(torch.float32)
-            counts = all_reduce_stats(torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]),
-                                      mesh.tp_dp)
+            counts = all_reduce_stats(torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]), mesh.tp_dp)
             self.last_dropped = 1.0 - counts[0] / counts[1]
 
         # Over NCCL the all-to-alls run asynchronously: the shared experts' up/gate half runs
@@ -206,8 +233,7 @@ class MoELayer(nn.Module):
         # The balancing statistics (and their all-reduce) feed only the losses: issued once the
         # expert GEMMs are queued, so that a GPU starting this layer idle waits for the routing's
         # few ops before its first large kernel, not for these.
-        self.last_router = self.router.statistics(routing, self.scope.stats_group,
-                                                  per_sequence=self.scope.per_sequence)
+        self.last_router = self.router.statistics(routing, self.scope.stats_group, per_sequence=self.scope.per_sequence)
         if keep is None:
             self.last_dropped = torch.zeros((), device=x.device)
         shared_out = self.shared.output(shared_hidden) if self.shared is not None else None

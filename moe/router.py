@@ -109,14 +109,39 @@ class TopKRouter(nn.Module):
     The only communication is one `all_reduce_stats` over `stats_group` per forward.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, score: str = "softmax",
-                 renormalize: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 bias_update_rate: float = 0.0, groups: int = 0, topk_groups: int = 0, pooled_aux: bool = False,
-                 init_std: float = 0.02, sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score: str = "softmax",
+        renormalize: bool = True,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        bias_update_rate: float = 0.0,
+        groups: int = 0,
+        topk_groups: int = 0,
+        pooled_aux: bool = False,
+        init_std: float = 0.02,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
-        raise_first(routing_checks(num_experts, top_k, score=score, renormalize=renormalize, groups=groups,
-                                           topk_groups=topk_groups, aux_loss_coef=aux_loss_coef,
-                                           z_loss_coef=z_loss_coef, bias_update_rate=bias_update_rate))
+        raise_first(
+            routing_checks(
+                num_experts,
+                top_k,
+                score=score,
+                renormalize=renormalize,
+                groups=groups,
+                topk_groups=topk_groups,
+                aux_loss_coef=aux_loss_coef,
+                z_loss_coef=z_loss_coef,
+                bias_update_rate=bias_update_rate,
+            )
+        )
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
@@ -128,8 +153,12 @@ class TopKRouter(nn.Module):
         self.groups, self.topk_groups = int(groups), int(topk_groups)
         self.pooled_aux = bool(pooled_aux)  # the aux loss is formed across layers (pooled_aux_loss)
         init_fn = normal_init((num_experts, hidden_size), init_std)
-        self.weight = tag(nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype)),
-                          init_fn, tp_shard_dim=None, sequence_parallel=sequence_parallel)
+        self.weight = tag(
+            nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype)),
+            init_fn,
+            tp_shard_dim=None,
+            sequence_parallel=sequence_parallel,
+        )
         if self.weight.device.type != "meta":
             # A usable value when built standalone; initialize_parameters overwrites it with the
             # (seed, name)-derived value in a model.
@@ -140,17 +169,21 @@ class TopKRouter(nn.Module):
         # runs eagerly (a graph break), since a collective does not trace.
         self.reduce_stats = all_reduce_stats
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
-        self.register_buffer("step_load", torch.zeros(num_experts, device=device, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer(
+            "step_load", torch.zeros(num_experts, device=device, dtype=torch.float32), persistent=False
+        )
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"score={self.score}, renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}, "
-                f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}"
-                + (f", groups={self.groups}, topk_groups={self.topk_groups}" if self.groups else ""))
+        return (
+            f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"score={self.score}, renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}, "
+            f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}"
+            + (f", groups={self.groups}, topk_groups={self.topk_groups}" if self.groups else "")
+        )
 
-    def forward(self, x: torch.Tensor, stats_group, num_microbatches: int = 1, *,
-                per_sequence: bool = False) -> RouterOutput:
+    def forward(
+        self, x: torch.Tensor, stats_group, num_microbatches: int = 1, *, per_sequence: bool = False
+    ) -> RouterOutput:
         """Route the tokens x [..., h] of this rank and compute their balancing statistics:
         `statistics(route(x), ...)`. The MoE layer calls the two halves apart, so that the
         statistics are issued after the expert GEMMs (see `statistics`)."""
@@ -184,8 +217,9 @@ class TopKRouter(nn.Module):
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         return Routing(topk_idx.view(*x.shape[:-1], k), topk_weight.view(*x.shape[:-1], k), logits, probs)
 
-    def statistics(self, routing: Routing, stats_group, num_microbatches: int = 1, *,
-                   per_sequence: bool = False) -> RouterOutput:
+    def statistics(
+        self, routing: Routing, stats_group, num_microbatches: int = 1, *, per_sequence: bool = False
+    ) -> RouterOutput:
         """The balancing statistics and losses of `routing` (this rank's `route` output).
 
         `stats_group` holds the ranks with the other shards of the pooled tokens (None: this
@@ -212,14 +246,14 @@ class TopKRouter(nn.Module):
         cell = topk_idx  # [T, k] -> cell of the [S, E] counts; tokens are [s, b] flattened, sequence b = t % S
         if S > 1:
             cell = topk_idx + E * (torch.arange(T_local, device=logits.device) % S).unsqueeze(1)
-        add_counts(local[:S * E], cell.view(-1))  # exact integer counts
+        add_counts(local[: S * E], cell.view(-1))  # exact integer counts
         prob_sum = probs.view(-1, S, E).sum(0)  # [S, E], differentiable
-        local[S * E:2 * S * E].copy_(prob_sum.detach().view(-1))
+        local[S * E : 2 * S * E].copy_(prob_sum.detach().view(-1))
         lse_sq_sum = torch.logsumexp(logits, dim=-1).square().sum()  # differentiable
         local[2 * S * E].copy_(lse_sq_sum.detach())
         local[-1:].fill_(T_local)
         glob = local if stats_group is None else self.reduce_stats(local, stats_group)
-        counts_g, prob_sum_g = glob[:S * E].view(S, E), glob[S * E:2 * S * E]
+        counts_g, prob_sum_g = glob[: S * E].view(S, E), glob[S * E : 2 * S * E]
         lse_sq_g, T_g = glob[2 * S * E], glob[-1]
 
         # aux = E * sum_i f_i P_i per set, averaged over the S sets, with f = counts / (T_set k)
@@ -235,8 +269,11 @@ class TopKRouter(nn.Module):
 
         per_layer_aux = self.aux_loss_coef > 0 and not self.pooled_aux
         zero = None if per_layer_aux and self.z_loss_coef > 0 else logits.new_zeros(())
-        aux_loss = (torch.dot(weight.float(), prob_sum.view(-1)) * (self.aux_loss_coef / num_microbatches)
-                    if per_layer_aux else zero)
+        aux_loss = (
+            torch.dot(weight.float(), prob_sum.view(-1)) * (self.aux_loss_coef / num_microbatches)
+            if per_layer_aux
+            else zero
+        )
         z_loss = lse_sq_sum * (self.z_loss_coef / num_microbatches) / T_g32 if self.z_loss_coef > 0 else zero
         return RouterOutput(
             topk_idx=routing.topk_idx,
@@ -263,7 +300,7 @@ class TopKRouter(nn.Module):
         per_group = min(size, max(1, self.top_k // self.topk_groups))
         ranked = torch.sort(select.view(T, self.groups, size), dim=-1, descending=True, stable=True).values
         group_score = ranked[..., :per_group].sum(-1)  # [T, groups]
-        best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :self.topk_groups]
+        best = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, : self.topk_groups]
         allowed = torch.zeros(T, self.groups, dtype=torch.bool, device=select.device).scatter_(1, best, True)
         return select.masked_fill(~allowed.repeat_interleave(size, dim=1), float("-inf"))
 
@@ -287,8 +324,9 @@ def _without_autocast(device_type: str):
     return contextlib.nullcontext()
 
 
-def pooled_aux_loss(outputs: list[RouterOutput], prob_sums: list[torch.Tensor], num_experts: int,
-                    top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pooled_aux_loss(
+    outputs: list[RouterOutput], prob_sums: list[torch.Tensor], num_experts: int, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One Switch aux loss over the statistics pooled across L routers (transformers' Mixtral
     `load_balancing_loss_func`, divided by top_k to meshtron's normalisation):
     aux = E * sum_i f_i P_i with f_i = sum_l counts_l,i / (L T k) and P_i = sum_l probs_l,i / (L T),

@@ -38,8 +38,12 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch
     return doc, idx - first
 
 
-def attention_mask(q_pos: torch.Tensor | None, k_pos: torch.Tensor | None,
-                   q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor | None:
+def attention_mask(
+    q_pos: torch.Tensor | None,
+    k_pos: torch.Tensor | None,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Boolean visibility mask (True = attend) broadcastable to [b, 1, sq, sk]: causal by global
     positions `q_pos` [sq] / `k_pos` [sk] when given, within documents `q_doc` [b, sq] /
     `k_doc` [b, sk] when given; None when nothing is masked."""
@@ -61,8 +65,9 @@ def _rows(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.float().reshape((b, hkv, -1) + tuple(x.shape[3:]))
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
-           lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _probs(
+    q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None, lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(P, lse) of one block, fp32, P [b, hkv, r*sq, sk] = exp(scores - lse) (0 where masked);
     lse [b, hkv, r*sq] is computed here when not given (forward) or the final one (backward)."""
     s = torch.matmul(_rows(q, k.shape[1]), k.float().transpose(-1, -2)).mul_(scale)
@@ -92,8 +97,9 @@ def _mask_rows(mask: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if mask is None else mask[..., rows, :]
 
 
-def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [b, h, sq, d] over one kv block (k, v [b, hkv, sk, d]) with the
     visibility `mask` (see `attention_mask`). Returns (out [b, h, sq, d], lse [b, h, sq]), fp32:
     out is normalised within the block and lse = log sum_k exp(score) per query row, so blocks
@@ -108,19 +114,28 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
 
 
-def merge_blocks(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                 block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_blocks(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax merge of two partial results over disjoint key sets: the attention over
     their union, (out [b, h, sq, d], lse [b, h, sq]). Rows where both lse are -inf stay 0 / -inf."""
     new = torch.logaddexp(lse, block_lse)
     safe = _finite(new)
-    merged = (torch.exp(lse - safe).unsqueeze(-1) * out + torch.exp(block_lse - safe).unsqueeze(-1) * block_out)
+    merged = torch.exp(lse - safe).unsqueeze(-1) * out + torch.exp(block_lse - safe).unsqueeze(-1) * block_out
     return merged, new
 
 
-def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-                             dout: torch.Tensor, delta: torch.Tensor, *, scale: float,
-                             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient contributions of one kv block to the attention whose final (all blocks merged)
     log-sum-exp is `lse` [b, h, sq]: recomputes P = exp(q k^T * scale - lse) for this block only,
     then dV = P^T dout, dP = dout V^T, dS = P * (dP - delta), dQ = dS K * scale, dK = dS^T Q * scale.
@@ -131,8 +146,9 @@ def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk = dv = None
         for t in tiles:
-            dq_t, dk_t, dv_t = attention_block_backward(q[:, :, t], k, v, lse[:, :, t], dout[:, :, t],
-                                                        delta[:, :, t], scale=scale, mask=_mask_rows(mask, t))
+            dq_t, dk_t, dv_t = attention_block_backward(
+                q[:, :, t], k, v, lse[:, :, t], dout[:, :, t], delta[:, :, t], scale=scale, mask=_mask_rows(mask, t)
+            )
             dq[:, :, t] = dq_t
             dk, dv = (dk_t, dv_t) if dk is None else (dk.add_(dk_t), dv.add_(dv_t))
         return dq, dk, dv

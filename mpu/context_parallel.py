@@ -58,11 +58,14 @@ def check_cp_shapes(seq_len: int, num_heads: int, cp: int, comm: str = "ring") -
     if comm not in CP_COMMS:
         raise ValueError(f"cp_comm={comm!r}: choose one of {', '.join(CP_COMMS)}")
     if seq_len % (2 * cp):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp} "
-                         f"(cp={cp} cuts it into 2*cp load-balanced chunks)")
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp} "
+            f"(cp={cp} cuts it into 2*cp load-balanced chunks)"
+        )
     if comm == "a2a" and num_heads % cp:
-        raise ValueError(f"cp_comm=a2a needs the attention heads per tensor-parallel rank ({num_heads}) "
-                         f"divisible by cp={cp}")
+        raise ValueError(
+            f"cp_comm=a2a needs the attention heads per tensor-parallel rank ({num_heads}) divisible by cp={cp}"
+        )
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -141,8 +144,10 @@ class _Ring:
 
     def start(self, send: torch.Tensor, recv: torch.Tensor, tag: int):
         """Send `send` to the next rank and receive into `recv` from the previous one, asynchronously."""
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
         return dist.batch_isend_irecv(ops)
 
 
@@ -172,8 +177,9 @@ class _RingAttention(torch.autograd.Function):
                 kcs = chunk_ids(cp, src)[:n]
                 mask = _block_mask(pos, docs, qa, kcs, causal, c)
                 rows = slice(a * c, (a + 1) * c)
-                blk_out, blk_lse = attention_block(q[:, :, rows], kv[0][:, :, : n * c], kv[1][:, :, : n * c],
-                                                   scale=scale, mask=mask)
+                blk_out, blk_lse = attention_block(
+                    q[:, :, rows], kv[0][:, :, : n * c], kv[1][:, :, : n * c], scale=scale, mask=mask
+                )
                 out[:, :, rows], lse[:, :, rows] = merge_blocks(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
                 if stats is not None:
                     stats.forward_blocks += n
@@ -209,8 +215,15 @@ class _RingAttention(torch.autograd.Function):
                 mask = _block_mask(pos, docs, qa, chunk_ids(cp, src)[:n], causal, c)
                 rows = slice(a * c, (a + 1) * c)
                 dq_a, dk, dv = attention_block_backward(
-                    q[:, :, rows], kv[0][:, :, : n * c], kv[1][:, :, : n * c], lse[:, :, rows],
-                    dout[:, :, rows], delta[:, :, rows], scale=ctx.scale, mask=mask)
+                    q[:, :, rows],
+                    kv[0][:, :, : n * c],
+                    kv[1][:, :, : n * c],
+                    lse[:, :, rows],
+                    dout[:, :, rows],
+                    delta[:, :, rows],
+                    scale=ctx.scale,
+                    mask=mask,
+                )
                 dq[:, :, rows] += dq_a
                 mine[0][:, :, : n * c] += dk
                 mine[1][:, :, : n * c] += dv
@@ -233,20 +246,20 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def _block_mask(pos: list[torch.Tensor], docs: torch.Tensor | None, q_chunk: int, kv_chunks, causal: bool,
-                c: int) -> torch.Tensor | None:
+def _block_mask(
+    pos: list[torch.Tensor], docs: torch.Tensor | None, q_chunk: int, kv_chunks, causal: bool, c: int
+) -> torch.Tensor | None:
     """Mask of one q chunk against kv chunks (global indices): causal only on a diagonal pair,
     the document mask wherever documents are given (`docs`: full-sequence ids [b, s])."""
     k_pos = torch.cat([pos[g] for g in kv_chunks])
     q_doc = k_doc = None
     if docs is not None:
-        q_doc = docs[:, q_chunk * c: (q_chunk + 1) * c]
-        k_doc = torch.cat([docs[:, g * c: (g + 1) * c] for g in kv_chunks], dim=1)
+        q_doc = docs[:, q_chunk * c : (q_chunk + 1) * c]
+        k_doc = torch.cat([docs[:, g * c : (g + 1) * c] for g in kv_chunks], dim=1)
     return attention_mask(pos[q_chunk] if causal else None, k_pos if causal else None, q_doc, k_doc)
 
 
-def _sequence_docs(doc_ids: torch.Tensor | None, sequence_doc_ids: torch.Tensor | None,
-                   group) -> torch.Tensor | None:
+def _sequence_docs(doc_ids: torch.Tensor | None, sequence_doc_ids: torch.Tensor | None, group) -> torch.Tensor | None:
     """The whole sequence's document ids [b, s]: `sequence_doc_ids` as given, else the shards
     `doc_ids` gathered over `group` (tiny integers: gathered once, not sent around the ring)."""
     if doc_ids is not None and sequence_doc_ids is not None:
@@ -254,9 +267,17 @@ def _sequence_docs(doc_ids: torch.Tensor | None, sequence_doc_ids: torch.Tensor 
     return sequence_doc_ids if doc_ids is None else gather_sequence(doc_ids, 1, group)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
-                   doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                   stats: RingStats | None = None, sequence_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    *,
+    doc_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+    stats: RingStats | None = None,
+    sequence_doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence, kv [b, hkv, s/cp, d] passed around the ring
     of `group` (P2P); returns out [b, h, s/cp, d] in q's dtype. Backward: ring of kv and dk/dv."""
@@ -289,9 +310,16 @@ def _heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     return x.transpose(0, 1).reshape(b, cp * nl, s // cp, d)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
-                      doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                      sequence_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    *,
+    doc_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+    sequence_doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence by all-to-all over `group` to h/cp heads of
     the full sequence and back; kv heads [b, hkv, s/cp, d] are replicated first when hkv is not a
@@ -311,23 +339,34 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     if docs is not None:
         pos = torch.arange(docs.shape[1], device=q.device)
         mask = attention_mask(pos, pos, docs, docs)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return _heads_to_seq(out, cp, group) if cp > 1 else out
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm: str = "ring", *,
-                               doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                               dropout_p: float = 0.0, stats: RingStats | None = None,
-                               sequence_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    comm: str = "ring",
+    *,
+    doc_ids: torch.Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    stats: RingStats | None = None,
+    sequence_doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal self-attention over the cp group `group` (see the module doc) with `comm` "ring" or
     "a2a". q [b, h, s/cp, d], k, v [b, hkv, s/cp, d] in the load-balanced chunk order; returns
     out [b, h, s/cp, d]. Document masks from `doc_ids` [b, s/cp] (this rank's shard, gathered)
     or `sequence_doc_ids` [b, s] (the whole sequence, as the model holds it). `dropout_p` > 0 is
     not supported with context parallelism (raises)."""
     if dropout_p > 0:
-        raise ValueError(f"attention dropout {dropout_p} is not supported with context parallelism "
-                         "(set model.attention_dropout=0)")
+        raise ValueError(
+            f"attention dropout {dropout_p} is not supported with context parallelism (set model.attention_dropout=0)"
+        )
     check_cp_shapes(q.shape[2] * group_size(group), q.shape[1], group_size(group), comm)
     docs = dict(doc_ids=doc_ids, sequence_doc_ids=sequence_doc_ids)
     if comm == "ring":

@@ -28,8 +28,9 @@ IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 17
 
 
-def combine_gathered_partials(local_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def combine_gathered_partials(
+    local_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global per-row (max, sum_exp relative to it, target logit) from every rank's partials,
     each [world, N] (rank-major): sum_exp of rank k is relative to its local_max. A rank whose
     shard is all padding has local_max -inf and sum_exp 0 and adds nothing. No communication."""
@@ -47,8 +48,9 @@ def global_statistics(stats: torch.Tensor, group) -> tuple[torch.Tensor, torch.T
     return stats[0], stats[1], stats[2]
 
 
-def loss_from_stats(global_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor,
-                    target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_from_stats(
+    global_max: torch.Tensor, sum_exp: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, lse) per row: lse = log(sum_exp) + global_max, loss = lse - target_logit, and
     loss 0 where target == IGNORE_INDEX. No communication."""
     lse = torch.log(sum_exp) + global_max
@@ -56,8 +58,9 @@ def loss_from_stats(global_max: torch.Tensor, sum_exp: torch.Tensor, target_logi
     return loss, lse
 
 
-def softmax_minus_onehot(exp: torch.Tensor, row_scale: torch.Tensor, safe_target: torch.Tensor,
-                         hit_weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def softmax_minus_onehot(
+    exp: torch.Tensor, row_scale: torch.Tensor, safe_target: torch.Tensor, hit_weight: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """The logits' cross-entropy gradient from stored exponentials, written into `out` [N, n]
     (may be `exp` itself): exp * row_scale per row, minus hit_weight at column safe_target
     (hit_weight 0 where the target is not in these columns; no columns: nothing to subtract).
@@ -66,8 +69,14 @@ def softmax_minus_onehot(exp: torch.Tensor, row_scale: torch.Tensor, safe_target
     return out.scatter_add_(1, safe_target.unsqueeze(1), -hit_weight.unsqueeze(1)) if out.shape[1] else out
 
 
-def local_statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int,
-                     exp_out: torch.Tensor | None = None, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+def local_statistics(
+    rows: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    n_valid: int,
+    exp_out: torch.Tensor | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """fp32 [3, N] per-row (local max, sum of exp(x - local max), raw target logit) of this
     rank's shard `rows` [N, V_local], reading only its first `n_valid` (non-padding) columns.
     The target logit is 0 where the target is ignored or in another shard, -inf where it
@@ -90,18 +99,18 @@ def local_statistics(rows: torch.Tensor, target: torch.Tensor, vocab_start: int,
         step = n if (rows.is_meta or is_fake(rows)) else max(1, chunk_elements // n_valid)
         scratch = None
         for i in range(0, n, step):
-            x = rows[i:i + step, :n_valid]
+            x = rows[i : i + step, :n_valid]
             x = x if x.dtype == torch.float32 else x.float()
             m = x.amax(dim=1, keepdim=True)
             if exp_out is not None:
-                e = exp_out[i:i + step]
+                e = exp_out[i : i + step]
             else:
                 if scratch is None:
                     scratch = torch.empty(min(step, n), n_valid, dtype=torch.float32, device=rows.device)
                 e = scratch[: x.shape[0]]
             torch.sub(x, m, out=e).exp_()
-            torch.sum(e, dim=1, out=stats[1, i:i + step])
-            stats[0, i:i + step] = m.squeeze(1)
+            torch.sum(e, dim=1, out=stats[1, i : i + step])
+            stats[0, i : i + step] = m.squeeze(1)
     return stats
 
 
@@ -137,8 +146,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype).view(ctx.shape), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
-                                 vocab_size: int | None = None, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0, vocab_size: int | None = None, group=None
+) -> torch.Tensor:
     """Per-token cross-entropy (no reduction) for logits split over the vocab across `group`.
 
     logits: [..., V_local] this rank's vocabulary slice starting at `vocab_start`;

@@ -47,8 +47,13 @@ def constant_init(shape: tuple[int, ...], value: float) -> InitFn:
     return lambda gen: torch.full(shape, float(value))
 
 
-def tag(param: nn.Parameter, init_fn: InitFn, tp_shard_dim: int | None = None,
-        sequence_parallel: bool = False, expert_shards: tuple[tuple[int, str], ...] | None = None) -> nn.Parameter:
+def tag(
+    param: nn.Parameter,
+    init_fn: InitFn,
+    tp_shard_dim: int | None = None,
+    sequence_parallel: bool = False,
+    expert_shards: tuple[tuple[int, str], ...] | None = None,
+) -> nn.Parameter:
     """Attach sharding metadata to `param` and return it.
 
     tp_shard_dim: the dim split in equal contiguous chunks over the TP group (None = replicated).
@@ -60,8 +65,11 @@ def tag(param: nn.Parameter, init_fn: InitFn, tp_shard_dim: int | None = None,
     param.tp_shard_dim = tp_shard_dim
     param.sequence_parallel = sequence_parallel
     param.expert = expert_shards is not None
-    param.shards = tuple(expert_shards) if expert_shards is not None else (
-        ((tp_shard_dim, "tp"),) if tp_shard_dim is not None else ())
+    param.shards = (
+        tuple(expert_shards)
+        if expert_shards is not None
+        else (((tp_shard_dim, "tp"),) if tp_shard_dim is not None else ())
+    )
     return param
 
 

@@ -38,24 +38,45 @@ class ColumnParallelLinear(nn.Module):
     this rank's slice of the features unless `gather_output` all-gathers it.
     """
 
-    def __init__(self, in_features: int, out_features: int, mesh: Mesh, *, bias: bool = True,
-                 gather_output: bool = False, init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mesh: Mesh,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.mesh = mesh
         self.gather_output = gather_output
         local_out = _divide(out_features, mesh.tp_size, "out_features")
-        self.weight = tag(nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype)),
-                          normal_init((out_features, in_features), init_std), tp_shard_dim=0)
+        self.weight = tag(
+            nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype)),
+            normal_init((out_features, in_features), init_std),
+            tp_shard_dim=0,
+        )
         self.bias = None
         if bias:
-            self.bias = tag(nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)),
-                            constant_init((out_features,), 0.0), tp_shard_dim=0)
+            self.bias = tag(
+                nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)),
+                constant_init((out_features,), 0.0),
+                tp_shard_dim=0,
+            )
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         # One autograd node for the region entry and the GEMM: its backward overlaps the input
         # gradient's TP collective with the weight-gradient GEMM.
-        y = column_parallel_linear(x, self.weight if weight is None else weight, self.bias, self.mesh.tp,
-                                   sequence_parallel=self.mesh.sequence_parallel)
+        y = column_parallel_linear(
+            x,
+            self.weight if weight is None else weight,
+            self.bias,
+            self.mesh.tp,
+            sequence_parallel=self.mesh.sequence_parallel,
+        )
         if self.gather_output:
             y = gather_from_region(y, -1, self.mesh.tp)
         return y
@@ -68,18 +89,32 @@ class RowParallelLinear(nn.Module):
     SP); the bias is replicated and added after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, mesh: Mesh, *, bias: bool = True,
-                 init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mesh: Mesh,
+        *,
+        bias: bool = True,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.mesh = mesh
         local_in = _divide(in_features, mesh.tp_size, "in_features")
-        self.weight = tag(nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype)),
-                          normal_init((out_features, in_features), init_std), tp_shard_dim=1)
+        self.weight = tag(
+            nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype)),
+            normal_init((out_features, in_features), init_std),
+            tp_shard_dim=1,
+        )
         self.bias = None
         if bias:
-            self.bias = tag(nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)),
-                            constant_init((out_features,), 0.0),
-                            sequence_parallel=mesh.sequence_parallel)
+            self.bias = tag(
+                nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)),
+                constant_init((out_features,), 0.0),
+                sequence_parallel=mesh.sequence_parallel,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = row_parallel_linear(x, self.weight, self.mesh.tp, sequence_parallel=self.mesh.sequence_parallel)
@@ -108,8 +143,17 @@ class VocabParallelEmbedding(nn.Module):
     vocabulary are initialized to zero and never looked up.
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, mesh: Mesh, *,
-                 init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_vocab_size: int,
+        hidden_size: int,
+        mesh: Mesh,
+        *,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.mesh = mesh
         self.vocab_size = vocab_size
@@ -117,9 +161,11 @@ class VocabParallelEmbedding(nn.Module):
         local = _divide(padded_vocab_size, mesh.tp_size, "padded_vocab_size")
         self.vocab_start = mesh.tp_rank * local
         self.vocab_end = self.vocab_start + local
-        self.weight = tag(nn.Parameter(torch.empty(local, hidden_size, device=device, dtype=dtype)),
-                          normal_init((padded_vocab_size, hidden_size), init_std, valid_rows=vocab_size),
-                          tp_shard_dim=0)
+        self.weight = tag(
+            nn.Parameter(torch.empty(local, hidden_size, device=device, dtype=dtype)),
+            normal_init((padded_vocab_size, hidden_size), init_std, valid_rows=vocab_size),
+            tp_shard_dim=0,
+        )
         self.weight.valid_rows = vocab_size  # rows past it are padding (not checkpointed)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

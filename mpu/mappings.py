@@ -232,8 +232,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
                 grad_input = _reduce_scatter(grad_input, 0, group) if sp else grad_input
             elif sp:
                 full = grad_input
-                grad_input = torch.empty((full.shape[0] // _size(group, full),) + tuple(full.shape[1:]),
-                                         dtype=full.dtype, device=full.device)
+                grad_input = torch.empty(
+                    (full.shape[0] // _size(group, full),) + tuple(full.shape[1:]), dtype=full.dtype, device=full.device
+                )
                 in_shm = shm.eligible(group, full)
                 if not in_shm:
                     work = _reduce_scatter_into(grad_input, full, group=group, async_op=True)
@@ -256,8 +257,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, *,
-                           sequence_parallel: bool = False) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, *, sequence_parallel: bool = False
+) -> torch.Tensor:
     """`F.linear(enter(x), weight, bias)` for a weight split by output rows over `group`, where
     enter is `copy_to_region` (or `gather_from_sequence` with `sequence_parallel`: x is a
     sequence shard [s/tp, b, h]). Same values and gradients as those two calls; backward starts
@@ -297,8 +299,9 @@ class _RowParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group, *,
-                        sequence_parallel: bool = False) -> torch.Tensor:
+def row_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, group, *, sequence_parallel: bool = False
+) -> torch.Tensor:
     """`reduce_from_region(F.linear(x, weight))` (with `sequence_parallel`:
     `reduce_scatter_to_sequence`) for a weight split by input columns over `group`, x this
     rank's slice of the features; same values and gradients, without the copy of the GEMM's
@@ -451,8 +454,7 @@ def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[in
     if _shape_only(group):
         pass
     elif not (shm.eligible(group, x[:0]) and shm.all_to_all(out, x, output_splits, input_splits, group)):
-        dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                               group=group)
+        dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
     return out
 
 
@@ -490,7 +492,7 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
 
 def _own_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     start = sum(sizes[: _rank(group)])
-    return x[start: start + sizes[_rank(group)]].contiguous()
+    return x[start : start + sizes[_rank(group)]].contiguous()
 
 
 class _GatherRows(torch.autograd.Function):
@@ -600,8 +602,10 @@ class AllToAllHandle:
 
     def label(self, direction: str) -> str:
         """What a wait on this exchange is for, in hang reports (mpu/waits.py)."""
-        return (f"all_to_all ({direction}) of {sum(self.input_splits)} rows out, {sum(self.output_splits)} in "
-                f"over a group of {len(self.input_splits)}")
+        return (
+            f"all_to_all ({direction}) of {sum(self.input_splits)} rows out, {sum(self.output_splits)} in "
+            f"over a group of {len(self.input_splits)}"
+        )
 
     def wait(self) -> None:
         for work in self.works:
@@ -615,8 +619,7 @@ class AllToAllHandle:
         return grads
 
 
-def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int], group, *,
-                      blocking: bool = False):
+def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int], group, *, blocking: bool = False):
     """Issue one asynchronous `all_to_all_single` per tensor (same splits); (outputs, works).
     `blocking` (no overlap wanted): complete it here through shared memory where eligible
     (no work handle); elsewhere it stays asynchronous."""
@@ -629,8 +632,11 @@ def _start_all_to_all(tensors, output_splits: list[int], input_splits: list[int]
         elif blocking and shm.eligible(group, x[:0]) and shm.all_to_all(out, x, output_splits, input_splits, group):
             pass
         else:
-            works.append(dist.all_to_all_single(out, x, output_split_sizes=output_splits,
-                                                input_split_sizes=input_splits, group=group, async_op=True))
+            works.append(
+                dist.all_to_all_single(
+                    out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group, async_op=True
+                )
+            )
         outs.append((out, x))
     return outs, works
 
@@ -640,8 +646,9 @@ class _AllToAllStart(torch.autograd.Function):
     def forward(ctx, handle, *tensors):
         ctx.handle = handle
         handle.differentiable = tuple(ctx.needs_input_grad[1:])
-        outs, handle.works = _start_all_to_all(tensors, handle.output_splits, handle.input_splits, handle.group,
-                                               blocking=not handle.asynchronous)
+        outs, handle.works = _start_all_to_all(
+            tensors, handle.output_splits, handle.input_splits, handle.group, blocking=not handle.asynchronous
+        )
         handle.keep = outs
         results = tuple(out for out, _ in outs)
         ctx.mark_non_differentiable(*[r for r, d in zip(results, handle.differentiable) if not d])
@@ -665,8 +672,9 @@ class _AllToAllWait(torch.autograd.Function):
     def backward(ctx, *grads):
         handle = ctx.handle
         send = [g for g, d in zip(grads, handle.differentiable) if d]
-        outs, handle.grad_works = _start_all_to_all(send, handle.input_splits, handle.output_splits, handle.group,
-                                                    blocking=not handle.asynchronous)
+        outs, handle.grad_works = _start_all_to_all(
+            send, handle.input_splits, handle.output_splits, handle.group, blocking=not handle.asynchronous
+        )
         received = iter(outs)
         handle.grads = tuple(next(received)[0] if d else None for d in handle.differentiable)
         handle.keep = outs  # the gradients being sent stay alive until wait_grads
@@ -681,8 +689,9 @@ class _AllToAllWait(torch.autograd.Function):
         return (None,) + tuple(g if d else None for g, d in zip(grads, handle.differentiable))
 
 
-def all_to_all_start(tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int],
-                     group) -> tuple[tuple[torch.Tensor, ...], AllToAllHandle]:
+def all_to_all_start(
+    tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int], group
+) -> tuple[tuple[torch.Tensor, ...], AllToAllHandle]:
     """Start the all-to-all of `all_to_all` for each of `tensors` (rows in chunks of
     `input_splits` to the ranks of `group`; `output_splits` rows from each) and return (the
     receive buffers, the handle). Where exchanges are asynchronous (`async_exchanges`: NCCL)

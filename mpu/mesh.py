@@ -58,55 +58,81 @@ class ParallelConfig:
     tp: int = setting(1, ge=1, help="tensor-parallel size")
     pp: int = setting(1, ge=1, help="pipeline-parallel stages")
     dp: int | None = setting(None, ge=1, help="null = world / (tp * cp * pp)")
-    cp: int = setting(1, ge=1,
-                      help="context parallelism: each sequence split over cp ranks (2*cp load-balanced chunks)")
-    cp_comm: str = setting("ring", choices=("ring", "a2a"),
-                           help="ring (KV blocks passed around the cp group) | a2a (Ulysses: heads all-to-all)")
+    cp: int = setting(
+        1, ge=1, help="context parallelism: each sequence split over cp ranks (2*cp load-balanced chunks)"
+    )
+    cp_comm: str = setting(
+        "ring",
+        choices=("ring", "a2a"),
+        help="ring (KV blocks passed around the cp group) | a2a (Ulysses: heads all-to-all)",
+    )
     ep: int = setting(1, ge=1, help="expert parallelism: the experts split over ep ranks")
     etp: int = setting(1, ge=1, help="expert tensor parallelism: each expert's ffn split over etp ranks")
-    sp: bool = setting(False,
-                       help="sequence parallelism: with tp > 1, activations outside the tp regions split over tp")
+    sp: bool = setting(
+        False, help="sequence parallelism: with tp > 1, activations outside the tp regions split over tp"
+    )
     vpp: int = setting(1, ge=1, help="virtual pipeline stages per rank (with schedule=interleaved)")
     schedule: str = setting("1f1b", choices=SCHEDULES, help="gpipe | 1f1b | interleaved (with vpp > 1)")
     # "dp" gradient buckets: reduce-scatter in a node, all-reduce across nodes, all-gather
     # (dp/hierarchical.py); auto = when the dp x cp groups span nodes with > 1 rank on each
     dp_hierarchical: bool | str = setting(
-        "auto", choices=(True, False, "auto"),
+        "auto",
+        choices=(True, False, "auto"),
         help="true = dp gradient all-reduce in 3 stages (reduce-scatter in a node, all-reduce across nodes, "
-             "all-gather); auto = when dp spans nodes with > 1 rank on each (ZeRO 0/1)")
+        "all-gather); auto = when dp spans nodes with > 1 rank on each (ZeRO 0/1)",
+    )
     # pp * vpp entries
     stage_layers: list[int] | None = setting(
-        None, items=Allowed(ge=1), help="layers per virtual stage, e.g. [3, 5]; null = even split")
+        None, items=Allowed(ge=1), help="layers per virtual stage, e.g. [3, 5]; null = even split"
+    )
     # allreduce: gradients all-reduced over dp; ps: `servers` extra ranks (the last ones) hold the
     # parameters and AdamW state, dp = the workers (training/param_server.py)
     dp_mode: str = setting(
-        "allreduce", choices=("allreduce", "ps"),
-        help="allreduce | ps (parameter servers: the last `servers` ranks hold weights + AdamW state)")
+        "allreduce",
+        choices=("allreduce", "ps"),
+        help="allreduce | ps (parameter servers: the last `servers` ranks hold weights + AdamW state)",
+    )
     servers: int = setting(
-        0, ge=0, help="parameter-server ranks (dp_mode=ps needs >= 1); workers = (world - servers) / (tp*cp*pp)")
+        0, ge=0, help="parameter-server ranks (dp_mode=ps needs >= 1); workers = (world - servers) / (tp*cp*pp)"
+    )
 
     def __post_init__(self) -> None:
-        raise_first([*field_checks("parallel", self),
-                     (self.vpp == 1 or self.schedule == "interleaved",
-                      f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved"),
-                     (self.dp_mode != "ps" or self.servers >= 1,
-                      "parallel.dp_mode=ps needs parallel.servers >= 1 (ranks holding the parameters)"),
-                     (self.dp_mode == "ps" or self.servers == 0,
-                      f"parallel.servers={self.servers} needs parallel.dp_mode=ps (or set parallel.servers=0)")],
-                    ParallelConfigError)
+        raise_first(
+            [
+                *field_checks("parallel", self),
+                (
+                    self.vpp == 1 or self.schedule == "interleaved",
+                    f"parallel.vpp={self.vpp} needs parallel.schedule=interleaved",
+                ),
+                (
+                    self.dp_mode != "ps" or self.servers >= 1,
+                    "parallel.dp_mode=ps needs parallel.servers >= 1 (ranks holding the parameters)",
+                ),
+                (
+                    self.dp_mode == "ps" or self.servers == 0,
+                    f"parallel.servers={self.servers} needs parallel.dp_mode=ps (or set parallel.servers=0)",
+                ),
+            ],
+            ParallelConfigError,
+        )
 
     def resolved(self, world_size: int) -> ParallelConfig:
         """Return a copy with dp filled in and every size checked against `world_size`."""
         out = ParallelConfig(**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()})
         if out.dp_mode == "ps":  # the server ranks are outside the training mesh; dp counts the workers
             if world_size <= out.servers:
-                raise ParallelConfigError(f"parallel.servers={out.servers} leaves no worker rank in world size "
-                                          f"{world_size}; start more processes or use fewer servers")
+                raise ParallelConfigError(
+                    f"parallel.servers={out.servers} leaves no worker rank in world size "
+                    f"{world_size}; start more processes or use fewer servers"
+                )
             world_size -= out.servers
         model = out.tp * out.cp * out.pp
         if world_size % model != 0:
-            sizes = f"tp*cp*pp={model} (tp={out.tp}, cp={out.cp}, pp={out.pp})" if out.cp > 1 else \
-                f"tp*pp={model} (tp={out.tp}, pp={out.pp})"
+            sizes = (
+                f"tp*cp*pp={model} (tp={out.tp}, cp={out.cp}, pp={out.pp})"
+                if out.cp > 1
+                else f"tp*pp={model} (tp={out.tp}, pp={out.pp})"
+            )
             raise ParallelConfigError(
                 f"world size {world_size} is not divisible by {sizes}; "
                 f"change parallel.tp/parallel.pp{'/parallel.cp' if out.cp > 1 else ''} or the number of processes"
@@ -135,17 +161,20 @@ class ParallelConfig:
         return self.dp * self.cp * self.tp // (self.ep * self.etp)
 
 
-def expert_shard_checks(num_experts: int, moe_ffn_hidden_size: int, shared_experts: int, *, ep: int, etp: int,
-                        tp: int) -> list[tuple[bool, str]]:
+def expert_shard_checks(
+    num_experts: int, moe_ffn_hidden_size: int, shared_experts: int, *, ep: int, etp: int, tp: int
+) -> list[tuple[bool, str]]:
     """How experts split over the expert mesh, as (holds, message) pairs: experts over ep, each
     expert's ffn over etp, the shared experts' width (tensor-parallel) over tp."""
     shared = moe_ffn_hidden_size * shared_experts
     return [
         (num_experts % ep == 0, f"ep={ep} does not divide num_experts={num_experts}; choose parallel.ep dividing it"),
         (moe_ffn_hidden_size % etp == 0, f"etp={etp} does not divide moe_ffn_hidden_size={moe_ffn_hidden_size}"),
-        (shared % tp == 0,
-         f"tp={tp} does not divide the shared experts' width moe_ffn_hidden_size * shared_experts = {shared} "
-         "(they are tensor-parallel); choose parallel.tp dividing it"),
+        (
+            shared % tp == 0,
+            f"tp={tp} does not divide the shared experts' width moe_ffn_hidden_size * shared_experts = {shared} "
+            "(they are tensor-parallel); choose parallel.tp dividing it",
+        ),
     ]
 
 
@@ -167,8 +196,15 @@ def dim_groups(par: ParallelConfig, world_size: int) -> dict[str, list[list[int]
         moved = grid.movedim(dim, -1)
         return moved.reshape(-1, moved.shape[-1]).tolist()
 
-    return {"tp": groups(dense, 3), "cp": groups(dense, 2), "dp": groups(dense, 1), "pp": groups(dense, 0),
-            "ep": groups(expert, 2), "etp": groups(expert, 3), "edp": groups(expert, 1)}
+    return {
+        "tp": groups(dense, 3),
+        "cp": groups(dense, 2),
+        "dp": groups(dense, 1),
+        "pp": groups(dense, 0),
+        "ep": groups(expert, 2),
+        "etp": groups(expert, 3),
+        "edp": groups(expert, 1),
+    }
 
 
 @dataclass(frozen=True)
@@ -210,9 +246,11 @@ def placement(par: ParallelConfig, world_size: int, ranks_per_node: int) -> dict
 
 
 # dims whose groups should stay inside a node, and what crossing the inter-node link costs
-_INTRA_NODE_DIMS = {"tp": "TP all-reduces cross the inter-node link",
-                    "ep": "expert all-to-alls cross the inter-node link (allowed; common when experts need many ranks)",
-                    "etp": "expert TP all-reduces cross the inter-node link"}
+_INTRA_NODE_DIMS = {
+    "tp": "TP all-reduces cross the inter-node link",
+    "ep": "expert all-to-alls cross the inter-node link (allowed; common when experts need many ranks)",
+    "etp": "expert TP all-reduces cross the inter-node link",
+}
 
 
 def placement_warnings(par: ParallelConfig, world_size: int, ranks_per_node: int) -> list[str]:
@@ -229,8 +267,11 @@ def placement_warnings(par: ParallelConfig, world_size: int, ranks_per_node: int
             span = f"has {where.spanning} of {where.groups} groups spanning {where.max_nodes} nodes {of}"
         line = f"parallel.{name}={where.size} {span}: {_INTRA_NODE_DIMS[name]}"
         if name != "ep":
-            line += (f"; use {name} <= {ranks_per_node}" if where.size > ranks_per_node
-                     else f"; use a {name} that divides {ranks_per_node}")
+            line += (
+                f"; use {name} <= {ranks_per_node}"
+                if where.size > ranks_per_node
+                else f"; use a {name} that divides {ranks_per_node}"
+            )
         lines.append(line)
     return lines
 
@@ -285,8 +326,15 @@ class Mesh:
     Coordinates: `tp_rank`, `cp_rank`, `dp_rank`, `pp_rank`, `edp_rank`, `ep_rank`, `etp_rank`.
     """
 
-    def __init__(self, par: ParallelConfig, world_size: int, rank: int, device_type: str = "cpu",
-                 create_groups: bool = True, ranks_per_node: int | None = None):
+    def __init__(
+        self,
+        par: ParallelConfig,
+        world_size: int,
+        rank: int,
+        device_type: str = "cpu",
+        create_groups: bool = True,
+        ranks_per_node: int | None = None,
+    ):
         self.par = par
         self.world_size = world_size
         self.rank = rank
@@ -424,8 +472,12 @@ class Mesh:
         return placement_warnings(self.par, self.world_size, self.ranks_per_node)
 
 
-def build_mesh(par: ParallelConfig, model_cfg: FitsLayout | None = None, device_type: str = "cpu",
-               ranks_per_node: int | None = None) -> Mesh:
+def build_mesh(
+    par: ParallelConfig,
+    model_cfg: FitsLayout | None = None,
+    device_type: str = "cpu",
+    ranks_per_node: int | None = None,
+) -> Mesh:
     """Validate `par` (and the model shape) against the current world, then build the groups.
     `ranks_per_node` (LOCAL_WORLD_SIZE, equal on every node) places ranks on nodes for
     `describe` and the placement warnings; None means one node.

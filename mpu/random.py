@@ -76,8 +76,7 @@ def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int = 0, device_type: str = "cpu",
-                      cp_rank: int = 0) -> None:
+def seed_parallel_rng(seed: int, tp_rank: int, pp_rank: int = 0, device_type: str = "cpu", cp_rank: int = 0) -> None:
     """Seed the default generator (same on all TP ranks of a stage and cp rank) and the
     per-TP-rank stream. Context-parallel ranks hold other tokens of the sequence, so both
     streams differ per cp rank (else every cp shard would draw the same dropout mask)."""

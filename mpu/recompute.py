@@ -61,8 +61,9 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
-        inputs = [s.detach().requires_grad_(s.requires_grad) if s is not None else n
-                  for s, n in zip(saved, ctx.non_tensors)]
+        inputs = [
+            s.detach().requires_grad_(s.requires_grad) if s is not None else n for s, n in zip(saved, ctx.non_tensors)
+        ]
         current = _rng_snapshot(ctx.device_type)
         _rng_restore(ctx.rng)
         try:

@@ -75,7 +75,7 @@ class _Segment:
         call; return the call's slots [world, SLOT_BYTES] (bytes)."""
         self.seq += 1
         slots = self.slots[self.seq & 1]
-        slots[self.rank, offset: offset + x.numel() * x.element_size()].view(x.dtype).copy_(x.reshape(-1))
+        slots[self.rank, offset : offset + x.numel() * x.element_size()].view(x.dtype).copy_(x.reshape(-1))
         self.flags[self.rank] = self.seq  # x86 keeps these stores in order: data before flag
         return slots
 
@@ -92,8 +92,10 @@ class _Segment:
             time.sleep(_SLEEP_S)
             if time.monotonic() > deadline:
                 late = [r for r in range(self.world) if int(self.flags[r]) < self.seq]
-                raise TimeoutError(f"shared-memory collective {self.seq} timed out: ranks {late} of the group "
-                                   f"did not arrive within {TIMEOUT_S:g} s")
+                raise TimeoutError(
+                    f"shared-memory collective {self.seq} timed out: ranks {late} of the group "
+                    f"did not arrive within {TIMEOUT_S:g} s"
+                )
 
 
 def _segment_bytes(world: int) -> int:
@@ -164,7 +166,7 @@ def all_reduce_in_slots(x: torch.Tensor, group) -> None:
     flat = x.view(-1)
     step = SLOT_BYTES // x.element_size()
     for start in range(0, flat.numel(), step):
-        all_reduce(flat[start: start + step], group)
+        all_reduce(flat[start : start + step], group)
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
@@ -186,12 +188,11 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
         slots = seg.publish(x.contiguous())
         wait_for(seg, f"reduce_scatter over a shared-memory group of {seg.world} (call {seg.seq})")
         nbytes = out.numel() * out.element_size()
-        mine = slots[:, seg.rank * nbytes: (seg.rank + 1) * nbytes].view(x.dtype)
+        mine = slots[:, seg.rank * nbytes : (seg.rank + 1) * nbytes].view(x.dtype)
         torch.sum(mine, dim=0, out=out.view(-1))
 
 
-def all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-               group) -> bool:
+def all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> bool:
     """`dist.all_to_all_single` over `group` if every rank's rows fit a slot: rows of x in
     chunks of `input_splits` go to the ranks in order, `out` (contiguous) receives
     `output_splits[j]` rows from rank j; returns False (nothing exchanged: use gloo) when some
@@ -213,7 +214,7 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int], inp
         slots = seg.slots[seg.seq & 1]
         mine, nbytes = slots[seg.rank], x.numel() * x.element_size()
         mine[: 8 * world].view(torch.int64).copy_(torch.tensor(input_splits, dtype=torch.int64))
-        mine[head: head + nbytes].view(x.dtype).copy_(x.reshape(-1))
+        mine[head : head + nbytes].view(x.dtype).copy_(x.reshape(-1))
         seg.flags[seg.rank] = seg.seq
         wait_for(seg, f"all_to_all over a shared-memory group of {seg.world} (call {seg.seq})")
         row = x[0].numel() if x.shape[0] else math.prod(x.shape[1:])
@@ -224,7 +225,8 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int], inp
             if n:
                 splits = slots[j, : 8 * world].view(torch.int64).tolist()
                 offset = head + sum(splits[: seg.rank]) * row * x.element_size()
-                out_rows[start: start + n].copy_(slots[j, offset: offset + n * row * x.element_size()]
-                                                 .view(x.dtype).view(n, row))
+                out_rows[start : start + n].copy_(
+                    slots[j, offset : offset + n * row * x.element_size()].view(x.dtype).view(n, row)
+                )
             start += n
         return True

@@ -117,9 +117,7 @@ def _is_number(value: Any) -> bool:
         return False
     if isinstance(value, torch.Tensor):
         return value.numel() == 1
-    return isinstance(value, numbers.Real) or (
-        type(value).__module__ == "numpy" and getattr(value, "ndim", 1) == 0
-    )
+    return isinstance(value, numbers.Real) or (type(value).__module__ == "numpy" and getattr(value, "ndim", 1) == 0)
 
 
 def _num(value: Any) -> float | None:

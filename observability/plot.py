@@ -52,7 +52,9 @@ def load_metrics(path: str | pathlib.Path) -> list[dict[str, Any]]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise PlotError(f"{path} line {lineno}: not UTF-8 text (byte {err.start + 1}); the file is corrupt") from None
+            raise PlotError(
+                f"{path} line {lineno}: not UTF-8 text (byte {err.start + 1}); the file is corrupt"
+            ) from None
         if not line.strip():
             continue
         try:
@@ -114,7 +116,9 @@ def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise PlotError(f"plotting needs matplotlib ({err}); pip install matplotlib (or pip install -e '.[viz]')") from None
+        raise PlotError(
+            f"plotting needs matplotlib ({err}); pip install matplotlib (or pip install -e '.[viz]')"
+        ) from None
 
     panels = []
     for title, ylabel, keys, log_y in _PANELS:
@@ -141,7 +145,7 @@ def plot_run(run_dir: str | pathlib.Path, out: str | pathlib.Path | None = None)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(f"{run_dir.resolve().name}: {len(records)} logged steps, last step {records[-1]['step']}")
     fig.tight_layout()

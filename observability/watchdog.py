@@ -192,8 +192,10 @@ class StepWatchdog:
         try:
             waiting = current_wait() or collective_in_stack()
             where = f"{label}, waiting in {waiting}" if waiting else label
-            stream.write(f"meshtron: {_who(self.rank, self.coords)} stuck for {elapsed:.1f} s in {where} "
-                         f"(watchdog timeout {self.timeout_s:g} s); stacks of all threads follow\n")
+            stream.write(
+                f"meshtron: {_who(self.rank, self.coords)} stuck for {elapsed:.1f} s in {where} "
+                f"(watchdog timeout {self.timeout_s:g} s); stacks of all threads follow\n"
+            )
             _dump_stacks(stream, skip_thread=threading.get_ident())
             self.reports += 1
         except Exception:  # never let a report kill the watchdog or the run
@@ -201,17 +203,51 @@ class StepWatchdog:
 
 
 # Public torch.distributed functions that talk to other ranks.
-_COLLECTIVES = frozenset({
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
-    "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
-    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
-    "recv_object_list", "init_process_group", "new_group",
-})
+_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "all_gather_object",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "broadcast_object_list",
+        "reduce",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "barrier",
+        "monitored_barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "send_object_list",
+        "recv_object_list",
+        "init_process_group",
+        "new_group",
+    }
+)
 
 _FAILURE_MARKERS = (
-    "timed out", "timeout", "connection closed", "connection reset", "connection refused", "broken pipe",
-    "peer", "nccl error", "watchdog caught collective", "socket", "unhandled system error",
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "peer",
+    "nccl error",
+    "watchdog caught collective",
+    "socket",
+    "unhandled system error",
 )
 
 
@@ -264,8 +300,9 @@ def _collective_in_frames(frames) -> str | None:
     return name
 
 
-def describe_collective_error(err: BaseException, rank: int, coords: str, phase: str,
-                              timeout_s: float | None = None) -> str:
+def describe_collective_error(
+    err: BaseException, rank: int, coords: str, phase: str, timeout_s: float | None = None
+) -> str:
     """One message for a failed collective: who (rank, mesh coordinates), where (the phase and
     the collective, when the traceback shows it), the likely cause and the original error.
 
@@ -280,11 +317,14 @@ def describe_collective_error(err: BaseException, rank: int, coords: str, phase:
     where = f"collective {collective}" if collective else "a collective"
     if "timed out" in lowered or "timeout" in lowered:
         limit = f" within trainer.collective_timeout_s={timeout_s:g}" if timeout_s else ""
-        cause = (f"a peer rank did not join{limit} (it is stuck, much slower, or dead; "
-                 "look for its 'stuck' watchdog report)")
+        cause = (
+            f"a peer rank did not join{limit} (it is stuck, much slower, or dead; look for its 'stuck' watchdog report)"
+        )
     elif any(m in lowered for m in ("connection closed", "connection reset", "broken pipe", "peer")):
         cause = "a peer rank closed its connection (it crashed or exited; look for its error above)"
     else:
         cause = "the communication backend reported an error"
-    return (f"meshtron: {_who(rank, coords)} failed in {where} during {phase}: {cause}. "
-            f"Original error: {type(err).__name__}: {text}")
+    return (
+        f"meshtron: {_who(rank, coords)} failed in {where} during {phase}: {cause}. "
+        f"Original error: {type(err).__name__}: {text}"
+    )

@@ -73,8 +73,16 @@ class PipelineExecutor:
     tags, which gloo checks and NCCL ignores.
     """
 
-    def __init__(self, chunks: list[nn.Module], mesh: Mesh, activation_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device, *, tags: bool = True):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        mesh: Mesh,
+        activation_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        tags: bool = True,
+    ):
         self.chunks, self.mesh = chunks, mesh
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, len(chunks)
         self.shape, self.dtype, self.device = activation_shape, dtype, torch.device(device)
@@ -83,8 +91,10 @@ class PipelineExecutor:
         self.stage_ranks = dist.get_process_group_ranks(mesh.pp)
         wanted = collective_device()
         if self.device.type != wanted.type:
-            raise ValueError(f"pipeline messages on {self.device} cannot travel over the {dist.get_backend()} "
-                             f"backend, which moves {wanted.type} tensors")
+            raise ValueError(
+                f"pipeline messages on {self.device} cannot travel over the {dist.get_backend()} "
+                f"backend, which moves {wanted.type} tensors"
+            )
 
     def _tag(self, message: Message) -> int:
         if not self.tags:
@@ -97,8 +107,9 @@ class PipelineExecutor:
             raise ValueError(f"need the action lists of all {self.pp} pipeline ranks, got {len(schedules)}")
         return cached_plan(tuple(tuple(actions) for actions in schedules), self.v)[self.rank]
 
-    def _exchange(self, batch: Batch, outbox: dict, inbox: dict, result: PipelineResult, name: str,
-                  microbatch: int, chunk: int) -> None:
+    def _exchange(
+        self, batch: Batch, outbox: dict, inbox: dict, result: PipelineResult, name: str, microbatch: int, chunk: int
+    ) -> None:
         """Post one batch (sends from `outbox`, receives into new buffers put in `inbox`) with
         `batch_isend_irecv` to the neighbouring stages and wait for all of it."""
         ops = []
@@ -117,9 +128,16 @@ class PipelineExecutor:
             wait_for(work, f"pipeline p2p over pp ({peers})")
         result.timeline.append(TimelineEvent(name, microbatch, chunk, start, time.perf_counter()))
 
-    def run(self, schedules: Sequence[Sequence[Action]], inputs: list[torch.Tensor], loss_fn: LossFn,
-            extra_fn: ExtraFn | None = None, before_backward=None, forward_only: bool = False,
-            forward_kwargs: Sequence[dict] | None = None) -> PipelineResult:
+    def run(
+        self,
+        schedules: Sequence[Sequence[Action]],
+        inputs: list[torch.Tensor],
+        loss_fn: LossFn,
+        extra_fn: ExtraFn | None = None,
+        before_backward=None,
+        forward_only: bool = False,
+        forward_kwargs: Sequence[dict] | None = None,
+    ) -> PipelineResult:
         """Execute this rank's actions `schedules[pp_rank]` (`schedules`: every pipeline rank's
         action list, from which both ends of each channel derive one message order; see
         `pipeline.p2p`). `inputs[m]` is microbatch m's input of virtual stage 0 (token ids;

@@ -136,8 +136,11 @@ def action_starts(schedules: Sequence[Sequence[Action]], v: int) -> list[list[in
                 if out is not None:
                     finish[out] = clock[rank]
                 progressed = True
-    stuck = {rank: str(actions[len(starts[rank])]) for rank, actions in enumerate(schedules)
-             if len(starts[rank]) < len(actions)}
+    stuck = {
+        rank: str(actions[len(starts[rank])])
+        for rank, actions in enumerate(schedules)
+        if len(starts[rank]) < len(actions)
+    }
     if stuck:
         raise ValueError(f"the pipeline schedules deadlock (each stuck rank's next action: {stuck})")
     return starts
@@ -254,8 +257,10 @@ def replay_tag_blind(plans: Sequence[RankPlan]) -> int:
             raise AssertionError(f"channel {key[0]}->{key[1]}: {len(out)} sends but {len(into)} receives")
         for k, ((s, sent_message), (r, expected)) in enumerate(zip(out, into)):  # by position only
             if sent_message != expected:
-                raise AssertionError(f"channel {key[0]}->{key[1]}: send #{k} carries {sent_message} but the "
-                                     f"receive it meets expects {expected}")
+                raise AssertionError(
+                    f"channel {key[0]}->{key[1]}: send #{k} carries {sent_message} but the "
+                    f"receive it meets expects {expected}"
+                )
             partner[s], partner[r] = r, s
     current = [0] * pp
     matched: set[tuple[int, int, int]] = set()
@@ -276,8 +281,11 @@ def replay_tag_blind(plans: Sequence[RankPlan]) -> int:
                 current[rank] += 1
                 moved = True
         sweeps += moved
-    stuck = {rank: [str(op) for op in plans[rank][current[rank]].ops]
-             for rank in range(pp) if current[rank] < len(plans[rank])}
+    stuck = {
+        rank: [str(op) for op in plans[rank][current[rank]].ops]
+        for rank in range(pp)
+        if current[rank] < len(plans[rank])
+    }
     if stuck:
         raise AssertionError(f"point-to-point deadlock; each stuck rank's current batch: {stuck}")
     return sweeps

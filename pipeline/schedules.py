@@ -94,8 +94,9 @@ def build_schedule(name: str, pp: int, rank: int, num_microbatches: int, vpp: in
 
 
 @functools.lru_cache(maxsize=32)
-def build_all_ranks(name: str, pp: int, num_microbatches: int, vpp: int = 1,
-                    forward_only: bool = False) -> tuple[tuple[Action, ...], ...]:
+def build_all_ranks(
+    name: str, pp: int, num_microbatches: int, vpp: int = 1, forward_only: bool = False
+) -> tuple[tuple[Action, ...], ...]:
     """Every pipeline rank's action list (index = pp rank), as the executor needs them to plan
     its messages. `forward_only` (evaluation, any microbatch count): forwards only, chunk by
     chunk (every microbatch through chunk 0, then chunk 1, ...), whatever `name` is.

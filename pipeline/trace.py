@@ -24,9 +24,18 @@ def chrome_trace(events, rank: int, origin: float | None = None) -> list[dict]:
     trace = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}]
     for e in events:
         label = f"{e.name} mb{e.microbatch}" + (f" chunk{e.chunk}" if e.chunk else "")
-        trace.append({"name": label, "cat": e.name, "ph": "X", "pid": rank, "tid": 0,
-                      "ts": (e.start - origin) * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6,
-                      "args": {"microbatch": e.microbatch, "chunk": e.chunk}})
+        trace.append(
+            {
+                "name": label,
+                "cat": e.name,
+                "ph": "X",
+                "pid": rank,
+                "tid": 0,
+                "ts": (e.start - origin) * 1e6,
+                "dur": max(e.end - e.start, 0.0) * 1e6,
+                "args": {"microbatch": e.microbatch, "chunk": e.chunk},
+            }
+        )
     return trace
 
 
@@ -36,24 +45,38 @@ LANES = ("compute", "param all-gather")  # Chrome-trace thread of each span lane
 def span_trace(spans, rank: int, origin: float) -> list[dict]:
     """Trace events of one rank's `Span`s (name, lane, start, end, args), one thread per lane,
     times relative to `origin`."""
-    trace = [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
-             for tid, lane in enumerate(LANES)]
+    trace = [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
+        for tid, lane in enumerate(LANES)
+    ]
     for s in spans:
         tid = LANES.index(s.lane) if s.lane in LANES else len(LANES)
-        trace.append({"name": s.name, "cat": s.lane, "ph": "X", "pid": rank, "tid": tid,
-                      "ts": (s.start - origin) * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6, "args": dict(s.args)})
+        trace.append(
+            {
+                "name": s.name,
+                "cat": s.lane,
+                "ph": "X",
+                "pid": rank,
+                "tid": tid,
+                "ts": (s.start - origin) * 1e6,
+                "dur": max(s.end - s.start, 0.0) * 1e6,
+                "args": dict(s.args),
+            }
+        )
     return trace
 
 
-def write_trace(path: str | Path, per_rank_events: dict[int, list], per_rank_spans: dict[int, list] | None = None) -> Path:
+def write_trace(
+    path: str | Path, per_rank_events: dict[int, list], per_rank_spans: dict[int, list] | None = None
+) -> Path:
     """Write {rank: events} (pipeline `TimelineEvent`s) and {rank: spans} (`Span`s) as one
     Chrome trace JSON file (a common time origin for all ranks and both kinds)."""
     per_rank_spans = per_rank_spans or {}
-    starts = ([e.start for events in per_rank_events.values() for e in events]
-              + [s.start for spans in per_rank_spans.values() for s in spans])
+    starts = [e.start for events in per_rank_events.values() for e in events] + [
+        s.start for spans in per_rank_spans.values() for s in spans
+    ]
     origin = min(starts) if starts else 0.0
-    trace = [event for rank, events in sorted(per_rank_events.items())
-             for event in chrome_trace(events, rank, origin)]
+    trace = [event for rank, events in sorted(per_rank_events.items()) for event in chrome_trace(events, rank, origin)]
     for rank, spans in sorted(per_rank_spans.items()):
         if rank not in per_rank_events or not per_rank_events[rank]:
             trace.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})

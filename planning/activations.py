@@ -46,8 +46,15 @@ from meshtron.models.fits import check_model_fits
 from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from meshtron.mpu.random import TENSOR_PARALLEL, get_rng_tracker
 
-__all__ = ["saved_activation_bytes", "SavedTrace", "trace_layer", "trace_pre", "trace_post", "etp_row_bytes",
-           "clear_trace_cache"]
+__all__ = [
+    "saved_activation_bytes",
+    "SavedTrace",
+    "trace_layer",
+    "trace_pre",
+    "trace_post",
+    "etp_row_bytes",
+    "clear_trace_cache",
+]
 
 
 class _SavedStorages:
@@ -82,6 +89,7 @@ class _SavedStorages:
         the current term."""
         handles = []
         for name, child in module.named_children():
+
             def enter(_m, _args, name=name):
                 self.outer, self.term = self.term, name
 
@@ -190,7 +198,8 @@ class _CudaKernels(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
             out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False))
+                q, k, v, kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False)
+            )
             return out
         if func is F.dropout:
             x, p, training = (list(args) + [kwargs.get("p", 0.5), kwargs.get("training", True)])[:3]
@@ -279,8 +288,19 @@ def _tokens_sp(cfg: GPTConfig, tp: int, sp: bool, cp: int = 1) -> int:
     return local // tp if sp else local
 
 
-def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int, tp: int = 1, sp: bool = False,
-                precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
+def trace_layer(
+    cfg: GPTConfig,
+    index: int,
+    mode: str,
+    *,
+    micro_batch_size: int,
+    tp: int = 1,
+    sp: bool = False,
+    precision: str = "fp32",
+    device: str = "cpu",
+    cp: int = 1,
+    cp_comm: str = "ring",
+) -> SavedTrace:
     """Saved bytes of block `index` (dense or MoE as `cfg` makes it) under recompute `mode`
     (none | selective | full) for one microbatch on a tp (x sp) x cp rank (seq_len / cp tokens). Terms: norm1, attn,
     norm2, mlp and "block" (the block's own ops: residual dropout masks; its input under full
@@ -289,17 +309,34 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
     from meshtron.models.rope import rope_tables
 
     traced_cfg = dataclasses.replace(cfg, **({"capacity_factor": None} if cfg.is_moe_layer(index) else {}))
-    key = ("layer", repr(traced_cfg), mode, cfg.is_moe_layer(index), micro_batch_size, tp, sp, precision, device,
-           cp, cp_comm)
+    key = (
+        "layer",
+        repr(traced_cfg),
+        mode,
+        cfg.is_moe_layer(index),
+        micro_batch_size,
+        tp,
+        sp,
+        precision,
+        device,
+        cp,
+        cp_comm,
+    )
 
     def measure() -> SavedTrace:
-        block = Block(traced_cfg, _mesh(cfg, tp, sp, cp=cp, cp_comm=cp_comm), index, device="meta",
-                      execution=ExecutionConfig(recompute=mode))
+        block = Block(
+            traced_cfg,
+            _mesh(cfg, tp, sp, cp=cp, cp_comm=cp_comm),
+            index,
+            device="meta",
+            execution=ExecutionConfig(recompute=mode),
+        )
         block.train()
         with _traced(block, precision, device) as saved:
             x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
-            rope = rope_tables(cfg.seq_len // cp, cfg.head_dim, cfg.rope_theta, x.device) \
-                if cfg.position == "rope" else ()
+            rope = (
+                rope_tables(cfg.seq_len // cp, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else ()
+            )
             rope_ids = _storage_ids(rope)
             saved.excluded |= rope_ids
             saved.term = "block"
@@ -312,7 +349,9 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
             with saved.hooks(), saved.children_as_terms(block):
                 block(x, rope or None)
             handle.remove()
-            shared = sum(t.untyped_storage().nbytes() for t in rope if t.untyped_storage()._cdata in saved.saved_excluded)
+            shared = sum(
+                t.untyped_storage().nbytes() for t in rope if t.untyped_storage()._cdata in saved.saved_excluded
+            )
             total = sum(saved.terms.values())
             # Under full recompute the first pass runs without grad: nothing is saved after norm2.
             after = total - marked.get("before", total)
@@ -321,17 +360,34 @@ def trace_layer(cfg: GPTConfig, index: int, mode: str, *, micro_batch_size: int,
     return _cached(key, measure)
 
 
-def _trace_end_chunk(kind: str, cfg: GPTConfig, micro_batch_size: int, tp: int, sp: bool, tp_rank: int,
-                     precision: str, device: str, run, cp: int = 1, cp_comm: str = "ring",
-                     fused_lm_loss: bool = False) -> SavedTrace:
+def _trace_end_chunk(
+    kind: str,
+    cfg: GPTConfig,
+    micro_batch_size: int,
+    tp: int,
+    sp: bool,
+    tp_rank: int,
+    precision: str,
+    device: str,
+    run,
+    cp: int = 1,
+    cp_comm: str = "ring",
+    fused_lm_loss: bool = False,
+) -> SavedTrace:
     """`run(model, saved)` on a layer-less chunk (kind "pre": embeddings; "post": final norm,
     head and loss, fused or not) built on meta for TP rank `tp_rank`; cached per shape."""
     from meshtron.models.gpt import GPT
 
     def measure() -> SavedTrace:
-        model = GPT(cfg, _mesh(cfg, tp, sp, tp_rank, cp, cp_comm), device="meta", layers=range(0),
-                    pre_process=kind == "pre", post_process=kind == "post",
-                    execution=ExecutionConfig(fused_lm_loss=fused_lm_loss))
+        model = GPT(
+            cfg,
+            _mesh(cfg, tp, sp, tp_rank, cp, cp_comm),
+            device="meta",
+            layers=range(0),
+            pre_process=kind == "pre",
+            post_process=kind == "post",
+            execution=ExecutionConfig(fused_lm_loss=fused_lm_loss),
+        )
         model.train()
         with _traced(model, precision, device) as saved:
             return run(model, saved)
@@ -340,10 +396,21 @@ def _trace_end_chunk(kind: str, cfg: GPTConfig, micro_batch_size: int, tp: int, 
     return _cached(key, measure)
 
 
-def trace_pre(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
-              precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring") -> SavedTrace:
+def trace_pre(
+    cfg: GPTConfig,
+    *,
+    micro_batch_size: int,
+    tp: int = 1,
+    sp: bool = False,
+    tp_rank: int = 0,
+    precision: str = "fp32",
+    device: str = "cpu",
+    cp: int = 1,
+    cp_comm: str = "ring",
+) -> SavedTrace:
     """Saved bytes of the embedding step (token ids, positions, dropout) for one microbatch
     (this cp rank's seq_len / cp tokens of each sequence)."""
+
     def run(model, saved) -> SavedTrace:
         saved.term = "embedding"
         with saved.hooks():
@@ -353,13 +420,24 @@ def trace_pre(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = 
     return _trace_end_chunk("pre", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm)
 
 
-def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool = False, tp_rank: int = 0,
-               precision: str = "fp32", device: str = "cpu", cp: int = 1, cp_comm: str = "ring",
-               fused_lm_loss: bool = False) -> SavedTrace:
+def trace_post(
+    cfg: GPTConfig,
+    *,
+    micro_batch_size: int,
+    tp: int = 1,
+    sp: bool = False,
+    tp_rank: int = 0,
+    precision: str = "fp32",
+    device: str = "cpu",
+    cp: int = 1,
+    cp_comm: str = "ring",
+    fused_lm_loss: bool = False,
+) -> SavedTrace:
     """Saved bytes of the final norm, LM head and loss for one microbatch on TP rank
     `tp_rank`. Terms: final_norm, head (the head's input) and loss (its softmax, targets and
     masks). With `fused_lm_loss` the head and loss are one step whose saved tensors (the
     precomputed input and weight gradients) are all "loss"."""
+
     def run(model, saved) -> SavedTrace:
         x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
         targets = torch.zeros(micro_batch_size, cfg.seq_len // cp, dtype=torch.long)
@@ -375,8 +453,9 @@ def trace_post(cfg: GPTConfig, *, micro_batch_size: int, tp: int = 1, sp: bool =
                 model.loss_per_token(logits, targets)
         return SavedTrace(sum(saved.terms.values()), dict(saved.terms))
 
-    return _trace_end_chunk("post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm,
-                            fused_lm_loss)
+    return _trace_end_chunk(
+        "post", cfg, micro_batch_size, tp, sp, tp_rank, precision, device, run, cp, cp_comm, fused_lm_loss
+    )
 
 
 def etp_row_bytes(cfg: GPTConfig, *, micro_batch_size: int, tp: int, etp: int, precision: str, cp: int = 1) -> int:

@@ -119,7 +119,9 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     fm = cfg.moe_ffn_hidden_size
     n += cfg.num_experts * h  # router, replicated
     n += (cfg.num_experts // ep) * _mlp_matrices(cfg, fm) // etp  # routed experts, no biases
-    n += cfg.shared_experts * _mlp_matrices(cfg, fm) // tp  # shared experts: tensor-parallel like the MLP (moe/layer.py)
+    n += (
+        cfg.shared_experts * _mlp_matrices(cfg, fm) // tp
+    )  # shared experts: tensor-parallel like the MLP (moe/layer.py)
     return n
 
 
@@ -176,8 +178,9 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
         raise ValueError(f"parallel sizes must be >= 1 (tp={tp}, ep={ep}, etp={etp}, pp={pp})")
     checks = tensor_shard_checks(cfg, tp)
     if cfg.is_moe:
-        checks += expert_shard_checks(cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.shared_experts, ep=ep, etp=etp,
-                                      tp=tp)
+        checks += expert_shard_checks(
+            cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.shared_experts, ep=ep, etp=etp, tp=tp
+        )
     raise_first(checks)
     moe = set(moe_layer_indices(cfg))
     vocab_local = cfg.padded_vocab_size(tp) // tp

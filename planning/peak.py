@@ -142,8 +142,9 @@ def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, size: int = 1024,
     return flop / max(best, 1e-9)
 
 
-def _measure_cuda_peak_flops(device: torch.device, dtype: torch.dtype, size: int = _CUDA_SIZE,
-                             seconds: float = 0.5) -> float:
+def _measure_cuda_peak_flops(
+    device: torch.device, dtype: torch.dtype, size: int = _CUDA_SIZE, seconds: float = 0.5
+) -> float:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):

@@ -51,9 +51,18 @@ from meshtron.planning.flops import model_flops_per_token, param_count, params_p
 from meshtron.rules import PRECISIONS, batch_checks, microbatches, param_dtype_checks, precision_check, raise_first
 
 __all__ = [
-    "plan_rank", "plan_all_ranks", "format_rank_line", "format_plan", "write_plan", "meta_param_counts",
-    "model_state_bytes", "chunk_activations", "activation_estimate", "ChunkActivations",
-    "PRECISIONS", "DEVICES",
+    "plan_rank",
+    "plan_all_ranks",
+    "format_rank_line",
+    "format_plan",
+    "write_plan",
+    "meta_param_counts",
+    "model_state_bytes",
+    "chunk_activations",
+    "activation_estimate",
+    "ChunkActivations",
+    "PRECISIONS",
+    "DEVICES",
 ]
 
 GIB = 1024**3
@@ -99,8 +108,13 @@ def _matmul_param_ids(chunks) -> set[int]:
     return ids
 
 
-def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int, rank: int,
-                      execution: ExecutionConfig = ExecutionConfig()) -> dict[str, Any]:
+def meta_param_counts(
+    model_cfg: GPTConfig,
+    par: ParallelConfig,
+    world_size: int,
+    rank: int,
+    execution: ExecutionConfig = ExecutionConfig(),
+) -> dict[str, Any]:
     """Build `rank`'s model chunks on the meta device and count their parameters.
 
     Returns unique-parameter counts (a tied embedding counted once):
@@ -141,8 +155,7 @@ def meta_param_counts(model_cfg: GPTConfig, par: ParallelConfig, world_size: int
         out["largest"] = max(out["largest"], n)
     named = [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
     tied_apart = par.pp > 1 and model_cfg.tie_embeddings  # the copies on the first and last stage
-    out["buckets"] = [(spec.key, spec.numel) for spec in
-                      bucket_layout(named, _replicas(par), tied_apart=tied_apart)]
+    out["buckets"] = [(spec.key, spec.numel) for spec in bucket_layout(named, _replicas(par), tied_apart=tied_apart)]
     # One chunk runs at a time; each frees its units when its forward or backward ends.
     out["zero3_gathered"] = max(zero3_gathered_bytes(chunk, _replicas(par), tied_apart) for chunk in chunks)
     out["zero3_grad_buffers"] = max(zero3_grad_buffer_bytes(chunk, _replicas(par), tied_apart) for chunk in chunks)
@@ -214,8 +227,15 @@ def _replicas(res: ParallelConfig) -> dict[str, int]:
     return {"dp": res.dp * res.cp, "tp_dp": res.tp * res.cp * res.dp, "edp": res.edp}
 
 
-def model_state_bytes(counts: dict[str, Any], replicas: dict[str, int], *, zero: int = 0, offload: bool = False,
-                      precision: str = "fp32", param_dtype: str = "fp32") -> dict[str, int]:
+def model_state_bytes(
+    counts: dict[str, Any],
+    replicas: dict[str, int],
+    *,
+    zero: int = 0,
+    offload: bool = False,
+    precision: str = "fp32",
+    param_dtype: str = "fp32",
+) -> dict[str, int]:
     """Bytes of this rank's model states from `meta_param_counts` and `_replicas`.
 
     Explicit terms (N = parameters of this rank; N_g and R_g = parameters and replicas of each
@@ -320,8 +340,21 @@ def _attention_path(cfg: GPTConfig, device: str) -> str:
     return "math" if device == "cpu" and cfg.attention_dropout_p > 0 else "fused"
 
 
-def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTrace, mode: str, *, is_moe: bool,
-                    tokens: int, tp: int, ep: int, etp: int, precision: str, device: str, cp: int = 1) -> float:
+def _layer_backward(
+    cfg: GPTConfig,
+    saved_none: SavedTrace,
+    saved_mode: SavedTrace,
+    mode: str,
+    *,
+    is_moe: bool,
+    tokens: int,
+    tp: int,
+    ep: int,
+    etp: int,
+    precision: str,
+    device: str,
+    cp: int = 1,
+) -> float:
     """Largest transient of one block's backward beyond what it saved, when it is the top of
     the stack (lower layers run with less saved). A step transient, so arithmetic on shapes;
     the saved parts come from the traces (`saved_none`: the block without recompute).
@@ -348,8 +381,11 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
     else:
         fm = cfg.moe_ffn_hidden_size
         T_l = T / tp if tp > 1 else T
-        ws_mlp = grad_in + T_l * cfg.top_k * c * fm * (1 if cfg.activation == "gelu" else 2) \
+        ws_mlp = (
+            grad_in
+            + T_l * cfg.top_k * c * fm * (1 if cfg.activation == "gelu" else 2)
             + 4 * (cfg.num_experts // ep) * h * fm // etp
+        )
     if cp > 1:
         # Context-parallel attention (no dropout): the q/k/v gradients, plus one tile of a
         # block pair's fp32 probabilities and their gradient (mpu.attention_blocks: a q chunk of
@@ -370,8 +406,9 @@ def _layer_backward(cfg: GPTConfig, saved_none: SavedTrace, saved_mode: SavedTra
     return saved_none.total + working
 
 
-def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: int, c: int, device: str = "cpu",
-                                chunk_rows: int | None = None) -> int:
+def fused_lm_loss_forward_bytes(
+    cfg: GPTConfig, tokens: int, tp: int, tp_rank: int, c: int, device: str = "cpu", chunk_rows: int | None = None
+) -> int:
     """Transient bytes of the fused LM-head loss's forward (kernels/linear_cross_entropy.py) on TP
     rank `tp_rank`, for `tokens` rows in `c`-byte compute: the batch-major copy of its input,
     16-bit copies of the input and the weight under autocast, and one chunk's fp32 logits,
@@ -389,11 +426,24 @@ def fused_lm_loss_forward_bytes(cfg: GPTConfig, tokens: int, tp: int, tp_rank: i
     return math.ceil(tokens * 4 * h + casts + chunk)
 
 
-def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_process: bool, post_process: bool,
-                      tp: int = 1, sp: bool = False, ep: int = 1, etp: int = 1, tp_rank: int = 0,
-                      cp: int = 1, cp_comm: str = "ring",
-                      precision: str = "fp32", device: str = "cpu",
-                      execution: ExecutionConfig = ExecutionConfig()) -> ChunkActivations:
+def chunk_activations(
+    cfg: GPTConfig,
+    micro_batch_size: int,
+    *,
+    layers,
+    pre_process: bool,
+    post_process: bool,
+    tp: int = 1,
+    sp: bool = False,
+    ep: int = 1,
+    etp: int = 1,
+    tp_rank: int = 0,
+    cp: int = 1,
+    cp_comm: str = "ring",
+    precision: str = "fp32",
+    device: str = "cpu",
+    execution: ExecutionConfig = ExecutionConfig(),
+) -> ChunkActivations:
     """`ChunkActivations` of one model chunk holding global layer indices `layers` (embeddings
     when `pre_process`, final norm + LM head + loss when `post_process`), for one microbatch.
 
@@ -432,8 +482,20 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
             add(f"layer_{name}", value)
         if is_moe and etp > 1 and mode != "full":
             add("layer_mlp", etp_row_bytes(cfg, micro_batch_size=b, tp=tp, etp=etp, precision=precision, cp=cp))
-        transient = _layer_backward(cfg, saved_none, saved, mode, is_moe=is_moe, tokens=T, tp=tp, ep=ep, etp=etp,
-                                    precision=precision, device=device, cp=cp)
+        transient = _layer_backward(
+            cfg,
+            saved_none,
+            saved,
+            mode,
+            is_moe=is_moe,
+            tokens=T,
+            tp=tp,
+            ep=ep,
+            etp=etp,
+            precision=precision,
+            device=device,
+            cp=cp,
+        )
         layer_backward = max(layer_backward, transient)
     if len(layers) and cfg.position == "rope":
         add("rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
@@ -480,11 +542,18 @@ def chunk_activations(cfg: GPTConfig, micro_batch_size: int, *, layers, pre_proc
         backward_extra = max(backward_extra, tables_bytes)
         rest_backward = max(rest_backward, tables_bytes)
     rounded = {k: math.ceil(v) for k, v in terms.items()}
-    return ChunkActivations(saved=sum(rounded.values()), logits=logits, forward_extra=forward_extra,
-                            backward_extra=math.ceil(backward_extra),
-                            loss_backward_extra=math.ceil(ce_grad), rest_backward_extra=math.ceil(rest_backward),
-                            pre=pre_process, post=post_process, pipeline_recv=math.ceil(T_sp * 4 * h),
-                            terms=rounded)
+    return ChunkActivations(
+        saved=sum(rounded.values()),
+        logits=logits,
+        forward_extra=forward_extra,
+        backward_extra=math.ceil(backward_extra),
+        loss_backward_extra=math.ceil(ce_grad),
+        rest_backward_extra=math.ceil(rest_backward),
+        pre=pre_process,
+        post=post_process,
+        pipeline_recv=math.ceil(T_sp * 4 * h),
+        terms=rounded,
+    )
 
 
 def _chunk_layout(cfg: GPTConfig, res: ParallelConfig, pp_rank: int) -> list[tuple[range, bool, bool]]:
@@ -500,10 +569,19 @@ def _chunk_layout(cfg: GPTConfig, res: ParallelConfig, pp_rank: int) -> list[tup
     return out
 
 
-def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size: int, num_microbatches: int,
-                        pp_rank: int = 0, tp_rank: int = 0, precision: str = "fp32",
-                        device: str = "cpu", execution: ExecutionConfig = ExecutionConfig(),
-                        phase_extras: dict[str, int] | None = None) -> dict[str, Any]:
+def activation_estimate(
+    cfg: GPTConfig,
+    res: ParallelConfig,
+    *,
+    micro_batch_size: int,
+    num_microbatches: int,
+    pp_rank: int = 0,
+    tp_rank: int = 0,
+    precision: str = "fp32",
+    device: str = "cpu",
+    execution: ExecutionConfig = ExecutionConfig(),
+    phase_extras: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """Activation memory of one rank over one training step (`res` resolved).
 
     `phase_extras` {"forward", "loss_backward", "backward"}: bytes beyond the activations that
@@ -523,15 +601,33 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
     phase extras), "peak_phase", "max_in_flight", "chunks"}.
     """
     sp = bool(res.sp and res.tp > 1)
-    chunks = [chunk_activations(cfg, micro_batch_size, layers=layers, pre_process=pre, post_process=post,
-                                tp=res.tp, sp=sp, ep=res.ep, etp=res.etp, tp_rank=tp_rank, precision=precision,
-                                device=device, execution=execution, cp=res.cp, cp_comm=res.cp_comm)
-              for layers, pre, post in _chunk_layout(cfg, res, pp_rank)]
+    chunks = [
+        chunk_activations(
+            cfg,
+            micro_batch_size,
+            layers=layers,
+            pre_process=pre,
+            post_process=post,
+            tp=res.tp,
+            sp=sp,
+            ep=res.ep,
+            etp=res.etp,
+            tp_rank=tp_rank,
+            precision=precision,
+            device=device,
+            execution=execution,
+            cp=res.cp,
+            cp_comm=res.cp_comm,
+        )
+        for layers, pre, post in _chunk_layout(cfg, res, pp_rank)
+    ]
     if res.pp == 1:
         actions = [(kind, m, 0) for m in range(num_microbatches) for kind in ("F", "B")]
     else:
-        actions = [(a.kind, a.microbatch, a.chunk)
-                   for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)]
+        actions = [
+            (a.kind, a.microbatch, a.chunk)
+            for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)
+        ]
     extra = {"forward": 0, "loss_backward": 0, "backward": 0, **(phase_extras or {})}
     live = peak = plain_peak = 0
     in_flight = max_in_flight = 0
@@ -547,8 +643,9 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
             where = f"forward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
         else:
             if ch.post:  # the loss's backward, then the head and layers' (with ZeRO-3's buffers)
-                transient = max(ch.loss_backward_extra + extra["loss_backward"],
-                                ch.rest_backward_extra + extra["backward"])
+                transient = max(
+                    ch.loss_backward_extra + extra["loss_backward"], ch.rest_backward_extra + extra["backward"]
+                )
                 plain = live + ch.backward_extra
             else:
                 transient = ch.backward_extra + extra["backward"] + ch.pipeline_recv
@@ -576,8 +673,9 @@ def activation_estimate(cfg: GPTConfig, res: ParallelConfig, *, micro_batch_size
     }
 
 
-def _optimizer_transient(counts: dict[str, Any], replicas: dict[str, int], zero: int, offload: bool,
-                         device: str) -> int:
+def _optimizer_transient(
+    counts: dict[str, Any], replicas: dict[str, int], zero: int, offload: bool, device: str
+) -> int:
     """Temporaries of the AdamW step. CPU (single-tensor AdamW): `exp_avg_sq.sqrt() / bias
     correction` makes two tensors the size of the largest parameter (ZeRO >= 1: of the largest
     bucket shard, `counts["buckets"]` split over its replicas; the all-gather's copy of one
@@ -699,20 +797,31 @@ def plan_rank(
 
     # ---- memory
     replicas = _replicas(res)
-    states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision,
-                               param_dtype=param_dtype)
+    states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision, param_dtype=param_dtype)
     # ZeRO-2's full gradient buckets live from zero_grad() to the end of backward; ZeRO-3 gathers
     # units in forward and backward, and its per-unit gradient buffers exist only once the
     # head's backward starts (after the loss's; the tied copies of a pipeline stage throughout).
     if zero == 3:
         tied = meta.get("zero3_tied_grad_buffers", 0)
-        phase_extras = {"forward": states["weights_gathered"] + tied, "loss_backward": tied,
-                        "backward": states["weights_gathered"] + states["grad_buffers_backward"]}
+        phase_extras = {
+            "forward": states["weights_gathered"] + tied,
+            "loss_backward": tied,
+            "backward": states["weights_gathered"] + states["grad_buffers_backward"],
+        }
     else:
         phase_extras = dict.fromkeys(("forward", "loss_backward", "backward"), states["grad_buffers_backward"])
-    act = activation_estimate(model_cfg, res, micro_batch_size=micro_batch_size,
-                              num_microbatches=num_microbatches, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank,
-                              precision=precision, device=device, execution=execution, phase_extras=phase_extras)
+    act = activation_estimate(
+        model_cfg,
+        res,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        pp_rank=mesh.pp_rank,
+        tp_rank=mesh.tp_rank,
+        precision=precision,
+        device=device,
+        execution=execution,
+        phase_extras=phase_extras,
+    )
     # Peak of the step: during forward/backward (persistent states + autocast's weight copies +
     # activations with each phase's ZeRO extras, see above), or during the optimizer step
     # (states + AdamW temporaries).
@@ -725,8 +834,10 @@ def plan_rank(
     if pp == 1:
         act_note = "one microbatch in flight (no pipeline parallelism)"
     else:
-        act_note = (f"{res.schedule} schedule replayed for pp_rank {mesh.pp_rank}: up to {in_flight} "
-                    f"microbatch-chunks in flight")
+        act_note = (
+            f"{res.schedule} schedule replayed for pp_rank {mesh.pp_rank}: up to {in_flight} "
+            f"microbatch-chunks in flight"
+        )
     mem_bytes = {
         "weights": states["weights"],
         "grads": states["grads"],
@@ -776,8 +887,13 @@ def plan_rank(
         "rank": rank,
         "world_size": world_size,
         "coords": {
-            "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank, "cp_rank": mesh.cp_rank, "tp_rank": mesh.tp_rank,
-            "edp_rank": mesh.edp_rank, "ep_rank": mesh.ep_rank, "etp_rank": mesh.etp_rank,
+            "pp_rank": mesh.pp_rank,
+            "dp_rank": mesh.dp_rank,
+            "cp_rank": mesh.cp_rank,
+            "tp_rank": mesh.tp_rank,
+            "edp_rank": mesh.edp_rank,
+            "ep_rank": mesh.ep_rank,
+            "etp_rank": mesh.etp_rank,
         },
         "layout": _layout(res, world_size),
         "param_source": source,
@@ -797,9 +913,17 @@ def plan_rank(
 def _layout(res: ParallelConfig, world_size: int) -> dict[str, Any]:
     return {
         "world_size": world_size,
-        "tp": res.tp, "pp": res.pp, "dp": res.dp, "cp": res.cp, "cp_comm": res.cp_comm,
-        "ep": res.ep, "etp": res.etp, "edp": res.edp,
-        "sp": bool(res.sp and res.tp > 1), "vpp": res.vpp, "schedule": res.schedule,
+        "tp": res.tp,
+        "pp": res.pp,
+        "dp": res.dp,
+        "cp": res.cp,
+        "cp_comm": res.cp_comm,
+        "ep": res.ep,
+        "etp": res.etp,
+        "edp": res.edp,
+        "sp": bool(res.sp and res.tp > 1),
+        "vpp": res.vpp,
+        "schedule": res.schedule,
         "dense_mesh": "pp x dp x cp x tp (tp fastest)",
         "expert_mesh": "pp x edp x ep x etp (etp fastest)",
     }

@@ -65,11 +65,17 @@ class Candidate:
         return self.time.tokens_per_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {"overrides": self.layout.overrides(), "layout": dataclasses.asdict(self.layout),
-                "memory_bytes": self.memory_bytes, "memory_gib": None if self.memory_bytes is None
-                else self.memory_bytes / 1024**3, "memory_source": self.memory_source,
-                "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu, "step_time_s": self.time.total,
-                "step_terms": {k: v for k, v in self.time.as_dict().items() if k != "terms"}}
+        return {
+            "overrides": self.layout.overrides(),
+            "layout": dataclasses.asdict(self.layout),
+            "memory_bytes": self.memory_bytes,
+            "memory_gib": None if self.memory_bytes is None else self.memory_bytes / 1024**3,
+            "memory_source": self.memory_source,
+            "tokens_per_s": self.time.tokens_per_s,
+            "mfu": self.time.mfu,
+            "step_time_s": self.time.total,
+            "step_terms": {k: v for k, v in self.time.as_dict().items() if k != "terms"},
+        }
 
 
 def _shape_ok(cfg: GPTConfig, par: ParallelConfig) -> bool:
@@ -81,9 +87,16 @@ def _shape_ok(cfg: GPTConfig, par: ParallelConfig) -> bool:
     return True
 
 
-def enumerate_layouts(cfg: GPTConfig, world: int, *, global_batch_size: int, gpus_per_node: int,
-                      fixed: dict[str, Any] | None = None, param_dtype: str = "fp32",
-                      precision: str = "fp32") -> list[Layout]:
+def enumerate_layouts(
+    cfg: GPTConfig,
+    world: int,
+    *,
+    global_batch_size: int,
+    gpus_per_node: int,
+    fixed: dict[str, Any] | None = None,
+    param_dtype: str = "fp32",
+    precision: str = "fp32",
+) -> list[Layout]:
     """Every `Layout` of `world` ranks the run's rules accept for `cfg` and the global batch
     (module docstring: what is pruned). `fixed` pins fields of `Layout` (e.g. {"tp": 2,
     "zero": 1}: what the user set on the command line). Pure arithmetic."""
@@ -105,17 +118,20 @@ def enumerate_layouts(cfg: GPTConfig, world: int, *, global_batch_size: int, gpu
                     continue
                 per_rank = global_batch_size // dp if global_batch_size % dp == 0 else 0
                 for ep, etp in itertools.product(
-                        choices("ep", divisors(experts) if experts else [1]),
-                        choices("etp", [d for d in divisors(cfg.moe_ffn_hidden_size) if d <= gpus_per_node]
-                                if experts else [1])):
+                    choices("ep", divisors(experts) if experts else [1]),
+                    choices(
+                        "etp", [d for d in divisors(cfg.moe_ffn_hidden_size) if d <= gpus_per_node] if experts else [1]
+                    ),
+                ):
                     try:  # the sizes' own rules, once per shape; the variants below only change vpp, sp, cp_comm
                         base = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp).resolved(world)
                     except ParallelConfigError:
                         continue
                     for vpp, sp, cp_comm in itertools.product(
-                            choices("vpp", divisors(cfg.num_layers // pp) if pp > 1 else [1]),
-                            choices("sp", [True, False] if tp > 1 and cfg.seq_len % tp == 0 else [False]),
-                            choices("cp_comm", CP_COMMS if cp > 1 else ["ring"])):
+                        choices("vpp", divisors(cfg.num_layers // pp) if pp > 1 else [1]),
+                        choices("sp", [True, False] if tp > 1 and cfg.seq_len % tp == 0 else [False]),
+                        choices("cp_comm", CP_COMMS if cp > 1 else ["ring"]),
+                    ):
                         par = copy.copy(base)  # ParallelConfig's field checks cost ~1 ms; the sizes passed them
                         par.vpp, par.sp, par.cp_comm = vpp, sp, cp_comm
                         par.schedule = "interleaved" if vpp > 1 else "1f1b"
@@ -126,16 +142,39 @@ def enumerate_layouts(cfg: GPTConfig, world: int, *, global_batch_size: int, gpu
                         for mbs in choices("micro_batch_size", divisors(per_rank) if per_rank else []):
                             if first_failure(batch_checks(global_batch_size, mbs, dp, pp=pp, schedule=par.schedule)):
                                 continue
-                            for zero, rec in itertools.product(choices("zero", zeros),
-                                                               choices("recompute", RECOMPUTE_MODES)):
-                                out.append(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vpp=vpp, sp=sp,
-                                                  cp_comm=cp_comm, zero=zero, recompute=rec, micro_batch_size=mbs))
+                            for zero, rec in itertools.product(
+                                choices("zero", zeros), choices("recompute", RECOMPUTE_MODES)
+                            ):
+                                out.append(
+                                    Layout(
+                                        tp=tp,
+                                        pp=pp,
+                                        dp=dp,
+                                        cp=cp,
+                                        ep=ep,
+                                        etp=etp,
+                                        vpp=vpp,
+                                        sp=sp,
+                                        cp_comm=cp_comm,
+                                        zero=zero,
+                                        recompute=rec,
+                                        micro_batch_size=mbs,
+                                    )
+                                )
     return out
 
 
-def layout_memory(cfg: GPTConfig, layout: Layout, *, global_batch_size: int, precision: str = "fp32",
-                  device: str = "cuda", offload: bool = False, param_dtype: str = "fp32",
-                  fused_lm_loss: bool = True) -> dict[str, Any]:
+def layout_memory(
+    cfg: GPTConfig,
+    layout: Layout,
+    *,
+    global_batch_size: int,
+    precision: str = "fp32",
+    device: str = "cuda",
+    offload: bool = False,
+    param_dtype: str = "fp32",
+    fused_lm_loss: bool = True,
+) -> dict[str, Any]:
     """Planned peak bytes per device of `layout` (the larger of its first and last pipeline
     stage, `planning.plan.plan_rank`; the LM head and loss fused or not, trainer.fused_lm_loss),
     the parameters of that rank by gradient-reduction group and where the figure comes from."""
@@ -144,9 +183,20 @@ def layout_memory(cfg: GPTConfig, layout: Layout, *, global_batch_size: int, pre
     execution = ExecutionConfig(recompute=layout.recompute, fused_lm_loss=fused_lm_loss)
     best = None
     for stage in sorted({0, layout.pp - 1}):
-        plan = plan_rank(cfg, par, world, stage * (world // layout.pp), micro_batch_size=layout.micro_batch_size,
-                         global_batch_size=global_batch_size, precision=precision, zero=layout.zero, offload=offload,
-                         param_dtype=param_dtype, device=device, execution=execution)
+        plan = plan_rank(
+            cfg,
+            par,
+            world,
+            stage * (world // layout.pp),
+            micro_batch_size=layout.micro_batch_size,
+            global_batch_size=global_batch_size,
+            precision=precision,
+            zero=layout.zero,
+            offload=offload,
+            param_dtype=param_dtype,
+            device=device,
+            execution=execution,
+        )
         total = plan["memory"]["bytes"]["total"]
         if best is None or total > best[0]:
             best = (total, plan["params"]["by_replica_group"])
@@ -177,10 +227,19 @@ class SearchResult:
     seconds: float
 
 
-def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precision: str = "fp32",
-           param_dtype: str = "fp32", offload: bool = False, fused_lm_loss: bool = True,
-           fixed: dict[str, Any] | None = None,
-           limit: int | None = None, max_priced: int | None = None) -> SearchResult:
+def search(
+    cfg: GPTConfig,
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    precision: str = "fp32",
+    param_dtype: str = "fp32",
+    offload: bool = False,
+    fused_lm_loss: bool = True,
+    fixed: dict[str, Any] | None = None,
+    limit: int | None = None,
+    max_priced: int | None = None,
+) -> SearchResult:
     """Rank the layouts of `cfg` on `cluster` that fit its memory by modelled tokens/s.
 
     Every candidate of `enumerate_layouts` gets a step time from the analytic parameter count;
@@ -193,12 +252,20 @@ def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precisio
     communication.
     """
     start = time.perf_counter()
-    layouts = enumerate_layouts(cfg, cluster.gpus, global_batch_size=global_batch_size,
-                                gpus_per_node=cluster.gpus_per_node, fixed=fixed, param_dtype=param_dtype,
-                                precision=precision)
+    layouts = enumerate_layouts(
+        cfg,
+        cluster.gpus,
+        global_batch_size=global_batch_size,
+        gpus_per_node=cluster.gpus_per_node,
+        fixed=fixed,
+        param_dtype=param_dtype,
+        precision=precision,
+    )
     if not layouts:
-        raise ValueError(f"no valid layout of {cluster.gpus} devices for this model and global batch "
-                         f"{global_batch_size}" + (f" with {fixed}" if fixed else ""))
+        raise ValueError(
+            f"no valid layout of {cluster.gpus} devices for this model and global batch "
+            f"{global_batch_size}" + (f" with {fixed}" if fixed else "")
+        )
     costs = ModelCosts.of(cfg)
     grads: dict[tuple, dict[str, int]] = {}
     timed = []
@@ -206,8 +273,16 @@ def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precisio
         key = (lay.tp, lay.ep, lay.etp, lay.pp)
         if key not in grads:
             grads[key] = _analytic_grad_elements(cfg, lay)
-        t = step_time(cfg, lay, cluster, global_batch_size=global_batch_size, costs=costs,
-                      grad_elements=grads[key], precision=precision, param_dtype=param_dtype)
+        t = step_time(
+            cfg,
+            lay,
+            cluster,
+            global_batch_size=global_batch_size,
+            costs=costs,
+            grad_elements=grads[key],
+            precision=precision,
+            param_dtype=param_dtype,
+        )
         timed.append(Candidate(lay, t))
     timed.sort(key=lambda c: -c.tokens_per_s)
     fitting: list[Candidate] = []
@@ -222,9 +297,16 @@ def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precisio
         if any(r >= order[lay.recompute] and mbs <= lay.micro_batch_size for r, mbs in failed.get(base, [])):
             too_big += 1
             continue
-        mem = layout_memory(cfg, cand.layout, global_batch_size=global_batch_size, precision=precision,
-                            device=cluster.device, offload=offload, param_dtype=param_dtype,
-                            fused_lm_loss=fused_lm_loss)
+        mem = layout_memory(
+            cfg,
+            cand.layout,
+            global_batch_size=global_batch_size,
+            precision=precision,
+            device=cluster.device,
+            offload=offload,
+            param_dtype=param_dtype,
+            fused_lm_loss=fused_lm_loss,
+        )
         priced += 1
         cand.memory_bytes, cand.memory_source = mem["bytes"], mem["source"]
         cand.fits = mem["bytes"] <= cluster.gpu_memory_bytes
@@ -232,8 +314,16 @@ def search(cfg: GPTConfig, cluster: Cluster, *, global_batch_size: int, precisio
             too_big += 1
             failed.setdefault(base, []).append((order[lay.recompute], lay.micro_batch_size))
             continue
-        cand.time = step_time(cfg, cand.layout, cluster, global_batch_size=global_batch_size, costs=costs,
-                              grad_elements=mem["grad_elements"], precision=precision, param_dtype=param_dtype)
+        cand.time = step_time(
+            cfg,
+            cand.layout,
+            cluster,
+            global_batch_size=global_batch_size,
+            costs=costs,
+            grad_elements=mem["grad_elements"],
+            precision=precision,
+            param_dtype=param_dtype,
+        )
         fitting.append(cand)
     fitting.sort(key=lambda c: (-c.tokens_per_s, c.memory_bytes))
     return SearchResult(fitting, len(layouts), priced, too_big, time.perf_counter() - start)

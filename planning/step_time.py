@@ -93,9 +93,22 @@ from meshtron.planning.flops import model_flops_per_token, moe_layer_indices
 from meshtron.planning.peak import known_gpu_peak_flops
 from meshtron.schema import declared_in
 
-__all__ = ["Cluster", "Layout", "ModelCosts", "StepTime", "cluster_preset", "CLUSTER_PRESETS", "CPU_CALIBRATION",
-           "step_time", "all_reduce_time", "all_gather_time", "all_to_all_time", "bubble_fraction", "compute_time",
-           "shared_core_makespan"]
+__all__ = [
+    "Cluster",
+    "Layout",
+    "ModelCosts",
+    "StepTime",
+    "cluster_preset",
+    "CLUSTER_PRESETS",
+    "CPU_CALIBRATION",
+    "step_time",
+    "all_reduce_time",
+    "all_gather_time",
+    "all_to_all_time",
+    "bubble_fraction",
+    "compute_time",
+    "shared_core_makespan",
+]
 
 GB = 1e9
 
@@ -128,13 +141,31 @@ CLUSTER_PRESETS = ("h100", "a100", "h200", "cpu")
 _GPU_PRESETS = {
     # NVLink 4 (900 GB/s bidirectional): NCCL reaches ~360 GB/s bus bandwidth; 400 Gb/s IB per GPU;
     # ~5 us per ring step (NCCL's small-message all-reduce on 8 GPUs is some tens of us).
-    "h100": dict(device_name="NVIDIA H100 SXM", memory=80 * 1024**3, intra_bw=360 * GB, inter_bw=40 * GB,
-                 latency_s=5e-6, mem_bw=3.35e12),
+    "h100": dict(
+        device_name="NVIDIA H100 SXM",
+        memory=80 * 1024**3,
+        intra_bw=360 * GB,
+        inter_bw=40 * GB,
+        latency_s=5e-6,
+        mem_bw=3.35e12,
+    ),
     # NVLink 3 (600 GB/s bidirectional): ~230 GB/s bus bandwidth; 200 Gb/s IB per GPU.
-    "a100": dict(device_name="NVIDIA A100", memory=80 * 1024**3, intra_bw=230 * GB, inter_bw=20 * GB,
-                 latency_s=5e-6, mem_bw=2.0e12),
-    "h200": dict(device_name="NVIDIA H200 SXM", memory=141 * 10**9, intra_bw=360 * GB, inter_bw=40 * GB,
-                 latency_s=5e-6, mem_bw=4.8e12),
+    "a100": dict(
+        device_name="NVIDIA A100",
+        memory=80 * 1024**3,
+        intra_bw=230 * GB,
+        inter_bw=20 * GB,
+        latency_s=5e-6,
+        mem_bw=2.0e12,
+    ),
+    "h200": dict(
+        device_name="NVIDIA H200 SXM",
+        memory=141 * 10**9,
+        intra_bw=360 * GB,
+        inter_bw=40 * GB,
+        latency_s=5e-6,
+        mem_bw=4.8e12,
+    ),
 }
 GPU_EFFICIENCY = 0.5  # fraction of the dense datasheet peak large bf16 GEMMs of a training step reach
 GPU_OVERHEAD_S = 2e-5  # launch latency per layer per microbatch a small layer cannot hide
@@ -188,8 +219,9 @@ class Cluster:
             raise ValueError(f"cluster {self.name}: efficiency in (0, 1], peak FLOP/s and bandwidths > 0 needed")
 
 
-def cluster_preset(name: str, gpus: int, gpus_per_node: int, gpu_memory_bytes: int | None = None,
-                   precision: str = "bf16") -> Cluster:
+def cluster_preset(
+    name: str, gpus: int, gpus_per_node: int, gpu_memory_bytes: int | None = None, precision: str = "bf16"
+) -> Cluster:
     """The `Cluster` of a preset (h100 | a100 | h200 | cpu) for `gpus` devices, `precision`
     fixing the peak (datasheet dense peak of bf16/fp16 tensor cores, plain FP32 for fp32;
     cpu: `CPU_CALIBRATION`, the host's cores shared by the gpus_per_node processes on it).
@@ -201,14 +233,40 @@ def cluster_preset(name: str, gpus: int, gpus_per_node: int, gpu_memory_bytes: i
     if name == "cpu":
         c = CPU_CALIBRATION
         # the node's processes share its cores (step_time's processor-sharing simulation)
-        return Cluster(gpus, gpus_per_node, gpu_memory_bytes or 16 * 1024**3, c["flops_per_core"], c["bw"], c["bw"],
-                       c["efficiency"], c["latency_s"], c["mem_bw"], overlap=False, overhead_s=c["overhead_s"],
-                       cores_per_node=c["cores"], name="cpu", device="cpu", gloo_latency_s=c["gloo_latency_s"],
-                       wait_cpu_share=c["wait_cpu_share"])
+        return Cluster(
+            gpus,
+            gpus_per_node,
+            gpu_memory_bytes or 16 * 1024**3,
+            c["flops_per_core"],
+            c["bw"],
+            c["bw"],
+            c["efficiency"],
+            c["latency_s"],
+            c["mem_bw"],
+            overlap=False,
+            overhead_s=c["overhead_s"],
+            cores_per_node=c["cores"],
+            name="cpu",
+            device="cpu",
+            gloo_latency_s=c["gloo_latency_s"],
+            wait_cpu_share=c["wait_cpu_share"],
+        )
     p = _GPU_PRESETS[name]
     peak = known_gpu_peak_flops(p["device_name"], _DTYPES[precision], tf32=False)
-    return Cluster(gpus, gpus_per_node, gpu_memory_bytes or p["memory"], peak, p["intra_bw"], p["inter_bw"],
-                   GPU_EFFICIENCY, p["latency_s"], p["mem_bw"], overhead_s=GPU_OVERHEAD_S, name=name, device="cuda")
+    return Cluster(
+        gpus,
+        gpus_per_node,
+        gpu_memory_bytes or p["memory"],
+        peak,
+        p["intra_bw"],
+        p["inter_bw"],
+        GPU_EFFICIENCY,
+        p["latency_s"],
+        p["mem_bw"],
+        overhead_s=GPU_OVERHEAD_S,
+        name=name,
+        device="cuda",
+    )
 
 
 # The parallel sizes a Layout fixes, in its field order.
@@ -221,12 +279,14 @@ def _size_fields() -> list[tuple[str, object, dataclasses.Field]]:
     ParallelConfig's may be null (world / (tp*cp*pp))."""
     hints = typing.get_type_hints(ParallelConfig)
     resolved_dp = ("dp", int, field(default=1, metadata=ParallelConfig.__dataclass_fields__["dp"].metadata))
-    return [resolved_dp if name == "dp" else (name, hints[name], declared_in(ParallelConfig, name))
-            for name in LAYOUT_SIZES]
+    return [
+        resolved_dp if name == "dp" else (name, hints[name], declared_in(ParallelConfig, name)) for name in LAYOUT_SIZES
+    ]
 
 
-_LayoutSizes = dataclasses.make_dataclass("_LayoutSizes", _size_fields(), frozen=True,
-                                          namespace={"__module__": __name__})
+_LayoutSizes = dataclasses.make_dataclass(
+    "_LayoutSizes", _size_fields(), frozen=True, namespace={"__module__": __name__}
+)
 
 
 @dataclass(frozen=True)
@@ -263,8 +323,11 @@ class Layout(_LayoutSizes):
             parts.append("parallel.sp=true")
         if self.vpp > 1:
             parts += [f"parallel.vpp={self.vpp}", "parallel.schedule=interleaved"]
-        parts += [f"optim.zero={self.zero}", f"trainer.recompute={self.recompute}",
-                  f"trainer.micro_batch_size={self.micro_batch_size}"]
+        parts += [
+            f"optim.zero={self.zero}",
+            f"trainer.recompute={self.recompute}",
+            f"trainer.micro_batch_size={self.micro_batch_size}",
+        ]
         return " ".join(parts)
 
 
@@ -333,9 +396,18 @@ def _count_nodes(first: int, count: int, gpus_per_node: int) -> dict[int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def shared_core_makespan(schedule: str, pp: int, m: int, vpp: int, fwd_work: tuple[float, ...],
-                         bwd_work: tuple[float, ...], tail: float, nodes: tuple[tuple[tuple[int, int], ...], ...],
-                         cores: int, wait_cpu_share: float = 0.0) -> float:
+def shared_core_makespan(
+    schedule: str,
+    pp: int,
+    m: int,
+    vpp: int,
+    fwd_work: tuple[float, ...],
+    bwd_work: tuple[float, ...],
+    tail: float,
+    nodes: tuple[tuple[tuple[int, int], ...], ...],
+    cores: int,
+    wait_cpu_share: float = 0.0,
+) -> float:
     """Seconds from the step's start until every pipeline stage has run its tasks, when a node's
     runnable processes share its `cores` equally (processor sharing; deterministic, no process
     group).
@@ -430,8 +502,9 @@ class ModelCosts:
 
     @staticmethod
     def of(cfg: GPTConfig) -> ModelCosts:
-        return ModelCosts(model_flops_per_token(cfg), 3 * 2 * cfg.hidden_size * cfg.padded_vocab_size(1),
-                          len(moe_layer_indices(cfg)))
+        return ModelCosts(
+            model_flops_per_token(cfg), 3 * 2 * cfg.hidden_size * cfg.padded_vocab_size(1), len(moe_layer_indices(cfg))
+        )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -454,9 +527,17 @@ def _act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_size: int,
-              grad_elements: dict[str, int], precision: str = "fp32", param_dtype: str = "fp32",
-              costs: ModelCosts | None = None) -> StepTime:
+def step_time(
+    cfg: GPTConfig,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    grad_elements: dict[str, int],
+    precision: str = "fp32",
+    param_dtype: str = "fp32",
+    costs: ModelCosts | None = None,
+) -> StepTime:
     """Modelled time of one training step of `layout` (terms: module docstring).
 
     `grad_elements`: parameters of the bottleneck (most loaded) rank by gradient-reduction
@@ -580,8 +661,7 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
 
     # ---- optimizer
     total_params = sum(grad_elements.values())
-    share = total_params if layout.zero == 0 else sum(
-        math.ceil(n / replicas[g]) for g, n in grad_elements.items())
+    share = total_params if layout.zero == 0 else sum(math.ceil(n / replicas[g]) for g, n in grad_elements.items())
     optimizer = 28 * share / cluster.mem_bw
 
     total = pipeline + dp_exposed + zero_exposed + optimizer
@@ -596,27 +676,49 @@ def step_time(cfg: GPTConfig, layout: Layout, cluster: Cluster, *, global_batch_
         # stage's forward and backward of one microbatch, on one core:
         nl = L / (pp * vpp)
         f_layer = layer_fwd + tp_fwd + cp_fwd + moe_layers / stage_layers * ep_dir + cluster.overhead_s / 3
-        b_layer = layer_time - layer_fwd + tp_bwd + cp_bwd + moe_layers / stage_layers * ep_dir \
-            + 2 * cluster.overhead_s / 3
+        b_layer = (
+            layer_time - layer_fwd + tp_bwd + cp_bwd + moe_layers / stage_layers * ep_dir + 2 * cluster.overhead_s / 3
+        )
         half_p2p = p2p / (2 * vpp)
         last = pp * vpp - 1
-        fwd_work = tuple(nl * f_layer + half_p2p + (first_edge[0] if v == 0 else 0.0)
-                         + (head_time / 3 + last_edge[0] if v == last else 0.0) for v in range(last + 1))
-        bwd_work = tuple(nl * b_layer + half_p2p + (first_edge[1] if v == 0 else 0.0)
-                         + (2 * head_time / 3 + last_edge[1] if v == last else 0.0) for v in range(last + 1))
+        fwd_work = tuple(
+            nl * f_layer
+            + half_p2p
+            + (first_edge[0] if v == 0 else 0.0)
+            + (head_time / 3 + last_edge[0] if v == last else 0.0)
+            for v in range(last + 1)
+        )
+        bwd_work = tuple(
+            nl * b_layer
+            + half_p2p
+            + (first_edge[1] if v == 0 else 0.0)
+            + (2 * head_time / 3 + last_edge[1] if v == last else 0.0)
+            for v in range(last + 1)
+        )
         tail = dp_exposed + zero_exposed + optimizer  # every stage's, as the bottleneck rank's
         ranks = layout.world // pp  # a stage's tp*cp*dp ranks; stage q holds ranks q*ranks .. (q+1)*ranks-1
         gpn = cluster.gpus_per_node if layout.world % cluster.gpus_per_node == 0 else layout.world
         nodes = tuple(tuple(sorted(_count_nodes(q * ranks, ranks, gpn).items())) for q in range(pp))
         terms["dedicated_core_total"] = total
-        total = shared_core_makespan(layout.schedule, pp, m, vpp, fwd_work, bwd_work, tail, nodes,
-                                     cluster.cores_per_node, cluster.wait_cpu_share)
+        total = shared_core_makespan(
+            layout.schedule, pp, m, vpp, fwd_work, bwd_work, tail, nodes, cluster.cores_per_node, cluster.wait_cpu_share
+        )
     tokens_per_s = global_batch_size * s / total
     mfu = per_token * tokens_per_s / (devices * cluster.peak_flops)
     return StepTime(
-        microbatches=m, compute_per_microbatch=comp, tp_per_microbatch=tp_mb, cp_per_microbatch=cp_mb,
-        ep_per_microbatch=ep_mb, p2p_per_microbatch=p2p, bubble_fraction=bubble, pipeline=pipeline,
-        dp_exposed=dp_exposed, zero_exposed=zero_exposed, optimizer=optimizer, total=total,
-        tokens_per_s=tokens_per_s, mfu=mfu,
+        microbatches=m,
+        compute_per_microbatch=comp,
+        tp_per_microbatch=tp_mb,
+        cp_per_microbatch=cp_mb,
+        ep_per_microbatch=ep_mb,
+        p2p_per_microbatch=p2p,
+        bubble_fraction=bubble,
+        pipeline=pipeline,
+        dp_exposed=dp_exposed,
+        zero_exposed=zero_exposed,
+        optimizer=optimizer,
+        total=total,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
         terms=terms,
     )

@@ -84,13 +84,21 @@ def test_pooled_step_quantiles_compare_each_speed_level_with_its_own(tmp_path):
         records["meshtron"].append([fast] * n_fast + [slow] * n_slow)
         records["peer"].append([fast * 1.25] * n_slow + [slow * 1.25] * n_fast)
     for name in ("meshtron", "peer"):
-        runs = [{"tokens_per_step": 1000, "step_times_s": ts,
-                 "step_time_s": {"median": statistics.median(ts), "min": min(ts)}} for ts in records[name]]
+        runs = [
+            {
+                "tokens_per_step": 1000,
+                "step_times_s": ts,
+                "step_time_s": {"median": statistics.median(ts), "min": min(ts)},
+            }
+            for ts in records[name]
+        ]
         # each call prints the next round's record (a counter file per system)
         counter = tmp_path / f"{name}.n"
-        code = (f"import json, pathlib; c = pathlib.Path({str(counter)!r}); i = int(c.read_text()) if c.exists() else 0;"
-                f" c.write_text(str(i + 1)); open({str(log)!r}, 'a').write({name!r} + '\\n');"
-                f" print(json.dumps(json.loads({json.dumps(runs)!r})[i]))")
+        code = (
+            f"import json, pathlib; c = pathlib.Path({str(counter)!r}); i = int(c.read_text()) if c.exists() else 0;"
+            f" c.write_text(str(i + 1)); open({str(log)!r}, 'a').write({name!r} + '\\n');"
+            f" print(json.dumps(json.loads({json.dumps(runs)!r})[i]))"
+        )
         cmds[name] = [sys.executable, "-c", code]
     out = peer_rounds.interleaved_rounds(cmds, 1, 3, baseline="meshtron")
     assert out["per_round_ratio"]["peer"] != [1.25] * 3  # the per-round medians mix the levels
@@ -104,8 +112,9 @@ def test_no_pooled_quantiles_when_a_run_lacks_its_steps(tmp_path):
     log = tmp_path / "order.txt"
     ours = {"tokens_per_step": 1000, "step_time_s": {"median": 0.5, "min": 0.4}, "step_times_s": [0.5, 0.4]}
     peer = {"tokens_per_step": 1000, "ms_per_step_median": 1000.0, "ms_per_step_min": 500.0}
-    out = peer_rounds.interleaved_rounds({"meshtron": _cmd(ours, log, "m"), "peer": _cmd(peer, log, "p")}, 1, 2,
-                                         baseline="meshtron")
+    out = peer_rounds.interleaved_rounds(
+        {"meshtron": _cmd(ours, log, "m"), "peer": _cmd(peer, log, "p")}, 1, 2, baseline="meshtron"
+    )
     assert "pooled_step_quantiles" not in out
 
 
@@ -114,19 +123,31 @@ def test_peer_step_times_adds_every_step_to_an_unchanged_peer(tmp_path):
     ../shared/peers) and its JSON gains step_times_s; the peer's arguments pass through."""
     (tmp_path / "common.py").write_text(
         "def summarize(times, tokens_per_step):\n"
-        "    return {'tokens_per_step': tokens_per_step, 'ms_per_step_median': sorted(times)[len(times) // 2] * 1e3}\n")
+        "    return {'tokens_per_step': tokens_per_step, 'ms_per_step_median': sorted(times)[len(times) // 2] * 1e3}\n"
+    )
     (tmp_path / "peer.py").write_text(
         "import json, os, sys\n"
         "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
         "from common import summarize\n"
-        "print(json.dumps({**summarize([0.3, 0.1, 0.2], 512), 'argv': sys.argv[1:]}))\n")
+        "print(json.dumps({**summarize([0.3, 0.1, 0.2], 512), 'argv': sys.argv[1:]}))\n"
+    )
     import subprocess
+
     shim = Path(__file__).resolve().parents[1] / "bench" / "peer_step_times.py"
-    out = subprocess.run([sys.executable, str(shim), str(tmp_path / "peer.py"), "--steps", "3"],
-                         capture_output=True, text=True, check=True, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(shim), str(tmp_path / "peer.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
     record = json.loads(out.stdout)
-    assert record == {"tokens_per_step": 512, "ms_per_step_median": 200.0, "step_times_s": [0.3, 0.1, 0.2],
-                      "argv": ["--steps", "3"]}
+    assert record == {
+        "tokens_per_step": 512,
+        "ms_per_step_median": 200.0,
+        "step_times_s": [0.3, 0.1, 0.2],
+        "argv": ["--steps", "3"],
+    }
 
 
 @pytest.mark.parametrize("ep", [1, 2])

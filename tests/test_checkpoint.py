@@ -54,8 +54,15 @@ def _step(model, reducer, optimizer, mesh, cfg, step: int) -> float:
 
 
 def _save(root, model, optimizer, mesh, cfg, step: int, keep=None):
-    return save_checkpoint(root, TrainState(step=step, consumed_samples=4 * step), [model], optimizer, mesh,
-                           model_config=dataclasses.asdict(cfg), keep=keep)
+    return save_checkpoint(
+        root,
+        TrainState(step=step, consumed_samples=4 * step),
+        [model],
+        optimizer,
+        mesh,
+        model_config=dataclasses.asdict(cfg),
+        keep=keep,
+    )
 
 
 def _config(arch: str):
@@ -141,7 +148,9 @@ def test_mismatched_model_names_the_tensor(tmp_path):
     path = _save(tmp_path, model, optimizer, mesh, cfg, 1)
     check_compatible(path, cfg)
     wider = dataclasses.replace(cfg, ffn_hidden_size=cfg.ffn_hidden_size * 2)
-    with pytest.raises(CheckpointError, match=r"tensor layers\.0\.mlp\.\S+ has shape .* needs .*ffn_hidden_size 64 -> 128"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor layers\.0\.mlp\.\S+ has shape .* needs .*ffn_hidden_size 64 -> 128"
+    ):
         check_compatible(path, wider)
     deeper = dataclasses.replace(cfg, num_layers=3)
     with pytest.raises(CheckpointError, match=r"has no tensor layers\.2\."):
@@ -156,6 +165,7 @@ def test_vocab_padding_is_not_saved(tmp_path):
     model, _, optimizer, mesh, _ = _trained(cfg, 1)
     path = _save(tmp_path, model, optimizer, mesh, cfg, 1)
     import torch.distributed.checkpoint as dcp
+
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     assert tuple(md["model/embed.weight"].size) == (200, cfg.hidden_size)
     assert tuple(md["model/head.weight"].size) == (200, cfg.hidden_size)
@@ -170,7 +180,7 @@ def _corrupt(file, offset: int = 100, length: int = 64 << 10) -> None:
     """Overwrite `length` bytes of `file` from `offset` with random ones, keeping its size."""
     data = bytearray(file.read_bytes())
     length = min(length, len(data) - offset)
-    data[offset: offset + length] = os.urandom(length)
+    data[offset : offset + length] = os.urandom(length)
     file.write_bytes(bytes(data))
 
 
@@ -236,10 +246,16 @@ def test_failed_save_names_the_file_and_keeps_the_previous(tmp_path, monkeypatch
     model, _, optimizer, mesh, _ = _trained(cfg, 1)
     previous = _save(tmp_path, model, optimizer, mesh, cfg, 1)
     real_init = checkpoint._ChecksummedFile.__init__
-    monkeypatch.setattr(checkpoint._ChecksummedFile, "__init__",
-                        lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error))
-    with pytest.raises(CheckpointError, match=r"could not save the checkpoint of step 2 .*: rank 0: "
-                                              r"\S+/\.tmp-step_00000002/__0_0\.distcp: No space left on device"):
+    monkeypatch.setattr(
+        checkpoint._ChecksummedFile,
+        "__init__",
+        lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error),
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not save the checkpoint of step 2 .*: rank 0: "
+        r"\S+/\.tmp-step_00000002/__0_0\.distcp: No space left on device",
+    ):
         _save(tmp_path, model, optimizer, mesh, cfg, 2, keep=1)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [previous.name]
@@ -275,8 +291,11 @@ def test_checkpoint_dir_lock(tmp_path, capsys):
     with hold_checkpoint_dir(root):
         lock = json.loads((root / LOCK_FILE).read_text())
         assert lock["pid"] == os.getpid() and lock["host"] == socket.gethostname() and lock["started"]
-        with pytest.raises(CheckpointError, match=rf"checkpoint.dir {root} is in use by another run "
-                                                  rf"\(pid {os.getpid()} on host"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"checkpoint.dir {root} is in use by another run "
+            rf"\(pid {os.getpid()} on host",
+        ):
             with hold_checkpoint_dir(root):
                 pass
         assert (root / LOCK_FILE).exists()  # the refused holder leaves it alone
@@ -320,7 +339,10 @@ def test_unwritable_checkpoint_dir_is_refused(tmp_path, monkeypatch):
         return real_open(path, *args)
 
     monkeypatch.setattr(checkpoint.os, "open", denied)  # root ignores permission bits: simulate them
-    with pytest.raises(CheckpointError, match=rf"checkpoint.dir {tmp_path} is not writable: "
-                                              rf"{tmp_path / LOCK_FILE}: Permission denied"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint.dir {tmp_path} is not writable: "
+        rf"{tmp_path / LOCK_FILE}: Permission denied",
+    ):
         with hold_checkpoint_dir(tmp_path):
             pass

@@ -76,8 +76,9 @@ def test_boxes_rebuild_every_flat_range(shape):
         for b in range(a + 1, n + 1):
             boxes = _boxes(shape, a, b)
             assert len(boxes) <= 2 * len(shape) - 1, (a, b, boxes)
-            got = torch.cat([full[tuple(slice(s, s + k) for s, k in zip(start, box))].reshape(-1)
-                             for start, box in boxes])
+            got = torch.cat(
+                [full[tuple(slice(s, s + k) for s, k in zip(start, box))].reshape(-1) for start, box in boxes]
+            )
             assert torch.equal(got, full.reshape(-1)[a:b]), (a, b, boxes)
 
 
@@ -143,8 +144,9 @@ def test_training_goes_on_while_a_slowed_writer_runs(tmp_path, monkeypatch):
     at_save = _params_and_moments(model, optimizer)
     saver = AsyncCheckpointer(None)
     started = time.monotonic()
-    saver.save(tmp_path, TrainState(step=2, consumed_samples=8), [model], optimizer, mesh,
-               model_config=dataclasses.asdict(cfg))
+    saver.save(
+        tmp_path, TrainState(step=2, consumed_samples=8), [model], optimizer, mesh, model_config=dataclasses.asdict(cfg)
+    )
     assert time.monotonic() - started < 0.9  # staging only: the write goes on in the background
     for step in (2, 3):
         _step(model, reducer, optimizer, mesh, cfg, step)
@@ -166,11 +168,16 @@ def test_background_failure_surfaces_at_the_next_save_and_wait(tmp_path, monkeyp
     saver.save(tmp_path, TrainState(step=1), *args, model_config=dataclasses.asdict(cfg))
     previous = saver.wait()
     real_init = checkpoint._ChecksummedFile.__init__
-    monkeypatch.setattr(checkpoint._ChecksummedFile, "__init__",
-                        lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error))
+    monkeypatch.setattr(
+        checkpoint._ChecksummedFile,
+        "__init__",
+        lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error),
+    )
     saver.save(tmp_path, TrainState(step=2), *args, model_config=dataclasses.asdict(cfg), keep=1)
-    expected = (r"could not save the checkpoint of step 2 \(earlier checkpoints are intact\): rank 0: "
-                r"\S+/\.tmp-step_00000002/__0_0\.distcp: No space left on device")
+    expected = (
+        r"could not save the checkpoint of step 2 \(earlier checkpoints are intact\): rank 0: "
+        r"\S+/\.tmp-step_00000002/__0_0\.distcp: No space left on device"
+    )
     with pytest.raises(CheckpointError, match=expected):
         saver.save(tmp_path, TrainState(step=3), *args, model_config=dataclasses.asdict(cfg))
     monkeypatch.undo()
@@ -192,8 +199,7 @@ def test_zero_moments_are_saved_without_param_moments(tmp_path, monkeypatch):
         raise AssertionError("param_moments (an all-gather of full moments) called during a save")
 
     monkeypatch.setattr(ShardedAdamW, "param_moments", refuse)
-    path = save_checkpoint(tmp_path, TrainState(step=2), [model], optimizer, mesh,
-                           model_config=dataclasses.asdict(cfg))
+    path = save_checkpoint(tmp_path, TrainState(step=2), [model], optimizer, mesh, model_config=dataclasses.asdict(cfg))
     monkeypatch.undo()
     _assert_equal(_loaded(path, cfg, zero=False), want)
 
@@ -220,21 +226,42 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous(tmp_path, r
     is being written and steps after it run: the `.tmp-` folder is not taken, resume=auto
     starts from step 2 and gives the uninterrupted losses bit for bit."""
     ckpt, killed = tmp_path / "ckpt", tmp_path / "killed"
-    proc = _start(ckpt, killed, "checkpoint.every=2", "checkpoint.keep=null", "checkpoint.async=true",
-                  env={WRITE_DELAY_ENV: "1.5"})
+    proc = _start(
+        ckpt,
+        killed,
+        "checkpoint.every=2",
+        "checkpoint.keep=null",
+        "checkpoint.async=true",
+        env={WRITE_DELAY_ENV: "1.5"},
+    )
 
     def mid_write() -> bool:
         done = [r["step"] for r in metrics(killed)] if (killed / "metrics.jsonl").exists() else []
-        return ((ckpt / "step_00000002" / "meshtron.json").exists() and (ckpt / ".tmp-step_00000004").is_dir()
-                and bool(done) and max(done) >= 5)
+        return (
+            (ckpt / "step_00000002" / "meshtron.json").exists()
+            and (ckpt / ".tmp-step_00000004").is_dir()
+            and bool(done)
+            and max(done) >= 5
+        )
 
     _wait_for(mid_write, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert [p.name for p in list_checkpoints(ckpt)] == ["step_00000002"]
     assert (ckpt / ".tmp-step_00000004").is_dir()
-    out = run([sys.executable, "train.py", *COMMON, f"checkpoint.dir={ckpt}", "checkpoint.resume=auto",
-               "checkpoint.async=true", "checkpoint.every=2", f"hydra.run.dir={tmp_path / 'resumed'}"], timeout=200)
+    out = run(
+        [
+            sys.executable,
+            "train.py",
+            *COMMON,
+            f"checkpoint.dir={ckpt}",
+            "checkpoint.resume=auto",
+            "checkpoint.async=true",
+            "checkpoint.every=2",
+            f"hydra.run.dir={tmp_path / 'resumed'}",
+        ],
+        timeout=200,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resumed from {ckpt / 'step_00000002'} at step 2" in out.stdout
     assert "checkpoint of step 12 saved to" in out.stdout

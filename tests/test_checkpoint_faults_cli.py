@@ -84,8 +84,10 @@ def test_resume_auto_skips_a_corrupt_newest(tmp_path, saved_run):
     _corrupt(shard)
     out = _train(ckpt, tmp_path / "run", "checkpoint.resume=auto", "checkpoint.every=1")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"meshtron: warning: skipping checkpoint {ckpt / 'step_00000004'}: checkpoint file {shard} is corrupt" \
-        in out.stderr, out.stderr[-3000:]
+    assert (
+        f"meshtron: warning: skipping checkpoint {ckpt / 'step_00000004'}: checkpoint file {shard} is corrupt"
+        in out.stderr
+    ), out.stderr[-3000:]
     assert f"resumed from {ckpt / 'step_00000002'} at step 2" in out.stdout
     resumed, uninterrupted = _losses(tmp_path / "run"), saved_run[1]
     assert sorted(resumed) == [3, 4] and all(resumed[s] == uninterrupted[s] for s in resumed), (resumed, uninterrupted)
@@ -101,8 +103,9 @@ def test_second_run_on_a_dir_in_use_is_refused(tmp_path):
         _wait_for(lambda: (ckpt / "step_00000002" / "meshtron.json").exists(), first)
         out = _train(ckpt, tmp_path / "second", "checkpoint.resume=auto")
         line = _one_error_line(out, "checkpoint")
-        assert f"checkpoint.dir {ckpt} is in use by another run (pid {first.pid} on host {socket.gethostname()}" \
-            in line, line
+        assert (
+            f"checkpoint.dir {ckpt} is in use by another run (pid {first.pid} on host {socket.gethostname()}" in line
+        ), line
         _no_step_ran(tmp_path / "second")
     finally:
         first.send_signal(signal.SIGTERM)
@@ -118,8 +121,11 @@ def test_stale_lock_is_taken_over(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     pid = _dead_pid()
-    (ckpt / LOCK_FILE).write_text(json.dumps({"pid": pid, "pid_start": None, "host": socket.gethostname(),
-                                              "started": "2020-01-01 00:00:00 +0000"}))
+    (ckpt / LOCK_FILE).write_text(
+        json.dumps(
+            {"pid": pid, "pid_start": None, "host": socket.gethostname(), "started": "2020-01-01 00:00:00 +0000"}
+        )
+    )
     out = _train(ckpt, tmp_path / "run", "trainer.max_steps=2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"meshtron: warning: taking over the stale lock {ckpt / LOCK_FILE} of pid {pid}" in out.stderr
@@ -156,8 +162,10 @@ def test_save_cut_by_a_file_size_limit_keeps_the_previous(tmp_path, saved_run):
     limit_kib = shard_bytes // 2048  # half a shard: the logs and metrics fit, the next shard does not
     out = _train(ckpt, tmp_path / "limited", "checkpoint.resume=auto", shell_prefix=f"ulimit -f {limit_kib}")
     line = _one_error_line(out, "checkpoint")
-    assert (f"could not save the checkpoint of step 4 (earlier checkpoints are intact): rank 0: "
-            f"{ckpt / '.tmp-step_00000004' / '__0_0.distcp'}: File too large") in line, line
+    assert (
+        f"could not save the checkpoint of step 4 (earlier checkpoints are intact): rank 0: "
+        f"{ckpt / '.tmp-step_00000004' / '__0_0.distcp'}: File too large"
+    ) in line, line
     assert sorted(_losses(tmp_path / "limited")) == [3, 4]
     assert [p.name for p in ckpt.iterdir()] == ["step_00000002"]  # no partial folder, no lock left
     check_checkpoint_crcs(ckpt / "step_00000002")

@@ -18,27 +18,37 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("index_vocab, max_id, expected", [
-    # ids inside the padded vocabulary (300 pads to 384): before, every step was skipped as non-finite
-    (300, 383, r"data: .*/data/tokens\.bin holds token ids up to 383 but index\.json says vocab_size=300"),
-    # ids beyond it: before, a bare IndexError
-    (2000, 1999, r"data: the byte tokenizer of data\.prepared=.* has vocab_size 2000 but model\.vocab_size=300; "
-                 r"set model\.vocab_size=2000 or larger \(or re-run meshtron-prepare with a smaller --vocab-size\): "
-                 r".*/data/tokens\.bin holds token ids up to 1999"),
-])
+@pytest.mark.parametrize(
+    "index_vocab, max_id, expected",
+    [
+        # ids inside the padded vocabulary (300 pads to 384): before, every step was skipped as non-finite
+        (300, 383, r"data: .*/data/tokens\.bin holds token ids up to 383 but index\.json says vocab_size=300"),
+        # ids beyond it: before, a bare IndexError
+        (
+            2000,
+            1999,
+            r"data: the byte tokenizer of data\.prepared=.* has vocab_size 2000 but model\.vocab_size=300; "
+            r"set model\.vocab_size=2000 or larger \(or re-run meshtron-prepare with a smaller --vocab-size\): "
+            r".*/data/tokens\.bin holds token ids up to 1999",
+        ),
+    ],
+)
 def test_train_refuses_token_ids_outside_the_model_vocabulary(tmp_path, index_vocab, max_id, expected):
     import re
 
     data = _prepared_dir(tmp_path / "data", [1, 2, 3, max_id] * 200, index_vocab)
-    done = _run("train.py", f"data.prepared={data}", "model.vocab_size=300", "trainer.max_steps=2",
-                "trainer.progress=false", f"hydra.run.dir={tmp_path / 'run'}")
+    done = _run(
+        "train.py",
+        f"data.prepared={data}",
+        "model.vocab_size=300",
+        "trainer.max_steps=2",
+        "trainer.progress=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("meshtron: configuration error: "), done.stderr[-3000:]
@@ -60,8 +70,14 @@ def hf_folders(tmp_path_factory):
     ids = dict(vocab_size=300, bos_token_id=0, eos_token_id=0)
     gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, **ids)
     transformers.GPT2LMHeadModel(gpt2).save_pretrained(root / "gpt2")
-    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                                     max_position_embeddings=32, **ids)
+    llama = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        **ids,
+    )
     transformers.LlamaForCausalLM(llama).save_pretrained(root / "llama")
     return root
 
@@ -106,25 +122,42 @@ def _break(case: str, folders: pathlib.Path, tmp: pathlib.Path) -> tuple[list[st
         weights.unlink()
         return args, r"no \*\.safetensors weights in .*src"
     if case == "gpt2_seq_len":
-        return [*args, "--seq-len", "64"], (r"src/config\.json: seq_len=64 \(meshtron-hf import --seq-len\) must be "
-                                             r"between 1 and the gpt2 config field n_positions=16")
+        return [*args, "--seq-len", "64"], (
+            r"src/config\.json: seq_len=64 \(meshtron-hf import --seq-len\) must be "
+            r"between 1 and the gpt2 config field n_positions=16"
+        )
     if case == "llama_seq_len":
         return [*args, "--seq-len", "33"], r"seq_len=33 .* llama config field max_position_embeddings=32"
     if case == "seq_len_zero":
         return [*args, "--seq-len", "0"], r"seq_len=0 .* must be between 1 and"
     if case == "heads_do_not_divide":
         config.write_text(json.dumps(dict(json.loads(config.read_text()), n_head=3)))
-        return args, (r"src/config\.json: gpt2 config describes a model meshtron cannot build: "
-                      r"model\.hidden_size=32 is not divisible by model\.num_heads=3")
+        return args, (
+            r"src/config\.json: gpt2 config describes a model meshtron cannot build: "
+            r"model\.hidden_size=32 is not divisible by model\.num_heads=3"
+        )
     if case == "out_is_a_file":
         (tmp / "ckpt").write_text("keep me")
         return args, r"could not save the checkpoint .*ckpt"
     raise AssertionError(case)
 
 
-HF_CASES = ["config_not_json", "config_not_object", "model_type_bert", "model_type_unknown", "truncated_weights",
-            "garbage_weights", "bad_index", "index_names_missing_shard", "no_weights", "gpt2_seq_len",
-            "llama_seq_len", "seq_len_zero", "heads_do_not_divide", "out_is_a_file"]
+HF_CASES = [
+    "config_not_json",
+    "config_not_object",
+    "model_type_bert",
+    "model_type_unknown",
+    "truncated_weights",
+    "garbage_weights",
+    "bad_index",
+    "index_names_missing_shard",
+    "no_weights",
+    "gpt2_seq_len",
+    "llama_seq_len",
+    "seq_len_zero",
+    "heads_do_not_divide",
+    "out_is_a_file",
+]
 
 
 @pytest.mark.timeout(120)

@@ -37,8 +37,18 @@ PRESETS = {
     "parallel=tp2": ({"parallel.tp": 2}, 2, []),
     "parallel=tp2_sp": ({"parallel.tp": 2, "parallel.sp": True}, 2, []),
     "parallel=tp4_ep8": ({"parallel.tp": 4, "parallel.ep": 8}, 8, ["+model=gpt_1b"]),
-    "parallel=tp2_pp2_vpp2": ({"parallel.tp": 2, "parallel.pp": 2, "parallel.vpp": 2, "parallel.sp": True,
-                               "parallel.schedule": "interleaved", "trainer.micro_batch_size": 2}, 8, []),
+    "parallel=tp2_pp2_vpp2": (
+        {
+            "parallel.tp": 2,
+            "parallel.pp": 2,
+            "parallel.vpp": 2,
+            "parallel.sp": True,
+            "parallel.schedule": "interleaved",
+            "trainer.micro_batch_size": 2,
+        },
+        8,
+        [],
+    ),
     "parallel=dp_zero2": ({"optim.zero": 2}, 2, []),
     "optim=adamw": ({}, 1, []),
     "optim=adamw_zero1": ({"optim.zero": 1}, 2, []),
@@ -78,15 +88,21 @@ def test_plus_model_still_composes_unchanged():
     assert tree["model"]["hidden_size"] == 2048 and tree["parallel"]["ep"] == 8
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["+parallel=tp2"], "parallel is in the defaults list: select a preset without `+`, e.g. parallel=tp2"),
-    (["model=gpt_1b"], "model is not in the defaults list: add it with `+`, e.g. +model=gpt_1b"),
-    (["parallel=tp3"], "unknown parallel option 'tp3'; did you mean parallel=tp2? known: dp_zero2, tp2, "
-                       "tp2_pp2_vpp2, tp2_sp, tp4_ep8"),
-    (["-m", "optim=adamw,adamw_zero3"], "unknown optim option 'adamw_zero3'; did you mean optim=adamw_zero1?"),
-    (["parallel=tp2", "optim=adamw_zero1", "data=stdlib", "+model=gpt_1b"], None),
-    (["-m", "parallel=tp2,tp2_sp", "parallel.tp=1"], None),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["+parallel=tp2"], "parallel is in the defaults list: select a preset without `+`, e.g. parallel=tp2"),
+        (["model=gpt_1b"], "model is not in the defaults list: add it with `+`, e.g. +model=gpt_1b"),
+        (
+            ["parallel=tp3"],
+            "unknown parallel option 'tp3'; did you mean parallel=tp2? known: dp_zero2, tp2, "
+            "tp2_pp2_vpp2, tp2_sp, tp4_ep8",
+        ),
+        (["-m", "optim=adamw,adamw_zero3"], "unknown optim option 'adamw_zero3'; did you mean optim=adamw_zero1?"),
+        (["parallel=tp2", "optim=adamw_zero1", "data=stdlib", "+model=gpt_1b"], None),
+        (["-m", "parallel=tp2,tp2_sp", "parallel.tp=1"], None),
+    ],
+)
 def test_group_selection_errors(argv, message):
     error = group_selection_error(argv)
     assert (error is None) if message is None else (error is not None and error.startswith(message)), error
@@ -107,9 +123,16 @@ def test_unknown_key_check_still_sees_keys_next_to_group_selections():
 
 @pytest.mark.timeout(60)
 def test_bad_group_selection_is_one_line_exit_2(tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "parallel=tp3", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=50)
+    out = subprocess.run(
+        [sys.executable, "train.py", "parallel=tp3", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
         "meshtron: configuration error: unknown parallel option 'tp3'; did you mean parallel=tp2? "
-        "known: dp_zero2, tp2, tp2_pp2_vpp2, tp2_sp, tp4_ep8"]
+        "known: dp_zero2, tp2, tp2_pp2_vpp2, tp2_sp, tp4_ep8"
+    ]

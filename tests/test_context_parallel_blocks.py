@@ -67,7 +67,7 @@ def _mask(docs=None):
 def test_block_matches_explicit_softmax(hkv, with_docs):
     q, k, v = _qkv(hkv)
     mask = _mask(_docs() if with_docs else None)
-    out, lse = attention_block(q, k, v, scale=D ** -0.5, mask=mask)
+    out, lse = attention_block(q, k, v, scale=D**-0.5, mask=mask)
     want_out, want_lse = _explicit(q, k, v, mask)
     torch.testing.assert_close(out, want_out.float(), **TOL)
     torch.testing.assert_close(lse, want_lse.float(), **TOL)
@@ -91,16 +91,16 @@ def test_merged_blocks_and_blockwise_backward_match_full_attention(hkv, with_doc
     lse = torch.full((B, H, S), float("-inf"))
     for lo, hi in cuts:
         m = attention_mask(pos, pos[lo:hi], docs, None if docs is None else docs[:, lo:hi])
-        bo, bl = attention_block(q.detach(), k.detach()[:, :, lo:hi], v.detach()[:, :, lo:hi], scale=D ** -0.5,
-                                 mask=m)
+        bo, bl = attention_block(q.detach(), k.detach()[:, :, lo:hi], v.detach()[:, :, lo:hi], scale=D**-0.5, mask=m)
         out, lse = merge_blocks(out, lse, bo, bl)
     torch.testing.assert_close(out, want.detach(), **TOL)
     delta = attention_delta(out, dout)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for lo, hi in cuts:
         m = attention_mask(pos, pos[lo:hi], docs, None if docs is None else docs[:, lo:hi])
-        a, b, c = attention_block_backward(q.detach(), k.detach()[:, :, lo:hi], v.detach()[:, :, lo:hi], lse,
-                                           dout, delta, scale=D ** -0.5, mask=m)
+        a, b, c = attention_block_backward(
+            q.detach(), k.detach()[:, :, lo:hi], v.detach()[:, :, lo:hi], lse, dout, delta, scale=D**-0.5, mask=m
+        )
         dq += a
         dk[:, :, lo:hi] += b
         dv[:, :, lo:hi] += c

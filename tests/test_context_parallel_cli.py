@@ -16,18 +16,27 @@ from tests.test_train_cli import TORCHRUN, assert_one_config_error_line, metrics
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.cp=2", "parallel.tp=2"], 6, "world size 6 is not divisible by tp*cp*pp=4 (tp=2, cp=2, pp=1)"),
-    (["parallel.cp=3"], 3, "parallel.cp=3 needs model.seq_len=128 divisible by 2*cp = 6"),
-    (["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "model.seq_len=132"], 4,
-     "parallel.cp=2 needs model.seq_len=132 divisible by 2*cp*tp = 8"),
-    (["parallel.cp=8", "parallel.cp_comm=a2a"], 8,
-     "parallel.cp_comm=a2a needs the attention heads per tensor-parallel rank (num_heads/tp = 4) divisible by cp=8"),
-    (["parallel.cp=2", "model.dropout=0.1"], 2, "context-parallel attention has no attention dropout"),
-    (["parallel.cp_comm=ulysses"], 1, "parallel.cp_comm='ulysses' must be one of ring, a2a"),
-    (["data.reset_at_eos=true"], 1, "data.reset_at_eos=true needs one end-of-document token id"),
-    (["data.reset_at_eos=true", "data.eos_id=300"], 1, "data.eos_id=300 is not a token id of model.vocab_size=256"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.cp=2", "parallel.tp=2"], 6, "world size 6 is not divisible by tp*cp*pp=4 (tp=2, cp=2, pp=1)"),
+        (["parallel.cp=3"], 3, "parallel.cp=3 needs model.seq_len=128 divisible by 2*cp = 6"),
+        (
+            ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "model.seq_len=132"],
+            4,
+            "parallel.cp=2 needs model.seq_len=132 divisible by 2*cp*tp = 8",
+        ),
+        (
+            ["parallel.cp=8", "parallel.cp_comm=a2a"],
+            8,
+            "parallel.cp_comm=a2a needs the attention heads per tensor-parallel rank (num_heads/tp = 4) divisible by cp=8",
+        ),
+        (["parallel.cp=2", "model.dropout=0.1"], 2, "context-parallel attention has no attention dropout"),
+        (["parallel.cp_comm=ulysses"], 1, "parallel.cp_comm='ulysses' must be one of ring, a2a"),
+        (["data.reset_at_eos=true"], 1, "data.reset_at_eos=true needs one end-of-document token id"),
+        (["data.reset_at_eos=true", "data.eos_id=300"], 1, "data.eos_id=300 is not a token id of model.vocab_size=256"),
+    ],
+)
 def test_bad_context_parallel_config_fails_before_any_process_group(tmp_path, overrides, world, message):
     assert_one_config_error_line(tmp_path, overrides, world, message)
 
@@ -37,14 +46,27 @@ def test_bad_context_parallel_config_fails_before_any_process_group(tmp_path, ov
 def test_torchrun_cp2_with_documents_matches_single_process(tmp_path):
     """2 ranks at cp=2 (ring attention, llama: RoPE and GQA, packed documents split at '\\n')
     log the single-process losses, evaluation included."""
-    common = ["trainer.max_steps=3", "trainer.log_every=1", "trainer.progress=false", "model.num_layers=2",
-              "model.arch=llama", "model.num_kv_heads=2", "model.seq_len=64", "trainer.global_batch_size=4",
-              "data.reset_at_eos=true", "data.eos_id=10", "trainer.eval_every=3"]
+    common = [
+        "trainer.max_steps=3",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "model.num_layers=2",
+        "model.arch=llama",
+        "model.num_kv_heads=2",
+        "model.seq_len=64",
+        "trainer.global_batch_size=4",
+        "data.reset_at_eos=true",
+        "data.eos_id=10",
+        "trainer.eval_every=3",
+    ]
     serial_dir, parallel_dir = tmp_path / "serial", tmp_path / "parallel"
     out = run([sys.executable, "train.py", *common, f"hydra.run.dir={serial_dir}"], timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "parallel.cp=2",
-               f"hydra.run.dir={parallel_dir}"], timeout=250, threads=1)
+    out = run(
+        [*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "parallel.cp=2", f"hydra.run.dir={parallel_dir}"],
+        timeout=250,
+        threads=1,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got, want = metrics(parallel_dir), metrics(serial_dir)
     assert [r["step"] for r in got] == [1, 2, 3]

@@ -49,8 +49,7 @@ def test_chunked_equals_unchunked():
     logits, target, _ = _case(9, 100, 128)
     one = local_statistics(logits, target, 0, 100, chunk_elements=10**9)
     for chunk in (1, 100, 250):
-        torch.testing.assert_close(local_statistics(logits, target, 0, 100, chunk_elements=chunk), one,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(local_statistics(logits, target, 0, 100, chunk_elements=chunk), one, rtol=0, atol=0)
 
 
 def test_batched_shape_and_half_precision():
@@ -73,7 +72,7 @@ def test_two_way_split_with_fake_all_gather(monkeypatch, vocab, padded):
     logits, target, dloss = _case(17, vocab, padded, seed=vocab + 1)
     want, want_grad = _reference(logits, target, vocab, dloss)
     width = padded // 2
-    shards = [(logits[:, s:s + width], s) for s in (0, width)]
+    shards = [(logits[:, s : s + width], s) for s in (0, width)]
     stats = [local_statistics(shard, target, start, max(0, min(width, vocab - start))) for shard, start in shards]
     monkeypatch.setattr(ce, "group_size", lambda group: 2)
     grads = []

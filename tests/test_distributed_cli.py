@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "tests.distributed", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.distributed", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -27,10 +33,13 @@ def test_runs_the_matching_cases_of_one_world():
     assert "1/1 passed" in done.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (("2", "mpu_cases", "no_such_case"), "no case of world 2 matches"),
-    (("2", "nothing_cases"), "No module named 'tests.distributed.nothing_cases'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("2", "mpu_cases", "no_such_case"), "no case of world 2 matches"),
+        (("2", "nothing_cases"), "No module named 'tests.distributed.nothing_cases'"),
+    ],
+)
 def test_nothing_to_run_is_one_line_and_exit_2(args, message):
     done = _run(*args)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

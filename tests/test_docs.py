@@ -15,8 +15,25 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 CHECKED = [README, *DOCS, ROOT / "bench" / "README.md"]  # links, paths and config keys checked in these
 
-TOP_FOLDERS = ("mpu", "pipeline", "dp", "moe", "models", "kernels", "training", "textdata", "observability",
-               "planning", "configs", "bench", "tests", "docs", "meshtron", "hydra_plugins", "examples")
+TOP_FOLDERS = (
+    "mpu",
+    "pipeline",
+    "dp",
+    "moe",
+    "models",
+    "kernels",
+    "training",
+    "textdata",
+    "observability",
+    "planning",
+    "configs",
+    "bench",
+    "tests",
+    "docs",
+    "meshtron",
+    "hydra_plugins",
+    "examples",
+)
 TOP_FILES = ("train.py", "README.md", "pyproject.toml")
 SECTIONS = ("trainer", "parallel", "model", "optim", "checkpoint", "kernels", "data")
 FILE_SUFFIXES = {"py", "yaml", "yml", "md", "json", "jsonl", "bin", "sh", "txt", "toml", "log", "png"}
@@ -132,8 +149,19 @@ def named_config_keys(text: str) -> set[str]:
 
 def test_docs_folder_has_the_topic_pages_and_an_index_linking_each():
     names = {p.name for p in DOCS}
-    expected = {"README.md", "architecture.md", "parallelism.md", "moe.md", "kernels.md", "checkpoints.md",
-                "data.md", "planning.md", "launching.md", "performance.md", "reliability.md"}
+    expected = {
+        "README.md",
+        "architecture.md",
+        "parallelism.md",
+        "moe.md",
+        "kernels.md",
+        "checkpoints.md",
+        "data.md",
+        "planning.md",
+        "launching.md",
+        "performance.md",
+        "reliability.md",
+    }
     assert expected <= names, sorted(expected - names)
     index_links = {target.partition("#")[0] for _, target in LINK.findall((ROOT / "docs" / "README.md").read_text())}
     assert names - {"README.md"} <= index_links, sorted(names - {"README.md"} - index_links)
@@ -165,7 +193,9 @@ def test_layout_table_names_real_files():
     missing, named = [], 0
     for folder, what in rows:
         for token in INLINE_CODE.findall(what):
-            if not re.fullmatch(r"[\w./]+(\.(py|yaml|sh)|/)", token) or any(token.startswith(f + "/") for f in TOP_FOLDERS):
+            if not re.fullmatch(r"[\w./]+(\.(py|yaml|sh)|/)", token) or any(
+                token.startswith(f + "/") for f in TOP_FOLDERS
+            ):
                 continue
             named += 1
             if not ((ROOT / folder / token).exists() or (ROOT / token).exists()):
@@ -199,18 +229,25 @@ def test_readme_test_command_is_what_ci_runs():
 
 # The checkers themselves: each must fail on what it exists to catch.
 
+
 def test_checkers_catch_what_they_guard(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# Top\n## Sub part (x)\n[ok](#sub-part-x) [gone](#nope) [file](missing.md) "
-                    "[web](https://example.com/x)\n```\n[in code](nowhere.md)\n```\n")
+    page.write_text(
+        "# Top\n## Sub part (x)\n[ok](#sub-part-x) [gone](#nope) [file](missing.md) "
+        "[web](https://example.com/x)\n```\n[in code](nowhere.md)\n```\n"
+    )
     bad = broken_links(page)
     assert len(bad) == 2 and "#nope" in bad[0] and "missing.md" in bad[1], bad
-    text = ("`mpu/mesh.py` `mpu/renamed.py` `python bench/plan_table.py --markdown` `moe/layer.py::MoELayer` "
-            "`bench/results/gpu/<UTC date>-x.json` `configs/model/NAME.yaml` "
-            "`tests/distributed/dense_cases.UNFUSED` `mesh.tp`\n```bash\npython bench/gone.py\n```\n")
+    text = (
+        "`mpu/mesh.py` `mpu/renamed.py` `python bench/plan_table.py --markdown` `moe/layer.py::MoELayer` "
+        "`bench/results/gpu/<UTC date>-x.json` `configs/model/NAME.yaml` "
+        "`tests/distributed/dense_cases.UNFUSED` `mesh.tp`\n```bash\npython bench/gone.py\n```\n"
+    )
     missing = sorted(t for t in repo_paths(text) if not is_placeholder(t) and not path_exists(t))
     assert missing == ["bench/gone.py", "mpu/renamed.py"], missing
-    keys = named_config_keys("`parallel.tp=2` `optim.zeroo=1` `textdata/data.py` `data.py` `train.yaml` "
-                             "meshtron.kernels.aot `+model=gpt_1b` `model.num_experts`")
+    keys = named_config_keys(
+        "`parallel.tp=2` `optim.zeroo=1` `textdata/data.py` `data.py` `train.yaml` "
+        "meshtron.kernels.aot `+model=gpt_1b` `model.num_experts`"
+    )
     assert keys == {"parallel.tp", "optim.zeroo", "model.num_experts"}, keys
     assert keys - known_config_keys() == {"optim.zeroo"}

@@ -19,11 +19,22 @@ from meshtron.training.engine import Engine, EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # What building a run means: only training/engine.py may call these.
-ASSEMBLY = {"init_model_chunks", "build_reducer_and_optimizer", "PipelineExecutor", "train_step",
-            "pipeline_train_step", "build_mesh"}
+ASSEMBLY = {
+    "init_model_chunks",
+    "build_reducer_and_optimizer",
+    "PipelineExecutor",
+    "train_step",
+    "pipeline_train_step",
+    "build_mesh",
+}
 # Every caller that trains a model, and builds it through Engine.build.
-CALLERS = ["training/loop.py", "training/verify.py", "training/param_server.py", "bench/throughput.py",
-           "bench/memory.py"]
+CALLERS = [
+    "training/loop.py",
+    "training/verify.py",
+    "training/param_server.py",
+    "bench/throughput.py",
+    "bench/memory.py",
+]
 
 
 def _called_names(path: Path) -> set[str]:
@@ -54,8 +65,17 @@ def test_no_other_module_in_training_assembles_a_run():
 
 
 def _tiny(seed: int = 7) -> EngineConfig:
-    cfg = GPTConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-                    vocab_size=128, seq_len=16, dropout=0.0)
+    cfg = GPTConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+        vocab_size=128,
+        seq_len=16,
+        dropout=0.0,
+    )
     return EngineConfig(model=cfg, micro_batch_size=2, seed=seed, optim=OptimConfig(lr=1e-2))
 
 
@@ -64,7 +84,7 @@ def _batches(count: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     out = []
     for _ in range(count):
         tokens = torch.randint(0, 128, (4, 17), generator=gen)
-        out.append([(tokens[i:i + 2, :-1], tokens[i:i + 2, 1:]) for i in (0, 2)])
+        out.append([(tokens[i : i + 2, :-1], tokens[i : i + 2, 1:]) for i in (0, 2)])
     return out
 
 
@@ -113,11 +133,18 @@ def test_optimizer_factory_and_adjust_model_replace_the_defaults():
         from meshtron.training.optim import build_optimizer
 
         seen.append("factory")
-        return (DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh),
-                build_optimizer(chunks[0], lr=0.0, weight_decay=0.0))
+        return (
+            DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh),
+            build_optimizer(chunks[0], lr=0.0, weight_decay=0.0),
+        )
 
-    engine = Engine.build(_tiny(), single_process_mesh(), "cpu", optimizer_factory=factory,
-                          adjust_model=lambda chunks: seen.append(("adjust", len(chunks))))
+    engine = Engine.build(
+        _tiny(),
+        single_process_mesh(),
+        "cpu",
+        optimizer_factory=factory,
+        adjust_model=lambda chunks: seen.append(("adjust", len(chunks))),
+    )
     assert seen == [("adjust", 1), "factory"]
     before = [p.detach().clone() for p in engine.model.parameters()]
     engine.step(_batches(1)[0], 0.0)  # lr 0: the factory's optimizer leaves the weights alone
@@ -127,21 +154,37 @@ def test_optimizer_factory_and_adjust_model_replace_the_defaults():
 
 def test_reporter_logs_first_every_eval_and_last(tmp_path):
     t = TrainerConfig(max_steps=10, log_every=4, eval_every=3)
-    r = reporting.StepReporter(tmp_path, t, tokens_per_step=1, flops_per_token=1.0, peak_flops=1.0, first=1,
-                               write=False, show=False)
+    r = reporting.StepReporter(
+        tmp_path, t, tokens_per_step=1, flops_per_token=1.0, peak_flops=1.0, first=1, write=False, show=False
+    )
     assert [n for n in range(1, 11) if r.log_due(n)] == [1, 3, 4, 6, 8, 9, 10]
     assert [n for n in range(1, 11) if r.eval_due(n)] == [3, 6, 9, 10]
-    resumed = reporting.StepReporter(tmp_path, TrainerConfig(max_steps=10, log_every=4, eval_every=0),
-                                     tokens_per_step=1, flops_per_token=1.0, peak_flops=1.0, first=6,
-                                     write=False, show=False)
+    resumed = reporting.StepReporter(
+        tmp_path,
+        TrainerConfig(max_steps=10, log_every=4, eval_every=0),
+        tokens_per_step=1,
+        flops_per_token=1.0,
+        peak_flops=1.0,
+        first=6,
+        write=False,
+        show=False,
+    )
     assert [n for n in range(6, 11) if resumed.log_due(n)] == [6, 8, 10]
 
 
 def test_reporter_throughput_covers_the_window(tmp_path, monkeypatch):
     clock = iter([100.0, 103.0, 103.0, 104.0, 104.0])
     monkeypatch.setattr(reporting.time, "perf_counter", lambda: next(clock))
-    r = reporting.StepReporter(tmp_path, TrainerConfig(), tokens_per_step=600, flops_per_token=10.0,
-                               peak_flops=4000.0, first=1, write=True, show=False)
+    r = reporting.StepReporter(
+        tmp_path,
+        TrainerConfig(),
+        tokens_per_step=600,
+        flops_per_token=10.0,
+        peak_flops=4000.0,
+        first=1,
+        write=True,
+        show=False,
+    )
     for _ in range(3):
         r.tick()
     assert r.throughput() == {"tokens_per_s": 600.0, "mfu": 1.5, "step_time_s": 1.0}  # 3 steps in 3 s

@@ -20,8 +20,10 @@ tokenizers = pytest.importorskip("tokenizers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 N_POSITIONS, SEQ_LEN = 64, 32
-TEXTS = ["the quick brown fox jumps over the lazy dog number {i}. hello world, meshtron trains models. " * 40,
-         "a second kind of document {i}: tokens, positions and <|endoftext|> spelled as text. " * 40]
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog number {i}. hello world, meshtron trains models. " * 40,
+    "a second kind of document {i}: tokens, positions and <|endoftext|> spelled as text. " * 40,
+]
 
 
 def _tokenizer(folder):
@@ -31,11 +33,16 @@ def _tokenizer(folder):
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([t.format(i=i) for t in TEXTS for i in range(3)], trainer=trainer)
-    fast = transformers.GPT2TokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                          eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast = transformers.GPT2TokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
     fast.save_pretrained(folder)
     return fast
 
@@ -50,8 +57,15 @@ def finetuned(tmp_path_factory):
     hf = root / "hf"
     tok = _tokenizer(hf)
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=N_POSITIONS, n_embd=32, n_layer=2, n_head=4,
-                                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = transformers.GPT2Config(
+        vocab_size=len(tok),
+        n_positions=N_POSITIONS,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     transformers.GPT2LMHeadModel(config).save_pretrained(hf)
     raw = json.loads((hf / "config.json").read_text())
     raw["meshtron_test_field"] = {"kept": [1, 2]}  # a field no transformers class knows
@@ -66,11 +80,24 @@ def finetuned(tmp_path_factory):
     assert hf_cli.main(["import", "--src", str(hf), "--out", str(root / "ckpt"), "--seq-len", str(SEQ_LEN)]) == 0
 
     ckpt, run_dir = root / "ckpt", root / "run"
-    done = run([sys.executable, "train.py", "--config-dir", str(ckpt), "+model=imported",
-                f"checkpoint.init_from={ckpt / 'step_00000000'}", f"data.prepared={root / 'data'}",
-                "trainer.max_steps=3", "trainer.global_batch_size=4", "trainer.eval_every=0",
-                "trainer.progress=false", f"checkpoint.dir={run_dir / 'ckpt'}", f"hydra.run.dir={run_dir}"],
-               timeout=150)
+    done = run(
+        [
+            sys.executable,
+            "train.py",
+            "--config-dir",
+            str(ckpt),
+            "+model=imported",
+            f"checkpoint.init_from={ckpt / 'step_00000000'}",
+            f"data.prepared={root / 'data'}",
+            "trainer.max_steps=3",
+            "trainer.global_batch_size=4",
+            "trainer.eval_every=0",
+            "trainer.progress=false",
+            f"checkpoint.dir={run_dir / 'ckpt'}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        timeout=150,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "initial weights from" in done.stdout
     exported = root / "exported"

@@ -13,23 +13,43 @@ from meshtron.planning.plan import chunk_activations, meta_param_counts, model_s
 
 def gpt2_tiny(**kw) -> GPTConfig:
     # h=64, a=4, f=256, V=256 (already a multiple of 128), s=32, LayerNorm with bias, tied.
-    args = dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=32,
-                arch="gpt2")
+    args = dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=32, arch="gpt2")
     return GPTConfig(**{**args, **kw})
 
 
 def llama_gqa_tiny(**kw) -> GPTConfig:
     # h=64, a=4, g=2 kv heads, d=16, f=160, V=300 -> padded 384, s=16, RMSNorm, no bias, untied.
-    args = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, vocab_size=300,
-                seq_len=16, arch="llama", tie_embeddings=False)
+    args = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=160,
+        vocab_size=300,
+        seq_len=16,
+        arch="llama",
+        tie_embeddings=False,
+    )
     return GPTConfig(**{**args, **kw})
 
 
 def moe_tiny(**kw) -> GPTConfig:
     # Llama flavour, h=32, a=4, f=64, V=128, s=8; layer 1 (of 0, 1) is MoE (moe_every=2):
     # 4 experts of F=48, top_k=2, 1 shared expert; tied embeddings.
-    args = dict(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=128, seq_len=8,
-                arch="llama", num_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=48, shared_experts=1)
+    args = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        vocab_size=128,
+        seq_len=8,
+        arch="llama",
+        num_experts=4,
+        top_k=2,
+        moe_every=2,
+        moe_ffn_hidden_size=48,
+        shared_experts=1,
+    )
     return GPTConfig(**{**args, **kw})
 
 
@@ -166,8 +186,14 @@ def _states(cfg: GPTConfig, dp: int = 1, **kw) -> dict[str, int]:
 def test_model_state_bytes():
     n = param_count(gpt2_tiny())["total"]
     fp32 = _states(gpt2_tiny())
-    assert (fp32["params"], fp32["weights"], fp32["grads"], fp32["main_params"], fp32["optimizer"],
-            fp32["total"]) == (n, 4 * n, 4 * n, 0, 8 * n, 16 * n)
+    assert (fp32["params"], fp32["weights"], fp32["grads"], fp32["main_params"], fp32["optimizer"], fp32["total"]) == (
+        n,
+        4 * n,
+        4 * n,
+        0,
+        8 * n,
+        16 * n,
+    )
     # bf16 autocast: fp32 main weights and grads, plus 2-byte copies of the matmul weights.
     bf16 = _states(gpt2_tiny(), precision="bf16")
     assert (bf16["weights"], bf16["grads"], bf16["main_params"], bf16["optimizer"]) == (4 * n, 4 * n, 0, 8 * n)
@@ -182,8 +208,9 @@ def test_model_state_bytes():
 
 def saved(cfg: GPTConfig, micro: int, tp: int = 1, sp: bool = False, precision: str = "fp32") -> int:
     """The planner's saved bytes of one microbatch through the whole model on TP rank 0."""
-    return chunk_activations(cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True,
-                             tp=tp, sp=sp, precision=precision).saved
+    return chunk_activations(
+        cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=tp, sp=sp, precision=precision
+    ).saved
 
 
 def test_activations_scale_with_tp_sp_and_batch():
@@ -192,11 +219,13 @@ def test_activations_scale_with_tp_sp_and_batch():
     base = saved(cfg, 4)
     for t in (2, 4):
         assert saved(cfg, 4, tp=t, sp=True) < saved(cfg, 4, tp=t) < base
+
     def per_sample(micro: int) -> int:
         """Saved bytes that scale with the batch: all but the RoPE tables (one copy per chunk) and
         the fused LM loss's fp32 weight gradient [V/tp, h] (one per microbatch)."""
-        act = chunk_activations(cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True,
-                                tp=2, sp=True)
+        act = chunk_activations(
+            cfg, micro, layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=2, sp=True
+        )
         return act.saved - act.terms["rope_tables"] - 4 * (512 // 2) * cfg.hidden_size
 
     for b in (1, 2, 8):

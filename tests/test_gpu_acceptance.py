@@ -23,8 +23,10 @@ from bench.gpu_acceptance import DTYPES, FAMILIES, KERNELS, card_command, card_l
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_acceptance.py"
 
-NO_GPU = ("needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU machine run `pytest -m cuda` and "
-          "`python bench/gpu_acceptance.py`")
+NO_GPU = (
+    "needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU machine run `pytest -m cuda` and "
+    "`python bench/gpu_acceptance.py`"
+)
 
 
 def on_gpu(test):
@@ -38,8 +40,9 @@ def run_script(*args: str, env: dict | None = None, timeout: float = 1800) -> tu
     """(exit code, the JSON it printed, stderr) of bench/gpu_acceptance.py."""
     env = dict(os.environ if env is None else env)
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     lines = proc.stdout.strip().splitlines()
     assert lines, f"no output (exit {proc.returncode}): {proc.stderr[-3000:]}"
     return proc.returncode, json.loads(lines[-1]), proc.stderr
@@ -80,7 +83,7 @@ def test_shrunken_card_command_is_a_valid_run_for_the_gpu_count(gpus):
     if gpus == 8:
         assert (lay["tp"], lay["ep"]) == (4, 8)  # the card command itself
     cmd = card_command(gpus, "/tmp/unused")
-    overrides = [a for a in cmd[cmd.index("train.py") + 1:] if not a.startswith("hydra.")]
+    overrides = [a for a in cmd[cmd.index("train.py") + 1 :] if not a.startswith("hydra.")]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     run = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))

@@ -16,18 +16,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_session.sh"
 
-pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU `run` is the real session (minutes)"),
-              pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU `run` is the real session (minutes)"),
+    pytest.mark.timeout(300),
+]
 
 
 def session(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """Run the script with this interpreter first on PATH (its `python3`), results in tmp_path/out."""
-    full = dict(os.environ, OUT=str(tmp_path / "out"), GPU_SESSION_SITE=str(tmp_path / "site"),
-                OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                **env)
+    full = dict(
+        os.environ,
+        OUT=str(tmp_path / "out"),
+        GPU_SESSION_SITE=str(tmp_path / "site"),
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        **env,
+    )
     full.pop("TRITON_INTERPRET", None)
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=full, capture_output=True, text=True,
-                          timeout=280)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=280)
 
 
 def test_without_a_verb_it_prints_the_usage():
@@ -44,7 +50,8 @@ def test_cpu_rehearsal_runs_the_steps_and_leaves_each_result(tmp_path):
     for step in ("env", "moe_large", "moe_compile", "moe_fp32", "acceptance"):
         assert f"== {step}: exit 0" in log, log
     block, eager, compiled, capped, capped_compiled = map(
-        json.loads, (out / "moe_layer_compile_bf16.json").read_text().strip().splitlines())
+        json.loads, (out / "moe_layer_compile_bf16.json").read_text().strip().splitlines()
+    )
     assert block["compile"] == "reduce-overhead" and block["dtype"] == "bf16"
     assert (eager["config"]["compile_moe"], compiled["config"]["compile_moe"]) == (False, True)
     assert compiled["config"]["moe"]["experts"] == 4 and compiled["tokens_per_s"] > 0

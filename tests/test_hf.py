@@ -88,6 +88,7 @@ def test_save_folder_loads_in_transformers(models, tmp_path):
 
 def test_read_sharded_folder(tmp_path):
     from safetensors.torch import save_file
+
     hf = hf_model("llama")
     state = hf.state_dict()
     keys = sorted(state)
@@ -126,8 +127,9 @@ def test_gpt2_hub_naming_without_prefix():
     assert_state_dicts_equal(mhf.export_hf_state_dict(model, model.mesh), hf.state_dict())
 
 
-@pytest.mark.parametrize("par,ranks", [(ParallelConfig(tp=2), 2), (ParallelConfig(tp=2, ep=2), 2),
-                                       (ParallelConfig(tp=1, ep=2, etp=2), 4)])
+@pytest.mark.parametrize(
+    "par,ranks", [(ParallelConfig(tp=2), 2), (ParallelConfig(tp=2, ep=2), 2), (ParallelConfig(tp=1, ep=2, etp=2), 4)]
+)
 def test_load_shards_match_serial(par, ranks):
     """Each rank's shard (no process group: virtual meshes) is its piece of the serial parameter."""
     hf = hf_model("mixtral")
@@ -153,6 +155,7 @@ def test_config_round_trip(family):
 
 
 # ---------------------------------------------------------------------------------- errors
+
 
 def _fresh(family):
     hf = hf_model(family)
@@ -192,17 +195,23 @@ def test_tied_head_must_equal_embedding():
         mhf.load_hf_state_dict(model, state)
 
 
-@pytest.mark.parametrize("family,kw,field", [
-    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-     "rope_parameters.rope_type"),
-    ("llama", dict(hidden_act="gelu"), "hidden_act"),
-    ("llama", dict(attention_bias=True), "attention_bias"),
-    ("llama", dict(head_dim=32), "head_dim"),
-    ("mixtral", dict(sliding_window=8), "sliding_window"),
-    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
-    ("gpt2", dict(activation_function="gelu"), "activation_function"),
-    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
-])
+@pytest.mark.parametrize(
+    "family,kw,field",
+    [
+        (
+            "llama",
+            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            "rope_parameters.rope_type",
+        ),
+        ("llama", dict(hidden_act="gelu"), "hidden_act"),
+        ("llama", dict(attention_bias=True), "attention_bias"),
+        ("llama", dict(head_dim=32), "head_dim"),
+        ("mixtral", dict(sliding_window=8), "sliding_window"),
+        ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+        ("gpt2", dict(activation_function="gelu"), "activation_function"),
+        ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    ],
+)
 def test_unsupported_config_names_field(family, kw, field):
     with pytest.raises(mhf.HFConversionError, match=field.replace(".", r"\.")):
         mhf.config_from_hf(hf_config(family, **kw))
@@ -224,17 +233,44 @@ def test_unexpressible_meshtron_config_names_field():
         mhf.hf_family(dataclasses.replace(GPTConfig(arch="gpt2", num_heads=4), num_kv_heads=2))
 
 
-@pytest.mark.parametrize("cfg", [
-    GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, vocab_size=200, seq_len=16),
-    GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=48,
-              vocab_size=200, seq_len=16, tie_embeddings=False, rope_theta=500.0, norm_eps=1e-6),
-    GPTConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-              vocab_size=200, seq_len=16, num_experts=4, top_k=2, moe_ffn_hidden_size=32),
-], ids=["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, vocab_size=200, seq_len=16),
+        GPTConfig(
+            arch="llama",
+            num_layers=2,
+            hidden_size=64,
+            num_heads=8,
+            num_kv_heads=4,
+            ffn_hidden_size=48,
+            vocab_size=200,
+            seq_len=16,
+            tie_embeddings=False,
+            rope_theta=500.0,
+            norm_eps=1e-6,
+        ),
+        GPTConfig(
+            arch="llama",
+            num_layers=2,
+            hidden_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=48,
+            vocab_size=200,
+            seq_len=16,
+            num_experts=4,
+            top_k=2,
+            moe_ffn_hidden_size=32,
+        ),
+    ],
+    ids=["gpt2", "llama", "mixtral"],
+)
 def test_meshtron_model_exports_to_transformers(cfg, tmp_path):
     """A meshtron-initialized model saved with `hf_config_from_gpt` runs in transformers with
     the same logits."""
     from meshtron.models.gpt import init_model_chunks
+
     (model,) = init_model_chunks(cfg, single_process_mesh(), seed=5)
     model.eval()
     mhf.save_hf_folder(mhf.export_hf_state_dict(model, model.mesh), mhf.hf_config_from_gpt(cfg), tmp_path)
@@ -247,12 +283,12 @@ def test_meshtron_model_exports_to_transformers(cfg, tmp_path):
 
 # ------------------------------------------------------------ Mixtral router loss fidelity
 
+
 @pytest.mark.parametrize("output_router_logits,want", [(True, 0.02 * 2), (False, 0.0)])
 def test_mixtral_router_loss_import(output_router_logits, want):
     """transformers trains router_aux_loss_coef x aux only with output_router_logits=True, and
     its one-layer aux is top_k x meshtron's: aux_loss_coef = coef x top_k, or 0; no z-loss."""
-    cfg = mhf.config_from_hf(hf_config("mixtral", output_router_logits=output_router_logits,
-                                       router_aux_loss_coef=0.02))
+    cfg = mhf.config_from_hf(hf_config("mixtral", output_router_logits=output_router_logits, router_aux_loss_coef=0.02))
     assert cfg.top_k == 2 and cfg.aux_loss_coef == want and cfg.z_loss_coef == 0.0
     assert cfg.hf_router_fields == {"router_aux_loss_coef": 0.02, "output_router_logits": output_router_logits}
 
@@ -267,6 +303,7 @@ def test_mixtral_router_fields_round_trip(output_router_logits, tmp_path):
     from meshtron.dp.grad_reduce import DataParallelGradReducer
     from meshtron.training.optim import build_optimizer
     from meshtron.training.step import train_step
+
     hf = hf_model("mixtral", output_router_logits=output_router_logits, router_aux_loss_coef=0.02)
     want = {"router_aux_loss_coef": 0.02, "output_router_logits": output_router_logits}
     cfg = mhf.config_from_hf(hf.config)
@@ -274,8 +311,15 @@ def test_mixtral_router_fields_round_trip(output_router_logits, tmp_path):
     mhf.load_hf_state_dict(model, hf.state_dict())
     reducer = DataParallelGradReducer(list(model.named_parameters()), model.mesh)
     ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    train_step(model, reducer, build_optimizer(model, lr=1e-3, weight_decay=0.0), [(ids[:, :-1], ids[:, 1:])],
-               model.mesh, lr=1e-3, max_grad_norm=1.0)
+    train_step(
+        model,
+        reducer,
+        build_optimizer(model, lr=1e-3, weight_decay=0.0),
+        [(ids[:, :-1], ids[:, 1:])],
+        model.mesh,
+        lr=1e-3,
+        max_grad_norm=1.0,
+    )
     reducer.remove_hooks()
     exported = mhf.hf_config_from_gpt(model.cfg)
     assert {k: getattr(exported, k) for k in want} == want
@@ -294,8 +338,17 @@ def test_mixtral_router_fields_of_native_and_changed_models():
     """A meshtron-native Mixtral exports router_aux_loss_coef = aux_loss_coef / top_k, trained
     iff aux_loss_coef > 0; an imported one whose aux_loss_coef was changed exports the same way
     (its source fields no longer describe it)."""
-    native = GPTConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=4, vocab_size=200, seq_len=16,
-                       num_experts=4, top_k=2, aux_loss_coef=0.01)
+    native = GPTConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        vocab_size=200,
+        seq_len=16,
+        num_experts=4,
+        top_k=2,
+        aux_loss_coef=0.01,
+    )
     assert mhf.hf_router_fields(native) == {"router_aux_loss_coef": 0.005, "output_router_logits": True}
     off = dataclasses.replace(native, aux_loss_coef=0.0)
     assert mhf.hf_router_fields(off) == {"router_aux_loss_coef": 0.0, "output_router_logits": False}
@@ -316,6 +369,7 @@ def test_mixtral_trains_like_transformers(output_router_logits, layers):
     agree to 1e-5 relative, and so do the weights after the steps."""
     from meshtron.training.step import train_step
     from tests.distributed import hf_cases as hc
+
     hf = hc.tiny_mixtral(output_router_logits, layers=layers)
     model, reducer, optimizer, mesh = hc.meshtron_trainer(hf)
     assert model.cfg.aux_loss_layers == "pooled"
@@ -339,6 +393,7 @@ def test_mixtral_cross_layer_pooling_gap_is_as_documented():
     aux / top_k, its per-layer mean within 2%, and the router gradients visibly differ, while
     "pooled" (what import picks) has the router gradients of transformers."""
     from tests.distributed.hf_cases import pooling_gap
+
     pooled = pooling_gap(layers=2, aux_loss_layers="pooled")
     assert max(pooled["router_grad_err"]) < 1e-5, pooled["router_grad_err"]
     assert abs(pooled["total_mt"][0] / pooled["total_hf"][0] - 1) < 1e-6
@@ -355,6 +410,7 @@ def test_mixtral_cross_layer_pooling_gap_is_as_documented():
 
 
 # ------------------------------------------------------------ shorter seq_len, original config fields
+
 
 def test_gpt2_imported_at_a_shorter_seq_len_keeps_the_first_positions():
     """seq_len below n_positions: meshtron's table is wpe[:seq_len] and the logits on
@@ -375,8 +431,11 @@ def test_gpt2_imported_at_a_shorter_seq_len_keeps_the_first_positions():
 def test_config_written_over_the_original_keeps_its_fields(family):
     """Every original field is kept (dtype, ids, dropout, unknown fields, Mixtral's
     output_router_logits, the longer maximum positions); the shape comes from the model."""
-    original = hf_config(family, pad_token_id=2, **({"output_router_logits": False, "router_aux_loss_coef": 0.02}
-                                                    if family == "mixtral" else {})).to_dict()
+    original = hf_config(
+        family,
+        pad_token_id=2,
+        **({"output_router_logits": False, "router_aux_loss_coef": 0.02} if family == "mixtral" else {}),
+    ).to_dict()
     arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}[family]
     original.update(dtype="bfloat16", custom_field=[1, {"a": None}], architectures=[arch])  # as save_pretrained
     cfg = dataclasses.replace(mhf.config_from_hf(original), seq_len=16)
@@ -396,8 +455,9 @@ def test_export_without_base_writes_seq_len_positions_and_in_vocab_ids(tmp_path)
     generation_config.json keeps only ids inside the vocabulary."""
     cfg = GPTConfig(arch="gpt2", num_layers=1, hidden_size=32, num_heads=4, vocab_size=200, seq_len=16)
     model = GPT(cfg, single_process_mesh())
-    path = hf_cli.save_checkpoint(tmp_path / "ckpt", hf_cli.TrainState(), [model], None, model.mesh,
-                                  model_config=dataclasses.asdict(cfg))
+    path = hf_cli.save_checkpoint(
+        tmp_path / "ckpt", hf_cli.TrainState(), [model], None, model.mesh, model_config=dataclasses.asdict(cfg)
+    )
     out = hf_cli.export_from_checkpoint(path, tmp_path / "out")
     assert json.loads((out / "config.json").read_text())["n_positions"] == 16
     gen = json.loads((out / "generation_config.json").read_text())

@@ -17,9 +17,16 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     folder = tmp_path_factory.mktemp("hf")
     model.save_pretrained(folder)
@@ -30,7 +37,10 @@ def hf_model(tmp_path_factory):
 def imported(hf_model, tmp_path_factory):
     _, folder = hf_model
     out = tmp_path_factory.mktemp("ckpt")
-    done = run([sys.executable, "-m", "meshtron.training.hf_cli", "import", "--src", str(folder), "--out", str(out)], timeout=120)
+    done = run(
+        [sys.executable, "-m", "meshtron.training.hf_cli", "import", "--src", str(folder), "--out", str(out)],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"--config-dir {out} +model=imported checkpoint.init_from={out / 'step_00000000'}" in done.stdout
     return out
@@ -39,8 +49,10 @@ def imported(hf_model, tmp_path_factory):
 @pytest.mark.timeout(200)
 def test_export_gives_back_the_same_weights(hf_model, imported, tmp_path):
     model, _ = hf_model
-    done = run([sys.executable, "-m", "meshtron.training.hf_cli", "export", "--src", str(imported), "--out", str(tmp_path)],
-               timeout=120)
+    done = run(
+        [sys.executable, "-m", "meshtron.training.hf_cli", "export", "--src", str(imported), "--out", str(tmp_path)],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
     want = model.state_dict()
@@ -67,14 +79,25 @@ def _first_batch_loss(model, seq_len: int, batch: int) -> float:
 def test_init_from_imported_weights_under_tp1_and_tp2(hf_model, imported, tmp_path):
     model, _ = hf_model
     want = _first_batch_loss(model, 32, 4)
-    common = ["--config-dir", str(imported), "+model=imported", f"checkpoint.init_from={imported / 'step_00000000'}",
-              "trainer.max_steps=1", "trainer.global_batch_size=4", "trainer.eval_every=0", "trainer.progress=false",
-              "data.max_bytes=2000000"]
+    common = [
+        "--config-dir",
+        str(imported),
+        "+model=imported",
+        f"checkpoint.init_from={imported / 'step_00000000'}",
+        "trainer.max_steps=1",
+        "trainer.global_batch_size=4",
+        "trainer.eval_every=0",
+        "trainer.progress=false",
+        "data.max_bytes=2000000",
+    ]
     single = run([sys.executable, "train.py", *common, f"hydra.run.dir={tmp_path / 'tp1'}"], timeout=150)
     assert single.returncode == 0, single.stderr[-3000:]
     assert "initial weights from" in single.stdout
-    tp2 = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "parallel.tp=2",
-               f"hydra.run.dir={tmp_path / 'tp2'}"], timeout=200, threads=1)
+    tp2 = run(
+        [*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'tp2'}"],
+        timeout=200,
+        threads=1,
+    )
     assert tp2.returncode == 0, tp2.stderr[-3000:]
     for run_dir in ("tp1", "tp2"):
         loss = metrics(tmp_path / run_dir)[0]["loss"]
@@ -83,7 +106,18 @@ def test_init_from_imported_weights_under_tp1_and_tp2(hf_model, imported, tmp_pa
 
 @pytest.mark.timeout(60)
 def test_import_of_a_folder_without_config_fails_clearly(tmp_path):
-    done = run([sys.executable, "-m", "meshtron.training.hf_cli", "import", "--src", str(tmp_path), "--out", str(tmp_path / "o")],
-               timeout=60)
+    done = run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.training.hf_cli",
+            "import",
+            "--src",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "config.json not found" in done.stderr

@@ -27,8 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.distributed
 @pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
-@pytest.mark.parametrize("world_size,case", [(w, c) for w, c in params("tests.distributed.local_sgd_cases")
-                                             if c.split(":")[1].startswith("hierarchical")])
+@pytest.mark.parametrize(
+    "world_size,case",
+    [(w, c) for w, c in params("tests.distributed.local_sgd_cases") if c.split(":")[1].startswith("hierarchical")],
+)
 def test_hierarchical_cases(world_size: int, case: str) -> None:
     assert_case_passed(world_size, case)
 
@@ -42,14 +44,17 @@ def test_groups_of_a_layout():
     assert hierarchy_shape(ParallelConfig().resolved(3), 3, 2) is None  # nodes of 2 and 1 ranks
 
 
-@pytest.mark.parametrize("mode, world, rpn, shard, want", [
-    ("auto", 8, 4, False, True),     # dp spans 2 nodes, 4 ranks on each
-    ("auto", 8, 8, False, False),    # one node
-    ("auto", 8, 1, False, False),    # one rank per node: the flat all-reduce already is the inter-node one
-    ("auto", 8, 4, True, False),     # ZeRO-2/3 reduce-scatter: stays flat
-    (False, 8, 4, False, False),
-    (True, 8, 8, False, True),       # forced, even on one node
-])
+@pytest.mark.parametrize(
+    "mode, world, rpn, shard, want",
+    [
+        ("auto", 8, 4, False, True),  # dp spans 2 nodes, 4 ranks on each
+        ("auto", 8, 8, False, False),  # one node
+        ("auto", 8, 1, False, False),  # one rank per node: the flat all-reduce already is the inter-node one
+        ("auto", 8, 4, True, False),  # ZeRO-2/3 reduce-scatter: stays flat
+        (False, 8, 4, False, False),
+        (True, 8, 8, False, True),  # forced, even on one node
+    ],
+)
 def test_when_hierarchical_is_selected(mode, world, rpn, shard, want):
     assert resolve_hierarchical(mode, ParallelConfig().resolved(world), world, rpn, shard_grads=shard) is want
 
@@ -83,11 +88,31 @@ def test_two_agent_bench_counts_the_inter_node_bytes_of_the_formulas():
     same reduced gradients."""
     port, job = _free_port(), f"meshtron-hier-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-                               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={job}",
-                               "bench/hierarchical_allreduce.py", "--steps", "1", "--hidden", "64"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=2",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                f"--rdzv_id={job}",
+                "bench/hierarchical_allreduce.py",
+                "--steps",
+                "1",
+                "--hidden",
+                "64",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = []
     try:
         for proc in procs:
@@ -114,18 +139,49 @@ def test_two_agent_bench_counts_the_inter_node_bytes_of_the_formulas():
 def test_two_agent_training_selects_it_and_gives_the_single_process_losses(tmp_path):
     """train.py under two agents of 2 ranks (dp=4 over 2 nodes): parallel.dp_hierarchical=auto
     turns the hierarchical all-reduce on (rank 0 says so) and the losses are one process's."""
-    common = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.progress=false", "model.num_layers=1",
-              "model.seq_len=32", "trainer.global_batch_size=8", "trainer.eval_every=0"]
+    common = [
+        "trainer.max_steps=2",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "model.num_layers=1",
+        "model.seq_len=32",
+        "trainer.global_batch_size=8",
+        "trainer.eval_every=0",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
-    serial = subprocess.run([sys.executable, "train.py", *common, f"hydra.run.dir={tmp_path / 'serial'}"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=120)
+    serial = subprocess.run(
+        [sys.executable, "train.py", *common, f"hydra.run.dir={tmp_path / 'serial'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert serial.returncode == 0, serial.stderr[-3000:]
     port, job = _free_port(), f"meshtron-hier-{uuid.uuid4().hex[:8]}"
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-                               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={job}",
-                               "train.py", *common, f"hydra.run.dir={tmp_path / 'hier'}"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=2",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                f"--rdzv_id={job}",
+                "train.py",
+                *common,
+                f"hydra.run.dir={tmp_path / 'hier'}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     stdout = ""
     try:
         for proc in procs:

@@ -72,8 +72,12 @@ def imports(path: Path, current: str, known: dict[str, Path]) -> list[tuple[str,
         elif isinstance(node, ast.Call):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if (called in ("import_module", "__import__") and node.args
-                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            if (
+                called in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 names = [node.args[0].value]
         for name in names:
             if name == "meshtron" or name.startswith("meshtron."):
@@ -181,7 +185,8 @@ def test_the_check_sees_a_lazy_cycle(tmp_path):
     """The checker itself: a cycle closed by an import inside a method, and one by
     `importlib.import_module`, are reported with the imports that make them."""
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools.package-dir]\n"meshtron" = "meshtron"\n"meshtron.low" = "low"\n"meshtron.high" = "high"\n')
+        '[tool.setuptools.package-dir]\n"meshtron" = "meshtron"\n"meshtron.low" = "low"\n"meshtron.high" = "high"\n'
+    )
     for folder in ("meshtron", "low", "high"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text('"""x"""\n')
@@ -189,7 +194,8 @@ def test_the_check_sees_a_lazy_cycle(tmp_path):
     (tmp_path / "low" / "b.py").write_text("class C:\n    def f(self):\n        from meshtron.low.a import x\n")
     (tmp_path / "high" / "c.py").write_text("import meshtron.high.d\nfrom meshtron.low import a\n")
     (tmp_path / "high" / "d.py").write_text(
-        "import importlib\n\ndef g():\n    return importlib.import_module('meshtron.high.c')\n")
+        "import importlib\n\ndef g():\n    return importlib.import_module('meshtron.high.c')\n"
+    )
     graph = import_graph(tmp_path)
     assert graph["meshtron.low.a"] == {"meshtron.low.b": "low/a.py:1"}
     assert sorted(describe(graph, cycle) for cycle in cycles(graph)) == [

@@ -114,14 +114,17 @@ def test_inplace_detects_other_saved_use():
 
 
 def _split(logits, target, vocab, width):
-    return [(logits[:, s:s + width], s) for s in range(0, logits.shape[1], width)]
+    return [(logits[:, s : s + width], s) for s in range(0, logits.shape[1], width)]
 
 
 @pytest.mark.parametrize("vocab,padded", [(100, 128), (300, 384), (5, 256)])  # (5, 256): rank 1 all padding
 def test_two_way_split_partials_combined_by_hand(vocab, padded):
     logits, target = _case(17, vocab, padded, seed=vocab)
     want, _ = _expected(logits, target, vocab)
-    parts = [cross_entropy_partials(shard, target, start, vocab) for shard, start in _split(logits, target, vocab, padded // 2)]
+    parts = [
+        cross_entropy_partials(shard, target, start, vocab)
+        for shard, start in _split(logits, target, vocab, padded // 2)
+    ]
     m, s, t = (torch.stack(p) for p in zip(*parts))
     loss, _ = loss_from_stats(*combine_gathered_partials(m, s, t), target)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)

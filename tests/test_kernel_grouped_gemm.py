@@ -19,7 +19,7 @@ from meshtron.kernels.grouped_gemm import GroupedGemmFunction, grouped_gemm, gro
 def _loop(x, weight, sizes):
     outs, start = [], 0
     for g, n in enumerate(sizes):
-        outs.append(x[start:start + n] @ weight[g])
+        outs.append(x[start : start + n] @ weight[g])
         start += n
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[2])
 
@@ -66,7 +66,7 @@ def test_grouped_gemm_triton_strided_inputs():
     """Non-contiguous x and weight (transposed views) are read through their strides."""
     gen = torch.Generator().manual_seed(7)
     sizes = [5, 0, 18]
-    x = torch.randn(20, sum(sizes), generator=gen).t()        # [23, 20], stride (1, 23)
+    x = torch.randn(20, sum(sizes), generator=gen).t()  # [23, 20], stride (1, 23)
     weight = torch.randn(3, 12, 20, generator=gen).transpose(1, 2)  # [3, 20, 12]
     dy = torch.randn(sum(sizes), 12, generator=gen)
     group_sizes = torch.tensor(sizes, dtype=torch.int32)

@@ -32,7 +32,7 @@ def _close(actual, expected, name):
 def _leaves(shape_x, n, k, biases, nweights, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape_x, k, generator=g)
-    ws = [torch.randn(n, k, generator=g) / k ** 0.5 for _ in range(nweights)]
+    ws = [torch.randn(n, k, generator=g) / k**0.5 for _ in range(nweights)]
     bs = [torch.randn(n, generator=g) if has else None for has in biases]
     dy = torch.randn(*shape_x, n, generator=g)
     return x, ws, bs, dy
@@ -69,9 +69,13 @@ GELU_CASES = [
 @pytest.mark.parametrize("lead,k,n,bias,approximate", GELU_CASES)
 def test_linear_gelu_matches_reference(lead, k, n, bias, approximate):
     x, (w,), (b,), dy = _leaves(lead, n, k, [bias], 1, seed=k * n + len(lead))
-    _compare(lambda x, w, b: linear_gelu_reference(x, w, b, approximate),
-             lambda x, w, b: linear_gelu(x, w, b, approximate, backend="triton"),
-             [x, w, b], dy, ["dx", "dweight", "dbias"])
+    _compare(
+        lambda x, w, b: linear_gelu_reference(x, w, b, approximate),
+        lambda x, w, b: linear_gelu(x, w, b, approximate, backend="triton"),
+        [x, w, b],
+        dy,
+        ["dx", "dweight", "dbias"],
+    )
 
 
 # (shape of x without K, K, N, (gate bias?, up bias?))
@@ -86,9 +90,13 @@ SWIGLU_CASES = [
 @pytest.mark.parametrize("lead,k,n,biases", SWIGLU_CASES)
 def test_linear_swiglu_matches_reference(lead, k, n, biases):
     x, (wg, wu), (bg, bu), dy = _leaves(lead, n, k, list(biases), 2, seed=k + n + len(lead))
-    _compare(linear_swiglu_reference,
-             lambda x, wg, bg, wu, bu: linear_swiglu(x, wg, bg, wu, bu, backend="triton"),
-             [x, wg, bg, wu, bu], dy, ["dx", "dw_gate", "db_gate", "dw_up", "db_up"])
+    _compare(
+        linear_swiglu_reference,
+        lambda x, wg, bg, wu, bu: linear_swiglu(x, wg, bg, wu, bu, backend="triton"),
+        [x, wg, bg, wu, bu],
+        dy,
+        ["dx", "dw_gate", "db_gate", "dw_up", "db_up"],
+    )
 
 
 def test_large_preactivations_and_partial_grads():
@@ -97,7 +105,10 @@ def test_large_preactivations_and_partial_grads():
     x = x * 10
     for ref, tri in [
         (lambda x: linear_gelu_reference(x, w, b, "tanh"), lambda x: linear_gelu(x, w, b, "tanh", backend="triton")),
-        (lambda x: linear_swiglu_reference(x, w, b, w2, b2), lambda x: linear_swiglu(x, w, b, w2, b2, backend="triton")),
+        (
+            lambda x: linear_swiglu_reference(x, w, b, w2, b2),
+            lambda x: linear_swiglu(x, w, b, w2, b2, backend="triton"),
+        ),
     ]:
         _compare(ref, tri, [x], dy, ["dx"])
 

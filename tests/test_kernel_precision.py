@@ -27,14 +27,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # keeps the pre-activation in fp32; autocast rounds it to 16 bits, and its dW too).
 STEP_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 3e-3}
 
-GEMM_KERNELS = {"_linear_gelu_fwd_kernel", "_linear_gelu_bwd_kernel", "_linear_swiglu_fwd_kernel",
-                "_linear_swiglu_bwd_kernel", "_matmul_kernel", "_grouped_gemm_kernel", "_grouped_gemm_dw_kernel"}
+GEMM_KERNELS = {
+    "_linear_gelu_fwd_kernel",
+    "_linear_gelu_bwd_kernel",
+    "_linear_swiglu_fwd_kernel",
+    "_linear_swiglu_bwd_kernel",
+    "_matmul_kernel",
+    "_grouped_gemm_kernel",
+    "_grouped_gemm_dw_kernel",
+}
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """Every autotuned kernel launch as (kernel name, {tensor argument: dtype})."""
     from triton.runtime.autotuner import Autotuner
+
     seen = []
     original = Autotuner.run
 
@@ -56,8 +64,16 @@ def _step(cfg: GPTConfig, backend: str, precision: str, n_micro: int = 1):
     for _ in range(n_micro):
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
-    out = train_step(model, reducer, optimizer, batches, mesh, lr=1e-3, max_grad_norm=1.0,
-                     precision=Precision(precision, "cpu", LossScaler(scale=1024.0)))
+    out = train_step(
+        model,
+        reducer,
+        optimizer,
+        batches,
+        mesh,
+        lr=1e-3,
+        max_grad_norm=1.0,
+        precision=Precision(precision, "cpu", LossScaler(scale=1024.0)),
+    )
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     reducer.remove_hooks()
     return out, grads
@@ -79,8 +95,9 @@ def test_kernels_receive_the_compute_dtype_and_match_torch(name, precision, laun
         if kernel in GEMM_KERNELS:
             # Operands in the compute dtype; the weight-gradient outputs in the fp32 main dtype.
             outputs = {"dw_ptr"} | ({"c_ptr"} if dtypes.get("c_ptr") == torch.float32 else set())
-            operands_ = {k: v for k, v in dtypes.items() if k not in outputs and k != "sizes_ptr"
-                         and not k.startswith("b")}
+            operands_ = {
+                k: v for k, v in dtypes.items() if k not in outputs and k != "sizes_ptr" and not k.startswith("b")
+            }
             assert set(operands_.values()) == {compute}, (kernel, dtypes)
             assert all(dtypes[k] == torch.float32 for k in outputs & set(dtypes)), (kernel, dtypes)
         elif kernel.startswith("_norm"):
@@ -88,8 +105,12 @@ def test_kernels_receive_the_compute_dtype_and_match_torch(name, precision, laun
             assert dtypes["X"] == torch.float32, (kernel, dtypes)
         elif kernel.startswith("_ce"):
             assert dtypes["logits_ptr"] == compute, (kernel, dtypes)
-    mixed = [d for k, d in launches if (k == "_matmul_kernel" and d["a_ptr"] != d["c_ptr"])
-             or (k == "_grouped_gemm_dw_kernel" and d["x_ptr"] != d["dw_ptr"])]
+    mixed = [
+        d
+        for k, d in launches
+        if (k == "_matmul_kernel" and d["a_ptr"] != d["c_ptr"])
+        or (k == "_grouped_gemm_dw_kernel" and d["x_ptr"] != d["dw_ptr"])
+    ]
     assert (precision == "fp32") == (not mixed), "16-bit runs write dW from 16-bit operands into fp32"
 
     want, want_grads = _step(CONFIGS[name], "torch", precision)
@@ -105,7 +126,11 @@ def test_weights_are_cast_once_per_step(monkeypatch):
     casts = []
 
     def counting_copy(weight, dtype):
-        if weight is not None and weight.dtype != dtype and (operands._scope is None or id(weight) not in operands._scope):
+        if (
+            weight is not None
+            and weight.dtype != dtype
+            and (operands._scope is None or id(weight) not in operands._scope)
+        ):
             casts.append(weight.shape)
         return original(weight, dtype)
 
@@ -183,9 +208,14 @@ def test_tf32_knob_overrides_torch_and_rejects_bad_values(restore_tf32):
 
 def test_autotune_key_includes_the_dot_precision():
     from meshtron.kernels import grouped_gemm, linear_act
-    for kernel in (linear_act._linear_gelu_fwd_kernel, linear_act._linear_swiglu_fwd_kernel,
-                   linear_act._linear_gelu_bwd_kernel, linear_act._linear_swiglu_bwd_kernel,
-                   linear_act._matmul_kernel):
+
+    for kernel in (
+        linear_act._linear_gelu_fwd_kernel,
+        linear_act._linear_swiglu_fwd_kernel,
+        linear_act._linear_gelu_bwd_kernel,
+        linear_act._linear_swiglu_bwd_kernel,
+        linear_act._matmul_kernel,
+    ):
         assert "PRECISION" in kernel.keys
     for kernel in (grouped_gemm._grouped_gemm_kernel, grouped_gemm._grouped_gemm_dw_kernel):
         assert "INPUT_PRECISION" in kernel.keys

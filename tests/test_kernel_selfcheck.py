@@ -22,8 +22,17 @@ from tests.distributed.harness import run_world  # noqa: E402
 from tests.distributed.selfcheck_cases import TripledGrad  # noqa: E402
 from tests.test_kernels_in_model import build_training  # noqa: E402
 
-LLAMA = GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                  vocab_size=200, seq_len=8, tie_embeddings=False)
+LLAMA = GPTConfig(
+    arch="llama",
+    num_layers=1,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=48,
+    vocab_size=200,
+    seq_len=8,
+    tie_embeddings=False,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +50,7 @@ def two_steps(backend: str) -> tuple[list[torch.Tensor], dict]:
     losses = []
     for _ in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=gen)
-        out = train_step(model, reducer, optimizer, [(tokens[:, :-1], tokens[:, 1:])], mesh, lr=1e-3,
-                         max_grad_norm=1.0)
+        out = train_step(model, reducer, optimizer, [(tokens[:, :-1], tokens[:, 1:])], mesh, lr=1e-3, max_grad_norm=1.0)
         losses.append(out.loss.detach())
     reducer.remove_hooks()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -211,8 +219,10 @@ def test_strict_triton_backend_raises(monkeypatch):
 
 @pytest.mark.timeout(600)
 def test_ranks_agree_on_every_kernel():
-    cases = ["tests.distributed.selfcheck_cases:verdicts_agree_without_a_model",
-             "tests.distributed.selfcheck_cases:llama_tp2_cross_entropy_broken_on_rank1"]
+    cases = [
+        "tests.distributed.selfcheck_cases:verdicts_agree_without_a_model",
+        "tests.distributed.selfcheck_cases:llama_tp2_cross_entropy_broken_on_rank1",
+    ]
     results = run_world(2, cases, timeout=500.0, collective_timeout=60.0)
     for case, result in results.items():
         assert result["ok"], f"{case}: " + "\n".join(f"rank {r}: {e}" for r, e in result["errors"].items())
@@ -228,16 +238,33 @@ def test_training_loop_agrees_after_its_first_step(monkeypatch, tmp_path, recwar
     monkeypatch.setattr(loop, "resolve_backend", lambda name, device_type: CHECKED)
     agreed = counting(monkeypatch, selfcheck, "agree")
     ln = counting(monkeypatch, norms, "layer_norm")
-    run = RunConfig.from_dict({
-        "model": {"arch": "gpt2", "num_layers": 1, "hidden_size": 32, "num_heads": 2, "vocab_size": 256,
-                  "seq_len": 16},
-        "trainer": {"max_steps": 3, "global_batch_size": 2, "device": "cpu", "eval_every": 0, "progress": False,
-                    "log_every": 1},
-    })
+    run = RunConfig.from_dict(
+        {
+            "model": {
+                "arch": "gpt2",
+                "num_layers": 1,
+                "hidden_size": 32,
+                "num_heads": 2,
+                "vocab_size": 256,
+                "seq_len": 16,
+            },
+            "trainer": {
+                "max_steps": 3,
+                "global_batch_size": 2,
+                "device": "cpu",
+                "eval_every": 0,
+                "progress": False,
+                "log_every": 1,
+            },
+        }
+    )
     summary = loop.run_training(run, tmp_path)
     assert agreed["calls"] == 1
     assert not selfcheck_warnings(recwarn)
-    assert {k: selfcheck.verdict(k) for k in ("layer_norm", "linear_gelu", "cross_entropy")} == \
-        {"layer_norm": True, "linear_gelu": True, "cross_entropy": True}
+    assert {k: selfcheck.verdict(k) for k in ("layer_norm", "linear_gelu", "cross_entropy")} == {
+        "layer_norm": True,
+        "linear_gelu": True,
+        "cross_entropy": True,
+    }
     assert ln["calls"] == 1 + 2 + 3 + 3  # step 1: check + 2 later norms; steps 2, 3: all Triton
     assert summary is not None

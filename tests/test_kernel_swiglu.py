@@ -50,8 +50,10 @@ def test_swiglu_refuses_bad_input():
         swiglu(x, x, backend="auto")
 
 
-@pytest.mark.parametrize("backend, min_elements, fused", [("triton", 1 << 26, True), ("triton_checked", 0, True),
-                                                           ("triton_checked", 241, False)])
+@pytest.mark.parametrize(
+    "backend, min_elements, fused",
+    [("triton", 1 << 26, True), ("triton_checked", 0, True), ("triton_checked", 241, False)],
+)
 def test_moe_experts_run_the_fused_swiglu(backend, min_elements, fused, monkeypatch):
     """GroupedExperts with SwiGLU: kernels.backend=triton launches the fused kernels (forward
     and backward), auto's checked mode does (once its check passed) only on activations of
@@ -67,8 +69,9 @@ def test_moe_experts_run_the_fused_swiglu(backend, min_elements, fused, monkeypa
     monkeypatch.setitem(kernel_backend.AUTO_TRITON_MIN_ELEMENTS, "swiglu", min_elements)
     launched = []
     original = Autotuner.run
-    monkeypatch.setattr(Autotuner, "run", lambda self, *a, **k: launched.append(self.base_fn.__name__)
-                        or original(self, *a, **k))
+    monkeypatch.setattr(
+        Autotuner, "run", lambda self, *a, **k: launched.append(self.base_fn.__name__) or original(self, *a, **k)
+    )
     selfcheck.reset()
     mesh = single_process_mesh()
     results = []
@@ -94,8 +97,10 @@ def test_model_code_imports_no_triton():
     import subprocess
     import sys
 
-    code = ("import sys; import meshtron.models.gpt, meshtron.moe.layer, meshtron.training.loop, "
-            "meshtron.training.step; print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))")
+    code = (
+        "import sys; import meshtron.models.gpt, meshtron.moe.layer, meshtron.training.loop, "
+        "meshtron.training.step; print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

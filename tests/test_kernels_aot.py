@@ -24,6 +24,7 @@ A100, H100 = configs.ARCH_LIMITS[80], configs.ARCH_LIMITS[90]
 
 def _config(bm, bn, bk, warps, stages):
     import triton
+
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
 
 
@@ -32,8 +33,13 @@ def launches(tmp_path_factory):
     """The wrappers' kernel launches at every precision, captured once under the interpreter."""
     path = tmp_path_factory.mktemp("aot") / "launches.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, "-m", "meshtron.kernels.aot", "--capture", str(path)], cwd=ROOT, env=env, check=True,
-                   timeout=900)
+    subprocess.run(
+        [sys.executable, "-m", "meshtron.kernels.aot", "--capture", str(path)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=900,
+    )
     return path
 
 
@@ -44,9 +50,26 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path, launche
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     seed = os.environ.get("MESHTRON_AOT_SEED", "0")
     out = tmp_path / "aot.json"
-    proc = subprocess.run([sys.executable, "-m", "meshtron.kernels.aot", "--seed", seed, "--sample", "12", "--launches",
-                           str(launches), "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1450)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.kernels.aot",
+            "--seed",
+            seed,
+            "--sample",
+            "12",
+            "--launches",
+            str(launches),
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1450,
+    )
     assert out.exists(), proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failures"] == [], "\n".join(report["failures"])
@@ -63,13 +86,29 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path, launche
     assert any(r["wgmma"] for r in report["results"] if r["case"]["arch"] == 90 and r["case"]["dtype"] == "bf16")
 
 
-def _result(kernel="_matmul_kernel", dtype="bf16", arch=90, shared=1024, estimate=2048, stack=0, wgmma=True,
-            ok=True, gemm=True):
-    case = aot.Case(kernel, dtype, arch, {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}, {}, {},
-                    gemm={"estimate": estimate} if gemm else None)
+def _result(
+    kernel="_matmul_kernel", dtype="bf16", arch=90, shared=1024, estimate=2048, stack=0, wgmma=True, ok=True, gemm=True
+):
+    case = aot.Case(
+        kernel,
+        dtype,
+        arch,
+        {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3},
+        {},
+        {},
+        gemm={"estimate": estimate} if gemm else None,
+    )
     limits = {"arch": arch, "shared_bytes": configs.ARCH_LIMITS[arch].shared_bytes}
-    return aot.Result(case, ok, "" if ok else "CompilationError: boom", shared=shared, stack=stack, wgmma=wgmma,
-                      estimate=estimate if gemm else None, limits=limits)
+    return aot.Result(
+        case,
+        ok,
+        "" if ok else "CompilationError: boom",
+        shared=shared,
+        stack=stack,
+        wgmma=wgmma,
+        estimate=estimate if gemm else None,
+        limits=limits,
+    )
 
 
 def test_check_accepts_a_clean_result_and_flags_each_defect():
@@ -84,14 +123,22 @@ def test_check_accepts_a_clean_result_and_flags_each_defect():
     for defect, result in cases.items():
         assert len(aot.check([result])) == 1, defect
     # wgmma is required of 16-bit GEMMs on sm_90 only.
-    assert aot.check([_result(arch=80, wgmma=False), _result(dtype="fp32-tf32", wgmma=False),
-                      _result(kernel="_norm_fwd_kernel", gemm=False, wgmma=False)]) == []
+    assert (
+        aot.check(
+            [
+                _result(arch=80, wgmma=False),
+                _result(dtype="fp32-tf32", wgmma=False),
+                _result(kernel="_norm_fwd_kernel", gemm=False, wgmma=False),
+            ]
+        )
+        == []
+    )
     empty = aot.Case("_matmul_kernel", "bf16", 80, {}, {}, {})
     assert "no config" in aot.check([aot.compile_case(empty)])[0]
 
 
 def test_pruning_drops_configs_over_the_device_and_keeps_the_rest():
-    big = _config(128, 128, 64, 8, 3)   # dual fp32: 3 x (2*128*64 + 2*64*128) * 4 B = 384 KiB
+    big = _config(128, 128, 64, 8, 3)  # dual fp32: 3 x (2*128*64 + 2*64*128) * 4 B = 384 KiB
     small = _config(64, 64, 32, 4, 3)
     assert configs.config_shared_bytes(big, 4, 2, 2) == 3 * (2 * 128 * 64 + 2 * 64 * 128) * 4
     assert configs.prune_gemm_configs([big, small], H100, 4, 2, 2) == [small]
@@ -121,7 +168,7 @@ def test_selection_covers_every_kernel_dtype_arch_and_is_seeded(launches):
     assert len(chosen) == len(keys) + 8
     again = aot.select(cases, sample=8, seed=1)
     assert [(c.kernel, c.variant, c.config) for c in again] == [(c.kernel, c.variant, c.config) for c in chosen]
-    for c in chosen[:len(keys)]:  # the riskiest case of each key
+    for c in chosen[: len(keys)]:  # the riskiest case of each key
         same = [o for o in cases if (o.kernel, o.dtype, o.arch) == (c.kernel, c.dtype, c.arch)]
         assert aot.risk(c) == max(aot.risk(o) for o in same)
     # Every GEMM kernel is fed fp32 (IEEE and TF32), bf16 and fp16; the others fp32, bf16, fp16.

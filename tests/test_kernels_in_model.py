@@ -21,10 +21,30 @@ from meshtron.training.step import train_step  # noqa: E402
 
 CONFIGS = {
     "gpt2": GPTConfig(arch="gpt2", num_layers=1, hidden_size=32, num_heads=2, vocab_size=200, seq_len=8),
-    "llama": GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                       vocab_size=200, seq_len=8, tie_embeddings=False),
-    "moe": GPTConfig(arch="llama", num_layers=1, hidden_size=32, num_heads=2, vocab_size=200, seq_len=8,
-                     num_experts=4, top_k=2, moe_ffn_hidden_size=16, aux_loss_coef=0.01, tie_embeddings=False),
+    "llama": GPTConfig(
+        arch="llama",
+        num_layers=1,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        vocab_size=200,
+        seq_len=8,
+        tie_embeddings=False,
+    ),
+    "moe": GPTConfig(
+        arch="llama",
+        num_layers=1,
+        hidden_size=32,
+        num_heads=2,
+        vocab_size=200,
+        seq_len=8,
+        num_experts=4,
+        top_k=2,
+        moe_ffn_hidden_size=16,
+        aux_loss_coef=0.01,
+        tie_embeddings=False,
+    ),
 }
 
 

@@ -12,8 +12,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # Lower number = lower layer. `meshtron` (the import root: errors) sits below everything.
 # `pipeline` and `dp` sit above the model code (which uses neither) and are peers.
-LAYERS = {"meshtron": 0, "mpu": 1, "kernels": 2, "moe": 3, "models": 4, "pipeline": 5, "dp": 5,
-          "textdata": 6, "planning": 6, "observability": 7, "training": 8}
+LAYERS = {
+    "meshtron": 0,
+    "mpu": 1,
+    "kernels": 2,
+    "moe": 3,
+    "models": 4,
+    "pipeline": 5,
+    "dp": 5,
+    "textdata": 6,
+    "planning": 6,
+    "observability": 7,
+    "training": 8,
+}
 # `python -m` entry points at the import root, like train.py: they only forward to a command line
 # module of the top layer, so nothing below them imports them.
 ENTRY_POINTS = {"meshtron/plan.py", "meshtron/verify.py"}

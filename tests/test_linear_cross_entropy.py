@@ -143,11 +143,11 @@ def test_bad_input_is_named():
 
 
 def test_chunk_rows_follow_the_local_vocabulary_and_device():
-    assert chunk_rows_for(8192) == 1024                     # CPU: 8 Mi logits, at least 256 rows
+    assert chunk_rows_for(8192) == 1024  # CPU: 8 Mi logits, at least 256 rows
     assert chunk_rows_for(1024) == 8192
     assert chunk_rows_for(32000) == 262
     assert chunk_rows_for(128 * 1024) == 256
-    assert chunk_rows_for(128 * 1024, "cuda") == 1024       # CUDA: 128 Mi, at least 1,024 rows
+    assert chunk_rows_for(128 * 1024, "cuda") == 1024  # CUDA: 128 Mi, at least 1,024 rows
     assert chunk_rows_for(32 * 1024, "cuda") == 4096
     assert chunk_rows_for(1 << 30, "cuda") == 1024
 

@@ -70,8 +70,17 @@ def test_per_rank_all_gathers_over_gloo(tmp_path: pathlib.Path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "store")],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=50)

@@ -19,45 +19,67 @@ from meshtron.mpu.mesh import (
 from meshtron.training.distributed import check_nodes
 
 
-@pytest.mark.parametrize("par,world,message", [
-    (ParallelConfig(tp=4), 6, r"world size 6 is not divisible by tp\*pp=4"),
-    (ParallelConfig(tp=2, pp=2), 6, r"world size 6 is not divisible by tp\*pp=4"),
-    (ParallelConfig(tp=2, dp=3), 4, r"tp\*pp\*dp=2\*1\*3=6 does not equal world size 4; set parallel.dp=2"),
-    (ParallelConfig(tp=2, ep=4, etp=2), 4, r"ep\*etp=4\*2=8 does not divide the 4 ranks"),
-])
+@pytest.mark.parametrize(
+    "par,world,message",
+    [
+        (ParallelConfig(tp=4), 6, r"world size 6 is not divisible by tp\*pp=4"),
+        (ParallelConfig(tp=2, pp=2), 6, r"world size 6 is not divisible by tp\*pp=4"),
+        (ParallelConfig(tp=2, dp=3), 4, r"tp\*pp\*dp=2\*1\*3=6 does not equal world size 4; set parallel.dp=2"),
+        (ParallelConfig(tp=2, ep=4, etp=2), 4, r"ep\*etp=4\*2=8 does not divide the 4 ranks"),
+    ],
+)
 def test_bad_layouts_name_the_numbers(par, world, message):
     with pytest.raises(ParallelConfigError, match=message):
         par.resolved(world)
 
 
-@pytest.mark.parametrize("par,cfg,message", [
-    (ParallelConfig(tp=3), GPTConfig(num_heads=4, hidden_size=64), r"tp=3 does not divide num_heads=4"),
-    (ParallelConfig(tp=4), GPTConfig(arch="llama", num_heads=8, num_kv_heads=2, hidden_size=64),
-     r"tp=4 does not divide num_kv_heads=2"),
-    (ParallelConfig(tp=2, sp=True), GPTConfig(seq_len=33), r"tp=2 to divide seq_len=33"),
-    (ParallelConfig(ep=2), GPTConfig(), r"need an MoE model"),
-    (ParallelConfig(pp=2), GPTConfig(num_layers=3), r"pp\*vpp=2\*1 does not divide num_layers=3"),
-    (ParallelConfig(pp=2, stage_layers=[1, 1]), GPTConfig(num_layers=3),
-     r"stage_layers=\[1, 1\] must list 2 positive layer counts .* summing to num_layers=3"),
-    (ParallelConfig(vpp=2, schedule="interleaved"), GPTConfig(num_layers=4), r"parallel.vpp=2 needs pipeline parallelism"),
-    (ParallelConfig(ep=3), GPTConfig(num_experts=8), r"ep=3 does not divide num_experts=8"),
-    (ParallelConfig(ep=2, etp=2), GPTConfig(num_experts=4, moe_ffn_hidden_size=33, hidden_size=64),
-     r"etp=2 does not divide moe_ffn_hidden_size=33"),
-])
+@pytest.mark.parametrize(
+    "par,cfg,message",
+    [
+        (ParallelConfig(tp=3), GPTConfig(num_heads=4, hidden_size=64), r"tp=3 does not divide num_heads=4"),
+        (
+            ParallelConfig(tp=4),
+            GPTConfig(arch="llama", num_heads=8, num_kv_heads=2, hidden_size=64),
+            r"tp=4 does not divide num_kv_heads=2",
+        ),
+        (ParallelConfig(tp=2, sp=True), GPTConfig(seq_len=33), r"tp=2 to divide seq_len=33"),
+        (ParallelConfig(ep=2), GPTConfig(), r"need an MoE model"),
+        (ParallelConfig(pp=2), GPTConfig(num_layers=3), r"pp\*vpp=2\*1 does not divide num_layers=3"),
+        (
+            ParallelConfig(pp=2, stage_layers=[1, 1]),
+            GPTConfig(num_layers=3),
+            r"stage_layers=\[1, 1\] must list 2 positive layer counts .* summing to num_layers=3",
+        ),
+        (
+            ParallelConfig(vpp=2, schedule="interleaved"),
+            GPTConfig(num_layers=4),
+            r"parallel.vpp=2 needs pipeline parallelism",
+        ),
+        (ParallelConfig(ep=3), GPTConfig(num_experts=8), r"ep=3 does not divide num_experts=8"),
+        (
+            ParallelConfig(ep=2, etp=2),
+            GPTConfig(num_experts=4, moe_ffn_hidden_size=33, hidden_size=64),
+            r"etp=2 does not divide moe_ffn_hidden_size=33",
+        ),
+    ],
+)
 def test_model_shape_checks(par, cfg, message):
     with pytest.raises(ParallelConfigError, match=message):
         check_model_fits(par.resolved(par.tp * par.pp * par.ep * par.etp), cfg)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(tp=0), "parallel.tp=0 must be an integer >= 1"),
-    (dict(tp=True), "parallel.tp=True must be an integer >= 1"),   # a bool is not a size
-    (dict(pp=2.5), "parallel.pp=2.5 must be an integer >= 1"),
-    (dict(sp="yes"), "parallel.sp='yes' must be true or false"),
-    (dict(schedule="zigzag"), "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved"),
-    (dict(stage_layers=[2, 0]), r"parallel.stage_layers=\[2, 0\]: every element must be >= 1"),
-    (dict(vpp=2), "parallel.vpp=2 needs parallel.schedule=interleaved"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(tp=0), "parallel.tp=0 must be an integer >= 1"),
+        (dict(tp=True), "parallel.tp=True must be an integer >= 1"),  # a bool is not a size
+        (dict(pp=2.5), "parallel.pp=2.5 must be an integer >= 1"),
+        (dict(sp="yes"), "parallel.sp='yes' must be true or false"),
+        (dict(schedule="zigzag"), "parallel.schedule='zigzag' must be one of gpipe, 1f1b, interleaved"),
+        (dict(stage_layers=[2, 0]), r"parallel.stage_layers=\[2, 0\]: every element must be >= 1"),
+        (dict(vpp=2), "parallel.vpp=2 needs parallel.schedule=interleaved"),
+    ],
+)
 def test_parallel_fields_are_checked_when_built(kwargs, message):
     with pytest.raises(ParallelConfigError, match=message):
         ParallelConfig(**kwargs)
@@ -71,8 +93,10 @@ def test_dp_defaults_to_world_over_tp_pp():
 
 def test_rank_coordinates_tp_fastest_and_expert_folding():
     par = ParallelConfig(tp=4, ep=8)
-    coords = [(m.pp_rank, m.dp_rank, m.tp_rank, m.edp_rank, m.ep_rank, m.etp_rank)
-              for m in (virtual_mesh(par, 8, r) for r in range(8))]
+    coords = [
+        (m.pp_rank, m.dp_rank, m.tp_rank, m.edp_rank, m.ep_rank, m.etp_rank)
+        for m in (virtual_mesh(par, 8, r) for r in range(8))
+    ]
     assert [c[2] for c in coords] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [c[1] for c in coords] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [c[4] for c in coords] == list(range(8))
@@ -122,41 +146,85 @@ def test_dim_groups_are_the_device_mesh_rank_lists():
     assert groups["ep"] == [[0, 2, 4, 6], [1, 3, 5, 7]] and groups["etp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-@pytest.mark.parametrize("par,world,per_node,expected,warnings", [
-    # one node: nothing spans
-    (ParallelConfig(tp=2), 4, 4, "placement 1 node x 4 ranks (every group intra-node)", []),
-    (ParallelConfig(tp=2), 8, 4,
-     "placement 2 nodes x 4 ranks: tp=2 (intra-node) dp=4 (spans 2 nodes) pp=1 | edp=8 (spans 2 nodes) ep=1 etp=1", []),
-    (ParallelConfig(tp=8), 8, 4,
-     "placement 2 nodes x 4 ranks: tp=8 (spans 2 nodes) dp=1 pp=1 | edp=8 (spans 2 nodes) ep=1 etp=1",
-     ["parallel.tp=8 spans 2 nodes of 4 ranks: TP all-reduces cross the inter-node link; use tp <= 4"]),
-    # tp=3 over nodes of 4: groups [0,1,2] and [9,10,11] stay inside, [3,4,5] and [6,7,8] cross
-    (ParallelConfig(tp=3), 12, 4,
-     "placement 3 nodes x 4 ranks: tp=3 (2 of 4 groups span 2 nodes) dp=4 (spans 3 nodes) pp=1 | "
-     "edp=12 (spans 3 nodes) ep=1 etp=1",
-     ["parallel.tp=3 has 2 of 4 groups spanning 2 nodes of 4 ranks: TP all-reduces cross the inter-node link; "
-      "use a tp that divides 4"]),
-    (ParallelConfig(tp=2, pp=2), 8, 2,
-     "placement 4 nodes x 2 ranks: tp=2 (intra-node) dp=2 (spans 2 nodes) pp=2 (spans 2 nodes) | "
-     "edp=4 (spans 2 nodes) ep=1 etp=1", []),
-    # the card's layout on two 4-GPU nodes: tp inside a node, ep=8 across both (warned, allowed)
-    (ParallelConfig(tp=4, ep=8), 8, 4,
-     "placement 2 nodes x 4 ranks: tp=4 (intra-node) dp=2 (spans 2 nodes) pp=1 | edp=1 ep=8 (spans 2 nodes) etp=1",
-     ["parallel.ep=8 spans 2 nodes of 4 ranks: expert all-to-alls cross the inter-node link "
-      "(allowed; common when experts need many ranks)"]),
-    (ParallelConfig(tp=2, ep=2), 8, 4,
-     "placement 2 nodes x 4 ranks: tp=2 (intra-node) dp=4 (spans 2 nodes) pp=1 | "
-     "edp=4 (spans 2 nodes) ep=2 (intra-node) etp=1", []),
-    (ParallelConfig(ep=2, etp=4), 8, 2,
-     "placement 4 nodes x 2 ranks: tp=1 dp=8 (spans 4 nodes) pp=1 | edp=1 ep=2 (spans 2 nodes) etp=4 (spans 2 nodes)",
-     ["parallel.ep=2 spans 2 nodes of 2 ranks: expert all-to-alls cross the inter-node link "
-      "(allowed; common when experts need many ranks)",
-      "parallel.etp=4 spans 2 nodes of 2 ranks: expert TP all-reduces cross the inter-node link; use etp <= 2"]),
-    # the multi-node test's layout: 2 agents x 1 rank, tp=2
-    (ParallelConfig(tp=2), 2, 1,
-     "placement 2 nodes x 1 rank: tp=2 (spans 2 nodes) dp=1 pp=1 | edp=2 (spans 2 nodes) ep=1 etp=1",
-     ["parallel.tp=2 spans 2 nodes of 1 rank: TP all-reduces cross the inter-node link; use tp <= 1"]),
-])
+@pytest.mark.parametrize(
+    "par,world,per_node,expected,warnings",
+    [
+        # one node: nothing spans
+        (ParallelConfig(tp=2), 4, 4, "placement 1 node x 4 ranks (every group intra-node)", []),
+        (
+            ParallelConfig(tp=2),
+            8,
+            4,
+            "placement 2 nodes x 4 ranks: tp=2 (intra-node) dp=4 (spans 2 nodes) pp=1 | edp=8 (spans 2 nodes) ep=1 etp=1",
+            [],
+        ),
+        (
+            ParallelConfig(tp=8),
+            8,
+            4,
+            "placement 2 nodes x 4 ranks: tp=8 (spans 2 nodes) dp=1 pp=1 | edp=8 (spans 2 nodes) ep=1 etp=1",
+            ["parallel.tp=8 spans 2 nodes of 4 ranks: TP all-reduces cross the inter-node link; use tp <= 4"],
+        ),
+        # tp=3 over nodes of 4: groups [0,1,2] and [9,10,11] stay inside, [3,4,5] and [6,7,8] cross
+        (
+            ParallelConfig(tp=3),
+            12,
+            4,
+            "placement 3 nodes x 4 ranks: tp=3 (2 of 4 groups span 2 nodes) dp=4 (spans 3 nodes) pp=1 | "
+            "edp=12 (spans 3 nodes) ep=1 etp=1",
+            [
+                "parallel.tp=3 has 2 of 4 groups spanning 2 nodes of 4 ranks: TP all-reduces cross the inter-node link; "
+                "use a tp that divides 4"
+            ],
+        ),
+        (
+            ParallelConfig(tp=2, pp=2),
+            8,
+            2,
+            "placement 4 nodes x 2 ranks: tp=2 (intra-node) dp=2 (spans 2 nodes) pp=2 (spans 2 nodes) | "
+            "edp=4 (spans 2 nodes) ep=1 etp=1",
+            [],
+        ),
+        # the card's layout on two 4-GPU nodes: tp inside a node, ep=8 across both (warned, allowed)
+        (
+            ParallelConfig(tp=4, ep=8),
+            8,
+            4,
+            "placement 2 nodes x 4 ranks: tp=4 (intra-node) dp=2 (spans 2 nodes) pp=1 | edp=1 ep=8 (spans 2 nodes) etp=1",
+            [
+                "parallel.ep=8 spans 2 nodes of 4 ranks: expert all-to-alls cross the inter-node link "
+                "(allowed; common when experts need many ranks)"
+            ],
+        ),
+        (
+            ParallelConfig(tp=2, ep=2),
+            8,
+            4,
+            "placement 2 nodes x 4 ranks: tp=2 (intra-node) dp=4 (spans 2 nodes) pp=1 | "
+            "edp=4 (spans 2 nodes) ep=2 (intra-node) etp=1",
+            [],
+        ),
+        (
+            ParallelConfig(ep=2, etp=4),
+            8,
+            2,
+            "placement 4 nodes x 2 ranks: tp=1 dp=8 (spans 4 nodes) pp=1 | edp=1 ep=2 (spans 2 nodes) etp=4 (spans 2 nodes)",
+            [
+                "parallel.ep=2 spans 2 nodes of 2 ranks: expert all-to-alls cross the inter-node link "
+                "(allowed; common when experts need many ranks)",
+                "parallel.etp=4 spans 2 nodes of 2 ranks: expert TP all-reduces cross the inter-node link; use etp <= 2",
+            ],
+        ),
+        # the multi-node test's layout: 2 agents x 1 rank, tp=2
+        (
+            ParallelConfig(tp=2),
+            2,
+            1,
+            "placement 2 nodes x 1 rank: tp=2 (spans 2 nodes) dp=1 pp=1 | edp=2 (spans 2 nodes) ep=1 etp=1",
+            ["parallel.tp=2 spans 2 nodes of 1 rank: TP all-reduces cross the inter-node link; use tp <= 1"],
+        ),
+    ],
+)
 def test_placement_over_nodes(par, world, per_node, expected, warnings):
     resolved = par.resolved(world)
     for rank in (0, world - 1):  # the same on every rank
@@ -188,8 +256,11 @@ def test_check_nodes_accepts_torchrun_assignment_and_names_bad_ones():
     assert check_nodes([("0", 0, 2), ("0", 1, 2), ("1", 0, 2), ("1", 1, 2)]) == 2
     assert check_nodes([("host", r, 4) for r in range(4)]) == 1
     # --nproc_per_node=2 on one agent and 1 on the other
-    with pytest.raises(ConfigError, match=r"nodes run different numbers of ranks \(node 0: 2, node 1: 1\); .*"
-                                          "start every node with the same --nproc_per_node"):
+    with pytest.raises(
+        ConfigError,
+        match=r"nodes run different numbers of ranks \(node 0: 2, node 1: 1\); .*"
+        "start every node with the same --nproc_per_node",
+    ):
         check_nodes([("0", 0, 2), ("0", 1, 2), ("1", 0, 1)])
     # interleaved ranks (not torchrun's assignment): node != rank // LOCAL_WORLD_SIZE
     with pytest.raises(ConfigError, match="rank 1 is local rank 0 of node b, not local rank 1 of node a"):

@@ -21,7 +21,15 @@ def test_writer_round_trips_through_json(tmp_path: pathlib.Path):
     run_dir = tmp_path / "run" / "0"  # created on demand
     records = [
         {"step": 1, "loss": 3.5, "lr": 3e-4, "grad_norm": 1.25, "tokens_per_s": 1234.5, "mfu": 0.12},
-        {"step": 2, "loss": 3.25, "lr": 2.5e-4, "grad_norm": 1.0, "tokens_per_s": 1300.0, "mfu": 0.13, "aux_loss": 0.01},
+        {
+            "step": 2,
+            "loss": 3.25,
+            "lr": 2.5e-4,
+            "grad_norm": 1.0,
+            "tokens_per_s": 1300.0,
+            "mfu": 0.13,
+            "aux_loss": 0.01,
+        },
     ]
     with MetricsWriter(run_dir, enabled=True) as writer:
         for r in records:
@@ -70,8 +78,15 @@ def test_writer_converts_tensors_and_numpy(tmp_path: pathlib.Path):
 
 def test_non_finite_values_become_null(tmp_path: pathlib.Path):
     with MetricsWriter(tmp_path, enabled=True) as w:
-        w.log({"step": 1, "loss": float("nan"), "grad_norm": torch.tensor(float("inf")),
-               "lr": np.float64(-np.inf), "load": [1.0, float("nan")]})
+        w.log(
+            {
+                "step": 1,
+                "loss": float("nan"),
+                "grad_norm": torch.tensor(float("inf")),
+                "lr": np.float64(-np.inf),
+                "load": [1.0, float("nan")],
+            }
+        )
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
     # Strict JSON parse: reject the non-standard NaN/Infinity tokens.
@@ -110,16 +125,27 @@ def test_format_step_line_full():
 
 
 def test_format_step_line_aux_missing_and_extras():
-    rec = {"step": 7, "max_steps": 20000, "loss": torch.tensor(2.0), "aux_loss": 0.0123,
-           "step_time_s": 0.25, "expert_load": [[1, 2]]}
+    rec = {
+        "step": 7,
+        "max_steps": 20000,
+        "loss": torch.tensor(2.0),
+        "aux_loss": 0.0123,
+        "step_time_s": 0.25,
+        "expert_load": [[1, 2]],
+    }
     assert format_step_line(rec) == "step     7/20000 | loss 2.0000 | aux_loss 0.0123 | step_time_s 0.25"
     assert format_step_line({"step": 3}) == "step    3"
     assert format_step_line({"loss": None, "grad_norm": float("nan")}) == "loss n/a | grad_norm nan"
 
 
 def test_format_step_line_peak_memory_last_and_per_rank_list_hidden():
-    rec = {"step": 5, "loss": 2.5, "tokens_per_s": 1000.0, "peak_mem_bytes": [3 * 2**30, 1536 * 2**20],
-           "peak_mem_max_bytes": 3 * 2**30}
+    rec = {
+        "step": 5,
+        "loss": 2.5,
+        "tokens_per_s": 1000.0,
+        "peak_mem_bytes": [3 * 2**30, 1536 * 2**20],
+        "peak_mem_max_bytes": 3 * 2**30,
+    }
     assert format_step_line(rec) == "step    5 | loss 2.5000 | 1,000 tok/s | peak mem 3 GiB"
 
 

@@ -15,8 +15,17 @@ from meshtron.mpu.mesh import ParallelConfig, single_process_mesh, virtual_mesh
 
 CONFIGS = {
     "gpt2": GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, vocab_size=300, seq_len=16),
-    "llama": GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4,
-                       ffn_hidden_size=48, vocab_size=300, seq_len=16, tie_embeddings=False),
+    "llama": GPTConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_hidden_size=48,
+        vocab_size=300,
+        seq_len=16,
+        tie_embeddings=False,
+    ),
 }
 
 
@@ -37,7 +46,7 @@ def test_init_is_layout_independent(arch, tp):
         dim = shards[0][name].tp_shard_dim
         got = shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim=dim)
         if name in ("embed.weight", "head.weight"):
-            assert torch.count_nonzero(got[cfg.vocab_size:]) == 0, "padded vocabulary rows must be zero"
+            assert torch.count_nonzero(got[cfg.vocab_size :]) == 0, "padded vocabulary rows must be zero"
             got, full = got[: cfg.vocab_size], full[: cfg.vocab_size]
         assert torch.equal(got, full), name
         if dim is None:
@@ -76,9 +85,10 @@ def test_gqa_equals_repeated_kv_heads():
     k = qkv[..., attn.q_per_group, :].permute(1, 2, 0, 3).repeat_interleave(attn.q_per_group, dim=1)
     v = qkv[..., attn.q_per_group + 1, :].permute(1, 2, 0, 3).repeat_interleave(attn.q_per_group, dim=1)
     from meshtron.models.rope import apply_rope, rope_tables
+
     cos, sin = rope_tables(16, cfg.head_dim, cfg.rope_theta, x.device)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    scores = (q @ k.transpose(-1, -2)) / cfg.head_dim ** 0.5
+    scores = (q @ k.transpose(-1, -2)) / cfg.head_dim**0.5
     scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
     ref = (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(16, 2, cfg.hidden_size)
     ref = F.linear(ref, attn.proj.weight)

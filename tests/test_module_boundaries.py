@@ -16,14 +16,51 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # The installed packages (pyproject.toml's package-dir) and the entry script.
-SOURCES = ["kernels", "moe", "models", "mpu", "pipeline", "dp", "training", "textdata", "observability",
-           "planning", "configs", "meshtron", "train.py"]
+SOURCES = [
+    "kernels",
+    "moe",
+    "models",
+    "mpu",
+    "pipeline",
+    "dp",
+    "training",
+    "textdata",
+    "observability",
+    "planning",
+    "configs",
+    "meshtron",
+    "train.py",
+]
 COLLECTIVES = {
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
-    "all_gather_coalesced", "all_gather_object", "gather", "gather_object", "scatter", "scatter_object_list",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
-    "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all", "all_to_all_single", "send", "recv",
-    "isend", "irecv", "batch_isend_irecv", "P2POp", "send_object_list", "recv_object_list",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "P2POp",
+    "send_object_list",
+    "recv_object_list",
 }
 PENDING: set[tuple[str, str]] = set()
 # The folders that talk to torch.distributed: the tensor-parallel core, the pipeline's P2P and
@@ -60,7 +97,9 @@ def violations(source: str, in_mpu: bool) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                aliases[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
@@ -90,21 +129,29 @@ def test_collectives_only_in_mpu_and_no_private_imports():
         in_communication = name.startswith(COMMUNICATION)
         found.update((name, what) for what in violations(path.read_text(encoding="utf-8"), in_communication))
     new = sorted(found - PENDING)
-    assert not new, ("outside mpu/, pipeline/ and dp/, call the collectives of mpu/mappings.py "
-                     "(all_reduce_stats, all_gather_into, barrier, broadcast_object, gather_object, ...) "
-                     f"and import only public names of other meshtron modules: {new}")
+    assert not new, (
+        "outside mpu/, pipeline/ and dp/, call the collectives of mpu/mappings.py "
+        "(all_reduce_stats, all_gather_into, barrier, broadcast_object, gather_object, ...) "
+        f"and import only public names of other meshtron modules: {new}"
+    )
     fixed = sorted(PENDING - found)
     assert not fixed, f"fixed: remove these entries from PENDING in {Path(__file__).name}: {fixed}"
 
 
 def test_the_check_sees_what_it_forbids():
-    source = ("import torch\nimport torch.distributed as dist\nfrom torch import distributed as td\n"
-              "from torch.distributed import barrier\nfrom meshtron.mpu.mappings import _gather\n"
-              "import meshtron.mpu.mappings as m\n"
-              "dist.all_reduce(x)\ntorch.distributed.broadcast(x, 0)\ntd.send(x, 1)\nm._all_gather_into(a, b)\n"
-              "dist.get_rank()\ndist.init_process_group('gloo')\ndist.ReduceOp.MAX\nm.all_gather_into(a, b, g)\n")
+    source = (
+        "import torch\nimport torch.distributed as dist\nfrom torch import distributed as td\n"
+        "from torch.distributed import barrier\nfrom meshtron.mpu.mappings import _gather\n"
+        "import meshtron.mpu.mappings as m\n"
+        "dist.all_reduce(x)\ntorch.distributed.broadcast(x, 0)\ntd.send(x, 1)\nm._all_gather_into(a, b)\n"
+        "dist.get_rank()\ndist.init_process_group('gloo')\ndist.ReduceOp.MAX\nm.all_gather_into(a, b, g)\n"
+    )
     forbidden_anywhere = ["meshtron.mpu.mappings._gather"]
-    collectives = ["torch.distributed.barrier", "torch.distributed.all_reduce", "torch.distributed.broadcast",
-                   "torch.distributed.send"]
+    collectives = [
+        "torch.distributed.barrier",
+        "torch.distributed.all_reduce",
+        "torch.distributed.broadcast",
+        "torch.distributed.send",
+    ]
     assert sorted(violations(source, in_mpu=False)) == sorted(forbidden_anywhere + collectives)
     assert sorted(violations(source, in_mpu=True)) == sorted(forbidden_anywhere)

@@ -17,8 +17,12 @@ from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from tests.test_moe_router import FakeGroup, router_with_weight
 
 # Two sequences of two tokens, E=2, k=1, W = I so softmax(x) = p. Layout [s, b, h].
-P_TOKENS = torch.tensor([[[0.8, 0.2], [0.3, 0.7]],    # t=0: sequence 0 -> e0, sequence 1 -> e1
-                         [[0.6, 0.4], [0.9, 0.1]]])   # t=1: sequence 0 -> e0, sequence 1 -> e0
+P_TOKENS = torch.tensor(
+    [
+        [[0.8, 0.2], [0.3, 0.7]],  # t=0: sequence 0 -> e0, sequence 1 -> e1
+        [[0.6, 0.4], [0.9, 0.1]],
+    ]
+)  # t=1: sequence 0 -> e0, sequence 1 -> e0
 
 
 def test_sequence_wise_aux_by_hand():
@@ -69,13 +73,13 @@ def test_global_aux_by_hand_pools_the_dp_ranks():
     ref = full(P_TOKENS.log(), None)  # all four tokens pooled
     ref.aux_loss.backward()
     assert ref.aux_value.item() == pytest.approx(1.15, abs=1e-6)
-    own = [full(P_TOKENS[:, r:r + 1].log(), None).aux_value.item() for r in range(2)]
+    own = [full(P_TOKENS[:, r : r + 1].log(), None).aux_value.item() for r in range(2)]
     assert own == pytest.approx([1.4, 1.0], abs=1e-6)  # sequence 0 alone, sequence 1 alone
 
     group = FakeGroup(2)
     for rank in ranks:
         rank.reduce_stats = group.all_reduce_stats
-    outs = group.run([lambda r=r: ranks[r](P_TOKENS[:, r:r + 1].log(), group) for r in range(2)])
+    outs = group.run([lambda r=r: ranks[r](P_TOKENS[:, r : r + 1].log(), group) for r in range(2)])
     for o in outs:
         o.aux_loss.backward()
         assert o.aux_value.item() == pytest.approx(1.15, abs=1e-6)
@@ -116,6 +120,7 @@ def test_per_sequence_needs_three_dims():
 
 # ---------------------------------------------------------------- scopes on a layout
 
+
 def test_scope_groups_and_divisors():
     """tp=2, dp=2 (ranks 0..3): microbatch and sequence pool over tp and average over dp;
     global pools over tp x dp. Coordinates only (no process groups are created)."""
@@ -146,30 +151,40 @@ def test_config_rejects_unknown_scope_and_bad_groups():
 
 # ---------------------------------------------------------------- group-limited routing
 
+
 def group_limited_choice(select: list[float], groups: int, topk_groups: int, k: int) -> list[int]:
     """The per-token rule: group score = sum of the group's best max(1, k // topk_groups)
     scores; keep the best topk_groups groups (lower index on ties); top-k experts among them
     (lower index on ties)."""
     size = len(select) // groups
     per_group = min(size, max(1, k // topk_groups))
-    score = [sum(sorted(select[g * size:(g + 1) * size], reverse=True)[:per_group]) for g in range(groups)]
+    score = [sum(sorted(select[g * size : (g + 1) * size], reverse=True)[:per_group]) for g in range(groups)]
     best = sorted(range(groups), key=lambda g: (-score[g], g))[:topk_groups]
     allowed = [e for g in best for e in range(g * size, (g + 1) * size)]
     return sorted(allowed, key=lambda e: (-select[e], e))[:k]
 
 
-@pytest.mark.parametrize("score,groups,topk_groups,k,binds", [
-    # With one expert scoring each group (k <= topk_groups) the global top-k always lies in
-    # the best groups: the limit cannot bind. With two or more, or k > topk_groups, it does.
-    ("softmax", 4, 2, 2, False), ("sigmoid", 4, 1, 1, False), ("sigmoid", 4, 2, 4, True),
-    ("softmax", 2, 1, 3, True), ("sigmoid", 4, 3, 6, True), ("softmax", 2, 1, 2, True), ("sigmoid", 8, 3, 3, False),
-])
+@pytest.mark.parametrize(
+    "score,groups,topk_groups,k,binds",
+    [
+        # With one expert scoring each group (k <= topk_groups) the global top-k always lies in
+        # the best groups: the limit cannot bind. With two or more, or k > topk_groups, it does.
+        ("softmax", 4, 2, 2, False),
+        ("sigmoid", 4, 1, 1, False),
+        ("sigmoid", 4, 2, 4, True),
+        ("softmax", 2, 1, 3, True),
+        ("sigmoid", 4, 3, 6, True),
+        ("softmax", 2, 1, 2, True),
+        ("sigmoid", 8, 3, 3, False),
+    ],
+)
 def test_group_limited_routing_matches_per_token_rule(score, groups, topk_groups, k, binds):
     torch.manual_seed(groups * 10 + k)
     E, h, T = 8, 16, 64
     x, w = torch.randn(T, h), torch.randn(E, h)
-    r = router_with_weight(w, k, score=score, groups=groups, topk_groups=topk_groups,
-                           bias_update_rate=0.1 if score == "sigmoid" else 0.0)
+    r = router_with_weight(
+        w, k, score=score, groups=groups, topk_groups=topk_groups, bias_update_rate=0.1 if score == "sigmoid" else 0.0
+    )
     if score == "sigmoid":
         r.expert_bias.copy_(torch.randn(E) * 0.1)  # selection includes the bias, weights do not
     out = r(x, None)
@@ -183,7 +198,7 @@ def test_group_limited_routing_matches_per_token_rule(score, groups, topk_groups
         assert out.topk_idx[t].tolist() == want, f"token {t}"
         chosen = s[t, want]
         assert torch.allclose(out.topk_weight[t], chosen / chosen.sum(), atol=1e-6)
-        differs += want != unlimited(x[t:t + 1], None).topk_idx[0].tolist()
+        differs += want != unlimited(x[t : t + 1], None).topk_idx[0].tolist()
     assert (differs > 0) == binds, f"the group limit changed {differs} of {T} tokens' choices"
 
 
@@ -201,6 +216,7 @@ def test_router_rejects_bad_groups():
 
 
 # ---------------------------------------------------------------- aux pooled across layers
+
 
 def test_pooled_aux_by_hand():
     """Two layers' routers over the same 2 tokens (E=2, k=1): the pooled aux uses the counts
@@ -220,6 +236,7 @@ def test_pooled_aux_by_hand():
 def test_pooled_aux_needs_one_pipeline_stage():
     from meshtron.models.fits import check_model_fits
     from meshtron.mpu.mesh import ParallelConfigError
+
     cfg = GPTConfig(num_layers=4, num_experts=4, top_k=2, aux_loss_layers="pooled")
     with pytest.raises(ParallelConfigError, match="aux_loss_layers=pooled .* parallel.pp=2"):
         check_model_fits(ParallelConfig(pp=2, dp=1).resolved(2), cfg)

@@ -44,8 +44,14 @@ def run_isolated(case: str) -> None:
     interpreter's tests in the pytest process."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_moe_compile", case], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_moe_compile", case],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -57,9 +63,20 @@ def test_dropless_block_compiles_whole_and_equals_eager():
 def _bf16_block(capacity_factor=None):
     """A bf16 MoE block (8 experts, top-2, a shared expert, aux and z losses) and its input and
     upstream gradient."""
-    cfg = GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=2, num_experts=8, top_k=2,
-                    moe_ffn_hidden_size=32, shared_experts=1, seq_len=32, aux_loss_coef=0.01, z_loss_coef=0.001,
-                    capacity_factor=capacity_factor)
+    cfg = GPTConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=2,
+        num_experts=8,
+        top_k=2,
+        moe_ffn_hidden_size=32,
+        shared_experts=1,
+        seq_len=32,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+        capacity_factor=capacity_factor,
+    )
     mesh = single_process_mesh()
     layer = MoELayer(cfg.moe(), mesh)
     initialize_parameters(layer, 5, mesh)
@@ -71,6 +88,7 @@ def _bf16_block(capacity_factor=None):
 
 def _assert_close_runs(got, want):
     """Two `_run` results agree to bf16 accuracy; the expert counts exactly."""
+
     def close(a, b):
         return torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
 
@@ -139,19 +157,39 @@ def _train(compile_moe: bool, steps: int = 2):
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = GPTConfig(arch="llama", num_layers=2, hidden_size=32, num_heads=2, num_experts=4, top_k=2,
-                    moe_ffn_hidden_size=16, moe_every=2, vocab_size=64, seq_len=16, z_loss_coef=1e-3)
+    cfg = GPTConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=2,
+        num_experts=4,
+        top_k=2,
+        moe_ffn_hidden_size=16,
+        moe_every=2,
+        vocab_size=64,
+        seq_len=16,
+        z_loss_coef=1e-3,
+    )
     mesh = single_process_mesh()
-    model, = init_model_chunks(cfg, mesh, 7, execution=ExecutionConfig(compile_moe=compile_moe))
+    (model,) = init_model_chunks(cfg, mesh, 7, execution=ExecutionConfig(compile_moe=compile_moe))
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh)
     optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, eps=1e-8)
     gen = torch.Generator().manual_seed(2)
     outs, grads = [], None
     for _ in range(steps):
         tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
-        outs.append(train_step(model, reducer, optimizer, [(tokens[:2, :-1], tokens[:2, 1:]),
-                                                           (tokens[2:, :-1], tokens[2:, 1:])],
-                               mesh, lr=1e-2, max_grad_norm=1.0, precision=Precision("bf16", "cpu")))
+        outs.append(
+            train_step(
+                model,
+                reducer,
+                optimizer,
+                [(tokens[:2, :-1], tokens[:2, 1:]), (tokens[2:, :-1], tokens[2:, 1:])],
+                mesh,
+                lr=1e-2,
+                max_grad_norm=1.0,
+                precision=Precision("bf16", "cpu"),
+            )
+        )
         if grads is None:  # the first step's: the same weights and routing on both sides
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             loads = [m.router.step_load.clone() for m in model.modules() if isinstance(m, MoELayer)]
@@ -184,19 +222,29 @@ def check_compiled_moe_layers_train_like_eager():
     assert len(want_loads) == 1 and all(torch.equal(g, w) for g, w in zip(got_loads, want_loads))
 
 
-GOOD = dict(num_experts=8, hidden_size=64, moe_ffn_hidden_size=128, precision="bf16", kernel_backend="auto",
-            recompute="none", zero=1)
+GOOD = dict(
+    num_experts=8,
+    hidden_size=64,
+    moe_ffn_hidden_size=128,
+    precision="bf16",
+    kernel_backend="auto",
+    recompute="none",
+    zero=1,
+)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_experts": 0}, "this model has none"),
-    ({"precision": "fp32"}, "needs trainer.precision=bf16 (got fp32)"),
-    ({"precision": "fp16"}, "traces in bf16 only"),
-    ({"moe_ffn_hidden_size": 100}, "divisible by 8 (got 64 and 100)"),
-    ({"kernel_backend": "triton"}, "use kernels.backend=auto or torch"),
-    ({"recompute": "full"}, "does not support trainer.recompute=full yet"),
-    ({"zero": 3}, "does not support optim.zero=3"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts": 0}, "this model has none"),
+        ({"precision": "fp32"}, "needs trainer.precision=bf16 (got fp32)"),
+        ({"precision": "fp16"}, "traces in bf16 only"),
+        ({"moe_ffn_hidden_size": 100}, "divisible by 8 (got 64 and 100)"),
+        ({"kernel_backend": "triton"}, "use kernels.backend=auto or torch"),
+        ({"recompute": "full"}, "does not support trainer.recompute=full yet"),
+        ({"zero": 3}, "does not support optim.zero=3"),
+    ],
+)
 def test_compile_moe_refuses_what_it_cannot_trace(change, message):
     from meshtron.rules import compile_moe_checks, first_failure
 
@@ -206,14 +254,17 @@ def test_compile_moe_refuses_what_it_cannot_trace(change, message):
     assert failure is not None and failure.startswith("trainer.compile_moe=true") and message in failure, failure
 
 
-@pytest.mark.parametrize("par, capacity_factor, scope, want", [
-    (dict(), None, "microbatch", "layer"),
-    (dict(dp=2), None, "microbatch", "layer"),
-    (dict(dp=2), None, "global", "parts"),     # the statistics are all-reduced over dp
-    (dict(), 1.0, "microbatch", "parts"),      # capacity counts the kept pairs with a host sync
-    (dict(ep=2), None, "microbatch", "parts"),
-    (dict(tp=2), None, "microbatch", "parts"),
-])
+@pytest.mark.parametrize(
+    "par, capacity_factor, scope, want",
+    [
+        (dict(), None, "microbatch", "layer"),
+        (dict(dp=2), None, "microbatch", "layer"),
+        (dict(dp=2), None, "global", "parts"),  # the statistics are all-reduced over dp
+        (dict(), 1.0, "microbatch", "parts"),  # capacity counts the kept pairs with a host sync
+        (dict(ep=2), None, "microbatch", "parts"),
+        (dict(tp=2), None, "microbatch", "parts"),
+    ],
+)
 def test_compile_moe_compiles_the_whole_layer_only_where_it_traces(monkeypatch, par, capacity_factor, scope, want):
     """MoELayer.compile_moe's choice, on a virtual mesh of 2 ranks (nothing traced or run here):
     whole ("layer") without collectives or host syncs, else "parts", with the router's
@@ -227,28 +278,44 @@ def test_compile_moe_compiles_the_whole_layer_only_where_it_traces(monkeypatch, 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append((fn.__name__, kw)) or fn)
     monkeypatch.setattr(torch.compiler, "disable", lambda fn: ("eager", fn))
     mesh = virtual_mesh(ParallelConfig(**par), 2 if par else 1, 0)
-    cfg = GPTConfig(arch="llama", hidden_size=64, num_heads=2, num_experts=8, top_k=2, moe_ffn_hidden_size=32,
-                    seq_len=32, capacity_factor=capacity_factor, aux_loss_scope=scope)
+    cfg = GPTConfig(
+        arch="llama",
+        hidden_size=64,
+        num_heads=2,
+        num_experts=8,
+        top_k=2,
+        moe_ffn_hidden_size=32,
+        seq_len=32,
+        capacity_factor=capacity_factor,
+        aux_loss_scope=scope,
+    )
     layer = MoELayer(cfg.moe(), mesh, device="meta")
     assert layer.compile_moe() == want
     if want == "layer":
         assert compiled == [("MoELayer", {"fullgraph": True})]
         return
     reduced = (scope == "global" and par.get("dp", 1) > 1) or par.get("tp", 1) > 1
-    assert compiled == [("route", {"fullgraph": True}), ("statistics", {"fullgraph": not reduced}),
-                        ("GroupedExperts", {"fullgraph": True})]
+    assert compiled == [
+        ("route", {"fullgraph": True}),
+        ("statistics", {"fullgraph": not reduced}),
+        ("GroupedExperts", {"fullgraph": True}),
+    ]
     assert layer.router.reduce_stats == (("eager", all_reduce_stats) if reduced else all_reduce_stats)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout, traced", [
-    ([], {"forward"}),                                               # each MoE layer one graph
-    # the router's two halves and the experts; the statistics resume after their eager all-reduce
-    (["parallel.tp=2", "parallel.ep=2"], {"route", "statistics", "resume in statistics", "forward"}),
-    (["parallel.cp=2"], {"route", "statistics", "resume in statistics", "forward"}),
-    (["parallel.pp=2", "trainer.recompute=selective"], {"forward"}),
-], ids=["dp2", "tp2_ep2", "cp2", "pp2_selective"])
+@pytest.mark.parametrize(
+    "layout, traced",
+    [
+        ([], {"forward"}),  # each MoE layer one graph
+        # the router's two halves and the experts; the statistics resume after their eager all-reduce
+        (["parallel.tp=2", "parallel.ep=2"], {"route", "statistics", "resume in statistics", "forward"}),
+        (["parallel.cp=2"], {"route", "statistics", "resume in statistics", "forward"}),
+        (["parallel.pp=2", "trainer.recompute=selective"], {"forward"}),
+    ],
+    ids=["dp2", "tp2_ep2", "cp2", "pp2_selective"],
+)
 def test_torchrun_with_compiled_moe_layers_logs_the_eager_losses(tmp_path, layout, traced):
     """trainer.compile_moe on 2 ranks (moe_tiny, bf16): over 2 data-parallel ranks (each layer
     one graph); at tp=2 with ep=2 and at cp=2 (router and experts compiled; the router's
@@ -258,17 +325,37 @@ def test_torchrun_with_compiled_moe_layers_logs_the_eager_losses(tmp_path, layou
     traced the functions the mode compiles (its log; none in the eager run)."""
     from tests.test_train_cli import TORCHRUN, metrics, run
 
-    common = ["+model=moe_tiny", "trainer.precision=bf16", "trainer.max_steps=3", "trainer.log_every=1",
-              "trainer.eval_every=0", "trainer.progress=false", *layout]
+    common = [
+        "+model=moe_tiny",
+        "trainer.precision=bf16",
+        "trainer.max_steps=3",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.progress=false",
+        *layout,
+    ]
     logs = {}
     for compile_moe in ("false", "true"):
         run_dir = tmp_path / compile_moe
-        out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, f"trainer.compile_moe={compile_moe}",
-                   f"hydra.run.dir={run_dir}"], timeout=300, env={"TORCH_LOGS": "dynamo"}, threads=1)
+        out = run(
+            [
+                *TORCHRUN,
+                "--nproc_per_node=2",
+                "train.py",
+                *common,
+                f"trainer.compile_moe={compile_moe}",
+                f"hydra.run.dir={run_dir}",
+            ],
+            timeout=300,
+            env={"TORCH_LOGS": "dynamo"},
+            threads=1,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         logs[compile_moe] = metrics(run_dir)
-        seen = {re.sub(r"^torch_dynamo_resume_in_(\w+?)_at_\d+$", r"resume in \1", name)
-                for name in re.findall(r"torchdynamo start tracing (\w+)", out.stderr)}
+        seen = {
+            re.sub(r"^torch_dynamo_resume_in_(\w+?)_at_\d+$", r"resume in \1", name)
+            for name in re.findall(r"torchdynamo start tracing (\w+)", out.stderr)
+        }
         assert seen == (traced if compile_moe == "true" else set()), seen
     assert [r["step"] for r in logs["true"]] == [1, 2, 3]
     for got, want in zip(logs["true"], logs["false"]):

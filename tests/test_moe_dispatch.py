@@ -83,8 +83,10 @@ def test_gather_permuted_equals_index_select_without_scatter_adds(copies):
     assert not {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put"} & set(log.ops), log.ops
 
 
-@pytest.mark.parametrize("activation,top_k,capacity_factor,shared",
-                         [("gelu", 2, None, 0), ("swiglu", 2, 0.5, 1), ("swiglu", 3, None, 1), ("gelu", 1, 0.75, 0)])
+@pytest.mark.parametrize(
+    "activation,top_k,capacity_factor,shared",
+    [("gelu", 2, None, 0), ("swiglu", 2, 0.5, 1), ("swiglu", 3, None, 1), ("gelu", 1, 0.75, 0)],
+)
 def test_row_path_equals_pair_path(activation, top_k, capacity_factor, shared):
     """Forcing the row path (what ep/etp > 1 use) without communication: output and every
     gradient (input, router through the combine weights, experts, shared experts) equal the
@@ -145,4 +147,4 @@ def test_after_the_host_sync_dispatch_issues_only_the_row_gather(monkeypatch, ca
     layer.dispatcher.dispatch_chunks = logged_dispatch
     layer(x)
     assert log.ops.count("HOST SYNC") == 1 and len(log.ops) > 10
-    assert log.ops[log.ops.index("HOST SYNC") + 1:] == ["index_select"] * chunks, " ".join(log.ops)
+    assert log.ops[log.ops.index("HOST SYNC") + 1 :] == ["index_select"] * chunks, " ".join(log.ops)

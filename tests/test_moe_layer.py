@@ -22,7 +22,7 @@ from meshtron.mpu.mesh import single_process_mesh
 def loop_reference(x, weight, sizes):
     outs, start = [], 0
     for g, n in enumerate(sizes.tolist()):
-        outs.append(x[start: start + n] @ weight[g])
+        outs.append(x[start : start + n] @ weight[g])
         start += n
     return torch.cat(outs)
 
@@ -66,17 +66,21 @@ def test_grouped_matmul_under_autocast_computes_in_bf16(x_dtype, dims):
     assert torch.allclose(out.float(), want, rtol=1e-2, atol=1e-2)
     out.float().sum().backward()
     assert x.grad.dtype == x_dtype and w.grad.dtype == torch.float32
-    assert torch.allclose(w.grad, loop_reference_dw(x.detach().bfloat16().float(), sizes, 4, dims[1]),
-                          rtol=1e-2, atol=1e-2)
+    assert torch.allclose(
+        w.grad, loop_reference_dw(x.detach().bfloat16().float(), sizes, 4, dims[1]), rtol=1e-2, atol=1e-2
+    )
 
 
-@pytest.mark.parametrize("device_type,dtype,dims,want", [
-    ("cuda", torch.bfloat16, (4096, 14336), True),
-    ("cuda", torch.float16, (256, 512), False),  # torch's fast path is bf16 only: fp16 keeps Triton
-    ("cuda", torch.bfloat16, (12, 512), False),  # 24-byte rows: grouped_mm refuses them
-    ("cuda", torch.float32, (256, 512), False),  # torch's fp32 path is the padded bmm
-    ("cpu", torch.bfloat16, (256, 512), False),  # the CPU runs what was asked (the interpreter in tests)
-])
+@pytest.mark.parametrize(
+    "device_type,dtype,dims,want",
+    [
+        ("cuda", torch.bfloat16, (4096, 14336), True),
+        ("cuda", torch.float16, (256, 512), False),  # torch's fast path is bf16 only: fp16 keeps Triton
+        ("cuda", torch.bfloat16, (12, 512), False),  # 24-byte rows: grouped_mm refuses them
+        ("cuda", torch.float32, (256, 512), False),  # torch's fp32 path is the padded bmm
+        ("cpu", torch.bfloat16, (256, 512), False),  # the CPU runs what was asked (the interpreter in tests)
+    ],
+)
 def test_auto_prefers_torch_grouped_mm_for_16_bit_cuda(device_type, dtype, dims, want):
     assert native_grouped_mm_preferred(device_type, dtype, *dims) is want
 
@@ -91,8 +95,10 @@ def test_grouped_backend_keeps_strict_and_cpu_choices():
 @pytest.mark.cuda
 def test_auto_runs_torch_grouped_mm_on_cuda_bf16(monkeypatch):
     """kernels.backend=auto with bf16 on CUDA never reaches the Triton kernel (nor its self-check)."""
+
     def refuse(*args):
         raise AssertionError("the Triton grouped GEMM ran")
+
     monkeypatch.setattr(experts, "_grouped_gemm_triton", refuse)
     gen = torch.Generator().manual_seed(0)
     sizes = torch.tensor([3, 0, 5, 8], device="cuda")
@@ -107,16 +113,25 @@ def loop_reference_dw(x, sizes, groups, out_dim):
     """dW of sum(grouped x @ W): each group's column sums of x, broadcast over the out columns."""
     dw, start = torch.zeros(groups, x.shape[1], out_dim), 0
     for g, n in enumerate(sizes.tolist()):
-        dw[g] = x[start: start + n].sum(0)[:, None].expand(-1, out_dim)
+        dw[g] = x[start : start + n].sum(0)[:, None].expand(-1, out_dim)
         start += n
     return dw
 
 
 def _layer(activation, capacity_factor=None, shared=0, top_k=2, seed=5):
     """A tiny single-process MoE layer (4 experts, hidden 16) with (seed, name)-derived weights."""
-    cfg = GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", num_layers=2, hidden_size=16, num_heads=2,
-                    num_experts=4, top_k=top_k, moe_ffn_hidden_size=12, capacity_factor=capacity_factor,
-                    shared_experts=shared, seq_len=8)
+    cfg = GPTConfig(
+        arch="llama" if activation == "swiglu" else "gpt2",
+        num_layers=2,
+        hidden_size=16,
+        num_heads=2,
+        num_experts=4,
+        top_k=top_k,
+        moe_ffn_hidden_size=12,
+        capacity_factor=capacity_factor,
+        shared_experts=shared,
+        seq_len=8,
+    )
     layer = MoELayer(cfg.moe(), single_process_mesh())
     initialize_parameters(layer, seed, single_process_mesh())
     return cfg, layer
@@ -126,8 +141,25 @@ class OpLog(TorchDispatchMode):
     """Inside it, `ops` lists the names of the aten ops that run, in order, leaving out views
     and metadata-only ops (no kernel of their own on a GPU)."""
 
-    VIEWS = frozenset({"slice", "view", "alias", "detach", "_unsafe_view", "select", "t", "transpose", "unsqueeze",
-                       "expand", "reshape", "unbind", "as_strided", "permute", "empty_like"})
+    VIEWS = frozenset(
+        {
+            "slice",
+            "view",
+            "alias",
+            "detach",
+            "_unsafe_view",
+            "select",
+            "t",
+            "transpose",
+            "unsqueeze",
+            "expand",
+            "reshape",
+            "unbind",
+            "as_strided",
+            "permute",
+            "empty_like",
+        }
+    )
 
     def __init__(self):
         super().__init__()
@@ -232,9 +264,18 @@ def test_dispatch_chunks_come_from_the_trainer_config():
 
     run = RunConfig.from_dict({"trainer": {"moe_dispatch_chunks": 3}})
     assert run.execution().moe_dispatch_chunks == 3
-    cfg = GPTConfig(arch="llama", num_layers=2, hidden_size=16, num_heads=2, num_experts=4, top_k=2,
-                    moe_ffn_hidden_size=8, seq_len=8, vocab_size=32)
-    model, = init_model_chunks(cfg, single_process_mesh(), 0, execution=run.execution())
+    cfg = GPTConfig(
+        arch="llama",
+        num_layers=2,
+        hidden_size=16,
+        num_heads=2,
+        num_experts=4,
+        top_k=2,
+        moe_ffn_hidden_size=8,
+        seq_len=8,
+        vocab_size=32,
+    )
+    (model,) = init_model_chunks(cfg, single_process_mesh(), 0, execution=run.execution())
     assert [m.dispatch_chunks for m in model.moe_layers()] == [3, 3]
 
 
@@ -251,12 +292,15 @@ def test_dispatch_chunks_refuse_fewer_than_one():
         MoELayer(cfg.moe(), single_process_mesh(), dispatch_chunks=0)
 
 
-@pytest.mark.parametrize("ep, chunks, tokens, want", [
-    (1, 4, 64, 1),   # nothing travels at ep = etp = 1: one chunk
-    (2, 4, 64, 4),
-    (2, 4, 3, 3),    # at most one chunk per token
-    (2, 1, 64, 1),
-])
+@pytest.mark.parametrize(
+    "ep, chunks, tokens, want",
+    [
+        (1, 4, 64, 1),  # nothing travels at ep = etp = 1: one chunk
+        (2, 4, 64, 4),
+        (2, 4, 3, 3),  # at most one chunk per token
+        (2, 1, 64, 1),
+    ],
+)
 def test_dispatch_chunk_count(ep, chunks, tokens, want):
     """On a virtual mesh (nothing run): the chunks a layer cuts its tokens into."""
     from meshtron.mpu.mesh import ParallelConfig

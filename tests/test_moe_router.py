@@ -86,13 +86,18 @@ def router_with_weight(weight: torch.Tensor, top_k: int, **kw) -> TopKRouter:
 
 # ---------------------------------------------------------------- hand-computed losses
 
+
 def test_aux_and_z_loss_by_hand():
     # W = I (3 experts, hidden 3), so logits = x. Each row is log(p) + c_t: softmax(row) = p
     # exactly and logsumexp(row) = log(sum p) + c_t = c_t.
-    p = torch.tensor([[0.50, 0.25, 0.25],   # -> expert 0
-                      [0.25, 0.50, 0.25],   # -> expert 1
-                      [0.60, 0.20, 0.20],   # -> expert 0
-                      [0.20, 0.20, 0.60]])  # -> expert 2
+    p = torch.tensor(
+        [
+            [0.50, 0.25, 0.25],  # -> expert 0
+            [0.25, 0.50, 0.25],  # -> expert 1
+            [0.60, 0.20, 0.20],  # -> expert 0
+            [0.20, 0.20, 0.60],
+        ]
+    )  # -> expert 2
     c = torch.tensor([1.0, 2.0, 0.0, -1.0])
     x = p.log() + c[:, None]
     r = router_with_weight(torch.eye(3), top_k=1, aux_loss_coef=0.5, z_loss_coef=0.25)
@@ -198,6 +203,7 @@ def test_two_ranks_sum_to_full_batch(score):
 
 # ---------------------------------------------------------------- gating
 
+
 def test_softmax_renormalize_vs_raw():
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.2, 0.7]])
     x = p.log()
@@ -287,6 +293,7 @@ def test_forward_is_route_then_statistics():
 
 # ---------------------------------------------------------------- aux-loss-free bias
 
+
 def test_update_expert_bias_exact():
     r = TopKRouter(4, 4, 1, bias_update_rate=0.1)
     r.step_load.copy_(torch.tensor([10.0, 2.0, 6.0, 6.0]))  # mean 6: sign(6 - load) = [-1, 1, 0, 0]
@@ -316,6 +323,7 @@ def test_step_load_accumulates_only_in_training_and_rate_zero_keeps_bias():
 
 
 # ---------------------------------------------------------------- capacity
+
 
 def brute_force_keep(idx: torch.Tensor, E: int, cap: int) -> torch.Tensor:
     s, b, k = idx.shape

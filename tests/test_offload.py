@@ -86,8 +86,14 @@ def test_checkpoint_resume_continues_bit_for_bit(tmp_path, arch, kind):
     mesh = single_process_mesh()
     with checkpoint_dispatch():
         model, reducer, optimizer, _ = run(cfg, mesh, kind, steps=2, micro=MICRO)
-        path = save_checkpoint(tmp_path, TrainState(step=2, consumed_samples=8), [model], optimizer, mesh,
-                               model_config=dataclasses.asdict(cfg))
+        path = save_checkpoint(
+            tmp_path,
+            TrainState(step=2, consumed_samples=8),
+            [model],
+            optimizer,
+            mesh,
+            model_config=dataclasses.asdict(cfg),
+        )
         want = [step_once(model, reducer, optimizer, mesh, cfg, s, MICRO) for s in (2, 3)]
         torch.manual_seed(999)  # a different RNG state: the checkpoint restores it
         fresh, fresh_reducer, _ = build(cfg, mesh)
@@ -109,10 +115,12 @@ def test_checkpoint_interchangeable_with_device_adamw(tmp_path):
         for p, q in zip(off.parameters(), plain.parameters()):
             assert torch.equal(moments[p][0], plain_opt.state[q]["exp_avg"])
             assert torch.equal(moments[p][1], plain_opt.state[q]["exp_avg_sq"])
-        from_plain = save_checkpoint(tmp_path / "plain", TrainState(step=2), [plain], plain_opt, mesh,
-                                     model_config=dataclasses.asdict(cfg))
-        from_off = save_checkpoint(tmp_path / "off", TrainState(step=2), [off], off_opt, mesh,
-                                   model_config=dataclasses.asdict(cfg))
+        from_plain = save_checkpoint(
+            tmp_path / "plain", TrainState(step=2), [plain], plain_opt, mesh, model_config=dataclasses.asdict(cfg)
+        )
+        from_off = save_checkpoint(
+            tmp_path / "off", TrainState(step=2), [off], off_opt, mesh, model_config=dataclasses.asdict(cfg)
+        )
         want = step_once(plain, plain_reducer, plain_opt, mesh, cfg, 2, MICRO)
         a, a_reducer, _ = build(cfg, mesh)
         a_opt = OffloadedAdamW(a_reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
@@ -137,6 +145,7 @@ def test_weights_written_before_the_first_step_are_picked_up(tmp_path):
     off_opt = OffloadedAdamW(off_reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     load_checkpoint(path, [off], off_opt, mesh, weights_only=True)
     for s in range(2):
-        assert step_once(off, off_reducer, off_opt, mesh, cfg, s, MICRO) == \
-            step_once(plain, plain_reducer, plain_opt, mesh, cfg, s, MICRO)
+        assert step_once(off, off_reducer, off_opt, mesh, cfg, s, MICRO) == step_once(
+            plain, plain_reducer, plain_opt, mesh, cfg, s, MICRO
+        )
     assert_same_weights(off, plain, "init_from")

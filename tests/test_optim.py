@@ -25,8 +25,11 @@ def test_fused_matches_the_single_tensor_update_within_rounding():
     results = []
     for fused in (True, False):
         ps = [nn.Parameter(p.clone()) for p in params]
-        opt = adamw([{"params": ps, "weight_decay": 0.1}], lr=1e-2, eps=1e-6) if fused else \
-            torch.optim.AdamW([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+        opt = (
+            adamw([{"params": ps, "weight_decay": 0.1}], lr=1e-2, eps=1e-6)
+            if fused
+            else torch.optim.AdamW([{"params": ps, "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+        )
         assert bool(opt.param_groups[0]["fused"]) is fused
         for _ in range(5):
             for p, g in zip(ps, grads):
@@ -51,10 +54,11 @@ def _clip_then_step(fused: bool, max_norm: float, steps: int = 3):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8))
-    opt = ReplicatedAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0,
-                          fused=True if fused else None)
+    opt = ReplicatedAdamW(
+        model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, fused=True if fused else None
+    )
     # norms ~10x apart per step: the clipped update then differs from the unclipped one
-    grads = [[torch.randn_like(p) * 3 * 10 ** i for p in model.parameters()] for i in range(steps)]
+    grads = [[torch.randn_like(p) * 3 * 10**i for p in model.parameters()] for i in range(steps)]
     seen, norms = [], []
     for step_grads in grads:
         for p, g in zip(model.parameters(), step_grads):

@@ -32,7 +32,7 @@ CFG = model_config("gpt2")
 
 def _build(kind: str):
     mesh = single_process_mesh()
-    model, = init_model_chunks(CFG, mesh, SEED)
+    (model,) = init_model_chunks(CFG, mesh, SEED)
     reducer, optimizer = build_reducer_and_optimizer(KINDS[kind][0], [model], mesh)
     return model, reducer, optimizer, mesh
 
@@ -66,7 +66,7 @@ def test_factory_builds_the_optimizer_of_the_config():
     _, reducer, _, _ = _build("replicated")
     assert reducer.comm_dtype is None
     mesh = single_process_mesh()
-    model, = init_model_chunks(CFG, mesh, SEED)
+    (model,) = init_model_chunks(CFG, mesh, SEED)
     reducer, _ = build_reducer_and_optimizer(OptimConfig(grad_comm_dtype="bf16"), [model], mesh)
     assert reducer.comm_dtype is torch.bfloat16
 
@@ -103,8 +103,7 @@ def test_moments_round_trip_through_a_checkpoint(tmp_path, kind):
     assert count == 2.0
     assert set(moments) == set(model.parameters())
     assert all(m.shape == p.shape for p in model.parameters() for m in moments[p])
-    path = save_checkpoint(tmp_path, TrainState(step=2), [model], optimizer, mesh,
-                           model_config=dataclasses.asdict(CFG))
+    path = save_checkpoint(tmp_path, TrainState(step=2), [model], optimizer, mesh, model_config=dataclasses.asdict(CFG))
 
     fresh, fresh_reducer, fresh_opt, _ = _build(kind)
     assert fresh_opt.param_moments()[1] == 0.0
@@ -140,6 +139,9 @@ def test_updates_start_from_weights_written_outside_the_optimizer(kind):
 def test_state_bytes_count_the_moments_on_the_device(kind):
     model, reducer, optimizer, mesh = _build(kind)
     _protocol_step(model, reducer, optimizer, mesh, 0)
-    elements = (sum(p.numel() for p in model.parameters()) if kind == "replicated"
-                else sum(bucket.shard.numel() for bucket in reducer.buckets))
+    elements = (
+        sum(p.numel() for p in model.parameters())
+        if kind == "replicated"
+        else sum(bucket.shard.numel() for bucket in reducer.buckets)
+    )
     assert optimizer.state_bytes() == (0 if optimizer.offloaded else 8 * elements)

@@ -17,8 +17,10 @@ from tests.test_train_cli import TORCHRUN, metrics, run
 def _spans(trace: list[dict], rank: int) -> tuple[list[dict], list[dict]]:
     """(all-gather spans, unit forward spans) of one rank, as [start, end] in µs."""
     spans = [e for e in trace if e.get("ph") == "X" and e["pid"] == rank]
-    return ([e for e in spans if e["cat"] == "param all-gather"],
-            [e for e in spans if e["cat"] == "compute" and e["name"].startswith("F ")])
+    return (
+        [e for e in spans if e["cat"] == "param all-gather"],
+        [e for e in spans if e["cat"] == "compute" and e["name"].startswith("F ")],
+    )
 
 
 def _overlap(a: dict, b: dict) -> bool:
@@ -26,9 +28,13 @@ def _overlap(a: dict, b: dict) -> bool:
 
 
 def test_write_trace_puts_spans_on_their_lanes(tmp_path):
-    spans = {0: [Span("all-gather bucket 3", "param all-gather", 10.0, 10.5, {"bucket": 3}),
-                 Span("F layers.0", "compute", 10.2, 10.4, {"gathers_in_flight": 1})],
-             1: [Span("F embed", "compute", 10.1, 10.3)]}
+    spans = {
+        0: [
+            Span("all-gather bucket 3", "param all-gather", 10.0, 10.5, {"bucket": 3}),
+            Span("F layers.0", "compute", 10.2, 10.4, {"gathers_in_flight": 1}),
+        ],
+        1: [Span("F embed", "compute", 10.1, 10.3)],
+    }
     trace = json.loads(write_trace(tmp_path / "trace.json", {}, spans).read_text())["traceEvents"]
     events = {(e["pid"], e["name"]): e for e in trace if e["ph"] == "X"}
     gather, forward = events[(0, "all-gather bucket 3")], events[(0, "F layers.0")]
@@ -51,12 +57,23 @@ def test_zero1_trace_shows_gathers_overlapping_the_first_layers(tmp_path):
     running while the embedding or the first block computes. (Bit-identity with blocking
     gathers: tests/distributed/zero_cases.py; through the loop against zero=0:
     test_train_cli.test_torchrun_zero1_logs_the_replicated_adamw_losses, overlapped by default.)"""
-    common = ["trainer.max_steps=4", "trainer.log_every=10", "trainer.progress=false", "trainer.eval_every=0",
-              "optim.zero=1", "optim.bucket_mb=0.01", "trainer.global_batch_size=8", "model.num_layers=8",
-              "model.hidden_size=64"]
+    common = [
+        "trainer.max_steps=4",
+        "trainer.log_every=10",
+        "trainer.progress=false",
+        "trainer.eval_every=0",
+        "optim.zero=1",
+        "optim.bucket_mb=0.01",
+        "trainer.global_batch_size=8",
+        "model.num_layers=8",
+        "model.hidden_size=64",
+    ]
     run_dir = tmp_path / "run"
-    out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "trainer.trace_step=3",
-               f"hydra.run.dir={run_dir}"], timeout=200, threads=1)
+    out = run(
+        [*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "trainer.trace_step=3", f"hydra.run.dir={run_dir}"],
+        timeout=200,
+        threads=1,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert [m["step"] for m in metrics(run_dir)] == [1, 4]
     trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]

@@ -39,29 +39,35 @@ def _config(**sections) -> RunConfig:
     return RunConfig.from_dict(tree)
 
 
-@pytest.mark.parametrize("tree,message", [
-    ({"optim": {"sync": "ssp"}}, "optim.sync=ssp needs parameter servers (parallel.dp_mode=ps"),
-    ({"optim": {"sync": "asp"}}, "optim.sync=asp needs parameter servers"),
-    ({"optim": {"staleness": 2}}, "optim.staleness=2 applies only to optim.sync=ssp (got optim.sync=bsp)"),
-    ({"parallel": {"servers": 2}}, "parallel.servers=2 needs parallel.dp_mode=ps"),
-    ({"parallel": {"dp_mode": "ps"}}, "parallel.dp_mode=ps needs parallel.servers >= 1"),
-    ({"parallel": {"dp_mode": "sharded"}}, "parallel.dp_mode='sharded' must be one of allreduce, ps"),
-])
+@pytest.mark.parametrize(
+    "tree,message",
+    [
+        ({"optim": {"sync": "ssp"}}, "optim.sync=ssp needs parameter servers (parallel.dp_mode=ps"),
+        ({"optim": {"sync": "asp"}}, "optim.sync=asp needs parameter servers"),
+        ({"optim": {"staleness": 2}}, "optim.staleness=2 applies only to optim.sync=ssp (got optim.sync=bsp)"),
+        ({"parallel": {"servers": 2}}, "parallel.servers=2 needs parallel.dp_mode=ps"),
+        ({"parallel": {"dp_mode": "ps"}}, "parallel.dp_mode=ps needs parallel.servers >= 1"),
+        ({"parallel": {"dp_mode": "sharded"}}, "parallel.dp_mode='sharded' must be one of allreduce, ps"),
+    ],
+)
 def test_bad_ps_keys_are_one_line_config_errors(tree, message):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict(tree)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("sections,world,message", [
-    ({"parallel": {"pp": 2}, "model": {"num_layers": 2}}, 5, "parallel.pp=2 with parallel.dp_mode=ps"),
-    ({"optim": {"zero": 1}}, 3, "optim.zero=1 with parallel.dp_mode=ps: the servers already shard"),
-    ({"optim": {"offload": True}}, 3, "optim.offload=true with parallel.dp_mode=ps"),
-    ({"trainer": {"precision": "fp16"}}, 3, "trainer.precision=fp16 with parallel.dp_mode=ps"),
-    ({}, 1, "parallel.servers=1 leaves no worker rank in world size 1"),
-    ({"parallel": {"tp": 2}}, 4, "not divisible by tp*pp=2"),
-    ({"trainer": {"global_batch_size": 3}}, 3, "global"),
-])
+@pytest.mark.parametrize(
+    "sections,world,message",
+    [
+        ({"parallel": {"pp": 2}, "model": {"num_layers": 2}}, 5, "parallel.pp=2 with parallel.dp_mode=ps"),
+        ({"optim": {"zero": 1}}, 3, "optim.zero=1 with parallel.dp_mode=ps: the servers already shard"),
+        ({"optim": {"offload": True}}, 3, "optim.offload=true with parallel.dp_mode=ps"),
+        ({"trainer": {"precision": "fp16"}}, 3, "trainer.precision=fp16 with parallel.dp_mode=ps"),
+        ({}, 1, "parallel.servers=1 leaves no worker rank in world size 1"),
+        ({"parallel": {"tp": 2}}, 4, "not divisible by tp*pp=2"),
+        ({"trainer": {"global_batch_size": 3}}, 3, "global"),
+    ],
+)
 def test_unsupported_ps_layouts_are_refused(sections, world, message):
     with pytest.raises(ConfigError) as err:
         check_ps_run(_config(**sections), world)
@@ -78,8 +84,10 @@ def test_ps_layout_of_workers_and_servers():
 
 
 def test_ps_single_process_is_one_line_exit_2(tmp_path):
-    out = run([sys.executable, "train.py", "parallel.dp_mode=ps", "parallel.servers=1", f"hydra.run.dir={tmp_path}"],
-              timeout=100)
+    out = run(
+        [sys.executable, "train.py", "parallel.dp_mode=ps", "parallel.servers=1", f"hydra.run.dir={tmp_path}"],
+        timeout=100,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("meshtron: configuration error")]
     assert len(lines) == 1 and "leaves no worker rank in world size 1" in lines[0], out.stderr[-3000:]
@@ -92,9 +100,22 @@ SMALL = ["trainer.log_every=1", "trainer.progress=false", "data.max_bytes=200000
 @pytest.mark.timeout(300)
 def test_torchrun_ssp_trains_default_model_and_logs_staleness_and_memory(tmp_path):
     """The issue's command (3 processes: 1 server, 2 workers, ssp s=2) on the default tiny model."""
-    out = run([*TORCHRUN, "--nproc_per_node=3", "train.py", "parallel.dp_mode=ps", "parallel.servers=1",
-               "optim.sync=ssp", "optim.staleness=2", "trainer.max_steps=12", *SMALL, f"hydra.run.dir={tmp_path}"],
-              timeout=280, threads=1)
+    out = run(
+        [
+            *TORCHRUN,
+            "--nproc_per_node=3",
+            "train.py",
+            "parallel.dp_mode=ps",
+            "parallel.servers=1",
+            "optim.sync=ssp",
+            "optim.staleness=2",
+            "trainer.max_steps=12",
+            *SMALL,
+            f"hydra.run.dir={tmp_path}",
+        ],
+        timeout=280,
+        threads=1,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     records = metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 13))
@@ -112,11 +133,23 @@ def test_killed_worker_leaves_server_state_resumable(tmp_path):
     of step 4 (0-based 3): the run fails, ps_step_2 is complete and loadable; resuming from it
     logs steps 3..6, step 3's loss equal (bit for bit) to the interrupted run's step 3."""
     ckpt = tmp_path / "ckpt"
-    common = ["parallel.dp_mode=ps", "parallel.servers=1", "trainer.max_steps=6", "model.num_layers=2",
-              "model.hidden_size=64", *SMALL, f"checkpoint.dir={ckpt}", "checkpoint.every=2"]
+    common = [
+        "parallel.dp_mode=ps",
+        "parallel.servers=1",
+        "trainer.max_steps=6",
+        "model.num_layers=2",
+        "model.hidden_size=64",
+        *SMALL,
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.every=2",
+    ]
     first = tmp_path / "first"
-    out = run([*TORCHRUN, "--nproc_per_node=3", "train.py", *common, f"hydra.run.dir={first}"], timeout=200,
-              threads=1, env={KILL_ENV: "1:3"})
+    out = run(
+        [*TORCHRUN, "--nproc_per_node=3", "train.py", *common, f"hydra.run.dir={first}"],
+        timeout=200,
+        threads=1,
+        env={KILL_ENV: "1:3"},
+    )
     assert out.returncode != 0, out.stdout[-2000:]
     assert latest_complete(ckpt, 1) == ckpt / "ps_step_2", sorted(p.name for p in ckpt.iterdir())
     state = torch.load(ckpt / "ps_step_2" / "server_0_of_1.pt", weights_only=False)
@@ -124,8 +157,11 @@ def test_killed_worker_leaves_server_state_resumable(tmp_path):
     interrupted = {r["step"]: r["loss"] for r in metrics(first)}
     assert set(interrupted) >= {1, 2, 3}, interrupted
     second = tmp_path / "second"
-    out = run([*TORCHRUN, "--nproc_per_node=3", "train.py", *common, "checkpoint.resume=auto",
-               f"hydra.run.dir={second}"], timeout=200, threads=1)
+    out = run(
+        [*TORCHRUN, "--nproc_per_node=3", "train.py", *common, "checkpoint.resume=auto", f"hydra.run.dir={second}"],
+        timeout=200,
+        threads=1,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     resumed = {r["step"]: r["loss"] for r in metrics(second)}
     assert sorted(resumed) == [3, 4, 5, 6], resumed
@@ -139,9 +175,21 @@ def test_ps_dry_run_reports_per_role_memory(tmp_path):
     """3 processes = 1 worker + 2 servers (ssp s=1): the servers' elements add up to the
     worker's parameters; bytes are 12/element for params + moments, 4/element per buffered
     gradient (workers x (s+1)) and per snapshot (s)."""
-    out = run([*TORCHRUN, "--nproc_per_node=3", "train.py", "parallel.dp_mode=ps", "parallel.servers=2",
-               "optim.sync=ssp", "optim.staleness=1", "trainer.dry_run=true",
-               f"hydra.run.dir={tmp_path}"], timeout=180, threads=1)
+    out = run(
+        [
+            *TORCHRUN,
+            "--nproc_per_node=3",
+            "train.py",
+            "parallel.dp_mode=ps",
+            "parallel.servers=2",
+            "optim.sync=ssp",
+            "optim.staleness=1",
+            "trainer.dry_run=true",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        timeout=180,
+        threads=1,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     servers, workers = plan["roles"]["servers"], plan["roles"]["worker_ranks"]

@@ -73,6 +73,7 @@ def test_every_accepted_schedule_pairs_by_order_and_completes():
 
 # ------------------------------------------------------------------ what the executor posts
 
+
 class _Recorder:
     """Stands in for torch.distributed's point-to-point calls: records each batch the
     executor posts (after how many actions, which ops) and fills the receive buffers."""
@@ -121,8 +122,13 @@ def recorded_plans(monkeypatch, name, pp, vpp, m, forward_only, shape=(2, 1, 3))
             chunk.register_forward_pre_hook(count)
         mesh = SimpleNamespace(pp_size=pp, pp_rank=rank, pp="pp group")
         executor = PipelineExecutor(chunks, mesh, shape, torch.float32, torch.device("cpu"))
-        executor.run(schedules, [torch.randn(shape) for _ in range(m)], lambda chunk, out, i: out.sum(),
-                     before_backward=before_backward, forward_only=forward_only)
+        executor.run(
+            schedules,
+            [torch.randn(shape) for _ in range(m)],
+            lambda chunk, out, i: out.sum(),
+            before_backward=before_backward,
+            forward_only=forward_only,
+        )
         plan = []
         for before, ops in recorder.batches:
             p2p = []
@@ -153,6 +159,7 @@ def test_executor_posts_a_tag_blind_deadlock_free_order(monkeypatch):
 
 # ------------------------------------------------------------------ the matcher can fail
 
+
 def _swap_two_sends(plans, rank):
     """`plans` with the first two sends of one channel of `rank` (in different batches) swapped."""
     sends = [(b, o, op) for b, batch in enumerate(plans[rank]) for o, op in enumerate(batch.ops) if op.op == "send"]
@@ -160,7 +167,7 @@ def _swap_two_sends(plans, rank):
         if op1.peer == op2.peer and b1 != b2:
             plan = list(plans[rank])
             for b, o, new in ((b1, o1, op2), (b2, o2, op1)):
-                plan[b] = replace(plan[b], ops=plan[b].ops[:o] + (new,) + plan[b].ops[o + 1:])
+                plan[b] = replace(plan[b], ops=plan[b].ops[:o] + (new,) + plan[b].ops[o + 1 :])
             return [plan if r == rank else p for r, p in enumerate(plans)]
     raise AssertionError("no channel with two sends in different batches")
 
@@ -207,8 +214,10 @@ def test_matcher_finds_the_pre_batching_deadlock(name, pp, vpp, m):
 def test_matcher_rejects_a_receive_after_its_action():
     schedules = build_all_ranks("1f1b", 2, 2, 1)
     plans = plan_p2p(schedules, 1)
-    late = [replace(batch, before=batch.before + 1) if any(op.op == "recv" for op in batch.ops) else batch
-            for batch in plans[1]]
+    late = [
+        replace(batch, before=batch.before + 1) if any(op.op == "recv" for op in batch.ops) else batch
+        for batch in plans[1]
+    ]
     with pytest.raises(AssertionError, match="runs before"):
         check_placement(schedules, 1, [plans[0], late])
 
@@ -223,6 +232,7 @@ def test_plan_rejects_inconsistent_schedules():
 
 
 # ------------------------------------------------------------------ devices of collectives
+
 
 def test_collective_device_follows_the_backend(monkeypatch):
     assert collective_device() == torch.device("cpu")  # no process group

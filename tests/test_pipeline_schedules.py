@@ -86,6 +86,10 @@ def test_bad_schedules_are_rejected():
 
 def test_measured_bubble_of_a_timeline():
     from meshtron.pipeline.executor import TimelineEvent
-    events = [TimelineEvent("recv_F", 0, 0, 0.0, 1.0), TimelineEvent("F", 0, 0, 1.0, 2.0),
-              TimelineEvent("B", 0, 0, 3.0, 5.0)]
+
+    events = [
+        TimelineEvent("recv_F", 0, 0, 0.0, 1.0),
+        TimelineEvent("F", 0, 0, 1.0, 2.0),
+        TimelineEvent("B", 0, 0, 3.0, 5.0),
+    ]
     assert measured_bubble(events) == pytest.approx(1 - 3 / 5)

@@ -27,15 +27,23 @@ BATCH = dict(micro_batch_size=2, global_batch_size=8)
 
 def gpt2_tiny(**kw) -> GPTConfig:
     # h=64, a=4, f=256, V=256 (multiple of 128; padded to 512 at tp=4), s=32, LayerNorm + biases, tied.
-    args = dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=32,
-                arch="gpt2")
+    args = dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=256, seq_len=32, arch="gpt2")
     return GPTConfig(**{**args, **kw})
 
 
 def llama_tiny(**kw) -> GPTConfig:
     # h=64, a=4, g=4 kv heads, f=160, V=300 (padded 384 at tp=1, 512 at tp=2/4), s=16, RMSNorm, untied.
-    args = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4, ffn_hidden_size=160, vocab_size=300,
-                seq_len=16, arch="llama", tie_embeddings=False)
+    args = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=4,
+        ffn_hidden_size=160,
+        vocab_size=300,
+        seq_len=16,
+        arch="llama",
+        tie_embeddings=False,
+    )
     return GPTConfig(**{**args, **kw})
 
 
@@ -113,8 +121,9 @@ def test_memory_and_flops(make, tp):
     assert (b["weights"], b["grads"], b["main_params"], b["optimizer"]) == (4 * n, 4 * n, 0, 8 * n)
     assert b["model_states"] == n * (4 + 4 + 8)
     assert b["host"] == b["grad_buffers_backward"] == b["autocast_weight_copies"] == 0
-    act = chunk_activations(cfg, 2, layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=tp,
-                            tp_rank=1 % tp).saved
+    act = chunk_activations(
+        cfg, 2, layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=tp, tp_rank=1 % tp
+    ).saved
     assert b["activations_per_microbatch"] == act
     assert b["activations"] >= b["activations_peak"] >= act  # the peak adds logits and backward transients
     assert b["total"] == n * 16 + b["activations"]
@@ -139,8 +148,10 @@ def test_sequence_parallel_activations():
     cfg = gpt2_tiny()
     plain = plan_rank(cfg, ParallelConfig(tp=2), 4, 0, **BATCH)["memory"]["bytes"]
     sp = plan_rank(cfg, ParallelConfig(tp=2, sp=True), 4, 0, **BATCH)["memory"]["bytes"]
-    assert sp["activations_per_microbatch"] == chunk_activations(
-        cfg, 2, layers=range(2), pre_process=True, post_process=True, tp=2, sp=True).saved
+    assert (
+        sp["activations_per_microbatch"]
+        == chunk_activations(cfg, 2, layers=range(2), pre_process=True, post_process=True, tp=2, sp=True).saved
+    )
     assert sp["activations_per_microbatch"] < plain["activations_per_microbatch"]
     assert sp["activations"] < plain["activations"]
     assert sp["weights"] == plain["weights"] and sp["optimizer"] == plain["optimizer"]
@@ -203,8 +214,9 @@ def test_pipeline_stages_are_built_on_meta():
 
 
 def gpt_1b(**kw) -> GPTConfig:
-    args = dict(hidden_size=2048, num_layers=24, num_heads=16, vocab_size=50257, seq_len=2048, num_experts=8,
-                arch="gpt2")
+    args = dict(
+        hidden_size=2048, num_layers=24, num_heads=16, vocab_size=50257, seq_len=2048, num_experts=8, arch="gpt2"
+    )
     return GPTConfig(**{**args, **kw})
 
 

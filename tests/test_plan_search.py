@@ -37,8 +37,9 @@ def test_compute_term_by_hand():
     # out proj 2*64*64 = 8192, MLP 2*2*64*256 = 65536 -> 106496; 2 layers 212992; LM head
     # 2*64*256 = 32768; forward 245760, training 3x = 737280 FLOPs per token.
     # One rank, global batch 4 x seq 32 = 128 tokens: 94371840 FLOPs at 1e9 * 0.5 FLOP/s.
-    t = step_time(tiny(), Layout(micro_batch_size=4), cluster(gpus=1, per_node=1), global_batch_size=4,
-                  grad_elements={"dp": 1000})
+    t = step_time(
+        tiny(), Layout(micro_batch_size=4), cluster(gpus=1, per_node=1), global_batch_size=4, grad_elements={"dp": 1000}
+    )
     assert t.microbatches == 1
     assert t.compute_per_microbatch == pytest.approx(94371840 / 0.5e9, rel=1e-12)
     assert t.total == pytest.approx(94371840 / 0.5e9, rel=1e-12)  # nothing else on one rank
@@ -48,12 +49,23 @@ def test_compute_term_by_hand():
 
 
 def test_recompute_adds_forward_flops_by_hand():
-    base = step_time(tiny(), Layout(micro_batch_size=4), cluster(gpus=1, per_node=1), global_batch_size=4,
-                     grad_elements={"dp": 1})
-    sel = step_time(tiny(), Layout(micro_batch_size=4, recompute="selective"), cluster(gpus=1, per_node=1),
-                    global_batch_size=4, grad_elements={"dp": 1})
-    full = step_time(tiny(), Layout(micro_batch_size=4, recompute="full"), cluster(gpus=1, per_node=1),
-                     global_batch_size=4, grad_elements={"dp": 1})
+    base = step_time(
+        tiny(), Layout(micro_batch_size=4), cluster(gpus=1, per_node=1), global_batch_size=4, grad_elements={"dp": 1}
+    )
+    sel = step_time(
+        tiny(),
+        Layout(micro_batch_size=4, recompute="selective"),
+        cluster(gpus=1, per_node=1),
+        global_batch_size=4,
+        grad_elements={"dp": 1},
+    )
+    full = step_time(
+        tiny(),
+        Layout(micro_batch_size=4, recompute="full"),
+        cluster(gpus=1, per_node=1),
+        global_batch_size=4,
+        grad_elements={"dp": 1},
+    )
     # selective: the attention core forward again, 4*s*h = 8192 per token per layer
     assert sel.compute_per_microbatch - base.compute_per_microbatch == pytest.approx(2 * 8192 * 128 / 0.5e9)
     # full: each layer's forward again, 106496 per token per layer
@@ -65,31 +77,48 @@ def test_tp_all_reduce_term_by_hand():
     # all-reduce sends 2*(2-1)/2 * 32768 bytes at 1e6 B/s = 32.768 ms. Per microbatch: 2 forward
     # + 2 backward per layer (2 layers) + embedding + LM head input gradient = 10.
     ar = 2 * (2 - 1) / 2 * 4 * 32 * 64 * 4 / 1e6
-    t = step_time(tiny(), Layout(tp=2, dp=2, micro_batch_size=4), cluster(), global_batch_size=8,
-                  grad_elements={"dp": 0})
+    t = step_time(
+        tiny(), Layout(tp=2, dp=2, micro_batch_size=4), cluster(), global_batch_size=8, grad_elements={"dp": 0}
+    )
     assert t.tp_per_microbatch == pytest.approx(10 * ar)
     # With overlap the backward pair hides behind the weight-gradient GEMMs, a third of a layer's
     # training FLOPs on this rank: 106496*3 * 128 tokens / tp 2 / 3 at 0.5e9 FLOP/s = 13.6 ms, less
     # than the pair's 65.5 ms, so 2*ar - wgrad stays exposed.
     wgrad = 106496 * 3 * 4 * 32 / 2 / 0.5e9 / 3
-    t2 = step_time(tiny(), Layout(tp=2, dp=2, micro_batch_size=4), cluster(overlap=True), global_batch_size=8,
-                   grad_elements={"dp": 0})
+    t2 = step_time(
+        tiny(),
+        Layout(tp=2, dp=2, micro_batch_size=4),
+        cluster(overlap=True),
+        global_batch_size=8,
+        grad_elements={"dp": 0},
+    )
     assert t2.tp_per_microbatch == pytest.approx(2 * (2 * ar + (2 * ar - wgrad)) + 2 * ar)
     # With sequence parallelism the all-gather / reduce-scatter pairs move the same bytes (and,
     # at latency 0, cost the same; tests/test_step_time_shared_cores.py counts their latencies)
-    t3 = step_time(tiny(), Layout(tp=2, dp=2, sp=True, micro_batch_size=4), cluster(), global_batch_size=8,
-                   grad_elements={"dp": 0})
+    t3 = step_time(
+        tiny(), Layout(tp=2, dp=2, sp=True, micro_batch_size=4), cluster(), global_batch_size=8, grad_elements={"dp": 0}
+    )
     assert t3.tp_per_microbatch == pytest.approx(t.tp_per_microbatch)
 
 
 def test_dp_all_reduce_and_latency_by_hand():
     # 1000 fp32 gradients over dp=4: 2*3/4 * 4000 bytes / 1e6 B/s + 2*3 ring steps of 1 ms, no overlap
-    t = step_time(tiny(), Layout(dp=4, micro_batch_size=1), cluster(latency_s=1e-3), global_batch_size=4,
-                  grad_elements={"dp": 1000})
+    t = step_time(
+        tiny(),
+        Layout(dp=4, micro_batch_size=1),
+        cluster(latency_s=1e-3),
+        global_batch_size=4,
+        grad_elements={"dp": 1000},
+    )
     assert t.dp_exposed == pytest.approx(2 * 3 / 4 * 4000 / 1e6 + 6e-3)
     assert t.zero_exposed == 0
-    z1 = step_time(tiny(), Layout(dp=4, zero=1, micro_batch_size=1), cluster(latency_s=1e-3), global_batch_size=4,
-                   grad_elements={"dp": 1000})
+    z1 = step_time(
+        tiny(),
+        Layout(dp=4, zero=1, micro_batch_size=1),
+        cluster(latency_s=1e-3),
+        global_batch_size=4,
+        grad_elements={"dp": 1000},
+    )
     assert z1.zero_exposed == pytest.approx(3 / 4 * 4000 / 1e6 + 3e-3)  # the updated weights' all-gather
 
 
@@ -109,17 +138,28 @@ def test_shared_cores_bound_by_hand():
     (the idle stage's cores run the other stage; tests/test_step_time_shared_cores.py works
     the processor-sharing simulation by hand where it does cost)."""
     free = dict(bw=1e30)
-    dedicated = step_time(tiny(), Layout(dp=4, micro_batch_size=1), cluster(**free), global_batch_size=4,
-                          grad_elements={"dp": 0})
-    shared = step_time(tiny(), Layout(dp=4, micro_batch_size=1), cluster(cores_per_node=2, **free),
-                       global_batch_size=4, grad_elements={"dp": 0})
+    dedicated = step_time(
+        tiny(), Layout(dp=4, micro_batch_size=1), cluster(**free), global_batch_size=4, grad_elements={"dp": 0}
+    )
+    shared = step_time(
+        tiny(),
+        Layout(dp=4, micro_batch_size=1),
+        cluster(cores_per_node=2, **free),
+        global_batch_size=4,
+        grad_elements={"dp": 0},
+    )
     assert shared.total == pytest.approx(2 * dedicated.total)
     assert shared.mfu == pytest.approx(dedicated.mfu)  # over the 2 cores, not the 4 processes
     # pp=2 x dp=2, 2 microbatches of 32 tokens: the last stage's microbatch is 1 layer + head,
     # (106496 + 32768) * 3 * 32 FLOPs; the bubble (one microbatch time) is not work, and the head's
     # work averages over the 2 stages: busy = 2 * (106496 + 32768/2) * 3 * 32 / 0.5e9
-    pipe = step_time(tiny(), Layout(pp=2, dp=2, micro_batch_size=1), cluster(cores_per_node=2, **free),
-                     global_batch_size=4, grad_elements={"dp": 0})
+    pipe = step_time(
+        tiny(),
+        Layout(pp=2, dp=2, micro_batch_size=1),
+        cluster(cores_per_node=2, **free),
+        global_batch_size=4,
+        grad_elements={"dp": 0},
+    )
     per_mb = (106496 + 32768) * 3 * 32 / 0.5e9
     busy = 2 * (106496 + 32768 / 2) * 3 * 32 / 0.5e9
     assert pipe.pipeline == pytest.approx(3 * per_mb, rel=1e-9)
@@ -145,17 +185,23 @@ def test_enumeration_world4_by_hand():
     {1, 2} (heads), pp in {1, 2} (layers), cp with seq 32 divisible by 2*cp (*tp under SP); a2a
     needs the heads of a tp rank divisible by cp; sp on and off at tp=2."""
     cfg = tiny(num_heads=2)
-    got = enumerate_layouts(cfg, 4, global_batch_size=4, gpus_per_node=4,
-                            fixed={"zero": 0, "recompute": "none", "micro_batch_size": 1})
+    got = enumerate_layouts(
+        cfg, 4, global_batch_size=4, gpus_per_node=4, fixed={"zero": 0, "recompute": "none", "micro_batch_size": 1}
+    )
     key = {(lay.tp, lay.cp, lay.pp, lay.dp, lay.cp_comm, lay.sp, lay.vpp) for lay in got}
     expected = {
-        (1, 1, 1, 4, "ring", False, 1), (1, 1, 2, 2, "ring", False, 1),
-        (1, 2, 1, 2, "ring", False, 1), (1, 2, 1, 2, "a2a", False, 1),
-        (1, 2, 2, 1, "ring", False, 1), (1, 2, 2, 1, "a2a", False, 1),
+        (1, 1, 1, 4, "ring", False, 1),
+        (1, 1, 2, 2, "ring", False, 1),
+        (1, 2, 1, 2, "ring", False, 1),
+        (1, 2, 1, 2, "a2a", False, 1),
+        (1, 2, 2, 1, "ring", False, 1),
+        (1, 2, 2, 1, "a2a", False, 1),
         (1, 4, 1, 1, "ring", False, 1),
-        (2, 1, 1, 2, "ring", True, 1), (2, 1, 2, 1, "ring", True, 1),
+        (2, 1, 1, 2, "ring", True, 1),
+        (2, 1, 2, 1, "ring", True, 1),
         (2, 2, 1, 1, "ring", True, 1),
-        (2, 1, 1, 2, "ring", False, 1), (2, 1, 2, 1, "ring", False, 1),
+        (2, 1, 1, 2, "ring", False, 1),
+        (2, 1, 2, 1, "ring", False, 1),
         (2, 2, 1, 1, "ring", False, 1),
     }
     assert key == expected and len(got) == len(expected)
@@ -220,8 +266,10 @@ def test_search_prices_the_lm_loss_the_run_uses():
         result = search(cfg, cluster(), global_batch_size=4, fixed=fixed, limit=None, fused_lm_loss=fused)
         by_mode[fused] = {c.layout: c.memory_bytes for c in result.ranked}
         for cand in result.ranked:
-            assert cand.memory_bytes == layout_memory(cfg, cand.layout, global_batch_size=4, device="cuda",
-                                                      fused_lm_loss=fused)["bytes"]
+            assert (
+                cand.memory_bytes
+                == layout_memory(cfg, cand.layout, global_batch_size=4, device="cuda", fused_lm_loss=fused)["bytes"]
+            )
     assert by_mode[True] and by_mode[True].keys() == by_mode[False].keys()
     assert all(by_mode[True][lay] < by_mode[False][lay] for lay in by_mode[True])
 
@@ -238,21 +286,29 @@ def _cli(argv, capsys):
     return exit_info.value.code, out.out, out.err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--gpus", "8", "--gpu", "tpu"], "unknown --gpu 'tpu'"),
-    (["--gpus", "12", "--gpus-per-node", "8"], "--gpus 12 is not divisible by --gpus-per-node 8"),
-    (["--gpus", "8", "--gpu-memory", "lots"], "--gpu-memory 'lots' is not a size"),
-    (["--gpus", "8", "parallel.tpp=2"], "unknown key parallel.tpp"),
-    (["--gpus", "8", "+model=gpt_9b"], "unknown model option 'gpt_9b'"),
-    (["--gpus", "eight"], "invalid int value"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "8", "--gpu", "tpu"], "unknown --gpu 'tpu'"),
+        (["--gpus", "12", "--gpus-per-node", "8"], "--gpus 12 is not divisible by --gpus-per-node 8"),
+        (["--gpus", "8", "--gpu-memory", "lots"], "--gpu-memory 'lots' is not a size"),
+        (["--gpus", "8", "parallel.tpp=2"], "unknown key parallel.tpp"),
+        (["--gpus", "8", "+model=gpt_9b"], "unknown model option 'gpt_9b'"),
+        (["--gpus", "eight"], "invalid int value"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
     code, out, err = _cli(argv, capsys)
     assert code == 2 and message in err and err.count("\n") == 1 and err.startswith("meshtron.plan: ")
 
 
-TINY_OVERRIDES = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=2", "model.seq_len=32",
-                  "trainer.global_batch_size=8"]
+TINY_OVERRIDES = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.seq_len=32",
+    "trainer.global_batch_size=8",
+]
 
 
 def test_cli_overrides_compose_into_a_runnable_config(capsys, tmp_path):
@@ -262,8 +318,22 @@ def test_cli_overrides_compose_into_a_runnable_config(capsys, tmp_path):
     from meshtron.training.run_checks import check_run_config
 
     out_json = tmp_path / "plan.json"
-    code, out, _ = _cli(["--gpus", "4", "--gpus-per-node", "4", "--gpu", "cpu", "--json", str(out_json),
-                         "--json-max", "12", *TINY_OVERRIDES], capsys)
+    code, out, _ = _cli(
+        [
+            "--gpus",
+            "4",
+            "--gpus-per-node",
+            "4",
+            "--gpu",
+            "cpu",
+            "--json",
+            str(out_json),
+            "--json-max",
+            "12",
+            *TINY_OVERRIDES,
+        ],
+        capsys,
+    )
     assert code == 0
     rows = [line for line in out.splitlines() if "parallel.tp=" in line]
     assert len(rows) == 10
@@ -275,24 +345,62 @@ def test_cli_overrides_compose_into_a_runnable_config(capsys, tmp_path):
     for cand in data["candidates"][:10]:
         run = compose_run(TINY_OVERRIDES + cand["overrides"].split())
         lay = cand["layout"]
-        assert (run.parallel.tp, run.parallel.pp, run.parallel.cp, run.optim.zero, run.trainer.micro_batch_size) == \
-            (lay["tp"], lay["pp"], lay["cp"], lay["zero"], lay["micro_batch_size"])
+        assert (run.parallel.tp, run.parallel.pp, run.parallel.cp, run.optim.zero, run.trainer.micro_batch_size) == (
+            lay["tp"],
+            lay["pp"],
+            lay["cp"],
+            lay["zero"],
+            lay["micro_batch_size"],
+        )
         par, micro, _ = check_run_config(run, 4)
         assert (par.dp, par.cp_comm, par.sp, micro) == (lay["dp"], lay["cp_comm"], lay["sp"], lay["micro_batch_size"])
 
 
 def test_cli_pins_fields_given_on_the_command_line(capsys):
-    code, out, _ = _cli(["--gpus", "4", "--gpus-per-node", "4", "--gpu", "cpu", "--top", "3", *TINY_OVERRIDES,
-                         "parallel.tp=2", "optim.zero=1"], capsys)
+    code, out, _ = _cli(
+        [
+            "--gpus",
+            "4",
+            "--gpus-per-node",
+            "4",
+            "--gpu",
+            "cpu",
+            "--top",
+            "3",
+            *TINY_OVERRIDES,
+            "parallel.tp=2",
+            "optim.zero=1",
+        ],
+        capsys,
+    )
     rows = [line for line in out.splitlines() if "parallel.tp=" in line]
     assert code == 0 and len(rows) == 3
     assert all("parallel.tp=2 " in r and "optim.zero=1 " in r for r in rows)
 
 
 def test_python_dash_m_meshtron_plan(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "meshtron.plan", "--gpus", "2", "--gpus-per-node", "2", "--gpu",
-                          "cpu", "--top", "2", *TINY_OVERRIDES, "parallel.pp=1", "parallel.cp=1"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.plan",
+            "--gpus",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--gpu",
+            "cpu",
+            "--top",
+            "2",
+            *TINY_OVERRIDES,
+            "parallel.pp=1",
+            "parallel.cp=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "parallel.tp=" in line]
     assert len(rows) == 2 and "tokens/s" in out.stdout

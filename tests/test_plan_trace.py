@@ -42,8 +42,9 @@ def _fresh_traces():
 def _save_extra(monkeypatch, module_class) -> None:
     """Make every `module_class` forward also save EXTRA fp32 elements for backward."""
     forward = module_class.forward
-    monkeypatch.setattr(module_class, "forward",
-                        lambda self, *args, **kw: _SavesExtra.apply(forward(self, *args, **kw), EXTRA))
+    monkeypatch.setattr(
+        module_class, "forward", lambda self, *args, **kw: _SavesExtra.apply(forward(self, *args, **kw), EXTRA)
+    )
     clear_trace_cache()
 
 
@@ -81,8 +82,9 @@ def test_change_scales_with_microbatches_in_flight(monkeypatch):
     after = _plan(cfg, par, 2, 0)
     assert before["microbatches_in_flight"] == after["microbatches_in_flight"] == 2
     per_microbatch = 2 * 4 * EXTRA  # this stage's 2 layers
-    assert after["bytes"]["activations_per_microbatch"] - before["bytes"]["activations_per_microbatch"] \
-        == per_microbatch
+    assert (
+        after["bytes"]["activations_per_microbatch"] - before["bytes"]["activations_per_microbatch"] == per_microbatch
+    )
     assert after["bytes"]["activations_peak"] - before["bytes"]["activations_peak"] == 2 * per_microbatch
 
 
@@ -90,8 +92,13 @@ def test_change_scales_with_microbatches_in_flight(monkeypatch):
 def test_sequence_parallel_trace_shards_the_sequence(cfg, recompute):
     """Under SP the norms, residual dropout and block input hold s/tp tokens (the virtual mesh's
     collectives gather and scatter shapes); attention and MLP work on the gathered sequence."""
-    kw = dict(layers=range(cfg.num_layers), pre_process=True, post_process=True, tp=2,
-              execution=ExecutionConfig(recompute=recompute))
+    kw = dict(
+        layers=range(cfg.num_layers),
+        pre_process=True,
+        post_process=True,
+        tp=2,
+        execution=ExecutionConfig(recompute=recompute),
+    )
     plain, sp = chunk_activations(cfg, 2, **kw), chunk_activations(cfg, 2, sp=True, **kw)
     for term in ("layer_norm1", "layer_norm2", "final_norm", "layer_block"):
         assert 2 * sp.terms.get(term, 0) == plain.terms.get(term, 0), term

@@ -19,22 +19,39 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _plot(*args: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env.pop("MPLBACKEND", None)  # the module itself must pick Agg
-    return subprocess.run([sys.executable, "-m", "meshtron.observability.plot", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtron.observability.plot", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _write_run(run_dir: pathlib.Path, moe: bool = False) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in [1, *range(10, 101, 10)]:
-        rec = {"step": step, "loss": 5.0 - step / 40, "lr": 1e-3 * min(1.0, step / 20), "grad_norm": 2.0 / step**0.5,
-               "tokens_per_s": 1000.0 + step, "mfu": 0.1, "step_time_s": 0.2, "skipped_steps": 0,
-               "peak_mem_bytes": [2**30, 2**30 + step], "peak_mem_max_bytes": 2**30 + step}
+        rec = {
+            "step": step,
+            "loss": 5.0 - step / 40,
+            "lr": 1e-3 * min(1.0, step / 20),
+            "grad_norm": 2.0 / step**0.5,
+            "tokens_per_s": 1000.0 + step,
+            "mfu": 0.1,
+            "step_time_s": 0.2,
+            "skipped_steps": 0,
+            "peak_mem_bytes": [2**30, 2**30 + step],
+            "peak_mem_max_bytes": 2**30 + step,
+        }
         if step % 50 == 0:
             rec["val_loss"] = 5.1 - step / 40
         if moe:
-            rec |= {"expert_imbalance": 1.5, "moe": [{"layer": 0, "tokens_per_expert": [3, 1], "imbalance": 1.5,
-                                                       "dropped_fraction": 0.0}]}
+            rec |= {
+                "expert_imbalance": 1.5,
+                "moe": [{"layer": 0, "tokens_per_expert": [3, 1], "imbalance": 1.5, "dropped_fraction": 0.0}],
+            }
         if step == 20:
             rec["grad_norm"] = None  # a non-finite value written as null
         lines.append(json.dumps(rec))
@@ -71,18 +88,21 @@ def test_plot_in_process_minimal_records(tmp_path: pathlib.Path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case, expected", [
-    ("missing_dir", "run directory .* does not exist"),
-    ("missing_file", r"metrics.jsonl not found"),
-    ("empty_file", r"metrics.jsonl is empty"),
-    ("bad_json", r"metrics.jsonl line 2: not valid JSON"),
-    ("not_object", r"metrics.jsonl line 3: expected a JSON object, got list"),
-    ("no_step", r"metrics.jsonl line 1: the record has no numeric 'step'"),
-    ("not_utf8", r"metrics.jsonl line 2: not UTF-8 text \(byte 13\); the file is corrupt"),
-    ("nan_step", r"metrics.jsonl line 1: step=nan is not a finite number"),
-    ("run_is_a_file", r"run is not a directory: give the run directory that holds metrics.jsonl"),
-    ("metrics_is_a_dir", r"metrics.jsonl not found"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing_dir", "run directory .* does not exist"),
+        ("missing_file", r"metrics.jsonl not found"),
+        ("empty_file", r"metrics.jsonl is empty"),
+        ("bad_json", r"metrics.jsonl line 2: not valid JSON"),
+        ("not_object", r"metrics.jsonl line 3: expected a JSON object, got list"),
+        ("no_step", r"metrics.jsonl line 1: the record has no numeric 'step'"),
+        ("not_utf8", r"metrics.jsonl line 2: not UTF-8 text \(byte 13\); the file is corrupt"),
+        ("nan_step", r"metrics.jsonl line 1: step=nan is not a finite number"),
+        ("run_is_a_file", r"run is not a directory: give the run directory that holds metrics.jsonl"),
+        ("metrics_is_a_dir", r"metrics.jsonl not found"),
+    ],
+)
 def test_plot_errors_are_one_line_exit_2(tmp_path: pathlib.Path, case: str, expected: str):
     import re
 
@@ -91,9 +111,13 @@ def test_plot_errors_are_one_line_exit_2(tmp_path: pathlib.Path, case: str, expe
         run.write_text("not a run")
     elif case != "missing_dir":
         run.mkdir()
-    contents = {"empty_file": "\n", "bad_json": '{"step": 1, "loss": 2}\n{"step": 2, "loss": \n',
-                "not_object": '{"step": 1}\n\n[1, 2]\n', "no_step": '{"loss": 2.0}\n',
-                "nan_step": '{"step": NaN, "loss": 2.0}\n'}
+    contents = {
+        "empty_file": "\n",
+        "bad_json": '{"step": 1, "loss": 2}\n{"step": 2, "loss": \n',
+        "not_object": '{"step": 1}\n\n[1, 2]\n',
+        "no_step": '{"loss": 2.0}\n',
+        "nan_step": '{"step": NaN, "loss": 2.0}\n',
+    }
     if case in contents:
         (run / "metrics.jsonl").write_text(contents[case])
     elif case == "not_utf8":
@@ -111,8 +135,13 @@ def test_plot_errors_are_one_line_exit_2(tmp_path: pathlib.Path, case: str, expe
 def test_resumed_runs_keep_the_last_record_of_each_step(tmp_path: pathlib.Path):
     from meshtron.observability.plot import load_metrics
 
-    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 3.9},
-             {"step": 3, "loss": 3.5}, {"step": 4, "loss": 3.0}]  # killed after 3, resumed from 2
+    lines = [
+        {"step": 1, "loss": 5.0},
+        {"step": 2, "loss": 4.0},
+        {"step": 3, "loss": 3.9},
+        {"step": 3, "loss": 3.5},
+        {"step": 4, "loss": 3.0},
+    ]  # killed after 3, resumed from 2
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert [(r["step"], r["loss"]) for r in load_metrics(path)] == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 3.0)]

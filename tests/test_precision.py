@@ -24,8 +24,16 @@ def _run(cfg, precision: Precision, steps: int = 10) -> list[float]:
     losses = []
     for _ in range(steps):
         # One batch over and over: the loss must fall (memorisation), in every precision.
-        out = train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=3e-3,
-                         max_grad_norm=1.0, precision=precision)
+        out = train_step(
+            model,
+            reducer,
+            optimizer,
+            microbatches(cfg, 0, 0, 1, 2),
+            mesh,
+            lr=3e-3,
+            max_grad_norm=1.0,
+            precision=precision,
+        )
         assert not out.skipped
         losses.append(out.loss.item())
     reducer.remove_hooks()
@@ -49,19 +57,28 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off():
     mesh = single_process_mesh()
     model, reducer, optimizer = build(cfg, mesh)
     # 2**30 times the loss overflows fp16 gradients (max 65504) in the first backward.
-    precision = Precision("fp16", "cpu", LossScaler(scale=2.0 ** 30, growth_interval=2))
+    precision = Precision("fp16", "cpu", LossScaler(scale=2.0**30, growth_interval=2))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out = train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3, max_grad_norm=1.0,
-                     precision=precision)
+    out = train_step(
+        model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3, max_grad_norm=1.0, precision=precision
+    )
     assert out.skipped and torch.isfinite(out.loss), "an overflowing gradient, not the loss, skips the step"
-    assert precision.loss_scale == 2.0 ** 29
+    assert precision.loss_scale == 2.0**29
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), f"{name} changed in a skipped step"
     assert not optimizer.state
     skipped = 1
     while True:
-        out = train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3,
-                         max_grad_norm=1.0, precision=precision)
+        out = train_step(
+            model,
+            reducer,
+            optimizer,
+            microbatches(cfg, 0, 0, 1, 2),
+            mesh,
+            lr=1e-3,
+            max_grad_norm=1.0,
+            precision=precision,
+        )
         if not out.skipped:
             break
         skipped += 1
@@ -70,8 +87,9 @@ def test_fp16_overflow_is_skipped_and_the_scale_backs_off():
     assert torch.isfinite(out.grad_norm) and optimizer.state
     # The gradient norm is reported unscaled: it matches the fp32 norm of the same batch.
     fp32_model, fp32_reducer, fp32_opt = build(cfg, mesh)
-    ref = train_step(fp32_model, fp32_reducer, fp32_opt, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3,
-                     max_grad_norm=1.0)
+    ref = train_step(
+        fp32_model, fp32_reducer, fp32_opt, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-3, max_grad_norm=1.0
+    )
     assert abs(out.grad_norm.item() - ref.grad_norm.item()) <= 1e-2 * ref.grad_norm.item()
 
 

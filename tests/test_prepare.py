@@ -66,8 +66,9 @@ def test_byte_prepare_round_trips_and_writes_the_index(corpus: pathlib.Path, byt
     assert index["sources"] == [str(corpus.resolve())]
     assert index["n_documents"] == 3
     starts = np.cumsum([0] + [len(c) + len(SEPARATOR) for c in contents[:-1]]).tolist()
-    assert [(pathlib.Path(d["path"]).relative_to(corpus).as_posix(), d["start"], d["length"])
-            for d in index["documents"]] == [(rel, s, len(c)) for rel, s, c in zip(ORDER, starts, contents)]
+    assert [
+        (pathlib.Path(d["path"]).relative_to(corpus).as_posix(), d["start"], d["length"]) for d in index["documents"]
+    ] == [(rel, s, len(c)) for rel, s, c in zip(ORDER, starts, contents)]
     assert not (byte_dir / "tokenizer.json").exists()
     assert load_tokenizer(byte_dir).decode(tokens[: len(contents[0])]) == DOCS["a.txt"]
     # Nothing temporary left beside the output.
@@ -99,7 +100,7 @@ def test_bpe_prepare_respects_vocab_and_round_trips(corpus: pathlib.Path, tmp_pa
     # One end-of-document token per document: a literal "<|endoftext|>" in c.md is text.
     assert int((tokens == eod[0]).sum()) == 3
     for doc, rel in zip(info["documents"], ORDER):
-        ids = tokens[doc["start"]: doc["start"] + doc["length"]]
+        ids = tokens[doc["start"] : doc["start"] + doc["length"]]
         assert tok.decode(ids) == DOCS[rel]
         assert tokens[doc["start"] + doc["length"]] == eod[0]
     assert tok.encode(DOCS["a.txt"]).tolist() == tokens[: info["documents"][0]["length"]].tolist()
@@ -145,8 +146,14 @@ def test_bpe_without_tokenizers_package(corpus: pathlib.Path, tmp_path: pathlib.
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "meshtron.textdata.prepare", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtron.textdata.prepare", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli(corpus: pathlib.Path, tmp_path: pathlib.Path):
@@ -155,8 +162,7 @@ def test_cli(corpus: pathlib.Path, tmp_path: pathlib.Path):
     assert done.returncode == 0, done.stderr
     assert "uint16 tokens (2 documents, byte tokenizer, vocab_size 256)" in done.stdout
     tokens, info = load_prepared(out)
-    assert bytes(tokens.astype(np.uint8)) == b"".join(
-        DOCS[r].encode() + SEPARATOR for r in ("a.txt", "sub/b.py"))
+    assert bytes(tokens.astype(np.uint8)) == b"".join(DOCS[r].encode() + SEPARATOR for r in ("a.txt", "sub/b.py"))
     done = _cli("--src", str(tmp_path / "missing"), "--out", str(tmp_path / "o2"))
     assert done.returncode == 2
     assert "meshtron-prepare: error:" in done.stderr and "missing" in done.stderr
@@ -191,8 +197,7 @@ def test_memmap_dataset_gives_the_in_memory_batches(byte_dir: pathlib.Path):
 
 def test_build_dataset_from_paths_and_prepared(corpus: pathlib.Path, byte_dir: pathlib.Path):
     from_paths = build_dataset(DataConfig(paths=[str(corpus)], val_fraction=0.05), 16, 1, 256)
-    assert torch.equal(from_paths.split_tokens("train"),
-                       load_corpus([corpus], 16_000_000)[: from_paths.train_range[1]])
+    assert torch.equal(from_paths.split_tokens("train"), load_corpus([corpus], 16_000_000)[: from_paths.train_range[1]])
     # prepared wins over paths/max_bytes.
     ds = build_dataset(DataConfig(paths=["/nonexistent"], max_bytes=1, prepared=str(byte_dir)), 16, 1, 256)
     assert isinstance(ds.split_tokens("train"), np.memmap)
@@ -200,16 +205,22 @@ def test_build_dataset_from_paths_and_prepared(corpus: pathlib.Path, byte_dir: p
 
 
 def test_build_dataset_vocab_too_big_for_the_model(corpus: pathlib.Path, byte_dir: pathlib.Path, tmp_path):
-    with pytest.raises(ValueError, match=r"byte tokenizer of data.prepared=.* has vocab_size 256 but "
-                                         r"model.vocab_size=200; set model.vocab_size=256 or larger"):
+    with pytest.raises(
+        ValueError,
+        match=r"byte tokenizer of data.prepared=.* has vocab_size 256 but "
+        r"model.vocab_size=200; set model.vocab_size=256 or larger",
+    ):
         build_dataset(DataConfig(prepared=str(byte_dir)), 16, 0, 200)
     with pytest.raises(ValueError, match=r"the byte tokenizer has vocab_size 256 but model.vocab_size=100"):
         build_dataset(DataConfig(paths=[str(corpus)]), 16, 0, 100)
     pytest.importorskip("tokenizers")
     prepare([corpus], tmp_path / "bpe", tokenizer="bpe", vocab_size=300, min_frequency=1)
     v = load_prepared(tmp_path / "bpe")[1]["vocab_size"]
-    with pytest.raises(ValueError, match=rf"bpe tokenizer .* vocab_size {v} but model.vocab_size=256; "
-                                         rf"set model.vocab_size={v} or larger .*--vocab-size"):
+    with pytest.raises(
+        ValueError,
+        match=rf"bpe tokenizer .* vocab_size {v} but model.vocab_size=256; "
+        rf"set model.vocab_size={v} or larger .*--vocab-size",
+    ):
         build_dataset(DataConfig(prepared=str(tmp_path / "bpe")), 16, 0, 256)
     assert build_dataset(DataConfig(prepared=str(tmp_path / "bpe"), val_fraction=0.1), 16, 0, v).num_windows() > 0
 
@@ -225,8 +236,11 @@ def _edit_index(directory: pathlib.Path, **changes) -> None:
 
 
 def test_load_prepared_missing_things(tmp_path: pathlib.Path, byte_dir: pathlib.Path):
-    with pytest.raises(FileNotFoundError, match=r"prepared data directory .*nowhere.* does not exist; "
-                                                r"create it with `python -m meshtron.textdata.prepare"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"prepared data directory .*nowhere.* does not exist; "
+        r"create it with `python -m meshtron.textdata.prepare",
+    ):
         load_prepared(tmp_path / "nowhere")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
@@ -235,8 +249,11 @@ def test_load_prepared_missing_things(tmp_path: pathlib.Path, byte_dir: pathlib.
     with pytest.raises(FileNotFoundError, match=r"tokens\.bin is missing; re-run `python -m meshtron.textdata.prepare"):
         load_prepared(byte_dir)
     (byte_dir / "index.json").unlink()
-    with pytest.raises(FileNotFoundError, match=r"index\.json is missing: .* not a complete prepared data "
-                                                r"directory .*interrupted"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"index\.json is missing: .* not a complete prepared data "
+        r"directory .*interrupted",
+    ):
         load_prepared(byte_dir)
 
 
@@ -244,12 +261,18 @@ def test_load_prepared_empty_and_truncated_token_files(byte_dir: pathlib.Path):
     path = byte_dir / "tokens.bin"
     raw = path.read_bytes()
     path.write_bytes(raw[:-1])
-    with pytest.raises(ValueError, match=r"tokens\.bin has \d+ bytes, not a multiple of 2 \(uint16\): "
-                                         r"the file is truncated"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokens\.bin has \d+ bytes, not a multiple of 2 \(uint16\): "
+        r"the file is truncated",
+    ):
         load_prepared(byte_dir)
     path.write_bytes(raw[:-2])
-    with pytest.raises(ValueError, match=r"tokens\.bin has \d+ bytes = \d+ uint16 tokens but index\.json "
-                                         r"says n_tokens=\d+ .*truncated"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokens\.bin has \d+ bytes = \d+ uint16 tokens but index\.json "
+        r"says n_tokens=\d+ .*truncated",
+    ):
         load_prepared(byte_dir)
     path.write_bytes(b"")
     with pytest.raises(ValueError, match=r"tokens\.bin is empty \(0 bytes\); re-run"):
@@ -280,7 +303,9 @@ def test_load_prepared_wrong_dtype_and_bad_index(byte_dir: pathlib.Path):
     with pytest.raises(ValueError, match=r"is not a meshtron token index"):
         load_prepared(byte_dir)
     (byte_dir / "index.json").write_text('{"format": "meshtron-tokens", ')
-    with pytest.raises(ValueError, match=r"index\.json is not valid JSON .*re-run `python -m meshtron.textdata.prepare"):
+    with pytest.raises(
+        ValueError, match=r"index\.json is not valid JSON .*re-run `python -m meshtron.textdata.prepare"
+    ):
         load_prepared(byte_dir)
 
 
@@ -302,8 +327,14 @@ def _hand_made_dir(directory: pathlib.Path, ids: list[int], vocab_size: int) -> 
     """A prepared directory written without meshtron-prepare: an index without max_token_id."""
     directory.mkdir()
     (directory / "tokens.bin").write_bytes(np.asarray(ids, dtype="<u2").tobytes())
-    index = {"format": "meshtron-tokens", "version": 1, "dtype": "uint16", "n_tokens": len(ids),
-             "vocab_size": vocab_size, "tokenizer": "byte"}
+    index = {
+        "format": "meshtron-tokens",
+        "version": 1,
+        "dtype": "uint16",
+        "n_tokens": len(ids),
+        "vocab_size": vocab_size,
+        "tokenizer": "byte",
+    }
     (directory / "index.json").write_text(json.dumps(index))
     return directory
 
@@ -324,8 +355,11 @@ def test_an_index_without_max_token_id_is_read_and_checked(byte_dir: pathlib.Pat
     assert load_prepared(byte_dir)[1]["max_token_id"] == 0xC3
     # ids inside the padded vocabulary (300 pads to 384) but not below the index's vocab_size
     lying = _hand_made_dir(tmp_path / "lying", [1, 2, 383, 4] * 10, vocab_size=300)
-    with pytest.raises(ValueError, match=r"lying/tokens\.bin holds token ids up to 383 but index\.json says "
-                                         r"vocab_size=300: .*re-run"):
+    with pytest.raises(
+        ValueError,
+        match=r"lying/tokens\.bin holds token ids up to 383 but index\.json says "
+        r"vocab_size=300: .*re-run",
+    ):
         load_prepared(lying)
     _edit_index(byte_dir, max_token_id=256)
     with pytest.raises(ValueError, match=r"tokens\.bin holds token ids up to 256 but index\.json says vocab_size=256"):
@@ -339,37 +373,49 @@ def test_build_dataset_refuses_ids_the_model_cannot_embed(corpus: pathlib.Path, 
     from meshtron.errors import ConfigError
 
     honest = _hand_made_dir(tmp_path / "honest", list(range(384)) * 2, vocab_size=384)
-    with pytest.raises(ConfigError, match=r"has vocab_size 384 but model.vocab_size=300; set model.vocab_size=384 "
-                                          r"or larger \(or re-run meshtron-prepare with a smaller --vocab-size\): "
-                                          r".*honest/tokens\.bin holds token ids up to 383"):
+    with pytest.raises(
+        ConfigError,
+        match=r"has vocab_size 384 but model.vocab_size=300; set model.vocab_size=384 "
+        r"or larger \(or re-run meshtron-prepare with a smaller --vocab-size\): "
+        r".*honest/tokens\.bin holds token ids up to 383",
+    ):
         build_dataset(DataConfig(prepared=str(honest)), 16, 0, 300)
     assert build_dataset(DataConfig(prepared=str(honest), val_fraction=0.1), 16, 0, 384).num_windows() > 0
     # Raw files are checked as they are read: the message names the file with the id.
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "a.txt").write_bytes(b"plain ascii " * 10)
     (tmp_path / "raw" / "b.bin").write_bytes(bytes([1, 2, 250]) * 10)
-    with pytest.raises(ConfigError, match=r"data file '.*raw/b\.bin' has byte token ids up to 250, and the byte "
-                                          r"tokenizer has vocab_size 256 but model.vocab_size=200"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data file '.*raw/b\.bin' has byte token ids up to 250, and the byte "
+        r"tokenizer has vocab_size 256 but model.vocab_size=200",
+    ):
         build_dataset(DataConfig(paths=[str(tmp_path / "raw")]), 8, 0, 200)
-    assert build_dataset(DataConfig(paths=[str(tmp_path / "raw" / "a.txt")], val_fraction=0.1), 8, 0, 200).num_windows() > 0
+    assert (
+        build_dataset(DataConfig(paths=[str(tmp_path / "raw" / "a.txt")], val_fraction=0.1), 8, 0, 200).num_windows()
+        > 0
+    )
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--src", "{tmp}/nofiles"], r"data directory '.*nofiles' contains no files"),
-    (["--src", "{tmp}/zero"], r"the corpus read from .*zero is empty"),
-    (["--src", "/dev/null"], r"data path '/dev/null' is neither a regular file nor a directory"),
-    (["--out", "{tmp}/afile"], r"--out '.*afile' exists and is not a directory"),
-    (["--out", "{tmp}/afile/sub"], r"--out '.*afile/sub': cannot write into '.*afile'"),
-    (["--out", "{byte_dir}"], r"--out '.*byte' exists and is not empty; pass --overwrite"),
-    (["--vocab-size", "300"], r"--vocab-size 300 does not apply to the byte tokenizer"),
-    (["--tokenizer", "bpe", "--vocab-size", "100"], r"--vocab-size 100 is too small .* at least 257"),
-    (["--tokenizer", "bpe", "--vocab-size", "99999999999"], r"--vocab-size 99999999999 is too large"),
-    (["--tokenizer", "bpe", "--min-frequency", "-1"], r"--min-frequency must be >= 0, got -1"),
-    (["--max-bytes", "0"], r"--max-bytes must be positive, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--src", "{tmp}/nofiles"], r"data directory '.*nofiles' contains no files"),
+        (["--src", "{tmp}/zero"], r"the corpus read from .*zero is empty"),
+        (["--src", "/dev/null"], r"data path '/dev/null' is neither a regular file nor a directory"),
+        (["--out", "{tmp}/afile"], r"--out '.*afile' exists and is not a directory"),
+        (["--out", "{tmp}/afile/sub"], r"--out '.*afile/sub': cannot write into '.*afile'"),
+        (["--out", "{byte_dir}"], r"--out '.*byte' exists and is not empty; pass --overwrite"),
+        (["--vocab-size", "300"], r"--vocab-size 300 does not apply to the byte tokenizer"),
+        (["--tokenizer", "bpe", "--vocab-size", "100"], r"--vocab-size 100 is too small .* at least 257"),
+        (["--tokenizer", "bpe", "--vocab-size", "99999999999"], r"--vocab-size 99999999999 is too large"),
+        (["--tokenizer", "bpe", "--min-frequency", "-1"], r"--min-frequency must be >= 0, got -1"),
+        (["--max-bytes", "0"], r"--max-bytes must be positive, got 0"),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(args, expected, corpus, byte_dir, tmp_path, capsys):
     import re
 
@@ -401,7 +447,8 @@ def test_cli_failed_overwrite_keeps_the_old_prepared_dir(byte_dir: pathlib.Path,
     done = _cli("--src", str(tmp_path / "zero"), "--out", str(byte_dir), "--overwrite")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"meshtron-prepare: error: the corpus read from {tmp_path / 'zero'} is empty (all files have 0 bytes)"]
+        f"meshtron-prepare: error: the corpus read from {tmp_path / 'zero'} is empty (all files have 0 bytes)"
+    ]
     assert {p.name: p.read_bytes() for p in byte_dir.iterdir()} == before
     load_prepared(byte_dir, verify_checksum=True)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -419,8 +466,12 @@ def _hf_tokenizer_folder(folder: pathlib.Path, eos: bool = True) -> pathlib.Path
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<pad>", "<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=280,
+        special_tokens=["<pad>", "<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(DOCS.values(), trainer=trainer)
     special = {"eos_token": "<|endoftext|>"} if eos else {}
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(folder)

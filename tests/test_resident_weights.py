@@ -21,10 +21,23 @@ from tests.distributed.registry import WORLD_TIMEOUT_S, assert_case_passed, para
 
 def _losses(param_dtype: str, steps: int = 4) -> list[float]:
     cfg, mesh = model_config("gpt2"), single_process_mesh()
-    model, = init_model_chunks(cfg, mesh, SEED)
+    (model,) = init_model_chunks(cfg, mesh, SEED)
     reducer, optimizer = build_reducer_and_optimizer(OptimConfig(lr=1e-2, param_dtype=param_dtype), [model], mesh)
-    out = [float(train_step(model, reducer, optimizer, microbatches(cfg, 0, 0, 1, 2), mesh, lr=1e-2,
-                            max_grad_norm=1.0, precision=Precision("bf16")).loss) for step in range(steps)]
+    out = [
+        float(
+            train_step(
+                model,
+                reducer,
+                optimizer,
+                microbatches(cfg, 0, 0, 1, 2),
+                mesh,
+                lr=1e-2,
+                max_grad_norm=1.0,
+                precision=Precision("bf16"),
+            ).loss
+        )
+        for step in range(steps)
+    ]
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16 if param_dtype == "bf16" else torch.float32}
     reducer.remove_hooks()
     return out
@@ -42,11 +55,14 @@ def test_resident_loss_matches_bf16_autocast_over_fp32_weights() -> None:
         assert abs(a - b) <= 1e-3 * abs(b), (step, a, b)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(precision="fp32"), "optim.param_dtype=bf16 needs trainer.precision=bf16 (got 'fp32')"),
-    (dict(precision="fp16"), "optim.param_dtype=bf16 needs trainer.precision=bf16 (got 'fp16')"),
-    (dict(pp=2), "optim.param_dtype=bf16 does not support parallel.pp=2 yet"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(precision="fp32"), "optim.param_dtype=bf16 needs trainer.precision=bf16 (got 'fp32')"),
+        (dict(precision="fp16"), "optim.param_dtype=bf16 needs trainer.precision=bf16 (got 'fp16')"),
+        (dict(pp=2), "optim.param_dtype=bf16 does not support parallel.pp=2 yet"),
+    ],
+)
 def test_resident_refusals(overrides: dict, message: str) -> None:
     cfg = RunConfig()
     cfg.trainer.precision = overrides.get("precision", "bf16")
@@ -67,20 +83,28 @@ def test_resident_defaults_unchanged() -> None:
     cfg.validate()
 
 
-@pytest.mark.parametrize("zero,offload,want", [
-    (0, False, 18.0), (1, False, 6 + 12 / 8), (2, False, 2 + 16 / 8), (3, False, 18 / 8), (1, True, 6.0)])
+@pytest.mark.parametrize(
+    "zero,offload,want",
+    [(0, False, 18.0), (1, False, 6 + 12 / 8), (2, False, 2 + 16 / 8), (3, False, 18 / 8), (1, True, 6.0)],
+)
 def test_planner_bytes_per_parameter(zero: int, offload: bool, want: float) -> None:
     """Device bytes per parameter of the model states at dp=8 (Megatron's 6 + 12/dp at zero=1);
     ZeRO-3 halves the gathered units too."""
     n = 8_000
     counts = {"total": n, "matmul": n, "group_dp": n, "group_tp_dp": 0, "group_edp": 0}
-    out = model_state_bytes(counts, {"dp": 8, "tp_dp": 8, "edp": 8}, zero=zero,
-                            offload=offload, precision="bf16", param_dtype="bf16")
+    out = model_state_bytes(
+        counts, {"dp": 8, "tp_dp": 8, "edp": 8}, zero=zero, offload=offload, precision="bf16", param_dtype="bf16"
+    )
     assert out["total"] / n == want, out
     assert out["autocast_weight_copies"] == 0  # resident bf16 weights need no per-step copies
     assert out["host"] == (12 * n // 8 if offload else 0)
-    gathered = model_state_bytes({**counts, "zero3_gathered": 4000}, {"dp": 8, "tp_dp": 8, "edp": 8}, zero=3,
-                                 precision="bf16", param_dtype="bf16")["weights_gathered"]
+    gathered = model_state_bytes(
+        {**counts, "zero3_gathered": 4000},
+        {"dp": 8, "tp_dp": 8, "edp": 8},
+        zero=3,
+        precision="bf16",
+        param_dtype="bf16",
+    )["weights_gathered"]
     assert gathered == 2000
 
 

@@ -16,8 +16,16 @@ import pytest
 
 from tests.test_train_cli import ROOT, metrics, run
 
-COMMON = ["model.num_layers=2", "model.hidden_size=64", "trainer.global_batch_size=8", "trainer.max_steps=12",
-          "trainer.log_every=1", "trainer.eval_every=0", "trainer.progress=false", "data.max_bytes=2000000"]
+COMMON = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "trainer.global_batch_size=8",
+    "trainer.max_steps=12",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "data.max_bytes=2000000",
+]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -36,9 +44,14 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 def _start(ckpt: Path, run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="2", **(env or {}))
-    return subprocess.Popen([sys.executable, "train.py", *COMMON, f"checkpoint.dir={ckpt}", *extra,
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *COMMON, f"checkpoint.dir={ckpt}", *extra, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 150.0) -> None:
@@ -53,8 +66,17 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 150.0) -> None
 
 
 def _resume(ckpt: Path, run_dir: Path) -> subprocess.CompletedProcess:
-    out = run([sys.executable, "train.py", *COMMON, f"checkpoint.dir={ckpt}", "checkpoint.resume=auto",
-               f"hydra.run.dir={run_dir}"], timeout=200)
+    out = run(
+        [
+            sys.executable,
+            "train.py",
+            *COMMON,
+            f"checkpoint.dir={ckpt}",
+            "checkpoint.resume=auto",
+            f"hydra.run.dir={run_dir}",
+        ],
+        timeout=200,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
@@ -98,15 +120,30 @@ def test_sigterm_saves_then_resume_gives_the_uninterrupted_losses(tmp_path, refe
 @pytest.fixture(scope="module")
 def finished_checkpoint(tmp_path_factory) -> Path:
     ckpt = tmp_path_factory.mktemp("ckpt")
-    out = run([sys.executable, "train.py", *COMMON, "trainer.max_steps=2", f"checkpoint.dir={ckpt}",
-               f"hydra.run.dir={tmp_path_factory.mktemp('run')}"], timeout=200)
+    out = run(
+        [
+            sys.executable,
+            "train.py",
+            *COMMON,
+            "trainer.max_steps=2",
+            f"checkpoint.dir={ckpt}",
+            f"hydra.run.dir={tmp_path_factory.mktemp('run')}",
+        ],
+        timeout=200,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return ckpt / "step_00000002"
 
 
 def _fails_before_process_group(tmp_path, overrides, message) -> None:
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    env = {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }
     out = run([sys.executable, "train.py", *COMMON, *overrides, f"hydra.run.dir={tmp_path}"], timeout=100, env=env)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("meshtron: configuration error")]
@@ -115,10 +152,13 @@ def _fails_before_process_group(tmp_path, overrides, message) -> None:
 
 @pytest.mark.timeout(200)
 def test_mismatched_checkpoint_names_the_tensor(tmp_path, finished_checkpoint):
-    _fails_before_process_group(tmp_path, ["model.hidden_size=32", f"checkpoint.resume={finished_checkpoint}"],
-                                "tensor pos_embed has shape [128, 64] but the model needs [128, 32] "
-                                "(model config differs from the checkpoint's: ffn_hidden_size 256 -> 128, "
-                                "hidden_size 64 -> 32")
+    _fails_before_process_group(
+        tmp_path,
+        ["model.hidden_size=32", f"checkpoint.resume={finished_checkpoint}"],
+        "tensor pos_embed has shape [128, 64] but the model needs [128, 32] "
+        "(model config differs from the checkpoint's: ffn_hidden_size 256 -> 128, "
+        "hidden_size 64 -> 32",
+    )
 
 
 @pytest.mark.timeout(200)
@@ -153,13 +193,34 @@ def test_checkpoint_of_a_tp2_run_resumes_in_one_process(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     common = [*COMMON, "trainer.max_steps=4", "trainer.micro_batch_size=4"]
-    out = run([*TORCHRUN, "--nproc_per_node=4", "train.py", *common, "parallel.tp=2", "parallel.pp=2",
-               f"checkpoint.dir={ckpt}", "checkpoint.every=2", "checkpoint.keep=null",
-               f"hydra.run.dir={tmp_path / 'parallel'}"], timeout=300, threads=1)
+    out = run(
+        [
+            *TORCHRUN,
+            "--nproc_per_node=4",
+            "train.py",
+            *common,
+            "parallel.tp=2",
+            "parallel.pp=2",
+            f"checkpoint.dir={ckpt}",
+            "checkpoint.every=2",
+            "checkpoint.keep=null",
+            f"hydra.run.dir={tmp_path / 'parallel'}",
+        ],
+        timeout=300,
+        threads=1,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     want = _losses(tmp_path / "parallel")
-    out = run([sys.executable, "train.py", *common, f"checkpoint.resume={ckpt / 'step_00000002'}",
-               f"hydra.run.dir={tmp_path / 'serial'}"], timeout=200)
+    out = run(
+        [
+            sys.executable,
+            "train.py",
+            *common,
+            f"checkpoint.resume={ckpt / 'step_00000002'}",
+            f"hydra.run.dir={tmp_path / 'serial'}",
+        ],
+        timeout=200,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = _losses(tmp_path / "serial")
     assert sorted(got) == [3, 4]
@@ -180,11 +241,26 @@ def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path, background):
     from tests.test_train_cli import TORCHRUN
 
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
-    args = [*TORCHRUN, "--nproc_per_node=2", "train.py", *COMMON, "trainer.max_steps=5000", "parallel.tp=2",
-            f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}",
-            *(["checkpoint.async=true", "checkpoint.every=2"] if background else [])]
-    proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = [
+        *TORCHRUN,
+        "--nproc_per_node=2",
+        "train.py",
+        *COMMON,
+        "trainer.max_steps=5000",
+        "parallel.tp=2",
+        f"checkpoint.dir={ckpt}",
+        f"hydra.run.dir={run_dir}",
+        *(["checkpoint.async=true", "checkpoint.every=2"] if background else []),
+    ]
+    proc = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 3, proc)
     proc.send_signal(signal.SIGTERM)  # to the torchrun agent only
     stdout, stderr = proc.communicate(timeout=120)

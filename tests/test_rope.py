@@ -24,7 +24,7 @@ def _strided_q(b=2, heads=3, s=16, d=8, dtype=torch.float32):
 
 def test_tables_are_the_llama_frequencies():
     cos, sin = rope_tables(5, 4, 100.0, "cpu")
-    inv_freq = torch.tensor([1.0, 100.0 ** -0.5])
+    inv_freq = torch.tensor([1.0, 100.0**-0.5])
     angles = torch.arange(5.0)[:, None] * inv_freq
     torch.testing.assert_close(cos, torch.cat([angles.cos()] * 2, dim=-1))
     torch.testing.assert_close(sin, torch.cat([angles.sin()] * 2, dim=-1))
@@ -72,8 +72,8 @@ def test_scores_depend_only_on_the_relative_position():
     q, k = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
 
     def score(m, n):
-        rq = apply_rope(q.view(1, 1, 1, 8), cos[m:m + 1], sin[m:m + 1])
-        rk = apply_rope(k.view(1, 1, 1, 8), cos[n:n + 1], sin[n:n + 1])
+        rq = apply_rope(q.view(1, 1, 1, 8), cos[m : m + 1], sin[m : m + 1])
+        rk = apply_rope(k.view(1, 1, 1, 8), cos[n : n + 1], sin[n : n + 1])
         return (rq * rk).sum()
 
     torch.testing.assert_close(score(7, 3), score(27, 23), rtol=1e-5, atol=1e-5)

@@ -12,15 +12,21 @@ from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.precision import Precision
 
 
-@pytest.mark.parametrize("args, message", [
-    ((8, 2, 2), None),
-    ((8, None, 2), None),
-    ((0, 2, 2), "trainer.global_batch_size=0 must be a positive integer"),
-    ((8, 0, 2), "trainer.micro_batch_size=0 must be a positive integer"),
-    ((6, None, 4), "trainer.global_batch_size=6 is not divisible by dp=4; use a multiple of 4"),
-    ((12, 4, 2), "trainer.global_batch_size=12 is not divisible by trainer.micro_batch_size=4 * dp=2 = 8; use a "
-                 "global batch that is a multiple of 8 (e.g. 8 or 16)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((8, 2, 2), None),
+        ((8, None, 2), None),
+        ((0, 2, 2), "trainer.global_batch_size=0 must be a positive integer"),
+        ((8, 0, 2), "trainer.micro_batch_size=0 must be a positive integer"),
+        ((6, None, 4), "trainer.global_batch_size=6 is not divisible by dp=4; use a multiple of 4"),
+        (
+            (12, 4, 2),
+            "trainer.global_batch_size=12 is not divisible by trainer.micro_batch_size=4 * dp=2 = 8; use a "
+            "global batch that is a multiple of 8 (e.g. 8 or 16)",
+        ),
+    ],
+)
 def test_batch_rules(args, message):
     found = first_failure(batch_checks(*args))
     assert found == message if message is None else found.startswith(message)
@@ -45,6 +51,5 @@ def test_precision_rule_is_the_one_message_everywhere():
     with pytest.raises(ConfigError) as from_config:
         RunConfig.from_dict({"trainer": {"precision": "fp8"}})
     with pytest.raises(ValueError) as from_plan:
-        plan_rank(GPTConfig(), ParallelConfig(), 1, 0, micro_batch_size=1, global_batch_size=1,
-                  precision="fp8")
+        plan_rank(GPTConfig(), ParallelConfig(), 1, 0, micro_batch_size=1, global_batch_size=1, precision="fp8")
     assert str(from_precision.value) == str(from_config.value) == str(from_plan.value) == message

@@ -16,33 +16,36 @@ from meshtron.schema import Allowed, help_of, nearest_key
 from meshtron.training.config import ConfigError, RunConfig, TrainerConfig, unknown_override
 
 
-@pytest.mark.parametrize("section,key,value,message", [
-    ("optim", "lr", float("inf"), "optim.lr=inf must be a finite number > 0"),
-    ("optim", "lr", float("nan"), "optim.lr=nan must be a finite number > 0"),
-    ("optim", "lr", 0.0, "optim.lr=0.0 must be a finite number > 0"),
-    ("trainer", "max_steps", "abc", "trainer.max_steps='abc' must be an integer >= 1"),
-    ("optim", "decay", "bogus", "optim.decay='bogus' must be one of cosine, linear, constant"),
-    ("optim", "min_lr_ratio", 2, "optim.min_lr_ratio=2 must be a finite number in [0, 1]"),
-    ("optim", "warmup_steps", -3, "optim.warmup_steps=-3 must be an integer >= 0"),
-    ("optim", "betas", [1.5, 0.9], "optim.betas=(1.5, 0.9): every element must be in [0, 1)"),
-    ("optim", "betas", [0.9], "optim.betas=(0.9,) must be a list of 2 finite numbers"),
-    ("optim", "eps", -1, "optim.eps=-1 must be a finite number > 0"),
-    ("optim", "weight_decay", -5, "optim.weight_decay=-5 must be a finite number >= 0"),
-    ("optim", "zero", 4, "optim.zero=4 must be one of 0, 1, 2, 3"),
-    ("trainer", "num_threads", -1, "trainer.num_threads=-1 must be an integer >= 1"),
-    ("trainer", "progress", 1, "trainer.progress=1 must be true or false"),
-    ("trainer", "device", "tpu", "trainer.device='tpu' must be one of auto, cpu, cuda"),
-    ("trainer", "max_grad_norm", -1.0, "trainer.max_grad_norm=-1.0 must be a finite number >= 0"),
-    ("data", "val_fraction", 1.0, "data.val_fraction=1.0 must be a finite number in [0, 1)"),
-    ("checkpoint", "keep", 0, "checkpoint.keep=0 must be an integer >= 1"),
-    ("model", "num_layers", 2.5, "model.num_layers=2.5 must be an integer >= 1"),
-    ("model", "hidden_size", -128, "model.hidden_size=-128 must be an integer >= 1"),
-    ("model", "num_heads", 0, "model.num_heads=0 must be an integer >= 1"),
-    ("parallel", "tp", True, "parallel.tp=True must be an integer >= 1"),
-    ("trainer", "global_batch_size", 16.5, "trainer.global_batch_size=16.5 must be an integer"),
-    ("trainer", "lm_loss_chunk_rows", 0, "trainer.lm_loss_chunk_rows=0 must be an integer >= 1"),
-    ("trainer", "fused_lm_loss", "yes", "trainer.fused_lm_loss='yes' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "section,key,value,message",
+    [
+        ("optim", "lr", float("inf"), "optim.lr=inf must be a finite number > 0"),
+        ("optim", "lr", float("nan"), "optim.lr=nan must be a finite number > 0"),
+        ("optim", "lr", 0.0, "optim.lr=0.0 must be a finite number > 0"),
+        ("trainer", "max_steps", "abc", "trainer.max_steps='abc' must be an integer >= 1"),
+        ("optim", "decay", "bogus", "optim.decay='bogus' must be one of cosine, linear, constant"),
+        ("optim", "min_lr_ratio", 2, "optim.min_lr_ratio=2 must be a finite number in [0, 1]"),
+        ("optim", "warmup_steps", -3, "optim.warmup_steps=-3 must be an integer >= 0"),
+        ("optim", "betas", [1.5, 0.9], "optim.betas=(1.5, 0.9): every element must be in [0, 1)"),
+        ("optim", "betas", [0.9], "optim.betas=(0.9,) must be a list of 2 finite numbers"),
+        ("optim", "eps", -1, "optim.eps=-1 must be a finite number > 0"),
+        ("optim", "weight_decay", -5, "optim.weight_decay=-5 must be a finite number >= 0"),
+        ("optim", "zero", 4, "optim.zero=4 must be one of 0, 1, 2, 3"),
+        ("trainer", "num_threads", -1, "trainer.num_threads=-1 must be an integer >= 1"),
+        ("trainer", "progress", 1, "trainer.progress=1 must be true or false"),
+        ("trainer", "device", "tpu", "trainer.device='tpu' must be one of auto, cpu, cuda"),
+        ("trainer", "max_grad_norm", -1.0, "trainer.max_grad_norm=-1.0 must be a finite number >= 0"),
+        ("data", "val_fraction", 1.0, "data.val_fraction=1.0 must be a finite number in [0, 1)"),
+        ("checkpoint", "keep", 0, "checkpoint.keep=0 must be an integer >= 1"),
+        ("model", "num_layers", 2.5, "model.num_layers=2.5 must be an integer >= 1"),
+        ("model", "hidden_size", -128, "model.hidden_size=-128 must be an integer >= 1"),
+        ("model", "num_heads", 0, "model.num_heads=0 must be an integer >= 1"),
+        ("parallel", "tp", True, "parallel.tp=True must be an integer >= 1"),
+        ("trainer", "global_batch_size", 16.5, "trainer.global_batch_size=16.5 must be an integer"),
+        ("trainer", "lm_loss_chunk_rows", 0, "trainer.lm_loss_chunk_rows=0 must be an integer >= 1"),
+        ("trainer", "fused_lm_loss", "yes", "trainer.fused_lm_loss='yes' must be true or false"),
+    ],
+)
 def test_bad_values_name_key_value_and_what_is_allowed(section, key, value, message):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_dict({section: {key: value}})
@@ -63,8 +66,21 @@ def test_unknown_keys_suggest_the_nearest():
     with pytest.raises(ConfigError, match=r"^unknown config section trainr; did you mean trainer\?$"):
         RunConfig.from_dict({"trainr": {}})
     assert unknown_override(["parallel.tpp=2"]) == "unknown key parallel.tpp; did you mean parallel.tp?"
-    assert unknown_override(["parallel.tp=2", "+model=gpt_1b", "~data.paths", "hydra.run.dir=x", "-m",
-                             "--config-dir", "d", "trainer.max_steps=3"]) is None
+    assert (
+        unknown_override(
+            [
+                "parallel.tp=2",
+                "+model=gpt_1b",
+                "~data.paths",
+                "hydra.run.dir=x",
+                "-m",
+                "--config-dir",
+                "d",
+                "trainer.max_steps=3",
+            ]
+        )
+        is None
+    )
     assert unknown_override(["optimm.lr=1"]) == "unknown config section optimm; did you mean optim?"
     assert nearest_key("zzz", ["optim.lr"]) is None
 
@@ -82,12 +98,25 @@ def _declaration(kind: type, name: str) -> tuple:
     return typing.get_type_hints(kind)[name], f.default, dict(f.metadata)
 
 
-@pytest.mark.parametrize("copy,owner,names", [
-    (GPTConfig, MoEConfig, ROUTING_FIELDS),
-    (TrainerConfig, ExecutionConfig,
-     ("recompute", "recompute_layers", "fused_lm_loss", "lm_loss_chunk_rows", "compile_moe", "moe_dispatch_chunks")),
-    (Layout, ParallelConfig, tuple(n for n in LAYOUT_SIZES if n != "dp")),
-])
+@pytest.mark.parametrize(
+    "copy,owner,names",
+    [
+        (GPTConfig, MoEConfig, ROUTING_FIELDS),
+        (
+            TrainerConfig,
+            ExecutionConfig,
+            (
+                "recompute",
+                "recompute_layers",
+                "fused_lm_loss",
+                "lm_loss_chunk_rows",
+                "compile_moe",
+                "moe_dispatch_chunks",
+            ),
+        ),
+        (Layout, ParallelConfig, tuple(n for n in LAYOUT_SIZES if n != "dp")),
+    ],
+)
 def test_a_key_carried_twice_is_declared_once(copy, owner, names):
     """GPTConfig's MoE routing keys are MoEConfig's, TrainerConfig's execution keys
     ExecutionConfig's, the planner's Layout sizes ParallelConfig's: same type, default, range
@@ -100,9 +129,19 @@ def test_a_key_carried_twice_is_declared_once(copy, owner, names):
 
 def test_layout_dp_is_resolved_and_moe_gets_every_routing_field():
     assert _declaration(Layout, "dp") == (int, 1, dict(ParallelConfig.__dataclass_fields__["dp"].metadata))
-    changed = dict(capacity_factor=1.5, aux_loss_coef=0.02, z_loss_coef=0.001, router_score="sigmoid",
-                   router_renormalize=True, router_bias_update_rate=0.01, aux_loss_scope="sequence",
-                   aux_loss_layers="pooled", router_groups=2, router_topk_groups=1, shared_experts=1)
+    changed = dict(
+        capacity_factor=1.5,
+        aux_loss_coef=0.02,
+        z_loss_coef=0.001,
+        router_score="sigmoid",
+        router_renormalize=True,
+        router_bias_update_rate=0.01,
+        aux_loss_scope="sequence",
+        aux_loss_layers="pooled",
+        router_groups=2,
+        router_topk_groups=1,
+        shared_experts=1,
+    )
     assert set(changed) == set(ROUTING_FIELDS)
     moe = GPTConfig(num_experts=4, top_k=2, **changed).moe()
     assert {name: getattr(moe, name) for name in ROUTING_FIELDS} == changed

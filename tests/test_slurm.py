@@ -22,8 +22,14 @@ from meshtron.training.distributed import launcher_env, submitit_torch_env
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 # Tiny and short, as tests/test_sweeps.py: one layer, two steps, a 1 MB slice of the default text.
-COMMON = ["trainer.max_steps=2", "trainer.progress=false", "trainer.log_every=1", "trainer.eval_every=0",
-          "model.num_layers=1", "data.max_bytes=1000000"]
+COMMON = [
+    "trainer.max_steps=2",
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "model.num_layers=1",
+    "data.max_bytes=1000000",
+]
 
 
 def run(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -49,8 +55,14 @@ def test_submitit_env_maps_onto_torchrun_variables(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     port = str(random.Random("77_3").randint(20000, 60000))
     assert submitit_torch_env(FakeJobEnvironment(5)) == {
-        "WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-        "MASTER_ADDR": "gpu017", "MASTER_PORT": port}
+        "WORLD_SIZE": "8",
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "gpu017",
+        "MASTER_PORT": port,
+    }
     # every task of the job derives the same port; another job (sweep point) most likely another
     assert {submitit_torch_env(FakeJobEnvironment(r))["MASTER_PORT"] for r in range(8)} == {port}
     assert submitit_torch_env(FakeJobEnvironment(0, job_id="77_4"))["MASTER_PORT"] != port
@@ -70,12 +82,24 @@ def test_launcher_env_reads_a_slurm_task_of_submitit(monkeypatch):
     """Inside a submitit Slurm task (SUBMITIT_EXECUTOR=slurm, Slurm's variables, no torchrun)
     launcher_env exports torchrun's variables, the first host of the node list as MASTER_ADDR;
     under torchrun (WORLD_SIZE set) torchrun's values stay."""
-    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2",
-             "SLURM_NODEID": "1", "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_JOB_NODELIST": "gpu[017-018]"}
+    slurm = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "8",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "6",
+        "SLURM_LOCALID": "2",
+        "SLURM_JOB_NODELIST": "gpu[017-018]",
+    }
     monkeypatch.setattr(os, "environ", {"PATH": os.environ.get("PATH", ""), **slurm})
     assert launcher_env() == (8, 6, 2, 4)
-    assert (os.environ["RANK"], os.environ["GROUP_RANK"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == \
-        ("6", "1", "gpu017", str(random.Random("4242").randint(20000, 60000)))
+    assert (os.environ["RANK"], os.environ["GROUP_RANK"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (
+        "6",
+        "1",
+        "gpu017",
+        str(random.Random("4242").randint(20000, 60000)),
+    )
     monkeypatch.setattr(os, "environ", {**slurm, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
     assert launcher_env() == (2, 1, 1, 2) and "MASTER_ADDR" not in os.environ
 
@@ -96,18 +120,35 @@ def test_submitit_local_sweep_two_tasks_per_point(tmp_path, single_process_losse
     fails at once and the sweep exits non-zero with the point's one-line error."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs `pip install -e '.[slurm]'`")
     sweep_dir = tmp_path / "sweep"
-    out = run([sys.executable, "train.py", "-m", "hydra/launcher=slurm_local", "hydra.launcher.tasks_per_node=2",
-               "hydra.launcher.timeout_min=5", "parallel.tp=1,2,3", *COMMON, f"hydra.sweep.dir={sweep_dir}"],
-              timeout=330)
+    out = run(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm_local",
+            "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.timeout_min=5",
+            "parallel.tp=1,2,3",
+            *COMMON,
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        timeout=330,
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     assert "UncompletedJobError" in out.stderr
-    assert ("meshtron: configuration error: world size 2 is not divisible by tp*pp=3 (tp=3, pp=1); "
-            "change parallel.tp/parallel.pp or the number of processes") in out.stderr
+    assert (
+        "meshtron: configuration error: world size 2 is not divisible by tp*pp=3 (tp=3, pp=1); "
+        "change parallel.tp/parallel.pp or the number of processes"
+    ) in out.stderr
     assert not (sweep_dir / "2" / "metrics.jsonl").exists()
     for job, layout in ((0, "dp=2 tp=1"), (1, "dp=1 tp=2")):
         assert losses(sweep_dir / str(job)) == pytest.approx(single_process_losses, rel=0, abs=1e-6)
-        [job_dir] = [d for d in (sweep_dir / ".submitit").iterdir() if d.name.isdigit()  # not "%j"
-                     and f"run dir {sweep_dir / str(job)}" in (d / f"{d.name}_0_log.out").read_text()]
+        [job_dir] = [
+            d
+            for d in (sweep_dir / ".submitit").iterdir()
+            if d.name.isdigit()  # not "%j"
+            and f"run dir {sweep_dir / str(job)}" in (d / f"{d.name}_0_log.out").read_text()
+        ]
         rank0, rank1 = ((job_dir / f"{job_dir.name}_{task}_log.out").read_text() for task in (0, 1))
         assert f"meshtron: rank 0/2: dense pp=1 {layout}" in rank0 and "rank 1/2" not in rank0
         assert "global_rank=1(2)" in rank1  # the second task of the same job: one group of 2
@@ -119,11 +160,18 @@ def test_sbatch_example_is_valid_bash_and_its_torchrun_line_parses(tmp_path, mon
     # DRY_RUN prints the command; a fake scontrol expands the node list as Slurm's would.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1 $2 $3" = "show hostnames gpu[017-018]" ] '
-                                      '&& printf "gpu017\\ngpu018\\n"\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\n[ "$1 $2 $3" = "show hostnames gpu[017-018]" ] && printf "gpu017\\ngpu018\\n"\n'
+    )
     (bin_dir / "scontrol").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu[017-018]",
-           "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "4"}
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "DRY_RUN": "1",
+        "SLURM_JOB_NODELIST": "gpu[017-018]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_GPUS_ON_NODE": "4",
+    }
     out = run(["bash", str(SBATCH), "+model=gpt_1b", "parallel.tp=4"], timeout=30, env=env)
     assert out.returncode == 0, out.stderr
     cmd = shlex.split(out.stdout)
@@ -138,13 +186,30 @@ def test_sbatch_example_is_valid_bash_and_its_torchrun_line_parses(tmp_path, mon
     assert script_args == ["-u", "train.py", "hydra.run.dir=outputs/slurm-4242", "+model=gpt_1b", "parallel.tp=4"]
 
 
-@pytest.mark.parametrize("preset, overrides, expected, absent", [
-    ("slurm_gpu", ["hydra.launcher.nodes=2", "hydra.launcher.partition=gpu"],
-     ["--nodes=2", "--gpus-per-node=8", "--ntasks-per-node=8", "--cpus-per-task=8", "--partition=gpu", "--time=240"],
-     ["--mem"]),
-    ("slurm_cpu", ["hydra.launcher.mem_gb=64"], ["--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=4", "--mem=64GB"],
-     ["--gpus-per-node", "--partition"]),
-])
+@pytest.mark.parametrize(
+    "preset, overrides, expected, absent",
+    [
+        (
+            "slurm_gpu",
+            ["hydra.launcher.nodes=2", "hydra.launcher.partition=gpu"],
+            [
+                "--nodes=2",
+                "--gpus-per-node=8",
+                "--ntasks-per-node=8",
+                "--cpus-per-task=8",
+                "--partition=gpu",
+                "--time=240",
+            ],
+            ["--mem"],
+        ),
+        (
+            "slurm_cpu",
+            ["hydra.launcher.mem_gb=64"],
+            ["--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=4", "--mem=64GB"],
+            ["--gpus-per-node", "--partition"],
+        ),
+    ],
+)
 def test_slurm_presets_write_the_sbatch_script(tmp_path, monkeypatch, preset, overrides, expected, absent):
     """The plugin's own launch() with a preset, stopped at submission: the #SBATCH lines it
     would submit (one task per GPU: --ntasks-per-node = --gpus-per-node). submitit wants an
@@ -158,11 +223,17 @@ def test_slurm_presets_write_the_sbatch_script(tmp_path, monkeypatch, preset, ov
     (tmp_path / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     scripts = []
-    monkeypatch.setattr(submitit.AutoExecutor, "map_array", lambda self, *args: scripts.append(
-        self._executor._make_submission_file_text("CMD", "uid")) or [])
+    monkeypatch.setattr(
+        submitit.AutoExecutor,
+        "map_array",
+        lambda self, *args: scripts.append(self._executor._make_submission_file_text("CMD", "uid")) or [],
+    )
     with initialize_config_module(config_module="meshtron.configs", version_base="1.3"):
-        cfg = compose(config_name="train", return_hydra_config=True,
-                      overrides=[f"hydra/launcher={preset}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides])
+        cfg = compose(
+            config_name="train",
+            return_hydra_config=True,
+            overrides=[f"hydra/launcher={preset}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides],
+        )
     launcher = instantiate(cfg.hydra.launcher)
     launcher.setup(hydra_context=None, task_function=None, config=cfg)
     assert launcher.launch([["parallel.tp=1"]], initial_job_idx=0) == []

@@ -26,13 +26,16 @@ for name in ("meshtron.training.cli", "meshtron.mpu.mesh", "meshtron.moe.layer",
 
 
 def test_subpackages_resolve_from_a_bare_checkout():
-    out = subprocess.run([sys.executable, "-S", "-c", PROBE, str(REPO)], capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", PROBE, str(REPO)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     found = dict(line.split(" ", 1) for line in out)
-    assert found == {"meshtron.training.cli": str(REPO / "training" / "cli.py"),
-                     "meshtron.mpu.mesh": str(REPO / "mpu" / "mesh.py"),
-                     "meshtron.moe.layer": str(REPO / "moe" / "layer.py"),
-                     "meshtron.configs": str(REPO / "configs" / "__init__.py")}
+    assert found == {
+        "meshtron.training.cli": str(REPO / "training" / "cli.py"),
+        "meshtron.mpu.mesh": str(REPO / "mpu" / "mesh.py"),
+        "meshtron.moe.layer": str(REPO / "moe" / "layer.py"),
+        "meshtron.configs": str(REPO / "configs" / "__init__.py"),
+    }
 
 
 def test_an_installed_copy_does_not_look_beside_itself(tmp_path):
@@ -41,6 +44,7 @@ def test_an_installed_copy_does_not_look_beside_itself(tmp_path):
     (tmp_path / "meshtron" / "__init__.py").write_text((REPO / "meshtron" / "__init__.py").read_text())
     (tmp_path / "training").mkdir()
     (tmp_path / "training" / "cli.py").write_text("")
-    out = subprocess.run([sys.executable, "-S", "-c", PROBE, str(tmp_path)], capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", PROBE, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert out[0] == "meshtron.training.cli None"

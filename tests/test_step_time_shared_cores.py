@@ -89,13 +89,23 @@ def test_step_time_pp2_on_dedicated_and_shared_cores_by_hand():
     u = 32 / 0.5e9
     f0, f1 = LAYER_FWD * u, (LAYER_FWD + HEAD_FWD) * u
     lay = Layout(pp=2, dp=1, micro_batch_size=1)
-    two = step_time(GPTConfig(**TINY), lay, cluster(gpus=2, per_node=2, cores_per_node=2), global_batch_size=2,
-                    grad_elements={"dp": 0})
+    two = step_time(
+        GPTConfig(**TINY),
+        lay,
+        cluster(gpus=2, per_node=2, cores_per_node=2),
+        global_batch_size=2,
+        grad_elements={"dp": 0},
+    )
     assert two.microbatches == 2
     assert two.total == pytest.approx(3 * f0 + 6 * f1, rel=1e-9)
     assert two.pipeline == pytest.approx(3 * 3 * f1, rel=1e-9)  # the dedicated-core bound, reported as before
-    one = step_time(GPTConfig(**TINY), lay, cluster(gpus=2, per_node=2, cores_per_node=1), global_batch_size=2,
-                    grad_elements={"dp": 0})
+    one = step_time(
+        GPTConfig(**TINY),
+        lay,
+        cluster(gpus=2, per_node=2, cores_per_node=1),
+        global_batch_size=2,
+        grad_elements={"dp": 0},
+    )
     assert one.total == pytest.approx(3 * (2 * f0 + 2 * f1), rel=1e-9)
 
 
@@ -133,8 +143,11 @@ def test_sp_collectives_by_hand():
     # one latency for every collective's steps: the ring all-gather + reduce-scatter pair costs
     # what the all-reduce it replaces costs (GPUs: NCCL carries both)
     same = cluster(bw=1e6, latency_s=1e-3)
-    assert step_time(cfg, Layout(tp=2, dp=2, sp=True, micro_batch_size=4), same, **kw).tp_per_microbatch == \
-        pytest.approx(step_time(cfg, Layout(tp=2, dp=2, micro_batch_size=4), same, **kw).tp_per_microbatch)
+    assert step_time(
+        cfg, Layout(tp=2, dp=2, sp=True, micro_batch_size=4), same, **kw
+    ).tp_per_microbatch == pytest.approx(
+        step_time(cfg, Layout(tp=2, dp=2, micro_batch_size=4), same, **kw).tp_per_microbatch
+    )
 
 
 def test_cpu_preset_carries_the_shared_core_constants():

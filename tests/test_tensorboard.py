@@ -16,23 +16,53 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 
 
 def _moe(imbalances):
-    return [{"layer": i, "tokens_per_expert": [3, 1], "imbalance": b, "dropped_fraction": 0.0}
-            for i, b in enumerate(imbalances)]
+    return [
+        {"layer": i, "tokens_per_expert": [3, 1], "imbalance": b, "dropped_fraction": 0.0}
+        for i, b in enumerate(imbalances)
+    ]
 
 
 RECORDS = [
-    {"step": 1, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_s": 1000.0, "mfu": 0.1,
-     "peak_mem_bytes": [100, 200], "peak_mem_max_bytes": 200, "moe": _moe([1.5, 1.25]), "note": "x"},
-    {"step": 10, "loss": torch.tensor(4.25), "lr": np.float32(5e-4), "grad_norm": 1.5, "tokens_per_s": 1100.0,
-     "mfu": 0.11, "skipped_steps": 0, "val_loss": 4.5, "moe": _moe([1.125, 2.0])},
+    {
+        "step": 1,
+        "loss": 5.5,
+        "lr": 1e-3,
+        "grad_norm": 2.0,
+        "tokens_per_s": 1000.0,
+        "mfu": 0.1,
+        "peak_mem_bytes": [100, 200],
+        "peak_mem_max_bytes": 200,
+        "moe": _moe([1.5, 1.25]),
+        "note": "x",
+    },
+    {
+        "step": 10,
+        "loss": torch.tensor(4.25),
+        "lr": np.float32(5e-4),
+        "grad_norm": 1.5,
+        "tokens_per_s": 1100.0,
+        "mfu": 0.11,
+        "skipped_steps": 0,
+        "val_loss": 4.5,
+        "moe": _moe([1.125, 2.0]),
+    },
 ]
 
 
 def test_record_scalars_takes_numbers_and_moe_layers_only():
     scalars = record_scalars(RECORDS[0] | {"ok": True, "none": None})
-    assert scalars == {"loss": 5.5, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_s": 1000.0, "mfu": 0.1,
-                       "peak_mem_max_bytes": 200.0, "moe/layer0/imbalance": 1.5, "moe/layer1/imbalance": 1.25,
-                       "moe/layer0/dropped_fraction": 0.0, "moe/layer1/dropped_fraction": 0.0}
+    assert scalars == {
+        "loss": 5.5,
+        "lr": 1e-3,
+        "grad_norm": 2.0,
+        "tokens_per_s": 1000.0,
+        "mfu": 0.1,
+        "peak_mem_max_bytes": 200.0,
+        "moe/layer0/imbalance": 1.5,
+        "moe/layer1/imbalance": 1.25,
+        "moe/layer0/dropped_fraction": 0.0,
+        "moe/layer1/dropped_fraction": 0.0,
+    }
 
 
 def test_event_file_round_trip(tmp_path: pathlib.Path):
@@ -44,8 +74,18 @@ def test_event_file_round_trip(tmp_path: pathlib.Path):
     acc = event_accumulator.EventAccumulator(str(tb_dir))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_max_bytes", "val_loss", "skipped_steps",
-            "moe/layer0/imbalance", "moe/layer1/imbalance"} <= tags
+    assert {
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "peak_mem_max_bytes",
+        "val_loss",
+        "skipped_steps",
+        "moe/layer0/imbalance",
+        "moe/layer1/imbalance",
+    } <= tags
     assert not tags & {"step", "note", "peak_mem_bytes", "moe"}
 
     def series(tag):

@@ -24,8 +24,11 @@ def _fields():
 
 def test_committed_train_yaml_is_what_the_generator_writes():
     committed, generated = generate.TRAIN_YAML.read_text(), generate.train_yaml()
-    diff = "\n".join(list(difflib.unified_diff(committed.splitlines(), generated.splitlines(), "committed",
-                                               "generated", lineterm=""))[:12])
+    diff = "\n".join(
+        list(
+            difflib.unified_diff(committed.splitlines(), generated.splitlines(), "committed", "generated", lineterm="")
+        )[:12]
+    )
     assert committed == generated, f"configs/train.yaml is stale: run `{REGENERATE}`\n{diff}"
 
 
@@ -39,8 +42,7 @@ def test_train_yaml_composes_to_the_dataclass_defaults():
 def test_the_run_trains_the_model_train_yaml_always_trained():
     """The four keys where train.yaml and the dataclasses disagreed before: the run's values."""
     run = compose_run([])
-    assert (run.model.num_layers, run.model.hidden_size, run.model.seq_len, run.trainer.eval_every) == \
-        (4, 128, 128, 50)
+    assert (run.model.num_layers, run.model.hidden_size, run.model.seq_len, run.trainer.eval_every) == (4, 128, 128, 50)
 
 
 @pytest.mark.parametrize("section,field", _fields(), ids=lambda x: x if isinstance(x, str) else x.name)

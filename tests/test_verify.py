@@ -23,8 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def verify(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "meshtron.verify", *args, "--timeout", str(timeout - 30)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "meshtron.verify", *args, "--timeout", str(timeout - 30)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def loss_rows(stdout: str) -> list[list[str]]:
@@ -33,13 +39,24 @@ def loss_rows(stdout: str) -> list[list[str]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("overrides, world", [
-    (["parallel.tp=2"], 2),                                  # GPT-2, TP with a padded vocabulary
-    (["parallel.pp=2", "parallel.schedule=1f1b"], 2),        # GPT-2, two pipeline stages
-    (["+model=moe_tiny", "parallel.ep=2"], 2),               # Llama MoE (GQA, shared expert): dp=2, ep=2
-    (["parallel.cp=2", "model.arch=llama", "model.num_kv_heads=2",  # ring attention over packed documents
-      "data.reset_at_eos=true", "data.eos_id=3"], 2),
-])
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        (["parallel.tp=2"], 2),  # GPT-2, TP with a padded vocabulary
+        (["parallel.pp=2", "parallel.schedule=1f1b"], 2),  # GPT-2, two pipeline stages
+        (["+model=moe_tiny", "parallel.ep=2"], 2),  # Llama MoE (GQA, shared expert): dp=2, ep=2
+        (
+            [
+                "parallel.cp=2",
+                "model.arch=llama",
+                "model.num_kv_heads=2",  # ring attention over packed documents
+                "data.reset_at_eos=true",
+                "data.eos_id=3",
+            ],
+            2,
+        ),
+    ],
+)
 def test_correct_layouts_pass(overrides, world):
     out = verify(*overrides, "--steps", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -61,16 +78,19 @@ def test_injected_fault_is_named():
     fail = next(line for line in out.stdout.splitlines() if line.startswith("FAIL:"))
     assert fail.startswith("FAIL: first departure at step 1: gradient of final_norm.weight on rank 0: "), fail
     assert "relative diff 1.000e+00" in fail  # doubled: summed over two tp ranks holding the same value
-    row, = loss_rows(out.stdout)
+    (row,) = loss_rows(out.stdout)
     assert float(row[3]) == 0.0  # the loss itself is untouched in the step the fault happens
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.tp=3"], "tp=3 does not divide num_heads=4"),
-    (["parallel.tpp=2"], "unknown key parallel.tpp; did you mean parallel.tp?"),
-    (["parallel.tp=2", "--bogus"], "unknown option --bogus"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.tp=3"], "tp=3 does not divide num_heads=4"),
+        (["parallel.tpp=2"], "unknown key parallel.tpp; did you mean parallel.tp?"),
+        (["parallel.tp=2", "--bogus"], "unknown option --bogus"),
+    ],
+)
 def test_bad_config_is_one_line(overrides, message, capsys):
     """In process (the CLI's `main`): nothing starts, one line on stderr, exit 2."""
     with pytest.raises(SystemExit) as exit_info:
@@ -84,16 +104,34 @@ def test_bad_config_is_one_line(overrides, message, capsys):
 
 def test_shrink_keeps_structure():
     """gpt_1b-like MoE at tp=4, pp=2 with uneven stages, and a2a context parallelism."""
-    big = GPTConfig(arch="llama", num_layers=16, hidden_size=2048, num_heads=16, num_kv_heads=8, ffn_hidden_size=5632,
-                    vocab_size=50257, seq_len=2048, num_experts=8, top_k=2, moe_every=2, moe_ffn_hidden_size=2816,
-                    shared_experts=1, tie_embeddings=False)
+    big = GPTConfig(
+        arch="llama",
+        num_layers=16,
+        hidden_size=2048,
+        num_heads=16,
+        num_kv_heads=8,
+        ffn_hidden_size=5632,
+        vocab_size=50257,
+        seq_len=2048,
+        num_experts=8,
+        top_k=2,
+        moe_every=2,
+        moe_ffn_hidden_size=2816,
+        shared_experts=1,
+        tie_embeddings=False,
+    )
     par = ParallelConfig(tp=4, pp=2, ep=2, sp=True, stage_layers=[4, 12]).resolved(8)
     small, small_par = shrink_model(big, par)
     check_model_fits(small_par, small)
     assert small_par.stage_layers == [1, 3] and small.num_layers == 4
     assert small.num_heads // small.num_kv_heads == 2 and small.num_kv_heads % 4 == 0
-    assert (small.arch, small.norm, small.activation, small.position, small.bias) == \
-        ("llama", "rmsnorm", "swiglu", "rope", False)
+    assert (small.arch, small.norm, small.activation, small.position, small.bias) == (
+        "llama",
+        "rmsnorm",
+        "swiglu",
+        "rope",
+        False,
+    )
     assert (small.num_experts, small.top_k, small.moe_every, small.shared_experts) == (8, 2, 2, 1)
     assert small.vocab_size % (128 * 4) and small.padded_vocab_size(4) > small.vocab_size
     assert small.seq_len % 4 == 0 and small.hidden_size <= 128 and small.dropout == 0.0
@@ -108,15 +146,24 @@ def test_compare_orders_checks():
     """Forward activations before the loss, gradients in reverse parameter order, a missing
     tensor reported, rows of a global-scope microbatch compared against the serial slice."""
     t = torch.ones(4, 2, 3)
-    serial = [(("act", 0, "embed", 0), None, t), (("act", 0, "layers.0", 0), None, t),
-              (("loss", 0, "loss"), None, torch.ones(1)),
-              (("grad", 0, "a"), None, t), (("grad", 0, "b"), None, t), (("weight", 0, "a"), None, t)]
+    serial = [
+        (("act", 0, "embed", 0), None, t),
+        (("act", 0, "layers.0", 0), None, t),
+        (("loss", 0, "loss"), None, torch.ones(1)),
+        (("grad", 0, "a"), None, t),
+        (("grad", 0, "b"), None, t),
+        (("weight", 0, "a"), None, t),
+    ]
     good = {0: [(key, None, tensor.clone()) for key, _, tensor in serial]}
     assert compare(serial, good, 1e-5, 0.0)[0] == []
     bad = {0: [(key, None, tensor * (1.5 if key[2] in ("a", "b", "layers.0") else 1.0)) for key, _, tensor in serial]}
     departures, _ = compare(serial, bad, 1e-5, 0.0)
-    assert [(d.what, d.name) for d in departures] == [("act", "layers.0 (microbatch 0)"), ("grad", "b"),
-                                                      ("grad", "a"), ("weight", "a")]
+    assert [(d.what, d.name) for d in departures] == [
+        ("act", "layers.0 (microbatch 0)"),
+        ("grad", "b"),
+        ("grad", "a"),
+        ("weight", "a"),
+    ]
     assert math.isclose(departures[0].rel, 0.5)
     departures, _ = compare(serial, {0: good[0][1:]}, 1e-5, 0.0)
     assert departures[0].note == "produced by no rank of the layout"

@@ -47,8 +47,13 @@ def test_shape_only_collectives_on_meta():
 def test_tensors_with_data_pass_a_virtual_group_unchanged():
     group = VirtualGroup(4, 1)
     x = torch.randn(8, 2, 3)
-    for y in (mappings.gather_from_sequence(x, group), mappings.reduce_scatter_to_sequence(x, group),
-              mappings.scatter_to_sequence(x, group), mappings.gather_from_region(x, -1, group),
-              mappings.reduce_from_region(x, group), mappings.all_to_all(x, [1], [1], group)):
+    for y in (
+        mappings.gather_from_sequence(x, group),
+        mappings.reduce_scatter_to_sequence(x, group),
+        mappings.scatter_to_sequence(x, group),
+        mappings.gather_from_region(x, -1, group),
+        mappings.reduce_from_region(x, group),
+        mappings.all_to_all(x, [1], [1], group),
+    ):
         assert y is x
     assert torch.equal(mappings.all_gather_stats(x, group), x.unsqueeze(0))

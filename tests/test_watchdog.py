@@ -120,8 +120,17 @@ def _rank0_failure(tmp_path: pathlib.Path, worker: str, *, shm: str) -> str:
     script = tmp_path / "worker.py"
     script.write_text(worker)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MESHTRON_SHM_COLLECTIVES": shm}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "store")],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         _, err0 = procs[0].communicate(timeout=40)
     finally:
@@ -144,12 +153,13 @@ def test_rank_stuck_in_all_reduce_over_gloo(tmp_path: pathlib.Path):
     assert report.startswith("meshtron: rank 0 (tp=0, pp=0, dp=0) stuck for ") and "in step 3: routing stats" in report
     # the one line names the blocking collective and its caller (read from the live stack)
     assert "in step 3: routing stats, waiting in all_reduce (from mpu/mappings.py:" in report
-    stacks = "\n".join(lines[lines.index(report):])
+    stacks = "\n".join(lines[lines.index(report) :])
     assert "in all_reduce" in stacks and "mpu/mappings.py" in stacks
     # 2) The failure message: rank, coordinates, phase, collective and the original gloo error.
     (failure,) = [line for line in lines if " failed in " in line]
-    assert failure.startswith("meshtron: rank 0 (tp=0, pp=0, dp=0) failed in collective all_reduce "
-                              "(from mpu/mappings.py:")
+    assert failure.startswith(
+        "meshtron: rank 0 (tp=0, pp=0, dp=0) failed in collective all_reduce (from mpu/mappings.py:"
+    )
     assert "during step 3: routing stats" in failure and "Original error: " in failure
     assert "did not join within trainer.collective_timeout_s=2 " in failure and "timed out" in failure.lower()
     seconds = float(lines[-1].split()[2])
@@ -161,7 +171,8 @@ _SHM_WORKER = _WORKER.replace(
     "from meshtron.mpu import shm_collectives\n"
     "shm_collectives.set_timeout(2)\n"
     "all_reduce_stats(torch.ones(4), dist.group.WORLD)  # both ranks: the group's segment is made\n"
-    "if rank == 1:  # never joins")
+    "if rank == 1:  # never joins",
+)
 
 
 @pytest.mark.timeout(60)
@@ -202,8 +213,10 @@ def test_report_names_the_labelled_wait_the_rank_is_blocked_in():
             wait_for(work, "all_reduce of gradient bucket 2/3 over dp (24.0 MiB)")
     assert current_wait() is None  # cleared once the wait returns
     first = stream.getvalue().splitlines()[0]
-    assert "s in step 4: gradient reduction, waiting in all_reduce of gradient bucket 2/3 over dp (24.0 MiB) " \
-           "(watchdog timeout 0.2 s)" in first
+    assert (
+        "s in step 4: gradient reduction, waiting in all_reduce of gradient bucket 2/3 over dp (24.0 MiB) "
+        "(watchdog timeout 0.2 s)" in first
+    )
 
 
 def test_failed_wait_names_its_collective():
@@ -214,8 +227,10 @@ def test_failed_wait_names_its_collective():
         wait_for(work, "reduce_scatter of gradient bucket 1/1 over edp (1.0 MiB)")
     assert current_wait() is None
     message = describe_collective_error(caught.value, 0, "tp=0, pp=0, dp=0", "step 2: finish", timeout_s=2)
-    assert ("failed in collective reduce_scatter of gradient bucket 1/1 over edp (1.0 MiB) during step 2: finish: "
-            "a peer rank did not join within trainer.collective_timeout_s=2") in message
+    assert (
+        "failed in collective reduce_scatter of gradient bucket 1/1 over edp (1.0 MiB) during step 2: finish: "
+        "a peer rank did not join within trainer.collective_timeout_s=2"
+    ) in message
 
 
 def test_gradient_reducer_labels_its_bucket_waits(monkeypatch):
@@ -234,8 +249,10 @@ def test_gradient_reducer_labels_its_bucket_waits(monkeypatch):
         bucket.work = _BlockingWork()
     model(torch.ones(2, 256)).sum().backward()
     reducer.finish()
-    assert labels == ["all_reduce of gradient bucket 1/2 over dp (0.2 MiB)",
-                      "all_reduce of gradient bucket 2/2 over dp (0.0 MiB)"]
+    assert labels == [
+        "all_reduce of gradient bucket 1/2 over dp (0.2 MiB)",
+        "all_reduce of gradient bucket 2/2 over dp (0.0 MiB)",
+    ]
 
 
 def test_all_to_all_waits_are_labelled(monkeypatch):
@@ -248,5 +265,7 @@ def test_all_to_all_waits_are_labelled(monkeypatch):
     handle.works, handle.grad_works = [_BlockingWork()], [_BlockingWork()]
     handle.wait()
     handle.wait_grads()
-    assert labels == ["all_to_all (forward) of 6 rows out, 4 in over a group of 2",
-                      "all_to_all (backward) of 6 rows out, 4 in over a group of 2"]
+    assert labels == [
+        "all_to_all (forward) of 6 rows out, 4 in over a group of 2",
+        "all_to_all (backward) of 6 rows out, 4 in over a group of 2",
+    ]

@@ -35,10 +35,22 @@ def test_planner_zero3_shards_weights_and_gradient_buffers() -> None:
     elements: embedding 256*32 + 16*32 = 8704; a block 8192 matrix + 352 vector elements =
     8544; the head 64 (final norm) + the tied embedding 8704. The largest adjacent pair is the
     head with the last block; the weights between steps are a quarter of the 25,856 elements."""
-    cfg = GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=200,
-                    seq_len=16, tie_embeddings=True)
-    plans = {zero: plan_rank(cfg, ParallelConfig(), 4, 0, zero=zero, micro_batch_size=1,
-                             global_batch_size=4)["memory"]["bytes"] for zero in (2, 3)}
+    cfg = GPTConfig(
+        arch="gpt2",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        vocab_size=200,
+        seq_len=16,
+        tie_embeddings=True,
+    )
+    plans = {
+        zero: plan_rank(cfg, ParallelConfig(), 4, 0, zero=zero, micro_batch_size=1, global_batch_size=4)["memory"][
+            "bytes"
+        ]
+        for zero in (2, 3)
+    }
     z2, z3 = plans[2], plans[3]
     assert z3["weights"] == 4 * 25856 // 4 and z2["weights"] == 4 * 25856
     assert z3["weights_gathered"] == 4 * (64 + 8704 + 8544) and z2["weights_gathered"] == 0
@@ -47,8 +59,12 @@ def test_planner_zero3_shards_weights_and_gradient_buffers() -> None:
     # (its 352 vector elements: norm1's weight, registered first, comes last) and the tied
     # embedding, allocated with the head and kept to the end (ZeRO-2: all 25,856).
     assert z3["grad_buffers_backward"] == 4 * (8544 + 352 + 8704) and z2["grad_buffers_backward"] == 4 * 25856
-    assert z3["total"] == (z2["total"] - (z2["weights"] - z3["weights"]) + z3["weights_gathered"]
-                           - (z2["grad_buffers_backward"] - z3["grad_buffers_backward"]))
+    assert z3["total"] == (
+        z2["total"]
+        - (z2["weights"] - z3["weights"])
+        + z3["weights_gathered"]
+        - (z2["grad_buffers_backward"] - z3["grad_buffers_backward"])
+    )
 
 
 @pytest.mark.distributed
@@ -56,15 +72,25 @@ def test_planner_zero3_shards_weights_and_gradient_buffers() -> None:
 def test_torchrun_zero3_logs_the_replicated_losses_and_resumes_at_zero0(tmp_path):
     """torchrun --nproc_per_node=2 train.py optim.zero=3 logs the losses of optim.zero=0, and
     its step-2 checkpoint resumed at optim.zero=0 logs the same steps 3 and 4."""
-    common = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.progress=false", "model.num_layers=2",
-              "trainer.eval_every=0"]
-    runs = {"zero0": ["optim.zero=0"],
-            "zero3": ["optim.zero=3", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=2"],
-            "resumed": ["optim.zero=0", f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}"]}
+    common = [
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "model.num_layers=2",
+        "trainer.eval_every=0",
+    ]
+    runs = {
+        "zero0": ["optim.zero=0"],
+        "zero3": ["optim.zero=3", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=2"],
+        "resumed": ["optim.zero=0", f"checkpoint.resume={tmp_path / 'ckpt' / 'step_00000002'}"],
+    }
     logs = {}
     for name, extra in runs.items():
-        out = run([*TORCHRUN, "--nproc_per_node=2", "train.py", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
-                  timeout=140, threads=1)
+        out = run(
+            [*TORCHRUN, "--nproc_per_node=2", "train.py", *common, *extra, f"hydra.run.dir={tmp_path / name}"],
+            timeout=140,
+            threads=1,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         logs[name] = {r["step"]: r["loss"] for r in metrics(tmp_path / name)}
     assert sorted(logs["zero3"]) == [1, 2, 3, 4] and sorted(logs["resumed"]) == [3, 4]
@@ -79,6 +105,7 @@ def test_freed_units_drop_their_cached_16bit_weight_copies() -> None:
     import torch
 
     from meshtron.kernels.operands import forget_weight_copies, weight_copy, weight_copy_scope
+
     w, other = torch.randn(4, 4), torch.randn(4, 4)
     with weight_copy_scope():
         first, kept = weight_copy(w, torch.bfloat16), weight_copy(other, torch.bfloat16)

@@ -44,9 +44,7 @@ __all__ = [
 SEPARATOR = b"\n\n"
 
 # Directory names under the stdlib that are not "the standard library's own sources".
-_STDLIB_EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
-)
+_STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
 
 SPLITS = ("train", "val")
 
@@ -148,9 +146,7 @@ def _walk_files(directory: pathlib.Path) -> list[pathlib.Path]:
     return [path for _, path in found]
 
 
-def expand_paths(
-    paths: Iterable[str | os.PathLike[str]], key: str = "data.paths"
-) -> list[pathlib.Path]:
+def expand_paths(paths: Iterable[str | os.PathLike[str]], key: str = "data.paths") -> list[pathlib.Path]:
     """Files named by ``paths`` (directories walked, sorted); ``key`` names the setting
     in error messages (``data.paths`` for training, ``--src`` for ``textdata.prepare``)."""
     files: list[pathlib.Path] = []
@@ -167,10 +163,7 @@ def expand_paths(
                 )
             files.extend(in_dir)
         elif path.exists():
-            raise ValueError(
-                f"data path {str(path)!r} is neither a regular file nor a directory; "
-                f"remove it from {key}"
-            )
+            raise ValueError(f"data path {str(path)!r} is neither a regular file nor a directory; remove it from {key}")
         else:
             raise FileNotFoundError(
                 f"data path {str(path)!r} does not exist; fix {key} or leave it unset "
@@ -272,9 +265,7 @@ def _file_sha256(path: pathlib.Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def load_prepared(
-    directory: str | os.PathLike[str], verify_checksum: bool = False
-) -> tuple[np.memmap, dict]:
+def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = False) -> tuple[np.memmap, dict]:
     """Memory-map a directory written by ``python -m meshtron.textdata.prepare``.
 
     Returns ``(tokens, info)``: ``tokens`` a read-only 1-D ``np.memmap`` over ``tokens.bin``
@@ -323,14 +314,11 @@ def load_prepared(
     for key, kind in (("dtype", str), ("n_tokens", int), ("vocab_size", int), ("tokenizer", str)):
         value = info.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise ValueError(
-                f"{index_path}: field {key!r} must be a {kind.__name__}, got {value!r}; {hint}"
-            )
+            raise ValueError(f"{index_path}: field {key!r} must be a {kind.__name__}, got {value!r}; {hint}")
     dtype_name = info["dtype"]
     if dtype_name not in PREPARED_DTYPES:
         raise ValueError(
-            f"{index_path}: unknown token dtype {dtype_name!r}; expected one of "
-            f"{', '.join(PREPARED_DTYPES)}; {hint}"
+            f"{index_path}: unknown token dtype {dtype_name!r}; expected one of {', '.join(PREPARED_DTYPES)}; {hint}"
         )
     dtype = PREPARED_DTYPES[dtype_name]
     n_tokens, vocab_size = info["n_tokens"], info["vocab_size"]
@@ -450,8 +438,7 @@ class TokenDataset:
                 raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         else:
             raise TypeError(
-                f"tokens must be a torch.Tensor or a numpy array (e.g. from load_prepared), "
-                f"got {type(tokens).__name__}"
+                f"tokens must be a torch.Tensor or a numpy array (e.g. from load_prepared), got {type(tokens).__name__}"
             )
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -674,7 +661,8 @@ def document_end_id(data_cfg, vocab_size: int) -> int | None:
     if eos is None:
         raise ConfigError(
             "data.reset_at_eos=true needs one end-of-document token id: the byte tokenizer's separator is two "
-            "tokens; prepare the data with --tokenizer bpe or hf:FOLDER (data.prepared=DIR), or set data.eos_id=N")
+            "tokens; prepare the data with --tokenizer bpe or hf:FOLDER (data.prepared=DIR), or set data.eos_id=N"
+        )
     if not 0 <= eos < vocab_size:
         raise ConfigError(f"data.eos_id={eos} is not a token id of model.vocab_size={vocab_size}")
     return eos

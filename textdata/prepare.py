@@ -121,8 +121,10 @@ class HFTokenizer:
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         root = pathlib.Path(folder).expanduser()
         if not root.is_dir():
-            raise FileNotFoundError(f"--tokenizer hf:{folder}: {str(root)!r} is not a directory (give a Hugging "
-                                    f"Face model folder with tokenizer.json or vocab.json + merges.txt)")
+            raise FileNotFoundError(
+                f"--tokenizer hf:{folder}: {str(root)!r} is not a directory (give a Hugging "
+                f"Face model folder with tokenizer.json or vocab.json + merges.txt)"
+            )
         try:
             import transformers
         except ImportError as err:
@@ -132,11 +134,15 @@ class HFTokenizer:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"--tokenizer hf:{folder}: transformers cannot load a tokenizer from it ({err})") from None
         if not getattr(tok, "is_fast", False):
-            raise ValueError(f"--tokenizer hf:{folder}: {type(tok).__name__} is not a fast tokenizer; save the "
-                             f"folder with a tokenizer.json (a *TokenizerFast)")
+            raise ValueError(
+                f"--tokenizer hf:{folder}: {type(tok).__name__} is not a fast tokenizer; save the "
+                f"folder with a tokenizer.json (a *TokenizerFast)"
+            )
         if tok.eos_token_id is None:
-            raise ValueError(f"--tokenizer hf:{folder}: the tokenizer has no eos_token, which prepare writes "
-                             f"after every document; set eos_token in its tokenizer_config.json")
+            raise ValueError(
+                f"--tokenizer hf:{folder}: the tokenizer has no eos_token, which prepare writes "
+                f"after every document; set eos_token in its tokenizer_config.json"
+            )
         self.source = str(root.resolve())
         self.class_name = type(tok).__name__
         self.backend = tok.backend_tokenizer
@@ -341,12 +347,14 @@ def prepare(
     """
     hf_tok = None
     if tokenizer.startswith(HF_PREFIX):
-        if not tokenizer[len(HF_PREFIX):]:
+        if not tokenizer[len(HF_PREFIX) :]:
             raise ValueError("--tokenizer hf:FOLDER needs a folder after 'hf:'")
         if vocab_size is not None:
-            raise ValueError(f"--vocab-size {vocab_size} does not apply to --tokenizer {tokenizer} (its vocabulary "
-                             f"is the tokenizer's own); leave it out")
-        hf_tok = HFTokenizer(tokenizer[len(HF_PREFIX):])  # fails before reading anything
+            raise ValueError(
+                f"--vocab-size {vocab_size} does not apply to --tokenizer {tokenizer} (its vocabulary "
+                f"is the tokenizer's own); leave it out"
+            )
+        hf_tok = HFTokenizer(tokenizer[len(HF_PREFIX) :])  # fails before reading anything
         vocab_size = hf_tok.vocab_size
         if vocab_size > 1 << 32:
             raise ValueError(f"--tokenizer {tokenizer}: vocabulary of {vocab_size} does not fit uint32 token ids")
@@ -371,8 +379,9 @@ def prepare(
                 f"{MIN_BPE_VOCAB} (256 bytes + the end-of-document token)"
             )
         if vocab_size > 1 << 32:
-            raise ValueError(f"--vocab-size {vocab_size} is too large: token ids are stored as uint32 "
-                             f"(at most {1 << 32})")
+            raise ValueError(
+                f"--vocab-size {vocab_size} is too large: token ids are stored as uint32 (at most {1 << 32})"
+            )
         if min_frequency < 0:
             raise ValueError(f"--min-frequency must be >= 0, got {min_frequency}")
         _import_tokenizers()  # fail before reading anything
@@ -416,15 +425,18 @@ def prepare(
         finally:
             writer.close()
         if writer.n_tokens == 0:
-            raise ValueError(
-                f"the corpus read from {', '.join(sources)} is empty (all files have 0 bytes)"
-            )
+            raise ValueError(f"the corpus read from {', '.join(sources)} is empty (all files have 0 bytes)")
         hf_fields = {}
         if hf_tok is not None:
             hf_tok.backend.save(str(tmp / TOKENIZER_FILE))
             tokenizer_sha = hashlib.sha256((tmp / TOKENIZER_FILE).read_bytes()).hexdigest()
-            hf_fields = {"tokenizer_source": hf_tok.source, "tokenizer_class": hf_tok.class_name,
-                         "tokenizer_sha256": tokenizer_sha, "eos_id": hf_tok.eod_id, "bos_id": hf_tok.bos_id}
+            hf_fields = {
+                "tokenizer_source": hf_tok.source,
+                "tokenizer_class": hf_tok.class_name,
+                "tokenizer_sha256": tokenizer_sha,
+                "eos_id": hf_tok.eod_id,
+                "bos_id": hf_tok.bos_id,
+            }
         elif tok is not None:
             tok.save(str(tmp / TOKENIZER_FILE))
         info = {
@@ -440,8 +452,9 @@ def prepare(
             "max_token_id": writer.max_id,
             "tokenizer_file": TOKENIZER_FILE if tok is not None else None,
             "eod_ids": eod_ids,
-            "eod_token": (hf_tok.eos_token if hf_tok is not None else EOD_TOKEN if tok is not None
-                          else SEPARATOR.decode()),
+            "eod_token": (
+                hf_tok.eos_token if hf_tok is not None else EOD_TOKEN if tok is not None else SEPARATOR.decode()
+            ),
             **hf_fields,
             "sources": sources,
             "max_bytes": max_bytes,
@@ -465,29 +478,46 @@ def prepare(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="meshtron-prepare",
-        description="Tokenize text files/folders into DIR/tokens.bin + DIR/index.json "
-        "(train with data.prepared=DIR).",
+        description="Tokenize text files/folders into DIR/tokens.bin + DIR/index.json (train with data.prepared=DIR).",
     )
-    parser.add_argument("--src", nargs="+", metavar="PATH",
-                        help="files or folders (walked recursively); default: the Python stdlib .py sources")
+    parser.add_argument(
+        "--src",
+        nargs="+",
+        metavar="PATH",
+        help="files or folders (walked recursively); default: the Python stdlib .py sources",
+    )
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    parser.add_argument("--tokenizer", default="byte", metavar="{byte,bpe,hf:FOLDER}",
-                        help="byte (built in, vocab 256), bpe (trained here with HF tokenizers) or hf:FOLDER "
-                             "(a Hugging Face model folder's own tokenizer, e.g. the one meshtron-hf import reads)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help=f"BPE vocabulary size (default {DEFAULT_BPE_VOCAB})")
+    parser.add_argument(
+        "--tokenizer",
+        default="byte",
+        metavar="{byte,bpe,hf:FOLDER}",
+        help="byte (built in, vocab 256), bpe (trained here with HF tokenizers) or hf:FOLDER "
+        "(a Hugging Face model folder's own tokenizer, e.g. the one meshtron-hf import reads)",
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help=f"BPE vocabulary size (default {DEFAULT_BPE_VOCAB})"
+    )
     parser.add_argument("--max-bytes", type=int, default=None, help="read at most this many source bytes")
     parser.add_argument("--min-frequency", type=int, default=2, help="BPE: minimum pair frequency to merge")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
     try:
-        info = prepare(args.src, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                       max_bytes=args.max_bytes, overwrite=args.overwrite, min_frequency=args.min_frequency)
+        info = prepare(
+            args.src,
+            args.out,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            max_bytes=args.max_bytes,
+            overwrite=args.overwrite,
+            min_frequency=args.min_frequency,
+        )
     except (OSError, ValueError, ImportError) as err:
         print(f"meshtron-prepare: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {info['n_tokens']} {info['dtype']} tokens ({info['n_documents']} documents, "
-          f"{info['tokenizer']} tokenizer, vocab_size {info['vocab_size']}) to {args.out}")
+    print(
+        f"wrote {info['n_tokens']} {info['dtype']} tokens ({info['n_documents']} documents, "
+        f"{info['tokenizer']} tokenizer, vocab_size {info['vocab_size']}) to {args.out}"
+    )
     return 0
 
 

@@ -197,8 +197,9 @@ def model_state(chunks: list[nn.Module], mesh, *, for_load: bool = False) -> dic
     return state
 
 
-def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh, *,
-                    for_load: bool = False) -> tuple[dict, dict]:
+def optimizer_state(
+    chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh, *, for_load: bool = False
+) -> tuple[dict, dict]:
     """`optim/<name>/exp_avg|exp_avg_sq` -> ShardPiece (or a list of pieces) and `optim/step`.
 
     Saving: an optimizer with `moment_shards` (ZeRO-1/2, offload) gives this rank's slice of
@@ -212,12 +213,16 @@ def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh,
     if for_load:  # an offloaded optimizer keeps its moments on the host: read them there
         device = "cpu" if optimizer.offloaded else None
         # fp32 even for bf16 resident parameters (dp/resident.py): moments are fp32 state
-        moments = {p: (torch.zeros_like(p, device=device, dtype=torch.float32),
-                       torch.zeros_like(p, device=device, dtype=torch.float32)) for _, p in _own_parameters(chunks)}
+        moments = {
+            p: (
+                torch.zeros_like(p, device=device, dtype=torch.float32),
+                torch.zeros_like(p, device=device, dtype=torch.float32),
+            )
+            for _, p in _own_parameters(chunks)
+        }
         step = 0.0
     elif hasattr(optimizer, "moment_shards"):
-        names = {p: name for name, p in _own_parameters(chunks)
-                 if not getattr(p, "tied_embedding_copy", False)}
+        names = {p: name for name, p in _own_parameters(chunks) if not getattr(p, "tied_embedding_copy", False)}
         shards, step = optimizer.moment_shards()
         state = {"optim/step": torch.tensor(step, dtype=torch.float64)}
         for param, first, tensors in shards:
@@ -242,8 +247,11 @@ def optimizer_state(chunks: list[nn.Module], optimizer: TrainingOptimizer, mesh,
 
 
 def _rng_bytes() -> bytes:
-    state = {"cpu": torch.get_rng_state(), "tracker": get_rng_tracker().get_states(),
-             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+    state = {
+        "cpu": torch.get_rng_state(),
+        "tracker": get_rng_tracker().get_states(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+    }
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
@@ -422,6 +430,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 def stage_to_host(state: dict) -> dict:
     """A copy of `state` in host memory that later training steps do not change: every tensor
     (piece) copied to the CPU (pinned, from CUDA, then synchronised); bytes as they are."""
+
     def copy(value):
         if isinstance(value, ShardPiece):
             return dataclasses.replace(value, local=_host_copy(value.local))
@@ -437,9 +446,16 @@ def stage_to_host(state: dict) -> dict:
     return staged
 
 
-def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.Module],
-                    optimizer: TrainingOptimizer | None, mesh, *,
-                    model_config: dict, keep: int | None = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    train_state: TrainState,
+    chunks: list[nn.Module],
+    optimizer: TrainingOptimizer | None,
+    mesh,
+    *,
+    model_config: dict,
+    keep: int | None = None,
+) -> Path:
     """Save everything needed to resume at `train_state.step` into `root/step_N`, atomically,
     with every file's CRC32 in its manifest; then remove checkpoints older than it beyond the
     newest `keep`. `optimizer=None` saves weights only (usable with `checkpoint.init_from`, not
@@ -448,12 +464,72 @@ def save_checkpoint(root: str | Path, train_state: TrainState, chunks: list[nn.M
     finish_param_gather(chunks)  # ZeRO-1/2 overlapped gathers of the last update: done before reading
     with zero3.gathered(chunks):  # ZeRO-3: the full local parameters while they are written
         state = checkpoint_state(chunks, optimizer, mesh)
-        return _write_checkpoint(Path(root), state, train_state, mesh, weights_only=optimizer is None,
-                                 model_config=model_config, keep=keep, group="world")
+        return _write_checkpoint(
+            Path(root),
+            state,
+            train_state,
+            mesh,
+            weights_only=optimizer is None,
+            model_config=model_config,
+            keep=keep,
+            group="world",
+        )
 
 
-def _write_checkpoint(root: Path, state: dict, train_state: TrainState, mesh, *, weights_only: bool,
-                      model_config: dict, keep: int | None, group) -> Path:
+def _manifest(sums: dict, train_state: TrainState, mesh, *, weights_only: bool, model_config: dict) -> dict:
+    """The checkpoint's meta.json: format, train state, layout, model config and every file's
+    size and CRC32 (`sums`: file -> (crc, size), from every rank)."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "train_state": dataclasses.asdict(train_state),
+        "weights_only": weights_only,
+        "world_size": mesh.world_size,
+        "layout": dataclasses.asdict(mesh.par),
+        "model": model_config,
+        "files": {file: {"bytes": size, "crc32": f"{crc:08x}"} for file, (crc, size) in sorted(sums.items())},
+    }
+
+
+def _publish(root: Path, tmp: Path, final: Path, meta: dict) -> None:
+    """Rank 0: check `tmp` holds exactly this save's files, write the manifest last, then
+    rename `tmp` to `final` (replacing a checkpoint of the same step). No communication."""
+    on_disk = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+    if on_disk != {file: entry["bytes"] for file, entry in meta["files"].items()}:
+        raise CheckpointError(
+            f"{tmp} holds files {sorted(on_disk)} but this save wrote {sorted(meta['files'])} "
+            f"(another run writing into {root}?)"
+        )
+    _write_json_durably(tmp / META_FILE, meta)
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it
+        stale = root / f".stale-{final.name}"
+        shutil.rmtree(stale, ignore_errors=True)
+        (final / META_FILE).unlink(missing_ok=True)
+        final.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.rename(final)
+    _fsync_dir(root)
+
+
+def _remove_older(root: Path, step: int, keep: int) -> None:
+    """Rank 0: remove the checkpoints older than `step` beyond the newest `keep` (counting it)."""
+    older = [p for p in list_checkpoints(root) if _step_of(p) < step]
+    for old in older[: max(0, len(older) - (keep - 1))]:
+        (old / META_FILE).unlink(missing_ok=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_checkpoint(
+    root: Path,
+    state: dict,
+    train_state: TrainState,
+    mesh,
+    *,
+    weights_only: bool,
+    model_config: dict,
+    keep: int | None,
+    group,
+) -> Path:
     """Write `state` into `root/.tmp-step_N/` with DCP, publish it as `root/step_N` (rank 0:
     manifest last, then the rename) and apply `keep`. Collective over `group` ("world": the
     default group, as a synchronous save; else the checkpoint group of `AsyncCheckpointer`,
@@ -474,8 +550,13 @@ def _write_checkpoint(root: Path, state: dict, train_state: TrainState, mesh, *,
             with _single_process_quiet():
                 dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(flatten_state_dict=False))
         else:  # a background thread: an explicit group; DCP's single-process warning is filtered for good below
-            dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(flatten_state_dict=False),
-                     process_group=group, no_dist=group is None)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=ShardSavePlanner(flatten_state_dict=False),
+                process_group=group,
+                no_dist=group is None,
+            )
     except CheckpointException as err:
         cause = _os_error_in(err)
         if cause is None:
@@ -487,29 +568,8 @@ def _write_checkpoint(root: Path, state: dict, train_state: TrainState, mesh, *,
 
     def publish() -> None:
         sums = {file: entry for rank_sums in sums_per_rank for file, entry in rank_sums.items()}
-        on_disk = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-        if on_disk != {file: size for file, (_, size) in sums.items()}:
-            raise CheckpointError(f"{tmp} holds files {sorted(on_disk)} but this save wrote {sorted(sums)} "
-                                  f"(another run writing into {root}?)")
-        meta = {"format": FORMAT, "version": VERSION, "train_state": dataclasses.asdict(train_state),
-                "weights_only": weights_only,
-                "world_size": mesh.world_size, "layout": dataclasses.asdict(mesh.par), "model": model_config,
-                "files": {file: {"bytes": size, "crc32": f"{crc:08x}"} for file, (crc, size) in sorted(sums.items())}}
-        _write_json_durably(tmp / META_FILE, meta)
-        if final.exists():  # the same step saved again (e.g. after a resume): replace it
-            stale = root / f".stale-{name}"
-            shutil.rmtree(stale, ignore_errors=True)
-            (final / META_FILE).unlink(missing_ok=True)
-            final.rename(stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.rename(final)
-        _fsync_dir(root)
-
-    def remove_older() -> None:
-        older = [p for p in list_checkpoints(root) if _step_of(p) < train_state.step]
-        for old in older[:max(0, len(older) - (keep - 1))]:
-            (old / META_FILE).unlink(missing_ok=True)
-            shutil.rmtree(old, ignore_errors=True)
+        meta = _manifest(sums, train_state, mesh, weights_only=weights_only, model_config=model_config)
+        _publish(root, tmp, final, meta)
 
     try:
         _on_main_agreed(publish, failed, coordination)
@@ -518,8 +578,12 @@ def _write_checkpoint(root: Path, state: dict, train_state: TrainState, mesh, *,
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep is not None:
-        _on_main_agreed(remove_older, f"the checkpoint of step {train_state.step} is saved in {final}, but "
-                                      f"removing the ones beyond checkpoint.keep={keep} failed", coordination)
+        _on_main_agreed(
+            lambda: _remove_older(root, train_state.step, keep),
+            f"the checkpoint of step {train_state.step} is saved in {final}, but "
+            f"removing the ones beyond checkpoint.keep={keep} failed",
+            coordination,
+        )
     return final
 
 
@@ -556,9 +620,18 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._result: Path | BaseException | None = None
 
-    def save(self, root: str | Path, train_state: TrainState, chunks: list[nn.Module],
-             optimizer: TrainingOptimizer | None, mesh, *, model_config: dict, keep: int | None = None,
-             on_done=None) -> None:
+    def save(
+        self,
+        root: str | Path,
+        train_state: TrainState,
+        chunks: list[nn.Module],
+        optimizer: TrainingOptimizer | None,
+        mesh,
+        *,
+        model_config: dict,
+        keep: int | None = None,
+        on_done=None,
+    ) -> None:
         """Wait for the previous save, stage this one to host memory and start writing it;
         `on_done(path)` runs in the writer thread once it is published."""
         self.wait()
@@ -650,8 +723,10 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(f"{path} is not a complete meshtron checkpoint (no {META_FILE}: the save did not "
-                              f"finish); point checkpoint.resume at another step_N folder or delete it")
+        raise CheckpointError(
+            f"{path} is not a complete meshtron checkpoint (no {META_FILE}: the save did not "
+            f"finish); point checkpoint.resume at another step_N folder or delete it"
+        )
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -659,16 +734,22 @@ def read_meta(path: str | Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path} is not a meshtron checkpoint description (format != {FORMAT!r})")
     if meta.get("version") not in READABLE_VERSIONS:
-        raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')} is not supported "
-                              f"(this meshtron reads versions {', '.join(map(str, READABLE_VERSIONS))})")
+        raise CheckpointError(
+            f"{path}: checkpoint format version {meta.get('version')} is not supported "
+            f"(this meshtron reads versions {', '.join(map(str, READABLE_VERSIONS))})"
+        )
     for name, entry in meta.get("files", {}).items():
         file = path / name
         size = entry if isinstance(entry, int) else entry["bytes"]
         if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is missing its file {name}; the checkpoint is corrupt, use another")
+            raise CheckpointError(
+                f"checkpoint {path} is missing its file {name}; the checkpoint is corrupt, use another"
+            )
         if file.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {file} has {file.stat().st_size} bytes, {size} were written "
-                                  f"(truncated or modified); the checkpoint is corrupt, use another")
+            raise CheckpointError(
+                f"checkpoint file {file} has {file.stat().st_size} bytes, {size} were written "
+                f"(truncated or modified); the checkpoint is corrupt, use another"
+            )
     return meta
 
 
@@ -696,8 +777,10 @@ def check_checkpoint_crcs(path: str | Path) -> dict:
         except OSError as err:
             raise CheckpointError(f"checkpoint file {_describe_os_error(err)}") from None
         if f"{crc:08x}" != entry["crc32"]:
-            raise CheckpointError(f"checkpoint file {path / name} is corrupt: its CRC32 is {crc:08x}, "
-                                  f"{entry['crc32']} was written; use another checkpoint")
+            raise CheckpointError(
+                f"checkpoint file {path / name} is corrupt: its CRC32 is {crc:08x}, "
+                f"{entry['crc32']} was written; use another checkpoint"
+            )
     return meta
 
 
@@ -741,8 +824,10 @@ def _newest_intact(found: list[Path]) -> Path | None:
             _warn(f"resuming from the previous checkpoint {path}")
         return path
     if problems:
-        raise CheckpointError(f"no intact checkpoint in {found[0].parent} (newest: {problems[0]}); delete the "
-                              f"corrupt ones or start fresh without checkpoint.resume")
+        raise CheckpointError(
+            f"no intact checkpoint in {found[0].parent} (newest: {problems[0]}); delete the "
+            f"corrupt ones or start fresh without checkpoint.resume"
+        )
     return None
 
 
@@ -765,9 +850,14 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as err:  # noqa: BLE001 (any read error means the same thing here)
-        raise CheckpointError(f"checkpoint {path}: cannot read the DCP metadata ({err}); the checkpoint is corrupt") from err
-    saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model/") and hasattr(v, "size")}
+        raise CheckpointError(
+            f"checkpoint {path}: cannot read the DCP metadata ({err}); the checkpoint is corrupt"
+        ) from err
+    saved = {
+        k: tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model/") and hasattr(v, "size")
+    }
     expected = expected_model_shapes(model_cfg)
     config_diff = _config_diff(meta.get("model", {}), dataclasses.asdict(model_cfg))
     hint = f" (model config differs from the checkpoint's: {config_diff})" if config_diff else ""
@@ -775,8 +865,10 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
         if key not in saved:
             raise CheckpointError(f"checkpoint {path} has no tensor {key[6:]} that the model needs{hint}")
         if saved[key] != shape:
-            raise CheckpointError(f"checkpoint {path}: tensor {key[6:]} has shape {list(saved[key])} but the model "
-                                  f"needs {list(shape)}{hint}")
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {key[6:]} has shape {list(saved[key])} but the model "
+                f"needs {list(shape)}{hint}"
+            )
     extra = sorted(set(saved) - set(expected))
     if extra:
         raise CheckpointError(f"checkpoint {path} holds tensor {extra[0][6:]} that the model does not have{hint}")
@@ -786,8 +878,7 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
 def _config_diff(saved: dict, current: dict) -> str:
     # Keys only one side has (fields added later, or run settings older checkpoints saved with
     # the model: recompute, kernel_backend) are not shape: they never make a difference.
-    diffs = [f"{k} {saved[k]!r} -> {current[k]!r}" for k in sorted(current)
-             if k in saved and saved[k] != current[k]]
+    diffs = [f"{k} {saved[k]!r} -> {current[k]!r}" for k in sorted(current) if k in saved and saved[k] != current[k]]
     return ", ".join(diffs)
 
 
@@ -864,8 +955,12 @@ def _take_lock(lock: Path) -> dict:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CheckpointError(f"checkpoint.dir {root} cannot be created: {_describe_os_error(err)}") from None
-    record = {"pid": os.getpid(), "pid_start": _process_start(os.getpid()), "host": socket.gethostname(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    record = {
+        "pid": os.getpid(),
+        "pid_start": _process_start(os.getpid()),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
     for _ in range(3):  # a lock can vanish or change under us while another run takes over
         if _create_lock(lock, record):
             return record
@@ -877,14 +972,21 @@ def _take_lock(lock: Path) -> dict:
             raise CheckpointError(f"checkpoint.dir {root} is locked by an unreadable lock file; {remove}")
         held_by = f"pid {holder['pid']} on host {holder['host']} since {holder['started']}"
         if holder["host"] != record["host"]:
-            raise CheckpointError(f"checkpoint.dir {root} is in use by {held_by} (another host: its pid cannot be "
-                                  f"checked from here); {remove}")
+            raise CheckpointError(
+                f"checkpoint.dir {root} is in use by {held_by} (another host: its pid cannot be "
+                f"checked from here); {remove}"
+            )
         if _holder_alive(holder):
-            raise CheckpointError(f"checkpoint.dir {root} is in use by another run ({held_by}); give this run "
-                                  f"another checkpoint.dir or stop that one")
+            raise CheckpointError(
+                f"checkpoint.dir {root} is in use by another run ({held_by}); give this run "
+                f"another checkpoint.dir or stop that one"
+            )
         if _retire_stale_lock(lock, holder):
-            print(f"meshtron: warning: taking over the stale lock {lock} of {held_by} (that process is gone)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"meshtron: warning: taking over the stale lock {lock} of {held_by} (that process is gone)",
+                file=sys.stderr,
+                flush=True,
+            )
     raise CheckpointError(f"could not take the lock {lock}: other runs are taking it at the same time")
 
 
@@ -927,8 +1029,9 @@ def _retire_stale_lock(lock: Path, holder: dict) -> bool:
 # ---------------------------------------------------------------------------------- load
 
 
-def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh, *,
-                    weights_only: bool = False) -> TrainState:
+def load_checkpoint(
+    path: str | Path, chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh, *, weights_only: bool = False
+) -> TrainState:
     """Load `path` into this rank's chunks (and optimizer), resharding from whatever layout it
     was saved under. Returns the saved TrainState (a fresh one with `weights_only`). RNG states
     are restored only under the saved world size and layout. Collective over the default group."""
@@ -937,13 +1040,16 @@ def load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: Traini
         return _load_checkpoint(path, chunks, optimizer, mesh, weights_only=weights_only)
 
 
-def _load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh, *,
-                     weights_only: bool) -> TrainState:
+def _load_checkpoint(
+    path: str | Path, chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh, *, weights_only: bool
+) -> TrainState:
     path = Path(path)
     meta = read_meta(path)
     if meta.get("weights_only") and not weights_only:
-        raise CheckpointError(f"checkpoint {path} holds weights only (no optimizer state or step): start from it "
-                              f"with checkpoint.init_from instead of checkpoint.resume")
+        raise CheckpointError(
+            f"checkpoint {path} holds weights only (no optimizer state or step): start from it "
+            f"with checkpoint.init_from instead of checkpoint.resume"
+        )
     state = model_state(chunks, mesh, for_load=True)
     mains = None
     if hasattr(optimizer, "load_main_weights"):  # 16-bit resident weights: read fp32 values, not bf16
@@ -962,7 +1068,9 @@ def _load_checkpoint(path: str | Path, chunks: list[nn.Module], optimizer: Train
         state[rng_key] = b""
     try:
         with torch.no_grad(), _single_process_quiet():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False))
+            dcp.load(
+                state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False)
+            )
     except CheckpointException as err:
         cause = _os_error_in(err)
         if cause is None:

@@ -53,8 +53,9 @@ def group_selection_error(argv: list[str]) -> str | None:
     if any(arg.split("=", 1)[0] in ("--config-path", "-cp", "--config-name", "-cn") for arg in argv):
         return None  # another primary config: its groups are not ours to judge
     config_dirs = [Path(value) for flag, value in zip(argv, argv[1:]) if flag in _CONFIG_DIR_FLAGS]
-    config_dirs += [Path(arg.split("=", 1)[1]) for arg in argv if arg.split("=", 1)[0] in _CONFIG_DIR_FLAGS
-                    and "=" in arg]
+    config_dirs += [
+        Path(arg.split("=", 1)[1]) for arg in argv if arg.split("=", 1)[0] in _CONFIG_DIR_FLAGS and "=" in arg
+    ]
     groups, in_defaults = config_groups(config_dirs), default_list_groups()
     for arg in argv:
         if "=" not in arg or arg.startswith(("-", "~")):

@@ -44,28 +44,34 @@ class TrainerConfig:
     max_grad_norm: float = setting(1.0, ge=0, help="gradient clipping norm (0 = no clipping)")
     # fp32 | bf16 | fp16 (meshtron/rules.py precision_check)
     precision: str = setting("fp32", help="fp32 | bf16 | fp16: autocast compute, fp32 main weights and grads")
-    initial_loss_scale: float = setting(65536.0, ge=1, in_train_yaml=False,
-                                        help="fp16 only: dynamic loss scale to start from")
-    loss_scale_window: int = setting(1000, ge=1, in_train_yaml=False,
-                                     help="fp16 only: clean steps before the loss scale doubles")
+    initial_loss_scale: float = setting(
+        65536.0, ge=1, in_train_yaml=False, help="fp16 only: dynamic loss scale to start from"
+    )
+    loss_scale_window: int = setting(
+        1000, ge=1, in_train_yaml=False, help="fp16 only: clean steps before the loss scale doubles"
+    )
     num_threads: int | None = setting(None, ge=1, help="CPU threads per process; null = cores / local processes")
     progress: bool = setting(True, help="a progress bar on the main rank")
     trace_step: int | None = setting(
-        None, ge=1,
-        help="pipeline runs and ZeRO-1/2 with overlap_param_gather: write trace.json (Chrome trace) of this step")
-    recompute: str = _execution("recompute")            # rules: models.config.ExecutionConfig
+        None,
+        ge=1,
+        help="pipeline runs and ZeRO-1/2 with overlap_param_gather: write trace.json (Chrome trace) of this step",
+    )
+    recompute: str = _execution("recompute")  # rules: models.config.ExecutionConfig
     recompute_layers: int | None = _execution("recompute_layers")
-    fused_lm_loss: bool = _execution("fused_lm_loss")    # kernels/linear_cross_entropy.py
+    fused_lm_loss: bool = _execution("fused_lm_loss")  # kernels/linear_cross_entropy.py
     lm_loss_chunk_rows: int | None = _execution("lm_loss_chunk_rows")  # None: by device, chunk_rows_for
-    compile_moe: bool = _execution("compile_moe")        # meshtron/rules.py compile_moe_checks
+    compile_moe: bool = _execution("compile_moe")  # meshtron/rules.py compile_moe_checks
     moe_dispatch_chunks: int = _execution("moe_dispatch_chunks")  # moe/layer.py
     eval_every: int = setting(50, ge=0, help="validation loss on the held-out split every N steps (0 = off)")
     eval_batches: int = setting(2, ge=1, help="global batches of held-out text per evaluation")
     max_skipped: int = setting(5, ge=0, help="abort after this many consecutive steps with a non-finite loss/grad norm")
-    collective_timeout_s: float = setting(300.0, gt=0,
-                                          help="a collective waiting longer than this raises instead of hanging")
+    collective_timeout_s: float = setting(
+        300.0, gt=0, help="a collective waiting longer than this raises instead of hanging"
+    )
     watchdog_timeout_s: float | None = setting(
-        None, ge=0, help="print rank, phase and stacks of a phase stuck this long (null = half the above; 0 = off)")
+        None, ge=0, help="print rank, phase and stacks of a phase stuck this long (null = half the above; 0 = off)"
+    )
     tensorboard: bool = setting(False, help="also write TensorBoard events to <run dir>/tb (needs the viz extra)")
 
 
@@ -78,37 +84,53 @@ class OptimConfig:
     warmup_steps: int | None = setting(None, ge=0, help="null = 10% of max_steps")
     min_lr_ratio: float = setting(0.1, ge=0, le=1, help="the decay ends at lr * min_lr_ratio")
     decay: str = setting("cosine", choices=DECAY_STYLES, help="cosine | linear | constant: the decay after warm-up")
-    zero: int = setting(0, choices=(0, 1, 2, 3),
-                        help="0 = replicated AdamW; 1 = ZeRO-1: AdamW state sharded over the replicas (dp; edp for "
-                             "experts); 2 = also gradients; 3 = also parameters, gathered per layer (dp/zero3.py)")
+    zero: int = setting(
+        0,
+        choices=(0, 1, 2, 3),
+        help="0 = replicated AdamW; 1 = ZeRO-1: AdamW state sharded over the replicas (dp; edp for "
+        "experts); 2 = also gradients; 3 = also parameters, gathered per layer (dp/zero3.py)",
+    )
     offload: bool = setting(False, help="true = AdamW state and fp32 main weights in CPU memory, update on the CPU")
     grad_comm_dtype: str = setting(
-        "fp32", choices=("fp32", "bf16"),
-        help="bf16 = gradients reduced over dp in bf16 (compression), accumulated in fp32")
+        "fp32",
+        choices=("fp32", "bf16"),
+        help="bf16 = gradients reduced over dp in bf16 (compression), accumulated in fp32",
+    )
     # dp/param_gather.py
     overlap_param_gather: bool = setting(
-        True, help="ZeRO-1/2: parameter all-gathers run during the next forward, each bucket waited for by the "
-                   "first layer reading it (false = blocking after the step)")
+        True,
+        help="ZeRO-1/2: parameter all-gathers run during the next forward, each bucket waited for by the "
+        "first layer reading it (false = blocking after the step)",
+    )
     bucket_mb: float = setting(
-        25.0, gt=0, help="gradient bucket size (MiB of fp32): the unit of dp reduction and of ZeRO parameter gathers")
+        25.0, gt=0, help="gradient bucket size (MiB of fp32): the unit of dp reduction and of ZeRO parameter gathers"
+    )
     # bf16 resident weights: dp/resident.py
     param_dtype: str = setting(
-        "fp32", choices=("fp32", "bf16"),
-        help="bf16 = 16-bit resident weights (needs trainer.precision=bf16): fp32 main weights only in the optimizer")
+        "fp32",
+        choices=("fp32", "bf16"),
+        help="bf16 = 16-bit resident weights (needs trainer.precision=bf16): fp32 main weights only in the optimizer",
+    )
     # local SGD / DiLoCo (training/local_sgd.py): inner steps each data replica takes alone between
     # parameter averages over dp; an outer Nesterov step on the averaged delta with nesterov
     local_steps: int = setting(
-        1, ge=1,
-        help="local SGD: > 1 = each dp replica takes this many steps alone, then parameters are averaged over dp")
+        1,
+        ge=1,
+        help="local SGD: > 1 = each dp replica takes this many steps alone, then parameters are averaged over dp",
+    )
     outer_optimizer: str = setting(
-        "none", choices=("none", "nesterov"),
-        help="nesterov = DiLoCo: an outer Nesterov SGD step on (global - averaged) parameters at each sync")
+        "none",
+        choices=("none", "nesterov"),
+        help="nesterov = DiLoCo: an outer Nesterov SGD step on (global - averaged) parameters at each sync",
+    )
     outer_lr: float = setting(0.7, gt=0, help="DiLoCo outer learning rate")
     outer_momentum: float = setting(0.9, ge=0, lt=1, help="DiLoCo outer Nesterov momentum")
     # parameter-server synchronisation (parallel.dp_mode=ps; training/param_server.py)
     sync: str = setting(
-        "bsp", choices=("bsp", "ssp", "asp"),
-        help="parameter servers: bsp (wait for all: equals all-reduce) | ssp (bounded staleness) | asp (never wait)")
+        "bsp",
+        choices=("bsp", "ssp", "asp"),
+        help="parameter servers: bsp (wait for all: equals all-reduce) | ssp (bounded staleness) | asp (never wait)",
+    )
     staleness: int = setting(0, ge=0, help="ssp: a worker may run at most this many steps ahead of the slowest")
 
 
@@ -120,34 +142,42 @@ class DataConfig:
     # A directory written by `meshtron-prepare` (tokens.bin + index.json), memory-mapped; when
     # set, `paths` and `max_bytes` are ignored. See textdata.data.build_dataset.
     prepared: str | None = setting(
-        None, help="a dir from `python -m meshtron.textdata.prepare` (overrides paths/max_bytes)")
+        None, help="a dir from `python -m meshtron.textdata.prepare` (overrides paths/max_bytes)"
+    )
     # Packed documents (textdata.data.document_end_id: data.eos_id, or the prepared tokenizer's single EOS id).
     reset_at_eos: bool = setting(
-        False, help="packed documents: attention and positions restart after each end-of-document token")
+        False, help="packed documents: attention and positions restart after each end-of-document token"
+    )
     eos_id: int | None = setting(
-        None, ge=0, help="that token (null = the prepared tokenizer's EOS; the byte corpus has none)")
+        None, ge=0, help="that token (null = the prepared tokenizer's EOS; the byte corpus has none)"
+    )
 
 
 @dataclass
 class CheckpointConfig:
     dir: str | None = setting(
-        None, help="where step_N folders go (e.g. checkpoints/run1), shared by all ranks; null = no checkpoints")
+        None, help="where step_N folders go (e.g. checkpoints/run1), shared by all ranks; null = no checkpoints"
+    )
     every: int = setting(0, ge=0, help="also save every N steps (always at the end and on SIGTERM when dir is set)")
     keep: int | None = setting(3, ge=1, help="newest checkpoints kept (null = all)")
     resume: str | None = setting(
-        None, help="auto = newest valid checkpoint in dir (fresh start if none); or a step_N path")
+        None, help="auto = newest valid checkpoint in dir (fresh start if none); or a step_N path"
+    )
     init_from: str | None = setting(
-        None, help="weights only (e.g. from `meshtron-hf import`), any layout: step 0, fresh optimizer")
+        None, help="weights only (e.g. from `meshtron-hf import`), any layout: step 0, fresh optimizer"
+    )
     # checkpoint.async (a Python keyword, hence the field name): training/checkpoint.py AsyncCheckpointer
     async_: bool = setting(
-        False, key="async", help="true = staged to host memory, written in the background while training goes on")
+        False, key="async", help="true = staged to host memory, written in the background while training goes on"
+    )
 
 
 @dataclass
 class KernelsConfig:
     backend: str = setting("auto", choices=("auto", "torch", "triton"), help="auto | torch | triton")
     tf32: str = setting(
-        "auto", choices=TF32_MODES, help="Triton GEMMs' fp32 dots: auto (as torch's matmuls) | on (TF32) | off (IEEE)")
+        "auto", choices=TF32_MODES, help="Triton GEMMs' fp32 dots: auto (as torch's matmuls) | on (TF32) | off (IEEE)"
+    )
 
 
 @dataclass
@@ -180,18 +210,28 @@ class RunConfig:
         trainer.recompute_layers, trainer.fused_lm_loss, trainer.lm_loss_chunk_rows and
         trainer.compile_moe, trainer.moe_dispatch_chunks, and the kernel backend `kernels.backend`
         resolved to."""
-        return ExecutionConfig(recompute=self.trainer.recompute, recompute_layers=self.trainer.recompute_layers,
-                               kernel_backend=kernel_backend, fused_lm_loss=self.trainer.fused_lm_loss,
-                               lm_loss_chunk_rows=self.trainer.lm_loss_chunk_rows,
-                               compile_moe=self.trainer.compile_moe,
-                               moe_dispatch_chunks=self.trainer.moe_dispatch_chunks)
+        return ExecutionConfig(
+            recompute=self.trainer.recompute,
+            recompute_layers=self.trainer.recompute_layers,
+            kernel_backend=kernel_backend,
+            fused_lm_loss=self.trainer.fused_lm_loss,
+            lm_loss_chunk_rows=self.trainer.lm_loss_chunk_rows,
+            compile_moe=self.trainer.compile_moe,
+            moe_dispatch_chunks=self.trainer.moe_dispatch_chunks,
+        )
 
     def validate(self) -> None:
         """Every field's type and range (meshtron/schema.py; model and parallel check their own
         when built), then the rules that tie fields together. Raises ConfigError."""
         t, o, c = self.trainer, self.optim, self.checkpoint
-        raise_first([check for name in ("trainer", "optim", "data", "checkpoint", "kernels")
-                     for check in field_checks(name, getattr(self, name))], ConfigError)
+        raise_first(
+            [
+                check
+                for name in ("trainer", "optim", "data", "checkpoint", "kernels")
+                for check in field_checks(name, getattr(self, name))
+            ],
+            ConfigError,
+        )
         try:
             self.execution()
         except ValueError as err:
@@ -199,28 +239,56 @@ class RunConfig:
         checks = [
             precision_check(t.precision),
             *batch_size_checks(t.global_batch_size, t.micro_batch_size),
-            (o.warmup_steps is None or o.warmup_steps <= t.max_steps,
-             f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}"),
-            (t.trace_step is None or t.trace_step <= t.max_steps,
-             f"trainer.trace_step={t.trace_step} must be a step in 1..trainer.max_steps={t.max_steps}"),
-            (not c.every or bool(c.dir),
-             f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)"),
+            (
+                o.warmup_steps is None or o.warmup_steps <= t.max_steps,
+                f"optim.warmup_steps={o.warmup_steps} exceeds trainer.max_steps={t.max_steps}",
+            ),
+            (
+                t.trace_step is None or t.trace_step <= t.max_steps,
+                f"trainer.trace_step={t.trace_step} must be a step in 1..trainer.max_steps={t.max_steps}",
+            ),
+            (
+                not c.every or bool(c.dir),
+                f"checkpoint.every={c.every} needs checkpoint.dir (where to write the checkpoints)",
+            ),
             *param_dtype_checks(o.param_dtype, t.precision, o.zero, self.parallel.pp),
-            *local_sgd_checks(o.local_steps, o.outer_optimizer, zero=o.zero, offload=o.offload,
-                              param_dtype=o.param_dtype, num_experts=self.model.num_experts, checkpoint_dir=c.dir, dp_mode=getattr(self.parallel, "dp_mode", "allreduce")),
-            (not (self.parallel.dp_hierarchical is True and o.zero >= 2),
-             f"parallel.dp_hierarchical=true is built for all-reduced gradient buckets; optim.zero={o.zero} "
-             "reduce-scatters them: use optim.zero<=1 or parallel.dp_hierarchical=false"),
-            (c.resume != "auto" or bool(c.dir), "checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)"),
-            (o.sync == "bsp" or self.parallel.dp_mode == "ps",
-             f"optim.sync={o.sync} needs parameter servers (parallel.dp_mode=ps parallel.servers=N); all-reduce "
-             "data parallelism is bulk-synchronous (optim.sync=bsp)"),
-            (o.staleness == 0 or o.sync == "ssp",
-             f"optim.staleness={o.staleness} applies only to optim.sync=ssp (got optim.sync={o.sync})"),
-            (not c.async_ or bool(c.dir), "checkpoint.async=true needs checkpoint.dir (where to write the checkpoints)"),
-            (not (c.resume and c.init_from),
-             "checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run (optimizer, step, data "
-             "position), init_from only takes weights; set one of them"),
+            *local_sgd_checks(
+                o.local_steps,
+                o.outer_optimizer,
+                zero=o.zero,
+                offload=o.offload,
+                param_dtype=o.param_dtype,
+                num_experts=self.model.num_experts,
+                checkpoint_dir=c.dir,
+                dp_mode=getattr(self.parallel, "dp_mode", "allreduce"),
+            ),
+            (
+                not (self.parallel.dp_hierarchical is True and o.zero >= 2),
+                f"parallel.dp_hierarchical=true is built for all-reduced gradient buckets; optim.zero={o.zero} "
+                "reduce-scatters them: use optim.zero<=1 or parallel.dp_hierarchical=false",
+            ),
+            (
+                c.resume != "auto" or bool(c.dir),
+                "checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)",
+            ),
+            (
+                o.sync == "bsp" or self.parallel.dp_mode == "ps",
+                f"optim.sync={o.sync} needs parameter servers (parallel.dp_mode=ps parallel.servers=N); all-reduce "
+                "data parallelism is bulk-synchronous (optim.sync=bsp)",
+            ),
+            (
+                o.staleness == 0 or o.sync == "ssp",
+                f"optim.staleness={o.staleness} applies only to optim.sync=ssp (got optim.sync={o.sync})",
+            ),
+            (
+                not c.async_ or bool(c.dir),
+                "checkpoint.async=true needs checkpoint.dir (where to write the checkpoints)",
+            ),
+            (
+                not (c.resume and c.init_from),
+                "checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run (optimizer, step, data "
+                "position), init_from only takes weights; set one of them",
+            ),
         ]
         raise_first(checks, ConfigError)
 
@@ -232,8 +300,15 @@ class RunConfig:
         return max(1, self.trainer.max_steps // 10)
 
 
-SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "trainer": TrainerConfig, "optim": OptimConfig,
-            "data": DataConfig, "checkpoint": CheckpointConfig, "kernels": KernelsConfig}
+SECTIONS = {
+    "model": GPTConfig,
+    "parallel": ParallelConfig,
+    "trainer": TrainerConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "kernels": KernelsConfig,
+}
 
 
 def unknown_override(overrides: list[str]) -> str | None:

@@ -55,12 +55,20 @@ def submitit_torch_env(job_env: submitit.JobEnvironment) -> dict[str, str]:  # n
     import random
 
     if job_env.num_tasks % job_env.num_nodes:
-        raise ConfigError(f"submitit job runs {job_env.num_tasks} tasks on {job_env.num_nodes} nodes: "
-                          f"give every node the same hydra.launcher.tasks_per_node")
+        raise ConfigError(
+            f"submitit job runs {job_env.num_tasks} tasks on {job_env.num_nodes} nodes: "
+            f"give every node the same hydra.launcher.tasks_per_node"
+        )
     port = os.environ.get("MASTER_PORT") or str(random.Random(job_env.job_id).randint(20000, 60000))
-    return {"WORLD_SIZE": str(job_env.num_tasks), "RANK": str(job_env.global_rank),
-            "LOCAL_RANK": str(job_env.local_rank), "LOCAL_WORLD_SIZE": str(job_env.num_tasks // job_env.num_nodes),
-            "GROUP_RANK": str(job_env.node), "MASTER_ADDR": job_env.hostnames[0], "MASTER_PORT": port}
+    return {
+        "WORLD_SIZE": str(job_env.num_tasks),
+        "RANK": str(job_env.global_rank),
+        "LOCAL_RANK": str(job_env.local_rank),
+        "LOCAL_WORLD_SIZE": str(job_env.num_tasks // job_env.num_nodes),
+        "GROUP_RANK": str(job_env.node),
+        "MASTER_ADDR": job_env.hostnames[0],
+        "MASTER_PORT": port,
+    }
 
 
 def launcher_env() -> tuple[int, int, int, int]:
@@ -102,8 +110,9 @@ def init_distributed(device_preference: str, timeout_s: float = 300.0, num_threa
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         timeout = datetime.timedelta(seconds=timeout_s)
         shm_collectives.set_timeout(timeout_s)  # CPU collectives through shared memory fail alike
-        dist.init_process_group(backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world,
-                                timeout=timeout, **kwargs)
+        dist.init_process_group(
+            backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world, timeout=timeout, **kwargs
+        )
     num_nodes = 1
     if world > 1:
         try:
@@ -135,19 +144,25 @@ def check_nodes(members: list[tuple[str, int, int]]) -> int:
         per_node[str(node)] = per_node.get(str(node), 0) + 1
     if len(set(per_node.values())) > 1 or len({lw for _, _, lw in members}) > 1:
         counts = ", ".join(f"node {n}: {c}" for n, c in per_node.items())
-        raise ConfigError(f"nodes run different numbers of ranks ({counts}); meshtron places ranks by "
-                          f"node = rank // LOCAL_WORLD_SIZE: start every node with the same --nproc_per_node")
+        raise ConfigError(
+            f"nodes run different numbers of ranks ({counts}); meshtron places ranks by "
+            f"node = rank // LOCAL_WORLD_SIZE: start every node with the same --nproc_per_node"
+        )
     local_world = members[0][2]
     if any(count != local_world for count in per_node.values()):
         counts = ", ".join(f"node {n}: {c}" for n, c in per_node.items())
-        raise ConfigError(f"ranks per node ({counts}) differ from LOCAL_WORLD_SIZE={local_world}; "
-                          f"give every node its own torchrun GROUP_RANK (or host) and --nproc_per_node ranks")
+        raise ConfigError(
+            f"ranks per node ({counts}) differ from LOCAL_WORLD_SIZE={local_world}; "
+            f"give every node its own torchrun GROUP_RANK (or host) and --nproc_per_node ranks"
+        )
     for rank, (node, local_rank, _) in enumerate(members):
         first = members[rank - rank % local_world][0]
         if local_rank != rank % local_world or str(node) != str(first):
-            raise ConfigError(f"rank {rank} is local rank {local_rank} of node {node}, not local rank "
-                              f"{rank % local_world} of node {first} (LOCAL_WORLD_SIZE={local_world}): "
-                              f"the launcher did not give each node consecutive ranks as torchrun does")
+            raise ConfigError(
+                f"rank {rank} is local rank {local_rank} of node {node}, not local rank "
+                f"{rank % local_world} of node {first} (LOCAL_WORLD_SIZE={local_world}): "
+                f"the launcher did not give each node consecutive ranks as torchrun does"
+            )
     return len(per_node)
 
 
@@ -191,8 +206,11 @@ def agree_on_run_dir(local_dir: str | os.PathLike) -> Path:
             # A multirun job: this rank's own sweep dir (its clock's name) then holds only
             # Hydra's multirun.yaml; the sweep lives in rank 0's.
             sweep = local.parent
-            if (sweep.is_dir() and sweep.resolve() != agreed.parent.resolve()
-                    and {p.name for p in sweep.iterdir()} <= {"multirun.yaml"}):
+            if (
+                sweep.is_dir()
+                and sweep.resolve() != agreed.parent.resolve()
+                and {p.name for p in sweep.iterdir()} <= {"multirun.yaml"}
+            ):
                 shutil.rmtree(sweep, ignore_errors=True)
     agreed.mkdir(parents=True, exist_ok=True)
     return agreed

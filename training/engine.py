@@ -61,11 +61,19 @@ class EngineConfig:
     eos_id: int | None = None  # packed documents: attention and positions restart after it
 
     @classmethod
-    def from_run(cls, run, execution: ExecutionConfig, micro_batch_size: int,
-                 eos_id: int | None = None) -> EngineConfig:
+    def from_run(
+        cls, run, execution: ExecutionConfig, micro_batch_size: int, eos_id: int | None = None
+    ) -> EngineConfig:
         """The engine config of a training run (`RunConfig`)."""
-        return cls(model=run.model, micro_batch_size=micro_batch_size, seed=run.trainer.seed,
-                   execution=execution, optim=run.optim, max_grad_norm=run.trainer.max_grad_norm, eos_id=eos_id)
+        return cls(
+            model=run.model,
+            micro_batch_size=micro_batch_size,
+            seed=run.trainer.seed,
+            execution=execution,
+            optim=run.optim,
+            max_grad_norm=run.trainer.max_grad_norm,
+            eos_id=eos_id,
+        )
 
 
 class Engine:
@@ -73,24 +81,45 @@ class Engine:
     data-parallel gradient `reducer`, the `optimizer`, the pipeline `executor` (pp > 1) and the
     ZeRO-1/2 `param_gather` overlap (None unless asked for). Build it with `Engine.build`."""
 
-    def __init__(self, config: EngineConfig, mesh: Mesh, chunks: list[nn.Module],
-                 reducer: DataParallelGradReducer, optimizer: TrainingOptimizer, device: torch.device, *,
-                 precision: Precision = FP32, param_gather=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        mesh: Mesh,
+        chunks: list[nn.Module],
+        reducer: DataParallelGradReducer,
+        optimizer: TrainingOptimizer,
+        device: torch.device,
+        *,
+        precision: Precision = FP32,
+        param_gather=None,
+    ):
         self.config, self.mesh, self.chunks = config, mesh, chunks
         self.reducer, self.optimizer, self.device = reducer, optimizer, torch.device(device)
         self.precision, self.param_gather = precision, param_gather
         self.executor = None
         if mesh.pp_size > 1:
             cfg = config.model
-            self.executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, config.micro_batch_size,
-                                                                           cfg.hidden_size),
-                                             torch.float32, self.device)
+            self.executor = PipelineExecutor(
+                chunks,
+                mesh,
+                activation_shape(mesh, cfg.seq_len, config.micro_batch_size, cfg.hidden_size),
+                torch.float32,
+                self.device,
+            )
 
     @classmethod
-    def build(cls, config: EngineConfig, layout: Mesh | ParallelConfig, device: torch.device | str = "cpu", *,
-              precision: Precision = FP32, ranks_per_node: int | None = None, overlap_param_gather: bool = False,
-              optimizer_factory: OptimizerFactory | None = None,
-              adjust_model: Callable[[list[nn.Module]], None] | None = None) -> Engine:
+    def build(
+        cls,
+        config: EngineConfig,
+        layout: Mesh | ParallelConfig,
+        device: torch.device | str = "cpu",
+        *,
+        precision: Precision = FP32,
+        ranks_per_node: int | None = None,
+        overlap_param_gather: bool = False,
+        optimizer_factory: OptimizerFactory | None = None,
+        adjust_model: Callable[[list[nn.Module]], None] | None = None,
+    ) -> Engine:
         """Build the run of `config` on `layout` (a built mesh, or the `ParallelConfig` to build
         one over the current world: creates every process group), on `device`.
 
@@ -99,8 +128,11 @@ class Engine:
         parameters (the verifier's fault injection); `overlap_param_gather` leaves ZeRO-1/2
         parameter all-gathers in flight after each update (dp/param_gather.py)."""
         device = torch.device(device)
-        mesh = layout if isinstance(layout, Mesh) else build_mesh(layout, config.model, device_type=device.type,
-                                                                  ranks_per_node=ranks_per_node)
+        mesh = (
+            layout
+            if isinstance(layout, Mesh)
+            else build_mesh(layout, config.model, device_type=device.type, ranks_per_node=ranks_per_node)
+        )
         chunks = init_model_chunks(config.model, mesh, config.seed, device=device, execution=config.execution)
         if adjust_model is not None:
             adjust_model(chunks)
@@ -118,8 +150,14 @@ class Engine:
         """The model chunks as one module (parameters of every chunk)."""
         return self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
 
-    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], lr: float, *,
-             token_count: torch.Tensor | None = None, outer_replicas: int = 1) -> StepResult:
+    def step(
+        self,
+        microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+        lr: float,
+        *,
+        token_count: torch.Tensor | None = None,
+        outer_replicas: int = 1,
+    ) -> StepResult:
         """One optimizer step over this rank's `microbatches` (full sequences) at learning rate
         `lr`: `train_step`, or `pipeline_train_step` over the mesh's schedule at pp > 1
         (training/step.py; the collectives are theirs), and returns their `StepResult`.
@@ -127,14 +165,34 @@ class Engine:
         of several data replicas)."""
         c = self.config
         if self.executor is None:
-            return train_step(self.chunks[0], self.reducer, self.optimizer, microbatches, self.mesh, lr=lr,
-                              max_grad_norm=c.max_grad_norm, precision=self.precision, eos_id=c.eos_id,
-                              token_count=token_count, outer_replicas=outer_replicas)
+            return train_step(
+                self.chunks[0],
+                self.reducer,
+                self.optimizer,
+                microbatches,
+                self.mesh,
+                lr=lr,
+                max_grad_norm=c.max_grad_norm,
+                precision=self.precision,
+                eos_id=c.eos_id,
+                token_count=token_count,
+                outer_replicas=outer_replicas,
+            )
         if token_count is not None or outer_replicas != 1:
             raise ValueError("token_count and outer_replicas apply without pipeline parallelism only")
-        return pipeline_train_step(self.chunks, self.reducer, self.optimizer, microbatches, self.mesh, self.executor,
-                                   schedule=self.mesh.par.schedule, lr=lr, max_grad_norm=c.max_grad_norm,
-                                   precision=self.precision, eos_id=c.eos_id)
+        return pipeline_train_step(
+            self.chunks,
+            self.reducer,
+            self.optimizer,
+            microbatches,
+            self.mesh,
+            self.executor,
+            schedule=self.mesh.par.schedule,
+            lr=lr,
+            max_grad_norm=c.max_grad_norm,
+            precision=self.precision,
+            eos_id=c.eos_id,
+        )
 
     def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Mean LM cross-entropy of held-out microbatches, reduced over dp x cp and pp."""
@@ -152,17 +210,33 @@ class Engine:
         """Load a checkpoint of any layout into this one (training/checkpoint.py); every rank."""
         return load_checkpoint(path, self.chunks, self.optimizer, self.mesh, weights_only=weights_only)
 
-    def save(self, directory: str | Path, state: TrainState, *, keep: int | None, checkpointer=None,
-             on_done: Callable[[Path], None] | None = None) -> None:
+    def save(
+        self,
+        directory: str | Path,
+        state: TrainState,
+        *,
+        keep: int | None,
+        checkpointer=None,
+        on_done: Callable[[Path], None] | None = None,
+    ) -> None:
         """Save this rank's shards with `state` under `directory` (every rank), keeping the newest
         `keep`; through `checkpointer` (AsyncCheckpointer) in the background when given."""
         model_config = dataclasses.asdict(self.config.model)
         if checkpointer is not None:
-            checkpointer.save(directory, state, self.chunks, self.optimizer, self.mesh, model_config=model_config,
-                              keep=keep, on_done=on_done)
+            checkpointer.save(
+                directory,
+                state,
+                self.chunks,
+                self.optimizer,
+                self.mesh,
+                model_config=model_config,
+                keep=keep,
+                on_done=on_done,
+            )
             return
-        path = save_checkpoint(directory, state, self.chunks, self.optimizer, self.mesh, model_config=model_config,
-                               keep=keep)
+        path = save_checkpoint(
+            directory, state, self.chunks, self.optimizer, self.mesh, model_config=model_config, keep=keep
+        )
         if on_done is not None:
             on_done(path)
 

@@ -88,16 +88,24 @@ def export_from_checkpoint(src, out_dir, base=None) -> Path:
     state_dict = export_hf_state_dict(model, mesh)
     if base is None:
         hf_config = hf_config_from_gpt(cfg)
-        return save_hf_folder(state_dict, hf_config, out_dir,
-                              generation_config=_generation_config(hf_config.to_dict(), None, cfg.vocab_size))
+        return save_hf_folder(
+            state_dict,
+            hf_config,
+            out_dir,
+            generation_config=_generation_config(hf_config.to_dict(), None, cfg.vocab_size),
+        )
     original = read_import_base(base)
     config = hf_config_dict_over(cfg, original["config"])
     positions = original["positions"]
     if positions is not None:
         _append_original_positions(state_dict, positions, config[MAX_POSITION_FIELDS["gpt2"]], cfg, base)
-    return save_hf_folder(state_dict, config, out_dir,
-                          generation_config=_generation_config(config, original["generation"], cfg.vocab_size),
-                          copy_files=tuple(original["tokenizer_files"]))
+    return save_hf_folder(
+        state_dict,
+        config,
+        out_dir,
+        generation_config=_generation_config(config, original["generation"], cfg.vocab_size),
+        copy_files=tuple(original["tokenizer_files"]),
+    )
 
 
 def _append_original_positions(state_dict: dict, positions, n_positions: int, cfg: GPTConfig, base) -> None:
@@ -108,9 +116,11 @@ def _append_original_positions(state_dict: dict, positions, n_positions: int, cf
     if n_positions == trained.shape[0]:
         return
     if tuple(positions.shape) != (n_positions, cfg.hidden_size):
-        raise HFConversionError(f"--base {base}: the original position table has shape {tuple(positions.shape)}, "
-                                f"expected ({n_positions}, {cfg.hidden_size}) from its config.json")
-    state_dict[key] = torch.cat([trained, positions[cfg.seq_len:].to(trained.dtype)], dim=0)
+        raise HFConversionError(
+            f"--base {base}: the original position table has shape {tuple(positions.shape)}, "
+            f"expected ({n_positions}, {cfg.hidden_size}) from its config.json"
+        )
+    state_dict[key] = torch.cat([trained, positions[cfg.seq_len :].to(trained.dtype)], dim=0)
 
 
 def _generation_config(config: dict, original: dict | None, vocab_size: int) -> dict:
@@ -142,22 +152,29 @@ def main(argv: list[str] | None = None) -> int:
     imp = sub.add_parser("import", help="Hugging Face folder -> meshtron checkpoint (weights only)")
     imp.add_argument("--src", required=True, help="a save_pretrained folder (config.json + *.safetensors)")
     imp.add_argument("--out", required=True, help="checkpoint directory to create")
-    imp.add_argument("--seq-len", type=int, default=None, help="training sequence length (default: the "
-                                                               "model's maximum positions)")
+    imp.add_argument(
+        "--seq-len", type=int, default=None, help="training sequence length (default: the model's maximum positions)"
+    )
     exp = sub.add_parser("export", help="meshtron checkpoint -> Hugging Face folder")
     exp.add_argument("--src", required=True, help="a step_N checkpoint folder or a checkpoint.dir (newest)")
     exp.add_argument("--out", required=True, help="folder to write config.json + model.safetensors into")
-    exp.add_argument("--base", default=None, help="the --out of `meshtron-hf import` (or the original Hugging Face "
-                                                  "folder) of the model trained: keeps its config fields, "
-                                                  "generation config, tokenizer files and untrained positions")
+    exp.add_argument(
+        "--base",
+        default=None,
+        help="the --out of `meshtron-hf import` (or the original Hugging Face "
+        "folder) of the model trained: keeps its config fields, "
+        "generation config, tokenizer files and untrained positions",
+    )
     args = parser.parse_args(argv)
 
     try:
         if args.command == "import":
             path = import_to_checkpoint(args.src, args.out, args.seq_len)
-            print(f"meshtron: wrote {path}; train from it with\n  python train.py --config-dir {Path(args.out)} "
-                  f"+model=imported checkpoint.init_from={path}\nand export the result with\n  meshtron-hf export "
-                  f"--src CHECKPOINT_DIR --out FOLDER --base {Path(args.out)}")
+            print(
+                f"meshtron: wrote {path}; train from it with\n  python train.py --config-dir {Path(args.out)} "
+                f"+model=imported checkpoint.init_from={path}\nand export the result with\n  meshtron-hf export "
+                f"--src CHECKPOINT_DIR --out FOLDER --base {Path(args.out)}"
+            )
         else:
             out = export_from_checkpoint(args.src, args.out, args.base)
             print(f"meshtron: wrote {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")

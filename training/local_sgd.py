@@ -81,8 +81,16 @@ class LocalSGD:
     (`mesh.dp`) and apply the outer optimizer (module doc). `bytes_sent` counts the bytes
     handed to the all-reduces (fp32 parameters), `syncs` the syncs done."""
 
-    def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, local_steps: int, outer_optimizer: str = "none",
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        mesh: Mesh,
+        *,
+        local_steps: int,
+        outer_optimizer: str = "none",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+    ):
         if outer_optimizer not in OUTER_OPTIMIZERS:
             raise ValueError(f"outer_optimizer={outer_optimizer!r}: use one of {', '.join(OUTER_OPTIMIZERS)}")
         if local_steps < 1:
@@ -141,7 +149,7 @@ class LocalSGD:
             flat.div_(self.replicas)
             offset = 0
             for x in batch:
-                x.copy_(flat[offset: offset + x.numel()].view_as(x))
+                x.copy_(flat[offset : offset + x.numel()].view_as(x))
                 offset += x.numel()
             if t is not None:
                 batch, size = [t], t.numel()
@@ -164,5 +172,11 @@ def build_local_sgd(o, chunks: list[nn.Module], mesh: Mesh) -> LocalSGD | None:
     """The `LocalSGD` of an `optim` config (`training.config.OptimConfig`), or None when off."""
     if not local_sgd_enabled(o.local_steps, o.outer_optimizer):
         return None
-    return LocalSGD(chunks, mesh, local_steps=o.local_steps, outer_optimizer=o.outer_optimizer,
-                    outer_lr=o.outer_lr, outer_momentum=o.outer_momentum)
+    return LocalSGD(
+        chunks,
+        mesh,
+        local_steps=o.local_steps,
+        outer_optimizer=o.outer_optimizer,
+        outer_lr=o.outer_lr,
+        outer_momentum=o.outer_momentum,
+    )

@@ -60,8 +60,10 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     par, micro, n_micro = check_run_config(run, world_size, local_world)
     wants_cuda = run.trainer.device == "cuda" or (run.trainer.device == "auto" and torch.cuda.is_available())
     if run.trainer.device == "cuda" and not run.trainer.dry_run and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device "
-                          "(torch.cuda.is_available() is False); use trainer.device=auto or cpu")
+        raise ConfigError(
+            "trainer.device=cuda but this machine has no usable CUDA device "
+            "(torch.cuda.is_available() is False); use trainer.device=auto or cpu"
+        )
     try:
         backend = resolve_backend(run.kernels.backend, "cuda" if wants_cuda else "cpu")
     except (RuntimeError, ValueError) as err:
@@ -76,16 +78,21 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
         except (OSError, ValueError) as err:
             raise ConfigError(f"data: {err}") from err
     start_from = None if run.trainer.dry_run else checkpoint_to_start_from(run)
-    env = init_distributed(run.trainer.device, timeout_s=run.trainer.collective_timeout_s,
-                           num_threads=run.trainer.num_threads)
+    env = init_distributed(
+        run.trainer.device, timeout_s=run.trainer.collective_timeout_s, num_threads=run.trainer.num_threads
+    )
     try:
         run_dir = agree_on_run_dir(run_dir)
         if run.trainer.dry_run:
             return _dry_run(run, par, env, run_dir, micro, execution)
         with hold_checkpoint_dir(run.checkpoint.dir):  # one writer per dir, writable: before any step
-            engine = Engine.build(EngineConfig.from_run(run, execution, micro, eos_id), par, env.device,
-                                  ranks_per_node=env.local_world_size,
-                                  overlap_param_gather=run.optim.overlap_param_gather)
+            engine = Engine.build(
+                EngineConfig.from_run(run, execution, micro, eos_id),
+                par,
+                env.device,
+                ranks_per_node=env.local_world_size,
+                overlap_param_gather=run.optim.overlap_param_gather,
+            )
             try:
                 return Trainer(run, engine, env, run_dir, dataset, n_micro).train(start_from)
             finally:
@@ -97,11 +104,19 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
 def _dry_run(run: RunConfig, par, env, run_dir: Path, micro: int, execution: ExecutionConfig) -> dict:
     from meshtron.planning.plan import format_rank_line, plan_all_ranks, write_plan
 
-    plan = plan_all_ranks(run.model, par, env.world_size, micro_batch_size=micro,
-                          global_batch_size=run.trainer.global_batch_size, precision=run.trainer.precision,
-                          zero=run.optim.zero, offload=run.optim.offload, param_dtype=run.optim.param_dtype,
-                          device=env.device.type,
-                          execution=execution)
+    plan = plan_all_ranks(
+        run.model,
+        par,
+        env.world_size,
+        micro_batch_size=micro,
+        global_batch_size=run.trainer.global_batch_size,
+        precision=run.trainer.precision,
+        zero=run.optim.zero,
+        offload=run.optim.offload,
+        param_dtype=run.optim.param_dtype,
+        device=env.device.type,
+        execution=execution,
+    )
     mine = plan["ranks"][env.rank]
     print(f"[dry run] rank {env.rank}: {format_rank_line(mine)}", flush=True)
     if env.is_main:
@@ -123,11 +138,15 @@ class Trainer:
         t, ckpt = run.trainer, run.checkpoint
         # checkpoint.async: the writer thread coordinates over its own gloo group, made here, at
         # startup, by every rank alike (training/checkpoint.py AsyncCheckpointer)
-        self.checkpointer = (AsyncCheckpointer(new_checkpoint_group(t.collective_timeout_s))
-                             if ckpt.dir and ckpt.async_ else None)
+        self.checkpointer = (
+            AsyncCheckpointer(new_checkpoint_group(t.collective_timeout_s)) if ckpt.dir and ckpt.async_ else None
+        )
         self.lr_at = lr_schedule(run)
-        self.watchdog = StepWatchdog(env.rank, mesh_coords(engine.mesh), t.collective_timeout_s / 2
-                                     if t.watchdog_timeout_s is None else t.watchdog_timeout_s)
+        self.watchdog = StepWatchdog(
+            env.rank,
+            mesh_coords(engine.mesh),
+            t.collective_timeout_s / 2 if t.watchdog_timeout_s is None else t.watchdog_timeout_s,
+        )
         self.stopper = StopRequest(enabled=ckpt.dir is not None)
         self.state, self.local_sgd, self.reporter, self.bar = TrainState(), None, None, None
 
@@ -152,8 +171,11 @@ class Trainer:
             self.watchdog.idle()
         except Exception as err:
             if is_collective_failure(err):
-                print(self.watchdog.describe_error(err, timeout_s=self.run.trainer.collective_timeout_s),
-                      file=sys.stderr, flush=True)
+                print(
+                    self.watchdog.describe_error(err, timeout_s=self.run.trainer.collective_timeout_s),
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise
         finally:
             self._close()
@@ -166,22 +188,39 @@ class Trainer:
             kind, path = start_from
             self.state = engine.load(path, weights_only=kind == "init_from")
             if env.is_main:
-                print(f"meshtron: {'resumed from' if kind == 'resume' else 'initial weights from'} {path}"
-                      + (f" at step {self.state.step} ({self.state.consumed_samples:,} samples consumed)"
-                         if kind == "resume" else ""), flush=True)
+                print(
+                    f"meshtron: {'resumed from' if kind == 'resume' else 'initial weights from'} {path}"
+                    + (
+                        f" at step {self.state.step} ({self.state.consumed_samples:,} samples consumed)"
+                        if kind == "resume"
+                        else ""
+                    ),
+                    flush=True,
+                )
         # None unless optim.local_steps > 1 or an outer optimizer; after loading: DiLoCo keeps the start weights
         self.local_sgd = build_local_sgd(run.optim, engine.chunks, engine.mesh)
-        scaler = LossScaler(scale=self.state.loss_scale or t.initial_loss_scale, growth_interval=t.loss_scale_window,
-                            good_steps=self.state.loss_scale_good_steps)
+        scaler = LossScaler(
+            scale=self.state.loss_scale or t.initial_loss_scale,
+            growth_interval=t.loss_scale_window,
+            good_steps=self.state.loss_scale_good_steps,
+        )
         engine.precision = Precision(t.precision, env.device.type, scaler)
         # MFU against the compute dtype's peak on GPUs; CPUs have no fast 16-bit matmul, so fp32's.
         dtype = engine.precision.dtype
-        peak_per_process, peak_source = peak_flops(env.device, dtype if dtype is not None and env.device.type == "cuda"
-                                                   else torch.float32)
-        self.reporter = StepReporter(self.run_dir, t, tokens_per_step=t.global_batch_size * run.model.seq_len,
-                                     flops_per_token=model_flops_per_token(run.model),
-                                     peak_flops=peak_per_process * env.world_size, first=1, write=env.is_main,
-                                     show=env.is_main, tensorboard=t.tensorboard)
+        peak_per_process, peak_source = peak_flops(
+            env.device, dtype if dtype is not None and env.device.type == "cuda" else torch.float32
+        )
+        self.reporter = StepReporter(
+            self.run_dir,
+            t,
+            tokens_per_step=t.global_batch_size * run.model.seq_len,
+            flops_per_token=model_flops_per_token(run.model),
+            peak_flops=peak_per_process * env.world_size,
+            first=1,
+            write=env.is_main,
+            show=env.is_main,
+            tensorboard=t.tensorboard,
+        )
         self.bar = ProgressBar(t.max_steps, enabled=env.is_main and t.progress)
         if env.is_main:
             self._banner(peak_per_process * env.world_size, peak_source)
@@ -195,25 +234,32 @@ class Trainer:
         for warning in mesh.placement_warnings():  # spanning nodes is allowed, only slower (mpu/mesh.py)
             print(f"meshtron: warning: {warning}", flush=True)
         if engine.reducer.hierarchy is not None:
-            print(f"meshtron: hierarchical dp all-reduce: {engine.reducer.hierarchy.nodes} nodes x "
-                  f"{engine.reducer.hierarchy.local} ranks (parallel.dp_hierarchical={par.dp_hierarchical})",
-                  flush=True)
-        print(f"meshtron: {cfg.arch} {cfg.num_layers}L h={cfg.hidden_size} heads={cfg.num_heads} "
-              f"seq={cfg.seq_len} vocab={cfg.vocab_size}; {n_params:,} parameters on rank 0; "
-              f"{len(self.dataset.split_tokens('train')):,} tokens of text; global batch {t.global_batch_size} = "
-              f"dp {par.dp} x {self.n_micro} microbatches x {engine.config.micro_batch_size}; peak "
-              f"{peak_total / 1e9:.1f} GFLOP/s ({peak_source}) x{env.world_size}; run dir {self.run_dir}", flush=True)
+            print(
+                f"meshtron: hierarchical dp all-reduce: {engine.reducer.hierarchy.nodes} nodes x "
+                f"{engine.reducer.hierarchy.local} ranks (parallel.dp_hierarchical={par.dp_hierarchical})",
+                flush=True,
+            )
+        print(
+            f"meshtron: {cfg.arch} {cfg.num_layers}L h={cfg.hidden_size} heads={cfg.num_heads} "
+            f"seq={cfg.seq_len} vocab={cfg.vocab_size}; {n_params:,} parameters on rank 0; "
+            f"{len(self.dataset.split_tokens('train')):,} tokens of text; global batch {t.global_batch_size} = "
+            f"dp {par.dp} x {self.n_micro} microbatches x {engine.config.micro_batch_size}; peak "
+            f"{peak_total / 1e9:.1f} GFLOP/s ({peak_source}) x{env.world_size}; run dir {self.run_dir}",
+            flush=True,
+        )
 
     def _step(self, step: int, first_step: int) -> StepResult:
         """Step index `step`: this rank's microbatches through the engine, the traces asked for,
         the kernel self-check agreement after the first step, local SGD's parameter sync."""
         engine, t, mesh, env = self.engine, self.run.trainer, self.engine.mesh, self.env
-        inputs, targets = self.dataset.local_batch_at(self.state.consumed_samples, t.global_batch_size,
-                                                      mesh.dp_rank, mesh.dp_size)
-        microbatches = split_microbatches(inputs.to(env.device), targets.to(env.device),
-                                          engine.config.micro_batch_size)
-        self.watchdog.phase(f"step {step + 1}: forward/backward/grad reduce/optimizer"
-                            + (f" ({mesh.par.schedule} pipeline)" if engine.executor is not None else ""))
+        inputs, targets = self.dataset.local_batch_at(
+            self.state.consumed_samples, t.global_batch_size, mesh.dp_rank, mesh.dp_size
+        )
+        microbatches = split_microbatches(inputs.to(env.device), targets.to(env.device), engine.config.micro_batch_size)
+        self.watchdog.phase(
+            f"step {step + 1}: forward/backward/grad reduce/optimizer"
+            + (f" ({mesh.par.schedule} pipeline)" if engine.executor is not None else "")
+        )
         gather = engine.param_gather
         traced = t.trace_step == step + 1
         if gather is not None and t.trace_step in (step + 1, step + 2) and not gather.recording:
@@ -221,10 +267,11 @@ class Trainer:
         step_start = time.perf_counter()
         out = engine.step(microbatches, self.lr_at(step))
         if traced and (engine.executor is not None or gather is not None):
-            self.watchdog.phase(f"step {step + 1}: {'pipeline' if engine.executor is not None else 'parameter-gather'} "
-                                "trace gather_object")
-            _export_pipeline_trace(out.pipeline, mesh, len(microbatches), self.run_dir, env, gather,
-                                   step_start)
+            self.watchdog.phase(
+                f"step {step + 1}: {'pipeline' if engine.executor is not None else 'parameter-gather'} "
+                "trace gather_object"
+            )
+            _export_pipeline_trace(out.pipeline, mesh, len(microbatches), self.run_dir, env, gather, step_start)
         if step == first_step and engine.config.execution.kernel_backend == CHECKED:
             # Every kernel of the model ran (and was checked) in this step: make the
             # verdicts final and the same on every rank (a collective, every rank, here).
@@ -251,13 +298,18 @@ class Trainer:
         state.skipped_total += 1
         state.skipped_in_a_row += 1
         if self.env.is_main:
-            print(f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm"
-                  + (f" (fp16 overflow: loss scale now {precision.loss_scale:g})" if precision.scaler else "")
-                  + f" ({state.skipped_in_a_row} in a row, {state.skipped_total} in total)", flush=True)
+            print(
+                f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm"
+                + (f" (fp16 overflow: loss scale now {precision.loss_scale:g})" if precision.scaler else "")
+                + f" ({state.skipped_in_a_row} in a row, {state.skipped_total} in total)",
+                flush=True,
+            )
         if state.skipped_in_a_row > t.max_skipped:
-            raise RuntimeError(f"{state.skipped_in_a_row} consecutive steps had a non-finite loss or "
-                               f"gradient norm (trainer.max_skipped={t.max_skipped}); lower optim.lr or "
-                               f"check the data")
+            raise RuntimeError(
+                f"{state.skipped_in_a_row} consecutive steps had a non-finite loss or "
+                f"gradient norm (trainer.max_skipped={t.max_skipped}); lower optim.lr or "
+                f"check the data"
+            )
 
     def _log(self, step: int, out: StepResult) -> None:
         """At a logged step: the record of metrics.jsonl (evaluation and peak memory are
@@ -267,8 +319,14 @@ class Trainer:
             return
         self.watchdog.phase(f"step {n}: metrics")
         loss, grad_norm = out.loss.item(), out.grad_norm.item()  # host sync only when logging
-        record = {"step": n, "loss": loss, "lr": self.lr_at(step), "grad_norm": grad_norm, **reporter.throughput(),
-                  "skipped_steps": self.state.skipped_total}
+        record = {
+            "step": n,
+            "loss": loss,
+            "lr": self.lr_at(step),
+            "grad_norm": grad_norm,
+            **reporter.throughput(),
+            "skipped_steps": self.state.skipped_total,
+        }
         if self.local_sgd is not None:
             record["local_sgd_syncs"] = self.local_sgd.syncs
         if engine.precision.scaler is not None:
@@ -276,9 +334,11 @@ class Trainer:
         if reporter.eval_due(n):
             self.watchdog.phase(f"step {n}: evaluation")
             mesh = engine.mesh
-            record["val_loss"] = engine.evaluate(val_microbatches(self.dataset, t, mesh.dp_rank, mesh.dp_size,
-                                                                  engine.config.micro_batch_size,
-                                                                  self.env.device)).item()
+            record["val_loss"] = engine.evaluate(
+                val_microbatches(
+                    self.dataset, t, mesh.dp_rank, mesh.dp_size, engine.config.micro_batch_size, self.env.device
+                )
+            ).item()
         if out.moe_layers:
             record.update(moe_metrics(out))
         self.watchdog.phase(f"step {n}: peak-memory all_gather")
@@ -303,10 +363,14 @@ class Trainer:
         step, ckpt = self.state.step, self.run.checkpoint
         self.watchdog.phase(f"step {step}: checkpoint save")
         if not self.engine.weights_are_finite():
-            raise CheckpointError(f"the weights after step {step} are not finite (an update overflowed: "
-                                  f"optim.lr={self.run.optim.lr:g} is likely too large); they were not saved, so the "
-                                  "last checkpoint stays the newest: lower optim.lr and resume from it")
-        if self.checkpointer is not None:  # waits for the previous save, stages to host memory, writes in the background
+            raise CheckpointError(
+                f"the weights after step {step} are not finite (an update overflowed: "
+                f"optim.lr={self.run.optim.lr:g} is likely too large); they were not saved, so the "
+                "last checkpoint stays the newest: lower optim.lr and resume from it"
+            )
+        if (
+            self.checkpointer is not None
+        ):  # waits for the previous save, stages to host memory, writes in the background
             self.watchdog.phase(f"step {step}: checkpoint save (waiting for the previous one, staging)")
         self.engine.save(ckpt.dir, self.state, keep=ckpt.keep, checkpointer=self.checkpointer, on_done=self._announce)
 
@@ -327,16 +391,22 @@ class Trainer:
         summary = self.reporter.summary(self.state.step, self.run_dir, stopped_early=stopped_early)
         if self.env.is_main:
             if summary["history"]:
-                print(f"meshtron: {'stopped' if stopped_early else 'done'}; loss {summary['first_loss']:.4f} -> "
-                      f"{summary['last_loss']:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}", flush=True)
+                print(
+                    f"meshtron: {'stopped' if stopped_early else 'done'}; loss {summary['first_loss']:.4f} -> "
+                    f"{summary['last_loss']:.4f}; metrics in {self.run_dir / 'metrics.jsonl'}",
+                    flush=True,
+                )
             else:
-                print(f"meshtron: nothing to do: the run is already at step {self.state.step} = trainer.max_steps",
-                      flush=True)
+                print(
+                    f"meshtron: nothing to do: the run is already at step {self.state.step} = trainer.max_steps",
+                    flush=True,
+                )
         return summary
 
 
-def _export_pipeline_trace(result, mesh, num_microbatches: int, run_dir: Path, env, param_gather=None,
-                           step_start: float = 0.0) -> None:
+def _export_pipeline_trace(
+    result, mesh, num_microbatches: int, run_dir: Path, env, param_gather=None, step_start: float = 0.0
+) -> None:
     """Gather every rank's timeline of this step (pipeline `result`, and with `param_gather`
     the unit forwards and the ZeRO parameter all-gathers they waited for) to rank 0, write
     trace.json (Chrome trace) and print the measured bubble beside the theoretical one."""
@@ -347,22 +417,31 @@ def _export_pipeline_trace(result, mesh, num_microbatches: int, run_dir: Path, e
     gathered = gather_object((result.timeline if result is not None else [], spans), world_group(), dst=0)
     if not env.is_main:
         return
-    path = write_trace(run_dir / "trace.json", {r: g[0] for r, g in enumerate(gathered)},
-                       {r: g[1] for r, g in enumerate(gathered)})
+    path = write_trace(
+        run_dir / "trace.json", {r: g[0] for r, g in enumerate(gathered)}, {r: g[1] for r, g in enumerate(gathered)}
+    )
     if result is None:
-        overlapped = sum(s.lane == "param all-gather" and s.end > min((u.start for u in g[1] if u.lane == "compute"),
-                                                                      default=s.end)
-                         for g in gathered for s in g[1])
-        print(f"meshtron: trace of this step in {path}: {overlapped} ZeRO parameter all-gather(s) still running "
-              "after the forward started", flush=True)
+        overlapped = sum(
+            s.lane == "param all-gather" and s.end > min((u.start for u in g[1] if u.lane == "compute"), default=s.end)
+            for g in gathered
+            for s in g[1]
+        )
+        print(
+            f"meshtron: trace of this step in {path}: {overlapped} ZeRO parameter all-gather(s) still running "
+            "after the forward started",
+            flush=True,
+        )
         return
     par = mesh.par
     measured = [measured_bubble(g[0]) for g in gathered]
     expected = theoretical_bubble(par.pp, num_microbatches, par.vpp)
-    print(f"meshtron: pipeline trace of this step in {path}; bubble measured "
-          f"{sum(measured) / len(measured):.1%} (ranks: {', '.join(f'{b:.0%}' for b in measured)}) vs "
-          f"theoretical {expected:.1%} = (p-1)/v / (m + (p-1)/v) with p={par.pp}, m={num_microbatches}, "
-          f"v={par.vpp}", flush=True)
+    print(
+        f"meshtron: pipeline trace of this step in {path}; bubble measured "
+        f"{sum(measured) / len(measured):.1%} (ranks: {', '.join(f'{b:.0%}' for b in measured)}) vs "
+        f"theoretical {expected:.1%} = (p-1)/v / (m + (p-1)/v) with p={par.pp}, m={num_microbatches}, "
+        f"v={par.vpp}",
+        flush=True,
+    )
 
 
 def moe_metrics(out: StepResult) -> dict:
@@ -372,13 +451,21 @@ def moe_metrics(out: StepResult) -> dict:
     for layer in out.moe_layers:
         load = layer.tokens_per_expert.tolist()
         mean = sum(load) / len(load)
-        layers.append({"layer": layer.layer, "tokens_per_expert": [int(x) for x in load],
-                       "imbalance": max(load) / mean if mean else 0.0,
-                       "dropped_fraction": float(layer.dropped_fraction)})
-    return {"aux_loss": float(out.aux_loss), "z_loss": float(out.z_loss),
-            "expert_imbalance": max(layer["imbalance"] for layer in layers),
-            "dropped_fraction": sum(layer["dropped_fraction"] for layer in layers) / len(layers),
-            "moe": layers}
+        layers.append(
+            {
+                "layer": layer.layer,
+                "tokens_per_expert": [int(x) for x in load],
+                "imbalance": max(load) / mean if mean else 0.0,
+                "dropped_fraction": float(layer.dropped_fraction),
+            }
+        )
+    return {
+        "aux_loss": float(out.aux_loss),
+        "z_loss": float(out.z_loss),
+        "expert_imbalance": max(layer["imbalance"] for layer in layers),
+        "dropped_fraction": sum(layer["dropped_fraction"] for layer in layers) / len(layers),
+        "moe": layers,
+    }
 
 
 def main_entry(tree: dict, run_dir: str) -> dict:

@@ -19,8 +19,9 @@ from meshtron.training.config import OptimConfig
 from meshtron.training.local_sgd import LocalGradReducer, local_sgd_enabled
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                    eps: float = 1e-8) -> ReplicatedAdamW:
+def build_optimizer(
+    model: nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8
+) -> ReplicatedAdamW:
     """AdamW over `model`'s trainable parameters; weight decay applies to parameters with ndim >= 2.
 
     The update is element-wise, so it gives the same result on any shard of a parameter
@@ -37,8 +38,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas=(
     return adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
 
 
-def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
-                                mesh: Mesh) -> tuple[DataParallelGradReducer, TrainingOptimizer]:
+def build_reducer_and_optimizer(
+    o: OptimConfig, chunks: list[nn.Module], mesh: Mesh
+) -> tuple[DataParallelGradReducer, TrainingOptimizer]:
     """The data-parallel gradient reducer of `chunks` (reduce-scattering with `o.zero` >= 2,
     in bf16 with `o.grad_comm_dtype == "bf16"`) and the optimizer `o` asks for:
     `OffloadedAdamW` with `o.offload` (at ZeRO stage `o.zero`), else `ShardedAdamW` with
@@ -50,22 +52,28 @@ def build_reducer_and_optimizer(o: OptimConfig, chunks: list[nn.Module],
     resident = o.param_dtype == "bf16"
     # local SGD / DiLoCo: gradients summed inside a data replica only (training/local_sgd.py)
     kind = LocalGradReducer if local_sgd_enabled(o.local_steps, o.outer_optimizer) else DataParallelGradReducer
-    reducer = kind([(n, p) for c in chunks for n, p in c.named_parameters()], mesh, bucket_mb=o.bucket_mb,
-                   shard_grads=o.zero >= 2, comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None,
-                   unit_of=zero3.unit_of if o.zero == 3 else None, main_grads=resident)
+    reducer = kind(
+        [(n, p) for c in chunks for n, p in c.named_parameters()],
+        mesh,
+        bucket_mb=o.bucket_mb,
+        shard_grads=o.zero >= 2,
+        comm_dtype=torch.bfloat16 if o.grad_comm_dtype == "bf16" else None,
+        unit_of=zero3.unit_of if o.zero == 3 else None,
+        main_grads=resident,
+    )
     if o.zero == 3:  # shards the parameters (one sharder per model chunk) before the optimizer takes the shards
         for chunk in chunks:
-            zero3.Zero3(chunk, reducer, on_free=forget_weight_copies,
-                        param_dtype=torch.bfloat16 if resident else None)
+            zero3.Zero3(chunk, reducer, on_free=forget_weight_copies, param_dtype=torch.bfloat16 if resident else None)
     if resident:
-        optimizer = ResidentAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
-                                  zero=o.zero, offload=o.offload)
+        optimizer = ResidentAdamW(
+            reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, zero=o.zero, offload=o.offload
+        )
     elif o.offload:
-        optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
-                                   zero=o.zero)
+        optimizer = OffloadedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, zero=o.zero)
     elif o.zero:
         optimizer = ShardedAdamW(reducer, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
     else:
-        optimizer = build_optimizer(nn.ModuleList(chunks), lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-                                    eps=o.eps)
+        optimizer = build_optimizer(
+            nn.ModuleList(chunks), lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps
+        )
     return reducer, optimizer

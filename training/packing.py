@@ -31,8 +31,9 @@ class LocalMicrobatch:
     forward_kwargs: dict = field(default_factory=dict)
 
 
-def local_microbatch(inputs: torch.Tensor, targets: torch.Tensor, mesh: Mesh,
-                     eos_id: int | None = None) -> LocalMicrobatch:
+def local_microbatch(
+    inputs: torch.Tensor, targets: torch.Tensor, mesh: Mesh, eos_id: int | None = None
+) -> LocalMicrobatch:
     """This rank's share of one microbatch of full sequences `inputs`/`targets` [b, s]: the cp
     shard along the sequence and, when `eos_id` is given (packed documents, `data.reset_at_eos`),
     the whole sequence's document ids and this shard's positions, restarting after every

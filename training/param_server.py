@@ -95,10 +95,11 @@ P_KIND, P_STEP, P_VERSION, P_TOKENS, P_LOSS, P_FINITE, P_NORM = range(7)
 R_VERSION, R_NORM, R_LOSS, R_STALE_MAX, R_STALE_SUM, R_STALE_COUNT, R_BYTES, R_START = range(8)
 
 DELAY_ENV = "MESHTRON_PS_TEST_DELAY"  # test hook: "worker:seconds" sleeps before each of its steps
-KILL_ENV = "MESHTRON_PS_TEST_KILL"    # test hook: "worker:step" SIGKILLs that worker's ranks at that step
+KILL_ENV = "MESHTRON_PS_TEST_KILL"  # test hook: "worker:step" SIGKILLs that worker's ranks at that step
 
 
 # ----------------------------------------------------------------------------- configuration
+
 
 def ps_config_checks(run) -> list[tuple[bool, str]]:
     """(holds, message) pairs for a parameter-server run (`parallel.dp_mode=ps`): what the
@@ -111,22 +112,33 @@ def ps_config_checks(run) -> list[tuple[bool, str]]:
         (o.zero == 0, f"optim.zero={o.zero} {why}: the servers already shard the AdamW state; use optim.zero=0"),
         (not o.offload, f"optim.offload=true {why}: the AdamW state lives on the servers; use optim.offload=false"),
         (o.param_dtype == "fp32", f"optim.param_dtype={o.param_dtype} {why}: servers keep fp32 weights; use fp32"),
-        (o.grad_comm_dtype == "fp32", f"optim.grad_comm_dtype={o.grad_comm_dtype} {why}: gradients are pushed in "
-                                      "fp32; use fp32"),
+        (
+            o.grad_comm_dtype == "fp32",
+            f"optim.grad_comm_dtype={o.grad_comm_dtype} {why}: gradients are pushed in fp32; use fp32",
+        ),
         (t.precision != "fp16", f"trainer.precision=fp16 {why}: loss scaling is not supported; use bf16 or fp32"),
         (not c.async_, f"checkpoint.async=true {why}: servers write their shards synchronously; use false"),
         (not t.tensorboard, f"trainer.tensorboard=true {why}: the ps loop writes metrics.jsonl only; use false"),
-        (getattr(o, "local_steps", 1) == 1, f"optim.local_steps={getattr(o, 'local_steps', 1)} {why}: local SGD "
-                                            "averages over all-reduce; use optim.local_steps=1"),
-        (getattr(p, "dp_hierarchical", "auto") is not True,
-         f"parallel.dp_hierarchical=true {why}: workers reduce nothing over dp; leave it at auto"),
+        (
+            getattr(o, "local_steps", 1) == 1,
+            f"optim.local_steps={getattr(o, 'local_steps', 1)} {why}: local SGD "
+            "averages over all-reduce; use optim.local_steps=1",
+        ),
+        (
+            getattr(p, "dp_hierarchical", "auto") is not True,
+            f"parallel.dp_hierarchical=true {why}: workers reduce nothing over dp; leave it at auto",
+        ),
         (not c.init_from, f"checkpoint.init_from {why} is not supported; start fresh or resume a ps checkpoint"),
-        (getattr(m, "router_bias_update_rate", 0.0) == 0.0,
-         f"model.router_bias_update_rate={getattr(m, 'router_bias_update_rate', 0.0)} {why}: each worker would "
-         "update its own expert bias; use 0"),
-        (not m.num_experts or getattr(m, "aux_loss_scope", "microbatch") == "microbatch",
-         f"model.aux_loss_scope={getattr(m, 'aux_loss_scope', None)} {why}: only the per-microbatch scope is "
-         "independent of the workers; use microbatch"),
+        (
+            getattr(m, "router_bias_update_rate", 0.0) == 0.0,
+            f"model.router_bias_update_rate={getattr(m, 'router_bias_update_rate', 0.0)} {why}: each worker would "
+            "update its own expert bias; use 0",
+        ),
+        (
+            not m.num_experts or getattr(m, "aux_loss_scope", "microbatch") == "microbatch",
+            f"model.aux_loss_scope={getattr(m, 'aux_loss_scope', None)} {why}: only the per-microbatch scope is "
+            "independent of the workers; use microbatch",
+        ),
     ]
 
 
@@ -137,8 +149,10 @@ def check_ps_run(run, world_size: int) -> tuple[ParallelConfig, int, int, int]:
         if not holds:
             raise ConfigError(message)
     if world_size <= run.parallel.servers:
-        raise ConfigError(f"parallel.servers={run.parallel.servers} leaves no worker rank in world size {world_size}; "
-                          "start more processes or use fewer servers")
+        raise ConfigError(
+            f"parallel.servers={run.parallel.servers} leaves no worker rank in world size {world_size}; "
+            "start more processes or use fewer servers"
+        )
     # the allreduce checks, with dp = workers
     workers_only = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, dp_mode="allreduce", servers=0))
     par, micro, _ = check_run_config(workers_only, world_size - run.parallel.servers)
@@ -153,6 +167,7 @@ def check_ps_run(run, world_size: int) -> tuple[ParallelConfig, int, int, int]:
 
 
 # ----------------------------------------------------------------------------- meshes
+
 
 def block_mesh(par: ParallelConfig, offsets: list[int], rank: int) -> Mesh | None:
     """The mesh of `par` (pp=1, cp=1; resolved for its own size n) on each block of ranks
@@ -197,6 +212,7 @@ def block_mesh(par: ParallelConfig, offsets: list[int], rank: int) -> Mesh | Non
 
 
 # ----------------------------------------------------------------------------- flat layout
+
 
 @dataclass
 class FlatLayout:
@@ -248,12 +264,13 @@ def _counted_mask(meta: dict, lo: int, hi: int) -> torch.Tensor:
     for numel, counted in zip(meta["numels"], meta["counted"]):
         a, b = max(offset, lo), min(offset + numel, hi)
         if a < b and counted:
-            mask[a - lo: b - lo] = True
+            mask[a - lo : b - lo] = True
         offset += numel
     return mask
 
 
 # ----------------------------------------------------------------------------- roles
+
 
 @dataclass
 class Roles:
@@ -288,6 +305,7 @@ def _env_hook(name: str) -> dict[int, float]:
 
 # ----------------------------------------------------------------------------- server
 
+
 @dataclass
 class ServerResult:
     """What a server did: final version, staleness statistics and, per push from a worker's
@@ -315,9 +333,9 @@ class ParameterServer:
         self.trace: list = []
         self.answered = [0] * roles.workers
         self.last_norm, self.last_loss = 0.0, 0.0
-        self.pending: dict[int, dict[int, tuple]] = {}     # bsp/ssp: clock -> {peer rank: (header, body)}
+        self.pending: dict[int, dict[int, tuple]] = {}  # bsp/ssp: clock -> {peer rank: (header, body)}
         self.asp_pending: dict[tuple[int, int], dict] = {}  # asp: (worker, step) -> {t: (header, body)}
-        self.deferred: list[tuple[int, int]] = []           # (peer rank, step) waiting for a version
+        self.deferred: list[tuple[int, int]] = []  # (peer rank, step) waiting for a version
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.sends: list = []
         self.saved_version = -1
@@ -343,13 +361,16 @@ class ParameterServer:
             pieces = []
             for a, b, out in ((lo, min(hi, boundary), decay), (max(lo, boundary), hi, rest)):
                 if a < b:
-                    view = nn.Parameter(self.params[t][a - lo: b - lo])  # shares the flat buffer
+                    view = nn.Parameter(self.params[t][a - lo : b - lo])  # shares the flat buffer
                     pieces.append((a - lo, b - lo, view))
                     out.append(view)
             self.pieces.append(pieces)
         o = self.run.optim
-        groups = [g for g in ({"params": decay, "weight_decay": o.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}) if g["params"]]
+        groups = [
+            g
+            for g in ({"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0})
+            if g["params"]
+        ]
         self.optimizer = adamw(groups, lr=o.lr, betas=o.betas, eps=o.eps) if groups else None
         # hello from every worker rank: worker 0's bodies are the initial parameters
         for _ in range(r.workers * M):
@@ -428,8 +449,7 @@ class ParameterServer:
                 still.append((src, step))
         self.deferred = still
         if self.snapshots:  # drop versions no push can still ask for
-            lowest = min([self._needed(step) for _, step in self.deferred]
-                         + [self._needed(a) for a in self.answered])
+            lowest = min([self._needed(step) for _, step in self.deferred] + [self._needed(a) for a in self.answered])
             for version in [v for v in self.snapshots if v < lowest]:
                 del self.snapshots[version]
 
@@ -546,10 +566,15 @@ class ParameterServer:
         folder = Path(self.run.checkpoint.dir) / f"ps_step_{step}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"server_{self.index}_of_{self.roles.servers}.pt"
-        state = {"version": self.version, "step": step, "sync": self.sync, "params": self.params,
-                 "layout": [(sum(m["numels"]), lo, hi) for m, lo, hi in zip(self.meta, self.lo, self.hi)],
-                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                 "staleness": (self.stale_max, self.stale_sum, self.stale_count)}
+        state = {
+            "version": self.version,
+            "step": step,
+            "sync": self.sync,
+            "params": self.params,
+            "layout": [(sum(m["numels"]), lo, hi) for m, lo, hi in zip(self.meta, self.lo, self.hi)],
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "staleness": (self.stale_max, self.stale_sum, self.stale_count),
+        }
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)  # a killed run leaves the previous file or the new one, never half of one
@@ -583,8 +608,11 @@ class ParameterServer:
 def _ps_folders(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
-    return [(int(p.name.split("_")[-1]), p) for p in root.iterdir()
-            if p.is_dir() and p.name.startswith("ps_step_") and p.name.split("_")[-1].isdigit()]
+    return [
+        (int(p.name.split("_")[-1]), p)
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("ps_step_") and p.name.split("_")[-1].isdigit()
+    ]
 
 
 def latest_complete(root: Path, servers: int) -> Path | None:
@@ -605,6 +633,7 @@ def resume_dir(c, servers: int) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- worker client
+
 
 @dataclass
 class Reply:
@@ -673,13 +702,14 @@ class ParameterServerClient(TrainingOptimizer):
         works = []
         for s, server in enumerate(self.roles.server_ranks):
             lo, hi = self.ranges[s]
-            works += [self.channel.isend(header, server, TAG_HEAD),
-                      self.channel.isend(torch.zeros(hi - lo), server, TAG_BODY)]
+            works += [
+                self.channel.isend(header, server, TAG_HEAD),
+                self.channel.isend(torch.zeros(hi - lo), server, TAG_BODY),
+            ]
         for work in works:
             work.wait()
 
-    def _exchange(self, kind: float, step: int, tokens: float, loss: float, finite: bool,
-                  flat: torch.Tensor) -> Reply:
+    def _exchange(self, kind: float, step: int, tokens: float, loss: float, finite: bool, flat: torch.Tensor) -> Reply:
         header = torch.zeros(HEADER, dtype=torch.float64)
         header[P_KIND], header[P_STEP], header[P_VERSION] = kind, step, self.version
         header[P_TOKENS], header[P_LOSS], header[P_FINITE] = tokens, loss, 1.0 if finite else 0.0
@@ -691,8 +721,10 @@ class ParameterServerClient(TrainingOptimizer):
             works += [self.channel.isend(header, server, TAG_HEAD), self.channel.isend(body, server, TAG_BODY)]
             heads.append(torch.empty(HEADER, dtype=torch.float64))
             bodies.append(torch.empty(hi - lo))
-            works += [self.channel.irecv(heads[-1], server, TAG_REPLY_HEAD),
-                      self.channel.irecv(bodies[-1], server, TAG_REPLY_BODY)]
+            works += [
+                self.channel.irecv(heads[-1], server, TAG_REPLY_HEAD),
+                self.channel.irecv(bodies[-1], server, TAG_REPLY_BODY),
+            ]
         for work in works:
             work.wait()
         versions = {int(h[R_VERSION]) for h in heads}
@@ -702,13 +734,19 @@ class ParameterServerClient(TrainingOptimizer):
             for p, piece in zip(self.layout.params, torch.split(fresh, self.layout.numels)):
                 p.copy_(piece.view_as(p))
         first = heads[0]
-        return Reply(self.version, float(first[R_NORM]), float(first[R_LOSS]),
-                     max(float(h[R_STALE_MAX]) for h in heads),
-                     float(first[R_STALE_SUM]) / float(first[R_STALE_COUNT]) if first[R_STALE_COUNT] else 0.0,
-                     int(max(float(h[R_BYTES]) for h in heads)), int(first[R_START]))
+        return Reply(
+            self.version,
+            float(first[R_NORM]),
+            float(first[R_LOSS]),
+            max(float(h[R_STALE_MAX]) for h in heads),
+            float(first[R_STALE_SUM]) / float(first[R_STALE_COUNT]) if first[R_STALE_COUNT] else 0.0,
+            int(max(float(h[R_BYTES]) for h in heads)),
+            int(first[R_START]),
+        )
 
 
 # ----------------------------------------------------------------------------- the run
+
 
 def run_parameter_server(run, run_dir) -> dict:
     """train.py's entry for `parallel.dp_mode=ps` (training/loop.py branches here): check the
@@ -729,8 +767,9 @@ def run_parameter_server(run, run_dir) -> dict:
             dataset = build_dataset(run.data, run.model.seq_len, run.trainer.seed, run.model.vocab_size)
         except (OSError, ValueError) as err:
             raise ConfigError(f"data: {err}") from err
-    env = init_distributed(run.trainer.device, timeout_s=run.trainer.collective_timeout_s,
-                           num_threads=run.trainer.num_threads)
+    env = init_distributed(
+        run.trainer.device, timeout_s=run.trainer.collective_timeout_s, num_threads=run.trainer.num_threads
+    )
     try:
         run_dir = agree_on_run_dir(run_dir)
         if run.trainer.dry_run:
@@ -766,8 +805,9 @@ def train_ps(run, env, run_dir, dataset) -> dict:
     return out
 
 
-def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, micro: int, schedule,
-                  channel: PSChannel) -> dict:
+def _train_worker(
+    run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, micro: int, schedule, channel: PSChannel
+) -> dict:
     """A worker rank's steps: its slice of each global batch through the Engine (with the
     parameter-server client as its optimizer), metrics from worker 0 (training/reporting.py)."""
     from meshtron.planning.flops import model_flops_per_token
@@ -785,27 +825,34 @@ def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, mi
         reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh_)
         return reducer, ParameterServerClient(chunks, mesh_, roles, worker, channel)
 
-    engine = Engine.build(EngineConfig.from_run(run, run.execution("torch"), micro, eos_id), mesh, env.device,
-                          precision=Precision(t.precision, env.device.type, None),
-                          optimizer_factory=reducer_and_client)
+    engine = Engine.build(
+        EngineConfig.from_run(run, run.execution("torch"), micro, eos_id),
+        mesh,
+        env.device,
+        precision=Precision(t.precision, env.device.type, None),
+        optimizer_factory=reducer_and_client,
+    )
     client = engine.optimizer
     start = client.hello().start
     peak, _ = peak_flops(env.device, torch.float32)
-    reporter = StepReporter(run_dir, t, tokens_per_step=t.global_batch_size * cfg.seq_len,
-                            flops_per_token=model_flops_per_token(cfg),
-                            peak_flops=peak * roles.workers * roles.per_worker, first=start + 1,
-                            write=env.is_main, show=env.is_main)
+    reporter = StepReporter(
+        run_dir,
+        t,
+        tokens_per_step=t.global_batch_size * cfg.seq_len,
+        flops_per_token=model_flops_per_token(cfg),
+        peak_flops=peak * roles.workers * roles.per_worker,
+        first=start + 1,
+        write=env.is_main,
+        show=env.is_main,
+    )
     if env.is_main:
-        print(f"meshtron: parameter servers: {roles.workers} worker(s) of {roles.per_worker} rank(s) "
-              f"(tp={mesh.tp_size}), "
-              f"{roles.servers} server(s), optim.sync={run.optim.sync}"
-              + (f" staleness={run.optim.staleness}" if run.optim.sync == "ssp" else "")
-              + f"; starting at step {start}; run dir {run_dir}", flush=True)
+        print(_worker_banner(run, roles, mesh, start, run_dir), flush=True)
     try:
         for step in range(start, t.max_steps):
             _test_hooks(worker, step)
-            inputs, targets = dataset.local_batch_at(step * t.global_batch_size, t.global_batch_size, worker,
-                                                     roles.workers)
+            inputs, targets = dataset.local_batch_at(
+                step * t.global_batch_size, t.global_batch_size, worker, roles.workers
+            )
             microbatches = split_microbatches(inputs.to(env.device), targets.to(env.device), micro)
             own = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
             total = _global_tokens(dataset, step, t.global_batch_size, micro, mesh, eos_id).to(env.device)
@@ -827,9 +874,22 @@ def _train_worker(run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, mi
         engine.close()
     summary = reporter.summary(t.max_steps, run_dir, model=engine.chunks)
     if env.is_main and summary["history"]:
-        print(f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
-              f"metrics in {run_dir / 'metrics.jsonl'}", flush=True)
+        print(
+            f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+            f"metrics in {run_dir / 'metrics.jsonl'}",
+            flush=True,
+        )
     return summary
+
+
+def _worker_banner(run, roles: Roles, mesh: Mesh, start: int, run_dir: Path) -> str:
+    """Rank 0's line before the workers' first step: workers, servers, sync, start, run dir."""
+    staleness = f" staleness={run.optim.staleness}" if run.optim.sync == "ssp" else ""
+    return (
+        f"meshtron: parameter servers: {roles.workers} worker(s) of {roles.per_worker} rank(s) (tp={mesh.tp_size}), "
+        f"{roles.servers} server(s), optim.sync={run.optim.sync}{staleness}; starting at step {start}; "
+        f"run dir {run_dir}"
+    )
 
 
 def _test_hooks(worker: int, step: int) -> None:
@@ -842,18 +902,26 @@ def _test_hooks(worker: int, step: int) -> None:
         time.sleep(delay)
 
 
-def _worker_record(run, engine, reporter, step: int, lr: float, reply, share: float, own: float,
-                   total: torch.Tensor) -> dict:
+def _worker_record(
+    run, engine, reporter, step: int, lr: float, reply, share: float, own: float, total: torch.Tensor
+) -> dict:
     """A logged step's record: under bsp (or ssp with staleness 0) the servers' global loss and
     norm, else this worker's own (its share rescaled to its own batch)."""
     bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
     local_loss = share * float(total) / max(own, 1.0)  # the mean over this worker's own batch
     worker_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters()) * 2  # weights + grad buckets
-    return {"step": step + 1, "loss": reply.loss if bsp else local_loss, "lr": lr,
-            "grad_norm": reply.grad_norm if bsp else float(engine.optimizer.local_norm) * float(total) / own,
-            **reporter.throughput(), "staleness_max": reply.stale_max,
-            "staleness_mean": reply.stale_mean, "server_state_bytes": reply.server_bytes,
-            "worker_state_bytes": worker_bytes, "version": reply.version}
+    return {
+        "step": step + 1,
+        "loss": reply.loss if bsp else local_loss,
+        "lr": lr,
+        "grad_norm": reply.grad_norm if bsp else float(engine.optimizer.local_norm) * float(total) / own,
+        **reporter.throughput(),
+        "staleness_max": reply.stale_max,
+        "staleness_mean": reply.stale_mean,
+        "server_state_bytes": reply.server_bytes,
+        "worker_state_bytes": worker_bytes,
+        "version": reply.version,
+    }
 
 
 def ps_dry_run(run, env, run_dir: Path) -> dict:
@@ -869,27 +937,49 @@ def ps_dry_run(run, env, run_dir: Path) -> dict:
     worker_par, workers, per_worker, _ = check_ps_run(run, env.world_size)
     servers = run.parallel.servers
     counts = [meta_param_counts(run.model, worker_par, per_worker, t)["total"] for t in range(per_worker)]
-    shard = [sum(shard_range(n, servers, s)[1] - shard_range(n, servers, s)[0] for n in counts)
-             for s in range(servers)]
+    shard = [sum(shard_range(n, servers, s)[1] - shard_range(n, servers, s)[0] for n in counts) for s in range(servers)]
     s_ = run.optim.staleness if run.optim.sync == "ssp" else 0
     buffered = workers * (s_ + 1)
-    roles = {"servers": [{"server": s, "elements": shard[s], "params_and_moments_bytes": 12 * shard[s],
-                          "buffered_gradient_bytes": 4 * shard[s] * buffered, "snapshot_bytes": 4 * shard[s] * s_,
-                          "total_bytes": 4 * shard[s] * (3 + buffered + s_)} for s in range(servers)],
-             "worker_ranks": [{"tp_rank": t, "parameters": counts[t], "weights_and_grads_bytes": 8 * counts[t]}
-                              for t in range(per_worker)]}
-    plan = {"dp_mode": "ps", "sync": run.optim.sync, "workers": workers, "ranks_per_worker": per_worker,
-            "servers": servers, "roles": roles}
+    roles = {
+        "servers": [
+            {
+                "server": s,
+                "elements": shard[s],
+                "params_and_moments_bytes": 12 * shard[s],
+                "buffered_gradient_bytes": 4 * shard[s] * buffered,
+                "snapshot_bytes": 4 * shard[s] * s_,
+                "total_bytes": 4 * shard[s] * (3 + buffered + s_),
+            }
+            for s in range(servers)
+        ],
+        "worker_ranks": [
+            {"tp_rank": t, "parameters": counts[t], "weights_and_grads_bytes": 8 * counts[t]} for t in range(per_worker)
+        ],
+    }
+    plan = {
+        "dp_mode": "ps",
+        "sync": run.optim.sync,
+        "workers": workers,
+        "ranks_per_worker": per_worker,
+        "servers": servers,
+        "roles": roles,
+    }
     if env.is_main:
         for entry in roles["servers"]:
-            print(f"[dry run] server {entry['server']}: {entry['elements']:,} elements, "
-                  f"{entry['total_bytes'] / 2**20:.1f} MiB (params+moments "
-                  f"{entry['params_and_moments_bytes'] / 2**20:.1f}, "
-                  f"buffered grads {entry['buffered_gradient_bytes'] / 2**20:.1f}, snapshots "
-                  f"{entry['snapshot_bytes'] / 2**20:.1f})", flush=True)
+            print(
+                f"[dry run] server {entry['server']}: {entry['elements']:,} elements, "
+                f"{entry['total_bytes'] / 2**20:.1f} MiB (params+moments "
+                f"{entry['params_and_moments_bytes'] / 2**20:.1f}, "
+                f"buffered grads {entry['buffered_gradient_bytes'] / 2**20:.1f}, snapshots "
+                f"{entry['snapshot_bytes'] / 2**20:.1f})",
+                flush=True,
+            )
         for entry in roles["worker_ranks"]:
-            print(f"[dry run] worker tp rank {entry['tp_rank']}: {entry['parameters']:,} parameters, weights+grads "
-                  f"{entry['weights_and_grads_bytes'] / 2**20:.1f} MiB", flush=True)
+            print(
+                f"[dry run] worker tp rank {entry['tp_rank']}: {entry['parameters']:,} parameters, weights+grads "
+                f"{entry['weights_and_grads_bytes'] / 2**20:.1f} MiB",
+                flush=True,
+            )
         (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     return {"dry_run": True, "plan": plan, "run_dir": str(run_dir)}
 
@@ -903,5 +993,5 @@ def _global_tokens(dataset, step: int, global_batch: int, micro: int, mesh: Mesh
     from meshtron.training.step import global_token_count
 
     inputs, targets = dataset.local_batch_at(step * global_batch, global_batch, 0, 1)
-    rows = [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+    rows = [(inputs[i : i + micro], targets[i : i + micro]) for i in range(0, len(inputs), micro)]
     return global_token_count(local_microbatches(rows, mesh, eos_id), mesh)

@@ -32,13 +32,33 @@ from meshtron.training.config import RunConfig
 
 __all__ = ["main", "compose_run", "parse_bytes", "pinned_fields"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 # command-line keys that pin a field of planning.step_time.Layout
-_PINNED = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.cp": "cp",
-           "parallel.cp_comm": "cp_comm", "parallel.ep": "ep", "parallel.etp": "etp", "parallel.sp": "sp",
-           "parallel.vpp": "vpp", "optim.zero": "zero", "trainer.recompute": "recompute",
-           "trainer.micro_batch_size": "micro_batch_size"}
+_PINNED = {
+    "parallel.tp": "tp",
+    "parallel.pp": "pp",
+    "parallel.dp": "dp",
+    "parallel.cp": "cp",
+    "parallel.cp_comm": "cp_comm",
+    "parallel.ep": "ep",
+    "parallel.etp": "etp",
+    "parallel.sp": "sp",
+    "parallel.vpp": "vpp",
+    "optim.zero": "zero",
+    "trainer.recompute": "recompute",
+    "trainer.micro_batch_size": "micro_batch_size",
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -74,8 +94,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m meshtron.plan", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="python -m meshtron.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("overrides", nargs="*", help="train.py overrides, e.g. +model=gpt_1b trainer.global_batch_size=512")
     p.add_argument("--gpus", type=int, required=True, help="devices in all")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: min(gpus, 8))")
@@ -84,10 +105,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak (default: the preset's)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     p.add_argument("--json", default=None, help="write the ranked candidates (up to --json-max) to this JSON file")
-    p.add_argument("--json-max", type=int, default=200,
-                   help="fitting candidates to rank for --json (default 200; 0 = every valid layout, slow)")
-    p.add_argument("--max-priced", type=int, default=2000,
-                   help="price at most this many of the fastest candidates' memory (default 2000; 0 = no cap)")
+    p.add_argument(
+        "--json-max",
+        type=int,
+        default=200,
+        help="fitting candidates to rank for --json (default 200; 0 = every valid layout, slow)",
+    )
+    p.add_argument(
+        "--max-priced",
+        type=int,
+        default=2000,
+        help="price at most this many of the fastest candidates' memory (default 2000; 0 = no cap)",
+    )
     return p
 
 
@@ -119,8 +148,10 @@ def format_table(ranked: list, top: int) -> str:
     """The top `top` candidates: rank, GiB per device, modelled tokens/s, MFU, overrides."""
     lines = [f"{'#':>3} {'GiB/dev':>8} {'tokens/s':>12} {'MFU':>6}  overrides"]
     for i, cand in enumerate(ranked[:top], 1):
-        lines.append(f"{i:>3} {cand.memory_bytes / 1024**3:8.2f} {cand.tokens_per_s:12,.0f} {cand.time.mfu:6.1%}  "
-                     f"{cand.layout.overrides()}")
+        lines.append(
+            f"{i:>3} {cand.memory_bytes / 1024**3:8.2f} {cand.tokens_per_s:12,.0f} {cand.time.mfu:6.1%}  "
+            f"{cand.layout.overrides()}"
+        )
     return "\n".join(lines)
 
 
@@ -135,31 +166,57 @@ def run(argv: list[str]) -> int:
     cluster = _cluster(args, t.precision)
     fixed = pinned_fields(args.overrides, run_cfg)
     try:
-        result = search(run_cfg.model, cluster, global_batch_size=t.global_batch_size, precision=t.precision,
-                        param_dtype=o.param_dtype, offload=o.offload, fused_lm_loss=t.fused_lm_loss, fixed=fixed,
-                        limit=args.top if not args.json else (max(args.top, args.json_max) or None),
-                        max_priced=args.max_priced or None)
+        result = search(
+            run_cfg.model,
+            cluster,
+            global_batch_size=t.global_batch_size,
+            precision=t.precision,
+            param_dtype=o.param_dtype,
+            offload=o.offload,
+            fused_lm_loss=t.fused_lm_loss,
+            fixed=fixed,
+            limit=args.top if not args.json else (max(args.top, args.json_max) or None),
+            max_priced=args.max_priced or None,
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    head = (f"{cluster.gpus} x {cluster.name} ({cluster.gpus_per_node} per node, "
-            f"{cluster.gpu_memory_bytes / 1024**3:.1f} GiB, {_flops(cluster.peak_flops)} {t.precision} peak "
-            f"at {cluster.efficiency:.0%}); global batch {t.global_batch_size} x seq {run_cfg.model.seq_len}; "
-            f"{result.enumerated} valid layouts, {result.priced} priced for memory, {result.too_big} too big, "
-            f"{result.seconds:.1f} s")
+    head = (
+        f"{cluster.gpus} x {cluster.name} ({cluster.gpus_per_node} per node, "
+        f"{cluster.gpu_memory_bytes / 1024**3:.1f} GiB, {_flops(cluster.peak_flops)} {t.precision} peak "
+        f"at {cluster.efficiency:.0%}); global batch {t.global_batch_size} x seq {run_cfg.model.seq_len}; "
+        f"{result.enumerated} valid layouts, {result.priced} priced for memory, {result.too_big} too big, "
+        f"{result.seconds:.1f} s"
+    )
     print(head)
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"cluster": {k: v for k, v in vars(cluster).items()},
-                                    "global_batch_size": t.global_batch_size, "precision": t.precision,
-                                    "enumerated": result.enumerated, "priced": result.priced,
-                                    "too_big": result.too_big,
-                                    "candidates": [c.as_dict() for c in result.ranked]}, indent=1) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "cluster": {k: v for k, v in vars(cluster).items()},
+                    "global_batch_size": t.global_batch_size,
+                    "precision": t.precision,
+                    "enumerated": result.enumerated,
+                    "priced": result.priced,
+                    "too_big": result.too_big,
+                    "candidates": [c.as_dict() for c in result.ranked],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     if not result.ranked:
-        capped = f" (of the {result.priced} fastest priced; raise --max-priced to look further)" \
-            if args.max_priced and result.priced >= args.max_priced else ""
-        print(f"meshtron.plan: no layout fits {cluster.gpu_memory_bytes / 1024**3:.1f} GiB per device{capped}; "
-              "lower trainer.global_batch_size, or add devices", file=sys.stderr)
+        capped = (
+            f" (of the {result.priced} fastest priced; raise --max-priced to look further)"
+            if args.max_priced and result.priced >= args.max_priced
+            else ""
+        )
+        print(
+            f"meshtron.plan: no layout fits {cluster.gpu_memory_bytes / 1024**3:.1f} GiB per device{capped}; "
+            "lower trainer.global_batch_size, or add devices",
+            file=sys.stderr,
+        )
         return 1
     print(format_table(result.ranked, args.top))
     if args.json:

@@ -34,7 +34,7 @@ COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class LossScaler:
     """Dynamic loss scale for fp16 (the rule torch's GradScaler uses)."""
 
-    scale: float = 2.0 ** 16
+    scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 1000

@@ -35,8 +35,9 @@ class StopRequest:
         group = world_group()
         if group is None:
             return self.requested
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32,
-                            device=collective_device() if device is None else device)
+        flag = torch.tensor(
+            [1 if self.requested else 0], dtype=torch.int32, device=collective_device() if device is None else device
+        )
         return bool(all_reduce_stats(flag, group, "max").item())
 
     def close(self) -> None:

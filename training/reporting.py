@@ -24,15 +24,21 @@ def lr_schedule(run) -> Callable[[int], float]:
     o, t = run.optim, run.trainer
 
     def schedule(step: int) -> float:
-        return lr_at(step, lr=o.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
-                     min_lr_ratio=o.min_lr_ratio, decay=o.decay)
+        return lr_at(
+            step,
+            lr=o.lr,
+            warmup_steps=run.warmup_steps,
+            max_steps=t.max_steps,
+            min_lr_ratio=o.min_lr_ratio,
+            decay=o.decay,
+        )
 
     return schedule
 
 
 def split_microbatches(inputs: torch.Tensor, targets: torch.Tensor, micro: int) -> list:
     """Consecutive rows of a rank's batch, `micro` at a time."""
-    return [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, len(inputs), micro)]
+    return [(inputs[i : i + micro], targets[i : i + micro]) for i in range(0, len(inputs), micro)]
 
 
 def val_microbatches(dataset, trainer, dp_rank: int, dp_size: int, micro: int, device) -> list:
@@ -56,8 +62,19 @@ class StepReporter:
     prints its line when `show`.
     """
 
-    def __init__(self, run_dir: Path, trainer, *, tokens_per_step: int, flops_per_token: float,
-                 peak_flops: float, first: int, write: bool, show: bool, tensorboard: bool = False):
+    def __init__(
+        self,
+        run_dir: Path,
+        trainer,
+        *,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float,
+        first: int,
+        write: bool,
+        show: bool,
+        tensorboard: bool = False,
+    ):
         self.trainer, self.first, self.show = trainer, first, show
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
         self.writer = MetricsWriter(run_dir, enabled=write)
@@ -81,8 +98,11 @@ class StepReporter:
         """tokens/s, MFU and step time over the window; starts a new window."""
         elapsed = time.perf_counter() - self._window_start
         tokens_per_s = self.tokens_per_step * self._window_steps / elapsed
-        out = {"tokens_per_s": tokens_per_s, "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
-               "step_time_s": elapsed / self._window_steps}
+        out = {
+            "tokens_per_s": tokens_per_s,
+            "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
+            "step_time_s": elapsed / self._window_steps,
+        }
         self._window_start, self._window_steps = time.perf_counter(), 0
         return out
 
@@ -97,8 +117,14 @@ class StepReporter:
     def summary(self, steps: int, run_dir: Path, **extra) -> dict:
         """The job's summary: first and last logged loss, steps, run dir and every record."""
         h = self.history
-        return {"first_loss": h[0]["loss"] if h else None, "last_loss": h[-1]["loss"] if h else None,
-                "steps": steps, **extra, "run_dir": str(run_dir), "history": h}
+        return {
+            "first_loss": h[0]["loss"] if h else None,
+            "last_loss": h[-1]["loss"] if h else None,
+            "steps": steps,
+            **extra,
+            "run_dir": str(run_dir),
+            "history": h,
+        }
 
     def close(self) -> None:
         self.tb.close()

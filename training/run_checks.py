@@ -29,24 +29,37 @@ def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None
     try:
         par = run.parallel.resolved(world_size)
         check_model_fits(par, run.model)
-        resolve_hierarchical(par.dp_hierarchical, par, world_size, ranks_per_node or world_size,
-                             shard_grads=run.optim.zero >= 2)
+        resolve_hierarchical(
+            par.dp_hierarchical, par, world_size, ranks_per_node or world_size, shard_grads=run.optim.zero >= 2
+        )
     except ParallelConfigError as err:
         raise ConfigError(str(err)) from err
     t = run.trainer
-    raise_first(batch_checks(t.global_batch_size, t.micro_batch_size, par.dp, pp=par.pp, schedule=par.schedule),
-                ConfigError)
+    raise_first(
+        batch_checks(t.global_batch_size, t.micro_batch_size, par.dp, pp=par.pp, schedule=par.schedule), ConfigError
+    )
     m = run.model
-    raise_first(compile_moe_checks(t.compile_moe, num_experts=m.num_experts, hidden_size=m.hidden_size,
-                                   moe_ffn_hidden_size=m.moe_ffn_hidden_size, precision=t.precision,
-                                   kernel_backend=run.kernels.backend, recompute=t.recompute, zero=run.optim.zero),
-                ConfigError)
+    raise_first(
+        compile_moe_checks(
+            t.compile_moe,
+            num_experts=m.num_experts,
+            hidden_size=m.hidden_size,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+            precision=t.precision,
+            kernel_backend=run.kernels.backend,
+            recompute=t.recompute,
+            zero=run.optim.zero,
+        ),
+        ConfigError,
+    )
     micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
     if t.tensorboard and not t.dry_run:
         require_tensorboard()  # ConfigError naming `pip install tensorboard` / the viz extra
     if not t.dry_run and run.model.vocab_size < ByteTokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
-                          f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}")
+        raise ConfigError(
+            f"model.vocab_size={run.model.vocab_size} is smaller than the byte tokenizer's "
+            f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}"
+        )
     return par, micro, n_micro
 
 
@@ -64,8 +77,10 @@ def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
             return None
         meta = check_compatible(path, run.model)
         if kind == "resume" and meta.get("weights_only"):
-            raise CheckpointError(f"{path} holds weights only (no optimizer state or step); start from it with "
-                                  f"checkpoint.init_from={path}")
+            raise CheckpointError(
+                f"{path} holds weights only (no optimizer state or step); start from it with "
+                f"checkpoint.init_from={path}"
+            )
     except CheckpointError as err:
         raise ConfigError(f"checkpoint.{'init_from' if c.init_from else 'resume'}: {err}") from err
     return kind, path

@@ -104,11 +104,12 @@ def _boxes(shape: tuple[int, ...], first: int, last: int) -> list[tuple[tuple[in
         return [((first // inner,) + (0,) * (len(shape) - 1), (last // inner - first // inner,) + tuple(shape[1:]))]
     row = first // inner
     if row == (last - 1) // inner:  # inside one row
-        return [((row,) + start, (1,) + box)
-                for start, box in _boxes(tuple(shape[1:]), first - row * inner, last - row * inner)]
+        return [
+            ((row,) + start, (1,) + box)
+            for start, box in _boxes(tuple(shape[1:]), first - row * inner, last - row * inner)
+        ]
     head_end, tail_start = (row + 1) * inner, (last // inner) * inner
-    return (_boxes(shape, first, head_end) + _boxes(shape, head_end, tail_start)
-            + _boxes(shape, tail_start, last))
+    return _boxes(shape, first, head_end) + _boxes(shape, head_end, tail_start) + _boxes(shape, tail_start, last)
 
 
 def flat_range_pieces(param: nn.Parameter, first: int, values: torch.Tensor, mesh) -> list[ShardPiece]:
@@ -124,7 +125,7 @@ def flat_range_pieces(param: nn.Parameter, first: int, values: torch.Tensor, mes
     pieces, at = [], first
     for start, box in _boxes(shape, first, last):
         n = math.prod(box)
-        local = values[at - first: at - first + n].view(box)
+        local = values[at - first : at - first + n].view(box)
         pieces.append(ShardPiece(local, tuple(o + s for o, s in zip(whole.offsets, start)), whole.global_shape))
         at += n
     return pieces
@@ -145,8 +146,11 @@ class ShardSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self._pieces = {k: p for k, v in state_dict.items() if (p := _as_pieces(v)) is not None}
         self._by_index = {MetadataIndex(k, torch.Size(p.offsets)): p for k, ps in self._pieces.items() for p in ps}
-        plain = {k: (self._pieces[k][0].local if k in self._pieces else v) for k, v in state_dict.items()
-                 if k in self._pieces or not isinstance(v, list) or v}
+        plain = {
+            k: (self._pieces[k][0].local if k in self._pieces else v)
+            for k, v in state_dict.items()
+            if k in self._pieces or not isinstance(v, list) or v
+        }
         super().set_up_planner(plain, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
@@ -156,10 +160,15 @@ class ShardSavePlanner(DefaultSavePlanner):
             for piece in self._pieces.get(item.index.fqn, [None]):
                 if piece is not None:
                     offsets = torch.Size(piece.offsets)
-                    tensor_data = dataclasses.replace(item.tensor_data, chunk=piece.chunk(),
-                                                      size=torch.Size(piece.global_shape))
-                    item = dataclasses.replace(item, index=MetadataIndex(item.index.fqn, offsets),
-                                               type=WriteItemType.SHARD, tensor_data=tensor_data)
+                    tensor_data = dataclasses.replace(
+                        item.tensor_data, chunk=piece.chunk(), size=torch.Size(piece.global_shape)
+                    )
+                    item = dataclasses.replace(
+                        item,
+                        index=MetadataIndex(item.index.fqn, offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=tensor_data,
+                    )
                 items.append(item)
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan

@@ -66,11 +66,20 @@ def loss_forward_kwargs(microbatches: list[LocalMicrobatch]) -> list[dict]:
     return [dict(mb.forward_kwargs, targets=mb.targets) for mb in microbatches]
 
 
-def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: TrainingOptimizer,
-               microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh, *,
-               lr: float, max_grad_norm: float, precision: Precision = FP32,
-               eos_id: int | None = None, token_count: torch.Tensor | None = None,
-               outer_replicas: int = 1) -> StepResult:
+def train_step(
+    model: nn.Module,
+    reducer: DataParallelGradReducer,
+    optimizer: TrainingOptimizer,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    mesh: Mesh,
+    *,
+    lr: float,
+    max_grad_norm: float,
+    precision: Precision = FP32,
+    eos_id: int | None = None,
+    token_count: torch.Tensor | None = None,
+    outer_replicas: int = 1,
+) -> StepResult:
     """Forward/backward every microbatch of this rank's share of the global batch, then update.
 
     `microbatches` hold full sequences; each rank runs its context-parallel shard of them, with
@@ -112,14 +121,25 @@ def train_step(model: nn.Module, reducer: DataParallelGradReducer, optimizer: Tr
             loss_sum = loss_sum + loss.detach().to(loss_sum.device)
             moe.add(model.moe_stats(), n_micro, model.pooled_aux_value)
     reducer.finish()
-    return _finish_step([model], optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
-                        precision=precision)
+    return _finish_step(
+        [model], optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm, precision=precision
+    )
 
 
-def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReducer,
-                        optimizer: TrainingOptimizer, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-                        mesh: Mesh, executor: PipelineExecutor, *, schedule: str, lr: float,
-                        max_grad_norm: float, precision: Precision = FP32, eos_id: int | None = None) -> StepResult:
+def pipeline_train_step(
+    chunks: list[nn.Module],
+    reducer: DataParallelGradReducer,
+    optimizer: TrainingOptimizer,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    mesh: Mesh,
+    executor: PipelineExecutor,
+    *,
+    schedule: str,
+    lr: float,
+    max_grad_norm: float,
+    precision: Precision = FP32,
+    eos_id: int | None = None,
+) -> StepResult:
     """`train_step` for pipeline parallelism: run `schedule` over this rank's model chunks.
 
     Losses are normalised exactly as in `train_step` (the last stage divides by the global
@@ -156,18 +176,32 @@ def pipeline_train_step(chunks: list[nn.Module], reducer: DataParallelGradReduce
         return reducer.sync(last_backward[action.chunk] == index)
 
     with weight_copy_scope(), precision.autocast():
-        result = executor.run(schedules, [mb.inputs for mb in microbatches], loss_fn, extra_fn, before_backward,
-                              forward_kwargs=loss_forward_kwargs(microbatches))
+        result = executor.run(
+            schedules,
+            [mb.inputs for mb in microbatches],
+            loss_fn,
+            extra_fn,
+            before_backward,
+            forward_kwargs=loss_forward_kwargs(microbatches),
+        )
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
-    out = _finish_step(chunks, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm,
-                       precision=precision)
+    out = _finish_step(chunks, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm, precision=precision)
     out.pipeline = result
     return out
 
 
-def _finish_step(chunks, optimizer: TrainingOptimizer, mesh: Mesh, loss_sum: torch.Tensor, moe: MoEStepStats, *,
-                 lr: float, max_grad_norm: float, precision: Precision = FP32) -> StepResult:
+def _finish_step(
+    chunks,
+    optimizer: TrainingOptimizer,
+    mesh: Mesh,
+    loss_sum: torch.Tensor,
+    moe: MoEStepStats,
+    *,
+    lr: float,
+    max_grad_norm: float,
+    precision: Precision = FP32,
+) -> StepResult:
     """Unscale and clip the reduced gradients, reduce the loss over dp and pp (only the last
     stage has it), then update unless the loss or the gradient norm is not finite."""
     _unscale_gradients(chunks, optimizer, precision.loss_scale)
@@ -244,16 +278,25 @@ class MoEStepStats:
             if pooled is not None:
                 pooled = all_reduce_stats(pooled, self.scope.replica_group) / self.scope.replicas
         table = all_reduce_stats(table, mesh.pp)
-        layers = [MoELayerStats(layer=layer, aux_loss=row[0], z_loss=row[1], dropped_fraction=row[2],
-                                tokens_per_expert=row[3:]) for layer, row in zip(self.layer_ids, table)]
+        layers = [
+            MoELayerStats(
+                layer=layer, aux_loss=row[0], z_loss=row[1], dropped_fraction=row[2], tokens_per_expert=row[3:]
+            )
+            for layer, row in zip(self.layer_ids, table)
+        ]
         aux = table[:, 0].sum() if pooled is None else pooled
         return aux, table[:, 1].sum(), layers
 
 
 @torch.no_grad()
-def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, torch.Tensor]], mesh: Mesh,
-             executor: PipelineExecutor | None = None, precision: Precision = FP32,
-             eos_id: int | None = None) -> torch.Tensor:
+def evaluate(
+    chunks: list[nn.Module],
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    mesh: Mesh,
+    executor: PipelineExecutor | None = None,
+    precision: Precision = FP32,
+    eos_id: int | None = None,
+) -> torch.Tensor:
     """Mean LM cross-entropy of a held-out global batch (this rank's microbatches of full
     sequences, cut to its cp shard as in `train_step`), without gradients; reduced over dp x cp
     (and pp: only the last stage computes it)."""
@@ -266,12 +309,15 @@ def evaluate(chunks: list[nn.Module], microbatches: list[tuple[torch.Tensor, tor
         with weight_copy_scope(), precision.autocast():
             loss = sum(model(mb.inputs, **mb.forward_kwargs, targets=mb.targets) for mb in microbatches) / tokens
     else:
-        schedules = build_all_ranks(mesh.par.schedule, mesh.pp_size, len(microbatches), len(chunks),
-                                    forward_only=True)
+        schedules = build_all_ranks(mesh.par.schedule, mesh.pp_size, len(microbatches), len(chunks), forward_only=True)
         with weight_copy_scope(), precision.autocast():
-            result = executor.run(schedules, [mb.inputs for mb in microbatches],
-                                  lambda chunk, loss_sum, m: loss_sum / tokens,
-                                  forward_only=True, forward_kwargs=loss_forward_kwargs(microbatches))
+            result = executor.run(
+                schedules,
+                [mb.inputs for mb in microbatches],
+                lambda chunk, loss_sum, m: loss_sum / tokens,
+                forward_only=True,
+                forward_kwargs=loss_forward_kwargs(microbatches),
+            )
         loss = torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=tokens.device)
     loss = all_reduce_stats(all_reduce_stats(loss.to(torch.float32), mesh.dp_cp), mesh.pp)
     for chunk in chunks:

@@ -168,27 +168,47 @@ def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, Parall
         vocab -= 1
     seq_multiple = math.lcm(tp if par.sp else 1, 2 * cp if cp > 1 else 1)
     seq = _round_up(min(cfg.seq_len, SHRUNK_SEQ), seq_multiple)
-    changes = dict(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, ffn_hidden_size=ffn,
-                   vocab_size=vocab, seq_len=seq, dropout=0.0, attention_dropout=None, hf_router_fields=None)
+    changes = dict(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        seq_len=seq,
+        dropout=0.0,
+        attention_dropout=None,
+        hf_router_fields=None,
+    )
     if cfg.is_moe:
         multiple = math.lcm(par.etp, tp) if cfg.shared_experts else par.etp
         changes["moe_ffn_hidden_size"] = _round_up(
-            max(1, round(cfg.moe_ffn_hidden_size / cfg.hidden_size * hidden)), multiple)
+            max(1, round(cfg.moe_ffn_hidden_size / cfg.hidden_size * hidden)), multiple
+        )
     small = dataclasses.replace(cfg, **changes)
     return small, dataclasses.replace(par, stage_layers=stage_layers)
 
 
 def describe_model(cfg: GPTConfig, par: ParallelConfig) -> str:
     """One line of the shrunk model's shape."""
-    moe = (f" experts={cfg.num_experts} top_k={cfg.top_k} moe_every={cfg.moe_every} moe_ffn={cfg.moe_ffn_hidden_size}"
-           f" shared_experts={cfg.shared_experts} scope={cfg.aux_loss_scope}" if cfg.is_moe else " dense")
-    stages = f" stages {par.stage_layers}" if par.stage_layers else (
-        f" ({par.pp * par.vpp} virtual stages)" if par.pp > 1 else "")
-    return (f"{cfg.arch} ({cfg.norm}, {cfg.activation}, {cfg.position} positions, bias={cfg.bias}, "
-            f"tied={cfg.tie_embeddings}) layers={cfg.num_layers}{stages} hidden={cfg.hidden_size} "
-            f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} (GQA {cfg.num_heads // cfg.num_kv_heads}:1) "
-            f"ffn={cfg.ffn_hidden_size}{moe} vocab={cfg.vocab_size} (padded to {cfg.padded_vocab_size(par.tp)} "
-            f"at tp={par.tp}) seq={cfg.seq_len} dropout=0 fp32")
+    moe = (
+        f" experts={cfg.num_experts} top_k={cfg.top_k} moe_every={cfg.moe_every} moe_ffn={cfg.moe_ffn_hidden_size}"
+        f" shared_experts={cfg.shared_experts} scope={cfg.aux_loss_scope}"
+        if cfg.is_moe
+        else " dense"
+    )
+    stages = (
+        f" stages {par.stage_layers}"
+        if par.stage_layers
+        else (f" ({par.pp * par.vpp} virtual stages)" if par.pp > 1 else "")
+    )
+    return (
+        f"{cfg.arch} ({cfg.norm}, {cfg.activation}, {cfg.position} positions, bias={cfg.bias}, "
+        f"tied={cfg.tie_embeddings}) layers={cfg.num_layers}{stages} hidden={cfg.hidden_size} "
+        f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} (GQA {cfg.num_heads // cfg.num_kv_heads}:1) "
+        f"ffn={cfg.ffn_hidden_size}{moe} vocab={cfg.vocab_size} (padded to {cfg.padded_vocab_size(par.tp)} "
+        f"at tp={par.tp}) seq={cfg.seq_len} dropout=0 fp32"
+    )
 
 
 @dataclasses.dataclass
@@ -196,8 +216,8 @@ class VerifyJob:
     """Everything a worker (or the serial run) needs; pickled to the workers."""
 
     model: GPTConfig
-    par: ParallelConfig          # resolved for `world`
-    optim: OptimConfig         # of the parallel run
+    par: ParallelConfig  # resolved for `world`
+    optim: OptimConfig  # of the parallel run
     world: int
     steps: int
     seed: int
@@ -206,12 +226,12 @@ class VerifyJob:
     recompute_layers: int | None
     kernel_backend: str
     micro: int
-    n_micro: int                 # microbatches per rank
+    n_micro: int  # microbatches per rank
     fault: str | None = None
     store: str = ""
     out: str = ""
     collective_timeout_s: float = 60.0
-    eos_id: int | None = None    # data.reset_at_eos: packed documents end at this token
+    eos_id: int | None = None  # data.reset_at_eos: packed documents end at this token
 
     @property
     def global_batch(self) -> int:
@@ -226,14 +246,21 @@ def make_job(run: RunConfig, world: int | None, steps: int, fault: str | None) -
 
     # Loops other than the all-reduce step depart from one process by design or are not driven here
     # (getattr: keys newer than this module read as their defaults when absent).
-    raise_first([
-        (getattr(run.parallel, "dp_mode", "allreduce") == "allreduce",
-         f"parallel.dp_mode={getattr(run.parallel, 'dp_mode', None)}: the verifier drives the all-reduce training "
-         "step (training/step.py), not the parameter-server loop; verify the layout with parallel.dp_mode=allreduce"),
-        (getattr(run.optim, "local_steps", 1) == 1 and getattr(run.optim, "outer_optimizer", "none") == "none",
-         "optim.local_steps/outer_optimizer: local SGD lets each data replica step alone, which departs from one "
-         "process by design; verify the layout with optim.local_steps=1 optim.outer_optimizer=none"),
-    ], ConfigError)
+    raise_first(
+        [
+            (
+                getattr(run.parallel, "dp_mode", "allreduce") == "allreduce",
+                f"parallel.dp_mode={getattr(run.parallel, 'dp_mode', None)}: the verifier drives the all-reduce training "
+                "step (training/step.py), not the parameter-server loop; verify the layout with parallel.dp_mode=allreduce",
+            ),
+            (
+                getattr(run.optim, "local_steps", 1) == 1 and getattr(run.optim, "outer_optimizer", "none") == "none",
+                "optim.local_steps/outer_optimizer: local SGD lets each data replica step alone, which departs from one "
+                "process by design; verify the layout with optim.local_steps=1 optim.outer_optimizer=none",
+            ),
+        ],
+        ConfigError,
+    )
     world = world or layout_world(run.parallel)
     try:
         par = run.parallel.resolved(world)
@@ -244,8 +271,9 @@ def make_job(run: RunConfig, world: int | None, steps: int, fault: str | None) -
     try:
         check_model_fits(small_par, model)
     except ParallelConfigError as err:  # a shrink rule missed a constraint: say so, do not guess
-        raise ConfigError(f"the shrunk model does not fit the layout ({err}); run the verifier on a smaller "
-                          "model config") from err
+        raise ConfigError(
+            f"the shrunk model does not fit the layout ({err}); run the verifier on a smaller model config"
+        ) from err
     try:
         backend = resolve_backend(run.kernels.backend, "cpu")
     except (RuntimeError, ValueError) as err:
@@ -262,12 +290,25 @@ def make_job(run: RunConfig, world: int | None, steps: int, fault: str | None) -
 
         document_end_id(run.data, run.model.vocab_size)  # the run's own check (ConfigError)
         eos_id = PACKED_EOS  # in the shrunk vocabulary; step_batches places it in every sequence
-    job = VerifyJob(model=model, par=small_par, optim=optim, world=world, steps=steps, seed=run.trainer.seed,
-                max_grad_norm=run.trainer.max_grad_norm, recompute=run.trainer.recompute,
-                recompute_layers=run.trainer.recompute_layers, kernel_backend=backend, micro=MICRO,
-                n_micro=n_micro, fault=fault, eos_id=eos_id)
-    raise_first(batch_checks(job.global_batch, MICRO, small_par.dp, pp=small_par.pp, schedule=small_par.schedule),
-                ConfigError)
+    job = VerifyJob(
+        model=model,
+        par=small_par,
+        optim=optim,
+        world=world,
+        steps=steps,
+        seed=run.trainer.seed,
+        max_grad_norm=run.trainer.max_grad_norm,
+        recompute=run.trainer.recompute,
+        recompute_layers=run.trainer.recompute_layers,
+        kernel_backend=backend,
+        micro=MICRO,
+        n_micro=n_micro,
+        fault=fault,
+        eos_id=eos_id,
+    )
+    raise_first(
+        batch_checks(job.global_batch, MICRO, small_par.dp, pp=small_par.pp, schedule=small_par.schedule), ConfigError
+    )
     return job
 
 
@@ -341,11 +382,14 @@ class Recorder:
         grads: dict[int, torch.Tensor] = {}
         if reducer is not None:  # ZeRO-2/3: the reduced gradients are this rank's bucket shards
             for bucket in reducer.buckets:
-                flat = (all_gather_stats(bucket.shard, bucket.group).reshape(-1) if group_size(bucket.group) > 1
-                        else bucket.shard)
+                flat = (
+                    all_gather_stats(bucket.shard, bucket.group).reshape(-1)
+                    if group_size(bucket.group) > 1
+                    else bucket.shard
+                )
                 offset = 0
                 for p in bucket.params:
-                    grads[id(p)] = flat[offset: offset + p.numel()].view(p.shape)
+                    grads[id(p)] = flat[offset : offset + p.numel()].view(p.shape)
                     offset += p.numel()
         for name, p in self.named_parameters():
             g = grads.get(id(p), p.grad)
@@ -362,8 +406,9 @@ class Recorder:
         for key, value in (("loss", out.loss), ("aux_loss", out.aux_loss), ("z_loss", out.z_loss)):
             if value is not None:
                 self.records.append((("loss", self.step, key), None, value.detach().float().reshape(1).clone()))
-        self.records.append((("grad_norm", self.step, "grad_norm"), None,
-                             out.grad_norm.detach().float().reshape(1).clone()))
+        self.records.append(
+            (("grad_norm", self.step, "grad_norm"), None, out.grad_norm.detach().float().reshape(1).clone())
+        )
         finish_param_gather(self.chunks)  # ZeRO-1/2 overlapped gathers: the updated weights, not stale ones
         with zero3.gathered(self.chunks):
             for name, p in self.named_parameters():
@@ -395,23 +440,29 @@ def rank_microbatches(job: VerifyJob, step: int, dp_rank: int) -> list:
     per_rank = job.n_micro * job.micro
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     inputs, targets = inputs[rows], targets[rows]
-    return [(inputs[i: i + job.micro], targets[i: i + job.micro]) for i in range(0, per_rank, job.micro)]
+    return [(inputs[i : i + job.micro], targets[i : i + job.micro]) for i in range(0, per_rank, job.micro)]
 
 
 def serial_microbatches(job: VerifyJob, step: int) -> list:
     """What one process must take to equal the layout (moe/scope.py invariances)."""
     per_rank = [rank_microbatches(job, step, r) for r in range(job.par.dp)]
     if job.model.is_moe and job.model.aux_loss_scope == "global":
-        return [tuple(torch.cat([per_rank[r][j][i] for r in range(job.par.dp)]) for i in range(2))
-                for j in range(job.n_micro)]
+        return [
+            tuple(torch.cat([per_rank[r][j][i] for r in range(job.par.dp)]) for i in range(2))
+            for j in range(job.n_micro)
+        ]
     return [mb for rank in per_rank for mb in rank]
 
 
 def run_layout(job: VerifyJob, serial: bool = False) -> list:
     """Train `job.steps` steps of the layout (this process's rank; or the serial reference
     with `serial`) and return its Recorder records. Communicates over the world's groups."""
-    engine = Engine.build(_engine_config(job, serial), single_process_mesh() if serial else job.par, "cpu",
-                          adjust_model=None if serial or not job.fault else partial(_inject_fault, job.fault))
+    engine = Engine.build(
+        _engine_config(job, serial),
+        single_process_mesh() if serial else job.par,
+        "cpu",
+        adjust_model=None if serial or not job.fault else partial(_inject_fault, job.fault),
+    )
     if job.fault == "grad-skip" and not serial:
         _skip_reduction(engine.reducer, engine.chunks)
     recorder = Recorder(engine.chunks, engine.mesh, job, _serial_index(job, engine.mesh.dp_rank, serial))
@@ -442,11 +493,22 @@ def _engine_config(job: VerifyJob, serial: bool) -> EngineConfig:
         execution = ExecutionConfig(fused_lm_loss=False)
         optim = dataclasses.replace(job.optim, zero=0, offload=False)
     else:
-        execution = ExecutionConfig(recompute=job.recompute, recompute_layers=job.recompute_layers,
-                                    kernel_backend=job.kernel_backend, fused_lm_loss=False)
+        execution = ExecutionConfig(
+            recompute=job.recompute,
+            recompute_layers=job.recompute_layers,
+            kernel_backend=job.kernel_backend,
+            fused_lm_loss=False,
+        )
         optim = job.optim
-    return EngineConfig(model=job.model, micro_batch_size=job.micro, seed=job.seed, execution=execution,
-                        optim=optim, max_grad_norm=job.max_grad_norm, eos_id=job.eos_id)
+    return EngineConfig(
+        model=job.model,
+        micro_batch_size=job.micro,
+        seed=job.seed,
+        execution=execution,
+        optim=optim,
+        max_grad_norm=job.max_grad_norm,
+        eos_id=job.eos_id,
+    )
 
 
 def _serial_index(job: VerifyJob, dp_rank: int, serial: bool):
@@ -511,13 +573,17 @@ class Departure:
     note: str = ""
 
     def describe(self) -> str:
-        what = {"act": f"forward activation {self.name}", "loss": self.name, "grad": f"gradient of {self.name}",
-                "grad_norm": "gradient norm", "weight": f"weight {self.name} after the update"}[self.what]
+        what = {
+            "act": f"forward activation {self.name}",
+            "loss": self.name,
+            "grad": f"gradient of {self.name}",
+            "grad_norm": "gradient norm",
+            "weight": f"weight {self.name} after the update",
+        }[self.what]
         where = f" on rank {self.rank}" if self.rank is not None else ""
         if self.note:
             return f"step {self.step + 1}: {what}{where}: {self.note}"
-        return (f"step {self.step + 1}: {what}{where}: max abs diff {self.max_abs:.3e}, "
-                f"relative diff {self.rel:.3e}")
+        return f"step {self.step + 1}: {what}{where}: max abs diff {self.max_abs:.3e}, relative diff {self.rel:.3e}"
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, float]:
@@ -547,8 +613,12 @@ def compare(serial: list, ranks: dict[int, list], tol: float, atol: float) -> tu
         kind, step, name = key[0], key[1], key[2]
         label = name if kind != "act" else f"{name} (microbatch {key[3]})"
         if not found.get(key):
-            departures.append((position[key], Departure(step, kind, label, None, math.nan, math.nan,
-                                                        "produced by no rank of the layout")))
+            departures.append(
+                (
+                    position[key],
+                    Departure(step, kind, label, None, math.nan, math.nan, "produced by no rank of the layout"),
+                )
+            )
             continue
         for rank, rows, got in found[key]:
             ref = want[key]
@@ -556,8 +626,20 @@ def compare(serial: list, ranks: dict[int, list], tol: float, atol: float) -> tu
                 ref = ref.narrow(0 if name == "logits" else 1, rows[0], rows[1] - rows[0])
             stats[step]["checked"] += 1
             if got.shape != ref.shape:
-                departures.append((position[key], Departure(step, kind, label, rank, math.nan, math.nan,
-                                                            f"shape {tuple(got.shape)} != serial {tuple(ref.shape)}")))
+                departures.append(
+                    (
+                        position[key],
+                        Departure(
+                            step,
+                            kind,
+                            label,
+                            rank,
+                            math.nan,
+                            math.nan,
+                            f"shape {tuple(got.shape)} != serial {tuple(ref.shape)}",
+                        ),
+                    )
+                )
                 continue
             max_abs, rel, norm = _diff(got, ref)
             stats[step]["worst"] = max(stats[step]["worst"], rel if ref.double().norm() > 0 else 0.0)
@@ -570,6 +652,7 @@ def compare(serial: list, ranks: dict[int, list], tol: float, atol: float) -> tu
 def loss_table(serial: list, ranks: dict[int, list], stats: dict, steps: int) -> list[str]:
     """Per step: serial and parallel loss (the first rank holding it), |diff|, tensors checked
     and the worst relative difference."""
+
     def losses(records):
         return {key[1]: t.item() for key, _, t in records if key[0] == "loss" and key[2] == "loss"}
 
@@ -583,8 +666,9 @@ def loss_table(serial: list, ranks: dict[int, list], stats: dict, steps: int) ->
     for step in range(steps):
         s, p = serial_loss.get(step, math.nan), parallel_loss.get(step, math.nan)
         st = stats.get(step, {"checked": 0, "worst": 0.0})
-        lines.append(f"{step + 1:>4}  {s:>14.8f}  {p:>14.8f}  {abs(s - p):>9.2e}  {st['checked']:>7}  "
-                     f"{st['worst']:>9.2e}")
+        lines.append(
+            f"{step + 1:>4}  {s:>14.8f}  {p:>14.8f}  {abs(s - p):>9.2e}  {st['checked']:>7}  {st['worst']:>9.2e}"
+        )
     return lines
 
 
@@ -632,8 +716,13 @@ def worker_main(spec: str, rank: int) -> int:
     out = Path(job.out)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{job.store}", rank=rank, world_size=job.world,
-                                timeout=datetime.timedelta(seconds=job.collective_timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{job.store}",
+            rank=rank,
+            world_size=job.world,
+            timeout=datetime.timedelta(seconds=job.collective_timeout_s),
+        )
         shm_collectives.set_timeout(job.collective_timeout_s)
         records = run_layout(job)
         torch.save(records, out / f"rank{rank}.pt")
@@ -661,8 +750,16 @@ def _rank_failure(tmp: Path, world: int, in_time: bool, timeout_s: float) -> str
     return None
 
 
-def verify(overrides: list[str], *, steps: int = 2, tol: float = 1e-5, atol: float = 1e-9,
-           world: int | None = None, timeout_s: float = 300.0, fault: str | None = None) -> int:
+def verify(
+    overrides: list[str],
+    *,
+    steps: int = 2,
+    tol: float = 1e-5,
+    atol: float = 1e-9,
+    world: int | None = None,
+    timeout_s: float = 300.0,
+    fault: str | None = None,
+) -> int:
     """Run the verifier (module doc); prints the report and returns the exit status."""
 
     try:
@@ -673,14 +770,23 @@ def verify(overrides: list[str], *, steps: int = 2, tol: float = 1e-5, atol: flo
         say_one_line(f"meshtron verify: configuration error: {err}")
         return EXIT_CONFIG
     p = job.par
-    print(f"meshtron verify: layout tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp} ep={p.ep} etp={p.etp} sp={p.sp} "
-          f"vpp={p.vpp} schedule={p.schedule} zero={job.optim.zero} on {job.world} gloo processes vs 1 serial "
-          f"process{'; injected fault: ' + fault if fault else ''}", flush=True)
+    print(
+        f"meshtron verify: layout tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp} ep={p.ep} etp={p.etp} sp={p.sp} "
+        f"vpp={p.vpp} schedule={p.schedule} zero={job.optim.zero} on {job.world} gloo processes vs 1 serial "
+        f"process{'; injected fault: ' + fault if fault else ''}",
+        flush=True,
+    )
     print(f"shrunk model: {describe_model(job.model, p)}", flush=True)
-    print(f"batch: {job.n_micro} microbatches of {job.micro} x dp {p.dp} = {job.global_batch} sequences per step; "
-          f"{steps} step(s); tolerance ||diff|| <= {tol:g} ||serial|| + {atol:g} sqrt(numel)"
-          + (f"; packed documents (data.reset_at_eos): token {job.eos_id} ends documents at 2 random places per "
-             "sequence" if job.eos_id is not None else ""), flush=True)
+    print(
+        f"batch: {job.n_micro} microbatches of {job.micro} x dp {p.dp} = {job.global_batch} sequences per step; "
+        f"{steps} step(s); tolerance ||diff|| <= {tol:g} ||serial|| + {atol:g} sqrt(numel)"
+        + (
+            f"; packed documents (data.reset_at_eos): token {job.eos_id} ends documents at 2 random places per sequence"
+            if job.eos_id is not None
+            else ""
+        ),
+        flush=True,
+    )
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meshtron-verify-") as tmpdir:
         tmp = Path(tmpdir)
@@ -702,8 +808,11 @@ def verify(overrides: list[str], *, steps: int = 2, tol: float = 1e-5, atol: flo
     elapsed = time.monotonic() - start
     if departures:
         first = departures[0]
-        print(f"FAIL: first departure at {first.describe()} (tolerance {tol:g}); "
-              f"{len(departures)} tensor(s) departed in all ({elapsed:.1f} s)", flush=True)
+        print(
+            f"FAIL: first departure at {first.describe()} (tolerance {tol:g}); "
+            f"{len(departures)} tensor(s) departed in all ({elapsed:.1f} s)",
+            flush=True,
+        )
         shown = {(first.step, first.what, first.name)}
         for d in departures[1:]:
             if len(shown) > 5:
@@ -713,8 +822,11 @@ def verify(overrides: list[str], *, steps: int = 2, tol: float = 1e-5, atol: flo
                 print(f"  then {d.describe()}", flush=True)
         return EXIT_FAIL
     checked = sum(s["checked"] for s in stats.values())
-    print(f"PASS: {checked} tensors (activations, loss, gradients, weights; every rank) within tolerance of the "
-          f"serial run over {steps} step(s) ({elapsed:.1f} s)", flush=True)
+    print(
+        f"PASS: {checked} tensors (activations, loss, gradients, weights; every rank) within tolerance of the "
+        f"serial run over {steps} step(s) ({elapsed:.1f} s)",
+        flush=True,
+    )
     return EXIT_PASS
 
 
@@ -731,24 +843,43 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m meshtron.verify",
         description="Run a parallel layout of a shrunk copy of the model beside one process and compare "
-                    "activations, gradients and weights step by step.")
+        "activations, gradients and weights step by step.",
+    )
     parser.add_argument("--steps", type=int, default=2, help="training steps to compare (default 2)")
     parser.add_argument("--tol", type=float, default=1e-5, help="relative tolerance per tensor (default 1e-5)")
-    parser.add_argument("--atol", type=float, default=1e-9,
-                        help="absolute floor per element (RMS), for tensors that are ~0 (default 1e-9)")
-    parser.add_argument("--world", type=int, default=None,
-                        help="processes (default: tp*cp*pp*dp, dp = parallel.dp or the least ep*etp needs)")
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=1e-9,
+        help="absolute floor per element (RMS), for tensors that are ~0 (default 1e-9)",
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="processes (default: tp*cp*pp*dp, dp = parallel.dp or the least ep*etp needs)",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit of the layout's run, s")
     parser.add_argument("--inject-fault", choices=FAULTS, default=None, help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     flags = [o for o in overrides if o.startswith("--")]
     if flags:
-
-        say_one_line(f"meshtron verify: configuration error: unknown option {flags[0]}; options: --steps, --tol, "
-                     "--atol, --world, --timeout (the rest are train.py overrides)")
+        say_one_line(
+            f"meshtron verify: configuration error: unknown option {flags[0]}; options: --steps, --tol, "
+            "--atol, --world, --timeout (the rest are train.py overrides)"
+        )
         sys.exit(EXIT_CONFIG)
-    sys.exit(verify(overrides, steps=args.steps, tol=args.tol, atol=args.atol, world=args.world,
-                    timeout_s=args.timeout, fault=args.inject_fault))
+    sys.exit(
+        verify(
+            overrides,
+            steps=args.steps,
+            tol=args.tol,
+            atol=args.atol,
+            world=args.world,
+            timeout_s=args.timeout,
+            fault=args.inject_fault,
+        )
+    )
 
 
 if __name__ == "__main__":

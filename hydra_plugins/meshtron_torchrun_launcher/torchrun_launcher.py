@@ -39,21 +39,47 @@ JOB_LOG = "torchrun.log"
 # Hydra's own command-line options the child needs to find the same config.
 _CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
 # Hydra overrides that belong to the sweep, not to a point's run.
-_SWEEP_ONLY = ("hydra/launcher=", "hydra.launcher.", "hydra/sweeper=", "hydra.sweeper.", "hydra.sweep.",
-               "hydra.mode=", "hydra.run.dir=")
+_SWEEP_ONLY = (
+    "hydra/launcher=",
+    "hydra.launcher.",
+    "hydra/sweeper=",
+    "hydra.sweeper.",
+    "hydra.sweep.",
+    "hydra.mode=",
+    "hydra.run.dir=",
+)
 # A launcher's variables must not leak into the children's own torchrun.
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE")
+_LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_ERROR_FILE",
+)
 
 
 class TorchrunLauncher(Launcher):
     """Runs sweep points one at a time, each as `torchrun --standalone --nproc_per_node=N SCRIPT
     OVERRIDES hydra.run.dir=POINT_DIR` (configs/hydra/launcher/torchrun.yaml)."""
 
-    def __init__(self, nproc_per_node: int = 1, timeout_s: float | None = None,
-                 torchrun_args: Sequence[str] = (), script: str | None = None) -> None:
+    def __init__(
+        self,
+        nproc_per_node: int = 1,
+        timeout_s: float | None = None,
+        torchrun_args: Sequence[str] = (),
+        script: str | None = None,
+    ) -> None:
         if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
             raise ValueError(f"hydra.launcher.nproc_per_node={nproc_per_node!r} must be an integer >= 1")
         if timeout_s is not None and not timeout_s > 0:
@@ -74,8 +100,12 @@ class TorchrunLauncher(Launcher):
         once all are done if any failed."""
         assert self.config is not None and self.hydra_context is not None
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would run the whole sweep
-            print("meshtron: configuration error: hydra/launcher=torchrun starts one torchrun per sweep point; "
-                  "start the sweep with python, not under torchrun", file=sys.stderr, flush=True)
+            print(
+                "meshtron: configuration error: hydra/launcher=torchrun starts one torchrun per sweep point; "
+                "start the sweep with python, not under torchrun",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(2)
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
@@ -94,24 +124,46 @@ class TorchrunLauncher(Launcher):
             ok = record["status"] == "completed"
             if not ok:
                 failed.append(record)
-            returns.append(JobReturn(overrides=list(overrides), working_dir=record["run_dir"],
-                                     task_name=str(self.config.hydra.job.name),
-                                     status=JobStatus.COMPLETED if ok else JobStatus.FAILED,
-                                     _return_value=record if ok else RuntimeError(record["error"])))
+            returns.append(
+                JobReturn(
+                    overrides=list(overrides),
+                    working_dir=record["run_dir"],
+                    task_name=str(self.config.hydra.job.name),
+                    status=JobStatus.COMPLETED if ok else JobStatus.FAILED,
+                    _return_value=record if ok else RuntimeError(record["error"]),
+                )
+            )
         for record in failed:
-            print(f"meshtron: sweep point #{record['job']} ({' '.join(record['overrides'])}) {record['status']} "
-                  f"(exit code {record['exit_code']}): {record['error']}", file=sys.stderr, flush=True)
+            print(
+                f"meshtron: sweep point #{record['job']} ({' '.join(record['overrides'])}) {record['status']} "
+                f"(exit code {record['exit_code']}): {record['error']}",
+                file=sys.stderr,
+                flush=True,
+            )
         if failed:
-            print(f"meshtron: {len(failed)} of {len(job_overrides)} sweep points failed; see {summary}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"meshtron: {len(failed)} of {len(job_overrides)} sweep points failed; see {summary}",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(1)
         return returns
 
     def _run_point(self, idx: int, overrides: list[str], sweep_dir: Path) -> dict[str, Any]:
         """Compose the point's config (for its dir), run its torchrun, and read its metrics."""
-        record: dict[str, Any] = {"job": idx, "overrides": overrides, "status": "failed", "exit_code": None,
-                                  "error": None, "final_step": None, "final_loss": None, "tokens_per_s": None,
-                                  "peak_mem_bytes": None, "run_dir": str(sweep_dir / str(idx)), "wall_s": None}
+        record: dict[str, Any] = {
+            "job": idx,
+            "overrides": overrides,
+            "status": "failed",
+            "exit_code": None,
+            "error": None,
+            "final_step": None,
+            "final_loss": None,
+            "tokens_per_s": None,
+            "peak_mem_bytes": None,
+            "run_dir": str(sweep_dir / str(idx)),
+            "wall_s": None,
+        }
         try:
             point = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
             with open_dict(point):
@@ -129,8 +181,11 @@ class TorchrunLauncher(Launcher):
         record["exit_code"] = code
         record["status"] = "timeout" if timed_out else "completed" if code == 0 else "failed"
         if record["status"] != "completed":
-            record["error"] = (f"no exit within hydra.launcher.timeout_s={self.timeout_s}" if timed_out
-                               else _error_line(run_dir / JOB_LOG))
+            record["error"] = (
+                f"no exit within hydra.launcher.timeout_s={self.timeout_s}"
+                if timed_out
+                else _error_line(run_dir / JOB_LOG)
+            )
         record.update(_metrics_summary(run_dir / "metrics.jsonl"))
         return record
 
@@ -139,9 +194,19 @@ class TorchrunLauncher(Launcher):
         if not os.path.isfile(script):
             raise ValueError(f"hydra.launcher.script={script!r} is not a file; set it to the training script")
         hydra_overrides = [o for o in self.config.hydra.overrides.hydra if not o.startswith(_SWEEP_ONLY)]
-        return [sys.executable, "-m", "hydra_plugins.meshtron_torchrun_launcher._torchrun", "--standalone",
-                f"--nproc_per_node={self.nproc_per_node}", *self.torchrun_args, os.path.abspath(script),
-                *_config_flags(sys.argv[1:]), *overrides, *hydra_overrides, f"hydra.run.dir={run_dir}"]
+        return [
+            sys.executable,
+            "-m",
+            "hydra_plugins.meshtron_torchrun_launcher._torchrun",
+            "--standalone",
+            f"--nproc_per_node={self.nproc_per_node}",
+            *self.torchrun_args,
+            os.path.abspath(script),
+            *_config_flags(sys.argv[1:]),
+            *overrides,
+            *hydra_overrides,
+            f"hydra.run.dir={run_dir}",
+        ]
 
     def _torchrun(self, overrides: list[str], run_dir: Path) -> tuple[int | None, bool]:
         """(exit code, timed out) of the point's torchrun; its output goes to the console and
@@ -151,8 +216,9 @@ class TorchrunLauncher(Launcher):
         with (run_dir / JOB_LOG).open("w") as logfile:
             logfile.write(" ".join(cmd) + "\n")
             logfile.flush()
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
             pump = threading.Thread(target=_tee, args=(proc.stdout, logfile), daemon=True)
             pump.start()
             try:
@@ -237,5 +303,9 @@ def _metrics_summary(path: Path) -> dict[str, Any]:
     last = {r["step"]: r for r in records}  # a resumed run may log a step twice: keep the last
     final = last[max(last)]
     peaks = [r["peak_mem_max_bytes"] for r in records if "peak_mem_max_bytes" in r]
-    return {"final_step": final["step"], "final_loss": final.get("loss"), "tokens_per_s": final.get("tokens_per_s"),
-            "peak_mem_bytes": max(peaks) if peaks else None}
+    return {
+        "final_step": final["step"],
+        "final_loss": final.get("loss"),
+        "tokens_per_s": final.get("tokens_per_s"),
+        "peak_mem_bytes": max(peaks) if peaks else None,
+    }

@@ -79,7 +79,20 @@ from meshtron.models.hf.config import (
 from meshtron.models.hf.files import read_hf_folder, read_import_base, save_hf_folder, save_import_base
 from meshtron.models.hf.weights import export_hf_state_dict, load_hf_state_dict
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "HFConversionError", "aux_loss_coef_from_hf", "config_from_hf",
-           "hf_config_from_gpt", "hf_family", "hf_router_fields", "read_hf_folder", "save_hf_folder",
-           "MAX_POSITION_FIELDS", "hf_config_dict_over", "read_import_base", "save_import_base",
-           "export_hf_state_dict", "load_hf_state_dict"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "HFConversionError",
+    "aux_loss_coef_from_hf",
+    "config_from_hf",
+    "hf_config_from_gpt",
+    "hf_family",
+    "hf_router_fields",
+    "read_hf_folder",
+    "save_hf_folder",
+    "MAX_POSITION_FIELDS",
+    "hf_config_dict_over",
+    "read_import_base",
+    "save_import_base",
+    "export_hf_state_dict",
+    "load_hf_state_dict",
+]

@@ -19,8 +19,10 @@ def require_transformers():
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("Hugging Face interop needs `transformers` (and `safetensors`); "
-                          "install the optional extra: pip install 'meshtron[hf]'") from exc
+        raise ImportError(
+            "Hugging Face interop needs `transformers` (and `safetensors`); "
+            "install the optional extra: pip install 'meshtron[hf]'"
+        ) from exc
     return transformers
 
 
@@ -28,14 +30,16 @@ def require_safetensors():
     try:
         import safetensors.torch
     except ImportError as exc:  # pragma: no cover
-        raise ImportError("Hugging Face interop needs `safetensors`; install the optional extra: "
-                          "pip install 'meshtron[hf]'") from exc
+        raise ImportError(
+            "Hugging Face interop needs `safetensors`; install the optional extra: pip install 'meshtron[hf]'"
+        ) from exc
     return safetensors.torch
 
 
 # --------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------
+
 
 def _get(hf, name, default=None):
     return hf.get(name, default) if isinstance(hf, dict) else getattr(hf, name, default)
@@ -82,16 +86,19 @@ def hf_router_fields(cfg: GPTConfig) -> dict:
     nonzero coefficient included), else aux_loss_coef / top_k, trained iff aux_loss_coef > 0."""
     original = cfg.hf_router_fields
     if original is not None and aux_loss_coef_from_hf(original, cfg.top_k) == cfg.aux_loss_coef:
-        return {"router_aux_loss_coef": float(original["router_aux_loss_coef"]),
-                "output_router_logits": bool(original["output_router_logits"])}
+        return {
+            "router_aux_loss_coef": float(original["router_aux_loss_coef"]),
+            "output_router_logits": bool(original["output_router_logits"]),
+        }
     return {"router_aux_loss_coef": cfg.aux_loss_coef / cfg.top_k, "output_router_logits": cfg.aux_loss_coef > 0}
 
 
 def check_model_type(model_type) -> None:
     """Raise HFConversionError unless `model_type` is one of SUPPORTED_MODEL_TYPES."""
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise HFConversionError(f"config field model_type={model_type!r} is not supported; "
-                                f"use one of {SUPPORTED_MODEL_TYPES}")
+        raise HFConversionError(
+            f"config field model_type={model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+        )
 
 
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
@@ -111,9 +118,11 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
     seq_len = overrides.get("seq_len")
     if seq_len is not None and not 1 <= seq_len <= cfg.seq_len:
         field = "n_positions" if model_type == "gpt2" else "max_position_embeddings"
-        raise HFConversionError(f"seq_len={seq_len} (meshtron-hf import --seq-len) must be between 1 and the "
-                                f"{model_type} config field {field}={cfg.seq_len}: the model has no positions "
-                                f"beyond it")
+        raise HFConversionError(
+            f"seq_len={seq_len} (meshtron-hf import --seq-len) must be between 1 and the "
+            f"{model_type} config field {field}={cfg.seq_len}: the model has no positions "
+            f"beyond it"
+        )
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
@@ -125,18 +134,29 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
     if model_type == "gpt2":
         act = _get(hf, "activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise _fail(model_type, "activation_function", act, "meshtron's GPT-2 MLP uses tanh-approximate GeLU "
-                        "(gelu_new / gelu_pytorch_tanh)")
+            raise _fail(
+                model_type,
+                "activation_function",
+                act,
+                "meshtron's GPT-2 MLP uses tanh-approximate GeLU (gelu_new / gelu_pytorch_tanh)",
+            )
         if not _get(hf, "scale_attn_weights", True):
             raise _fail(model_type, "scale_attn_weights", False, "attention is always scaled by 1/sqrt(head_dim)")
         if _get(hf, "scale_attn_by_inverse_layer_idx", False):
             raise _fail(model_type, "scale_attn_by_inverse_layer_idx", True, "no per-layer attention scaling")
         h = _get(hf, "n_embd")
         cfg = GPTConfig(
-            arch="gpt2", num_layers=_get(hf, "n_layer"), hidden_size=h, num_heads=_get(hf, "n_head"),
-            ffn_hidden_size=_get(hf, "n_inner") or 4 * h, vocab_size=_get(hf, "vocab_size"),
-            seq_len=_get(hf, "n_positions"), dropout=0.0, tie_embeddings=tie,
-            init_std=float(_get(hf, "initializer_range", 0.02)), norm_eps=float(_get(hf, "layer_norm_epsilon", 1e-5)),
+            arch="gpt2",
+            num_layers=_get(hf, "n_layer"),
+            hidden_size=h,
+            num_heads=_get(hf, "n_head"),
+            ffn_hidden_size=_get(hf, "n_inner") or 4 * h,
+            vocab_size=_get(hf, "vocab_size"),
+            seq_len=_get(hf, "n_positions"),
+            dropout=0.0,
+            tie_embeddings=tie,
+            init_std=float(_get(hf, "initializer_range", 0.02)),
+            norm_eps=float(_get(hf, "layer_norm_epsilon", 1e-5)),
         )
     else:
         act = _get(hf, "hidden_act", "silu")
@@ -145,13 +165,21 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
         h, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
         head_dim = _get(hf, "head_dim")
         if head_dim is not None and head_dim * heads != h:
-            raise _fail(model_type, "head_dim", head_dim, f"meshtron needs head_dim = hidden_size / "
-                        f"num_attention_heads = {h}/{heads}")
+            raise _fail(
+                model_type,
+                "head_dim",
+                head_dim,
+                f"meshtron needs head_dim = hidden_size / num_attention_heads = {h}/{heads}",
+            )
         attn_bias = bool(_get(hf, "attention_bias", False))
         mlp_bias = bool(_get(hf, "mlp_bias", False))
         if attn_bias != mlp_bias:
-            raise _fail(model_type, "attention_bias", attn_bias, f"meshtron has one bias switch for attention and "
-                        f"MLP, and mlp_bias={mlp_bias}")
+            raise _fail(
+                model_type,
+                "attention_bias",
+                attn_bias,
+                f"meshtron has one bias switch for attention and MLP, and mlp_bias={mlp_bias}",
+            )
         seq_len = _get(hf, "max_position_embeddings")
         window = _get(hf, "sliding_window")
         if window is not None and _get(hf, "use_sliding_window", True) and window < seq_len:
@@ -159,32 +187,59 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
         extra = {}
         if model_type == "mixtral":
             if _get(hf, "router_jitter_noise", 0.0):
-                raise _fail(model_type, "router_jitter_noise", _get(hf, "router_jitter_noise"),
-                            "meshtron's router has no input jitter")
+                raise _fail(
+                    model_type,
+                    "router_jitter_noise",
+                    _get(hf, "router_jitter_noise"),
+                    "meshtron's router has no input jitter",
+                )
             if attn_bias:
                 raise _fail(model_type, "attention_bias", attn_bias, "meshtron's experts have no biases")
             top_k = _get(hf, "num_experts_per_tok")
-            router = {"router_aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001)),
-                      "output_router_logits": bool(_get(hf, "output_router_logits", False))}
-            extra = dict(num_experts=_get(hf, "num_local_experts"), top_k=top_k,
-                         moe_every=1, moe_ffn_hidden_size=_get(hf, "intermediate_size"), capacity_factor=None,
-                         aux_loss_coef=aux_loss_coef_from_hf(router, top_k), z_loss_coef=0.0,
-                         router_score="softmax", router_renormalize=True, router_bias_update_rate=0.0,
-                         shared_experts=0, aux_loss_scope="microbatch", aux_loss_layers="pooled",
-                         hf_router_fields=router)
+            router = {
+                "router_aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001)),
+                "output_router_logits": bool(_get(hf, "output_router_logits", False)),
+            }
+            extra = dict(
+                num_experts=_get(hf, "num_local_experts"),
+                top_k=top_k,
+                moe_every=1,
+                moe_ffn_hidden_size=_get(hf, "intermediate_size"),
+                capacity_factor=None,
+                aux_loss_coef=aux_loss_coef_from_hf(router, top_k),
+                z_loss_coef=0.0,
+                router_score="softmax",
+                router_renormalize=True,
+                router_bias_update_rate=0.0,
+                shared_experts=0,
+                aux_loss_scope="microbatch",
+                aux_loss_layers="pooled",
+                hf_router_fields=router,
+            )
         cfg = GPTConfig(
-            arch="llama", num_layers=_get(hf, "num_hidden_layers"), hidden_size=h, num_heads=heads,
-            num_kv_heads=_get(hf, "num_key_value_heads") or heads, ffn_hidden_size=_get(hf, "intermediate_size"),
-            vocab_size=_get(hf, "vocab_size"), seq_len=seq_len, dropout=0.0, bias=attn_bias, tie_embeddings=tie,
-            init_std=float(_get(hf, "initializer_range", 0.02)), norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(hf, model_type), **extra,
+            arch="llama",
+            num_layers=_get(hf, "num_hidden_layers"),
+            hidden_size=h,
+            num_heads=heads,
+            num_kv_heads=_get(hf, "num_key_value_heads") or heads,
+            ffn_hidden_size=_get(hf, "intermediate_size"),
+            vocab_size=_get(hf, "vocab_size"),
+            seq_len=seq_len,
+            dropout=0.0,
+            bias=attn_bias,
+            tie_embeddings=tie,
+            init_std=float(_get(hf, "initializer_range", 0.02)),
+            norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(hf, model_type),
+            **extra,
         )
     return cfg
 
 
 def hf_family(cfg: GPTConfig) -> str:
-    """"gpt2", "llama" or "mixtral": the HF architecture that holds exactly `cfg`'s model;
+    """ "gpt2", "llama" or "mixtral": the HF architecture that holds exactly `cfg`'s model;
     raises HFConversionError naming the GPTConfig field that no HF family can express."""
+
     def bad(field, value, why):
         return HFConversionError(f"model.{field}={value!r} has no Hugging Face equivalent: {why}")
 
@@ -203,8 +258,14 @@ def hf_family(cfg: GPTConfig) -> str:
         return "gpt2"
     if not cfg.is_moe:
         return "llama"
-    checks = [("moe_every", 1), ("shared_experts", 0), ("router_score", "softmax"), ("router_renormalize", True),
-              ("bias", False), ("router_groups", 0)]
+    checks = [
+        ("moe_every", 1),
+        ("shared_experts", 0),
+        ("router_score", "softmax"),
+        ("router_renormalize", True),
+        ("bias", False),
+        ("router_groups", 0),
+    ]
     for field, value in checks:
         if getattr(cfg, field) != value:
             raise bad(field, getattr(cfg, field), f"Mixtral needs {value!r}")
@@ -217,24 +278,52 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
     family = hf_family(cfg)
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std)
     if family == "gpt2":
-        return family, dict(n_positions=cfg.seq_len, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
-                            n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size, activation_function="gelu_new",
-                            layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                            attn_pdrop=cfg.attention_dropout_p, architectures=["GPT2LMHeadModel"], **common)
-    kw = dict(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-              num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
-              hidden_act="silu", attention_dropout=cfg.attention_dropout_p, **common)
+        return family, dict(
+            n_positions=cfg.seq_len,
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=cfg.ffn_hidden_size,
+            activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps,
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.attention_dropout_p,
+            architectures=["GPT2LMHeadModel"],
+            **common,
+        )
+    kw = dict(
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        hidden_act="silu",
+        attention_dropout=cfg.attention_dropout_p,
+        **common,
+    )
     if int(transformers.__version__.split(".")[0]) >= 5:
         kw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     else:
         kw["rope_theta"] = cfg.rope_theta
     if family == "llama":
-        kw.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.bias, mlp_bias=cfg.bias,
-                  head_dim=cfg.head_dim, architectures=["LlamaForCausalLM"])
+        kw.update(
+            intermediate_size=cfg.ffn_hidden_size,
+            attention_bias=cfg.bias,
+            mlp_bias=cfg.bias,
+            head_dim=cfg.head_dim,
+            architectures=["LlamaForCausalLM"],
+        )
         return family, kw
-    kw.update(intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=cfg.num_experts,
-              num_experts_per_tok=cfg.top_k, sliding_window=None, architectures=["MixtralForCausalLM"],
-              **hf_router_fields(cfg))
+    kw.update(
+        intermediate_size=cfg.moe_ffn_hidden_size,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        sliding_window=None,
+        architectures=["MixtralForCausalLM"],
+        **hf_router_fields(cfg),
+    )
     return family, kw
 
 
@@ -265,8 +354,10 @@ def hf_config_dict_over(cfg: GPTConfig, original: dict) -> dict:
     HFConversionError when `original` is of another model_type than `cfg`'s family."""
     family, kw = _hf_fields(cfg)
     if original.get("model_type") != family:
-        raise HFConversionError(f"the original config.json has model_type={original.get('model_type')!r} but "
-                                f"this model exports as {family!r}: --base names another model")
+        raise HFConversionError(
+            f"the original config.json has model_type={original.get('model_type')!r} but "
+            f"this model exports as {family!r}: --base names another model"
+        )
     merged = dict(original)
     merged.update({k: v for k, v in kw.items() if k not in _KEEP_ORIGINAL or k not in original})
     if family == "gpt2" and original.get("n_inner") is None and cfg.ffn_hidden_size == 4 * cfg.hidden_size:

@@ -21,8 +21,15 @@ from meshtron.models.hf.config import (
 # Folders
 # --------------------------------------------------------------------------------------------
 
-def save_hf_folder(state_dict: dict[str, torch.Tensor], hf_config, out_dir, *,
-                   generation_config: dict | None = None, copy_files: tuple[Path, ...] = ()) -> Path:
+
+def save_hf_folder(
+    state_dict: dict[str, torch.Tensor],
+    hf_config,
+    out_dir,
+    *,
+    generation_config: dict | None = None,
+    copy_files: tuple[Path, ...] = (),
+) -> Path:
     """Write `model.safetensors` and `config.json` into `out_dir` so that
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads the model. `hf_config`
     is a transformers config (saved with `save_pretrained`) or a config.json dict (written as
@@ -41,8 +48,9 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], hf_config, out_dir, *,
     else:
         config_object = hf_config
     tied = bool(getattr(config_object, "tie_word_embeddings", False))
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()
-               if not (tied and k == "lm_head.weight")}
+    tensors = {
+        k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items() if not (tied and k == "lm_head.weight")
+    }
     try:
         out.mkdir(parents=True, exist_ok=True)
         st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -64,8 +72,16 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], hf_config, out_dir, *,
 # --------------------------------------------------------------------------------------------
 
 GENERATION_FILE = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 POSITIONS_FILE = "original_positions.safetensors"
 _WPE = "transformer.wpe.weight"
 
@@ -99,8 +115,10 @@ def read_import_base(base_dir) -> dict:
     if (base / "hf" / "config.json").is_file():
         base = base / "hf"
     if not (base / "config.json").is_file():
-        raise FileNotFoundError(f"--base {base_dir}: no config.json in it or in its hf/ folder (give the --out of "
-                                f"meshtron-hf import or the original Hugging Face folder)")
+        raise FileNotFoundError(
+            f"--base {base_dir}: no config.json in it or in its hf/ folder (give the --out of "
+            f"meshtron-hf import or the original Hugging Face folder)"
+        )
     config = _read_json_object(base / "config.json")
     generation = _read_json_object(base / GENERATION_FILE) if (base / GENERATION_FILE).is_file() else None
     positions = None
@@ -188,5 +206,6 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return st.load_file(os.fspath(path))
     except SafetensorError as err:
-        raise HFConversionError(f"{path} is not a readable safetensors file ({err}): truncated or corrupt? "
-                                "copy or save it again") from None
+        raise HFConversionError(
+            f"{path} is not a readable safetensors file ({err}): truncated or corrupt? copy or save it again"
+        ) from None

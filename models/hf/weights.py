@@ -26,6 +26,7 @@ _VOCAB_PARAMS = ("embed.weight", "head.weight")
 # Name / layout map between meshtron full parameters and HF tensors
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Unit:
     """Meshtron full tensors `mt` <-> HF tensors `hf` (shapes `hf_shapes`), converted exactly."""
@@ -85,24 +86,27 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
     units: list[_Unit] = []
     if family == "gpt2":
         p = "transformer."
-        units += [_same("embed.weight", p + "wte.weight", (V, h)),
-                  _same("pos_embed", p + "wpe.weight", (cfg.seq_len, h))]
+        units += [
+            _same("embed.weight", p + "wte.weight", (V, h)),
+            _same("pos_embed", p + "wpe.weight", (cfg.seq_len, h)),
+        ]
         for i in range(cfg.num_layers):
             L, m = f"{p}h.{i}.", f"layers.{i}."
             units += [
-                _same(m + "norm1.weight", L + "ln_1.weight", (h,)), _same(m + "norm1.bias", L + "ln_1.bias", (h,)),
+                _same(m + "norm1.weight", L + "ln_1.weight", (h,)),
+                _same(m + "norm1.bias", L + "ln_1.bias", (h,)),
                 _qkv_unit(cfg, m + "attn.qkv.weight", (L + "attn.c_attn.weight",), False, True),
                 _qkv_unit(cfg, m + "attn.qkv.bias", (L + "attn.c_attn.bias",), True, True),
                 _transposed(m + "attn.proj.weight", L + "attn.c_proj.weight", (h, h)),
                 _same(m + "attn.proj.bias", L + "attn.c_proj.bias", (h,)),
-                _same(m + "norm2.weight", L + "ln_2.weight", (h,)), _same(m + "norm2.bias", L + "ln_2.bias", (h,)),
+                _same(m + "norm2.weight", L + "ln_2.weight", (h,)),
+                _same(m + "norm2.bias", L + "ln_2.bias", (h,)),
                 _transposed(m + "mlp.up.weight", L + "mlp.c_fc.weight", (h, f)),
                 _same(m + "mlp.up.bias", L + "mlp.c_fc.bias", (f,)),
                 _transposed(m + "mlp.down.weight", L + "mlp.c_proj.weight", (f, h)),
                 _same(m + "mlp.down.bias", L + "mlp.c_proj.bias", (h,)),
             ]
-        units += [_same("final_norm.weight", p + "ln_f.weight", (h,)),
-                  _same("final_norm.bias", p + "ln_f.bias", (h,))]
+        units += [_same("final_norm.weight", p + "ln_f.weight", (h,)), _same("final_norm.bias", p + "ln_f.bias", (h,))]
     else:
         units.append(_same("embed.weight", "model.embed_tokens.weight", (V, h)))
         d, nq = cfg.head_dim, cfg.num_heads
@@ -111,23 +115,35 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
             a = L + "self_attn."
             units += [
                 _same(m + "norm1.weight", L + "input_layernorm.weight", (h,)),
-                _qkv_unit(cfg, m + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                          False, False),
+                _qkv_unit(
+                    cfg,
+                    m + "attn.qkv.weight",
+                    (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    False,
+                    False,
+                ),
                 _same(m + "attn.proj.weight", a + "o_proj.weight", (h, nq * d)),
                 _same(m + "norm2.weight", L + "post_attention_layernorm.weight", (h,)),
             ]
             if cfg.bias:
-                units += [_qkv_unit(cfg, m + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
-                                    True, False),
-                          _same(m + "attn.proj.bias", a + "o_proj.bias", (h,))]
+                units += [
+                    _qkv_unit(
+                        cfg, m + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), True, False
+                    ),
+                    _same(m + "attn.proj.bias", a + "o_proj.bias", (h,)),
+                ]
             if family == "llama":
-                units += [_same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
-                          _same(m + "mlp.up.weight", L + "mlp.up_proj.weight", (f, h)),
-                          _same(m + "mlp.down.weight", L + "mlp.down_proj.weight", (h, f))]
+                units += [
+                    _same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
+                    _same(m + "mlp.up.weight", L + "mlp.up_proj.weight", (f, h)),
+                    _same(m + "mlp.down.weight", L + "mlp.down_proj.weight", (h, f)),
+                ]
                 if cfg.bias:
-                    units += [_same(m + "mlp.gate.bias", L + "mlp.gate_proj.bias", (f,)),
-                              _same(m + "mlp.up.bias", L + "mlp.up_proj.bias", (f,)),
-                              _same(m + "mlp.down.bias", L + "mlp.down_proj.bias", (h,))]
+                    units += [
+                        _same(m + "mlp.gate.bias", L + "mlp.gate_proj.bias", (f,)),
+                        _same(m + "mlp.up.bias", L + "mlp.up_proj.bias", (f,)),
+                        _same(m + "mlp.down.bias", L + "mlp.down_proj.bias", (h,)),
+                    ]
             else:
                 units += _expert_units(cfg, m + "mlp.", L, moe_format)
         units.append(_same("final_norm.weight", "model.norm.weight", (h,)))
@@ -147,22 +163,40 @@ def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit
 
         return [
             _same(m + "router.weight", x + "gate.weight", (E, h)),
-            _Unit((m + "experts.w_gate", m + "experts.w_up"), (x + "experts.gate_up_proj",), ((E, 2 * f, h),),
-                  gate_up_to_mt, lambda t: [torch.cat([t[0], t[1]], dim=2).transpose(1, 2)]),
-            _Unit((m + "experts.w_down",), (x + "experts.down_proj",), ((E, h, f),),
-                  lambda t: [t[0].transpose(1, 2)], lambda t: [t[0].transpose(1, 2)]),
+            _Unit(
+                (m + "experts.w_gate", m + "experts.w_up"),
+                (x + "experts.gate_up_proj",),
+                ((E, 2 * f, h),),
+                gate_up_to_mt,
+                lambda t: [torch.cat([t[0], t[1]], dim=2).transpose(1, 2)],
+            ),
+            _Unit(
+                (m + "experts.w_down",),
+                (x + "experts.down_proj",),
+                ((E, h, f),),
+                lambda t: [t[0].transpose(1, 2)],
+                lambda t: [t[0].transpose(1, 2)],
+            ),
         ]
     # transformers 4.x / original checkpoints: one nn.Linear per expert and matrix.
     x = L + "block_sparse_moe."
 
     def stacked(mt: str, w: str, shape) -> _Unit:
         keys = tuple(f"{x}experts.{e}.{w}.weight" for e in range(E))
-        return _Unit((mt,), keys, (tuple(shape),) * E, lambda t: [torch.stack([w_.t() for w_ in t])],
-                     lambda t: [w_.t() for w_ in t[0].unbind(0)])
+        return _Unit(
+            (mt,),
+            keys,
+            (tuple(shape),) * E,
+            lambda t: [torch.stack([w_.t() for w_ in t])],
+            lambda t: [w_.t() for w_ in t[0].unbind(0)],
+        )
 
-    return [_same(m + "router.weight", x + "gate.weight", (E, h)),
-            stacked(m + "experts.w_gate", "w1", (f, h)), stacked(m + "experts.w_up", "w3", (f, h)),
-            stacked(m + "experts.w_down", "w2", (h, f))]
+    return [
+        _same(m + "router.weight", x + "gate.weight", (E, h)),
+        stacked(m + "experts.w_gate", "w1", (f, h)),
+        stacked(m + "experts.w_up", "w3", (f, h)),
+        stacked(m + "experts.w_down", "w2", (h, f)),
+    ]
 
 
 def _default_moe_format() -> str:
@@ -197,6 +231,7 @@ def _normalize_keys(state_dict: dict, family: str) -> dict:
 # Import
 # --------------------------------------------------------------------------------------------
 
+
 @torch.no_grad()
 def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy a FULL Hugging Face state dict into a meshtron model built for any layout.
@@ -227,20 +262,25 @@ def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
     optional = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_embeddings else {}
     missing = [k for k in expected if k not in sd]
     if missing:
-        raise HFConversionError(f"missing tensor {missing[0]} in the Hugging Face state dict"
-                                + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else ""))
+        raise HFConversionError(
+            f"missing tensor {missing[0]} in the Hugging Face state dict"
+            + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else "")
+        )
     unexpected = [k for k in sd if k not in expected and k not in optional]
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise HFConversionError(f"unexpected tensor {unexpected[0]} in the Hugging Face state dict for a "
-                                f"{family} model{more}")
+        raise HFConversionError(
+            f"unexpected tensor {unexpected[0]} in the Hugging Face state dict for a {family} model{more}"
+        )
     for key, shape in {**expected, **{k: s for k, s in optional.items() if k in sd}}.items():
         got = tuple(sd[key].shape)
         if got != tuple(shape):
             raise HFConversionError(f"tensor {key} has shape {got}, expected {tuple(shape)} for this config")
     if cfg.tie_embeddings and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd[embed_key]):
-        raise HFConversionError(f"tensor lm_head.weight differs from {embed_key} but the config ties the "
-                                f"embeddings (tie_word_embeddings=True)")
+        raise HFConversionError(
+            f"tensor lm_head.weight differs from {embed_key} but the config ties the "
+            f"embeddings (tie_word_embeddings=True)"
+        )
 
     by_mt = {name: u for u in units for name in u.mt}
     converted: dict[int, dict[str, torch.Tensor]] = {}
@@ -256,8 +296,10 @@ def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
                 full = _pad_rows(full, chunk.padded_vocab_size)
             local = local_shard(full, param.shards, mesh)
             if local.shape != param.shape:
-                raise HFConversionError(f"tensor {', '.join(unit.hf)} gives meshtron {name} a shard of shape "
-                                        f"{tuple(local.shape)}, expected {tuple(param.shape)}")
+                raise HFConversionError(
+                    f"tensor {', '.join(unit.hf)} gives meshtron {name} a shard of shape "
+                    f"{tuple(local.shape)}, expected {tuple(param.shape)}"
+                )
             param.copy_(local)
         for name, buf in chunk.named_buffers():
             if name.endswith("router.expert_bias"):
@@ -267,6 +309,7 @@ def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
 # --------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------
+
 
 def _gather_full(param: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return full_tensor(param, param.shards, mesh)

@@ -32,15 +32,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{err}: name a module of tests/distributed, e.g. pipeline_cases", file=sys.stderr)
         return 2
     if not cases:
-        print(f"no case of world {args.world} matches module={args.module!r} contains={args.contains!r}",
-              file=sys.stderr)
+        print(
+            f"no case of world {args.world} matches module={args.module!r} contains={args.contains!r}", file=sys.stderr
+        )
         return 2
     start = time.perf_counter()
     results = run_world(args.world, cases, timeout=WORLD_TIMEOUT_S, collective_timeout=COLLECTIVE_TIMEOUT_S)
     failed = [case for case, result in results.items() if not result["ok"]]
     for case, result in results.items():
         print(("OK  " if result["ok"] else "FAIL") + f" {case}")
-        for rank, error in ([] if result["ok"] else result["errors"].items()):
+        for rank, error in [] if result["ok"] else result["errors"].items():
             print(f"--- rank {rank} ---\n{error}")
     print(f"{len(cases) - len(failed)}/{len(cases)} passed in {time.perf_counter() - start:.1f} s")
     return 1 if failed else 0

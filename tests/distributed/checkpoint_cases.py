@@ -79,9 +79,13 @@ class _Run:
             self.optimizer = build_optimizer(nn.ModuleList(self.chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
         self.executor = None
         if self.mesh.pp_size > 1:
-            self.executor = PipelineExecutor(self.chunks, self.mesh, activation_shape(self.mesh, cfg.seq_len, 1,
-                                                                                     cfg.hidden_size),
-                                             torch.float32, torch.device("cpu"))
+            self.executor = PipelineExecutor(
+                self.chunks,
+                self.mesh,
+                activation_shape(self.mesh, cfg.seq_len, 1, cfg.hidden_size),
+                torch.float32,
+                torch.device("cpu"),
+            )
 
     def step(self, step: int) -> StepResult:
         """One step on the global batch of `step`, one row per microbatch on every layout (so
@@ -89,11 +93,20 @@ class _Run:
         inputs, targets = global_batch(self.cfg, step, BATCH)
         per_rank = BATCH // self.mesh.dp_size
         rows = slice(self.mesh.dp_rank * per_rank, (self.mesh.dp_rank + 1) * per_rank)
-        micro = [(inputs[rows][j: j + 1], targets[rows][j: j + 1]) for j in range(per_rank)]
+        micro = [(inputs[rows][j : j + 1], targets[rows][j : j + 1]) for j in range(per_rank)]
         if self.executor is None:
             return train_step(self.chunks[0], self.reducer, self.optimizer, micro, self.mesh, lr=LR, max_grad_norm=1.0)
-        return pipeline_train_step(self.chunks, self.reducer, self.optimizer, micro, self.mesh, self.executor,
-                                   schedule="1f1b", lr=LR, max_grad_norm=1.0)
+        return pipeline_train_step(
+            self.chunks,
+            self.reducer,
+            self.optimizer,
+            micro,
+            self.mesh,
+            self.executor,
+            schedule="1f1b",
+            lr=LR,
+            max_grad_norm=1.0,
+        )
 
     def close(self) -> None:
         self.reducer.remove_hooks()
@@ -113,8 +126,13 @@ def remove_shared_tmpdir(root: Path) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, bool]], save_zero: bool = False,
-                   check_continuation: bool = True):
+def _check_reshard(
+    cfg,
+    save: ParallelConfig,
+    loads: list[tuple[ParallelConfig, bool]],
+    save_zero: bool = False,
+    check_continuation: bool = True,
+):
     """Train 2 steps at `save`, save, then load at each of `loads` ((layout, ZeRO-1)) and
     compare with the same checkpoint loaded into one process. `check_continuation` also
     compares the saving layout's own steps 3-4 with the serial continuation (1e-6)."""
@@ -123,8 +141,14 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
         source = _Run(cfg, save, save_zero)
         for step in range(2):
             source.step(step)
-        path = save_checkpoint(root, TrainState(step=2, consumed_samples=2 * BATCH), source.chunks, source.optimizer,
-                               source.mesh, model_config=dataclasses.asdict(cfg))
+        path = save_checkpoint(
+            root,
+            TrainState(step=2, consumed_samples=2 * BATCH),
+            source.chunks,
+            source.optimizer,
+            source.mesh,
+            model_config=dataclasses.asdict(cfg),
+        )
         if check_continuation:
             uninterrupted = [source.step(step).loss for step in (2, 3)]  # step 4's loss depends on the moments
         source.close()
@@ -132,8 +156,12 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
             serial = _Run(cfg, None)
             load_checkpoint(path, serial.chunks, serial.optimizer, serial.mesh)
             for step, want in zip((2, 3), uninterrupted):
-                assert_close(f"step {step + 1}: serial continuation vs the uninterrupted run",
-                             serial.step(step).loss, want, rtol=1e-6)
+                assert_close(
+                    f"step {step + 1}: serial continuation vs the uninterrupted run",
+                    serial.step(step).loss,
+                    want,
+                    rtol=1e-6,
+                )
             serial.close()
         for par, zero in loads:
             target = _Run(cfg, par, zero)
@@ -157,30 +185,49 @@ def _check_reshard(cfg, save: ParallelConfig, loads: list[tuple[ParallelConfig, 
 
 
 def gpt2_tp2_pp2_to_tp1_tp4_zero() -> None:
-    _check_reshard(pipeline_config("gpt2", False), ParallelConfig(tp=2, pp=2),
-                   [(ParallelConfig(tp=1), False), (ParallelConfig(tp=4), False),
-                    (ParallelConfig(tp=2, sp=True), True), (ParallelConfig(tp=1, pp=4), False)])
+    _check_reshard(
+        pipeline_config("gpt2", False),
+        ParallelConfig(tp=2, pp=2),
+        [
+            (ParallelConfig(tp=1), False),
+            (ParallelConfig(tp=4), False),
+            (ParallelConfig(tp=2, sp=True), True),
+            (ParallelConfig(tp=1, pp=4), False),
+        ],
+    )
 
 
 def llama_tp2_pp2_zero_to_tp4_pp1() -> None:
     cfg = dataclasses.replace(pipeline_config("llama", False), num_kv_heads=4)  # tp=4 needs 4 KV heads
-    _check_reshard(cfg, ParallelConfig(tp=2, pp=2), [(ParallelConfig(tp=4), False), (ParallelConfig(tp=1), True)],
-                   save_zero=True)
+    _check_reshard(
+        cfg, ParallelConfig(tp=2, pp=2), [(ParallelConfig(tp=4), False), (ParallelConfig(tp=1), True)], save_zero=True
+    )
 
 
 def moe_ep2_to_ep4_and_tp2_etp2() -> None:
     cfg = moe_config("gpt2", 2, "sigmoid", None)  # with the aux-free expert bias buffer
-    _check_reshard(cfg, ParallelConfig(ep=2), [(ParallelConfig(ep=4), False), (ParallelConfig(ep=1), True),
-                                               (ParallelConfig(tp=2, sp=True, ep=2, etp=2), False)],
-                   save_zero=True)
+    _check_reshard(
+        cfg,
+        ParallelConfig(ep=2),
+        [
+            (ParallelConfig(ep=4), False),
+            (ParallelConfig(ep=1), True),
+            (ParallelConfig(tp=2, sp=True, ep=2, etp=2), False),
+        ],
+        save_zero=True,
+    )
 
 
 def llama_cp2_zero_to_tp2_cp2_a2a_and_dp4() -> None:
     """Saved at cp=2 x dp=2 with ZeRO-1 (AdamW state sharded over the 4 gradient replicas,
     dp x cp), loaded at tp=2 x cp=2 (all-to-all attention) and at dp=4 with ZeRO-1."""
     cfg = model_config("llama")
-    _check_reshard(cfg, ParallelConfig(cp=2), [(ParallelConfig(tp=2, cp=2, cp_comm="a2a"), False),
-                                               (ParallelConfig(), True)], save_zero=True)
+    _check_reshard(
+        cfg,
+        ParallelConfig(cp=2),
+        [(ParallelConfig(tp=2, cp=2, cp_comm="a2a"), False), (ParallelConfig(), True)],
+        save_zero=True,
+    )
 
 
 def _same_on_every_rank(message: str) -> None:
@@ -199,22 +246,27 @@ def save_failure_on_one_rank_reaches_every_rank() -> None:
     run = _Run(cfg, ParallelConfig(tp=2, pp=2))
     try:
         run.step(0)
-        save_checkpoint(root, TrainState(step=1), run.chunks, run.optimizer, run.mesh,
-                        model_config=dataclasses.asdict(cfg))
+        save_checkpoint(
+            root, TrainState(step=1), run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg)
+        )
         if dist.get_rank() == 1:
             real_init = checkpoint._ChecksummedFile.__init__
-            checkpoint._ChecksummedFile.__init__ = (
-                lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error))
+            checkpoint._ChecksummedFile.__init__ = lambda self, file, path, on_error: real_init(
+                self, _FillingDisk(file), path, on_error
+            )
         try:
             with pytest.raises(CheckpointError) as failure:
-                save_checkpoint(root, TrainState(step=2), run.chunks, run.optimizer, run.mesh,
-                                model_config=dataclasses.asdict(cfg))
+                save_checkpoint(
+                    root, TrainState(step=2), run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg)
+                )
         finally:
             if dist.get_rank() == 1:
                 checkpoint._ChecksummedFile.__init__ = real_init
         message = str(failure.value)
-        assert (f"could not save the checkpoint of step 2 (earlier checkpoints are intact): rank 1: "
-                f"{root / '.tmp-step_00000002' / '__1_0.distcp'}: No space left on device") == message, message
+        assert (
+            f"could not save the checkpoint of step 2 (earlier checkpoints are intact): rank 1: "
+            f"{root / '.tmp-step_00000002' / '__1_0.distcp'}: No space left on device"
+        ) == message, message
         _same_on_every_rank(message)
         dist.barrier()
         assert [p.name for p in root.iterdir()] == ["step_00000001"]
@@ -250,6 +302,7 @@ def locked_dir_is_refused_on_every_rank() -> None:
 @contextlib.contextmanager
 def _no_moment_gather():
     """Any all-gather of ZeRO moments (or of anything in the distributed optimizer) raises."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("the ZeRO checkpoint save all-gathered moments")
 
@@ -290,17 +343,25 @@ def zero_shards_saved_without_gather_load_anywhere() -> None:
     other ZeRO stage; a tp=2 zero=0 checkpoint loads exactly into dp=2 at zero=1 and 2."""
     cfg = dataclasses.replace(model_config("gpt2"), seq_len=15)  # pos_embed (15, 32): dp shards cut a row
     root = shared_tmpdir()
-    plans = [(ParallelConfig(), 1, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 2)]),
-             (ParallelConfig(), 2, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 1)]),
-             (ParallelConfig(tp=2), 0, [(ParallelConfig(), 1), (ParallelConfig(), 2)])]
+    plans = [
+        (ParallelConfig(), 1, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 2)]),
+        (ParallelConfig(), 2, [(None, 0), (ParallelConfig(tp=2), 0), (ParallelConfig(), 1)]),
+        (ParallelConfig(tp=2), 0, [(ParallelConfig(), 1), (ParallelConfig(), 2)]),
+    ]
     try:
         for save_par, save_zero, loads in plans:
             source = _Run(cfg, save_par, save_zero)
             for step in range(2):
                 source.step(step)
             with _no_moment_gather() if save_zero else contextlib.nullcontext():
-                path = save_checkpoint(root / f"zero{save_zero}", TrainState(step=2), source.chunks,
-                                       source.optimizer, source.mesh, model_config=dataclasses.asdict(cfg))
+                path = save_checkpoint(
+                    root / f"zero{save_zero}",
+                    TrainState(step=2),
+                    source.chunks,
+                    source.optimizer,
+                    source.mesh,
+                    model_config=dataclasses.asdict(cfg),
+                )
             want = _full_state(source)
             source.close()
             if save_zero:
@@ -316,8 +377,9 @@ def zero_shards_saved_without_gather_load_anywhere() -> None:
                 got = _full_state(target)
                 for key in want:
                     if not torch.equal(got[key], want[key]):
-                        raise AssertionError(f"saved at {save_par} zero={save_zero}, loaded at {par} zero={zero}: "
-                                             f"{key} differs")
+                        raise AssertionError(
+                            f"saved at {save_par} zero={save_zero}, loaded at {par} zero={zero}: {key} differs"
+                        )
                 target.close()
     finally:
         remove_shared_tmpdir(root)
@@ -338,8 +400,9 @@ def async_save_while_training_in_a_world() -> None:
         for step in range(2):
             run.step(step)
         state = TrainState(step=2, consumed_samples=2 * BATCH)
-        sync = save_checkpoint(root / "sync", state, run.chunks, run.optimizer, run.mesh,
-                               model_config=dataclasses.asdict(cfg))
+        sync = save_checkpoint(
+            root / "sync", state, run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg)
+        )
         os.environ[WRITE_DELAY_ENV] = "0.5"
         try:
             saver.save(root / "async", state, run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg))
@@ -356,11 +419,18 @@ def async_save_while_training_in_a_world() -> None:
 
         if dist.get_rank() == 1:
             real_init = checkpoint._ChecksummedFile.__init__
-            checkpoint._ChecksummedFile.__init__ = (
-                lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error))
+            checkpoint._ChecksummedFile.__init__ = lambda self, file, path, on_error: real_init(
+                self, _FillingDisk(file), path, on_error
+            )
         try:
-            saver.save(root / "async", TrainState(step=4), run.chunks, run.optimizer, run.mesh,
-                       model_config=dataclasses.asdict(cfg))
+            saver.save(
+                root / "async",
+                TrainState(step=4),
+                run.chunks,
+                run.optimizer,
+                run.mesh,
+                model_config=dataclasses.asdict(cfg),
+            )
             with pytest.raises(CheckpointError) as failure:
                 saver.wait()
         finally:
@@ -368,8 +438,10 @@ def async_save_while_training_in_a_world() -> None:
                 checkpoint._ChecksummedFile.__init__ = real_init
         message = str(failure.value)
         partial = root / "async" / ".tmp-step_00000004" / "__1_0.distcp"
-        assert message == (f"could not save the checkpoint of step 4 (earlier checkpoints are intact): rank 1: "
-                           f"{partial}: No space left on device"), message
+        assert message == (
+            f"could not save the checkpoint of step 4 (earlier checkpoints are intact): rank 1: "
+            f"{partial}: No space left on device"
+        ), message
         _same_on_every_rank(message)
         dist.barrier()
         assert list_checkpoints(root / "async") == [background]
@@ -383,7 +455,12 @@ def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
         return ["zero_shards_saved_without_gather_load_anywhere", "async_save_while_training_in_a_world"]
     if world_size == 4:
-        return ["gpt2_tp2_pp2_to_tp1_tp4_zero", "llama_tp2_pp2_zero_to_tp4_pp1", "moe_ep2_to_ep4_and_tp2_etp2",
-                "llama_cp2_zero_to_tp2_cp2_a2a_and_dp4",
-                "save_failure_on_one_rank_reaches_every_rank", "locked_dir_is_refused_on_every_rank"]
+        return [
+            "gpt2_tp2_pp2_to_tp1_tp4_zero",
+            "llama_tp2_pp2_zero_to_tp4_pp1",
+            "moe_ep2_to_ep4_and_tp2_etp2",
+            "llama_cp2_zero_to_tp2_cp2_a2a_and_dp4",
+            "save_failure_on_one_rank_reaches_every_rank",
+            "locked_dir_is_refused_on_every_rank",
+        ]
     return []

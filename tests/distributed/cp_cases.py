@@ -41,19 +41,20 @@ def _check_attention(group, comm: str, hkv: int, with_docs: bool, seed: int) -> 
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, dout, docs = _inputs(hkv, with_docs, seed)
     pos = torch.arange(S)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(pos, pos, docs, docs),
-                                          enable_gqa=hkv != H)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(pos, pos, docs, docs), enable_gqa=hkv != H)
     want_grads = torch.autograd.grad(want, (q, k, v), dout)
     local = [shard_sequence(t.detach(), 2, cp, rank).requires_grad_() for t in (q, k, v)]
     stats = RingStats()
-    out = context_parallel_attention(*local, group, comm, stats=stats,
-                                     doc_ids=None if docs is None else shard_sequence(docs, 1, cp, rank))
+    out = context_parallel_attention(
+        *local, group, comm, stats=stats, doc_ids=None if docs is None else shard_sequence(docs, 1, cp, rank)
+    )
     grads = torch.autograd.grad(out, local, shard_sequence(dout, 2, cp, rank))
     what = f"cp={cp} {comm} hkv={hkv} docs={with_docs}"
     torch.testing.assert_close(gather_sequence(out.detach(), 2, group), want, **TOL, msg=lambda m: f"{what} out: {m}")
     for name, got, ref in zip("qkv", grads, want_grads):
-        torch.testing.assert_close(gather_sequence(got, 2, group), ref, **TOL,
-                                   msg=lambda m, name=name: f"{what} d{name}: {m}")
+        torch.testing.assert_close(
+            gather_sequence(got, 2, group), ref, **TOL, msg=lambda m, name=name: f"{what} d{name}: {m}"
+        )
     return stats
 
 
@@ -124,5 +125,9 @@ def bad_shapes_raise_before_communicating() -> None:
 def cases_for_world(world_size: int) -> list[str]:
     if world_size not in (2, 4):
         return []
-    return ["ring_equals_full_attention", "a2a_equals_full_attention", "ring_skips_invisible_blocks",
-            "bad_shapes_raise_before_communicating"]
+    return [
+        "ring_equals_full_attention",
+        "a2a_equals_full_attention",
+        "ring_skips_invisible_blocks",
+        "bad_shapes_raise_before_communicating",
+    ]

@@ -38,7 +38,7 @@ from tests.distributed.moe_cases import moe_config
 from tests.distributed.pipeline_cases import build_pipeline, pipeline_config
 
 EOS = 7
-MICRO = 2           # samples per microbatch
+MICRO = 2  # samples per microbatch
 MICRO_PER_RANK = 2  # microbatches per dp rank and step
 
 
@@ -63,12 +63,25 @@ def _global_batch(cfg: GPTConfig, step: int, batch: int, docs: bool):
 
 
 def _microbatches(inputs, targets, first_row: int, count: int):
-    return [(inputs[r: r + MICRO], targets[r: r + MICRO]) for r in range(first_row, first_row + count * MICRO, MICRO)]
+    return [(inputs[r : r + MICRO], targets[r : r + MICRO]) for r in range(first_row, first_row + count * MICRO, MICRO)]
 
 
-def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = False, pp: int = 1, ep: int = 1,
-                    moe: bool = False, docs: bool = False, recompute: str = "none", zero: int = 0,
-                    capacity: float | None = None, scope: str = "microbatch") -> None:
+def check_cp_layout(
+    arch: str,
+    cp: int,
+    comm: str,
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    ep: int = 1,
+    moe: bool = False,
+    docs: bool = False,
+    recompute: str = "none",
+    zero: int = 0,
+    capacity: float | None = None,
+    scope: str = "microbatch",
+) -> None:
     cfg = _config(arch, moe, pp, capacity, scope)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, pp=pp, ep=ep, cp=cp, cp_comm=comm), cfg)
     eos = EOS if docs else None
@@ -85,7 +98,8 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
     elif zero:  # the run's own builder: AdamW state (and grads, params) sharded over dp x cp
         chunks = init_model_chunks(cfg, mesh, SEED, execution=execution)
         reducer, optimizer = build_reducer_and_optimizer(
-            OptimConfig(zero=zero, lr=LR, weight_decay=0.1, eps=ADAM_EPS), chunks, mesh)
+            OptimConfig(zero=zero, lr=LR, weight_decay=0.1, eps=ADAM_EPS), chunks, mesh
+        )
         named = list(chunks[0].named_parameters())
     else:
         model, reducer, optimizer = build(cfg, mesh, execution)
@@ -109,10 +123,10 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
         if executor is None:
             out = train_step(chunks[0], reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0, eos_id=eos)
         else:
-            out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule="1f1b", lr=LR,
-                                      max_grad_norm=1.0, eos_id=eos)
-        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0,
-                             eos_id=eos)
+            out = pipeline_train_step(
+                chunks, reducer, optimizer, mine, mesh, executor, schedule="1f1b", lr=LR, max_grad_norm=1.0, eos_id=eos
+            )
+        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0, eos_id=eos)
         for key in ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ()):
             assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
         for i, (a, b) in enumerate(zip(out.moe_layers, ref_out.moe_layers)):
@@ -128,12 +142,16 @@ def check_cp_layout(arch: str, cp: int, comm: str, *, tp: int = 1, sp: bool = Fa
             compare_parameters(named, ref_params, mesh, cfg, "grad")
     if zero == 3:
         from meshtron.dp import zero3
+
         with zero3.gathered(chunks):
             compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
     else:
         compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
-    assert_close("eval loss", evaluate(chunks, mine, mesh, executor, eos_id=eos),
-                 evaluate([ref], serial, serial_mesh, eos_id=eos))
+    assert_close(
+        "eval loss",
+        evaluate(chunks, mine, mesh, executor, eos_id=eos),
+        evaluate([ref], serial, serial_mesh, eos_id=eos),
+    )
     reducer.remove_hooks()
 
 
@@ -149,7 +167,7 @@ def hidden_dropout_under_cp_differs_per_shard_and_recomputes() -> None:
     for mode in ("none", "selective", "full"):
         cfg = dataclasses.replace(model_config("llama"), dropout=0.1, attention_dropout=0.0)
         mesh = build_mesh(ParallelConfig(cp=2, tp=world // 2, sp=world > 2), cfg)
-        model, = init_model_chunks(cfg, mesh, SEED, execution=ExecutionConfig(recompute=mode))
+        (model,) = init_model_chunks(cfg, mesh, SEED, execution=ExecutionConfig(recompute=mode))
         inputs, targets = _global_batch(cfg, 0, 2, docs=False)
         mb = local_microbatch(inputs, targets, mesh)
         model.loss_per_token(model(mb.inputs), mb.targets).mean().backward()
@@ -170,6 +188,7 @@ def hidden_dropout_under_cp_differs_per_shard_and_recomputes() -> None:
 
 def _tracker_rand() -> torch.Tensor:
     from meshtron.mpu.random import get_rng_tracker
+
     with get_rng_tracker().fork():
         return torch.rand(4)
 
@@ -183,8 +202,12 @@ LAYOUTS = {
         "gpt2_cp2_a2a_docs": ("gpt2", 2, "a2a", {"docs": True}),
         "llama_cp2_ring_selective_recompute": ("llama", 2, "ring", {"recompute": "selective"}),
         "gpt2_moe_cp2_ring_ep2": ("gpt2", 2, "ring", {"moe": True, "ep": 2}),
-        "gpt2_moe_cp2_a2a_capacity_sequence_scope": ("gpt2", 2, "a2a", {"moe": True, "capacity": 1.0,
-                                                                          "scope": "sequence"}),
+        "gpt2_moe_cp2_a2a_capacity_sequence_scope": (
+            "gpt2",
+            2,
+            "a2a",
+            {"moe": True, "capacity": 1.0, "scope": "sequence"},
+        ),
     },
     4: {
         "gpt2_cp4_ring": ("gpt2", 4, "ring", {}),
@@ -196,14 +219,17 @@ LAYOUTS = {
         "llama_cp2_a2a_pp2_docs": ("llama", 2, "a2a", {"pp": 2, "docs": True}),
         "llama_moe_cp2_ring_dp2_ep4": ("llama", 2, "ring", {"moe": True, "ep": 4}),
         "gpt2_cp2_ring_dp2_zero1": ("gpt2", 2, "ring", {"zero": 1}),
-        "llama_moe_cp2_ring_tp2_sp_ep2_capacity": ("llama", 2, "ring", {"moe": True, "tp": 2, "sp": True, "ep": 2,
-                                                                         "capacity": 1.25}),
+        "llama_moe_cp2_ring_tp2_sp_ep2_capacity": (
+            "llama",
+            2,
+            "ring",
+            {"moe": True, "tp": 2, "sp": True, "ep": 2, "capacity": 1.25},
+        ),
         "llama_cp2_a2a_dp2_zero3": ("llama", 2, "a2a", {"zero": 3}),
     },
     8: {
         "llama_cp4_ring_tp2_sp": ("llama", 4, "ring", {"tp": 2, "sp": True}),
-        "gpt2_moe_cp2_a2a_tp2_pp2_ep2_docs": ("gpt2", 2, "a2a", {"moe": True, "tp": 2, "pp": 2, "ep": 2,
-                                                                  "docs": True}),
+        "gpt2_moe_cp2_a2a_tp2_pp2_ep2_docs": ("gpt2", 2, "a2a", {"moe": True, "tp": 2, "pp": 2, "ep": 2, "docs": True}),
     },
 }
 

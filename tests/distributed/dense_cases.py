@@ -43,10 +43,27 @@ UNFUSED = ExecutionConfig(fused_lm_loss=False)
 def model_config(arch: str) -> GPTConfig:
     # vocab 200 is not a multiple of 128*tp: padding differs between layouts.
     if arch == "llama":
-        return GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4,
-                         ffn_hidden_size=48, vocab_size=200, seq_len=16, tie_embeddings=False)
-    return GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64,
-                     vocab_size=200, seq_len=16, tie_embeddings=True)
+        return GPTConfig(
+            arch="llama",
+            num_layers=2,
+            hidden_size=64,
+            num_heads=8,
+            num_kv_heads=4,
+            ffn_hidden_size=48,
+            vocab_size=200,
+            seq_len=16,
+            tie_embeddings=False,
+        )
+    return GPTConfig(
+        arch="gpt2",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        vocab_size=200,
+        seq_len=16,
+        tie_embeddings=True,
+    )
 
 
 def global_batch(cfg: GPTConfig, step: int, batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +77,7 @@ def microbatches(cfg: GPTConfig, step: int, dp_rank: int, dp: int, micro: int, b
     per_rank = batch // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     inputs, targets = inputs[rows], targets[rows]
-    return [(inputs[i: i + micro], targets[i: i + micro]) for i in range(0, per_rank, micro)]
+    return [(inputs[i : i + micro], targets[i : i + micro]) for i in range(0, per_rank, micro)]
 
 
 def trim_vocab(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
@@ -79,8 +96,9 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float =
         raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
     err = relative_error(got, want)
     if not (err <= rtol):
-        raise AssertionError(f"{name}: relative error {err.item():.3e} > {rtol:.0e} "
-                             f"(shapes {tuple(got.shape)} vs {tuple(want.shape)})")
+        raise AssertionError(
+            f"{name}: relative error {err.item():.3e} > {rtol:.0e} (shapes {tuple(got.shape)} vs {tuple(want.shape)})"
+        )
 
 
 def compare_parameters(named, ref_params: dict, mesh: Mesh, cfg: GPTConfig, what: str) -> None:
@@ -89,11 +107,13 @@ def compare_parameters(named, ref_params: dict, mesh: Mesh, cfg: GPTConfig, what
     for name, p in named:
         ref = ref_params[name]
         got, want = (p.grad, ref.grad) if what == "grad" else (p, ref)
-        assert_close(f"{what} {name}", trim_vocab(name, full_tensor(got, p.shards, mesh), cfg), trim_vocab(name, want, cfg))
+        assert_close(
+            f"{what} {name}", trim_vocab(name, full_tensor(got, p.shards, mesh), cfg), trim_vocab(name, want, cfg)
+        )
 
 
 def build(cfg: GPTConfig, mesh: Mesh, execution: ExecutionConfig = ExecutionConfig()):
-    model, = init_model_chunks(cfg, mesh, SEED, execution=execution)
+    (model,) = init_model_chunks(cfg, mesh, SEED, execution=execution)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01)
     optimizer = build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     return model, reducer, optimizer
@@ -120,10 +140,24 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: s
     names = [n for n, _ in model.named_parameters()]
     assert names == [n for n, _ in ref.named_parameters()]
     for step in range(STEPS):
-        out = train_step(model, reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro),
-                         mesh, lr=LR, max_grad_norm=1.0)
-        ref_out = train_step(ref, ref_reducer, ref_optimizer, microbatches(cfg, step, 0, 1, GLOBAL_BATCH),
-                             serial_mesh, lr=LR, max_grad_norm=1.0)
+        out = train_step(
+            model,
+            reducer,
+            optimizer,
+            microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro),
+            mesh,
+            lr=LR,
+            max_grad_norm=1.0,
+        )
+        ref_out = train_step(
+            ref,
+            ref_reducer,
+            ref_optimizer,
+            microbatches(cfg, step, 0, 1, GLOBAL_BATCH),
+            serial_mesh,
+            lr=LR,
+            max_grad_norm=1.0,
+        )
         assert_close(f"step {step} loss", out.loss, ref_out.loss)
         assert_close(f"step {step} grad_norm", out.grad_norm, ref_out.grad_norm)
         if step == 0:
@@ -154,11 +188,16 @@ def cases_for_world(world_size: int) -> list[str]:
         if world_size % tp or world_size // tp > 2:
             continue
         for arch in ("gpt2", "llama"):
-            for sp in ((False, True) if tp > 1 else (False,)):
+            for sp in (False, True) if tp > 1 else (False,):
                 names.append(f"{arch}_tp{tp}_{'sp' if sp else 'nosp'}_mb1")
     if world_size == 2:
-        names += ["gpt2_tp1_nosp_mb2", "llama_tp2_sp_mb2", "collectives_per_layer", "recompute_matches_with_dropout",
-                  "triton_kernels_llama_tp2_sp"]
+        names += [
+            "gpt2_tp1_nosp_mb2",
+            "llama_tp2_sp_mb2",
+            "collectives_per_layer",
+            "recompute_matches_with_dropout",
+            "triton_kernels_llama_tp2_sp",
+        ]
     return names
 
 
@@ -176,13 +215,20 @@ def _count_collectives(cfg: GPTConfig, mesh: Mesh) -> dict[str, int]:
     import meshtron.mpu.mappings as mappings_mod
     import meshtron.mpu.shm_collectives as shm_mod
 
-    originals = (mappings_mod.dist.all_reduce, mappings_mod._all_gather_into, mappings_mod._reduce_scatter_into,
-                 shm_mod.all_reduce, shm_mod.all_gather_into, shm_mod.reduce_scatter_into)
+    originals = (
+        mappings_mod.dist.all_reduce,
+        mappings_mod._all_gather_into,
+        mappings_mod._reduce_scatter_into,
+        shm_mod.all_reduce,
+        shm_mod.all_gather_into,
+        shm_mod.reduce_scatter_into,
+    )
 
     def counted(kind, fn):
         def wrapper(*args, **kwargs):
             counts[kind] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     model = GPT(cfg, mesh)
@@ -215,8 +261,11 @@ def collectives_per_layer() -> None:
             small = _count_collectives(GPTConfig(**{**base.__dict__, "num_layers": 2}), mesh)
             big = _count_collectives(GPTConfig(**{**base.__dict__, "num_layers": 3}), mesh)
             per_layer = {k: big[k] - small[k] for k in big}
-            want = ({"all_reduce": 0, "all_gather": 4, "reduce_scatter": 4} if sp
-                    else {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0})
+            want = (
+                {"all_reduce": 0, "all_gather": 4, "reduce_scatter": 4}
+                if sp
+                else {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0}
+            )
             if per_layer != want:
                 raise AssertionError(f"{arch} sp={sp}: collectives per layer {per_layer}, want {want}")
             if not sp and small["all_gather"] != 1:  # the loss: one all-gather of [3, tokens] statistics

@@ -19,21 +19,42 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_world(world_size: int, cases: list[str], timeout: float = 600.0,
-              collective_timeout: float = 60.0) -> dict[str, dict]:
+def run_world(
+    world_size: int, cases: list[str], timeout: float = 600.0, collective_timeout: float = 60.0
+) -> dict[str, dict]:
     """Return {case: {"ok": bool, "errors": {rank: traceback}}} after running all cases."""
     with tempfile.TemporaryDirectory(prefix=f"meshtron-w{world_size}-") as tmp:
         store = os.path.join(tmp, "store")
         # TRITON_INTERPRET must be set before triton is first imported in a worker (some cases
         # run the Triton kernels on CPU), so it is set for the whole process, not per case.
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRITON_INTERPRET="1",
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            TRITON_INTERPRET="1",
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         procs = []
         for rank in range(world_size):
-            cmd = [sys.executable, "-m", "tests.distributed.worker", "--world-size", str(world_size),
-                   "--rank", str(rank), "--store", store, "--out", tmp,
-                   "--collective-timeout", str(collective_timeout), "--cases", ",".join(cases),
-                   "--dump-stacks-after", str(max(timeout - 20.0, 1.0))]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.distributed.worker",
+                "--world-size",
+                str(world_size),
+                "--rank",
+                str(rank),
+                "--store",
+                store,
+                "--out",
+                tmp,
+                "--collective-timeout",
+                str(collective_timeout),
+                "--cases",
+                ",".join(cases),
+                "--dump-stacks-after",
+                str(max(timeout - 20.0, 1.0)),
+            ]
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
             procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + timeout

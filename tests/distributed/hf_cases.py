@@ -38,11 +38,19 @@ SEED = 0
 def hf_config(family: str, **kw):
     """A tiny transformers config: hidden 64, 2 layers, vocab 300 (Llama/Mixtral with GQA)."""
     import transformers
+
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1)
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=32, **{**common, **kw})
-    llama = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=96, max_position_embeddings=32, **common)
+    llama = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=32,
+        **common,
+    )
     if family == "llama":
         return transformers.LlamaConfig(**{**llama, **kw})
     return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**llama, **kw})
@@ -51,9 +59,13 @@ def hf_config(family: str, **kw):
 def hf_model(family: str, seed: int = SEED, **kw):
     """The randomly initialized HF causal LM of `hf_config(family)`, the same in every process."""
     import transformers
+
     torch.manual_seed(seed)
-    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
-           "mixtral": transformers.MixtralForCausalLM}[family]
+    cls = {
+        "gpt2": transformers.GPT2LMHeadModel,
+        "llama": transformers.LlamaForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+    }[family]
     return cls(hf_config(family, **kw)).eval()
 
 
@@ -78,6 +90,7 @@ def _forward(chunks, mesh, ids: torch.Tensor) -> torch.Tensor | None:
 
 def check(family: str, par: ParallelConfig) -> None:
     from meshtron.models import hf as mhf
+
     hf = hf_model(family)
     state = hf.state_dict()
     cfg = mhf.config_from_hf(hf.config)
@@ -104,8 +117,10 @@ def check(family: str, par: ParallelConfig) -> None:
             raise AssertionError(f"rank {mesh.rank} got an exported state dict; only rank 0 should")
         return
     if sorted(exported) != sorted(state):
-        raise AssertionError(f"exported keys differ: missing {sorted(set(state) - set(exported))}, "
-                             f"extra {sorted(set(exported) - set(state))}")
+        raise AssertionError(
+            f"exported keys differ: missing {sorted(set(state) - set(exported))}, "
+            f"extra {sorted(set(exported) - set(state))}"
+        )
     for key, value in state.items():
         if exported[key].dtype != value.dtype or not torch.equal(exported[key], value):
             raise AssertionError(f"exported {key} differs from the original")
@@ -142,21 +157,27 @@ def mixtral_pp2_ep2() -> None:
 # ------------------------------------------------------------------ training fidelity
 
 TRAIN_VOCAB = 200
-TRAIN_BATCH = 4        # sequences per global batch
+TRAIN_BATCH = 4  # sequences per global batch
 TRAIN_STEPS = 4
 TRAIN_LR, TRAIN_BETAS, TRAIN_WD = 1e-3, (0.9, 0.95), 0.1
 # AdamW eps 1e-6: at 1e-8, rarely seen embedding rows turn fp32 summation-order noise into
 # 2e-5 weight differences (2 layers, 2 microbatches, one process vs transformers); 7e-7 at 1e-6.
 TRAIN_EPS = 1e-6
-AUX_COEF = 0.02        # Mixtral-8x7B's router_aux_loss_coef
+AUX_COEF = 0.02  # Mixtral-8x7B's router_aux_loss_coef
 TRAIN_RTOL = 1e-5
 
 
 def tiny_mixtral(output_router_logits: bool, coef: float = AUX_COEF, layers: int = 1, seed: int = SEED):
     """A tiny random transformers Mixtral in train mode (fp32): `layers` layers, hidden 64,
     4 experts top-2, vocab 200, with the given router loss fields."""
-    return hf_model("mixtral", seed, num_hidden_layers=layers, vocab_size=TRAIN_VOCAB,
-                    output_router_logits=output_router_logits, router_aux_loss_coef=coef).train()
+    return hf_model(
+        "mixtral",
+        seed,
+        num_hidden_layers=layers,
+        vocab_size=TRAIN_VOCAB,
+        output_router_logits=output_router_logits,
+        router_aux_loss_coef=coef,
+    ).train()
 
 
 def train_batch(step: int, batch: int = TRAIN_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,15 +190,17 @@ def split_rows(batch: tuple[torch.Tensor, torch.Tensor], parts: int) -> list[tup
     """`batch` cut into `parts` equal microbatches of consecutive rows."""
     inputs, targets = batch
     rows = inputs.shape[0] // parts
-    return [(inputs[i * rows:(i + 1) * rows], targets[i * rows:(i + 1) * rows]) for i in range(parts)]
+    return [(inputs[i * rows : (i + 1) * rows], targets[i * rows : (i + 1) * rows]) for i in range(parts)]
 
 
 def hf_adamw(hf) -> torch.optim.AdamW:
     """torch AdamW over the HF model with meshtron's grouping (training/optim.py): weight decay
     on parameters with ndim >= 2 only."""
     params = [p for p in hf.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": TRAIN_WD},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": TRAIN_WD},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=TRAIN_LR, betas=TRAIN_BETAS, eps=TRAIN_EPS)
 
 
@@ -196,8 +219,12 @@ def hf_train_step(hf, optimizer, microbatches) -> float:
             objective = hf(input_ids=inputs, labels=targets, shift_labels=targets).loss
         else:
             out = hf(input_ids=inputs)
-            objective = torch.nn.functional.cross_entropy(
-                out.logits.reshape(-1, out.logits.shape[-1]).float(), targets.reshape(-1), reduction="sum") / tokens
+            objective = (
+                torch.nn.functional.cross_entropy(
+                    out.logits.reshape(-1, out.logits.shape[-1]).float(), targets.reshape(-1), reduction="sum"
+                )
+                / tokens
+            )
             if out.aux_loss is not None:
                 objective = objective + hf.config.router_aux_loss_coef * out.aux_loss / len(microbatches)
         objective.backward()
@@ -213,6 +240,7 @@ def meshtron_trainer(hf, par: ParallelConfig | None = None, **overrides):
     from meshtron.dp.grad_reduce import DataParallelGradReducer
     from meshtron.models import hf as mhf
     from meshtron.training.optim import build_optimizer
+
     cfg = dataclasses.replace(mhf.config_from_hf(hf.config, seq_len=SEQ), **overrides)
     mesh = single_process_mesh() if par is None else build_mesh(par, cfg)
     (model,) = build_model_chunks(cfg, mesh)
@@ -257,6 +285,7 @@ def pooling_gap(layers: int = 2, coef: float = AUX_COEF, steps: int = 1, aux_los
     (objectives), plus `router_grad_err` (per layer, relative error of meshtron's router
     weight gradient vs transformers' at the initial weights on step 0's batch)."""
     from meshtron.training.step import train_step
+
     hf = tiny_mixtral(True, coef, layers)
     model, reducer, optimizer, mesh = meshtron_trainer(hf, aux_loss_layers=aux_loss_layers)
     k = hf.config.num_experts_per_tok
@@ -268,8 +297,15 @@ def pooling_gap(layers: int = 2, coef: float = AUX_COEF, steps: int = 1, aux_los
         got, want = model.layers[str(i)].mlp.router.weight.grad, hf.model.layers[i].mlp.gate.weight.grad
         grad_err.append(((got - want).norm() / want.norm()).item())
     model.zero_grad(set_to_none=True)
-    out = {"pooled": [], "layers": [], "lm_hf": [], "lm_mt": [], "total_hf": [], "total_mt": [],
-           "router_grad_err": grad_err}
+    out = {
+        "pooled": [],
+        "layers": [],
+        "lm_hf": [],
+        "lm_mt": [],
+        "total_hf": [],
+        "total_mt": [],
+        "router_grad_err": grad_err,
+    }
     hf_opt = hf_adamw(hf)
     for step in range(steps):
         inputs, targets = train_batch(step)
@@ -294,6 +330,7 @@ def mixtral_train_ep2() -> None:
     pooled across layers (model.aux_loss_layers="pooled")."""
     from meshtron.models import hf as mhf
     from meshtron.training.step import train_step
+
     hf = tiny_mixtral(output_router_logits=True, layers=2)
     model, reducer, optimizer, mesh = meshtron_trainer(hf, ParallelConfig(tp=1, ep=2))
     if mesh.dp_size != 2 or mesh.par.ep != 2:
@@ -306,8 +343,10 @@ def mixtral_train_ep2() -> None:
         got = meshtron_objective(out, model.cfg)
         want = hf_train_step(hf, hf_opt, micro)
         if not relative(got, want) <= TRAIN_RTOL:
-            problems.append(f"step {step}: meshtron objective {got:.7f} vs transformers {want:.7f} "
-                            f"(relative {relative(got, want):.2e} > {TRAIN_RTOL:.0e})")
+            problems.append(
+                f"step {step}: meshtron objective {got:.7f} vs transformers {want:.7f} "
+                f"(relative {relative(got, want):.2e} > {TRAIN_RTOL:.0e})"
+            )
     exported = mhf.export_hf_state_dict(model, mesh)  # collective: before any rank raises
     reducer.remove_hooks()
     if problems:

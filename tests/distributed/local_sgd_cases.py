@@ -51,8 +51,16 @@ class _SGD(torch.optim.SGD, TrainingOptimizer):
         return 0
 
 
-def _run(cfg, par, *, local_steps: int | None, optimizer: str = "sgd", steps: int = 4,
-         outer: str = "none", count: bool = False):
+def _run(
+    cfg,
+    par,
+    *,
+    local_steps: int | None,
+    optimizer: str = "sgd",
+    steps: int = 4,
+    outer: str = "none",
+    count: bool = False,
+):
     """Train `steps` steps; local_steps=None: ordinary DP. Returns (model, losses, per-step flat
     weights, bytes per group kind, local SGD object)."""
     mesh = build_mesh(par, cfg)
@@ -65,12 +73,16 @@ def _run(cfg, par, *, local_steps: int | None, optimizer: str = "sgd", steps: in
         opt = _SGD([p for _, p in named], lr=0.05)
     else:
         opt = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    local = None if local_steps is None else LocalSGD(chunks, mesh, local_steps=local_steps,
-                                                      outer_optimizer=outer, outer_lr=0.7, outer_momentum=0.9)
+    local = (
+        None
+        if local_steps is None
+        else LocalSGD(chunks, mesh, local_steps=local_steps, outer_optimizer=outer, outer_lr=0.7, outer_momentum=0.9)
+    )
     executor = None
     if mesh.pp_size > 1:
-        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size),
-                                    torch.float32, torch.device("cpu"))
+        executor = PipelineExecutor(
+            chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size), torch.float32, torch.device("cpu")
+        )
     losses, weights = [], []
     sent = {"model": 0, "stats": 0}
     with _count_dp_bytes(mesh.dp, sent) if count else contextlib.nullcontext():
@@ -78,11 +90,19 @@ def _run(cfg, par, *, local_steps: int | None, optimizer: str = "sgd", steps: in
             lr = 0.05 if optimizer == "sgd" else LR
             if executor is not None:  # two microbatches per replica through the 1F1B pipeline
                 micro = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1, batch=2 * mesh.dp_size)
-                out = pipeline_train_step(chunks, reducer, opt, micro, mesh, executor, schedule="1f1b", lr=lr,
-                                          max_grad_norm=0.0)
+                out = pipeline_train_step(
+                    chunks, reducer, opt, micro, mesh, executor, schedule="1f1b", lr=lr, max_grad_norm=0.0
+                )
             else:
-                out = train_step(model, reducer, opt, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1), mesh,
-                                 lr=lr, max_grad_norm=0.0)
+                out = train_step(
+                    model,
+                    reducer,
+                    opt,
+                    microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
+                    mesh,
+                    lr=lr,
+                    max_grad_norm=0.0,
+                )
             if local is not None:
                 local.after_step(step + 1)
             losses.append(out.loss.detach().clone())
@@ -144,8 +164,9 @@ def local_sgd_h1_equals_dp_tp2_sp() -> None:
 
 def local_sgd_h1_equals_dp_pp2_tied() -> None:
     """pp=2 x dp=2 (1F1B) with the tied embedding summed over the first and last stage."""
-    _h1_equals_dp(dataclasses.replace(pipeline_config("gpt2", False), num_layers=2),
-                  ParallelConfig(tp=1, pp=2, schedule="1f1b"))
+    _h1_equals_dp(
+        dataclasses.replace(pipeline_config("gpt2", False), num_layers=2), ParallelConfig(tp=1, pp=2, schedule="1f1b")
+    )
 
 
 def local_sgd_h1_equals_dp_cp2() -> None:
@@ -164,8 +185,10 @@ def local_sgd_h4_sync_and_bytes() -> None:
     for step, flat in enumerate(w4, start=1):
         same = _same_on_all_ranks(flat, mesh_dp)
         if same != (step % 4 == 0):
-            raise AssertionError(f"H=4 after step {step}: replicas {'identical' if same else 'different'}, "
-                                 f"want {'identical' if step % 4 == 0 else 'different'}")
+            raise AssertionError(
+                f"H=4 after step {step}: replicas {'identical' if same else 'different'}, "
+                f"want {'identical' if step % 4 == 0 else 'different'}"
+            )
     if not all(_same_on_all_ranks(flat, mesh_dp) for flat in w1):
         raise AssertionError("H=1: replicas differ after a sync")
     if torch.allclose(w4[-1], dp_weights[-1], rtol=1e-4, atol=0):
@@ -206,8 +229,12 @@ def diloco_outer_step_by_hand() -> None:
             raise AssertionError("synced after step 1 of H=2")
         if not local.after_step(2):
             raise AssertionError("did not sync after step 2 of H=2")
-        assert_close(f"DiLoCo round {round_ + 1}", module.weight.detach().reshape(-1).double(),
-                     torch.tensor(g, dtype=torch.float64), rtol=1e-6)
+        assert_close(
+            f"DiLoCo round {round_ + 1}",
+            module.weight.detach().reshape(-1).double(),
+            torch.tensor(g, dtype=torch.float64),
+            rtol=1e-6,
+        )
     if local.state_bytes() != 2 * 3 * 4:
         raise AssertionError(f"outer state {local.state_bytes()} B, want 24")
     # one replica's non-finite step counts as skipped on every rank (the loop's abort is taken alike)
@@ -222,10 +249,13 @@ def hierarchical_equals_flat() -> None:
     hier = build_mesh(ParallelConfig(tp=1, dp_hierarchical=True), cfg, ranks_per_node=2)
     flat_mesh = build_mesh(ParallelConfig(tp=1, dp_hierarchical=False), cfg, ranks_per_node=2)
     h = dp_hierarchy(hier)
-    if (h.nodes, h.local) != (2, 2) or dist.get_process_group_ranks(h.inter) != [dist.get_rank() % 2,
-                                                                                  dist.get_rank() % 2 + 2]:
-        raise AssertionError(f"hierarchy {h.nodes} nodes x {h.local}, inter group "
-                             f"{dist.get_process_group_ranks(h.inter)}")
+    if (h.nodes, h.local) != (2, 2) or dist.get_process_group_ranks(h.inter) != [
+        dist.get_rank() % 2,
+        dist.get_rank() % 2 + 2,
+    ]:
+        raise AssertionError(
+            f"hierarchy {h.nodes} nodes x {h.local}, inter group {dist.get_process_group_ranks(h.inter)}"
+        )
     x = torch.randn(1000, generator=torch.Generator().manual_seed(dist.get_rank())) * 10 ** dist.get_rank()
     want = x.clone()
     dist.all_reduce(want)
@@ -235,21 +265,31 @@ def hierarchical_equals_flat() -> None:
     for zero in (0, 1):
         results = []
         for mesh in (hier, flat_mesh):
-            model, = init_model_chunks(cfg, mesh, SEED)
+            (model,) = init_model_chunks(cfg, mesh, SEED)
             named = list(model.named_parameters())
             reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
             if (reducer.hierarchy is not None) != (mesh is hier):
                 raise AssertionError("parallel.dp_hierarchical did not select the all-reduce")
-            opt = (ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS) if zero
-                   else build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS))
+            opt = (
+                ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+                if zero
+                else build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+            )
             for step in range(3):
-                train_step(model, reducer, opt, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1), mesh,
-                           lr=LR, max_grad_norm=1.0)
+                train_step(
+                    model,
+                    reducer,
+                    opt,
+                    microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
+                    mesh,
+                    lr=LR,
+                    max_grad_norm=1.0,
+                )
             reducer.remove_hooks()
             results.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
         assert_close(f"zero={zero}: weights after 3 steps, hierarchical vs flat", results[0], results[1], rtol=1e-6)
     auto = build_mesh(ParallelConfig(tp=1), cfg, ranks_per_node=2)  # auto: dp spans 2 nodes with 2 ranks on each
-    model, = init_model_chunks(cfg, auto, SEED)
+    (model,) = init_model_chunks(cfg, auto, SEED)
     reducer = DataParallelGradReducer(list(model.named_parameters()), auto)
     on = reducer.hierarchy is not None
     reducer.remove_hooks()
@@ -261,6 +301,10 @@ def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
         return ["local_sgd_h1_equals_dp", "local_sgd_h4_sync_and_bytes", "diloco_outer_step_by_hand"]
     if world_size == 4:
-        return ["local_sgd_h1_equals_dp_tp2_sp", "local_sgd_h1_equals_dp_pp2_tied", "local_sgd_h1_equals_dp_cp2",
-                "hierarchical_equals_flat"]
+        return [
+            "local_sgd_h1_equals_dp_tp2_sp",
+            "local_sgd_h1_equals_dp_pp2_tied",
+            "local_sgd_h1_equals_dp_cp2",
+            "hierarchical_equals_flat",
+        ]
     return []

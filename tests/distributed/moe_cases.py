@@ -62,15 +62,25 @@ LAYOUTS = {
         ("gpt2", 1, False, 8, 1, 1, "softmax", None, "microbatch", "plain", 1),
     ],
 }
-MICRO = 2          # samples per microbatch on every rank
+MICRO = 2  # samples per microbatch on every rank
 MICRO_PER_RANK = 2  # microbatches per rank and step
 
 
-def moe_config(arch: str, top_k: int, score: str, capacity_factor, scope: str = "microbatch",
-               variant: str = "plain") -> GPTConfig:
-    common = dict(num_experts=8, top_k=top_k, router_score=score, capacity_factor=capacity_factor,
-                  aux_loss_coef=0.01, z_loss_coef=0.001, router_bias_update_rate=0.01 if score == "sigmoid" else 0.0,
-                  vocab_size=200, seq_len=16, aux_loss_scope=scope)
+def moe_config(
+    arch: str, top_k: int, score: str, capacity_factor, scope: str = "microbatch", variant: str = "plain"
+) -> GPTConfig:
+    common = dict(
+        num_experts=8,
+        top_k=top_k,
+        router_score=score,
+        capacity_factor=capacity_factor,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+        router_bias_update_rate=0.01 if score == "sigmoid" else 0.0,
+        vocab_size=200,
+        seq_len=16,
+        aux_loss_scope=scope,
+    )
     if variant == "grouped":  # 4 groups of 2 experts, each token's top_k inside its best group
         # (with top_k 2 a group scores by its two experts, so the limit binds; see
         # tests/test_moe_balance.py::test_group_limited_routing_matches_per_token_rule)
@@ -78,16 +88,37 @@ def moe_config(arch: str, top_k: int, score: str, capacity_factor, scope: str = 
     elif variant == "pooled":
         common.update(aux_loss_layers="pooled")
     if arch == "llama":
-        return GPTConfig(arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=48,
-                         moe_ffn_hidden_size=32, moe_every=2, shared_experts=1, tie_embeddings=False, **common)
-    return GPTConfig(arch="gpt2", num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64,
-                     moe_ffn_hidden_size=24, moe_every=1, **common)
+        return GPTConfig(
+            arch="llama",
+            num_layers=2,
+            hidden_size=64,
+            num_heads=8,
+            num_kv_heads=4,
+            ffn_hidden_size=48,
+            moe_ffn_hidden_size=32,
+            moe_every=2,
+            shared_experts=1,
+            tie_embeddings=False,
+            **common,
+        )
+    return GPTConfig(
+        arch="gpt2",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        moe_ffn_hidden_size=24,
+        moe_every=1,
+        **common,
+    )
 
 
 def _case_name(layout) -> str:
     arch, tp, sp, ep, etp, k, score, cf, scope, variant, chunks = layout
-    return (f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
-            f"_{scope}{'' if variant == 'plain' else '_' + variant}{'' if chunks == 1 else f'_chunks{chunks}'}")
+    return (
+        f"{arch}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_top{k}_{score}_{'cap' if cf else 'dropless'}"
+        f"_{scope}{'' if variant == 'plain' else '_' + variant}{'' if chunks == 1 else f'_chunks{chunks}'}"
+    )
 
 
 def serial_microbatches(cfg: GPTConfig, step: int, dp: int, batch: int, scope: str):
@@ -154,8 +185,15 @@ def train_against_serial(cfg: GPTConfig, mesh, scope: str, chunks, named, train,
     batch = mesh.dp_size * MICRO * MICRO_PER_RANK
     for step in range(STEPS):
         out = train(microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch))
-        ref_out = train_step(ref, ref_reducer, ref_optimizer, serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
-                             single_process_mesh(), lr=LR, max_grad_norm=1.0)
+        ref_out = train_step(
+            ref,
+            ref_reducer,
+            ref_optimizer,
+            serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
+            single_process_mesh(),
+            lr=LR,
+            max_grad_norm=1.0,
+        )
         compare_step(step, out, ref_out)
         if step == 0:
             compare_parameters(named, ref_params, mesh, cfg, "grad")
@@ -167,8 +205,9 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     arch, tp, sp, ep, etp, top_k, score, cf, scope, variant, chunks = layout
     cfg = moe_config(arch, top_k, score, cf, scope, variant)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, ep=ep, etp=etp), cfg)
-    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend,
-                                                                 moe_dispatch_chunks=chunks))
+    model, reducer, optimizer = build(
+        cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend, moe_dispatch_chunks=chunks)
+    )
     if chunks > 1:
         assert all(m.dispatch_chunk_count(2) == chunks for m in model.moe_layers())
     serial = build(cfg, single_process_mesh(), UNFUSED)
@@ -184,9 +223,15 @@ def check_moe_layout(layout, kernel_backend: str = "torch") -> None:
     rows = slice(mesh.dp_rank * inputs.shape[0], (mesh.dp_rank + 1) * inputs.shape[0])
     assert_close("logits", got, want[rows])
 
-    train_against_serial(cfg, mesh, scope, [model], list(model.named_parameters()),
-                         lambda mine: train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0),
-                         serial)
+    train_against_serial(
+        cfg,
+        mesh,
+        scope,
+        [model],
+        list(model.named_parameters()),
+        lambda mine: train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0),
+        serial,
+    )
     if group_limited is not None and group_limited[0] == 0:
         raise AssertionError("the group limit changed no token's choice: the grouped case tests nothing")
     reducer.remove_hooks()
@@ -196,6 +241,7 @@ def _register(layouts: dict, name, check) -> None:
     """One module-level case per layout of `layouts`, named name(layout), running check(layout)."""
     for rows in layouts.values():
         for layout in rows:
+
             def case(layout=layout) -> None:
                 check(layout)
 
@@ -218,20 +264,34 @@ def full_recompute_moe_matches() -> None:
     (aux/z-loss terms included, dropout 0.1) and the aux-free expert bias after one step equal
     the run without recomputation; the load is counted once."""
     world = torch.distributed.get_world_size()
-    for par, variant, chunks in ((ParallelConfig(ep=world), "plain", 1), (ParallelConfig(ep=world), "plain", 2),
-                                 (ParallelConfig(tp=world, sp=True), "plain", 1),
-                                 (ParallelConfig(ep=world), "pooled", 1)):
+    for par, variant, chunks in (
+        (ParallelConfig(ep=world), "plain", 1),
+        (ParallelConfig(ep=world), "plain", 2),
+        (ParallelConfig(tp=world, sp=True), "plain", 1),
+        (ParallelConfig(ep=world), "pooled", 1),
+    ):
         results = {}
         for mode in ("none", "full"):
-            cfg = dataclasses.replace(moe_config("llama", 2, "sigmoid", None, variant=variant), dropout=0.1,
-                                      moe_every=1)
+            cfg = dataclasses.replace(
+                moe_config("llama", 2, "sigmoid", None, variant=variant), dropout=0.1, moe_every=1
+            )
             mesh = build_mesh(par, cfg)
             model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(recompute=mode, moe_dispatch_chunks=chunks))
-            out = train_step(model, reducer, optimizer, microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 1), mesh,
-                             lr=LR, max_grad_norm=0.0)
+            out = train_step(
+                model,
+                reducer,
+                optimizer,
+                microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 1),
+                mesh,
+                lr=LR,
+                max_grad_norm=0.0,
+            )
             reducer.remove_hooks()
-            results[mode] = (out, {n: p.grad.clone() for n, p in model.named_parameters()},
-                             [m.router.expert_bias.clone() for m in model.moe_layers()])
+            results[mode] = (
+                out,
+                {n: p.grad.clone() for n, p in model.named_parameters()},
+                [m.router.expert_bias.clone() for m in model.moe_layers()],
+            )
         (out_a, grads_a, bias_a), (out_b, grads_b, bias_b) = results["none"], results["full"]
         assert_close(f"{par} {variant}: loss", out_b.loss, out_a.loss, rtol=1e-6)
         assert_close(f"{par} {variant}: aux loss", out_b.aux_loss, out_a.aux_loss, rtol=1e-6)
@@ -261,8 +321,10 @@ PIPELINE_LAYOUTS = {
 
 def _pipeline_case_name(layout) -> str:
     arch, pp, tp, sp, ep, etp, scope, chunks = layout
-    return (f"{arch}_pp{pp}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_sigmoid_{scope}"
-            f"{'' if chunks == 1 else f'_chunks{chunks}'}")
+    return (
+        f"{arch}_pp{pp}_tp{tp}{'sp' if sp else ''}_ep{ep}_etp{etp}_sigmoid_{scope}"
+        f"{'' if chunks == 1 else f'_chunks{chunks}'}"
+    )
 
 
 def check_moe_pipeline_layout(layout) -> None:
@@ -273,13 +335,21 @@ def check_moe_pipeline_layout(layout) -> None:
     cfg = moe_config(arch, 2, "sigmoid", None, scope)
     mesh = build_mesh(ParallelConfig(pp=pp, tp=tp, sp=sp, ep=ep, etp=etp, schedule="1f1b"), cfg)
     chunks, named, reducer, optimizer, executor = build_pipeline(
-        cfg, mesh, MICRO, ExecutionConfig(moe_dispatch_chunks=dispatch_chunks))
+        cfg, mesh, MICRO, ExecutionConfig(moe_dispatch_chunks=dispatch_chunks)
+    )
     serial = build(cfg, single_process_mesh(), UNFUSED)
     ref = serial[0]
-    train_against_serial(cfg, mesh, scope, chunks, named,
-                         lambda mine: pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor,
-                                                          schedule="1f1b", lr=LR, max_grad_norm=1.0),
-                         serial)
+    train_against_serial(
+        cfg,
+        mesh,
+        scope,
+        chunks,
+        named,
+        lambda mine: pipeline_train_step(
+            chunks, reducer, optimizer, mine, mesh, executor, schedule="1f1b", lr=LR, max_grad_norm=1.0
+        ),
+        serial,
+    )
     if not any(bool(b.any()) for _, b in ref.named_buffers() if _.endswith("expert_bias")):
         raise AssertionError("the serial expert bias never moved: the case does not test its updates")
     reducer.remove_hooks()
@@ -290,5 +360,8 @@ _register(PIPELINE_LAYOUTS, _pipeline_case_name, check_moe_pipeline_layout)
 
 def cases_for_world(world_size: int) -> list[str]:
     extra = ["triton_kernels_gpt2_ep2_etp1", "full_recompute_moe_matches"] if world_size == 2 else []
-    return ([_case_name(layout) for layout in LAYOUTS.get(world_size, [])] + extra
-            + [_pipeline_case_name(layout) for layout in PIPELINE_LAYOUTS.get(world_size, [])])
+    return (
+        [_case_name(layout) for layout in LAYOUTS.get(world_size, [])]
+        + extra
+        + [_pipeline_case_name(layout) for layout in PIPELINE_LAYOUTS.get(world_size, [])]
+    )

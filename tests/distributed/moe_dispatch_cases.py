@@ -118,10 +118,21 @@ class PairDispatcher:
 
 
 def _config(top_k: int, capacity_factor, shared: int, activation: str = "swiglu") -> GPTConfig:
-    return GPTConfig(arch="llama" if activation == "swiglu" else "gpt2", num_layers=2, hidden_size=32,
-                     num_heads=4, ffn_hidden_size=64,
-                     num_experts=8, top_k=top_k, moe_ffn_hidden_size=24, shared_experts=shared,
-                     capacity_factor=capacity_factor, aux_loss_coef=0.01, z_loss_coef=0.001, seq_len=16)
+    return GPTConfig(
+        arch="llama" if activation == "swiglu" else "gpt2",
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        num_experts=8,
+        top_k=top_k,
+        moe_ffn_hidden_size=24,
+        shared_experts=shared,
+        capacity_factor=capacity_factor,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+        seq_len=16,
+    )
 
 
 def _layer(cfg: GPTConfig, mesh, dispatch_chunks: int = 1) -> MoELayer:
@@ -147,8 +158,13 @@ def check_dispatch(ep: int, etp: int, top_k: int, capacity_factor, shared: int, 
         xi = x.clone().requires_grad_()
         out = model(xi)
         (out * grad).sum().backward()
-        results[name] = (out.detach(), xi.grad, {n: p.grad for n, p in model.named_parameters()},
-                         list(model.dispatcher.last_send_splits), model.last_router.topk_idx)
+        results[name] = (
+            out.detach(),
+            xi.grad,
+            {n: p.grad for n, p in model.named_parameters()},
+            list(model.dispatcher.last_send_splits),
+            model.last_router.topk_idx,
+        )
     (out, gx, grads, sent, idx), (ref_out, ref_gx, ref_grads, ref_sent, ref_idx) = results["dedup"], results["pairs"]
     assert torch.equal(idx, ref_idx), "the routing differs between the two runs"
     assert_close("output", out, ref_out, RTOL)
@@ -161,9 +177,11 @@ def check_dispatch(ep: int, etp: int, top_k: int, capacity_factor, shared: int, 
     kept = torch.ones(idx.numel(), dtype=torch.bool)
     if capacity_factor is not None:
         from meshtron.moe.capacity import capacity_for, capacity_keep_mask
+
         s = cfg.seq_len
-        kept = capacity_keep_mask(idx.view(s, -1, top_k), cfg.num_experts,
-                                  capacity_for(s, cfg.num_experts, top_k, capacity_factor), None).reshape(-1)
+        kept = capacity_keep_mask(
+            idx.view(s, -1, top_k), cfg.num_experts, capacity_for(s, cfg.num_experts, top_k, capacity_factor), None
+        ).reshape(-1)
         assert not kept.all(), "the case should drop something"
     flat = idx.reshape(-1)
     token = torch.arange(flat.numel()) // top_k
@@ -298,8 +316,11 @@ def _overlap_order(asynchronous: bool | None, tp: int = 1) -> dict[str, torch.Te
     if events != want:
         raise AssertionError(f"(shared-expert half, all-to-all in flight) events {events}, expected {want}")
     assert not handles[0].works and not handles[0].grad_works and not handles[1].grad_works
-    return {"output": out.detach(), "input gradient": x.grad,
-            **{f"gradient of {n}": p.grad for n, p in layer.named_parameters()}}
+    return {
+        "output": out.detach(),
+        "input gradient": x.grad,
+        **{f"gradient of {n}": p.grad for n, p in layer.named_parameters()},
+    }
 
 
 def _forward_backward(layer: MoELayer, cfg: GPTConfig, mesh) -> dict[str, torch.Tensor]:
@@ -308,8 +329,11 @@ def _forward_backward(layer: MoELayer, cfg: GPTConfig, mesh) -> dict[str, torch.
     x.requires_grad_()
     out = layer(x)
     out.backward(grad)
-    return {"output": out.detach(), "input gradient": x.grad,
-            **{f"gradient of {n}": p.grad for n, p in layer.named_parameters()}}
+    return {
+        "output": out.detach(),
+        "input gradient": x.grad,
+        **{f"gradient of {n}": p.grad for n, p in layer.named_parameters()},
+    }
 
 
 def check_dispatch_chunks(par: ParallelConfig, top_k: int, capacity_factor, shared: int) -> None:
@@ -370,8 +394,9 @@ def dispatch_chunks_overlap_order() -> None:
         # handles: 0, 1 = chunks 0, 1 dispatch; 2, 3 = chunks 0, 1 return
         events.append(("forward", chunk, in_flight(1, False) if chunk == 0 else in_flight(2, False)))
         out = experts(rows, group_sizes)
-        out.register_hook(lambda g: events.append(
-            ("backward", chunk, in_flight(2, True) if chunk == 1 else in_flight(1, True))))
+        out.register_hook(
+            lambda g: events.append(("backward", chunk, in_flight(2, True) if chunk == 1 else in_flight(1, True)))
+        )
         return out
 
     dispatcher_module.all_to_all_start = recording_start
@@ -406,16 +431,38 @@ def shared_experts_checkpoint_reshard() -> None:
     shards = {n: p.shards for n, p in source.named if n.startswith("layers.1.mlp.shared.")}
     source.close()
     assert shards and all(s == ((0 if n.endswith(("up", "gate")) else 1, "tp"),) for n, s in shards.items()), shards
-    _check_reshard(cfg, save, [(ParallelConfig(tp=1, ep=4), False), (ParallelConfig(tp=4, ep=2, etp=2), False),
-                               (ParallelConfig(tp=2, ep=1), True)], check_continuation=False)
+    _check_reshard(
+        cfg,
+        save,
+        [
+            (ParallelConfig(tp=1, ep=4), False),
+            (ParallelConfig(tp=4, ep=2, etp=2), False),
+            (ParallelConfig(tp=2, ep=1), True),
+        ],
+        check_continuation=False,
+    )
 
 
 def cases_for_world(world_size: int) -> list[str]:
     return {
-        2: ["dedup_ep2_top2", "dedup_ep2_top3_capacity_gelu", "overlap_order", "overlap_order_async",
-            "dispatch_chunks_ep2", "dispatch_chunks_overlap_order"],
-        4: ["dedup_ep4_top2", "dedup_ep2_etp2_top2_capacity", "dedup_ep2_etp2_top2_capacity_async", "overlap_order",
-            "overlap_order_async", "overlap_order_async_tp2_sp", "shared_experts_checkpoint_reshard",
-            "dispatch_chunks_ep2_etp2_capacity_shared", "dispatch_chunks_tp2_sp_ep2_top3"],
+        2: [
+            "dedup_ep2_top2",
+            "dedup_ep2_top3_capacity_gelu",
+            "overlap_order",
+            "overlap_order_async",
+            "dispatch_chunks_ep2",
+            "dispatch_chunks_overlap_order",
+        ],
+        4: [
+            "dedup_ep4_top2",
+            "dedup_ep2_etp2_top2_capacity",
+            "dedup_ep2_etp2_top2_capacity_async",
+            "overlap_order",
+            "overlap_order_async",
+            "overlap_order_async_tp2_sp",
+            "shared_experts_checkpoint_reshard",
+            "dispatch_chunks_ep2_etp2_capacity_shared",
+            "dispatch_chunks_tp2_sp_ep2_top3",
+        ],
         8: ["dedup_ep4_etp2_top2", "dedup_ep4_etp2_top3_capacity"],
     }.get(world_size, [])

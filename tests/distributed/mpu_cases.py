@@ -99,7 +99,9 @@ def mappings_forward_backward() -> None:
     out = gather_from_sequence(x, g)
     _check(torch.equal(out, seq), "gather_from_sequence forward")
     out.backward(seq * (r + 1))
-    _check(torch.equal(x.grad, seq.chunk(n, 0)[r] * sum(range(1, n + 1))), "gather_from_sequence backward reduce-scatters")
+    _check(
+        torch.equal(x.grad, seq.chunk(n, 0)[r] * sum(range(1, n + 1))), "gather_from_sequence backward reduce-scatters"
+    )
 
     x = (seq * (r + 1)).requires_grad_()
     out = reduce_scatter_to_sequence(x, g)
@@ -165,8 +167,10 @@ def column_parallel_linear_matches_copy_and_linear() -> None:
         y.float().backward(grad_y[r])
         results.append((y.detach(), x.grad, w.grad, b.grad))
     for name, a, c in zip(("y", "x.grad", "w.grad", "b.grad"), *results):
-        _check(a.dtype == c.dtype and torch.allclose(a, c, rtol=1e-2, atol=1e-2),
-               f"bf16 autocast: {name} differs from copy + linear ({a.dtype} vs {c.dtype})")
+        _check(
+            a.dtype == c.dtype and torch.allclose(a, c, rtol=1e-2, atol=1e-2),
+            f"bf16 autocast: {name} differs from copy + linear ({a.dtype} vs {c.dtype})",
+        )
 
 
 def shm_collectives_match_gloo() -> None:
@@ -181,8 +185,14 @@ def shm_collectives_match_gloo() -> None:
     _check(shm.eligible(group, torch.zeros(1)), "a gloo group on one host is not eligible for shared memory")
     _check(not shm.eligible(group, torch.zeros(shm.SLOT_BYTES // 4 + 1)), "a tensor larger than a slot is eligible")
     gen = torch.Generator().manual_seed(100 + r)
-    for dtype, numel in ((torch.float32, 1000), (torch.float64, 7), (torch.int64, 5), (torch.float32, 0),
-                         (torch.float32, shm.SLOT_BYTES // 4), (torch.bfloat16, 513)):
+    for dtype, numel in (
+        (torch.float32, 1000),
+        (torch.float64, 7),
+        (torch.int64, 5),
+        (torch.float32, 0),
+        (torch.float32, shm.SLOT_BYTES // 4),
+        (torch.bfloat16, 513),
+    ):
         x = (torch.randn(numel, generator=gen) * 100).to(dtype)
         _check(shm.eligible(group, x), f"{dtype} x{numel} not eligible")
         want = x.clone()
@@ -215,8 +225,10 @@ def shm_collectives_match_gloo() -> None:
     # only the last rank's rows exceed a slot: every rank must answer False
     rows = shm.SLOT_BYTES // 4 if r == n - 1 else 1
     big = torch.zeros(rows * n, 1)
-    _check(not shm.all_to_all(torch.empty(rows * n, 1), big, [rows] * n, [rows] * n, group),
-           "an all-to-all larger than a slot was exchanged")
+    _check(
+        not shm.all_to_all(torch.empty(rows * n, 1), big, [rows] * n, [rows] * n, group),
+        "an all-to-all larger than a slot was exchanged",
+    )
 
 
 def vocab_parallel_cross_entropy_matches_torch() -> None:
@@ -240,14 +252,17 @@ def vocab_parallel_cross_entropy_matches_torch() -> None:
         loss = vocab_parallel_cross_entropy(local, target, vocab_start=start, vocab_size=vocab, group=mesh.tp)
         (loss * weights).sum().backward()
         ref_logits = logits[..., :vocab].clone().requires_grad_()
-        ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
-                              ignore_index=IGNORE_INDEX).reshape(3, 5)
+        ref = F.cross_entropy(
+            ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX
+        ).reshape(3, 5)
         (ref * weights).sum().backward()
         _check(torch.allclose(loss, ref, rtol=1e-6, atol=1e-6), f"tp={tp}: loss {loss} != {ref}")
         full_grad = gather_from_region(local.grad, -1, mesh.tp)
         _check(torch.allclose(full_grad[..., :vocab], ref_logits.grad, rtol=1e-6, atol=1e-6), f"tp={tp}: grad")
-        _check(torch.equal(full_grad[..., vocab:], torch.zeros_like(full_grad[..., vocab:])),
-               f"tp={tp}: padded columns got gradient")
+        _check(
+            torch.equal(full_grad[..., vocab:], torch.zeros_like(full_grad[..., vocab:])),
+            f"tp={tp}: padded columns got gradient",
+        )
 
 
 def rng_streams() -> None:
@@ -284,7 +299,9 @@ def grad_reducer_overlaps_and_sums() -> None:
     layers = _linear_stack([8] * 5)
     # One weight (8x8 fp32 = 256 B) fills a bucket; biases (no weight decay) share their own.
     reducer = DataParallelGradReducer(list(layers.named_parameters()), mesh, bucket_mb=8 * 8 * 4 / 2**20)
-    _check(len(reducer.buckets) == 5, f"expected a bucket per weight and one for the biases, got {len(reducer.buckets)}")
+    _check(
+        len(reducer.buckets) == 5, f"expected a bucket per weight and one for the biases, got {len(reducer.buckets)}"
+    )
     reducer.zero_grad()
     inputs = [torch.full((2, 8), float(r + 1 + k)) for k in range(2)]
     with reducer.sync(False):
@@ -302,9 +319,11 @@ def grad_reducer_overlaps_and_sums() -> None:
             ref(torch.full((2, 8), float(rank + 1 + k))).sum().backward()
     for (name, p), q in zip(layers.named_parameters(), ref.parameters()):
         # fp32 sums in another order: rounding of the largest entry's size
-        _check(torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-6 * float(q.grad.abs().max())),
-               f"{name}: reduced grad != sum over dp "
-               f"(max diff {(p.grad - q.grad).abs().max():.3g} of {q.grad.abs().max():.3g})")
+        _check(
+            torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-6 * float(q.grad.abs().max())),
+            f"{name}: reduced grad != sum over dp "
+            f"(max diff {(p.grad - q.grad).abs().max():.3g} of {q.grad.abs().max():.3g})",
+        )
     reducer.remove_hooks()
 
 
@@ -313,6 +332,7 @@ def grad_reducer_shm_buckets_match_gloo() -> None:
     finish(); the gradients equal gloo's all-reduce (bit for bit on 2 ranks, where a sum of
     two is order-free). A 1100x1000 weight (4.4 MB) is larger than one slot."""
     from meshtron.mpu import shm_collectives as shm
+
     mesh = build_mesh(ParallelConfig(tp=1))
     widths = [1100, 1000, 8]
     grads = {}
@@ -323,8 +343,10 @@ def grad_reducer_shm_buckets_match_gloo() -> None:
             reducer = DataParallelGradReducer(list(layers.named_parameters()), mesh)
         finally:
             shm.ENABLED = saved
-        _check(all(b.in_shm == (label == "shm" and shm.ENABLED) for b in reducer.buckets),
-               f"{label}: buckets in shared memory = {[b.in_shm for b in reducer.buckets]}")
+        _check(
+            all(b.in_shm == (label == "shm" and shm.ENABLED) for b in reducer.buckets),
+            f"{label}: buckets in shared memory = {[b.in_shm for b in reducer.buckets]}",
+        )
         reducer.zero_grad()
         for k in range(2):
             with reducer.sync(k == 1):
@@ -338,9 +360,15 @@ def grad_reducer_shm_buckets_match_gloo() -> None:
 
 
 def cases_for_world(world_size: int) -> list[str]:
-    names = ["mappings_forward_backward", "column_parallel_linear_matches_copy_and_linear",
-             "shm_collectives_match_gloo", "vocab_parallel_cross_entropy_matches_torch", "rng_streams",
-             "grad_reducer_overlaps_and_sums", "grad_reducer_shm_buckets_match_gloo"]
+    names = [
+        "mappings_forward_backward",
+        "column_parallel_linear_matches_copy_and_linear",
+        "shm_collectives_match_gloo",
+        "vocab_parallel_cross_entropy_matches_torch",
+        "rng_streams",
+        "grad_reducer_overlaps_and_sums",
+        "grad_reducer_shm_buckets_match_gloo",
+    ]
     if world_size in (4, 8):
         names.insert(0, "mesh_groups")
     return names

@@ -56,10 +56,13 @@ def make_optimizer(reducer, kind: str):
 def run(cfg, mesh, kind: str, steps: int = STEPS_OFFLOAD, micro: int = 1):
     """(model, reducer, optimizer, losses) after `steps` steps with optimizer `kind`."""
     if kind in ("zero2", "offload_zero2"):  # the reducer reduce-scatters gradients into shards
-        model, = init_model_chunks(cfg, mesh, SEED)
+        (model,) = init_model_chunks(cfg, mesh, SEED)
         reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01, shard_grads=True)
-        optimizer = (OffloadedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS, zero=2) if kind == "offload_zero2"
-                     else ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS))
+        optimizer = (
+            OffloadedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS, zero=2)
+            if kind == "offload_zero2"
+            else ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+        )
     else:
         model, reducer, optimizer = build(cfg, mesh)
         if kind != "plain":
@@ -69,8 +72,15 @@ def run(cfg, mesh, kind: str, steps: int = STEPS_OFFLOAD, micro: int = 1):
 
 
 def step_once(model, reducer, optimizer, mesh, cfg, step: int, micro: int = 1) -> float:
-    out = train_step(model, reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro), mesh,
-                     lr=LR, max_grad_norm=1.0)
+    out = train_step(
+        model,
+        reducer,
+        optimizer,
+        microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro),
+        mesh,
+        lr=LR,
+        max_grad_norm=1.0,
+    )
     return out.loss.item()
 
 
@@ -98,8 +108,7 @@ def _check(cfg, par, kind: str) -> None:
     assert_same_weights(offload, plain, kind)
     if optimizer.state_bytes() != 0:
         raise AssertionError(f"device optimizer state {optimizer.state_bytes()} B, want 0")
-    elements = sum(b.numel // (group_size_of(b.group) if kind != "offload" else 1)
-                   for b in reducer.buckets)
+    elements = sum(b.numel // (group_size_of(b.group) if kind != "offload" else 1) for b in reducer.buckets)
     if optimizer.host_state_bytes() != 12 * elements:
         raise AssertionError(f"host state {optimizer.host_state_bytes()} B, want 12 x {elements}")
 
@@ -116,8 +125,9 @@ def _check_checkpoint(cfg, par) -> None:
     try:
         with checkpoint_dispatch():
             model, reducer, optimizer, _ = run(cfg, mesh, "offload_zero", steps=2)
-            path = save_checkpoint(tmp[0], TrainState(step=2), [model], optimizer, mesh,
-                                   model_config=dataclasses.asdict(cfg))
+            path = save_checkpoint(
+                tmp[0], TrainState(step=2), [model], optimizer, mesh, model_config=dataclasses.asdict(cfg)
+            )
             want = [step_once(model, reducer, optimizer, mesh, cfg, s) for s in (2, 3)]
             fresh, fresh_reducer, _ = build(cfg, mesh)
             fresh_opt = make_optimizer(fresh_reducer, "offload_zero")

@@ -60,19 +60,42 @@ MICRO_PER_RANK = 4
 
 
 def pipeline_config(arch: str, moe: bool) -> GPTConfig:
-    extra = dict(num_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=32, aux_loss_coef=0.01,
-                 z_loss_coef=0.001) if moe else {}
+    extra = (
+        dict(num_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=32, aux_loss_coef=0.01, z_loss_coef=0.001)
+        if moe
+        else {}
+    )
     if arch == "llama":
-        return GPTConfig(arch="llama", num_layers=8, hidden_size=32, num_heads=4, num_kv_heads=2,
-                         ffn_hidden_size=48, vocab_size=200, seq_len=16, tie_embeddings=False, **extra)
-    return GPTConfig(arch="gpt2", num_layers=8, hidden_size=32, num_heads=4, ffn_hidden_size=64,
-                     vocab_size=200, seq_len=16, tie_embeddings=True, **extra)
+        return GPTConfig(
+            arch="llama",
+            num_layers=8,
+            hidden_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=48,
+            vocab_size=200,
+            seq_len=16,
+            tie_embeddings=False,
+            **extra,
+        )
+    return GPTConfig(
+        arch="gpt2",
+        num_layers=8,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        vocab_size=200,
+        seq_len=16,
+        tie_embeddings=True,
+        **extra,
+    )
 
 
 def _name(layout) -> str:
     arch, moe, pp, vpp, schedule, tp, sp, ep = layout
-    return (f"{arch}{'_moe' if moe else ''}_pp{pp}_v{vpp}_{schedule}_tp{tp}{'sp' if sp else ''}"
-            f"_ep{ep}").replace("-", "_")
+    return (f"{arch}{'_moe' if moe else ''}_pp{pp}_v{vpp}_{schedule}_tp{tp}{'sp' if sp else ''}_ep{ep}").replace(
+        "-", "_"
+    )
 
 
 def build_pipeline(cfg: GPTConfig, mesh, micro: int, execution: ExecutionConfig = ExecutionConfig()):
@@ -83,16 +106,23 @@ def build_pipeline(cfg: GPTConfig, mesh, micro: int, execution: ExecutionConfig 
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
     reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
     optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
-                                torch.float32, torch.device("cpu"), tags=False)
+    executor = PipelineExecutor(
+        chunks,
+        mesh,
+        activation_shape(mesh, cfg.seq_len, micro, cfg.hidden_size),
+        torch.float32,
+        torch.device("cpu"),
+        tags=False,
+    )
     return chunks, named, reducer, optimizer, executor
 
 
 def check_pipeline_layout(layout, stage_layers=None) -> None:
     arch, moe, pp, vpp, schedule, tp, sp, ep = layout
     cfg = pipeline_config(arch, moe)
-    mesh = build_mesh(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, schedule=schedule,
-                                     stage_layers=stage_layers), cfg)
+    mesh = build_mesh(
+        ParallelConfig(tp=tp, pp=pp, vpp=vpp, sp=sp, ep=ep, schedule=schedule, stage_layers=stage_layers), cfg
+    )
     dp = mesh.dp_size
     batch = dp * MICRO_PER_RANK
     chunks, named, reducer, optimizer, executor = build_pipeline(cfg, mesh, 1)
@@ -104,13 +134,17 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
     for step in range(STEPS):
         inputs, targets = global_batch(cfg, step, batch)
         rows = lambda r: slice(r * MICRO_PER_RANK, (r + 1) * MICRO_PER_RANK)  # noqa: E731
-        mine = [(inputs[rows(mesh.dp_rank)][j: j + 1], targets[rows(mesh.dp_rank)][j: j + 1])
-                for j in range(MICRO_PER_RANK)]
+        mine = [
+            (inputs[rows(mesh.dp_rank)][j : j + 1], targets[rows(mesh.dp_rank)][j : j + 1])
+            for j in range(MICRO_PER_RANK)
+        ]
         # The serial run takes the same microbatches (MoE statistics are per rank-microbatch).
-        serial = [(inputs[rows(r)][j: j + 1], targets[rows(r)][j: j + 1])
-                  for r in range(dp) for j in range(MICRO_PER_RANK)]
-        out = pipeline_train_step(chunks, reducer, optimizer, mine, mesh, executor, schedule=schedule,
-                                  lr=LR, max_grad_norm=1.0)
+        serial = [
+            (inputs[rows(r)][j : j + 1], targets[rows(r)][j : j + 1]) for r in range(dp) for j in range(MICRO_PER_RANK)
+        ]
+        out = pipeline_train_step(
+            chunks, reducer, optimizer, mine, mesh, executor, schedule=schedule, lr=LR, max_grad_norm=1.0
+        )
         ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0)
         keys = ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ())
         for key in keys:

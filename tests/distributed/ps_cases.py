@@ -48,21 +48,50 @@ ROOT = Path(__file__).resolve().parents[2]
 def _dataset(seq_len: int) -> TokenDataset:
     """Real text (this repository's Python sources), so that training lowers the loss."""
     text = b"".join(p.read_bytes() for p in sorted((ROOT / "training").glob("*.py")))
-    return TokenDataset(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64), seq_len, seed=3,
-                        val_fraction=0.05)
+    return TokenDataset(
+        torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64), seq_len, seed=3, val_fraction=0.05
+    )
 
 
-def _run(servers: int, sync: str = "bsp", staleness: int = 0, *, tp: int = 1, sp: bool = False, steps: int = 4,
-         batch: int = 12, max_grad_norm: float = 1.0, arch: str = "gpt2", eps: float = 1e-8, experts: int = 0,
-         ep: int = 1) -> RunConfig:
-    return RunConfig.from_dict({
-        "model": {"arch": arch, "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 256, "seq_len": 16,
-                  "num_experts": experts},
-        "parallel": {"dp_mode": "ps", "servers": servers, "tp": tp, "sp": sp, "ep": ep},
-        "trainer": {"max_steps": steps, "global_batch_size": batch, "log_every": 1, "eval_every": 0,
-                    "max_grad_norm": max_grad_norm, "progress": False, "seed": 7},
-        "optim": {"sync": sync, "staleness": staleness, "lr": 3e-3, "eps": eps},
-    })
+def _run(
+    servers: int,
+    sync: str = "bsp",
+    staleness: int = 0,
+    *,
+    tp: int = 1,
+    sp: bool = False,
+    steps: int = 4,
+    batch: int = 12,
+    max_grad_norm: float = 1.0,
+    arch: str = "gpt2",
+    eps: float = 1e-8,
+    experts: int = 0,
+    ep: int = 1,
+) -> RunConfig:
+    return RunConfig.from_dict(
+        {
+            "model": {
+                "arch": arch,
+                "num_layers": 2,
+                "hidden_size": 32,
+                "num_heads": 4,
+                "vocab_size": 256,
+                "seq_len": 16,
+                "num_experts": experts,
+            },
+            "parallel": {"dp_mode": "ps", "servers": servers, "tp": tp, "sp": sp, "ep": ep},
+            "trainer": {
+                "max_steps": steps,
+                "global_batch_size": batch,
+                "log_every": 1,
+                "eval_every": 0,
+                "max_grad_norm": max_grad_norm,
+                "progress": False,
+                "seed": 7,
+            },
+            "optim": {"sync": sync, "staleness": staleness, "lr": 3e-3, "eps": eps},
+        }
+    )
 
 
 def _env() -> DistEnv:
@@ -90,10 +119,17 @@ def _reference(run: RunConfig, dataset: TokenDataset, workers: int, per_worker: 
     losses = []
     for step in range(t.max_steps):
         x, y = dataset.local_batch_at(step * t.global_batch_size, t.global_batch_size, mesh.dp_rank, workers)
-        lr = lr_at(step, lr=o.lr, warmup_steps=run.warmup_steps, max_steps=t.max_steps,
-                   min_lr_ratio=o.min_lr_ratio, decay=o.decay)
-        out = train_step(chunks[0], reducer, optimizer, [(x[:micro], y[:micro])], mesh, lr=lr,
-                         max_grad_norm=t.max_grad_norm)
+        lr = lr_at(
+            step,
+            lr=o.lr,
+            warmup_steps=run.warmup_steps,
+            max_steps=t.max_steps,
+            min_lr_ratio=o.min_lr_ratio,
+            decay=o.decay,
+        )
+        out = train_step(
+            chunks[0], reducer, optimizer, [(x[:micro], y[:micro])], mesh, lr=lr, max_grad_norm=t.max_grad_norm
+        )
         losses.append(float(out.loss))
     reducer.remove_hooks()
     return losses, [p.detach().clone() for p in chunks[0].parameters()]
@@ -106,8 +142,12 @@ def _check_equal(got: dict, want: tuple[list, list] | None, what: str) -> None:
     losses, params = want
     if dist.get_rank() == 0:
         logged = [record["loss"] for record in got["history"]]
-        torch.testing.assert_close(torch.tensor(logged, dtype=torch.float64), torch.tensor(losses, dtype=torch.float64),
-                                   **TOL, msg=lambda m: f"{what} losses {logged} vs all-reduce {losses}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(logged, dtype=torch.float64),
+            torch.tensor(losses, dtype=torch.float64),
+            **TOL,
+            msg=lambda m: f"{what} losses {logged} vs all-reduce {losses}: {m}",
+        )
     for (name, p), ref in zip(got["model"][0].named_parameters(), params):
         assert_close(f"{what} weight {name}", p.detach(), ref, rtol=1e-6)  # tensor-level relative error
 
@@ -173,8 +213,10 @@ def ssp_blocks_fast_workers_at_s_asp_does_not() -> None:
     checked = 0
     for k, answered in slow:
         if 1 <= k <= steps - s - 2:
-            assert answered == (k + s, k + s, k), f"ssp s={s}: at worker 2's push of step {k} the workers had " \
-                                                  f"completed {answered} steps, expected ({k + s}, {k + s}, {k})"
+            assert answered == (k + s, k + s, k), (
+                f"ssp s={s}: at worker 2's push of step {k} the workers had "
+                f"completed {answered} steps, expected ({k + s}, {k + s}, {k})"
+            )
             checked += 1
     assert checked == steps - s - 2, f"checked {checked} pushes of the slow worker: {slow}"
     assert ssp["server"].stale_max == s, f"ssp staleness max {ssp['server'].stale_max} != s={s}"
@@ -223,6 +265,10 @@ def _initial_val_loss(dataset: TokenDataset) -> float:
 def cases_for_world(world_size: int) -> list[str]:
     if world_size != 4:
         return []
-    return ["bsp_and_ssp0_equal_allreduce_dp", "tp2_sp_two_servers_equal_allreduce",
-            "moe_tp2_workers_with_ep_equal_allreduce",
-            "ssp_blocks_fast_workers_at_s_asp_does_not", "asp_trains_within_margin_of_bsp"]
+    return [
+        "bsp_and_ssp0_equal_allreduce_dp",
+        "tp2_sp_two_servers_equal_allreduce",
+        "moe_tp2_workers_with_ep_equal_allreduce",
+        "ssp_blocks_fast_workers_at_s_asp_does_not",
+        "asp_trains_within_margin_of_bsp",
+    ]

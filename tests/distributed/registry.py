@@ -30,7 +30,7 @@ COLLECTIVE_TIMEOUT_S = 30.0
 
 
 def cases_for_world(world_size: int, module: str | None = None) -> list[str]:
-    """"module:function" names of the cases that run in a world of `world_size` processes."""
+    """ "module:function" names of the cases that run in a world of `world_size` processes."""
     names = []
     for mod in CASE_MODULES if module is None else (module,):
         names += [f"{mod}:{c}" for c in importlib.import_module(mod).cases_for_world(world_size)]
@@ -40,8 +40,9 @@ def cases_for_world(world_size: int, module: str | None = None) -> list[str]:
 @functools.cache
 def world_results(world_size: int) -> dict:
     """Run every case of this world size once (cached for the pytest session)."""
-    return run_world(world_size, cases_for_world(world_size), timeout=WORLD_TIMEOUT_S,
-                     collective_timeout=COLLECTIVE_TIMEOUT_S)
+    return run_world(
+        world_size, cases_for_world(world_size), timeout=WORLD_TIMEOUT_S, collective_timeout=COLLECTIVE_TIMEOUT_S
+    )
 
 
 def assert_case_passed(world_size: int, case: str) -> None:

@@ -40,22 +40,23 @@ class _Run:
 
     def __init__(self, mesh, zero: int, param_dtype: str = "bf16", offload: bool = False, arch: str = "gpt2"):
         self.cfg, self.mesh = model_config(arch), mesh
-        self.model, = init_model_chunks(self.cfg, mesh, SEED)
+        (self.model,) = init_model_chunks(self.cfg, mesh, SEED)
         o = OptimConfig(lr=LR, eps=ADAM_EPS, zero=zero, param_dtype=param_dtype, offload=offload)
         self.reducer, self.optimizer = build_reducer_and_optimizer(o, [self.model], mesh)
         self.named = list(self.model.named_parameters())
 
     def step(self, step: int) -> StepResult:
         micro = microbatches(self.cfg, step, self.mesh.dp_rank, self.mesh.dp_size, 1)
-        return train_step(self.model, self.reducer, self.optimizer, micro, self.mesh, lr=LR, max_grad_norm=1.0,
-                          precision=BF16)
+        return train_step(
+            self.model, self.reducer, self.optimizer, micro, self.mesh, lr=LR, max_grad_norm=1.0, precision=BF16
+        )
 
     def main_weights(self) -> dict:
         """{name: this rank's (TP/EP-local) fp32 main weights}: with ZeRO summed over each
         bucket's replica group from each rank's disjoint shard."""
         full = {p: torch.zeros(p.shape, dtype=torch.float32) for _, p in self.named}
         for p, first, values in self.optimizer.main_weight_shards():
-            full[p].view(-1)[first: first + values.numel()] += values
+            full[p].view(-1)[first : first + values.numel()] += values
         if self.optimizer.zero:
             for bucket in self.reducer.buckets:
                 if group_size(bucket.group) > 1:
@@ -83,8 +84,10 @@ def _check_memory(run: _Run, zero: int) -> None:
         raise AssertionError(f"zero={zero}: main weights {run.optimizer.main_weight_bytes()} B, want 4 x {share}")
     device, host = run.optimizer.state_bytes(), run.optimizer.host_state_bytes()
     if (device, host) != ((0, 12 * share) if run.optimizer.offloaded else (12 * share, 12 * share)):
-        raise AssertionError(f"zero={zero}: optimizer state {device} B on the device, {host} B in main weights + "
-                             f"moments, want 12 x {share}")
+        raise AssertionError(
+            f"zero={zero}: optimizer state {device} B on the device, {host} B in main weights + "
+            f"moments, want 12 x {share}"
+        )
     if zero >= 2 and run.reducer.grad_bytes() != 4 * share:
         raise AssertionError(f"zero={zero}: {run.reducer.grad_bytes()} B of gradients after a step, want 4 x {share}")
     if zero and run.mesh.dp_size > 1 and not share < numel:
@@ -151,8 +154,9 @@ def resident_checkpoint_round_trip() -> None:
         source = _Run(mesh, 1)
         for step in range(2):
             source.step(step)
-        path = save_checkpoint(root / "resident", TrainState(step=2), [source.model], source.optimizer, mesh,
-                               model_config=cfg)
+        path = save_checkpoint(
+            root / "resident", TrainState(step=2), [source.model], source.optimizer, mesh, model_config=cfg
+        )
         saved = source.main_weights()
         uninterrupted = source.step(2).loss
         after = source.main_weights()
@@ -163,8 +167,7 @@ def resident_checkpoint_round_trip() -> None:
         for name, p in fp32.named:
             if p.dtype != torch.float32 or not torch.equal(p.detach(), saved[name]):
                 raise AssertionError(f"fp32 run: {name} is not the resident run's fp32 main weights")
-        back = save_checkpoint(root / "fp32", TrainState(step=2), [fp32.model], fp32.optimizer, mesh,
-                               model_config=cfg)
+        back = save_checkpoint(root / "fp32", TrainState(step=2), [fp32.model], fp32.optimizer, mesh, model_config=cfg)
         fp32.close()
 
         for where, zero in ((path, 2), (back, 3), (path, 1)):
@@ -190,6 +193,9 @@ def resident_checkpoint_round_trip() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
-        return ["resident_zero_stages_equal_serial", "resident_llama_tp2_sp_zero1_equals_serial",
-                "resident_checkpoint_round_trip"]
+        return [
+            "resident_zero_stages_equal_serial",
+            "resident_llama_tp2_sp_zero1_equals_serial",
+            "resident_checkpoint_round_trip",
+        ]
     return []

@@ -78,8 +78,9 @@ def verdicts_agree_without_a_model() -> None:
     every = _all_verdicts()
     assert all(v == every[0] for v in every), f"ranks disagree: {every}"
     assert every[0]["linear_gelu"] is False
-    names = sorted(str(w.message).split("'")[1] for w in caught
-                   if issubclass(w.category, selfcheck.KernelSelfCheckWarning))
+    names = sorted(
+        str(w.message).split("'")[1] for w in caught if issubclass(w.category, selfcheck.KernelSelfCheckWarning)
+    )
     assert names == ["grouped_gemm", "layer_norm", "linear_gelu"], names
     text = " ".join(str(w.message) for w in caught)
     assert "failed on 1 of 2 ranks" in text
@@ -105,8 +106,10 @@ def llama_tp2_cross_entropy_broken_on_rank1() -> None:
     selfcheck.reset()
     original = cross_entropy.fused_cross_entropy
     if dist.get_rank() == 1:
+
         def broken(logits, *args, **kwargs):
             return original(TripledGrad.apply(logits), *args, **kwargs)
+
         cross_entropy.fused_cross_entropy = broken
     try:
         cfg = model_config("llama")
@@ -117,18 +120,33 @@ def llama_tp2_cross_entropy_broken_on_rank1() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(3):
-                out = train_step(model, reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 2),
-                                 mesh, lr=LR, max_grad_norm=1.0)
-                ref_out = train_step(ref, ref_reducer, ref_optimizer, microbatches(cfg, step, 0, 1, GLOBAL_BATCH),
-                                     serial, lr=LR, max_grad_norm=1.0)
+                out = train_step(
+                    model,
+                    reducer,
+                    optimizer,
+                    microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 2),
+                    mesh,
+                    lr=LR,
+                    max_grad_norm=1.0,
+                )
+                ref_out = train_step(
+                    ref,
+                    ref_reducer,
+                    ref_optimizer,
+                    microbatches(cfg, step, 0, 1, GLOBAL_BATCH),
+                    serial,
+                    lr=LR,
+                    max_grad_norm=1.0,
+                )
                 if step == 0:
                     selfcheck.agree()
                 assert_close(f"step {step} loss", out.loss, ref_out.loss)
         compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "weight after 3 steps")
         every = _all_verdicts()
         assert all(v == every[0] for v in every), f"ranks disagree: {every}"
-        assert every[0]["cross_entropy"] is False and every[0]["rms_norm"] is True \
-            and every[0]["linear_swiglu"] is True, every[0]
+        assert (
+            every[0]["cross_entropy"] is False and every[0]["rms_norm"] is True and every[0]["linear_swiglu"] is True
+        ), every[0]
         ours = [str(w.message) for w in caught if issubclass(w.category, selfcheck.KernelSelfCheckWarning)]
         assert len(ours) == 1 and "'cross_entropy'" in ours[0], ours
         reducer.remove_hooks()

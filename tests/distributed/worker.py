@@ -42,9 +42,13 @@ def main() -> None:
         # A hang shows where every rank was stuck (in the rank's log, shown by the harness).
         faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
-                            world_size=args.world_size,
-                            timeout=datetime.timedelta(seconds=args.collective_timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{args.store}",
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=datetime.timedelta(seconds=args.collective_timeout),
+    )
     shm_collectives.set_timeout(args.collective_timeout)
     results: dict[str, str] = {}
     out = Path(args.out) / f"result{args.rank}.json"

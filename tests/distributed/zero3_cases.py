@@ -49,8 +49,18 @@ from tests.distributed.pipeline_cases import pipeline_config
 STEPS = 3
 
 
-def _run(cfg, par, zero: int, *, recompute: str = "none", precision: str = "fp32", micro: int = GLOBAL_BATCH,
-         probe=None, steps: int = STEPS, offload: bool = False):
+def _run(
+    cfg,
+    par,
+    zero: int,
+    *,
+    recompute: str = "none",
+    precision: str = "fp32",
+    micro: int = GLOBAL_BATCH,
+    probe=None,
+    steps: int = STEPS,
+    offload: bool = False,
+):
     """Train STEPS steps through the run's own builder (training/optim.py); return (model
     chunks, reducer, optimizer, grad norms, losses). `probe(model, reducer, optimizer)` runs
     after each step (pp = 1). `micro` is the microbatch size (default: one microbatch per
@@ -62,18 +72,36 @@ def _run(cfg, par, zero: int, *, recompute: str = "none", precision: str = "fp32
     prec = Precision(precision, "cpu")
     executor = None
     if mesh.pp_size > 1:
-        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size),
-                                    torch.float32, torch.device("cpu"))
+        executor = PipelineExecutor(
+            chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size), torch.float32, torch.device("cpu")
+        )
     norms, losses = [], []
     for step in range(steps):
         if executor is not None:
             micro_batches = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1, batch=mesh.dp_size * 2)
-            out = pipeline_train_step(chunks, reducer, optimizer, micro_batches, mesh, executor,
-                                      schedule=par.schedule, lr=LR, max_grad_norm=1.0, precision=prec)
+            out = pipeline_train_step(
+                chunks,
+                reducer,
+                optimizer,
+                micro_batches,
+                mesh,
+                executor,
+                schedule=par.schedule,
+                lr=LR,
+                max_grad_norm=1.0,
+                precision=prec,
+            )
         else:
-            out = train_step(chunks[0], reducer, optimizer,
-                             microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro),
-                             mesh, lr=LR, max_grad_norm=1.0, precision=prec)
+            out = train_step(
+                chunks[0],
+                reducer,
+                optimizer,
+                microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro),
+                mesh,
+                lr=LR,
+                max_grad_norm=1.0,
+                precision=prec,
+            )
         norms.append(out.grad_norm)
         losses.append(out.loss)
         if probe is not None:
@@ -103,8 +131,9 @@ def _check(cfg, par, *, rtol: float = 1e-6, offload: bool = False, **kw) -> None
         assert_close(f"zero=3 step {i} loss", a, b, rtol=rtol)
     for z in zero3.sharders(chunks):
         if z.gathered_bytes() != 0:
-            raise AssertionError(f"zero=3: {z.gathered_bytes()} B of full parameter buffers still allocated "
-                                 "after the step")
+            raise AssertionError(
+                f"zero=3: {z.gathered_bytes()} B of full parameter buffers still allocated after the step"
+            )
         z.remove_hooks()
     reducer.remove_hooks()
 
@@ -199,20 +228,25 @@ def zero3_memory() -> None:
         want = sum(16 * b.numel // r for b, r in zip(reducer.buckets, replicas))
         got = z.shard_bytes() + z.gathered_bytes() + reducer.grad_bytes() + optimizer.state_bytes()
         if got != want:
-            raise AssertionError(f"zero=3: {got} B of parameters+gradients+state between steps, want {want} B "
-                                 f"(parameters {z.shard_bytes() + z.gathered_bytes()}, gradients "
-                                 f"{reducer.grad_bytes()}, state {optimizer.state_bytes()})")
+            raise AssertionError(
+                f"zero=3: {got} B of parameters+gradients+state between steps, want {want} B "
+                f"(parameters {z.shard_bytes() + z.gathered_bytes()}, gradients "
+                f"{reducer.grad_bytes()}, state {optimizer.state_bytes()})"
+            )
         full = sum(16 * p.numel() for p in model.parameters())
-        if not got * max(replicas) <= full + 16 * sum(b.numel - sum(p.numel() for p in b.params)
-                                                      for b in reducer.buckets):
+        if not got * max(replicas) <= full + 16 * sum(
+            b.numel - sum(p.numel() for p in b.params) for b in reducer.buckets
+        ):
             raise AssertionError(f"zero=3: {got} B is not 1/{max(replicas)} of the replicated {full} B")
         z.reset_peak()
         # One microbatch: forward acquires embed, 4 blocks, head; backward the head and 4 blocks.
         # All but the embedding (forward) and the head (backward) were prefetched by the unit before.
         layers = cfg.num_layers
         if (z.acquired, z.prefetched) != (2 * layers + 3, 2 * layers + 1):
-            raise AssertionError(f"zero=3: {z.acquired} units gathered in a step ({z.prefetched} prefetched), "
-                                 f"want {2 * layers + 3} ({2 * layers + 1} prefetched)")
+            raise AssertionError(
+                f"zero=3: {z.acquired} units gathered in a step ({z.prefetched} prefetched), "
+                f"want {2 * layers + 3} ({2 * layers + 1} prefetched)"
+            )
         z.acquired = z.prefetched = 0
 
     (model,), reducer, _, _, _ = _run(cfg, ParallelConfig(tp=1), 3, probe=probe)
@@ -220,8 +254,10 @@ def zero3_memory() -> None:
     sizes = [b for b in z.unit_bytes().values()]
     bound = max(a + b for a, b in zip(sizes, sizes[1:]))
     if not 0 < max(peaks) <= bound:
-        raise AssertionError(f"zero=3: peak gathered parameters {max(peaks)} B, want at most two adjacent units "
-                             f"({bound} B; units {z.unit_bytes()})")
+        raise AssertionError(
+            f"zero=3: peak gathered parameters {max(peaks)} B, want at most two adjacent units "
+            f"({bound} B; units {z.unit_bytes()})"
+        )
     if max(peaks) < max(sizes):
         raise AssertionError(f"zero=3: peak {max(peaks)} B is below the largest unit {max(sizes)} B: not measured")
     replicas = {key: group_size(replica_group(model.mesh, key)) for key in GRAD_GROUPS}
@@ -232,15 +268,23 @@ def zero3_memory() -> None:
     planned = zero3_grad_buffer_bytes(model, replicas)
     full = sum(4 * b.numel for b in reducer.buckets)
     if not max(grad_peaks) == planned < full / 2:
-        raise AssertionError(f"zero=3: peak full gradient buffers {grad_peaks} B, planned {planned} B "
-                             f"(all buckets: {full} B)")
+        raise AssertionError(
+            f"zero=3: peak full gradient buffers {grad_peaks} B, planned {planned} B (all buckets: {full} B)"
+        )
     reducer.remove_hooks()
 
 
 def _continue(model, reducer, optimizer, cfg, step: int):
     mesh = model.mesh
-    return train_step(model, reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1), mesh,
-                      lr=LR, max_grad_norm=1.0)
+    return train_step(
+        model,
+        reducer,
+        optimizer,
+        microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
+        mesh,
+        lr=LR,
+        max_grad_norm=1.0,
+    )
 
 
 def zero3_checkpoint_roundtrip() -> None:
@@ -263,8 +307,9 @@ def zero3_checkpoint_roundtrip() -> None:
                 path = save_checkpoint(*args, model_config=dataclasses.asdict(cfg))
             moments, _ = src_opt.param_moments()
             with zero3.gathered([src]):
-                saved = [(name, p.detach().clone(), [m.clone() for m in moments[p]])
-                         for name, p in src.named_parameters()]
+                saved = [
+                    (name, p.detach().clone(), [m.clone() for m in moments[p]]) for name, p in src.named_parameters()
+                ]
             want = _continue(src, src_reducer, src_opt, cfg, 2)
             if save_zero == 3:
                 path = writer.wait()
@@ -303,11 +348,14 @@ def zero3_checkpoint_reshard() -> None:
     root = shared_tmpdir()
     try:
         (src,), src_reducer, src_opt, _, _ = _run(cfg, ParallelConfig(tp=2, sp=True), 3, steps=2)
-        path = save_checkpoint(root, TrainState(step=2, consumed_samples=8), [src], src_opt, src.mesh,
-                               model_config=dataclasses.asdict(cfg))
+        path = save_checkpoint(
+            root, TrainState(step=2, consumed_samples=8), [src], src_opt, src.mesh, model_config=dataclasses.asdict(cfg)
+        )
         with zero3.gathered([src]):
-            saved = {n: trim_vocab(n, full_tensor(p, getattr(p, "shards", ()), src.mesh), cfg).clone()
-                     for n, p in src.named_parameters()}  # copies: the storage is freed on exit
+            saved = {
+                n: trim_vocab(n, full_tensor(p, getattr(p, "shards", ()), src.mesh), cfg).clone()
+                for n, p in src.named_parameters()
+            }  # copies: the storage is freed on exit
         want = _continue(src, src_reducer, src_opt, cfg, 2)
         (dst,), dst_reducer, dst_opt, _, _ = _run(cfg, ParallelConfig(tp=1), 3, steps=0)
         load_checkpoint(path, [dst], dst_opt, dst.mesh)
@@ -325,9 +373,23 @@ def zero3_checkpoint_reshard() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
-        return ["zero3_dense_dp", "zero3_moe_edp_recompute", "zero3_offload", "zero3_recompute_full", "zero3_bf16",
-                "zero3_eval_and_gathered", "zero3_memory", "zero3_checkpoint_roundtrip"]
+        return [
+            "zero3_dense_dp",
+            "zero3_moe_edp_recompute",
+            "zero3_offload",
+            "zero3_recompute_full",
+            "zero3_bf16",
+            "zero3_eval_and_gathered",
+            "zero3_memory",
+            "zero3_checkpoint_roundtrip",
+        ]
     if world_size == 4:
-        return ["zero3_llama_tp2_sp_dp", "zero3_gpt2_tp2_dp_selective", "zero3_moe_ep2_edp", "zero3_checkpoint_reshard", "zero3_gpt2_pp2_tied_1f1b",
-                "zero3_llama_pp2_interleaved"]
+        return [
+            "zero3_llama_tp2_sp_dp",
+            "zero3_gpt2_tp2_dp_selective",
+            "zero3_moe_ep2_edp",
+            "zero3_checkpoint_reshard",
+            "zero3_gpt2_pp2_tied_1f1b",
+            "zero3_llama_pp2_interleaved",
+        ]
     return []

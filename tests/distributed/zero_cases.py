@@ -43,8 +43,9 @@ def _run(cfg, par, zero: int):
         chunks = init_model_chunks(cfg, mesh, SEED)
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01, shard_grads=zero == 2)
-        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size),
-                                    torch.float32, torch.device("cpu"))
+        executor = PipelineExecutor(
+            chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size), torch.float32, torch.device("cpu")
+        )
         optimizer = build_optimizer(nn.ModuleList(chunks), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     else:
         model, reducer, optimizer = build(cfg, mesh)
@@ -59,11 +60,19 @@ def _run(cfg, par, zero: int):
     for step in range(STEPS_ZERO):
         if mesh.pp_size > 1:
             micro = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1, batch=mesh.dp_size * MICRO_PER_RANK)
-            out = pipeline_train_step(chunks, reducer, optimizer, micro, mesh, executor, schedule="1f1b",
-                                      lr=LR, max_grad_norm=1.0)
+            out = pipeline_train_step(
+                chunks, reducer, optimizer, micro, mesh, executor, schedule="1f1b", lr=LR, max_grad_norm=1.0
+            )
         else:
-            out = train_step(chunks[0], reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
-                             mesh, lr=LR, max_grad_norm=1.0)
+            out = train_step(
+                chunks[0],
+                reducer,
+                optimizer,
+                microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
+                mesh,
+                lr=LR,
+                max_grad_norm=1.0,
+            )
         norms.append(out.grad_norm)
     grad_bytes = reducer.grad_bytes()
     reducer.remove_hooks()
@@ -140,7 +149,7 @@ def zero2_zero_grad_required() -> None:
     """A backward after finish() without zero_grad() fails instead of silently losing grads."""
     cfg = model_config("gpt2")
     mesh = build_mesh(ParallelConfig(tp=1), cfg)
-    model, = init_model_chunks(cfg, mesh, SEED)
+    (model,) = init_model_chunks(cfg, mesh, SEED)
     reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01, shard_grads=True)
     try:
         ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
@@ -165,11 +174,12 @@ def bf16_gradient_compression() -> None:
     cfg = model_config("gpt2")
     for shard in (False, True):
         mesh = build_mesh(ParallelConfig(tp=1), cfg)
-        model, = init_model_chunks(cfg, mesh, SEED)
+        (model,) = init_model_chunks(cfg, mesh, SEED)
         results = {}
         for comm in (None, torch.bfloat16):
-            reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01,
-                                              shard_grads=shard, comm_dtype=comm)
+            reducer = DataParallelGradReducer(
+                list(model.named_parameters()), mesh, bucket_mb=0.01, shard_grads=shard, comm_dtype=comm
+            )
             reducer.zero_grad()
             inputs, targets = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, 2)[0]
             with reducer.sync(True):
@@ -182,11 +192,11 @@ def bf16_gradient_compression() -> None:
             everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, mine)
             exact = torch.stack([t.to(torch.bfloat16).float() for t in everyone]).sum(0).to(torch.bfloat16).float()
-            want = exact[bucket.shard_start: bucket.shard_start + bucket.shard.numel()]
+            want = exact[bucket.shard_start : bucket.shard_start + bucket.shard.numel()]
             if not torch.equal(bf16, want):
                 raise AssertionError(f"shard_grads={shard}: the bf16 reduction is not the bf16 sum")
             # bf16 keeps 8 mantissa bits (relative rounding <= 2**-8 per value).
-            assert_close(f"shard_grads={shard}: bf16-reduced gradients vs the fp32 sum", bf16, fp32, rtol=2 ** -8)
+            assert_close(f"shard_grads={shard}: bf16-reduced gradients vs the fp32 sum", bf16, fp32, rtol=2**-8)
         if all(torch.equal(a, b) for a, b in zip(results[None], results[torch.bfloat16])):
             raise AssertionError("compression changed nothing: the test would prove nothing")
 
@@ -198,8 +208,9 @@ BUCKET_MB = 0.01  # many small buckets: most of them are still gathering when th
 SLOW_PEER_S = 0.1  # gathers issued this late: a forward reading a bucket before its wait reads stale values
 
 
-def _overlap_run(cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: float = 0.0, last_only: bool = False,
-                 save_to=None):
+def _overlap_run(
+    cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: float = 0.0, last_only: bool = False, save_to=None
+):
     """Train 3 steps with `o` (blocking or overlapped gathers); return (losses, {name: weight}
     after `finish_param_gather`, the `ParamGather` or None, the recorded spans of the last step:
     its unit forwards and the gathers launched by the update before it). `slow` (seconds):
@@ -218,8 +229,9 @@ def _overlap_run(cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: 
         _slow_down_gathers(gather, slow, last_only)
     executor = None
     if mesh.pp_size > 1:
-        executor = PipelineExecutor(chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size),
-                                    torch.float32, torch.device("cpu"))
+        executor = PipelineExecutor(
+            chunks, mesh, activation_shape(mesh, cfg.seq_len, 1, cfg.hidden_size), torch.float32, torch.device("cpu")
+        )
     losses, since = [], 0.0
     try:
         for step in range(STEPS_OVERLAP):
@@ -228,17 +240,36 @@ def _overlap_run(cfg, par, o: OptimConfig, overlap: bool, precision=FP32, slow: 
             since = time.perf_counter()
             if executor is not None:
                 micro = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1, batch=mesh.dp_size * MICRO_PER_RANK)
-                out = pipeline_train_step(chunks, reducer, optimizer, micro, mesh, executor, schedule="1f1b",
-                                          lr=LR, max_grad_norm=1.0, precision=precision)
+                out = pipeline_train_step(
+                    chunks,
+                    reducer,
+                    optimizer,
+                    micro,
+                    mesh,
+                    executor,
+                    schedule="1f1b",
+                    lr=LR,
+                    max_grad_norm=1.0,
+                    precision=precision,
+                )
             else:
-                out = train_step(chunks[0], reducer, optimizer, microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
-                                 mesh, lr=LR, max_grad_norm=1.0, precision=precision)
+                out = train_step(
+                    chunks[0],
+                    reducer,
+                    optimizer,
+                    microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
+                    mesh,
+                    lr=LR,
+                    max_grad_norm=1.0,
+                    precision=precision,
+                )
             losses.append(out.loss)
         if gather is not None and not gather.pending():
             raise AssertionError("no gather pending after the last update: they were not asynchronous")
         if save_to is not None:  # a reader outside forward: must wait for the gathers itself
-            save_checkpoint(save_to, TrainState(step=STEPS_OVERLAP), chunks, None, mesh,
-                            model_config=dataclasses.asdict(cfg))
+            save_checkpoint(
+                save_to, TrainState(step=STEPS_OVERLAP), chunks, None, mesh, model_config=dataclasses.asdict(cfg)
+            )
         finish_param_gather(chunks)
         weights = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
     finally:
@@ -268,8 +299,9 @@ class _LateWork:
 
     def __init__(self, issue, delay: float, previous: _LateWork | None = None):
         self.work = None
-        self.thread = threading.Thread(target=self._run, args=(issue, time.perf_counter() + delay, previous),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, args=(issue, time.perf_counter() + delay, previous), daemon=True
+        )
         self.thread.start()
 
     def _run(self, issue, when, previous):
@@ -305,6 +337,7 @@ def _slow_down_gathers(gather, delay: float, last_only: bool = False) -> None:
             return real(output, own, group, async_op=async_op)
         previous = _LateWork(lambda: real(output, own, group, async_op=True), delay, previous)
         return previous
+
     param_gather.all_gather_into = all_gather_into
 
 
@@ -322,8 +355,10 @@ def _check_overlap(cfg, par, what: str, precision=FP32, **optim) -> None:
             raise AssertionError(f"{what}: step {step + 1} loss {a.item()!r} overlapped vs {b.item()!r} blocking")
     for name, tensor in want.items():
         if not torch.equal(got[name], tensor):
-            raise AssertionError(f"{what}: weight {name} differs from the blocking gather's "
-                                 f"(max |diff| {(got[name].float() - tensor.float()).abs().max().item():.3g})")
+            raise AssertionError(
+                f"{what}: weight {name} differs from the blocking gather's "
+                f"(max |diff| {(got[name].float() - tensor.float()).abs().max().item():.3g})"
+            )
 
 
 def overlap_param_gather_dense_dp() -> None:
@@ -331,11 +366,13 @@ def overlap_param_gather_dense_dp() -> None:
     cfg = model_config("gpt2")
     for zero in (1, 2):
         for comm in ("fp32", "bf16"):
-            _check_overlap(cfg, ParallelConfig(tp=1), f"zero={zero} grad_comm_dtype={comm}", zero=zero,
-                           grad_comm_dtype=comm)
+            _check_overlap(
+                cfg, ParallelConfig(tp=1), f"zero={zero} grad_comm_dtype={comm}", zero=zero, grad_comm_dtype=comm
+            )
     _check_overlap(cfg, ParallelConfig(tp=1), "offload zero=2", zero=2, offload=True)
-    _check_overlap(cfg, ParallelConfig(tp=1), "bf16 resident zero=1", precision=Precision("bf16"), zero=1,
-                   param_dtype="bf16")
+    _check_overlap(
+        cfg, ParallelConfig(tp=1), "bf16 resident zero=1", precision=Precision("bf16"), zero=1, param_dtype="bf16"
+    )
 
 
 def overlap_param_gather_pp2() -> None:
@@ -362,11 +399,13 @@ def overlap_param_gather_in_flight() -> None:
     o = OptimConfig(lr=LR, eps=ADAM_EPS, bucket_mb=BUCKET_MB, zero=1)
     root = shared_tmpdir()
     try:
-        want_losses, want, _, _ = _overlap_run(cfg, par, dataclasses.replace(o, overlap_param_gather=False), False,
-                                               save_to=root / "blocking")
+        want_losses, want, _, _ = _overlap_run(
+            cfg, par, dataclasses.replace(o, overlap_param_gather=False), False, save_to=root / "blocking"
+        )
         try:
-            losses, got, gather, spans = _overlap_run(cfg, par, o, True, slow=0.5, last_only=True,
-                                                      save_to=root / "overlap")
+            losses, got, gather, spans = _overlap_run(
+                cfg, par, o, True, slow=0.5, last_only=True, save_to=root / "overlap"
+            )
         finally:
             param_gather.all_gather_into = all_gather_into
         dist.barrier()
@@ -381,7 +420,8 @@ def overlap_param_gather_in_flight() -> None:
     finally:
         remove_shared_tmpdir(root)
     if [loss.item() for loss in losses] != [loss.item() for loss in want_losses] or any(
-            not torch.equal(got[n], t) for n, t in want.items()):
+        not torch.equal(got[n], t) for n, t in want.items()
+    ):
         raise AssertionError("a late gather changed the results")
     first = gather.buckets[gather.order[0]]
     if "embed.weight" not in first.names:
@@ -395,18 +435,35 @@ def overlap_param_gather_in_flight() -> None:
     if block0.args["gathers_in_flight"] < 1:
         raise AssertionError(f"no gather in flight when the first block started: {block0.args}")
     if not last.start < block0.start < last.end:
-        raise AssertionError(f"the last bucket's gather [{last.start:.4f}, {last.end:.4f}] does not span the first "
-                             f"block's start {block0.start:.4f}")
+        raise AssertionError(
+            f"the last bucket's gather [{last.start:.4f}, {last.end:.4f}] does not span the first "
+            f"block's start {block0.start:.4f}"
+        )
     if last.end - last.start < 0.4:
         raise AssertionError(f"the last gather took {last.end - last.start:.3f} s: rank 1's delay did not apply")
 
 
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
-        return ["zero1_dense_dp", "zero2_dense_dp", "zero2_zero_grad_required", "bf16_gradient_compression",
-                "overlap_param_gather_dense_dp", "overlap_param_gather_in_flight"]
+        return [
+            "zero1_dense_dp",
+            "zero2_dense_dp",
+            "zero2_zero_grad_required",
+            "bf16_gradient_compression",
+            "overlap_param_gather_dense_dp",
+            "overlap_param_gather_in_flight",
+        ]
     if world_size == 4:
-        return ["zero1_dense_dp", "zero1_llama_tp2_sp_dp", "zero1_moe_edp", "zero2_dense_dp",
-                "zero2_llama_tp2_sp_dp", "zero2_moe_ep2_edp2", "zero2_gpt2_pp2_tied_1f1b", "zero1_gpt2_pp2_tied_1f1b",
-                "overlap_param_gather_pp2", "overlap_param_gather_tp2_sp_moe"]
+        return [
+            "zero1_dense_dp",
+            "zero1_llama_tp2_sp_dp",
+            "zero1_moe_edp",
+            "zero2_dense_dp",
+            "zero2_llama_tp2_sp_dp",
+            "zero2_moe_ep2_edp2",
+            "zero2_gpt2_pp2_tied_1f1b",
+            "zero1_gpt2_pp2_tied_1f1b",
+            "overlap_param_gather_pp2",
+            "overlap_param_gather_tp2_sp_moe",
+        ]
     return []
