@@ -1,5 +1,5 @@
 """The config schema: every field of a config dataclass declares its type (the annotation) and
-its range or allowed values (`field(metadata=allowed(...))`), checked by one function.
+its range or allowed values (`setting(default, help=..., ge=..., choices=...)`), checked by one function.
 
 Decision: one dataclass schema rather than Hydra structured configs. The dataclasses
 (`GPTConfig`, `ParallelConfig`, `training.config.*`) are what the code already builds and
@@ -70,11 +70,6 @@ class Allowed:
             f"< {self.lt}" if self.lt is not None else None,
         ]
         return " and ".join(b for b in bounds if b)
-
-
-def allowed(**kwargs) -> dict:
-    """Field metadata declaring the field's range or choices: `field(default=1, metadata=allowed(ge=1))`."""
-    return {"allowed": Allowed(**kwargs)}
 
 
 def setting(

@@ -55,10 +55,12 @@ def _target(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
-def imports(path: Path, current: str, known: dict[str, Path]) -> list[tuple[str, int]]:
-    """(imported meshtron module, line) for every import in the file, wherever it stands."""
+def imported_names(path: Path, current: str) -> list[tuple[str, int]]:
+    """(dotted meshtron name, line) of every import in the file of module `current`, wherever it
+    stands: `import a.b`, `from a import b` (as a.b: b may be a module), relative imports
+    resolved, and `import_module`/`__import__` of a literal name. Also the layering test's scanner."""
     is_package = path.name == "__init__.py"
-    edges = []
+    found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         names = []
         if isinstance(node, ast.Import):
@@ -66,9 +68,7 @@ def imports(path: Path, current: str, known: dict[str, Path]) -> list[tuple[str,
         elif isinstance(node, ast.ImportFrom):
             module = _module_name(node, current, is_package)
             if module:
-                for alias in node.names:
-                    sub = f"{module}.{alias.name}"
-                    names.append(sub if sub in known else module)
+                names = [f"{module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Call):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
@@ -79,11 +79,18 @@ def imports(path: Path, current: str, known: dict[str, Path]) -> list[tuple[str,
                 and isinstance(node.args[0].value, str)
             ):
                 names = [node.args[0].value]
-        for name in names:
-            if name == "meshtron" or name.startswith("meshtron."):
-                target = _target(name, known)
-                if target and target != current:
-                    edges.append((target, node.lineno))
+        found += [(name, node.lineno) for name in names if name == "meshtron" or name.startswith("meshtron.")]
+    return found
+
+
+def imports(path: Path, current: str, known: dict[str, Path]) -> list[tuple[str, int]]:
+    """(imported meshtron module, line) for every import in the file, wherever it stands: each
+    imported name stands for the closest known module at or above it."""
+    edges = []
+    for name, line in imported_names(path, current):
+        target = _target(name, known)
+        if target and target != current:
+            edges.append((target, line))
     return edges
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_import_cycles import imported_names
+
 ROOT = Path(__file__).resolve().parents[1]
 # Lower number = lower layer. `meshtron` (the import root: errors) sits below everything.
 # `pipeline` and `dp` sit above the model code (which uses neither) and are peers.
@@ -30,20 +32,15 @@ LAYERS = {
 ENTRY_POINTS = {"meshtron/plan.py", "meshtron/verify.py"}
 
 
-def _meshtron_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, folder) of every `meshtron.<folder>` import in the file."""
+def _meshtron_imports(path: Path, folder: str) -> list[tuple[int, str]]:
+    """(line, folder) of every `meshtron.<folder>` import in `folder`'s file (the import-cycle
+    test's scanner: lazy, relative and import_module imports included)."""
+    parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+    module = ".".join(["meshtron"] + ([] if folder == "meshtron" else [folder]) + parts)
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "meshtron":
-                folder = parts[1] if len(parts) > 1 and parts[1] in LAYERS else "meshtron"
-                found.append((node.lineno, folder))
+    for name, line in imported_names(path, module):
+        target = name.split(".")[1] if "." in name else "meshtron"
+        found.append((line, target if target in LAYERS else "meshtron"))
     return found
 
 
@@ -53,7 +50,7 @@ def _upward_imports() -> list[str]:
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path.relative_to(ROOT).as_posix() in ENTRY_POINTS:
                 continue
-            for line, target in _meshtron_imports(path):
+            for line, target in _meshtron_imports(path, folder):
                 same_level_peer = LAYERS[target] == layer and target != folder
                 if LAYERS[target] > layer or same_level_peer:
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports meshtron.{target}")

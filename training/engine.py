@@ -79,7 +79,9 @@ class EngineConfig:
 class Engine:
     """A built run: this rank's `mesh`, model `chunks` (one per virtual pipeline stage), the
     data-parallel gradient `reducer`, the `optimizer`, the pipeline `executor` (pp > 1) and the
-    ZeRO-1/2 `param_gather` overlap (None unless asked for). Build it with `Engine.build`."""
+    ZeRO-1/2 `param_gather` overlap (None unless asked for). Build it with `Engine.build`.
+    `precision` may be replaced before the first step: the training loop sets it after loading
+    a checkpoint, whose train state carries the fp16 loss scale."""
 
     def __init__(
         self,

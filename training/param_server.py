@@ -990,8 +990,8 @@ def _global_tokens(dataset, step: int, global_batch: int, micro: int, mesh: Mesh
     all-reduce DP rank would, without talking to the other workers. Reads every row of the
     global batch (the targets only matter)."""
     from meshtron.training.packing import local_microbatches
+    from meshtron.training.reporting import split_microbatches
     from meshtron.training.step import global_token_count
 
     inputs, targets = dataset.local_batch_at(step * global_batch, global_batch, 0, 1)
-    rows = [(inputs[i : i + micro], targets[i : i + micro]) for i in range(0, len(inputs), micro)]
-    return global_token_count(local_microbatches(rows, mesh, eos_id), mesh)
+    return global_token_count(local_microbatches(split_microbatches(inputs, targets, micro), mesh, eos_id), mesh)
