@@ -151,7 +151,13 @@ def test_training_goes_on_while_a_slowed_writer_runs(tmp_path, monkeypatch):
     for step in (2, 3):
         _step(model, reducer, optimizer, mesh, cfg, step)
         assert saver.in_flight
-    assert (tmp_path / ".tmp-step_00000002").is_dir() and list_checkpoints(tmp_path) == []
+    # On a loaded host the writer thread may not have reached DCP's folder yet after the two
+    # steps: wait for it (its first file write then sleeps 1 s, so the save is still in flight).
+    partial = tmp_path / ".tmp-step_00000002"
+    deadline = time.monotonic() + 5.0
+    while not partial.is_dir() and saver.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert saver.in_flight and partial.is_dir() and list_checkpoints(tmp_path) == []
     path = saver.wait()
     assert not saver.in_flight and list_checkpoints(tmp_path) == [path]
     assert any(not torch.equal(p, at_save[n]) for n, p in model.named_parameters())  # training went on
