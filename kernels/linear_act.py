@@ -4,34 +4,38 @@ the matmul epilogue.
 * `linear_gelu(x, weight, bias, approximate)`   = gelu(x @ weight.T + bias)
 * `linear_swiglu(x, w_gate, b_gate, w_up, b_up)` = silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)
 
-x is [..., K], weights are [N, K], biases [N] or None; the output is [..., N] in x.dtype
-(fp32/fp16/bf16; weights and biases are cast to x.dtype, like autocast does for F.linear).
-`backend="torch"` runs the plain-torch reference (`*_reference`), `backend="triton"` the
-Triton kernels (on CPU only under TRITON_INTERPRET=1).
+x is [..., K], weights are [N, K], biases [N] or None; the output is [..., N] in the compute
+dtype. `backend="torch"` runs the plain-torch reference (`*_reference`), `backend="triton"`
+the Triton kernels (on CPU only under TRITON_INTERPRET=1).
 
-Triton path (fp32 accumulation throughout):
+Triton path (fp32 accumulation throughout), by default without recomputation:
 
-forward   `_linear_act_fwd_kernel`: tiled matmul of x with W^T (for SwiGLU two accumulators,
-          gate and up, fed by the same x tile), bias add and activation in the epilogue;
-          writes only the activated output. Saved for backward: x and the weights (and which
-          biases exist) -- not the pre-activation.
-backward  (1) `_linear_act_bwd_kernel` recomputes the pre-activation tile(s) with the same
-          matmul and multiplies the incoming gradient by the activation derivative, giving the
-          pre-activation gradient g, written once ([M, N]; for SwiGLU [M, 2N] = [g_gate | g_up]),
-          in x.dtype;
-          (2) `_matmul_kernel` (a strided Triton matmul): dx = g @ W (for SwiGLU
-          g_gate @ W_gate + g_up @ W_up in one kernel, two accumulating products), and
-          dW = g^T @ x (for SwiGLU one launch over [g_gate | g_up]^T giving [dW_gate; dW_up]);
-          db = g.sum(0) is a torch reduction (not a Triton kernel).
+forward   `_linear_gelu_fwd_kernel` / `_linear_swiglu_fwd_kernel`: tiled matmul of x with W^T
+          (for SwiGLU two accumulators, gate and up, fed by the same x tile), bias add and
+          activation in the epilogue; writes the activated output and the pre-activation(s)
+          z (SwiGLU: [z_gate | z_up], [M, 2N]) in the compute dtype. Saved for backward: x, the
+          weight copies and z -- torch eager saves the same for GeLU (x, W, z) and one more
+          [M, N] tensor for SwiGLU (silu(z_gate) beside z_gate and z_up).
+backward  (1) `_linear_gelu_grad_kernel` / `_linear_swiglu_grad_kernel`, elementwise: the pre-activation
+          gradient g = dy * act'(z) ([M, N]; SwiGLU [M, 2N] = [g_gate | g_up]);
+          (2) two plain GEMMs (kernels/gemm.py `matmul`, Triton or cuBLAS by `gemm_backend`):
+          dx = g @ W (SwiGLU: g_gate @ W_gate + g_up @ W_up, one launch) and dW = g^T @ x
+          (SwiGLU: one GEMM over [g_gate | g_up]^T giving [dW_gate; dW_up]), dW written in
+          the main weights' dtype; db = g.sum(0) is a torch reduction.
+          Three GEMMs per linear, as torch runs.
+
+`recompute=True` (opt-in memory mode): the forward writes only the output and saves x; the
+backward's `_linear_*_bwd_kernel` recomputes the pre-activation tile(s) with the forward's
+matmul and writes g from it (a fourth GEMM, no [M, N] tensor kept between the passes).
 
 Precision: under autocast (trainer.precision=bf16|fp16) x and the weights are cast to the
 autocast dtype (16-bit weight copies made once per step, kernels/operands.py) and every
-matmul multiplies 16-bit tiles with fp32 accumulation (tensor cores); dW is written in the
-main weights' dtype. fp32 inputs use tf32 dots only when `kernels.tf32` allows it
-(kernels/tf32.py, matching torch's policy by default); the dot precision is part of the
-autotune key. On the interpreter tiles are cast to fp32 before `tl.dot` (bf16 dots are wrong
-there) and a single autotune config is used; on a GPU the Ampere/Hopper configs of
-`gpu_configs` are pruned per device (kernels/configs.py) and autotuned.
+matmul multiplies 16-bit tiles with fp32 accumulation (tensor cores); z is stored rounded
+to 16 bits, as torch's F.linear output is. fp32 inputs use tf32 dots only when
+`kernels.tf32` allows it (kernels/tf32.py); the dot precision is part of the autotune key.
+On the interpreter tiles are cast to fp32 before `tl.dot` (bf16 dots are wrong there) and a
+single autotune config is used; on a GPU the configs of kernels/gemm.py `gpu_configs` are
+pruned per device (kernels/configs.py) and autotuned.
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ import torch.nn.functional as F
 
 from meshtron.kernels.backend import interpreting
 from meshtron.kernels.configs import gemm_prune
+from meshtron.kernels.gemm import GEMM_BACKENDS, autotune_configs, dot_flags, grid_2d, matmul
 from meshtron.kernels.operands import compute_dtype, weight_copy
-from meshtron.kernels.tf32 import dot_precision
 
 try:  # the torch backend works without triton
     import triton
     import triton.language as tl
+
+    from meshtron.kernels.gemm import dot, tile_ids
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -88,66 +94,21 @@ def linear_swiglu_reference(
 _GELU_NONE, _GELU_TANH, _SWIGLU = 0, 1, 2
 
 
-def _configs(bm_bn_bk_warps_stages):
+def elementwise_gpu_configs() -> list:
+    """Ampere/Hopper candidates of the elementwise gradient kernels: [rows, cols] per program."""
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in bm_bn_bk_warps_stages
+        triton.Config({"BLOCK_M": 8, "BLOCK_N": 256}, num_warps=4),
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 256}, num_warps=8),
+        triton.Config({"BLOCK_M": 4, "BLOCK_N": 512}, num_warps=4),
     ]
 
 
-def gpu_configs(dual: bool = False) -> list:
-    """The Ampere/Hopper autotune candidates (before the per-device pruning of
-    `kernels.configs.gemm_prune`). `dual`: two B operands per K step (SwiGLU, dual dx)."""
-    if dual:  # two accumulators or two products per step: smaller tiles keep registers in check
-        tensor_core = [
-            (128, 64, 64, 8, 3),
-            (128, 64, 32, 4, 4),
-            (64, 64, 64, 4, 4),
-            (64, 128, 32, 4, 4),
-            (64, 64, 32, 4, 3),
-        ]
-        cuda_core = [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]  # IEEE fp32: thin K tiles
-    else:
-        tensor_core = [
-            (128, 128, 64, 8, 3),
-            (128, 128, 32, 4, 4),
-            (128, 64, 32, 4, 4),
-            (64, 128, 32, 4, 4),
-            (64, 64, 64, 4, 4),
-            (64, 64, 32, 4, 3),
-        ]
-        cuda_core = [(128, 128, 16, 8, 3), (128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]
-    return _configs(tensor_core + cuda_core)
-
-
-def _autotune_configs(dual: bool = False):
-    if interpreting():
-        return _configs([(32, 32, 16, 4, 1)])
-    return gpu_configs(dual)
+def _elementwise_configs() -> list:
+    # 16 x 32 under the interpreter: odd test shapes still cross program borders both ways.
+    return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4)] if interpreting() else elementwise_gpu_configs()
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """(pid_m, pid_n) in grouped order, so consecutive programs share rows of A (L2 reuse)."""
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        group = pid // per_group
-        first_m = group * GROUP_M
-        group_size = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
-        return pid_m, pid_n
-
-    @triton.jit
-    def _dot(a, b, acc, CAST_F32: tl.constexpr, PRECISION: tl.constexpr):
-        if CAST_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        return tl.dot(a, b, acc, input_precision=PRECISION)
 
     @triton.jit
     def _xwt(
@@ -187,10 +148,10 @@ if triton is not None:
             x = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             wk_mask = (offs_k[:, None] < k_left) & n_mask[None, :]
             w = tl.load(w_ptrs, mask=wk_mask, other=0.0)
-            acc = _dot(x, w, acc, CAST_F32, PRECISION)
+            acc = dot(x, w, acc, CAST_F32, PRECISION)
             if DUAL:
                 w2 = tl.load(w2_ptrs, mask=wk_mask, other=0.0)
-                acc2 = _dot(x, w2, acc2, CAST_F32, PRECISION)
+                acc2 = dot(x, w2, acc2, CAST_F32, PRECISION)
                 w2_ptrs += BLOCK_K * stride_w2k
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
@@ -226,7 +187,7 @@ if triton is not None:
         return y, dy
 
     @triton.autotune(
-        configs=_autotune_configs(),
+        configs=autotune_configs(),
         key=["M", "N", "K", "PRECISION"],
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)},
     )
@@ -236,6 +197,7 @@ if triton is not None:
         w_ptr,
         b_ptr,
         out_ptr,
+        pre_ptr,
         M,
         N,
         K,
@@ -245,6 +207,9 @@ if triton is not None:
         stride_wk,
         stride_om,
         stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         APPROX_TANH: tl.constexpr,
         CAST_F32: tl.constexpr,
@@ -254,8 +219,8 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
     ):
-        """out = gelu(x @ W^T + b)."""
-        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        """out = gelu(x @ W^T + b); with SAVE_PRE also pre = x @ W^T + b (the backward's input)."""
+        pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, _unused = _xwt(
@@ -282,11 +247,15 @@ if triton is not None:
         )
         acc = _add_bias(acc, b_ptr, offs_n, N, HAS_BIAS)
         y, _dy = _gelu_and_grad(acc, APPROX_TANH)
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        rows = offs_m[:, None].to(tl.int64)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(out_ptr + rows * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if SAVE_PRE:
+            pre = acc.to(pre_ptr.dtype.element_ty)
+            tl.store(pre_ptr + rows * stride_pm + offs_n[None, :] * stride_pn, pre, mask=mask)
 
     @triton.autotune(
-        configs=_autotune_configs(dual=True),
+        configs=autotune_configs(dual=True),
         key=["M", "N", "K", "PRECISION"],
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
     )
@@ -298,6 +267,8 @@ if triton is not None:
         wu_ptr,
         bu_ptr,
         out_ptr,
+        pre_gate_ptr,
+        pre_up_ptr,
         M,
         N,
         K,
@@ -309,6 +280,9 @@ if triton is not None:
         stride_wuk,
         stride_om,
         stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
         HAS_BG: tl.constexpr,
         HAS_BU: tl.constexpr,
         CAST_F32: tl.constexpr,
@@ -318,8 +292,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr,
     ):
-        """out = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), gate and up from the same x tiles."""
-        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        """out = silu(x @ Wg^T + bg) * (x @ Wu^T + bu), gate and up from the same x tiles; with
+        SAVE_PRE also the two pre-activations (pre_gate, pre_up share strides)."""
+        pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         a, u = _xwt(
@@ -347,12 +322,70 @@ if triton is not None:
         a = _add_bias(a, bg_ptr, offs_n, N, HAS_BG)
         u = _add_bias(u, bu_ptr, offs_n, N, HAS_BU)
         y = a * tl.sigmoid(a) * u
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        rows = offs_m[:, None].to(tl.int64)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(out_ptr + rows * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if SAVE_PRE:
+            pre_off = rows * stride_pm + offs_n[None, :] * stride_pn
+            tl.store(pre_gate_ptr + pre_off, a.to(pre_gate_ptr.dtype.element_ty), mask=mask)
+            tl.store(pre_up_ptr + pre_off, u.to(pre_up_ptr.dtype.element_ty), mask=mask)
 
-    # The epilogue holds the dy tile beside the accumulator: budgeted as a second accumulator.
+    @triton.autotune(configs=_elementwise_configs(), key=["N"])
+    @triton.jit
+    def _linear_gelu_grad_kernel(
+        z_ptr,
+        dy_ptr,
+        g_ptr,
+        M,
+        N,
+        stride_zm,
+        stride_dym,
+        stride_gm,
+        APPROX_TANH: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """g = dy * gelu'(z), rows of unit column stride."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        rows = offs_m[:, None].to(tl.int64)
+        z = tl.load(z_ptr + rows * stride_zm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows * stride_dym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        _y, dact = _gelu_and_grad(z, APPROX_TANH)
+        tl.store(g_ptr + rows * stride_gm + offs_n[None, :], (dy * dact).to(g_ptr.dtype.element_ty), mask=mask)
+
+    @triton.autotune(configs=_elementwise_configs(), key=["N"])
+    @triton.jit
+    def _linear_swiglu_grad_kernel(
+        z_ptr,
+        dy_ptr,
+        g_ptr,
+        M,
+        N,
+        stride_zm,
+        stride_dym,
+        stride_gm,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """[g_gate | g_up] from z = [z_gate | z_up] (both [M, 2N], unit column stride):
+        g_gate = dy * z_up * silu'(z_gate), g_up = dy * silu(z_gate)."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        rows = offs_m[:, None].to(tl.int64)
+        z_off = rows * stride_zm + offs_n[None, :]
+        g_off = rows * stride_gm + offs_n[None, :]
+        a = tl.load(z_ptr + z_off, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(z_ptr + z_off + N, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows * stride_dym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(a)
+        tl.store(g_ptr + g_off, (dy * u * (s * (1.0 + a * (1.0 - s)))).to(g_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_ptr + g_off + N, (dy * (a * s)).to(g_ptr.dtype.element_ty), mask=mask)
+
     @triton.autotune(
-        configs=_autotune_configs(),
+        configs=autotune_configs(),
         key=["M", "N", "K", "PRECISION"],
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1, accumulators=2)},
     )
@@ -384,7 +417,7 @@ if triton is not None:
         GROUP_M: tl.constexpr,
     ):
         """g = dy * gelu'(x @ W^T + b), the pre-activation recomputed here."""
-        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, _unused = _xwt(
@@ -418,7 +451,7 @@ if triton is not None:
         tl.store(g_ptr + rows * stride_gm + offs_n[None, :] * stride_gn, g.to(g_ptr.dtype.element_ty), mask=mask)
 
     @triton.autotune(
-        configs=_autotune_configs(dual=True),
+        configs=autotune_configs(dual=True),
         key=["M", "N", "K", "PRECISION"],
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
     )
@@ -456,7 +489,7 @@ if triton is not None:
     ):
         """With a = x Wg^T + bg, u = x Wu^T + bu recomputed here:
         g_gate = dy * u * silu'(a), g_up = dy * silu(a) (gg and gu share strides)."""
-        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         a, u = _xwt(
@@ -493,87 +526,8 @@ if triton is not None:
         tl.store(gg_ptr + g_off, g_gate.to(gg_ptr.dtype.element_ty), mask=mask)
         tl.store(gu_ptr + g_off, g_up.to(gu_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune(
-        configs=_autotune_configs(),
-        key=["M", "N", "K", "DUAL", "PRECISION"],
-        prune_configs_by={"early_config_prune": gemm_prune("a_ptr", a_tiles=1, b_tiles=1, dual="DUAL")},
-    )
-    @triton.jit
-    def _matmul_kernel(
-        a_ptr,
-        b_ptr,
-        a2_ptr,
-        b2_ptr,
-        c_ptr,
-        M,
-        N,
-        K,
-        stride_am,
-        stride_ak,
-        stride_bk,
-        stride_bn,
-        stride_a2m,
-        stride_a2k,
-        stride_b2k,
-        stride_b2n,
-        stride_cm,
-        stride_cn,
-        DUAL: tl.constexpr,
-        CAST_F32: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
-        """C = A @ B (+ A2 @ B2 when DUAL), any strides (transposes are stride swaps), fp32
-        accumulation, C in its own dtype."""
-        pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        rows = offs_m[:, None].to(tl.int64)
-        cols = offs_n[None, :].to(tl.int64)
-        a_ptrs = a_ptr + rows * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols * stride_bn
-        a2_ptrs = a2_ptr + rows * stride_a2m + offs_k[None, :] * stride_a2k
-        b2_ptrs = b2_ptr + offs_k[:, None] * stride_b2k + cols * stride_b2n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            a_mask = m_mask[:, None] & (offs_k[None, :] < k_left)
-            b_mask = (offs_k[:, None] < k_left) & n_mask[None, :]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            acc = _dot(a, b, acc, CAST_F32, PRECISION)
-            if DUAL:
-                a2 = tl.load(a2_ptrs, mask=a_mask, other=0.0)
-                b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
-                acc = _dot(a2, b2, acc, CAST_F32, PRECISION)
-                a2_ptrs += BLOCK_K * stride_a2k
-                b2_ptrs += BLOCK_K * stride_b2k
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        tl.store(
-            c_ptr + rows * stride_cm + cols * stride_cn,
-            acc.to(c_ptr.dtype.element_ty),
-            mask=m_mask[:, None] & n_mask[None, :],
-        )
-
 
 # ----------------------------------------------------------------------------- launch helpers
-
-
-def _grid(M, N):
-    return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-
-
-def _dot_flags(dtype: torch.dtype):
-    """(CAST_F32, PRECISION): fp32 tiles under the interpreter (bf16 tl.dot is wrong there);
-    the dot precision from `kernels.tf32` (tf32 or ieee for fp32, ignored for 16-bit)."""
-    return interpreting(), dot_precision(dtype)
 
 
 def _check(x, weights, biases):
@@ -593,61 +547,28 @@ def _check(x, weights, biases):
             raise TypeError(f"linear_act: bias {b.dtype} on {b.device} must be floating point on {x.device}")
 
 
-def _matmul(a, b, out, a2=None, b2=None):
-    """out[M, N] = a[M, K] @ b[K, N] (+ a2 @ b2) with the Triton kernel; strided views allowed."""
-    M, K = a.shape
-    N = b.shape[1]
-    if out.numel() == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    dual = a2 is not None
-    a2 = a if a2 is None else a2
-    b2 = b if b2 is None else b2
-    cast, prec = _dot_flags(a.dtype)
-    _matmul_kernel[_grid(M, N)](
-        a,
-        b,
-        a2,
-        b2,
-        out,
-        M,
-        N,
-        K,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        a2.stride(0),
-        a2.stride(1),
-        b2.stride(0),
-        b2.stride(1),
-        out.stride(0),
-        out.stride(1),
-        DUAL=dual,
-        CAST_F32=cast,
-        PRECISION=prec,
-    )
-    return out
-
-
-def _linear_act_fwd(x2, weights, biases, act):
-    """Triton forward on 2-D x2 [M, K]: the activated output [M, N] in x2.dtype."""
+def _linear_act_fwd(x2, weights, biases, act, save_pre):
+    """Triton forward on 2-D x2 [M, K]: (out [M, N], z) in x2.dtype, z the pre-activation
+    ([M, N]; SwiGLU [M, 2N] = [z_gate | z_up]) when `save_pre`, else None."""
     M, K = x2.shape
     N = weights[0].shape[0]
     out = torch.empty((M, N), device=x2.device, dtype=x2.dtype)
+    z = torch.empty((M, len(weights) * N), device=x2.device, dtype=x2.dtype) if save_pre else None
     if M == 0 or N == 0:
-        return out
-    cast, prec = _dot_flags(x2.dtype)
+        return out, z
+    cast, prec = dot_flags(x2.dtype)
+    pre = out if z is None else z  # an unused pointer without SAVE_PRE
     if act == _SWIGLU:
         (wg, wu), (bg, bu) = weights, biases
-        _linear_swiglu_fwd_kernel[_grid(M, N)](
+        _linear_swiglu_fwd_kernel[grid_2d(M, N)](
             x2,
             wg,
             bg if bg is not None else wg,
             wu,
             bu if bu is not None else wu,
             out,
+            pre,
+            pre[:, N:] if save_pre else pre,
             M,
             N,
             K,
@@ -659,6 +580,9 @@ def _linear_act_fwd(x2, weights, biases, act):
             wu.stride(1),
             out.stride(0),
             out.stride(1),
+            pre.stride(0),
+            pre.stride(1),
+            SAVE_PRE=save_pre,
             HAS_BG=bg is not None,
             HAS_BU=bu is not None,
             CAST_F32=cast,
@@ -666,11 +590,12 @@ def _linear_act_fwd(x2, weights, biases, act):
         )
     else:
         (w,), (b,) = weights, biases
-        _linear_gelu_fwd_kernel[_grid(M, N)](
+        _linear_gelu_fwd_kernel[grid_2d(M, N)](
             x2,
             w,
             b if b is not None else w,
             out,
+            pre,
             M,
             N,
             K,
@@ -680,101 +605,125 @@ def _linear_act_fwd(x2, weights, biases, act):
             w.stride(1),
             out.stride(0),
             out.stride(1),
+            pre.stride(0),
+            pre.stride(1),
+            SAVE_PRE=save_pre,
             HAS_BIAS=b is not None,
             APPROX_TANH=act == _GELU_TANH,
             CAST_F32=cast,
             PRECISION=prec,
         )
-    return out
+    return out, z
 
 
-def _linear_act_bwd(x2, weights, biases, act, dy, needs, dw_dtype):
+def _grad_from_saved(z, dy, g, act, N):
+    """g = dy * act'(z) by the elementwise kernels (z, g: [M, N] or, SwiGLU, [M, 2N])."""
+    M = z.shape[0]
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+
+    def grid(meta):
+        return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])
+
+    if act == _SWIGLU:
+        _linear_swiglu_grad_kernel[grid](z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0))
+    else:
+        _linear_gelu_grad_kernel[grid](
+            z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0), APPROX_TANH=act == _GELU_TANH
+        )
+
+
+def _grad_recomputed(x2, weights, biases, act, dy, g):
+    """g = dy * act'(z) with z recomputed from x2 and the weights by the recompute kernels."""
+    M, K = x2.shape
+    N = weights[0].shape[0]
+    cast, prec = dot_flags(x2.dtype)
+    if act == _SWIGLU:
+        (wg, wu), (bg, bu) = weights, biases
+        _linear_swiglu_bwd_kernel[grid_2d(M, N)](
+            x2,
+            wg,
+            bg if bg is not None else wg,
+            wu,
+            bu if bu is not None else wu,
+            dy,
+            g[:, :N],
+            g[:, N:],
+            M,
+            N,
+            K,
+            x2.stride(0),
+            x2.stride(1),
+            wg.stride(0),
+            wg.stride(1),
+            wu.stride(0),
+            wu.stride(1),
+            dy.stride(0),
+            dy.stride(1),
+            g.stride(0),
+            g.stride(1),
+            HAS_BG=bg is not None,
+            HAS_BU=bu is not None,
+            CAST_F32=cast,
+            PRECISION=prec,
+        )
+    else:
+        (w,), (b,) = weights, biases
+        _linear_gelu_bwd_kernel[grid_2d(M, N)](
+            x2,
+            w,
+            b if b is not None else w,
+            dy,
+            g,
+            M,
+            N,
+            K,
+            x2.stride(0),
+            x2.stride(1),
+            w.stride(0),
+            w.stride(1),
+            dy.stride(0),
+            dy.stride(1),
+            g.stride(0),
+            g.stride(1),
+            HAS_BIAS=b is not None,
+            APPROX_TANH=act == _GELU_TANH,
+            CAST_F32=cast,
+            PRECISION=prec,
+        )
+
+
+def _linear_act_bwd(x2, weights, biases, act, dy, z, needs, dw_dtype, gemm_backend):
     """Triton backward on 2-D tensors: (dx, *dweights, *dbiases), None where not needed.
-    `weights` are the compute-dtype copies the forward used; dW is written in `dw_dtype` (the
-    main weights' dtype) straight from the fp32 accumulator, db in each bias's dtype.
-    `needs` = (x, *weights, *biases) flags in that order."""
+    `weights` are the compute-dtype copies the forward used, `z` its saved pre-activation (None:
+    recompute it); dW is written in `dw_dtype` (the main weights' dtype) by the GEMM engine
+    `gemm_backend`, db in each bias's dtype. `needs` = (x, *weights, *biases) flags in that order."""
     M, K = x2.shape
     N = weights[0].shape[0]
     nw = len(weights)
-    cast, prec = _dot_flags(x2.dtype)
-    # (1) pre-activation gradient(s), the pre-activation recomputed in the kernel
     g = torch.empty((M, nw * N), device=x2.device, dtype=x2.dtype)  # [g_gate | g_up] for SwiGLU
     if M > 0 and N > 0:
-        if act == _SWIGLU:
-            (wg, wu), (bg, bu) = weights, biases
-            gg, gu = g[:, :N], g[:, N:]
-            _linear_swiglu_bwd_kernel[_grid(M, N)](
-                x2,
-                wg,
-                bg if bg is not None else wg,
-                wu,
-                bu if bu is not None else wu,
-                dy,
-                gg,
-                gu,
-                M,
-                N,
-                K,
-                x2.stride(0),
-                x2.stride(1),
-                wg.stride(0),
-                wg.stride(1),
-                wu.stride(0),
-                wu.stride(1),
-                dy.stride(0),
-                dy.stride(1),
-                g.stride(0),
-                g.stride(1),
-                HAS_BG=bg is not None,
-                HAS_BU=bu is not None,
-                CAST_F32=cast,
-                PRECISION=prec,
-            )
+        if z is not None:
+            _grad_from_saved(z, dy, g, act, N)
         else:
-            (w,), (b,) = weights, biases
-            _linear_gelu_bwd_kernel[_grid(M, N)](
-                x2,
-                w,
-                b if b is not None else w,
-                dy,
-                g,
-                M,
-                N,
-                K,
-                x2.stride(0),
-                x2.stride(1),
-                w.stride(0),
-                w.stride(1),
-                dy.stride(0),
-                dy.stride(1),
-                g.stride(0),
-                g.stride(1),
-                HAS_BIAS=b is not None,
-                APPROX_TANH=act == _GELU_TANH,
-                CAST_F32=cast,
-                PRECISION=prec,
-            )
-    # (2) dx = g @ W  (SwiGLU: g_gate @ W_gate + g_up @ W_up in one kernel)
+            _grad_recomputed(x2, weights, biases, act, dy, g)
     dx = None
-    if needs[0]:
+    if needs[0]:  # dx = g @ W  (SwiGLU: g_gate @ W_gate + g_up @ W_up)
         dx = torch.empty((M, K), device=x2.device, dtype=x2.dtype)
         if N == 0:
             dx.zero_()
         elif nw == 2:
-            _matmul(g[:, :N], weights[0], dx, g[:, N:], weights[1])
+            matmul(g[:, :N], weights[0], dx, g[:, N:], weights[1], backend=gemm_backend)
         else:
-            _matmul(g, weights[0], dx)
-    # dW = g^T @ x  (SwiGLU: one launch giving [dW_gate; dW_up])
+            matmul(g, weights[0], dx, backend=gemm_backend)
     dws = [None] * nw
-    if any(needs[1 : 1 + nw]):
+    if any(needs[1 : 1 + nw]):  # dW = g^T @ x  (SwiGLU: one GEMM giving [dW_gate; dW_up])
         dw = torch.empty((nw * N, K), device=x2.device, dtype=dw_dtype)
         if M == 0:
             dw.zero_()
         else:
-            _matmul(g.t(), x2, dw)
+            matmul(g.t(), x2, dw, backend=gemm_backend)
         dws = [dw[i * N : (i + 1) * N] if needs[1 + i] else None for i in range(nw)]
-    # db = sum over rows of g (torch reduction, fp32 accumulation)
-    dbs = [None] * nw
+    dbs = [None] * nw  # db = sum over rows of g (torch reduction, fp32 accumulation)
     for i, b in enumerate(biases):
         if b is not None and needs[1 + nw + i]:
             dbs[i] = g[:, i * N : (i + 1) * N].sum(0, dtype=torch.float32).to(b.dtype)
@@ -785,81 +734,97 @@ def _linear_act_bwd(x2, weights, biases, act, dy, needs, dw_dtype):
 
 
 class _LinearGeluFn(torch.autograd.Function):
-    """Triton gelu(x @ W^T + b) on x and the compute-dtype copy `w_c` of W; saves x and w_c
-    (not the pre-activation) and returns the gradient of the main weight W."""
+    """Triton gelu(x @ W^T + b) on x and the compute-dtype copy `w_c` of W; saves x, w_c and
+    the pre-activation (only x and w_c with `recompute`) and returns the main weight's gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_c, approximate):
+    def forward(ctx, x, weight, bias, w_c, approximate, recompute, gemm_backend):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         act = _GELU_TANH if approximate == "tanh" else _GELU_NONE
-        out = _linear_act_fwd(x2, (w_c,), (bias,), act)
-        ctx.save_for_backward(x2, w_c, bias)
-        ctx.act, ctx.shape, ctx.w_dtype = act, shape, weight.dtype
+        out, z = _linear_act_fwd(x2, (w_c,), (bias,), act, save_pre=not recompute)
+        ctx.save_for_backward(x2, w_c, bias, z)
+        ctx.act, ctx.shape, ctx.w_dtype, ctx.gemm_backend = act, shape, weight.dtype, gemm_backend
         return out.view(*shape[:-1], w_c.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w_c, bias = ctx.saved_tensors
+        x2, w_c, bias, z = ctx.saved_tensors
         dy2 = dy.reshape(-1, w_c.shape[0])
         needs = ctx.needs_input_grad[:3]
-        dx, dw, db = _linear_act_bwd(x2, (w_c,), (bias,), ctx.act, dy2, needs, ctx.w_dtype)
+        dx, dw, db = _linear_act_bwd(x2, (w_c,), (bias,), ctx.act, dy2, z, needs, ctx.w_dtype, ctx.gemm_backend)
         if dx is not None:
             dx = dx.view(ctx.shape)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class _LinearSwigluFn(torch.autograd.Function):
     """Triton silu(x Wg^T + bg) * (x Wu^T + bu) on x and the compute-dtype copies of the
-    weights; saves x and the copies (not the pre-activations) and returns the gradients of
-    the main weights."""
+    weights; saves x, the copies and [z_gate | z_up] (not z with `recompute`) and returns the
+    gradients of the main weights."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, b_gate, w_up, b_up, wg_c, wu_c):
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up, wg_c, wu_c, recompute, gemm_backend):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out = _linear_act_fwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU)
-        ctx.save_for_backward(x2, wg_c, b_gate, wu_c, b_up)
-        ctx.shape, ctx.w_dtype = shape, w_gate.dtype
+        out, z = _linear_act_fwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, save_pre=not recompute)
+        ctx.save_for_backward(x2, wg_c, b_gate, wu_c, b_up, z)
+        ctx.shape, ctx.w_dtype, ctx.gemm_backend = shape, w_gate.dtype, gemm_backend
         return out.view(*shape[:-1], wg_c.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, wg_c, b_gate, wu_c, b_up = ctx.saved_tensors
+        x2, wg_c, b_gate, wu_c, b_up, z = ctx.saved_tensors
         dy2 = dy.reshape(-1, wg_c.shape[0])
         n = ctx.needs_input_grad
         needs = (n[0], n[1], n[3], n[2], n[4])  # (x, w_gate, w_up, b_gate, b_up)
-        dx, dwg, dwu, dbg, dbu = _linear_act_bwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, dy2, needs, ctx.w_dtype)
+        dx, dwg, dwu, dbg, dbu = _linear_act_bwd(
+            x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, dy2, z, needs, ctx.w_dtype, ctx.gemm_backend
+        )
         if dx is not None:
             dx = dx.view(ctx.shape)
-        return dx, dwg, dbg, dwu, dbu, None, None
+        return dx, dwg, dbg, dwu, dbu, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public API
 
 
+def _check_modes(backend: str, gemm_backend: str) -> None:
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend={backend!r} must be 'torch' or 'triton'")
+    if gemm_backend not in GEMM_BACKENDS:
+        raise ValueError(f"gemm_backend={gemm_backend!r} must be one of {GEMM_BACKENDS}")
+
+
 def linear_gelu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh", backend: str = "torch"
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    approximate: str = "tanh",
+    backend: str = "torch",
+    *,
+    recompute: bool = False,
+    gemm_backend: str = "triton",
 ) -> torch.Tensor:
     """gelu(x @ weight.T + bias), differentiable in x, weight and bias.
 
     x [..., K], weight [N, K], bias [N] or None; approximate "tanh" or "none"; output
     [..., N] in the compute dtype (fp32 accumulation): autocast's dtype under autocast (x and
     weight cast to it, see kernels/operands.py), else x.dtype. backend "torch" runs
-    `linear_gelu_reference`; "triton" the fused kernels (forward with the activation in the
-    matmul epilogue; backward recomputes the pre-activation instead of storing it; dW and db
-    in the dtypes of weight and bias).
+    `linear_gelu_reference`; "triton" the fused kernels: the activation in the forward
+    matmul's epilogue, which also stores the pre-activation for the backward (with
+    `recompute`: not stored, recomputed by the backward); the backward's dX and dW GEMMs run
+    on `gemm_backend` ("triton" or "torch"), dW and db in the dtypes of weight and bias.
     """
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate={approximate!r} must be one of {GELU_APPROXIMATIONS}")
+    _check_modes(backend, gemm_backend)
     if backend == "torch":
         return linear_gelu_reference(x, weight, bias, approximate)
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r} must be 'torch' or 'triton'")
     dtype = compute_dtype(x)
     x, w_c = x.to(dtype), weight_copy(weight, dtype)
     _check(x, (w_c,), (bias,))
-    return _LinearGeluFn.apply(x, weight, bias, w_c, approximate)
+    return _LinearGeluFn.apply(x, weight, bias, w_c, approximate, recompute, gemm_backend)
 
 
 def linear_swiglu(
@@ -869,22 +834,25 @@ def linear_swiglu(
     w_up: torch.Tensor,
     b_up: torch.Tensor | None,
     backend: str = "torch",
+    *,
+    recompute: bool = False,
+    gemm_backend: str = "triton",
 ) -> torch.Tensor:
     """silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), differentiable in all inputs.
 
     x [..., K], w_gate/w_up [N, K], b_gate/b_up [N] or None; output [..., N] in the compute
     dtype (autocast's under autocast, else x.dtype; fp32 accumulation). backend "torch" runs
-    `linear_swiglu_reference`; "triton" the fused kernels (gate and up accumulated from the
-    same x tiles, only the product written; backward recomputes both pre-activations instead
-    of storing them).
+    `linear_swiglu_reference`; "triton" the fused kernels: gate and up accumulated from the
+    same x tiles, the product and the two pre-activations written (2 [M, N] tensors saved,
+    torch saves 3; with `recompute` none, both recomputed by the backward); the backward's
+    dX and dW GEMMs run on `gemm_backend` ("triton" or "torch").
     """
+    _check_modes(backend, gemm_backend)
     if backend == "torch":
         return linear_swiglu_reference(x, w_gate, b_gate, w_up, b_up)
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r} must be 'torch' or 'triton'")
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} must have the same shape")
     dtype = compute_dtype(x)
     x, wg_c, wu_c = x.to(dtype), weight_copy(w_gate, dtype), weight_copy(w_up, dtype)
     _check(x, (wg_c, wu_c), (b_gate, b_up))
-    return _LinearSwigluFn.apply(x, w_gate, b_gate, w_up, b_up, wg_c, wu_c)
+    return _LinearSwigluFn.apply(x, w_gate, b_gate, w_up, b_up, wg_c, wu_c, recompute, gemm_backend)

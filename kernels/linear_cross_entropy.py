@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED
-from meshtron.kernels.operands import compute_dtype
+from meshtron.kernels.operands import compute_dtype, mm_into, weight_copy
 from meshtron.mpu.cross_entropy import (
     IGNORE_INDEX,
     global_statistics,
@@ -190,8 +190,8 @@ def _chunk_loss(
             grad_w.addmm_(grad.t(), xc)
         else:  # 16-bit GEMMs, the weight gradient accumulated across chunks in fp32
             grad = grad.to(dtype)
-            grad_x.copy_(grad @ w)
-            grad_w += (grad.t() @ xc).float()
+            mm_into(grad, w, grad_x)
+            mm_into(grad.t(), xc, grad_w, accumulate=True)
     return loss.sum()
 
 
@@ -203,8 +203,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         n_valid = max(0, min(local_vocab, vocab_size - vocab_start))  # decided on the host, no sync
         dtype = compute_dtype(x)  # autocast's, as F.linear would use (the planner's fake tensors too)
         xc_all = x if x.dtype == dtype else x.to(dtype)
-        w = weight[:n_valid]
-        w = w if w.dtype == dtype else w.to(dtype)
+        w = weight_copy(weight, dtype)[:n_valid]  # a 16-bit copy made once per step (kernels/operands.py)
         shape_only = x.is_meta or is_fake(x)
         step = n if shape_only else chunk_rows
         # Every row of grad_x is written by its chunk, unless the shard is all padding.

@@ -74,3 +74,19 @@ def forget_weight_copies(weights) -> None:
     if _scope is not None:
         for weight in weights:
             _scope.pop(id(weight), None)
+
+
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+    """out (+)= a @ b with torch (`accumulate`: added to out's values). 16-bit operands into an
+    fp32 `out` are accumulated in fp32 without a 16-bit rounding on CUDA (`out_dtype`, in
+    place); elsewhere the product is computed in the operands' dtype and then cast."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    elif a.is_cuda:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:
+        product = torch.mm(a, b).to(out.dtype)
+        out.add_(product) if accumulate else out.copy_(product)

@@ -23,9 +23,17 @@ from meshtron.mpu.mesh import group_size
 
 IGNORE_INDEX = -100
 
-# Elements per chunk of rows: 128 Ki fp32 = 512 KiB, read by the max and the exp pass and
-# summed while still in a core's L2 cache.
+# Elements per chunk of rows. CPU: 128 Ki fp32 = 512 KiB, read by the max and the exp pass and
+# summed while still in a core's L2 cache. GPU: no cache to stay in, and every chunk costs a
+# handful of kernel launches, so one chunk covers 64 Mi elements (a 4,096-token microbatch of
+# a 16k-column vocabulary shard in one pass, where the CPU size made ~410 chunks of 10 rows).
 CHUNK_ELEMENTS = 1 << 17
+GPU_CHUNK_ELEMENTS = 1 << 26
+
+
+def chunk_elements_for(device_type: str) -> int:
+    """Elements per row chunk of `local_statistics` on a device type (CPU cache-sized, else GPU)."""
+    return CHUNK_ELEMENTS if device_type == "cpu" else GPU_CHUNK_ELEMENTS
 
 
 def combine_gathered_partials(
@@ -75,13 +83,14 @@ def local_statistics(
     vocab_start: int,
     n_valid: int,
     exp_out: torch.Tensor | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> torch.Tensor:
     """fp32 [3, N] per-row (local max, sum of exp(x - local max), raw target logit) of this
     rank's shard `rows` [N, V_local], reading only its first `n_valid` (non-padding) columns.
     The target logit is 0 where the target is ignored or in another shard, -inf where it
     points at padding. With `exp_out` ([N, n_valid] fp32) the exponentials are left there;
-    it may be `rows` itself (read before it is overwritten). No communication."""
+    it may be `rows` itself (read before it is overwritten). `chunk_elements`: elements per row
+    chunk (default `chunk_elements_for` the device). No communication."""
     n = rows.shape[0]
     stats = torch.empty(3, n, dtype=torch.float32, device=rows.device)
     # The target logits first: `exp_out` may be `rows` itself (the fused loss's own logits).
@@ -96,6 +105,7 @@ def local_statistics(
         stats[1].zero_()
     else:
         # Tensors without data (the planner's traces) take one chunk: same buffers, few ops.
+        chunk_elements = chunk_elements or chunk_elements_for(rows.device.type)
         step = n if (rows.is_meta or is_fake(rows)) else max(1, chunk_elements // n_valid)
         scratch = None
         for i in range(0, n, step):

@@ -52,6 +52,13 @@ def test_chunked_equals_unchunked():
         torch.testing.assert_close(local_statistics(logits, target, 0, 100, chunk_elements=chunk), one, rtol=0, atol=0)
 
 
+def test_gpu_chunks_cover_a_microbatch():
+    """On a GPU a 4,096-token microbatch of gpt_1b's tp=4 vocabulary shard (12,672 columns) is
+    one chunk; the CPU keeps cache-sized chunks."""
+    assert ce.chunk_elements_for("cuda") // 12672 >= 4096
+    assert ce.chunk_elements_for("cpu") == ce.CHUNK_ELEMENTS < 12672 * 64
+
+
 def test_batched_shape_and_half_precision():
     logits, target, dloss = _case(12, 100, 128, seed=3)
     want, want_grad = _reference(logits.bfloat16().float(), target, 100, dloss)

@@ -1,5 +1,6 @@
 """Fused linear + activation kernels (kernels/linear_act.py): Triton (under the CPU
-interpreter) vs the plain-torch reference, forward and every gradient, fp32."""
+interpreter) vs the plain-torch reference, forward and every gradient, fp32, in each mode:
+the pre-activation saved (default) or recomputed, the backward GEMMs on Triton or torch."""
 
 import os
 
@@ -66,12 +67,17 @@ GELU_CASES = [
 ]
 
 
+# (recompute, gemm_backend): the default, the opt-in memory mode, cuBLAS for the plain GEMMs
+MODES = [(False, "triton"), (True, "triton"), (False, "torch")]
+
+
+@pytest.mark.parametrize("recompute,gemm", MODES)
 @pytest.mark.parametrize("lead,k,n,bias,approximate", GELU_CASES)
-def test_linear_gelu_matches_reference(lead, k, n, bias, approximate):
+def test_linear_gelu_matches_reference(lead, k, n, bias, approximate, recompute, gemm):
     x, (w,), (b,), dy = _leaves(lead, n, k, [bias], 1, seed=k * n + len(lead))
     _compare(
         lambda x, w, b: linear_gelu_reference(x, w, b, approximate),
-        lambda x, w, b: linear_gelu(x, w, b, approximate, backend="triton"),
+        lambda x, w, b: linear_gelu(x, w, b, approximate, backend="triton", recompute=recompute, gemm_backend=gemm),
         [x, w, b],
         dy,
         ["dx", "dweight", "dbias"],
@@ -87,40 +93,62 @@ SWIGLU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("recompute,gemm", MODES)
 @pytest.mark.parametrize("lead,k,n,biases", SWIGLU_CASES)
-def test_linear_swiglu_matches_reference(lead, k, n, biases):
+def test_linear_swiglu_matches_reference(lead, k, n, biases, recompute, gemm):
     x, (wg, wu), (bg, bu), dy = _leaves(lead, n, k, list(biases), 2, seed=k + n + len(lead))
     _compare(
         linear_swiglu_reference,
-        lambda x, wg, bg, wu, bu: linear_swiglu(x, wg, bg, wu, bu, backend="triton"),
+        lambda x, wg, bg, wu, bu: linear_swiglu(
+            x, wg, bg, wu, bu, backend="triton", recompute=recompute, gemm_backend=gemm
+        ),
         [x, wg, bg, wu, bu],
         dy,
         ["dx", "dw_gate", "db_gate", "dw_up", "db_up"],
     )
 
 
-def test_large_preactivations_and_partial_grads():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_large_preactivations_and_partial_grads(recompute):
     """Saturating activations (|pre-activation| ~ 30) stay finite and exact; only x needs a grad."""
     x, (w, w2), (b, b2), dy = _leaves((9,), 8, 16, [True, True], 2, seed=3)
     x = x * 10
     for ref, tri in [
-        (lambda x: linear_gelu_reference(x, w, b, "tanh"), lambda x: linear_gelu(x, w, b, "tanh", backend="triton")),
+        (
+            lambda x: linear_gelu_reference(x, w, b, "tanh"),
+            lambda x: linear_gelu(x, w, b, "tanh", backend="triton", recompute=recompute),
+        ),
         (
             lambda x: linear_swiglu_reference(x, w, b, w2, b2),
-            lambda x: linear_swiglu(x, w, b, w2, b2, backend="triton"),
+            lambda x: linear_swiglu(x, w, b, w2, b2, backend="triton", recompute=recompute),
         ),
     ]:
         _compare(ref, tri, [x], dy, ["dx"])
 
 
-def test_saves_inputs_not_preactivation():
-    """The Triton path keeps only x and the weights/biases for backward."""
-    x, (wg, wu), (bg, bu), _ = _leaves((6,), 8, 16, [True, True], 2, seed=4)
-    leaves = [t.requires_grad_() for t in (x, wg, bg, wu, bu)]
+def _saved_numel(fn, tensors):
+    """Elements autograd saves for backward beyond the leaves themselves."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        linear_swiglu(*leaves, backend="triton")
-    assert sum(t.numel() for t in saved) == sum(t.numel() for t in leaves)
+        fn(*leaves)
+    leaf_ids = {id(t) for t in leaves}
+    return sum(t.numel() for t in saved if id(t) not in leaf_ids and t.data_ptr() not in {x.data_ptr() for x in leaves})
+
+
+def test_saved_activations_against_torch():
+    """Per [M, N] output: GeLU saves one pre-activation, as torch does; SwiGLU saves two where
+    torch saves three; the recompute mode saves none (only x and the weights)."""
+    m, k, n = 6, 8, 16
+    x, (wg, wu), (bg, bu), _ = _leaves((m,), n, k, [True, True], 2, seed=4)
+    tensors = [x, wg, bg, wu, bu]
+    swiglu_torch = _saved_numel(linear_swiglu_reference, tensors)
+    swiglu_fused = _saved_numel(lambda *t: linear_swiglu(*t, backend="triton"), tensors)
+    swiglu_recompute = _saved_numel(lambda *t: linear_swiglu(*t, backend="triton", recompute=True), tensors)
+    assert (swiglu_torch, swiglu_fused, swiglu_recompute) == (3 * m * n, 2 * m * n, 0)
+    gelu_torch = _saved_numel(lambda x, w, b: linear_gelu_reference(x, w, b, "tanh"), tensors[:3])
+    gelu_fused = _saved_numel(lambda x, w, b: linear_gelu(x, w, b, backend="triton"), tensors[:3])
+    assert (gelu_torch, gelu_fused) == (m * n, m * n)
 
 
 def test_torch_backend_is_reference_and_bad_args_raise():
@@ -131,3 +159,5 @@ def test_torch_backend_is_reference_and_bad_args_raise():
         linear_gelu(x, w, b, approximate="erf")
     with pytest.raises(ValueError):
         linear_gelu(x, w, b, backend="cuda")
+    with pytest.raises(ValueError, match="gemm_backend"):
+        linear_swiglu(x, w, b, w2, None, backend="triton", gemm_backend="cublas")

@@ -207,14 +207,14 @@ def test_tf32_knob_overrides_torch_and_rejects_bad_values(restore_tf32):
 
 
 def test_autotune_key_includes_the_dot_precision():
-    from meshtron.kernels import grouped_gemm, linear_act
+    from meshtron.kernels import gemm, grouped_gemm, linear_act
 
     for kernel in (
         linear_act._linear_gelu_fwd_kernel,
         linear_act._linear_swiglu_fwd_kernel,
         linear_act._linear_gelu_bwd_kernel,
         linear_act._linear_swiglu_bwd_kernel,
-        linear_act._matmul_kernel,
+        gemm._matmul_kernel,
     ):
         assert "PRECISION" in kernel.keys
     for kernel in (grouped_gemm._grouped_gemm_kernel, grouped_gemm._grouped_gemm_dw_kernel):
