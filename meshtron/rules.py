@@ -9,7 +9,7 @@ from __future__ import annotations
 
 Check = tuple[bool, str]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 def first_failure(checks: list[Check]) -> str | None:

@@ -19,6 +19,7 @@ from meshtron.moe.dispatcher import AllToAllDispatcher
 from meshtron.moe.experts import GroupedExperts, expert_out_init_std
 from meshtron.moe.router import RouterOutput, TopKRouter
 from meshtron.moe.scope import aux_loss_scope
+from meshtron.mpu import fp8
 from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mappings import (
     all_reduce_stats,
@@ -69,12 +70,12 @@ class SharedExperts(nn.Module):
         x [s/tp, b, h] (`full`: the already-gathered [s, b, h], if the caller has it)."""
         group = self.mesh.tp
         x = gather_from_sequence(x, group) if full is None else sequence_gathered(x, full, group)
-        up = F.linear(x, self.up)
-        return F.gelu(up, approximate="tanh") if self.gate is None else F.silu(F.linear(x, self.gate)) * up
+        up = fp8.linear(x, self.up)
+        return F.gelu(up, approximate="tanh") if self.gate is None else F.silu(fp8.linear(x, self.gate)) * up
 
     def output(self, hidden: torch.Tensor) -> torch.Tensor:
         """Down projection of `hidden`, summed over tp and cut to this rank's sequence shard."""
-        return reduce_scatter_to_sequence(F.linear(hidden, self.down), self.mesh.tp)
+        return reduce_scatter_to_sequence(fp8.linear(hidden, self.down), self.mesh.tp)
 
     def forward(self, x: torch.Tensor, full: torch.Tensor | None = None) -> torch.Tensor:
         return self.output(self.hidden(x, full))

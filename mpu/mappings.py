@@ -13,6 +13,8 @@
                             of the input gradient, asynchronous beside the weight-gradient GEMM
     row_parallel_linear     fwd: linear + all-reduce (SP: reduce-scatter) in place   bwd: identity
                             (SP: all-gather) + linear
+    (under trainer.precision=fp8 both linears run their forward and input-gradient GEMMs in FP8,
+    mpu/fp8.py; the weight-gradient GEMM stays 16-bit)
 
 and the non-differentiable collectives that code outside mpu/ (and the pipeline/ and dp/
 folders above it) calls instead of torch.distributed's (tests/test_module_boundaries.py
@@ -43,9 +45,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
+from meshtron.mpu import fp8
 from meshtron.mpu import shm_collectives as shm
 from meshtron.mpu.mesh import VirtualGroup, group_rank, group_size
 from meshtron.mpu.waits import wait_for
@@ -214,8 +216,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
             bias = None if bias is None else bias.to(dtype)
         if sequence_parallel:
             x = _gather(x, 0, group)
+        ctx.fp8 = fp8.fp8_mode(x, weight)  # trainer.precision=fp8: FP8 GEMMs (mpu/fp8.py)
         with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x, weight, bias)
+            y = fp8.linear_forward(x, weight, bias, ctx.fp8)
         ctx.save_for_backward(x, weight)
         return y
 
@@ -227,7 +230,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         grad_input = work = label = full = None
         in_shm = False  # shared memory is synchronous: reduce after the weight gradient
         if ctx.needs_input_grad[0]:
-            grad_input = grad.matmul(weight)
+            grad_input = fp8.linear_input_grad(grad, weight, ctx.fp8)
             if _shape_only(group):
                 grad_input = _reduce_scatter(grad_input, 0, group) if sp else grad_input
             elif sp:
@@ -266,7 +269,7 @@ def column_parallel_linear(
     the input gradient's all-reduce (reduce-scatter) over `group` asynchronously and computes
     the weight and bias gradients while it is in flight. A group of one is plain F.linear."""
     if _size(group, x) == 1:
-        return F.linear(x, weight, bias)
+        return fp8.linear(x, weight, bias)
     return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel)
 
 
@@ -282,17 +285,18 @@ class _RowParallelLinear(torch.autograd.Function):
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x, weight)
+        ctx.fp8 = fp8.fp8_mode(x, weight)  # trainer.precision=fp8: FP8 GEMMs (mpu/fp8.py)
         # Splitting the GEMM into row chunks whose all-reduces overlap the next chunk's GEMM
         # was measured no faster at tp=2 on the 2-core CPU (bench/README.md), so one GEMM.
         with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x, weight)
+            y = fp8.linear_forward(x, weight, None, ctx.fp8)
         return _reduce_scatter(y, 0, group) if sequence_parallel else _all_reduce(y, group)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = _gather(grad, 0, ctx.group) if ctx.sequence_parallel else grad.contiguous()
-        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_input = fp8.linear_input_grad(grad, weight, ctx.fp8) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
@@ -307,7 +311,7 @@ def row_parallel_linear(
     rank's slice of the features; same values and gradients, without the copy of the GEMM's
     output. A group of one is plain F.linear."""
     if _size(group, x) == 1:
-        return F.linear(x, weight)
+        return fp8.linear(x, weight)
     return _RowParallelLinear.apply(x, weight, group, sequence_parallel)
 
 

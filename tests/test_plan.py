@@ -167,7 +167,7 @@ def test_bad_layouts_raise_clear_messages():
     with pytest.raises(ValueError, match=r"trainer\.global_batch_size=10 .*trainer\.micro_batch_size=2 \* dp=2"):
         plan_rank(gpt2_tiny(), ParallelConfig(tp=2), 4, 0, micro_batch_size=2, global_batch_size=10)
     with pytest.raises(ValueError, match="precision"):
-        plan_rank(gpt2_tiny(), ParallelConfig(), 4, 0, precision="fp8", **BATCH)
+        plan_rank(gpt2_tiny(), ParallelConfig(), 4, 0, precision="fp4", **BATCH)
     with pytest.raises(ParallelConfigError, match="need an MoE model"):
         plan_rank(gpt2_tiny(), ParallelConfig(ep=2), 4, 0, **BATCH)
 

@@ -108,5 +108,5 @@ def test_loss_scaler_rule():
 
 
 def test_unknown_precision_is_refused():
-    with pytest.raises(ValueError, match="trainer.precision='fp8' is unknown"):
-        Precision("fp8")
+    with pytest.raises(ValueError, match="trainer.precision='fp4' is unknown"):
+        Precision("fp4")

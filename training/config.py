@@ -42,8 +42,10 @@ class TrainerConfig:
     dry_run: bool = setting(False, help="plan memory per rank (plan.json) and exit without training")
     log_every: int = setting(10, ge=1, help="log metrics every N steps")
     max_grad_norm: float = setting(1.0, ge=0, help="gradient clipping norm (0 = no clipping)")
-    # fp32 | bf16 | fp16 (meshtron/rules.py precision_check)
-    precision: str = setting("fp32", help="fp32 | bf16 | fp16: autocast compute, fp32 main weights and grads")
+    # fp32 | bf16 | fp16 | fp8 (meshtron/rules.py precision_check; fp8: training/precision.py)
+    precision: str = setting(
+        "fp32", help="fp32 | bf16 | fp16 | fp8: autocast compute (fp8: FP8 dense GEMMs), fp32 main weights and grads"
+    )
     initial_loss_scale: float = setting(
         65536.0, ge=1, in_train_yaml=False, help="fp16 only: dynamic loss scale to start from"
     )

@@ -11,6 +11,12 @@ the forward runs; the saving is in activations and matmul time (tensor cores on 
 main weights in the optimizer (16-bit resident weights, dp/resident.py): autocast then has
 no weight copies to make, gradients are still accumulated and reduced in fp32.
 
+`trainer.precision=fp8` is bf16 autocast plus FP8 GEMMs for the dense linears (attention's
+qkv and output projections, the MLPs, shared experts): e4m3 operands with per-row scales,
+fp32 accumulation, a bf16 weight-gradient GEMM (mpu/fp8.py has the recipe); everything else
+is bf16 as above. It needs a GPU of compute capability 8.9 or newer (or the CPU, where torch
+computes the same numbers slowly: tests and smoke runs).
+
 fp16 has a narrow exponent range, so its gradients are computed on a scaled loss
 (`LossScaler`): the loss is multiplied by the scale before backward and the gradients are
 divided by it before clipping; a step whose gradients overflow (non-finite norm) is skipped
@@ -25,9 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtron.errors import ConfigError
+from meshtron.mpu.fp8 import fp8_scope, fp8_supported
 from meshtron.rules import precision_check, raise_first
 
-COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -58,6 +66,10 @@ class Precision:
 
     def __init__(self, name: str = "fp32", device_type: str = "cpu", scaler: LossScaler | None = None):
         raise_first([precision_check(name)])
+        if name == "fp8":
+            ok, why = fp8_supported(torch.device(device_type))
+            if not ok:
+                raise ConfigError(f"trainer.precision=fp8: {why}; use trainer.precision=bf16")
         self.name, self.device_type = name, device_type
         self.dtype = COMPUTE_DTYPES[name]
         self.scaler = (scaler or LossScaler()) if name == "fp16" else None
@@ -67,9 +79,12 @@ class Precision:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def autocast(self):
-        """Context for forward passes: autocast to the compute dtype (nothing for fp32)."""
+        """Context for forward passes: autocast to the compute dtype (nothing for fp32), and
+        for fp8 the FP8 GEMMs of the dense linears inside it."""
         if self.dtype is None:
             return contextlib.nullcontext()
+        if self.name == "fp8":
+            return _fp8_autocast(self.device_type)
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def update(self, finite: bool) -> None:
@@ -78,3 +93,9 @@ class Precision:
 
 
 FP32 = Precision("fp32")
+
+
+@contextlib.contextmanager
+def _fp8_autocast(device_type: str):
+    with torch.autocast(device_type, dtype=torch.bfloat16), fp8_scope():
+        yield
