@@ -19,8 +19,9 @@ failure with its error text, never skipped silently):
   parallel.tp=4 parallel.ep=8` shrunk to the GPUs present (tp = largest of 4, 2, 1 dividing the
   GPU count, ep = gcd(GPUs, 8); 4 layers, hidden 1024, seq 512, 10 steps, bf16) over NCCL,
   kernels.backend=auto; the loss must be finite and fall, and no kernel may fail its self-check.
-* bench: bench/kernels.py (bf16 and fp32: per kernel achieved TFLOP/s or GB/s, fraction of the
-  device's datasheet peak from planning/peak.py, speedup vs torch), bench/throughput.py
+* bench: bench/kernels.py at the gpt_1b tp=4 shapes (bf16 and fp32: issue 36's records per
+  kernel, meshtron vs its torch baseline in device time, with host and wall time; summarised by
+  bench/kernel_records.py `summary`), bench/throughput.py
   (one GPU, bf16, kernels torch vs auto, and auto with whole logits: tokens/s and MFU) and bench/moe_layer.py (issue 12:
   meshtron's MoE block vs transformers' MixtralSparseMoeBlock in one process, forward +
   backward at the issue's shape, `--device cuda --kernels auto --peer --rounds 3`, bf16 and
@@ -49,6 +50,8 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # after the installed meshtron: `bench.kernel_records` only
 
 _INTERPRETER_REMOVED = __name__ == "__main__" and os.environ.pop("TRITON_INTERPRET", None) is not None
 
@@ -387,26 +390,15 @@ def _bench_json(args: list[str], timeout: float) -> dict:
 
 def run_bench(timeout: float) -> dict:
     """bench/kernels.py in bf16 and fp32, bench/throughput.py with torch vs auto kernels (bf16)."""
+    from bench.kernel_records import summary
+
     out: dict = {"ok": True, "kernels": {}, "throughput": {}}
     for name in DTYPES:
-        report = _bench_json(["bench/kernels.py", "--device", "cuda", "--dtype", name], timeout)
-        summary = {}
-        for kernel, entry in report["kernels"].items():
-            tri = entry.get("triton", {})
-            summary[kernel] = {
-                "triton_ms": tri.get("ms"),
-                "torch_ms": entry["torch"]["ms"],
-                "triton_tflops": tri.get("tflops"),
-                "triton_gb_per_s": tri.get("gb_per_s"),
-                "fraction_of_peak": tri.get("fraction_of_peak"),
-                "speedup_vs_torch": entry.get("speedup_vs_torch"),
-            }
-        out["kernels"][name] = {
-            "peak_flops": report["peak_flops"],
-            "peak_source": report["peak_source"],
-            "tokens": report["tokens"],
-            "per_kernel": summary,
-        }
+        records = _bench_json(
+            ["bench/kernels.py", "--device", "cuda", "--shapes", "gpt_1b_tp4", "--dtype", name, "--rounds", "1"],
+            timeout,
+        )
+        out["kernels"][name] = summary(records)
     shape = [
         "--arch",
         "llama",

@@ -10,6 +10,8 @@
 #   bash bench/gpu_session.sh run       # THERE, via the device tool, carry [".whl"]: installs
 #                                       # the wheels and meshtron into /tmp/site, then runs the
 #                                       # steps below, each one's output in $OUT as it finishes
+#   bash bench/gpu_session.sh kernels   # THERE, the same way: issue 36's kernel measurements
+#                                       # (see "kernels" below), one results file
 #
 # Steps, most wanted first (issue 12's open target is the MoE block against Mixtral on a GPU),
 # each under `timeout` so that a slow one cannot take the rest's time; the whole run keeps to
@@ -35,19 +37,64 @@
 # is the install folder (default /tmp/site). Without CUDA (`run` here) every step still runs
 # on the CPU at a tiny size, to prove the script before a device minute is spent on it:
 #   OUT=/tmp/out bash bench/gpu_session.sh run
+#
+# kernels: issue 36's measurements within GPU_SESSION_BUDGET seconds (default 470: under 8
+# minutes with the install), each part under `timeout` with its own cap, most wanted first:
+#   gpt_1b_tp4   bench/kernels.py --shapes gpt_1b_tp4 (norms, cross-entropy, linear+act, GEMMs, grouped)
+#   8b           bench/kernels.py --shapes 8b (the same at 8,192 tokens / h 4096, the LM head + loss)
+#   e2e_llama    bench/kernels.py --e2e llama_8l_h1024 (bench/throughput.py, kernels torch vs auto)
+#   e2e_gpt_1b   bench/kernels.py --e2e gpt_1b_4l
+#   e2e_fp8      bench/kernels.py --e2e fp8_loss (bench/throughput.py, trainer.precision bf16 vs fp8, 200 steps)
+# then bench/kernel_records.py merge, which always runs: every target of the issue gets a record
+# (a part that ran out of time leaves its targets "not measured"), in
+#   $OUT/results/gpu/<UTC date>-<device>-kernels.json  -> copy into bench/results/gpu/ and commit
+# ($OUT/results/gpu, not $OUT/bench/results/gpu: the device tool returns files at most two
+# folders below $OUT). Each part's records are in $OUT/parts/ until the merge; $OUT/log.txt has
+# every part's stderr (a table of its records) and exit status; `kernels` exits 1 when a part
+# failed. GPU_SESSION_PARTS picks parts. Without CUDA the same parts run on the CPU at tiny sizes
+# with TRITON_INTERPRET=1 (every code path once, the Triton calls included; nothing measured):
+#   OUT=/tmp/out bash bench/gpu_session.sh kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS=.whl
 # What meshtron imports that the device image lacks (its package list: .library/device/KINDS.md),
-# at the versions CI installs (so the device runs what the suite tested).
-FETCH=("hydra-core==1.3.8" "omegaconf==2.3.1" "antlr4-python3-runtime==4.9.3")
+# at the versions CI installs (so the device runs what the suite tested), and Liger-Kernel, issue
+# 36's peer for the fused LM head + loss (pure Python + Triton; `pip wheel --no-deps liger-kernel`
+# fetched 0.8.5 here on 2026-11-27; it needs only torch and triton, which the image has).
+FETCH=("hydra-core==1.3.8" "omegaconf==2.3.1" "antlr4-python3-runtime==4.9.3" "liger-kernel==0.8.5")
 
 fetch() {
     mkdir -p "$WHEELS"
     # pure-Python packages: `pip wheel` also builds antlr4's (sdist-only on PyPI) into a py3 wheel
     python3 -m pip wheel --quiet --no-deps -w "$WHEELS" "${FETCH[@]}" || return 1
     ls -l "$WHEELS"
+}
+
+install() {  # install LOG: the wheels and meshtron into GPU_SESSION_SITE, on PYTHONPATH after
+    local log=$1 site="${GPU_SESSION_SITE:-/tmp/site}" wheels=() had_build=0
+    shopt -s nullglob; wheels=("$WHEELS"/*.whl); shopt -u nullglob  # none: this python has them already
+    [ -e build ] && had_build=1
+    python3 -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+        --target "$site" "${wheels[@]}" . >>"$log" 2>&1 || { echo "install failed (see log.txt)" | tee -a "$log"; return 1; }
+    [ "$had_build" = 1 ] || rm -rf build  # setuptools' in-tree build folder
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+}
+
+env_info() {
+    nvidia-smi -L 2>&1 || true
+    python3 - <<'EOF'
+import importlib, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+for name in ("triton", "transformers", "einops", "hydra", "meshtron"):
+    try:
+        mod = importlib.import_module(name)
+        print(name, getattr(mod, "__version__", "?"), getattr(mod, "__file__", ""))
+    except Exception as exc:  # a missing package is what this step is for
+        print(name, "MISSING", exc)
+EOF
+    date -u
 }
 
 run() {
@@ -57,14 +104,7 @@ run() {
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
     unset TRITON_INTERPRET
-
-    local site="${GPU_SESSION_SITE:-/tmp/site}" wheels=() had_build=0
-    shopt -s nullglob; wheels=("$WHEELS"/*.whl); shopt -u nullglob  # none: this python has them already
-    [ -e build ] && had_build=1
-    python3 -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-        --target "$site" "${wheels[@]}" . >>"$log" 2>&1 || { echo "install failed (see log.txt)" | tee -a "$log"; return 1; }
-    [ "$had_build" = 1 ] || rm -rf build  # setuptools' in-tree build folder
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+    install "$log" || return 1
 
     local cuda
     cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
@@ -93,22 +133,6 @@ run() {
         tail -c 600 "$out/$file"; echo
     }
 
-    env_info() {
-        nvidia-smi -L 2>&1 || true
-        python3 - <<'EOF'
-import importlib, platform, torch
-print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
-      "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-for name in ("triton", "transformers", "einops", "hydra", "meshtron"):
-    try:
-        mod = importlib.import_module(name)
-        print(name, getattr(mod, "__version__", "?"), getattr(mod, "__file__", ""))
-    except Exception as exc:  # a missing package is what this step is for
-        print(name, "MISSING", exc)
-EOF
-        date -u
-    }
-
     export -f env_info
     step env env.txt bash -c env_info
     moe() {  # moe STEP FILE DTYPE [OPTIONS...]: the MoE block beside Mixtral's
@@ -135,8 +159,71 @@ EOF
     [ -z "$failed" ]
 }
 
+kernels() {
+    local out="${OUT:?set OUT to the folder that receives the results}"
+    local budget="${GPU_SESSION_BUDGET:-470}" parts="${GPU_SESSION_PARTS:-gpt_1b_tp4,8b,e2e_llama,e2e_gpt_1b,e2e_fp8}"
+    local start=$SECONDS log="$out/log.txt" failed="" partdir="$out/parts" results="$out/results/gpu"
+    mkdir -p "$out" "$partdir"
+    export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+    unset TRITON_INTERPRET
+    install "$log" || return 1
+
+    local cuda device=cuda
+    cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
+    if [ "$cuda" != "1" ]; then
+        device=cpu
+        export TRITON_INTERPRET=1
+        echo "no CUDA: rehearsal on the CPU at tiny sizes, Triton in its interpreter" | tee -a "$log"
+    fi
+    env_info >"$out/env.txt" 2>>"$log"
+
+    # Each part reserves CAP seconds of the budget, in this order; a part may use the budget's
+    # slack beyond its own CAP, never the reservations of the parts after it.
+    local names=(gpt_1b_tp4 8b e2e_llama e2e_gpt_1b e2e_fp8) caps=(150 125 75 80 40)
+    local args_gpt_1b_tp4=(--shapes gpt_1b_tp4 --not-built) args_8b=(--shapes 8b)
+    local args_e2e_llama=(--e2e llama_8l_h1024) args_e2e_gpt_1b=(--e2e gpt_1b_4l) args_e2e_fp8=(--e2e fp8_loss)
+    local i j name later limit left rc
+    for i in "${!names[@]}"; do
+        name=${names[$i]}
+        case ",$parts," in *",$name,"*) ;; *) continue ;; esac
+        later=0
+        for ((j = i + 1; j < ${#names[@]}; j++)); do
+            case ",$parts," in *",${names[$j]},"*) later=$((later + caps[j])) ;; esac
+        done
+        left=$((budget - (SECONDS - start)))
+        limit=$((left - later))
+        [ "$limit" -lt "${caps[$i]}" ] && limit=${caps[$i]}
+        [ "$limit" -gt "$left" ] && limit=$left
+        if [ "$limit" -lt 20 ]; then echo "== $name: skipped, ${left}s of the budget left" | tee -a "$log"; continue; fi
+        local -n args="args_$name"
+        local extra=()
+        [ "${args[0]}" = --e2e ] && extra=(--e2e-timeout $((limit - 10)))
+        echo "== $name (up to ${limit}s): bench/kernels.py ${args[*]}" | tee -a "$log"
+        local t0=$SECONDS
+        timeout --kill-after=5 "$limit" python3 bench/kernels.py --device "$device" --out "$partdir/$name.json" \
+            "${args[@]}" "${extra[@]}" >/dev/null 2>>"$log"
+        rc=$?
+        unset -n args
+        [ "$rc" = 0 ] || failed="$failed $name"
+        echo "== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$log"
+    done
+    # Always: every target gets a record, the unmeasured ones saying why.
+    shopt -s nullglob
+    local files=("$partdir"/*.json)
+    shopt -u nullglob
+    echo "== merge: ${#files[@]} part files" | tee -a "$log"
+    if python3 bench/kernel_records.py merge --dir "$results" "${files[@]}" 2>&1 | tee -a "$log"; then
+        rm -rf "$partdir"  # the merged file holds every record (the device tool returns at most 8 files)
+    else
+        failed="$failed merge"
+    fi
+    echo "total $((SECONDS - start))s of ${budget}s${failed:+; failed:$failed}" | tee -a "$log"
+    [ -z "$failed" ]
+}
+
 case "${1:-}" in
     fetch) fetch ;;
     run) run ;;
-    *) echo "usage: bench/gpu_session.sh fetch|run   (see the comment at the top)" >&2; exit 2 ;;
+    kernels) kernels ;;
+    *) echo "usage: bench/gpu_session.sh fetch|run|kernels   (see the comment at the top)" >&2; exit 2 ;;
 esac

@@ -41,7 +41,7 @@ from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.observability.memory import peak_memory_bytes  # noqa: E402
 from meshtron.planning.flops import model_flops_per_token  # noqa: E402
 from meshtron.planning.peak import peak_flops  # noqa: E402
-from meshtron.rules import compile_moe_checks, first_failure  # noqa: E402
+from meshtron.rules import PRECISIONS, compile_moe_checks, first_failure  # noqa: E402
 from meshtron.training.config import OptimConfig  # noqa: E402
 from meshtron.training.engine import Engine, EngineConfig  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
@@ -98,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2, help="model.top_k (with --experts)")
     p.add_argument("--moe-ffn", type=int, default=None, help="model.moe_ffn_hidden_size (default: the dense --ffn)")
     p.add_argument("--shared-experts", type=int, default=0, help="model.shared_experts (with --experts)")
+    p.add_argument("--moe-every", type=int, default=1, help="model.moe_every: every N-th layer's MLP is MoE")
+    p.add_argument("--untied-embeddings", action="store_true", help="model.tie_embeddings=false (gpt_1b, llama)")
     p.add_argument(
         "--capacity-factor", type=float, default=None, help="model.capacity_factor (with --experts; default dropless)"
     )
@@ -149,8 +151,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--precision",
         default="fp32",
-        choices=["fp32", "bf16", "fp16"],
-        help="compute precision as trainer.precision (autocast; fp32 main weights)",
+        choices=list(PRECISIONS),
+        help="compute precision as trainer.precision (autocast; fp32 main weights; fp8: FP8 dense GEMMs)",
+    )
+    p.add_argument(
+        "--distinct-batches",
+        type=int,
+        default=None,
+        help="cycle through this many random batches (a memorisation run whose loss falls; default all distinct)",
     )
     p.add_argument(
         "--profile", action="store_true", help="profile one extra step with torch.profiler; table to stderr on rank 0"
@@ -330,6 +338,8 @@ def build_run(args: argparse.Namespace, device: torch.device, world: int):
             moe_ffn_hidden_size=args.moe_ffn,
             shared_experts=args.shared_experts,
             capacity_factor=args.capacity_factor,
+            moe_every=args.moe_every,
+            tie_embeddings=not args.untied_embeddings,
         )
         mesh = build_mesh(
             ParallelConfig(
@@ -451,9 +461,11 @@ def main(argv=None) -> None:
         return engine.step(micro_batches, LR)
 
     total = args.warmup + args.steps + (1 if args.profile else 0)
-    batches = [
-        rank_microbatches(x, y, mesh.dp_rank, dp, micro, device) for x, y in global_batches(cfg, args.batch, total)
+    distinct = min(total, args.distinct_batches or total)  # fewer: the run cycles them (memorisation)
+    made = [
+        rank_microbatches(x, y, mesh.dp_rank, dp, micro, device) for x, y in global_batches(cfg, args.batch, distinct)
     ]
+    batches = [made[i % distinct] for i in range(total)]
 
     times, losses, other_busy, steal = time_steps(step, batches, args, world, device, backend)
 
@@ -556,7 +568,7 @@ def main(argv=None) -> None:
         "peak_flops_per_process": per_proc,
         "peak_source": peak_source,
         "mfu": achieved / total_peak,
-        "loss": {"first": losses[0], "last": losses[-1]},
+        "loss": {"first": losses[0], "last": losses[-1], "mean_last_20": statistics.fmean(losses[-20:])},
         # Rank 0's peak: CUDA max_memory_allocated, CPU the process's peak resident set.
         "memory": {
             "peak_bytes": peak_memory_bytes(device),

@@ -36,7 +36,18 @@ RESOLVED = ("torch", "triton", CHECKED)
 # depends on the operands (torch's grouped_mm in bf16 with aligned rows, Triton otherwise;
 # moe/experts.py grouped_backend). kernels.backend=triton still runs every Triton kernel
 # (strict), to measure or test them.
-AUTO_PREFERS_TORCH_ON_CUDA = frozenset({"linear_gelu", "linear_swiglu", "rms_norm", "layer_norm"})
+# The fused residual add + norm (kernels/norms.py residual_rms_norm / residual_layer_norm, the
+# blocks' attention residual and norm2) is unmeasured on a GPU so far: auto keeps torch's
+# `x + delta; norm(x)` on CUDA until bench/kernels.py measures `norms.residual_rms_norm` /
+# `norms.residual_layer_norm` against it.
+AUTO_PREFERS_TORCH_ON_CUDA = frozenset(
+    {"linear_gelu", "linear_swiglu", "rms_norm", "layer_norm", "residual_rms_norm", "residual_layer_norm"}
+)
+# The plain GEMMs inside the fused kernels (kernels/gemm.py: the fused linear+activation's
+# backward dX and dW) run cuBLAS under auto on these device types, until bench/kernels.py
+# records the Triton GEMM at or above torch.mm there (its one-program-per-tile 128x128 kernel
+# was the core of the linear kernels measured above).
+AUTO_PLAIN_GEMM_TORCH_ON = frozenset({"cuda"})
 
 # Kernels that auto runs with Triton only on inputs of at least this many elements. The MoE
 # experts' fused SwiGLU (kernels/swiglu.py) saves ~12 bytes of memory traffic per element: 0.36
@@ -68,6 +79,15 @@ def auto_runs_torch(kernel: str, device_type: str, numel: int | None = None) -> 
     if device_type == "cuda" and kernel in AUTO_PREFERS_TORCH_ON_CUDA:
         return True
     return numel is not None and numel < AUTO_TRITON_MIN_ELEMENTS.get(kernel, 0)
+
+
+def plain_gemm_backend(mode: str, device_type: str) -> str:
+    """The engine ("torch" or "triton") of the plain GEMMs inside the fused kernels under the
+    resolved kernel `mode`: all Triton when strict ("triton"), else torch where auto prefers it
+    (`AUTO_PLAIN_GEMM_TORCH_ON`), and torch for the "torch" mode."""
+    if mode == "triton" or (mode == CHECKED and device_type not in AUTO_PLAIN_GEMM_TORCH_ON):
+        return "triton"
+    return "torch"
 
 
 def resolve_backend(name: str, device_type: str) -> str:

@@ -11,6 +11,16 @@ Public API (all over the last dimension H of an input of any leading shape [...,
   backend="torch")``: dispatch on ``backend`` ("torch" -> reference, "triton" -> the autograd
   Function), like every kernel module's function: the config's ``auto`` and the self-checked
   mode are resolved above the kernels (``kernels.backend``, ``kernels.selfcheck``).
+* ``residual_layer_norm(x, delta, weight, bias, eps, backend="torch")`` /
+  ``residual_rms_norm(x, delta, weight, eps, backend="torch")`` -> ``(s, y)``: the residual add
+  fused in front of the norm, ``s = x + delta`` (the new residual stream) and ``y = norm(s)``;
+  "torch" is exactly the unfused ``s = x + delta; F.layer_norm / F.rms_norm(s)``, "triton" the
+  ``ResidualLayerNormFunction`` / ``ResidualRMSNormFunction`` kernels below. The model's blocks
+  use it for the attention residual and the MLP's norm (``models/gpt.py`` ``Block``). The MLP
+  residual is not fused with the *next* block's norm: the block boundary is where pipeline
+  stages split (a stage's output must be the residual stream alone, sent as one tensor) and
+  where full recomputation checkpoints its input, so a cross-block fusion would have to hand
+  (s, y) over the boundary or recompute the norm; left for later.
 
 Numerics: inputs may be fp32, fp16 or bf16; statistics and all arithmetic are in fp32, the
 output has ``x.dtype`` and the gradients have the dtype of the tensor they belong to.
@@ -30,6 +40,19 @@ Kernel structure (one forward and one backward kernel, shared by both norms via 
   [num_blocks, H] fp32 partials buffer. The partials are reduced with ``partials.sum(0)``
   in torch (num_blocks is small, ~2*SMs, so a second kernel buys nothing) and cast to the
   parameter dtype.
+
+Fused residual + norm (``_residual_norm_fwd_kernel`` / ``_residual_norm_bwd_kernel``, the same
+structure and configs as the plain norm's; the forward pruned to 32 elements per thread):
+
+* forward: reads x and delta once, adds them in fp32 and rounds once to s's dtype (torch's
+  type promotion of x + delta, so exactly torch's add), writes s, normalises the rounded s
+  (what the backward reads back) and writes y = norm(s) * w (+ b); mean/rstd [M] fp32 saved.
+  Bytes moved: x, delta in; s, y out, where unfused torch also reads s again for the norm.
+* backward: takes the gradients of both outputs, ``ds_in`` (of s, from the rest of the
+  residual stream) and ``dy``: ``d_x = d_delta = ds_in + norm_backward(dy)``, in one pass
+  over s, dy and ds_in per row block, with the weight (and bias) gradient partials as above.
+  Either gradient may be None (``set_materialize_grads(False)``): without dy no kernel runs
+  (d_x = ds_in, no weight gradient); without ds_in the kernel skips its load.
 
 Autotuning: the config lists (BLOCK_M, num_warps) are built when the kernels are first
 used, from ``kernels.backend.interpreting()``: a single config under TRITON_INTERPRET=1
@@ -58,6 +81,10 @@ __all__ = [
     "RMSNormFunction",
     "layer_norm",
     "rms_norm",
+    "ResidualLayerNormFunction",
+    "ResidualRMSNormFunction",
+    "residual_layer_norm",
+    "residual_rms_norm",
 ]
 
 _MAX_BLOCK_H = 65536
@@ -196,6 +223,120 @@ if triton_available():
         if HAS_BIAS:
             tl.store(DB_part + pid * H + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
+    def _residual_norm_fwd_kernel(
+        X,
+        D,
+        W,
+        B,
+        S,
+        Y,
+        Mean,
+        Rstd,
+        M,
+        H,
+        stride_x,
+        stride_d,
+        stride_out,
+        eps,
+        IS_RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        """s = x + delta (rounded once to S's dtype) and y = norm(s) * w (+ b) for BLOCK_M rows;
+        stores mean (LayerNorm) and rstd per row. S and Y are [M, H] with row stride stride_out."""
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_H)
+        row_mask = rows < M
+        col_mask = cols < H
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(D + rows64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        out = rows64[:, None] * stride_out + cols[None, :]
+        s = (x + d).to(S.dtype.element_ty)
+        tl.store(S + out, s, mask=mask)
+        s = s.to(tl.float32)  # normalise the stored (rounded) stream, as torch and the backward see it
+        if IS_RMS:
+            sc = s
+        else:
+            mean = tl.sum(s, axis=1) / H
+            sc = tl.where(mask, s - mean[:, None], 0.0)
+            tl.store(Mean + rows, mean, mask=row_mask)
+        var = tl.sum(sc * sc, axis=1) / H
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(Rstd + rows, rstd, mask=row_mask)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = sc * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y += b[None, :]
+        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
+
+    def _residual_norm_bwd_kernel(
+        S,
+        W,
+        DY,
+        DS,
+        DX,
+        Mean,
+        Rstd,
+        DW_part,
+        DB_part,
+        M,
+        H,
+        stride_s,
+        stride_dy,
+        stride_ds,
+        stride_dx,
+        rows_per_prog,
+        IS_RMS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_DS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        """dx = ds_in + norm_backward(dy) for rows [pid*rows_per_prog, ...) (the gradient of both
+        x and delta) and this row block's partial dw (db) sums; ds_in is read only if HAS_DS."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_H)
+        col_mask = cols < H
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        row_start = pid * rows_per_prog
+        row_end = tl.minimum(row_start + rows_per_prog, M)
+        for start in range(row_start, row_end, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_mask = rows < row_end
+            mask = row_mask[:, None] & col_mask[None, :]
+            rows64 = rows.to(tl.int64)
+            s = tl.load(S + rows64[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+            if IS_RMS:
+                shat = s * rstd[:, None]
+            else:
+                mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+                shat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+            wdy = w[None, :] * dy
+            c1 = tl.sum(shat * wdy, axis=1) / H
+            if IS_RMS:
+                dx = (wdy - shat * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = tl.sum(wdy, axis=1) / H
+                dx = (wdy - (shat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if HAS_DS:
+                dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dw_acc += dy * shat
+            if HAS_BIAS:
+                db_acc += dy
+        tl.store(DW_part + pid * H + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if HAS_BIAS:
+            tl.store(DB_part + pid * H + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
     def _keep_per_thread(configs, block_h, most):
         kept = [c for c in configs if 2 <= c.kwargs["BLOCK_M"] * block_h / (32 * c.num_warps) <= most]
         if not kept:
@@ -206,6 +347,12 @@ if triton_available():
         """Forward: keep configs whose tile gives each thread 2..64 fp32 elements per tensor; if
         none qualifies (very large H), keep the widest single-row config."""
         return _keep_per_thread(configs, kwargs.get("BLOCK_H", named_args.get("BLOCK_H")), 64)
+
+    def _prune_residual_configs(configs, named_args, **kwargs):
+        """Fused residual forward (x, delta and s live at once): 2..32 elements per thread; at 64
+        (the plain forward's bound) it spills 112-192 B per thread on sm_80/sm_90 with 16 warps
+        (kernels/aot.py measures it)."""
+        return _keep_per_thread(configs, kwargs.get("BLOCK_H", named_args.get("BLOCK_H")), 32)
 
     def _prune_bwd_configs(configs, named_args, **kwargs):
         """Backward (x, dy, x-hat, dx and two accumulators live at once): 2..16 elements per
@@ -219,22 +366,42 @@ if triton_available():
         bwd = [triton.Config({"BLOCK_M": bm}, num_warps=nw) for bm in (1, 2, 4, 8) for nw in (4, 8, 16)]
         return fwd, bwd
 
-    @functools.cache
-    def _kernels(interp: bool):
-        """(forward, backward) autotuned kernels for interpreter mode `interp`."""
+    def _autotune_args(interp: bool, fwd_prune=None) -> tuple[list, list, dict | None, dict | None]:
+        """(forward configs, backward configs, forward prune, backward prune) for interpreter
+        mode `interp`, shared by the plain and the fused residual norms (`fwd_prune`: the
+        forward's pruning function, default `_prune_configs`)."""
         if interp:
             # One config: multi-config autotune needs a GPU driver. BLOCK_M=4 (< the test
             # row counts) exercises the row masking and the backward row loop.
-            fwd_cfgs = [triton.Config({"BLOCK_M": 4}, num_warps=4)]
-            bwd_cfgs = [triton.Config({"BLOCK_M": 4}, num_warps=4)]
-            prune = bwd_prune = None
-        else:
-            fwd_cfgs, bwd_cfgs = gpu_norm_configs()
-            prune = {"early_config_prune": _prune_configs}
-            bwd_prune = {"early_config_prune": _prune_bwd_configs}
+            return (
+                [triton.Config({"BLOCK_M": 4}, num_warps=4)],
+                [triton.Config({"BLOCK_M": 4}, num_warps=4)],
+                None,
+                None,
+            )
+        fwd_cfgs, bwd_cfgs = gpu_norm_configs()
+        prune = {"early_config_prune": fwd_prune or _prune_configs}
+        return fwd_cfgs, bwd_cfgs, prune, {"early_config_prune": _prune_bwd_configs}
+
+    @functools.cache
+    def _kernels(interp: bool):
+        """(forward, backward) autotuned kernels for interpreter mode `interp`."""
+        fwd_cfgs, bwd_cfgs, prune, bwd_prune = _autotune_args(interp)
         key = ["H", "IS_RMS", "HAS_BIAS"]
         fwd = triton.autotune(configs=fwd_cfgs, key=key, prune_configs_by=prune)(triton.jit(_norm_fwd_kernel))
         bwd = triton.autotune(configs=bwd_cfgs, key=key, prune_configs_by=bwd_prune)(triton.jit(_norm_bwd_kernel))
+        return fwd, bwd
+
+    @functools.cache
+    def _residual_kernels(interp: bool):
+        """(forward, backward) autotuned fused residual + norm kernels for interpreter mode
+        `interp`: the plain norm's configs and pruning, the forward's to 32 elements per thread."""
+        fwd_cfgs, bwd_cfgs, prune, bwd_prune = _autotune_args(interp, _prune_residual_configs)
+        key = ["H", "IS_RMS", "HAS_BIAS"]
+        fwd = triton.autotune(configs=fwd_cfgs, key=key, prune_configs_by=prune)(triton.jit(_residual_norm_fwd_kernel))
+        bwd = triton.autotune(configs=bwd_cfgs, key=key + ["HAS_DS"], prune_configs_by=bwd_prune)(
+            triton.jit(_residual_norm_bwd_kernel)
+        )
         return fwd, bwd
 
 
@@ -409,6 +576,150 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw.to(ctx.w_dtype), None
 
 
+def _residual_norm_forward(x, delta, weight, bias, eps, is_rms):
+    """(s, y, mean, rstd) of the fused residual + norm forward: s = x + delta in
+    promote_types(x, delta) (torch's add), y = norm(s) * weight (+ bias) in s's dtype."""
+    _require_triton()
+    h = x.shape[-1]
+    if delta.shape != x.shape:
+        raise ValueError(f"residual norm: x {tuple(x.shape)} and delta {tuple(delta.shape)} must have one shape")
+    if weight.shape != (h,) or (bias is not None and bias.shape != (h,)):
+        raise ValueError(
+            f"weight/bias must have shape ({h},), got {tuple(weight.shape)}"
+            f"{'' if bias is None else ' / ' + str(tuple(bias.shape))}"
+        )
+    x2, d2 = _rows(x, h), _rows(delta, h)
+    m = x2.shape[0]
+    dtype = torch.promote_types(x.dtype, delta.dtype)
+    s = torch.empty((m, h), dtype=dtype, device=x.device)
+    y = torch.empty((m, h), dtype=dtype, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    mean = rstd if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
+    weight = weight.contiguous()
+    bias_c = bias.contiguous() if bias is not None else None
+    if m > 0:
+        fwd, _ = _residual_kernels(interpreting())
+        block_h = _block_h(h)
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
+        with _device_guard(x):
+            fwd[grid](
+                x2,
+                d2,
+                weight,
+                bias_c if bias_c is not None else weight,
+                s,
+                y,
+                mean,
+                rstd,
+                m,
+                h,
+                x2.stride(0),
+                d2.stride(0),
+                s.stride(0),
+                float(eps),
+                IS_RMS=is_rms,
+                HAS_BIAS=bias_c is not None,
+                BLOCK_H=block_h,
+            )
+    return s.view(x.shape), y.view(x.shape), mean, rstd
+
+
+def _residual_norm_backward(ds, dy, s, weight, has_bias, mean, rstd, is_rms):
+    """(d_s, dw, db): d_s = ds + norm_backward(dy) [M, H] in s's dtype, the fp32 weight (bias)
+    gradients. dy must be given; ds may be None."""
+    h = s.shape[-1]
+    s2 = _rows(s, h)
+    m = s2.shape[0]
+    dy2 = _rows(dy, h)
+    ds2 = _rows(ds, h) if ds is not None else None
+    dx = torch.empty((m, h), dtype=s.dtype, device=s.device)
+    if m == 0:
+        dw = torch.zeros(h, dtype=torch.float32, device=s.device)
+        return dx, dw, torch.zeros_like(dw) if has_bias else None
+    _, bwd = _residual_kernels(interpreting())
+    rows_per_prog = _num_row_blocks(s2)
+    num_blocks = triton.cdiv(m, rows_per_prog)
+    dw_part = torch.empty((num_blocks, h), dtype=torch.float32, device=s.device)
+    db_part = torch.empty((num_blocks, h), dtype=torch.float32, device=s.device) if has_bias else dw_part
+    with _device_guard(s2):
+        bwd[(num_blocks,)](
+            s2,
+            weight,
+            dy2,
+            ds2 if ds2 is not None else dy2,
+            dx,
+            mean,
+            rstd,
+            dw_part,
+            db_part,
+            m,
+            h,
+            s2.stride(0),
+            dy2.stride(0),
+            ds2.stride(0) if ds2 is not None else 0,
+            dx.stride(0),
+            rows_per_prog,
+            IS_RMS=is_rms,
+            HAS_BIAS=has_bias,
+            HAS_DS=ds2 is not None,
+            BLOCK_H=_block_h(h),
+        )
+    return dx, dw_part.sum(0), db_part.sum(0) if has_bias else None
+
+
+def _residual_grads(ctx, ds, dy, is_rms):
+    """(d_x, d_delta, d_weight, d_bias) of a fused residual norm from the gradients of s and y
+    (either may be None: the Functions do not materialise them)."""
+    s, w, mean, rstd = ctx.saved_tensors
+    if dy is None:  # only the residual stream's gradient flows: the norm is not in the loss
+        if ds is None:
+            return None, None, None, None
+        return ds.to(ctx.x_dtype), ds.to(ctx.d_dtype), None, None
+    dx, dw, db = _residual_norm_backward(ds, dy, s, w, ctx.has_bias, mean, rstd, is_rms)
+    dx = dx.view(s.shape)
+    return dx.to(ctx.x_dtype), dx.to(ctx.d_dtype), dw.to(ctx.w_dtype), db.to(ctx.b_dtype) if db is not None else None
+
+
+class ResidualLayerNormFunction(torch.autograd.Function):
+    """Triton residual add + LayerNorm: ``ResidualLayerNormFunction.apply(x, delta, weight, bias,
+    eps)`` returns ``(s, y)``, ``s = x + delta`` and ``y = layer_norm(s) * weight + bias`` (bias may
+    be None), with gradients for x, delta, weight and bias from the gradients of s and y."""
+
+    @staticmethod
+    def forward(ctx, x, delta, weight, bias, eps):
+        ctx.set_materialize_grads(False)
+        s, y, mean, rstd = _residual_norm_forward(x, delta, weight, bias, eps, is_rms=False)
+        ctx.save_for_backward(s, weight.contiguous(), mean, rstd)
+        ctx.has_bias = bias is not None
+        ctx.x_dtype, ctx.d_dtype, ctx.w_dtype = x.dtype, delta.dtype, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        return (*_residual_grads(ctx, ds, dy, is_rms=False), None)
+
+
+class ResidualRMSNormFunction(torch.autograd.Function):
+    """Triton residual add + RMSNorm: ``ResidualRMSNormFunction.apply(x, delta, weight, eps)``
+    returns ``(s, y)``, ``s = x + delta`` and ``y = rms_norm(s) * weight``, with gradients for x,
+    delta and weight from the gradients of s and y."""
+
+    @staticmethod
+    def forward(ctx, x, delta, weight, eps):
+        ctx.set_materialize_grads(False)
+        s, y, _, rstd = _residual_norm_forward(x, delta, weight, None, eps, is_rms=True)
+        ctx.save_for_backward(s, weight.contiguous(), rstd, rstd)
+        ctx.has_bias = False
+        ctx.x_dtype, ctx.d_dtype, ctx.w_dtype = x.dtype, delta.dtype, weight.dtype
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        dx, dd, dw, _ = _residual_grads(ctx, ds, dy, is_rms=True)
+        return dx, dd, dw, None
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -435,3 +746,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
     if _kernel_backend(backend, "rms_norm") == "torch":
         return rms_norm_reference(x, weight, eps)
     return RMSNormFunction.apply(x, weight, eps)
+
+
+def residual_layer_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    backend: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + LayerNorm over the last dim: ``(s, y)`` with ``s = x + delta`` (x and delta
+    of one shape; s in their promoted dtype) and ``y = layer_norm(s) * weight + bias`` (bias may
+    be None). ``backend``: "torch" (``x + delta`` then the reference) or "triton" (one fused
+    kernel each way, ResidualLayerNormFunction)."""
+    if _kernel_backend(backend, "residual_layer_norm") == "torch":
+        s = x + delta
+        return s, layer_norm_reference(s, weight, bias, eps)
+    return ResidualLayerNormFunction.apply(x, delta, weight, bias, eps)
+
+
+def residual_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm over the last dim: ``(s, y)`` with ``s = x + delta`` (x and delta of
+    one shape; s in their promoted dtype) and ``y = rms_norm(s) * weight``. ``backend``: "torch"
+    (``x + delta`` then the reference) or "triton" (one fused kernel each way,
+    ResidualRMSNormFunction)."""
+    if _kernel_backend(backend, "residual_rms_norm") == "torch":
+        s = x + delta
+        return s, rms_norm_reference(s, weight, eps)
+    return ResidualRMSNormFunction.apply(x, delta, weight, eps)

@@ -76,7 +76,17 @@ __all__ = [
 
 # Every kernel name a call site may pass: the agreement vector has one slot per name, in this
 # order, on every rank.
-KERNELS = ("layer_norm", "rms_norm", "linear_gelu", "linear_swiglu", "cross_entropy", "grouped_gemm", "swiglu")
+KERNELS = (
+    "layer_norm",
+    "rms_norm",
+    "linear_gelu",
+    "linear_swiglu",
+    "cross_entropy",
+    "grouped_gemm",
+    "swiglu",
+    "residual_layer_norm",
+    "residual_rms_norm",
+)
 
 TOLERANCES = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 5e-2}
 

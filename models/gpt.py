@@ -20,6 +20,7 @@ contiguous TP chunk holds whole query groups with their k and v (tp must divide 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -28,11 +29,13 @@ from einops import rearrange
 from torch import nn
 
 from meshtron.kernels import selfcheck
+from meshtron.kernels.backend import plain_gemm_backend
 from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.rope import apply_rope, rope_tables
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
+from meshtron.mpu import fp8
 from meshtron.mpu.context_parallel import context_parallel_attention, sequence_positions
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
@@ -45,7 +48,14 @@ from meshtron.mpu.recompute import recompute
 
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dim; replicated over TP (sequence-parallel under SP).
-    With a Triton backend it runs `kernels.norms` (self-checked under triton_checked)."""
+    With a Triton backend it runs `kernels.norms` (self-checked under triton_checked).
+
+    `norm(x)` returns the normed x; `norm(x, delta)` (or `norm.residual(x, delta)`) adds the
+    residual first and returns `(x + delta, norm(x + delta))`: the torch backend computes exactly
+    `s = x + delta` then the norm of s, the Triton backends one fused kernel each way
+    (`kernels.norms.residual_layer_norm` / `residual_rms_norm`, self-checked as
+    "residual_layer_norm" / "residual_rms_norm"). Both go through the module call, so forward
+    hooks see the residual form too (its output is the pair)."""
 
     def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, backend: str = "torch"):
         super().__init__()
@@ -61,9 +71,27 @@ class Norm(nn.Module):
                 nn.Parameter(torch.empty(h, device=device, dtype=dtype)), constant_init((h,), 0.0), sequence_parallel=sp
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kernel = "layer_norm" if self.kind == "layernorm" else "rms_norm"
-        return selfcheck.dispatch(kernel, self.backend, self._triton, self._torch, x, self.weight, self.bias)
+        if delta is None:
+            return selfcheck.dispatch(kernel, self.backend, self._triton, self._torch, x, self.weight, self.bias)
+        return selfcheck.dispatch(
+            "residual_" + kernel,
+            self.backend,
+            self._triton_residual,
+            self._torch_residual,
+            x,
+            delta,
+            self.weight,
+            self.bias,
+            check_fns=(_stacked(self._triton_residual), _stacked(self._torch_residual)),
+        )
+
+    def residual(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s)) with s = x + delta: the residual add fused with this norm (`forward`)."""
+        return self(x, delta)
 
     def _triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from meshtron.kernels import norms
@@ -77,6 +105,32 @@ class Norm(nn.Module):
         if self.kind == "layernorm":
             return F.layer_norm(x, shape, weight, bias, self.eps)
         return F.rms_norm(x, shape, weight, self.eps)
+
+    def _triton_residual(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from meshtron.kernels import norms
+
+        if self.kind == "layernorm":
+            return norms.residual_layer_norm(x, delta, weight, bias, self.eps, backend="triton")
+        return norms.residual_rms_norm(x, delta, weight, self.eps, backend="triton")
+
+    def _torch_residual(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = x + delta  # the unfused block's ops, in its order: the torch backend is bit-identical
+        return s, self._torch(s, weight, bias)
+
+
+def _stacked(fn):
+    """`fn`'s (s, y) pair as one fp32 tensor [2, ...]: the self-check compares one output (and
+    sends a random gradient into both halves, so the backward is checked with both flowing)."""
+
+    def stacked(*args):
+        s, y = fn(*args)
+        return torch.stack((s.float(), y.float()))
+
+    return stacked
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, mesh: Mesh) -> torch.Tensor:
@@ -173,15 +227,17 @@ class MLP(nn.Module):
             # all-reduce with the weight-gradient GEMM (same math as _linear_gelu_torch).
             return self.down(F.gelu(self.up(x), approximate="tanh"))
         x = enter_tp_region(x, self.mesh)  # one collective shared by gate and up
+        gemm = plain_gemm_backend(backend, x.device.type)  # the fused kernels' backward dX, dW GEMMs
         if self.gate is None:
+            triton_fn = functools.partial(_linear_gelu_triton, gemm_backend=gemm)
             hidden = selfcheck.dispatch(
-                "linear_gelu", backend, _linear_gelu_triton, _linear_gelu_torch, x, self.up.weight, self.up.bias
+                "linear_gelu", backend, triton_fn, _linear_gelu_torch, x, self.up.weight, self.up.bias
             )
         else:
             hidden = selfcheck.dispatch(
                 "linear_swiglu",
                 backend,
-                _linear_swiglu_triton,
+                functools.partial(_linear_swiglu_triton, gemm_backend=gemm),
                 _linear_swiglu_torch,
                 x,
                 self.gate.weight,
@@ -193,28 +249,31 @@ class MLP(nn.Module):
 
 
 def _linear_gelu_torch(x, weight, bias):
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    return F.gelu(fp8.linear(x, weight, bias), approximate="tanh")
 
 
-def _linear_gelu_triton(x, weight, bias):
+def _linear_gelu_triton(x, weight, bias, gemm_backend="triton"):
     from meshtron.kernels import linear_act
 
-    return linear_act.linear_gelu(x, weight, bias, approximate="tanh", backend="triton")
+    return linear_act.linear_gelu(x, weight, bias, approximate="tanh", backend="triton", gemm_backend=gemm_backend)
 
 
 def _linear_swiglu_torch(x, w_gate, b_gate, w_up, b_up):
-    return F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)
+    return F.silu(fp8.linear(x, w_gate, b_gate)) * fp8.linear(x, w_up, b_up)
 
 
-def _linear_swiglu_triton(x, w_gate, b_gate, w_up, b_up):
+def _linear_swiglu_triton(x, w_gate, b_gate, w_up, b_up, gemm_backend="triton"):
     from meshtron.kernels import linear_act
 
-    return linear_act.linear_swiglu(x, w_gate, b_gate, w_up, b_up, backend="triton")
+    return linear_act.linear_swiglu(x, w_gate, b_gate, w_up, b_up, backend="triton", gemm_backend=gemm_backend)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)));
-    the MLP is an MoE layer for the layers `cfg.is_moe_layer` selects."""
+    the MLP is an MoE layer for the layers `cfg.is_moe_layer` selects. The attention residual
+    add and norm2 are one call (`Norm.residual`: one fused kernel each way on the Triton
+    backends). The MLP residual add stays apart from the next block's norm1: the block boundary
+    is where pipeline stages split and full recomputation checkpoints (kernels/norms.py)."""
 
     def __init__(
         self,
@@ -265,8 +324,8 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor, rope, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         p = self.cfg.dropout
-        x = x + _dropout(self.attn(self.norm1(x), rope, doc_ids), p, self.training, self.mesh)
-        return x + _dropout(self.mlp(self.norm2(x)), p, self.training, self.mesh)
+        x, h = self.norm2.residual(x, _dropout(self.attn(self.norm1(x), rope, doc_ids), p, self.training, self.mesh))
+        return x + _dropout(self.mlp(h), p, self.training, self.mesh)
 
 
 class GPT(nn.Module):
@@ -440,7 +499,9 @@ class GPT(nn.Module):
             logits = F.linear(x, weight)  # [b, s, V_pad/tp], contiguous
         else:
             # Backward overlaps the input gradient's all-reduce with the LM head's weight-gradient GEMM.
-            logits = column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
+            # The head stays 16-bit under trainer.precision=fp8 (its backward keeps that choice).
+            with fp8.fp8_paused():
+                logits = column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
         logits = self.logits_out(logits)
         return logits if targets is None else self.loss_per_token(logits, targets).sum()
 

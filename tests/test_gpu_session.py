@@ -1,6 +1,8 @@
 """bench/gpu_session.sh, the lent GPU machine's one prepared call: on a CPU host its `run`
-rehearses every step at a tiny size, so these tests prove the install, the step machinery,
-the per-step outputs and the time budget before a device minute is spent on them."""
+rehearses every step at a tiny size, and its `kernels` every part of issue 36's kernel
+measurements (Triton in its interpreter), so these tests prove the install, the step
+machinery, the per-step outputs, the results file and the time budget before a device minute
+is spent on them."""
 
 from __future__ import annotations
 
@@ -86,3 +88,69 @@ def test_a_failing_step_makes_the_run_fail_and_is_named(tmp_path):
     log = (tmp_path / "out" / "log.txt").read_text()
     assert proc.returncode == 1, proc.stdout + log
     assert "== acceptance: exit 0" in log and "failed: moe_fp32" in log
+
+
+def test_kernels_rehearsal_writes_one_record_per_target_of_issue_36(tmp_path):
+    """`kernels` on the CPU: every part runs at tiny sizes with the Triton calls in the
+    interpreter, and the merge leaves ONE results file, named as the repository keeps them,
+    with one record per target (schema checked) and the figures of every kernel built today."""
+    from bench.kernel_records import BY_NAME, NOT_BUILT, TARGETS, check
+
+    proc = session(tmp_path, "kernels")
+    out = tmp_path / "out"
+    log = (out / "log.txt").read_text()
+    assert proc.returncode == 0, proc.stdout + log
+    assert "no CUDA: rehearsal on the CPU at tiny sizes" in log
+    for part in ("gpt_1b_tp4", "8b", "e2e_llama", "e2e_gpt_1b", "e2e_fp8"):
+        assert f"== {part}: exit 0" in log, log
+    (path,) = (out / "results" / "gpu").glob("*-cpu-kernels.json")
+    assert path.name.endswith("-cpu-kernels.json") and not (out / "parts").exists()
+    assert f"torch {torch.__version__}" in (out / "env.txt").read_text()
+    records = json.loads(path.read_text())
+    assert check(records) == [] and [r["name"] for r in records] == [t.name for t in TARGETS]
+    by = {r["name"]: r for r in records}
+    assert all(r["rehearsal"] and r["device"] == "cpu" for r in records)
+    # Built today: both sides ran, the Triton side in the interpreter, on the CPU's wall clock.
+    for shape in ("gpt_1b_tp4", "8b"):
+        for stem in ("linear+GeLU", "linear+SwiGLU", "cross-entropy vs F.cross_entropy",
+                     "grouped GEMM Triton vs grouped_mm"):  # fmt: skip
+            rec = by[f"{stem} {shape}"]
+            assert rec["meshtron"] > 0 and rec["baseline"] > 0 and rec["ratio"] > 0, rec
+            assert rec["method"] == {"meshtron": "cpu_wall", "baseline": "cpu_wall"} and rec["shape"], rec
+            assert rec["host_us"]["meshtron"] > 0 and rec["wall_ms"]["baseline"] > 0, rec
+        assert by[f"grouped GEMM grouped_mm vs dense {shape}"]["unit"] == "TFLOP/s"
+        assert by[f"grouped GEMM grouped_mm vs dense {shape}"]["meshtron"] > 0
+    for name in ("RMSNorm h2048 device", "LayerNorm h8192 device", "RMSNorm h2048 host"):
+        assert by[name]["meshtron"] > 0 and by[name]["baseline"] > 0, by[name]
+    assert by["linear+SwiGLU saved activations gpt_1b_tp4"]["baseline"] == pytest.approx(3, abs=0.05)
+    assert by["fused LM head + loss time vs Liger"]["meshtron"] > 0
+    assert by["cross-entropy vs F.cross_entropy 8b"]["baseline_system"].startswith("F.cross_entropy")
+    # Being built by others: a figure once the API exists, else a record saying "not built".
+    for name in (
+        "gemm x·Wᵀ gpt_1b_tp4",
+        "gemm dW 8b",
+        "residual+RMSNorm h2048 device",
+        "residual+LayerNorm h2048 wall",
+    ):
+        rec = by[name]
+        assert (rec["meshtron"] or 0) > 0 or rec["note"].startswith(NOT_BUILT), rec
+    assert by["FP8 GEMM vs bf16 8b"]["meshtron"] > 0 and by["FP8 GEMM vs bf16 8b"]["baseline"] > 0
+    fp8_loss = by["FP8 training loss vs bf16, 200 steps"]  # the tiny run: a relative difference
+    assert 0 <= fp8_loss["meshtron"] < 0.2 and set(fp8_loss["loss"]) == {"bf16", "fp8"}, fp8_loss
+    assert by["FP8 expert GEMM vs bf16 8b"]["note"].startswith(NOT_BUILT)
+    for name in ("end to end llama 8L h1024 auto vs torch", "end to end gpt_1b 4L auto vs torch"):
+        assert by[name]["meshtron"] > 0 and by[name]["baseline"] > 0 and by[name]["unit"] == "tokens/s"
+    assert by["end to end gpt_1b 4L auto vs torch"]["order"] == ["auto", "torch"]
+    assert BY_NAME["end to end gpt_1b 4L auto vs torch"].target == by["end to end gpt_1b 4L auto vs torch"]["target"]
+
+
+def test_kernels_out_of_budget_still_writes_every_target_as_not_measured(tmp_path):
+    proc = session(tmp_path, "kernels", GPU_SESSION_BUDGET="10")
+    out = tmp_path / "out"
+    log = (out / "log.txt").read_text()
+    assert proc.returncode == 0, proc.stdout + log
+    assert "== gpt_1b_tp4: skipped" in log and "== e2e_gpt_1b: skipped" in log and "== merge: 0 part files" in log
+    (path,) = (out / "results" / "gpu").glob("*-kernels.json")
+    records = json.loads(path.read_text())
+    assert all(r["meshtron"] is None and r["met"] is not True for r in records)
+    assert "did not run or did not finish" in records[0]["note"]

@@ -161,3 +161,32 @@ def test_torch_backend_is_reference_and_bad_args_raise():
         linear_gelu(x, w, b, backend="cuda")
     with pytest.raises(ValueError, match="gemm_backend"):
         linear_swiglu(x, w, b, w2, None, backend="triton", gemm_backend="cublas")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_16bit_operands_on_odd_shapes(dtype, tol, recompute):
+    """16-bit x and weights (odd M, K, N): output, dx in 16 bits and dW in the weights' dtype
+    against the fp32 reference on the same rounded values (error of 16-bit intermediates)."""
+    x, (wg, wu), (bg, bu), dy = _leaves((37,), 50, 33, [True, False], 2, seed=11)
+    x, wg, wu, dy = (t.to(dtype) for t in (x, wg, wu, dy))
+    cases = [
+        (
+            lambda x, w, b: linear_gelu_reference(x.float(), w.float(), b, "tanh"),
+            lambda x, w, b: linear_gelu(x, w, b, "tanh", backend="triton", recompute=recompute),
+            [x, wg, bg],
+        ),
+        (
+            lambda x, wg, wu: linear_swiglu_reference(x.float(), wg.float(), None, wu.float(), None),
+            lambda x, wg, wu: linear_swiglu(x, wg, None, wu, None, backend="triton", recompute=recompute),
+            [x, wg, wu],
+        ),
+    ]
+    for ref_fn, tri_fn, tensors in cases:
+        ref = _run(ref_fn, tensors, dy.float())
+        tri = _run(tri_fn, tensors, dy)
+        assert tri[0].dtype == dtype
+        for name, r, t in zip(["out", "dx", "dw", "db/dw2"], ref, tri):
+            err = (t.float() - r.float()).abs().max()
+            scale = r.float().abs().max()
+            assert err <= tol * scale, f"{name}: max err {err:.3e} vs scale {scale:.3e}"

@@ -15,7 +15,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from meshtron.kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
-from meshtron.kernels.backend import AUTO_PREFERS_TORCH_ON_CUDA, CHECKED, auto_runs_torch, resolve_backend  # noqa: E402
+from meshtron.kernels.backend import (  # noqa: E402
+    AUTO_PREFERS_TORCH_ON_CUDA,
+    CHECKED,
+    auto_runs_torch,
+    plain_gemm_backend,
+    resolve_backend,
+)
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from meshtron.training.step import train_step  # noqa: E402
 from tests.distributed.harness import run_world  # noqa: E402
@@ -105,6 +111,9 @@ def test_auto_runs_the_measured_slower_kernels_with_torch_on_cuda_only():
     assert auto_runs_torch("swiglu", "cuda", (1 << 26) - 1) and auto_runs_torch("swiglu", "cpu", 240)
     assert not auto_runs_torch("swiglu", "cuda", 1 << 26) and not auto_runs_torch("swiglu", "cuda")
     assert not auto_runs_torch("cross_entropy", "cuda", 1)  # no size rule for the others
+    # the fused kernels' plain GEMMs: cuBLAS under auto on CUDA, Triton when strict or interpreted
+    assert plain_gemm_backend(CHECKED, "cuda") == "torch" and plain_gemm_backend("triton", "cuda") == "triton"
+    assert plain_gemm_backend(CHECKED, "cpu") == "triton" and plain_gemm_backend("torch", "cpu") == "torch"
 
 
 def test_checked_dispatch_neither_tries_nor_checks_a_kernel_auto_runs_with_torch(monkeypatch):
@@ -150,19 +159,21 @@ def test_tolerance_follows_dtype_and_autocast():
 
 def test_correct_kernels_pass_and_then_run_triton(monkeypatch, torch_run, recwarn):
     rms = counting(monkeypatch, norms, "rms_norm")
+    residual = counting(monkeypatch, norms, "residual_rms_norm")
     swiglu = counting(monkeypatch, linear_act, "linear_swiglu")
     ce_checked = counting(monkeypatch, cross_entropy, "fused_cross_entropy")
     ce_chunks = counting(monkeypatch, cross_entropy, "softmax_minus_onehot_")
     got = two_steps(CHECKED)
     assert not selfcheck_warnings(recwarn)
-    for kernel in ("rms_norm", "linear_swiglu", "cross_entropy"):
+    for kernel in ("rms_norm", "residual_rms_norm", "linear_swiglu", "cross_entropy"):
         assert selfcheck.verdict(kernel) is True, kernel
         assert selfcheck.local_result(kernel).error <= selfcheck.TOLERANCES["fp32"]
-    # Per step 3 norms, 1 MLP, 1 loss (the fused LM loss: one chunk of 16 rows). Step 1: each
-    # kernel's first call is the check (one Triton call on clones, the real call on torch),
-    # later calls Triton; step 2 all Triton. The loss's check runs the Triton cross-entropy on
-    # the chunk's logits (fused_cross_entropy); step 2's chunk runs the Triton chunk kernels.
-    assert (rms["calls"], swiglu["calls"]) == (1 + 2 + 3, 1 + 1)
+    # Per step 2 norms (norm1, the final norm), 1 residual norm (the block's attention residual
+    # + norm2), 1 MLP, 1 loss (the fused LM loss: one chunk of 16 rows). Step 1: each kernel's
+    # first call is the check (one Triton call on clones, the real call on torch), later calls
+    # Triton; step 2 all Triton. The loss's check runs the Triton cross-entropy on the chunk's
+    # logits (fused_cross_entropy); step 2's chunk runs the Triton chunk kernels.
+    assert (rms["calls"], residual["calls"], swiglu["calls"]) == (1 + 1 + 2, 1 + 1, 1 + 1)
     assert (ce_checked["calls"], ce_chunks["calls"]) == (1, 1)
     assert_same_run(got, torch_run)
 
@@ -266,5 +277,7 @@ def test_training_loop_agrees_after_its_first_step(monkeypatch, tmp_path, recwar
         "linear_gelu": True,
         "cross_entropy": True,
     }
-    assert ln["calls"] == 1 + 2 + 3 + 3  # step 1: check + 2 later norms; steps 2, 3: all Triton
+    # norm1 and the final norm (norm2 is the block's residual norm): step 1 the check and the
+    # final norm; steps 2, 3 both Triton
+    assert ln["calls"] == 1 + 1 + 2 + 2
     assert summary is not None

@@ -1,6 +1,9 @@
 """A whole training step with kernels.backend=triton (Triton interpreter on CPU) equals
 kernels.backend=torch: losses, every gradient and the updated weights, for both model
-families and an MoE model (fused norms, linear+activation, cross-entropy, grouped GEMM)."""
+families and an MoE model (fused norms, linear+activation, cross-entropy, grouped GEMM).
+The block's fused residual add + norm2 (`Norm.residual`): the torch backend computes bit for
+bit the unfused `x + attn; norm2(x)`, and a block under triton_checked (self-checked, then the
+fused kernel) equals the torch block."""
 
 from __future__ import annotations
 
@@ -12,8 +15,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from meshtron.dp.grad_reduce import DataParallelGradReducer  # noqa: E402
+from meshtron.kernels import norms, selfcheck  # noqa: E402
+from meshtron.kernels.backend import CHECKED  # noqa: E402
+from meshtron.models import gpt  # noqa: E402
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
-from meshtron.models.gpt import GPT  # noqa: E402
+from meshtron.models.gpt import GPT, Block  # noqa: E402
+from meshtron.models.rope import rope_tables  # noqa: E402
 from meshtron.mpu.init import initialize_parameters  # noqa: E402
 from meshtron.mpu.mesh import single_process_mesh  # noqa: E402
 from meshtron.training.optim import build_optimizer  # noqa: E402
@@ -76,3 +83,80 @@ def test_triton_step_equals_torch_step(name):
         g_weight, g_grad = got_params[param_name]
         assert torch.allclose(g_grad, grad, rtol=1e-4, atol=1e-6), f"grad {param_name}"
         assert torch.allclose(g_weight, weight, rtol=1e-5, atol=1e-6), f"weight {param_name}"
+
+
+def _block(cfg: GPTConfig, backend: str) -> Block:
+    """Block 0 of `cfg` with `backend` kernels, its parameters seeded alike for every backend."""
+    block = Block(cfg, single_process_mesh(), 0, execution=ExecutionConfig(kernel_backend=backend))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (1.0 if param.dim() == 1 else 0.0))
+    return block
+
+
+def _block_run(block: Block, cfg: GPTConfig, x: torch.Tensor, grad: torch.Tensor):
+    """(output, input gradient, {parameter: gradient}) of one forward and backward of `block`."""
+    x = x.detach().clone().requires_grad_(True)
+    rope = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else None
+    out = block(x, rope)
+    out.backward(grad)
+    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+def _unfused_forward(self, x, rope, doc_ids=None):
+    """The block before the fusion: the residual add, then norm2 on its own."""
+    p = self.cfg.dropout
+    x = x + gpt._dropout(self.attn(self.norm1(x), rope, doc_ids), p, self.training, self.mesh)
+    return x + gpt._dropout(self.mlp(self.norm2(x)), p, self.training, self.mesh)
+
+
+def _block_inputs(cfg: GPTConfig):
+    gen = torch.Generator().manual_seed(7)
+    shape = (cfg.seq_len, 2, cfg.hidden_size)  # [s, b, h]
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_torch_block_is_bit_identical_to_the_unfused_block(name, monkeypatch):
+    cfg = CONFIGS[name]
+    x, grad = _block_inputs(cfg)
+    want = _block_run(_block(cfg, "torch"), cfg, x, grad)
+    monkeypatch.setattr(Block, "_forward", _unfused_forward)
+    got = _block_run(_block(cfg, "torch"), cfg, x, grad)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for param, g in want[2].items():
+        assert torch.equal(got[2][param], g), param
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_checked_block_runs_the_fused_residual_norm_and_equals_torch(name, monkeypatch):
+    cfg = CONFIGS[name]
+    kernel = "residual_layer_norm" if cfg.norm == "layernorm" else "residual_rms_norm"
+    fused = getattr(norms, kernel)
+    calls = {"triton": 0}
+
+    def counted(*args, **kwargs):
+        calls["triton"] += kwargs.get("backend") == "triton"
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(norms, kernel, counted)
+    selfcheck.reset()
+    try:
+        x, grad = _block_inputs(cfg)
+        want = _block_run(_block(cfg, "torch"), cfg, x, grad)
+        block = _block(cfg, CHECKED)
+        first = _block_run(block, cfg, x, grad)  # the check (on clones), the real call on torch
+        assert selfcheck.verdict(kernel) is True and calls["triton"] == 1
+        assert selfcheck.local_result(kernel).error <= selfcheck.TOLERANCES["fp32"]
+        block.zero_grad()
+        got = _block_run(block, cfg, x, grad)  # now the fused kernel
+        assert calls["triton"] == 2
+    finally:
+        selfcheck.reset()
+    for run in (first, got):
+        assert torch.allclose(run[0], want[0], rtol=1e-5, atol=1e-5)
+        assert torch.allclose(run[1], want[1], rtol=1e-4, atol=1e-5)
+        for param, g in want[2].items():
+            assert torch.allclose(run[2][param], g, rtol=1e-4, atol=1e-5), param

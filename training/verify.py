@@ -345,6 +345,8 @@ class Recorder:
         from meshtron.mpu.recompute import is_replaying
 
         def hook(module, args, output):
+            if isinstance(output, tuple) and name.endswith("norm2"):
+                output = output[1]  # the block's norm2 adds the residual: (stream, normed) -> normed
             # Recomputation replays forwards inside backward: only the first forward counts.
             if is_replaying() or torch._C._current_graph_task_id() != -1 or not torch.is_tensor(output):
                 return

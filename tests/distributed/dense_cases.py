@@ -101,14 +101,17 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float =
         )
 
 
-def compare_parameters(named, ref_params: dict, mesh: Mesh, cfg: GPTConfig, what: str) -> None:
+def compare_parameters(named, ref_params: dict, mesh: Mesh, cfg: GPTConfig, what: str, rtol: float = RTOL) -> None:
     """Every (name, shard) of `named` all-gathered to full shape equals the serial parameter of
     the same name (`what` = "grad" compares gradients, anything else the weights)."""
     for name, p in named:
         ref = ref_params[name]
         got, want = (p.grad, ref.grad) if what == "grad" else (p, ref)
         assert_close(
-            f"{what} {name}", trim_vocab(name, full_tensor(got, p.shards, mesh), cfg), trim_vocab(name, want, cfg)
+            f"{what} {name}",
+            trim_vocab(name, full_tensor(got, p.shards, mesh), cfg),
+            trim_vocab(name, want, cfg),
+            rtol,
         )
 
 
@@ -181,6 +184,39 @@ def triton_kernels_llama_tp2_sp() -> None:
     check_layout("llama", dist.get_world_size(), True, 2, kernel_backend="triton")
 
 
+def fp8_llama_tp2_sp() -> None:
+    """trainer.precision=fp8 under tp=2 with sequence parallelism tracks the serial fp8 run:
+    the column-parallel forward quantizes the same rows as one process, the row-parallel one
+    and the input gradients scale over this rank's slice of the reduction, so the runs agree
+    to FP8's rounding (2%), not bit for bit; every TP linear ran its GEMMs in FP8."""
+    import dataclasses
+
+    from meshtron.mpu import fp8
+    from meshtron.training.precision import Precision
+
+    cfg = dataclasses.replace(model_config("llama"), ffn_hidden_size=64)  # every TP shard's GEMM a multiple of 16
+    mesh = build_mesh(ParallelConfig(tp=dist.get_world_size(), sp=True), cfg)
+    serial_mesh = single_process_mesh()
+    model, reducer, optimizer = build(cfg, mesh)
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh)
+    calls, real = [], fp8._scaled_mm
+    fp8._scaled_mm = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+    try:
+        for step in range(STEPS):
+            out = train_step(model, reducer, optimizer, microbatches(cfg, step, 0, 1, 2), mesh, lr=LR,
+                             max_grad_norm=1.0, precision=Precision("fp8", "cpu"))  # fmt: skip
+            parallel_calls = len(calls)
+            ref_out = train_step(ref, ref_reducer, ref_optimizer, microbatches(cfg, step, 0, 1, 2), serial_mesh,
+                                 lr=LR, max_grad_norm=1.0, precision=Precision("fp8", "cpu"))  # fmt: skip
+            assert parallel_calls > 0 and len(calls) == 2 * parallel_calls, (parallel_calls, len(calls))
+            calls.clear()
+            assert_close(f"step {step} fp8 loss", out.loss, ref_out.loss, rtol=2e-2)
+    finally:
+        fp8._scaled_mm = real
+    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "fp8 weights", 2e-2)
+    reducer.remove_hooks()
+
+
 def cases_for_world(world_size: int) -> list[str]:
     """Names of the cases that run in a world of `world_size` processes (dp = world / tp)."""
     names = []
@@ -197,6 +233,7 @@ def cases_for_world(world_size: int) -> list[str]:
             "collectives_per_layer",
             "recompute_matches_with_dropout",
             "triton_kernels_llama_tp2_sp",
+            "fp8_llama_tp2_sp",
         ]
     return names
 
