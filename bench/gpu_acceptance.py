@@ -57,8 +57,10 @@ _INTERPRETER_REMOVED = __name__ == "__main__" and os.environ.pop("TRITON_INTERPR
 
 import torch  # noqa: E402
 
+from meshtron.kernels import selfcheck as selfcheck_kernels  # noqa: E402
+
 SECTIONS = ("kernels", "steps", "card", "bench")
-KERNELS = ("layer_norm", "rms_norm", "linear_gelu", "linear_swiglu", "cross_entropy", "grouped_gemm", "swiglu")
+KERNELS = selfcheck_kernels.KERNELS  # every kernel the self-checked backend knows
 FAMILIES = ("gpt2", "llama", "moe")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Training-step comparison (triton vs torch backend, same step): relative error of the loss
@@ -142,6 +144,17 @@ def kernel_cases(device: torch.device, dtype: torch.dtype) -> dict:
             lambda a, c: swiglu.swiglu(a, c, backend="triton"),
             lambda a, c: swiglu.swiglu(a, c, backend="torch"),
             (randn(tokens, f), randn(tokens, f)),
+        ),
+        # (x + delta, norm(x + delta)) stacked: the check compares one output and its gradients
+        "residual_layer_norm": (
+            lambda a, e, c, d: torch.stack(norms.residual_layer_norm(a, e, c, d, eps, backend="triton")),
+            lambda a, e, c, d: torch.stack(norms.residual_layer_norm(a, e, c, d, eps, backend="torch")),
+            (x, randn(tokens, h), ln_w, ln_b),
+        ),
+        "residual_rms_norm": (
+            lambda a, e, c: torch.stack(norms.residual_rms_norm(a, e, c, eps, backend="triton")),
+            lambda a, e, c: torch.stack(norms.residual_rms_norm(a, e, c, eps, backend="torch")),
+            (x, randn(tokens, h), ln_w),
         ),
     }
 
