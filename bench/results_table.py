@@ -1,7 +1,8 @@
-"""docs/kernels.md's table of GPU kernel figures, generated from bench/results/gpu/*-kernels.json.
+"""docs/kernels.md's table of GPU kernel figures and kernels/measured.json (what
+kernels.backend=auto runs on CUDA), generated from bench/results/gpu/*-kernels.json.
 
-    python bench/results_table.py           # rewrite the block between the kernel-table markers
-    python bench/results_table.py --check   # exit 1 if the block is stale or a results file is bad
+    python bench/results_table.py           # rewrite the table block and kernels/measured.json
+    python bench/results_table.py --check   # exit 1 if either is stale or a results file is bad
 
 The newest file per device (by the UTC date its name starts with) gives one table; files from
 a CPU rehearsal (`"rehearsal": true` or device "cpu") are never shown. `--check` also checks
@@ -26,6 +27,24 @@ from bench.kernel_records import check, device_slug  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu"
 DOC = ROOT / "docs" / "kernels.md"
+MEASURED = ROOT / "kernels" / "measured.json"
+# The records that give a kernel's speed over the torch path auto would run instead (device
+# time, baseline / meshtron), at the card's shapes: kernel <- record names (several: the slowest).
+SPEEDUP_RECORDS = {
+    "linear_gelu": ("linear+GeLU gpt_1b_tp4",),
+    "linear_swiglu": ("linear+SwiGLU gpt_1b_tp4",),
+    "rms_norm": ("RMSNorm h2048 device",),
+    "layer_norm": ("LayerNorm h2048 device",),
+    "residual_rms_norm": ("residual+RMSNorm h2048 device",),
+    "residual_layer_norm": ("residual+LayerNorm h2048 device",),
+    "gemm": ("gemm x·Wᵀ gpt_1b_tp4", "gemm dX gpt_1b_tp4", "gemm dW gpt_1b_tp4"),
+}
+# The fused cross-entropy replaces meshtron's own torch path, not F.cross_entropy: its speed-up
+# is the torch path's device time over the Triton kernel's (two records, same baseline).
+CE_TRITON, CE_TORCH_PATH = (
+    "cross-entropy vs F.cross_entropy gpt_1b_tp4",
+    "cross-entropy torch path vs F.cross_entropy gpt_1b_tp4",
+)
 BEGIN, END = "<!-- kernel-table:begin -->", "<!-- kernel-table:end -->"
 FILE = re.compile(r"(\d{4}-\d{2}-\d{2})-([a-z0-9]+)-kernels\.json")
 NONE_YET = (
@@ -124,22 +143,59 @@ def problems(results: Path) -> list[str]:
     return out
 
 
+def _entry(kernel: str, first: dict, speedup: float, source: str) -> dict:
+    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(first.get("dtype"), first.get("dtype"))
+    return dict(kernel=kernel, device=first["device"], date=first["date"], dtype=dtype, speedup=speedup, source=source)
+
+
+def measured_entries(path: Path) -> list[dict]:
+    """kernels/measured.json entries of one results file: each kernel whose records all have
+    a ratio (device time; several records: the slowest)."""
+    by = {r["name"]: r for r in json.loads(path.read_text())}
+    source = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+    out = []
+    for kernel, names in SPEEDUP_RECORDS.items():
+        ratios = [by[n]["ratio"] for n in names if n in by]
+        if ratios and len(ratios) == len(names) and all(r is not None for r in ratios):
+            out.append(_entry(kernel, by[names[0]], round(min(ratios), 4), source))
+    triton, torch_path = by.get(CE_TRITON, {}).get("meshtron"), by.get(CE_TORCH_PATH, {}).get("meshtron")
+    if triton and torch_path:
+        out.append(_entry("cross_entropy", by[CE_TRITON], round(torch_path / triton, 4), source))
+    return out
+
+
+def measured_table(results: Path, current: dict) -> dict:
+    """kernels/measured.json: its hand-kept entries (a source that is not a results file) and
+    the entries of every GPU results file, oldest first."""
+    kept = [m for m in current["measurements"] if not FILE.fullmatch(Path(m["source"]).name)]
+    files = sorted((p for p in results.glob("*-kernels.json") if FILE.fullmatch(p.name)), key=lambda p: p.name)
+    derived = [e for p in files if FILE.fullmatch(p.name).group(2) != "cpu" for e in measured_entries(p)]
+    return {**current, "measurements": kept + derived}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 if the doc's block is stale or a file is bad")
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--measured", type=Path, default=MEASURED)
     args = p.parse_args(argv)
     text = args.doc.read_text()
     want = rewrite(text, block(args.results))
+    table_text = args.measured.read_text()
+    want_table = json.dumps(measured_table(args.results, json.loads(table_text)), indent=1, ensure_ascii=False) + "\n"
     if not args.check:
         if want != text:
             args.doc.write_text(want)
-        print(f"{args.doc}: table from {len(latest_files(args.results))} results file(s)")
+        if want_table != table_text:
+            args.measured.write_text(want_table)
+        print(f"{args.doc}, {args.measured}: from {len(latest_files(args.results))} results file(s)")
         return 0
     bad = problems(args.results)
     if want != text:
         bad.append(f"{args.doc}: the kernel table is stale; run `python bench/results_table.py`")
+    if want_table != table_text:
+        bad.append(f"{args.measured}: stale; run `python bench/results_table.py`")
     for line in bad:
         print(line)
     return 1 if bad else 0

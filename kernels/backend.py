@@ -4,8 +4,8 @@
 * "torch": the plain-torch paths (torch, and auto off CUDA);
 * "triton_checked" (`CHECKED`): what auto gives on CUDA: Triton kernels, each checked once
   per process against its torch reference on the first real inputs and replaced by the torch
-  path, with one warning, if it raises or disagrees (`kernels.selfcheck`); kernels measured
-  slower than their torch paths on a GPU (`AUTO_PREFERS_TORCH_ON_CUDA`) run torch there;
+  path, with one warning, if it raises or disagrees (`kernels.selfcheck`); kernels not
+  measured faster than their torch paths on a GPU (kernels/measured.json) run torch there;
 * "triton": strict, no check; a failing kernel raises (on CPU only under TRITON_INTERPRET=1,
   the numpy interpreter, for tests).
 Tests force the checked mode on CPU by asking for it by name under TRITON_INTERPRET=1.
@@ -17,37 +17,30 @@ only (anything else raises): the self-check lives at the model's call sites.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import os
+from pathlib import Path
 
 BACKENDS = ("auto", "triton", "torch")
 CHECKED = "triton_checked"
 RESOLVED = ("torch", "triton", CHECKED)
 
-# The kernels that kernels.backend=auto runs with their torch paths on CUDA, because they were
-# measured slower there than torch's own (cuBLAS GEMMs, torch's fused norms). H200, torch 2.11,
-# Triton 3.6, 2026-11-27 (`python bench/gpu_acceptance.py --sections bench`): forward + backward
-# at gpt_1b's tp=4 shapes, 4,096 tokens, Triton's speed over torch's (bench/kernels.py):
-#   bf16: linear_gelu 0.53, linear_swiglu 0.59, rms_norm 0.31, layer_norm 0.41
-#   fp32: linear_gelu 0.40, linear_swiglu 0.32, rms_norm 0.32, layer_norm 0.23
-# and a dense llama training step (bench/throughput.py, 8 layers, h 1024, bf16) made 173k
-# tokens/s with them against 254k with kernels.backend=torch. The fused cross-entropy stays
-# Triton (33-35x its torch path there). The grouped GEMM is not in this table: its choice
-# depends on the operands (torch's grouped_mm in bf16 with aligned rows, Triton otherwise;
-# moe/experts.py grouped_backend). kernels.backend=triton still runs every Triton kernel
-# (strict), to measure or test them.
-# The fused residual add + norm (kernels/norms.py residual_rms_norm / residual_layer_norm, the
-# blocks' attention residual and norm2) is unmeasured on a GPU so far: auto keeps torch's
-# `x + delta; norm(x)` on CUDA until bench/kernels.py measures `norms.residual_rms_norm` /
-# `norms.residual_layer_norm` against it.
-AUTO_PREFERS_TORCH_ON_CUDA = frozenset(
-    {"linear_gelu", "linear_swiglu", "rms_norm", "layer_norm", "residual_rms_norm", "residual_layer_norm"}
-)
-# The plain GEMMs inside the fused kernels (kernels/gemm.py: the fused linear+activation's
-# backward dX and dW) run cuBLAS under auto on these device types, until bench/kernels.py
-# records the Triton GEMM at or above torch.mm there (its one-program-per-tile 128x128 kernel
-# was the core of the linear kernels measured above).
-AUTO_PLAIN_GEMM_TORCH_ON = frozenset({"cuda"})
+# Which Triton kernels kernels.backend=auto runs on CUDA is data, not a list: kernels/measured.json
+# holds each kernel's measured speed over the torch path it replaces, per GPU and date (generated
+# from bench/results/gpu/*-kernels.json by `python bench/results_table.py`; the first H200 figures
+# of 2026-11-27 are kept there by hand). A kernel runs Triton under auto on CUDA only where its
+# newest measurement -- on this GPU model if it has any, else on any GPU, the slowest dtype of
+# that date -- is at least 1.0; a kernel never measured runs torch. "gemm" is the plain GEMM
+# engine inside the fused kernels (kernels/gemm.py: the fused linear+activation's dX and dW),
+# cuBLAS until the Triton GEMM is measured at torch.mm's speed. Kernels whose choice depends on
+# the operands are decided where the operands are known (`DECIDED_ELSEWHERE`): the grouped GEMM
+# (moe/experts.py grouped_backend: torch's grouped_mm in bf16 with aligned rows) and the
+# experts' SwiGLU (by size, AUTO_TRITON_MIN_ELEMENTS below). kernels.backend=triton still runs
+# every Triton kernel (strict), to measure or test them.
+MEASURED = Path(__file__).with_name("measured.json")
+DECIDED_ELSEWHERE = frozenset({"grouped_gemm", "swiglu"})
 
 # Kernels that auto runs with Triton only on inputs of at least this many elements. The MoE
 # experts' fused SwiGLU (kernels/swiglu.py) saves ~12 bytes of memory traffic per element: 0.36
@@ -71,21 +64,55 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
+def _measurements() -> tuple[dict, ...]:
+    return tuple(json.loads(MEASURED.read_text())["measurements"])
+
+
+def measured_speedup(kernel: str, device_name: str | None = None) -> float | None:
+    """`kernel`'s newest measured speed over its torch path (kernels/measured.json): on
+    `device_name` if measured there, else on any GPU; the slowest dtype of the newest date;
+    None when never measured."""
+    entries = [m for m in _measurements() if m["kernel"] == kernel]
+    entries = [m for m in entries if m["device"] == device_name] or entries
+    if not entries:
+        return None
+    newest = max(m["date"] for m in entries)
+    return min(m["speedup"] for m in entries if m["date"] == newest)
+
+
+@functools.cache
+def _cuda_device_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def prefers_torch_on_cuda(kernel: str) -> bool:
+    """Whether auto runs `kernel`'s torch path on this process's GPU: never measured there or
+    anywhere, or measured slower than torch (`measured_speedup` < 1)."""
+    if kernel in DECIDED_ELSEWHERE:
+        return False
+    speedup = measured_speedup(kernel, _cuda_device_name())
+    return speedup is None or speedup < 1.0
+
+
 def auto_runs_torch(kernel: str, device_type: str, numel: int | None = None) -> bool:
     """Whether the checked backend (kernels.backend=auto) runs `kernel`'s torch path without
-    trying Triton: on CUDA for `AUTO_PREFERS_TORCH_ON_CUDA` (the CPU keeps Triton: there the
+    trying Triton: on CUDA where `prefers_torch_on_cuda` (the CPU keeps Triton: there the
     checked mode exists only for tests, under the interpreter), and on any device for an input
     of `numel` elements below the kernel's `AUTO_TRITON_MIN_ELEMENTS`."""
-    if device_type == "cuda" and kernel in AUTO_PREFERS_TORCH_ON_CUDA:
+    if device_type == "cuda" and prefers_torch_on_cuda(kernel):
         return True
     return numel is not None and numel < AUTO_TRITON_MIN_ELEMENTS.get(kernel, 0)
 
 
 def plain_gemm_backend(mode: str, device_type: str) -> str:
     """The engine ("torch" or "triton") of the plain GEMMs inside the fused kernels under the
-    resolved kernel `mode`: all Triton when strict ("triton"), else torch where auto prefers it
-    (`AUTO_PLAIN_GEMM_TORCH_ON`), and torch for the "torch" mode."""
-    if mode == "triton" or (mode == CHECKED and device_type not in AUTO_PLAIN_GEMM_TORCH_ON):
+    resolved kernel `mode`: all Triton when strict ("triton"), under auto Triton except where
+    auto prefers torch (`auto_runs_torch("gemm", ...)`: on CUDA until measured faster), and
+    torch for the "torch" mode."""
+    if mode == "triton" or (mode == CHECKED and not auto_runs_torch("gemm", device_type)):
         return "triton"
     return "torch"
 

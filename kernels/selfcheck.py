@@ -11,9 +11,9 @@ The model's kernel call sites go through `dispatch(kernel, backend, triton_fn, t
   or whose error exceeds `TOLERANCES` for the compute dtype, is routed to `torch_fn` for the
   rest of the process with ONE `KernelSelfCheckWarning` naming it, the max error and the
   tolerance. That replacement is the only fallback in meshtron and it is never silent.
-  Kernels measured slower than their torch paths on CUDA (`kernels.backend`
-  `AUTO_PREFERS_TORCH_ON_CUDA`) are not tried there: the checked backend runs their torch
-  paths (a choice of speed, not a fallback; no check, no warning).
+  Kernels not measured faster than their torch paths on CUDA (kernels/measured.json, read by
+  `kernels.backend.prefers_torch_on_cuda`) are not tried there: the checked backend runs their
+  torch paths (a choice of speed, not a fallback; no check, no warning).
 
 Error measure: for every output and input gradient, max |triton - torch| divided by the
 reference's largest finite magnitude (floored at 1e-12); the kernel's error is the largest

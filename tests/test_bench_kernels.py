@@ -187,27 +187,78 @@ def test_docs_kernel_table_matches_the_committed_results():
     assert rt.main(["--check"]) == 0
 
 
-def test_results_table_uses_the_newest_gpu_file_per_device_and_check_catches_staleness(tmp_path):
-    res, doc = tmp_path / "gpu", tmp_path / "kernels.md"
+def _table_dirs(tmp_path):
+    """A results folder, a doc with the markers and a copy of kernels/measured.json, in tmp_path;
+    `rt_main(*args)` runs bench/results_table.py on them."""
+    res, doc, measured = tmp_path / "gpu", tmp_path / "kernels.md", tmp_path / "measured.json"
     res.mkdir()
     doc.write_text(f"# K\n\n{rt.BEGIN}\n{rt.END}\n\ntail\n")
-    assert rt.main(["--results", str(res), "--doc", str(doc)]) == 0
+    measured.write_text(rt.MEASURED.read_text())
+    return res, doc, measured
+
+
+def test_results_table_uses_the_newest_gpu_file_per_device_and_check_catches_staleness(tmp_path):
+    res, doc, measured = _table_dirs(tmp_path)
+
+    def rt_main(*args):
+        return rt.main([*args, "--measured", str(measured)])
+
+    assert rt_main(*["--results", str(res), "--doc", str(doc)]) == 0
     assert "No GPU run has recorded figures in this format yet" in doc.read_text()
-    assert rt.main(["--check", "--results", str(res), "--doc", str(doc)]) == 0
+    assert rt_main(*["--check", "--results", str(res), "--doc", str(doc)]) == 0
     for date, ratio in (("2026-11-28", 0.95), ("2026-11-30", 0.5)):
         env = dict(ENV, date=date)
         records = kr.merge([[kr.make_record("gemm dX 8b", 1.0, ratio, ratio, env=env)]], env)
         (res / kr.results_name(date, env["device"])).write_text(json.dumps(records))
     cpu = dict(ENV, device="cpu", rehearsal=True)
     (res / kr.results_name("2026-12-01", "cpu")).write_text(json.dumps(kr.merge([], cpu)))
-    assert rt.main(["--check", "--results", str(res), "--doc", str(doc)]) == 1  # stale, and a rehearsal file
+    assert rt_main(*["--check", "--results", str(res), "--doc", str(doc)]) == 1  # stale, and a rehearsal file
     (res / "2026-12-01-cpu-kernels.json").unlink()
-    assert rt.main(["--results", str(res), "--doc", str(doc)]) == 0
+    assert rt_main(*["--results", str(res), "--doc", str(doc)]) == 0
     text = doc.read_text()
     assert "**NVIDIA H200, 2026-11-30**" in text and "2026-11-28" not in text and text.endswith("\ntail\n")
     assert "| gemm dX 8b | 1 | 0.5 | ms | 0.5 | ≥ 0.9 | no |" in text
-    assert rt.main(["--check", "--results", str(res), "--doc", str(doc)]) == 0
+    assert rt_main(*["--check", "--results", str(res), "--doc", str(doc)]) == 0
     bad = json.loads((res / "2026-11-30-h200-kernels.json").read_text())
     bad[0]["met"] = not bad[0]["met"]
     (res / "2026-11-30-h200-kernels.json").write_text(json.dumps(bad))
-    assert rt.main(["--check", "--results", str(res), "--doc", str(doc)]) == 1
+    assert rt_main(*["--check", "--results", str(res), "--doc", str(doc)]) == 1
+
+
+def test_measured_table_takes_each_kernels_speedup_from_a_gpu_results_file(tmp_path):
+    """kernels/measured.json gains one entry per kernel of a GPU results file (device time,
+    baseline / meshtron; the GEMM engine's slowest of its three GEMMs; the cross-entropy over
+    meshtron's torch path), keeps its hand-kept entries, and --check sees it stale before."""
+    from meshtron.kernels import backend
+
+    res, doc, measured = _table_dirs(tmp_path)
+    env = dict(ENV, date="2026-12-02")
+    part = [
+        kr.make_record("linear+GeLU gpt_1b_tp4", 1.0, 1.25, 1.25, env=env, dtype="bfloat16"),
+        kr.make_record("RMSNorm h2048 device", 0.1, 0.05, 0.5, env=env, dtype="bfloat16"),
+        kr.make_record("gemm x·Wᵀ gpt_1b_tp4", 1.0, 1.1, 1.1, env=env),
+        kr.make_record("gemm dX gpt_1b_tp4", 1.0, 0.92, 0.92, env=env),
+        kr.make_record("gemm dW gpt_1b_tp4", 1.0, 1.3, 1.3, env=env),
+        kr.make_record("cross-entropy vs F.cross_entropy gpt_1b_tp4", 0.2, 0.5, 2.5, env=env),
+        kr.make_record("cross-entropy torch path vs F.cross_entropy gpt_1b_tp4", 1.0, 0.5, 0.5, env=env),
+    ]
+    (res / kr.results_name(env["date"], env["device"])).write_text(json.dumps(kr.merge([part], env)))
+    args = ["--results", str(res), "--doc", str(doc), "--measured", str(measured)]
+    assert rt.main(["--check", *args]) == 1  # the table and measured.json are stale
+    assert rt.main(args) == 0 and rt.main(["--check", *args]) == 0 and rt.main(args) == 0  # idempotent
+    table = json.loads(measured.read_text())["measurements"]
+    new = {m["kernel"]: m for m in table if m["date"] == "2026-12-02"}
+    assert set(new) == {"linear_gelu", "rms_norm", "gemm", "cross_entropy"}
+    assert (new["linear_gelu"]["speedup"], new["linear_gelu"]["dtype"]) == (1.25, "bf16")
+    assert new["gemm"]["speedup"] == 0.92 and new["cross_entropy"]["speedup"] == 5.0
+    assert all(m["source"].endswith("2026-12-02-h200-kernels.json") for m in new.values())
+    assert len(table) == len(json.loads(rt.MEASURED.read_text())["measurements"]) + 4  # the hand-kept ones stay
+    # What auto would run on that GPU with this table: GeLU and the cross-entropy Triton, RMSNorm
+    # and the GEMM engine torch (newest figure below 1).
+    cached = backend._measurements
+    try:
+        backend._measurements = lambda: tuple(table)
+        prefers = {k: backend.prefers_torch_on_cuda(k) for k in ("linear_gelu", "cross_entropy", "rms_norm", "gemm")}
+    finally:
+        backend._measurements = cached
+    assert prefers == {"linear_gelu": False, "cross_entropy": False, "rms_norm": True, "gemm": True}

@@ -11,12 +11,19 @@ import warnings
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 
+import json
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from meshtron.kernels import cross_entropy, linear_act, norms, selfcheck  # noqa: E402
+from meshtron.kernels import (  # noqa: E402
+    backend,  # noqa: E402
+    cross_entropy,
+    linear_act,
+    norms,
+    selfcheck,
+)
 from meshtron.kernels.backend import (  # noqa: E402
-    AUTO_PREFERS_TORCH_ON_CUDA,
     CHECKED,
     auto_runs_torch,
     plain_gemm_backend,
@@ -102,7 +109,8 @@ def test_backend_modes():
 
 
 def test_auto_runs_the_measured_slower_kernels_with_torch_on_cuda_only():
-    assert AUTO_PREFERS_TORCH_ON_CUDA <= set(selfcheck.KERNELS)
+    measured = {m["kernel"] for m in json.loads(backend.MEASURED.read_text())["measurements"]}
+    assert measured <= set(selfcheck.KERNELS) | {"gemm"}, "measured.json names a kernel nobody dispatches"
     assert auto_runs_torch("rms_norm", "cuda") and auto_runs_torch("linear_swiglu", "cuda")
     assert not auto_runs_torch("cross_entropy", "cuda")  # 33x its torch path on an H200
     assert not auto_runs_torch("grouped_gemm", "cuda")  # decided per dtype in moe/experts.py
@@ -114,6 +122,30 @@ def test_auto_runs_the_measured_slower_kernels_with_torch_on_cuda_only():
     # the fused kernels' plain GEMMs: cuBLAS under auto on CUDA, Triton when strict or interpreted
     assert plain_gemm_backend(CHECKED, "cuda") == "torch" and plain_gemm_backend("triton", "cuda") == "triton"
     assert plain_gemm_backend(CHECKED, "cpu") == "triton" and plain_gemm_backend("torch", "cpu") == "torch"
+
+
+def test_auto_follows_the_newest_measurement_of_this_gpu(monkeypatch):
+    """kernels/measured.json decides: the newest date wins, this GPU's entries before other
+    GPUs', the slowest dtype of a date counts, and a kernel never measured runs torch."""
+
+    def entry(kernel, device, date, speedup, dtype="bf16"):
+        return {"kernel": kernel, "device": device, "date": date, "dtype": dtype, "speedup": speedup, "source": "t"}
+
+    table = (
+        entry("rms_norm", "H200", "2026-11-27", 0.3),
+        entry("rms_norm", "H200", "2026-12-01", 1.4),  # newer and faster: Triton
+        entry("layer_norm", "H200", "2026-12-01", 1.2),
+        entry("layer_norm", "H200", "2026-12-01", 0.9, "fp32"),  # the slower dtype of that date counts
+        entry("linear_gelu", "H200", "2026-12-01", 1.5),
+        entry("linear_gelu", "A100", "2026-11-01", 0.8),  # this GPU's own (older) figure wins
+    )
+    monkeypatch.setattr(backend, "_measurements", lambda: table)
+    monkeypatch.setattr(backend, "_cuda_device_name", lambda: "A100")
+    assert not backend.prefers_torch_on_cuda("rms_norm")  # no A100 entry: the H200's newest
+    assert backend.prefers_torch_on_cuda("layer_norm") and backend.prefers_torch_on_cuda("linear_gelu")
+    assert backend.prefers_torch_on_cuda("residual_rms_norm")  # never measured
+    assert not backend.prefers_torch_on_cuda("grouped_gemm")  # decided by the operands, elsewhere
+    assert backend.measured_speedup("linear_gelu", "H200") == 1.5 and backend.measured_speedup("x") is None
 
 
 def test_checked_dispatch_neither_tries_nor_checks_a_kernel_auto_runs_with_torch(monkeypatch):
@@ -137,7 +169,7 @@ def test_checked_dispatch_runs_torch_for_the_slower_kernels_on_cuda():
     def triton_fn(x):
         raise AssertionError("the Triton kernel ran")
 
-    for kernel in sorted(AUTO_PREFERS_TORCH_ON_CUDA):
+    for kernel in [k for k in selfcheck.KERNELS if backend.prefers_torch_on_cuda(k)]:
         x = torch.ones(3, device="cuda")
         assert torch.equal(selfcheck.dispatch(kernel, CHECKED, triton_fn, lambda a: a + 1, x), x + 1)
 
