@@ -10,12 +10,15 @@ fp32 with IEEE or TF32 dots, bf16 and fp16 compute with fp32 main weights) for o
 The configs are each kernel's GPU candidates after the same per-device pruning the
 autotuner applies (kernels/configs.py for the GEMMs, the norms' own per-thread pruning).
 Each compiled case reports its shared memory (Triton's metadata), registers and stack frame
-(cuobjdump of the cubin Triton produced) and whether a 16-bit sm_90 GEMM uses `wgmma`.
+(cuobjdump of the cubin Triton produced) and the tensor-core and copy instructions of its
+PTX (`wgmma`, `mma.sync`, TMA's `cp.async.bulk.tensor`).
 
 `check(results)` lists the failures: a compile error, a kept config over the arch's shared
 memory, a GEMM whose shared-memory estimate is below the compiled size (the pruning bound
-would be unsafe), a (kernel, dtype, arch) left with no config, a 16-bit sm_90 GEMM without
-wgmma, and a stack frame over the kernel's stated `SPILL_BUDGET`.
+would be unsafe), a (kernel, dtype, arch) left with no config, a 16-bit GEMM without wgmma on
+sm_90 or without mma.sync on sm_80, a `TMA_KERNELS` kernel without TMA bulk copies on sm_90,
+and a stack frame over the kernel's stated `SPILL_BUDGET`. `KERNEL_ARCHS` names the kernels
+compiled for some archs only (the TMA GEMM: sm_90).
 
 Must run with TRITON_INTERPRET unset (the interpreter replaces the jitted functions);
 `tests/test_kernels_aot.py` runs this module in a clean subprocess.
@@ -44,6 +47,10 @@ PRECISIONS = (
     ("fp16", "fp16", "ieee"),
 )
 NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
+# Kernels compiled for some archs only: the TMA GEMM runs on sm_90+ with 16-bit operands.
+KERNEL_ARCHS = {"_matmul_tma_kernel": (90,)}
+# Kernels whose sm_90 PTX must load through TMA bulk tensor copies.
+TMA_KERNELS = frozenset({"_matmul_tma_kernel"})
 
 # Stack-frame bytes per thread each kernel may use on the configs the pruning keeps (spills
 # or local arrays), measured over every kept config with `python -m meshtron.kernels.aot --all`
@@ -57,10 +64,20 @@ SPILL_BUDGET = {
     "_linear_swiglu_fwd_kernel": 24,  # IEEE fp32 64x64x16 on sm_90
     "_linear_swiglu_bwd_kernel": 56,  # 16-bit 128x64x32 on 4 warps, sm_90 (two accumulators + dy)
     "_matmul_kernel": 8,
+    "_matmul_persistent_kernel": 16,  # triton 3.9: IEEE fp32 dual 128x64x16 on 8 warps, sm_90
+    "_matmul_tma_kernel": 0,
+    "_splitk_reduce_kernel": 0,
+    "_linear_gelu_grad_kernel": 0,
+    "_linear_swiglu_grad_kernel": 0,
     "_grouped_gemm_kernel": 16,  # IEEE fp32 128x128x16 on sm_90
     "_grouped_gemm_dw_kernel": 0,
     "_norm_fwd_kernel": 8,  # triton 3.6 (the GPU image's): fp32 H=8192, 2 rows on 16 warps, sm_80
     "_norm_bwd_kernel": 8,
+    # The fused residual norms: 0 B on all 334 kept configs (triton 3.9, --all on their launches);
+    # 8 B as the plain norms' for triton 3.6. The forward at 64 elements per thread spilled
+    # 112-192 B, so its pruning stops at 32 (kernels/norms.py _prune_residual_configs).
+    "_residual_norm_fwd_kernel": 8,
+    "_residual_norm_bwd_kernel": 8,
     "_swiglu_fwd_kernel": 0,
     "_swiglu_bwd_kernel": 0,
     "_ce_partials_kernel": 0,
@@ -92,6 +109,8 @@ class Result:
     registers: int = 0
     stack: int = 0
     wgmma: bool = False
+    mma_sync: bool = False  # Ampere's mma.sync in the PTX
+    tma: bool = False  # TMA bulk tensor copies (cp.async.bulk.tensor) in the PTX
     estimate: int | None = None
     seconds: float = 0.0
     limits: dict = field(default_factory=dict)
@@ -115,16 +134,18 @@ def _kernel_fns() -> dict:
     """name -> JITFunction of every Triton kernel in kernels/."""
     import triton
 
-    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
+    from meshtron.kernels import cross_entropy, gemm, grouped_gemm, linear_act, norms, swiglu
 
     fns = {}
-    for module in (linear_act, grouped_gemm, cross_entropy, swiglu):
+    for module in (gemm, linear_act, grouped_gemm, cross_entropy, swiglu):
         for name in dir(module):
             obj = getattr(module, name)
             if name.endswith("_kernel") and hasattr(obj, "run"):
                 fns[name] = _jit(obj)
     fns["_norm_fwd_kernel"] = triton.jit(norms._norm_fwd_kernel)
     fns["_norm_bwd_kernel"] = triton.jit(norms._norm_bwd_kernel)
+    fns["_residual_norm_fwd_kernel"] = triton.jit(norms._residual_norm_fwd_kernel)
+    fns["_residual_norm_bwd_kernel"] = triton.jit(norms._residual_norm_bwd_kernel)
     return fns
 
 
@@ -151,6 +172,8 @@ def _describe(value):
             torch.int64: "i64",
         }[value.dtype]
         return {"type": "*" + name, "aligned": value.data_ptr() % 16 == 0}
+    if type(value).__name__ == "TensorDescriptor":  # its block shape is the config's (`_cases_of`)
+        return {"type": "tensordesc", "dtype": _describe(value.base)["type"][1:]}
     if isinstance(value, bool) or value is None:
         return {"type": "constexpr", "value": value}
     if isinstance(value, int):
@@ -184,6 +207,9 @@ def _workload(label: str) -> None:
         outs = [
             linear_act.linear_gelu(x, leaf(n, k), leaf(n), backend="triton"),
             linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), leaf(n), backend="triton"),
+            # the opt-in recompute mode: its backward kernels recompute the pre-activations
+            linear_act.linear_gelu(x, leaf(n, k), leaf(n), backend="triton", recompute=True),
+            linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), leaf(n), backend="triton", recompute=True),
         ]
         sizes = torch.tensor([16, 0, 16, 0, 16, 0, 16, 0])
         outs.append(grouped_gemm.grouped_gemm(x, leaf(CAPTURE_EXPERTS, k, n), sizes, backend="triton"))
@@ -194,10 +220,41 @@ def _workload(label: str) -> None:
                 norms.layer_norm(h, leaf(width), leaf(width), 1e-5, backend="triton"),
                 norms.rms_norm(h, leaf(width), 1e-5, backend="triton"),
             ]
+            # The block's residual + norm2: the fp32 stream plus the branch output in the compute
+            # dtype (as autocast feeds it), and a stream in the compute dtype (16-bit resident
+            # weights); both outputs in the loss (HAS_DS), and once only the normed one.
+            stream, branch = leaf(16, width), leaf(16, width, dtype=fed)
+            outs += norms.residual_layer_norm(stream, branch, leaf(width), leaf(width), 1e-5, backend="triton")
+            outs += norms.residual_rms_norm(leaf(16, width, dtype=fed), branch, leaf(width), 1e-5, backend="triton")
+            outs.append(norms.residual_rms_norm(stream, branch, leaf(width), 1e-5, backend="triton")[1])
         logits = leaf(rows, CAPTURE_VOCAB, dtype=fed)
         target = torch.randint(0, CAPTURE_VOCAB, (rows,), generator=gen)
         outs.append(cross_entropy.fused_cross_entropy(logits.clone(), target, backend="triton"))
     sum(o.float().sum() for o in outs).backward()
+    _gemm_workload(compute or torch.float32, gen)
+
+
+def _gemm_workload(dtype, gen) -> None:
+    """kernels/gemm.py's persistent GEMMs as the CUDA default runs them (the interpreter's
+    default is the one-program-per-tile kernel the wrappers above reach): dW = g^T x into fp32
+    (A transposed; a [32, 64] output in 32x32 tiles with 8 K tiles on the interpreter's 4 SMs,
+    so split-K and its reduction run), x·Wᵀ (B transposed) and the dual dX, through TMA
+    descriptors for 16-bit operands (the pointer kernel for fp32), and dW once with pointer
+    loads in 16-bit (sm_80's path)."""
+    import torch
+
+    from meshtron.kernels import gemm
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.1).to(dtype)
+
+    g, x, w = rand(128, 32), rand(128, 64), rand(32, 64)
+    dw = torch.empty(32, 64)
+    gemm.matmul(g.t(), x, dw, persistent=True, tma=True)
+    gemm.matmul(g.t(), x, dw, persistent=True, tma=False)
+    gemm.matmul(x[:64], w.t(), persistent=True, tma=True)
+    gg = rand(64, 64)
+    gemm.matmul(gg[:, :32], w, a2=gg[:, 32:], b2=rand(32, 64), persistent=True, tma=True)
 
 
 def capture_launches() -> list[dict]:
@@ -243,11 +300,15 @@ def _captured() -> list[dict]:
 def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     """(GPU candidate configs, GEMM prune shape or None) of a kernel before the GEMM pruning
     (the norms' per-thread pruning already applied)."""
-    from meshtron.kernels import cross_entropy, grouped_gemm, linear_act, norms, swiglu
+    from meshtron.kernels import cross_entropy, gemm, grouped_gemm, linear_act, norms, swiglu
 
-    if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel"):
+    if kernel == "_splitk_reduce_kernel":
+        return gemm._splitk_reduce_kernel.configs, None
+    if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_residual_norm_fwd_kernel", "_residual_norm_bwd_kernel"):
         fwd, bwd = norms.gpu_norm_configs()
         block_h = launch["constexprs"]["BLOCK_H"]
+        if kernel == "_residual_norm_fwd_kernel":
+            return norms._prune_residual_configs(fwd, {"BLOCK_H": block_h}), None
         if kernel == "_norm_fwd_kernel":
             return norms._prune_configs(fwd, {"BLOCK_H": block_h}), None
         return norms._prune_bwd_configs(bwd, {"BLOCK_H": block_h}), None
@@ -255,14 +316,18 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
         return cross_entropy.gpu_configs(), None
     if kernel.startswith("_swiglu_"):
         return swiglu.gpu_configs(), None
-    module = grouped_gemm if kernel.startswith("_grouped") else linear_act
+    if kernel in ("_linear_gelu_grad_kernel", "_linear_swiglu_grad_kernel"):
+        return linear_act.elementwise_gpu_configs(), None
+    module = grouped_gemm if kernel.startswith("_grouped") else gemm if kernel.startswith("_matmul") else linear_act
     shape = dict(getattr(module, kernel).early_config_prune.gemm_shape)
-    if kernel == "_grouped_gemm_kernel":
+    if kernel in ("_matmul_persistent_kernel", "_matmul_tma_kernel"):
+        candidates = gemm.persistent_configs()
+    elif kernel == "_grouped_gemm_kernel":
         candidates = grouped_gemm.gpu_gemm_configs()
     elif kernel == "_grouped_gemm_dw_kernel":
         candidates = grouped_gemm.gpu_dw_configs()
     else:
-        candidates = linear_act.gpu_configs(dual=shape["b_tiles"] == 2)
+        candidates = gemm.gpu_configs(dual=shape["b_tiles"] == 2)
     return candidates, shape
 
 
@@ -288,6 +353,8 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     from meshtron.kernels import configs as cfgs
 
     kernel, label = launch["kernel"], launch["dtype"]
+    if arch not in KERNEL_ARCHS.get(kernel, ARCHS):
+        return []
     compute = dict((lbl, ctype) for lbl, ctype, _ in PRECISIONS)[label]
     fn = _kernel_fns()[kernel]
     candidates, shape = _candidates(kernel, launch)
@@ -320,12 +387,23 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     for config in candidates:
         constexprs = {**base, **config.kwargs}
         signature, divisible = {}, []
+        # `do_not_specialize` arguments: never constexpr 1 nor hinted divisible (an interpreted
+        # function, when the capture runs in this process, does not say: none then)
+        generic = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ()) or ()}
         for i, name in enumerate(fn.arg_names):
             desc = launch["args"].get(name)
             if name in constexprs:
                 signature[name] = "constexpr"
             elif desc is None:
                 raise RuntimeError(f"{kernel}: argument {name} was not captured")
+            elif desc["type"] == "constexpr":  # None (an unused operand) or a bool passed positionally
+                signature[name] = "constexpr"
+                constexprs[name] = desc["value"]
+            elif desc["type"] == "tensordesc":  # block shape of this config (kernels/gemm.py)
+                block = gemm_blocks(kernel, constexprs)[name]
+                signature[name] = f"tensordesc<{desc['dtype']}[{', '.join(map(str, block))}]>"
+            elif name in generic:
+                signature[name] = desc["type"]
             elif desc["type"] == "i32" and desc["one"]:
                 signature[name] = "constexpr"
                 constexprs[name] = 1  # Triton specialises ints equal to 1
@@ -354,6 +432,13 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
             )
         )
     return cases
+
+
+def gemm_blocks(kernel: str, constexprs: dict) -> dict:
+    """Descriptor argument -> block shape of a TMA kernel under a config's constexprs."""
+    from meshtron.kernels import gemm
+
+    return {"_matmul_tma_kernel": gemm.tma_block_shapes}[kernel](constexprs)
 
 
 def all_cases(archs=ARCHS, launches: list[dict] | None = None) -> list[Case]:
@@ -442,14 +527,16 @@ def compile_case(case: Case) -> Result:
             options=options,
         )
         regs, stack = _resource_usage(kernel.asm["cubin"])
-        wgmma = "wgmma" in kernel.asm["ptx"]
+        ptx = kernel.asm["ptx"]
         return Result(
             case,
             True,
             shared=int(kernel.metadata.shared),
             registers=regs,
             stack=stack,
-            wgmma=wgmma,
+            wgmma="wgmma" in ptx,
+            mma_sync="mma.sync" in ptx,
+            tma="cp.async.bulk.tensor" in ptx,
             estimate=estimate,
             seconds=time.time() - start,
             limits=limits,
@@ -477,7 +564,8 @@ def compile_all(cases: list[Case], workers: int = 2) -> list[Result]:
             print(
                 f"{c.kernel}{'/' + c.variant if c.variant else ''} {c.dtype} sm_{c.arch} {c.config}: "
                 f"{'ok' if result.ok else result.error[:80]} shared={result.shared} est={result.estimate} "
-                f"regs={result.registers} stack={result.stack} wgmma={result.wgmma} {result.seconds:.1f}s",
+                f"regs={result.registers} stack={result.stack} wgmma={result.wgmma} mma.sync={result.mma_sync} "
+                f"tma={result.tma} {result.seconds:.1f}s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -506,6 +594,10 @@ def check(results: list[Result]) -> list[str]:
             failures.append(f"{where}: {r.stack} B stack frame > budget {budget} B ({r.registers} registers)")
         if c.arch >= 90 and c.gemm is not None and c.dtype in ("bf16", "fp16") and not r.wgmma:
             failures.append(f"{where}: 16-bit GEMM PTX for sm_{c.arch} has no wgmma")
+        if c.arch < 90 and c.gemm is not None and c.dtype in ("bf16", "fp16") and not r.mma_sync:
+            failures.append(f"{where}: 16-bit GEMM PTX for sm_{c.arch} has no mma.sync")
+        if c.arch >= 90 and c.kernel in TMA_KERNELS and not r.tma:
+            failures.append(f"{where}: PTX for sm_{c.arch} has no TMA bulk copy (cp.async.bulk.tensor)")
     return failures
 
 

@@ -7,9 +7,12 @@ launch). The estimates are upper bounds checked against real compiles for sm_80 
 by tests/test_kernels_aot.py: a kept config must fit.
 
 Shared memory of a pipelined K loop: `num_stages` buffers of every operand tile loaded per
-K step (A tiles [BLOCK_M, BLOCK_K], B tiles [BLOCK_K, BLOCK_N]) in the operand dtype; tf32
-dots stage fp32 operands (4 bytes) like IEEE ones. The epilogue's layout conversion reuses
-that space.
+K step (A tiles [BLOCK_M, BLOCK_K], B tiles [BLOCK_K, BLOCK_N]) in the operand dtype, plus
+1 KiB for the pipeline's barriers; tf32 dots stage fp32 operands (4 bytes) like IEEE ones.
+The epilogue's layout conversion reuses that space (also in the persistent kernels, whose
+K-loop buffers are allocated per tile). Hopper-sized tiles (128x256x64 on 4 stages, 192 KiB
+in 16-bit) fit sm_90's 227 KiB; their 128 accumulators per thread are kept by sm_90's
+register limit and dropped by sm_80's.
 """
 
 from __future__ import annotations
@@ -47,13 +50,19 @@ def device_limits(device: torch.device) -> DeviceLimits:
     return DeviceLimits(arch, int(shared), known.max_acc_regs, known.max_acc_regs_fp32, known.fma_max_block_k)
 
 
+# Beyond the operand stages: the mbarriers of a TMA / wgmma pipeline (8 bytes per stage and
+# barrier kind) and alignment padding, 24-64 B in the sm_90 compiles of kernels/gemm.py's TMA
+# kernel (Triton 3.6 and 3.9); a round bound.
+SYNC_BYTES = 1024
+
+
 def gemm_shared_bytes(
     block_m: int, block_n: int, block_k: int, num_stages: int, elem_bytes: int, a_tiles: int = 1, b_tiles: int = 1
 ) -> int:
     """Upper bound of the shared memory of a pipelined GEMM K loop with `a_tiles` A tiles and
-    `b_tiles` B tiles loaded per K step."""
+    `b_tiles` B tiles loaded per K step (plus `SYNC_BYTES`)."""
     per_stage = (a_tiles * block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
-    return max(num_stages, 1) * per_stage
+    return max(num_stages, 1) * per_stage + SYNC_BYTES
 
 
 def gemm_acc_regs(block_m: int, block_n: int, num_warps: int, accumulators: int = 1) -> int:
@@ -119,12 +128,13 @@ def gemm_prune(
     elem_arg: str, a_tiles: int, b_tiles: int, dual: str | None = None, accumulators: int = 1, dims=GEMM_DIMS
 ):
     """An `early_config_prune` hook for `triton.autotune`: prunes for the device of the tensor
-    argument `elem_arg`, its element size and the dot precision constexpr. `dual` names a
+    (or tensor descriptor) argument `elem_arg`, its element size and the dot precision constexpr. `dual` names a
     constexpr that, when true, doubles the A and B tiles per K step (two products
     accumulated per step); `dims` names the (rows, cols, reduction) block sizes."""
 
     def prune(configs, named_args, **kwargs):
         x = named_args[elem_arg]
+        x = getattr(x, "base", x)  # a TMA tensor descriptor: the tensor it describes
         if not getattr(x, "is_cuda", False):  # interpreter: nothing to prune
             return configs
         args = {**named_args, **kwargs}

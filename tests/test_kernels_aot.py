@@ -1,8 +1,9 @@
 """Every Triton kernel compiles for Ampere (sm_80) and Hopper (sm_90) without a GPU
 (kernels/aot.py): each (kernel, dtype, arch) at least once with its riskiest kept config plus
-a seeded sample, checked for shared memory, the pruning bound, spills and wgmma. The checks
-themselves are proven to fail on synthetic results, and the per-device pruning on known
-configs."""
+a seeded sample, checked for shared memory, the pruning bound, spills, wgmma (16-bit GEMMs on
+sm_90), mma.sync (16-bit GEMMs on sm_80) and TMA bulk copies (the TMA GEMM, sm_90 only). The
+checks themselves are proven to fail on synthetic results, and the per-device pruning on
+known configs (the Hopper-sized GEMM tiles kept on sm_90 only)."""
 
 from __future__ import annotations
 
@@ -80,14 +81,29 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path, launche
     assert kernels == set(aot.SPILL_BUDGET), kernels ^ set(aot.SPILL_BUDGET)
     for kernel in kernels:
         dtypes = {d for k, d, _ in compiled if k == kernel}
-        assert {"bf16", "fp16"} <= dtypes and dtypes & {"fp32", "fp32-ieee"}, (kernel, dtypes)
-        assert {a for k, _, a in compiled if k == kernel} == {80, 90}
-    # 16-bit GEMMs on Hopper use wgmma (check() fails otherwise): make sure some were compiled.
-    assert any(r["wgmma"] for r in report["results"] if r["case"]["arch"] == 90 and r["case"]["dtype"] == "bf16")
+        sixteen_bit_only = kernel in aot.TMA_KERNELS
+        assert {"bf16", "fp16"} <= dtypes and (sixteen_bit_only or dtypes & {"fp32", "fp32-ieee"}), (kernel, dtypes)
+        assert {a for k, _, a in compiled if k == kernel} == set(aot.KERNEL_ARCHS.get(kernel, (80, 90)))
+    # 16-bit GEMMs use wgmma on Hopper, mma.sync on Ampere, the TMA kernels TMA bulk copies
+    # (check() fails otherwise): make sure some of each were compiled.
+    results = report["results"]
+    assert any(r["wgmma"] for r in results if r["case"]["arch"] == 90 and r["case"]["dtype"] == "bf16")
+    assert any(r["mma_sync"] for r in results if r["case"]["arch"] == 80 and r["case"]["dtype"] == "bf16")
+    assert any(r["tma"] for r in results if r["case"]["kernel"] in aot.TMA_KERNELS)
 
 
 def _result(
-    kernel="_matmul_kernel", dtype="bf16", arch=90, shared=1024, estimate=2048, stack=0, wgmma=True, ok=True, gemm=True
+    kernel="_matmul_kernel",
+    dtype="bf16",
+    arch=90,
+    shared=1024,
+    estimate=2048,
+    stack=0,
+    wgmma=True,
+    ok=True,
+    gemm=True,
+    mma_sync=True,
+    tma=True,
 ):
     case = aot.Case(
         kernel,
@@ -106,6 +122,8 @@ def _result(
         shared=shared,
         stack=stack,
         wgmma=wgmma,
+        mma_sync=mma_sync,
+        tma=tma,
         estimate=estimate if gemm else None,
         limits=limits,
     )
@@ -119,16 +137,22 @@ def test_check_accepts_a_clean_result_and_flags_each_defect():
         "estimate below compiled": _result(shared=4096, estimate=2048),
         "spills": _result(stack=64),
         "no wgmma": _result(wgmma=False),
+        "no mma.sync": _result(arch=80, wgmma=False, mma_sync=False),
+        "no TMA copy": _result(kernel="_matmul_tma_kernel", tma=False),
     }
     for defect, result in cases.items():
         assert len(aot.check([result])) == 1, defect
-    # wgmma is required of 16-bit GEMMs on sm_90 only.
+    # wgmma is required of 16-bit GEMMs on sm_90 only, mma.sync of 16-bit GEMMs on sm_80 only,
+    # TMA copies of the TMA kernels on sm_90 only.
     assert (
         aot.check(
             [
-                _result(arch=80, wgmma=False),
-                _result(dtype="fp32-tf32", wgmma=False),
-                _result(kernel="_norm_fwd_kernel", gemm=False, wgmma=False),
+                _result(arch=80, wgmma=False, tma=False),
+                _result(dtype="fp32-tf32", wgmma=False, mma_sync=False),
+                _result(arch=80, dtype="fp32-ieee", wgmma=False, mma_sync=False),
+                _result(mma_sync=False, tma=False),
+                _result(kernel="_norm_fwd_kernel", gemm=False, wgmma=False, mma_sync=False),
+                _result(kernel="_matmul_tma_kernel", arch=80, wgmma=False, tma=False),
             ]
         )
         == []
@@ -140,7 +164,8 @@ def test_check_accepts_a_clean_result_and_flags_each_defect():
 def test_pruning_drops_configs_over_the_device_and_keeps_the_rest():
     big = _config(128, 128, 64, 8, 3)  # dual fp32: 3 x (2*128*64 + 2*64*128) * 4 B = 384 KiB
     small = _config(64, 64, 32, 4, 3)
-    assert configs.config_shared_bytes(big, 4, 2, 2) == 3 * (2 * 128 * 64 + 2 * 64 * 128) * 4
+    sync = configs.SYNC_BYTES  # the pipeline's barriers
+    assert configs.config_shared_bytes(big, 4, 2, 2) == 3 * (2 * 128 * 64 + 2 * 64 * 128) * 4 + sync
     assert configs.prune_gemm_configs([big, small], H100, 4, 2, 2) == [small]
     assert configs.prune_gemm_configs([big, small], H100, 2, 1, 1) == [big, small]  # 96 KiB in bf16
     with pytest.raises(RuntimeError, match="no GEMM config fits sm_80"):
@@ -156,7 +181,36 @@ def test_pruning_drops_configs_over_the_device_and_keeps_the_rest():
     assert configs.prune_gemm_configs([wide, small], H100, 4, 1, 1) == [small]
     # The dW roles: rows BLOCK_K, reduction BLOCK_M.
     dw = _config(32, 64, 128, 4, 3)
-    assert configs.config_shared_bytes(dw, 2, dims=("BLOCK_K", "BLOCK_N", "BLOCK_M")) == 3 * (128 * 32 + 32 * 64) * 2
+    assert (
+        configs.config_shared_bytes(dw, 2, dims=("BLOCK_K", "BLOCK_N", "BLOCK_M"))
+        == 3 * (128 * 32 + 32 * 64) * 2 + sync
+    )
+
+
+def test_hopper_sized_tiles_kept_on_sm90_only():
+    """The persistent GEMMs' 128x256x64, 256x128x64 and 128x128x128 tiles on 8 warps: kept on
+    sm_90 for 16-bit operands, dropped on sm_80 (128 accumulators per thread, or 192 KiB of
+    stages) and for fp32 operands (tf32: registers; IEEE: K tile)."""
+    from meshtron.kernels import gemm
+
+    hopper = {tuple(c.kwargs[d] for d in configs.GEMM_DIMS) for c in gemm.configs_of(gemm.HOPPER_TILES)}
+    assert {(128, 256, 64), (256, 128, 64), (128, 128, 128)} == hopper
+
+    def kept(limits, elem, **kw):
+        pruned = configs.prune_gemm_configs(gemm.persistent_configs(), limits, elem, 1, 1, **kw)
+        return {(tuple(c.kwargs[d] for d in configs.GEMM_DIMS), c.num_stages) for c in pruned}
+
+    h100_16 = kept(H100, 2)
+    assert {((bm, bn, bk), s) for bm, bn, bk, _, s in gemm.HOPPER_TILES} <= h100_16
+    assert not {t for t, _ in kept(A100, 2)} & hopper
+    assert not {t for t, _ in kept(H100, 4)} & hopper
+    assert not {t for t, _ in kept(H100, 4, fma=True)} & hopper
+    # The dual product stages two A and two B tiles: 128x128x64 on 3 stages fits sm_90 only.
+    dual = {
+        tuple(c.kwargs[d] for d in configs.GEMM_DIMS)
+        for c in configs.prune_gemm_configs(gemm.persistent_configs(), H100, 2, 2, 2)
+    }
+    assert (128, 128, 64) in dual and not dual & hopper
 
 
 @pytest.mark.timeout(900)
@@ -173,8 +227,12 @@ def test_selection_covers_every_kernel_dtype_arch_and_is_seeded(launches):
         assert aot.risk(c) == max(aot.risk(o) for o in same)
     # Every GEMM kernel is fed fp32 (IEEE and TF32), bf16 and fp16; the others fp32, bf16, fp16.
     gemm = {c.kernel for c in cases if c.gemm is not None}
-    assert len(gemm) == 7
+    assert len(gemm) == 9
+    assert {"_matmul_persistent_kernel", "_matmul_tma_kernel"} <= gemm
     for kernel in {c.kernel for c in cases}:
         dtypes = {d for k, d, _ in keys if k == kernel}
         want = {"fp32-ieee", "fp32-tf32", "bf16", "fp16"} if kernel in gemm else {"fp32", "bf16", "fp16"}
+        if kernel in aot.TMA_KERNELS:
+            want = {"bf16", "fp16"}
         assert dtypes == want, (kernel, dtypes)
+        assert {a for k, _, a in keys if k == kernel} == set(aot.KERNEL_ARCHS.get(kernel, aot.ARCHS))
