@@ -643,7 +643,10 @@ def main(argv=None) -> int:
     failures = check(results)
     every = {(c.kernel, c.dtype, c.arch) for c in cases}
     missing = sorted(every - {(r.case.kernel, r.case.dtype, r.case.arch) for r in results if r.ok})
+    import triton
+
     report = {
+        "triton": triton.__version__,  # the compiler these results come from
         "cases_total": len(cases),
         "compiled": len(results),
         "seconds": round(time.time() - start, 1),

@@ -236,3 +236,42 @@ def test_selection_covers_every_kernel_dtype_arch_and_is_seeded(launches):
             want = {"bf16", "fp16"}
         assert dtypes == want, (kernel, dtypes)
         assert {a for k, _, a in keys if k == kernel} == set(aot.KERNEL_ARCHS.get(kernel, aot.ARCHS))
+
+
+# The Triton the GPU machines' image carries (/work/.library/device/KINDS.md, 2026-11): the
+# suite's Triton is newer, and a kernel that compiles on one may not on the other.
+GPU_IMAGE_TRITON = "3.6.0"
+GPU_IMAGE_TRITON_DIR = ROOT / ".triton-gpu-image"  # git-ignored: installed once, reused
+
+
+def _gpu_image_triton() -> Path:
+    """A folder holding the GPU image's Triton (pip-installed there on first use)."""
+    marker = GPU_IMAGE_TRITON_DIR / f"triton-{GPU_IMAGE_TRITON}.dist-info"
+    if not marker.exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target",
+             str(GPU_IMAGE_TRITON_DIR), f"triton=={GPU_IMAGE_TRITON}"],
+            check=True, timeout=600,
+        )  # fmt: skip
+    return GPU_IMAGE_TRITON_DIR
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_every_kernel_compiles_with_the_gpu_images_triton(tmp_path, launches):
+    """The same compile check under the GPU image's Triton (the launches captured by the
+    suite's Triton: argument kinds do not depend on the version), a smaller sample."""
+    site = _gpu_image_triton()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled kernels of one Triton only
+    out = tmp_path / "aot.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshtron.kernels.aot", "--sample", "4", "--launches", str(launches), "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1450,
+    )  # fmt: skip
+    assert out.exists(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report.get("triton") == GPU_IMAGE_TRITON, report.get("triton")
+    assert report["failures"] == [] and report["missing"] == [], report["failures"] + report["missing"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
