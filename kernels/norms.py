@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.kernels.backend import interpreting, triton_available
+from meshtron.kernels.launch import launch
 
 __all__ = [
     "layer_norm_reference",
@@ -419,7 +420,11 @@ def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else _NullCtx()
+    """Make t's GPU the current one for the launch (only when it is not already: the guard
+    itself costs host time)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NullCtx()
 
 
 class _NullCtx:
@@ -437,13 +442,17 @@ def _block_h(h: int) -> int:
     return bh
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (read once: a property look-up per launch
+    costs host time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_row_blocks(x2: torch.Tensor) -> int:
     """Rows per backward program (a multiple of _ROW_ALIGN) giving ~2 programs per SM."""
     m = x2.shape[0]
-    if x2.is_cuda:
-        target = 2 * torch.cuda.get_device_properties(x2.device).multi_processor_count
-    else:
-        target = 4
+    target = 2 * _sm_count(x2.device) if x2.is_cuda else 4
     rows_per_prog = math.ceil(m / target)
     rows_per_prog = max(_ROW_ALIGN, math.ceil(rows_per_prog / _ROW_ALIGN) * _ROW_ALIGN)
     return rows_per_prog
@@ -468,8 +477,12 @@ def _norm_forward(x, weight, bias, eps, is_rms):
         fwd, _ = _kernels(interpreting())
         block_h = _block_h(h)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
+        key = (h, is_rms, x2.dtype, weight.dtype, None if bias_c is None else bias_c.dtype, x.device)
         with _device_guard(x):
-            fwd[grid](
+            launch(
+                fwd,
+                grid,
+                key,
                 x2,
                 weight,
                 bias_c if bias_c is not None else weight,
@@ -503,8 +516,12 @@ def _norm_backward(dy, x2, weight, has_bias, mean, rstd, is_rms):
     num_blocks = triton.cdiv(m, rows_per_prog)
     dw_part = torch.empty((num_blocks, h), dtype=torch.float32, device=x2.device)
     db_part = torch.empty((num_blocks, h), dtype=torch.float32, device=x2.device) if has_bias else dw_part
+    key = (h, is_rms, has_bias, x2.dtype, dy2.dtype, weight.dtype, x2.device)
     with _device_guard(x2):
-        bwd[(num_blocks,)](
+        launch(
+            bwd,
+            (num_blocks,),
+            key,
             x2,
             weight,
             dy2,
@@ -601,8 +618,12 @@ def _residual_norm_forward(x, delta, weight, bias, eps, is_rms):
         fwd, _ = _residual_kernels(interpreting())
         block_h = _block_h(h)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
+        key = (h, is_rms, x2.dtype, d2.dtype, weight.dtype, None if bias_c is None else bias_c.dtype, x.device)
         with _device_guard(x):
-            fwd[grid](
+            launch(
+                fwd,
+                grid,
+                key,
                 x2,
                 d2,
                 weight,
@@ -641,8 +662,12 @@ def _residual_norm_backward(ds, dy, s, weight, has_bias, mean, rstd, is_rms):
     num_blocks = triton.cdiv(m, rows_per_prog)
     dw_part = torch.empty((num_blocks, h), dtype=torch.float32, device=s.device)
     db_part = torch.empty((num_blocks, h), dtype=torch.float32, device=s.device) if has_bias else dw_part
+    key = (h, is_rms, has_bias, s2.dtype, dy2.dtype, None if ds2 is None else ds2.dtype, weight.dtype, s2.device)
     with _device_guard(s2):
-        bwd[(num_blocks,)](
+        launch(
+            bwd,
+            (num_blocks,),
+            key,
             s2,
             weight,
             dy2,

@@ -355,3 +355,29 @@ def test_residual_gpu_config_pruning():
             assert c.kwargs["BLOCK_M"] * block_h <= 32 * 32 * c.num_warps or c.kwargs["BLOCK_M"] == 1
     assert fwd.early_config_prune is norms._prune_residual_configs
     assert bwd.early_config_prune is norms._prune_bwd_configs
+
+
+def test_repeated_launches_skip_the_autotuner_with_the_same_result(monkeypatch):
+    """kernels/launch.py: the first call of a key goes through the autotuner, later calls of
+    that key launch the remembered config directly (same numbers); a new key (here a new
+    dtype) and `clear()` go through the autotuner again."""
+    from triton.runtime.autotuner import Autotuner
+
+    from meshtron.kernels import launch
+
+    launch.clear()
+    tuned = []
+    original = Autotuner.run
+    monkeypatch.setattr(
+        Autotuner, "run", lambda self, *a, **k: tuned.append(self.base_fn.__name__) or original(self, *a, **k)
+    )
+    x, w = torch.randn(9, 40), torch.randn(40)
+    first = norms.rms_norm(x, w, 1e-5, backend="triton")
+    assert tuned == ["_norm_fwd_kernel"]
+    again = norms.rms_norm(x * 1.0, w, 1e-5, backend="triton")
+    assert tuned == ["_norm_fwd_kernel"] and torch.equal(first, again)
+    norms.rms_norm(x.to(torch.bfloat16), w, 1e-5, backend="triton")  # another dtype: another key
+    assert tuned == ["_norm_fwd_kernel"] * 2
+    launch.clear()
+    norms.rms_norm(x, w, 1e-5, backend="triton")
+    assert tuned == ["_norm_fwd_kernel"] * 3

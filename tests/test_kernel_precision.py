@@ -43,6 +43,9 @@ def launches(monkeypatch):
     """Every autotuned kernel launch as (kernel name, {tensor argument: dtype})."""
     from triton.runtime.autotuner import Autotuner
 
+    from meshtron.kernels import launch
+
+    launch.clear()  # every launch through the autotuner again, where this fixture sees it
     seen = []
     original = Autotuner.run
 
