@@ -104,7 +104,7 @@ def _targets() -> list[Target]:
             "lower",
             "e2e_fp8",
         ),
-        Target("linear+SwiGLU recompute mode vs torch + activation checkpointing", fwd_bwd, "ms", None, part=NOT_BUILT),
+        Target("linear+SwiGLU recompute mode vs torch + activation checkpointing gpt_1b_tp4", fwd_bwd, "ms", None),
         Target(
             "end to end llama 8L h1024 auto vs torch", "training tokens/s, bf16", "tokens/s", 1.10, part="e2e_llama"
         ),

@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 
 from bench.kernel_records import (  # noqa: E402
     BY_NAME,
@@ -565,7 +566,26 @@ def linear_act_cases(ctx: Ctx) -> list[dict]:
             [x, wg, wu],
         ),
     }
+    recompute = {  # the opt-in memory mode: nothing but x kept, the pre-activations recomputed
+        "meshtron": (
+            'linear_act.linear_swiglu(backend="triton", recompute=True)',
+            lambda x, wg, wu: linear_act.linear_swiglu(x, wg, None, wu, None, backend="triton", recompute=True),
+            [x, wg, wu],
+        ),
+        "baseline": (
+            "torch.utils.checkpoint of F.silu(F.linear(x, wg)) * F.linear(x, wu)",
+            lambda x, wg, wu: torch.utils.checkpoint.checkpoint(
+                lambda a, g, u: F.silu(F.linear(a, g)) * F.linear(a, u), x, wg, wu, use_reentrant=False
+            ),
+            [x, wg, wu],
+        ),
+    }
     out = []
+    name = f"linear+SwiGLU recompute mode vs torch + activation checkpointing {s}"
+    if name in BY_NAME:
+        sides, systems = _sides(recompute)
+        figs = measure(sides, ctx.device, ctx.plan)
+        out.append(time_record(ctx, name, figs, systems, shape=shape, flops=8.0 * m * k * n * 2))
     for label, spec, gemms in (("GeLU", gelu, 1), ("SwiGLU", swiglu, 2)):
         sides, systems = _sides(spec)
         figs = measure(sides, ctx.device, ctx.plan)

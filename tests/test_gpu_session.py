@@ -138,6 +138,8 @@ def test_kernels_rehearsal_writes_one_record_per_target_of_issue_36(tmp_path):
     fp8_loss = by["FP8 training loss vs bf16, 200 steps"]  # the tiny run: a relative difference
     assert 0 <= fp8_loss["meshtron"] < 0.2 and set(fp8_loss["loss"]) == {"bf16", "fp8"}, fp8_loss
     assert by["FP8 expert GEMM vs bf16 8b"]["note"].startswith(NOT_BUILT)
+    recompute = by["linear+SwiGLU recompute mode vs torch + activation checkpointing gpt_1b_tp4"]
+    assert recompute["meshtron"] > 0 and recompute["baseline_system"].startswith("torch.utils.checkpoint"), recompute
     for name in ("end to end llama 8L h1024 auto vs torch", "end to end gpt_1b 4L auto vs torch"):
         assert by[name]["meshtron"] > 0 and by[name]["baseline"] > 0 and by[name]["unit"] == "tokens/s"
     assert by["end to end gpt_1b 4L auto vs torch"]["order"] == ["auto", "torch"]
