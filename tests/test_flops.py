@@ -200,7 +200,7 @@ def test_model_state_bytes():
     assert 0 < bf16["autocast_weight_copies"] < 2 * n
     assert _states(gpt2_tiny(), dp=2, zero=1)["total"] == 4 * n + 4 * n + 4 * n
     with pytest.raises(ValueError, match="precision"):
-        _states(gpt2_tiny(), precision="fp8")
+        _states(gpt2_tiny(), precision="fp4")
 
 
 # ----------------------------------------------------------------------------- activations

@@ -44,12 +44,12 @@ def test_microbatches():
 
 
 def test_precision_rule_is_the_one_message_everywhere():
-    ok, message = precision_check("fp8")
-    assert not ok and message == "trainer.precision='fp8' is unknown; use one of fp32, bf16, fp16"
+    ok, message = precision_check("fp4")
+    assert not ok and message == "trainer.precision='fp4' is unknown; use one of fp32, bf16, fp16, fp8"
     with pytest.raises(ValueError) as from_precision:
-        Precision("fp8")
+        Precision("fp4")
     with pytest.raises(ConfigError) as from_config:
-        RunConfig.from_dict({"trainer": {"precision": "fp8"}})
+        RunConfig.from_dict({"trainer": {"precision": "fp4"}})
     with pytest.raises(ValueError) as from_plan:
-        plan_rank(GPTConfig(), ParallelConfig(), 1, 0, micro_batch_size=1, global_batch_size=1, precision="fp8")
+        plan_rank(GPTConfig(), ParallelConfig(), 1, 0, micro_batch_size=1, global_batch_size=1, precision="fp4")
     assert str(from_precision.value) == str(from_config.value) == str(from_plan.value) == message
