@@ -18,7 +18,7 @@ memory, a GEMM whose shared-memory estimate is below the compiled size (the prun
 would be unsafe), a (kernel, dtype, arch) left with no config, a 16-bit GEMM without wgmma on
 sm_90 or without mma.sync on sm_80, a `TMA_KERNELS` kernel without TMA bulk copies on sm_90,
 and a stack frame over the kernel's stated `SPILL_BUDGET`. `KERNEL_ARCHS` names the kernels
-compiled for some archs only (the TMA GEMM: sm_90).
+compiled for some archs only (the TMA GEMMs: sm_90).
 
 Must run with TRITON_INTERPRET unset (the interpreter replaces the jitted functions);
 `tests/test_kernels_aot.py` runs this module in a clean subprocess.
@@ -47,10 +47,10 @@ PRECISIONS = (
     ("fp16", "fp16", "ieee"),
 )
 NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
-# Kernels compiled for some archs only: the TMA GEMM runs on sm_90+ with 16-bit operands.
-KERNEL_ARCHS = {"_matmul_tma_kernel": (90,)}
+# Kernels compiled for some archs only: the TMA GEMMs run on sm_90+ with 16-bit operands.
+KERNEL_ARCHS = {"_matmul_tma_kernel": (90,), "_linear_gelu_tma_kernel": (90,), "_linear_swiglu_tma_kernel": (90,)}
 # Kernels whose sm_90 PTX must load through TMA bulk tensor copies.
-TMA_KERNELS = frozenset({"_matmul_tma_kernel"})
+TMA_KERNELS = frozenset({"_matmul_tma_kernel", "_linear_gelu_tma_kernel", "_linear_swiglu_tma_kernel"})
 
 # Stack-frame bytes per thread each kernel may use on the configs the pruning keeps (spills
 # or local arrays), measured over every kept config with `python -m meshtron.kernels.aot --all`
@@ -59,10 +59,22 @@ TMA_KERNELS = frozenset({"_matmul_tma_kernel"})
 # (IEEE fp32 GEMMs with wide K tiles, norm backward at H=8192). A kernel whose frame grows
 # past its budget fails the suite.
 SPILL_BUDGET = {
-    "_linear_gelu_fwd_kernel": 0,
+    # The one-program-per-tile forwards (the interpreter's default and persistent=False since the
+    # persistent ones run on CUDA), re-measured with --all on both Tritons (2026-12): 16-bit
+    # 128x128x32 (GeLU) / 128x64x32 and 64x128x32 (SwiGLU) on 4 warps with SAVE_PRE, sm_90,
+    # 32-72 B, as on the code before the persistent kernels (the earlier budgets predate SAVE_PRE).
+    "_linear_gelu_fwd_kernel": 72,
     "_linear_gelu_bwd_kernel": 0,
-    "_linear_swiglu_fwd_kernel": 24,  # IEEE fp32 64x64x16 on sm_90
+    "_linear_swiglu_fwd_kernel": 72,
     "_linear_swiglu_bwd_kernel": 56,  # 16-bit 128x64x32 on 4 warps, sm_90 (two accumulators + dy)
+    # The persistent forwards, --all on both Tritons (2026-12): the TMA kernels 0 B on every kept
+    # config (epilogue in column slices, linear_act.subtiles; whole 128x256 tiles spilled 80-184 B);
+    # pointer loads 8 B (triton 3.9: 16-bit 256x128x64 / 128x128x32 on sm_90, IEEE fp32 64x64x16),
+    # SwiGLU 72 B on IEEE fp32 64x64x16 on 4 warps, sm_90 (CUDA-core dots; 24 B with triton 3.6).
+    "_linear_gelu_persistent_kernel": 8,
+    "_linear_gelu_tma_kernel": 0,
+    "_linear_swiglu_persistent_kernel": 72,
+    "_linear_swiglu_tma_kernel": 0,
     "_matmul_kernel": 8,
     "_matmul_persistent_kernel": 16,  # triton 3.9: IEEE fp32 dual 128x64x16 on 8 warps, sm_90
     "_matmul_tma_kernel": 0,
@@ -211,6 +223,14 @@ def _workload(label: str) -> None:
             linear_act.linear_gelu(x, leaf(n, k), leaf(n), backend="triton", recompute=True),
             linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), leaf(n), backend="triton", recompute=True),
         ]
+        # the persistent forwards, as CUDA runs them: TMA descriptors for 16-bit operands (sm_90;
+        # the pointer kernel for fp32), pointer loads (sm_80's), and the recompute mode's SAVE_PRE off
+        for tma, recompute in ((True, False), (False, False), (True, True)):
+            kw = dict(backend="triton", recompute=recompute, persistent=True, tma=tma)
+            outs += [
+                linear_act.linear_gelu(x, leaf(n, k), leaf(n), **kw),
+                linear_act.linear_swiglu(x, leaf(n, k), leaf(n), leaf(n, k), None, **kw),
+            ]
         sizes = torch.tensor([16, 0, 16, 0, 16, 0, 16, 0])
         outs.append(grouped_gemm.grouped_gemm(x, leaf(CAPTURE_EXPERTS, k, n), sizes, backend="triton"))
         outs.append(swiglu.swiglu(leaf(rows, n, dtype=fed), leaf(rows, n, dtype=fed), backend="triton"))
@@ -322,6 +342,8 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     shape = dict(getattr(module, kernel).early_config_prune.gemm_shape)
     if kernel in ("_matmul_persistent_kernel", "_matmul_tma_kernel"):
         candidates = gemm.persistent_configs()
+    elif kernel.endswith(("_persistent_kernel", "_tma_kernel")):  # the persistent linear+activation forwards
+        candidates = linear_act.persistent_gpu_configs(swiglu=kernel.startswith("_linear_swiglu"))
     elif kernel == "_grouped_gemm_kernel":
         candidates = grouped_gemm.gpu_gemm_configs()
     elif kernel == "_grouped_gemm_dw_kernel":
@@ -436,9 +458,14 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
 
 def gemm_blocks(kernel: str, constexprs: dict) -> dict:
     """Descriptor argument -> block shape of a TMA kernel under a config's constexprs."""
-    from meshtron.kernels import gemm
+    from meshtron.kernels import gemm, linear_act
 
-    return {"_matmul_tma_kernel": gemm.tma_block_shapes}[kernel](constexprs)
+    blocks = {
+        "_matmul_tma_kernel": gemm.tma_block_shapes,
+        "_linear_gelu_tma_kernel": linear_act.tma_block_shapes,
+        "_linear_swiglu_tma_kernel": linear_act.tma_block_shapes,
+    }
+    return blocks[kernel](constexprs)
 
 
 def all_cases(archs=ARCHS, launches: list[dict] | None = None) -> list[Case]:

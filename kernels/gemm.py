@@ -40,7 +40,11 @@ Which engine runs a plain GEMM under kernels.backend=auto is `kernels.backend.au
 
 The tile configs (`gpu_configs`) and the jitted helpers `tile_ids` and `dot` are shared with
 the fused GEMM kernels of kernels/linear_act.py; `persistent_configs` adds the Hopper-sized
-tiles (128x256, 256x128, BK 128) for the persistent kernels.
+tiles (128x256, 256x128, BK 128) for the persistent kernels. Its persistent forward kernels
+also take `tile_coords`, the K loops `_ptr_k_loop` / `_tma_k_loop`, their two-product twins
+`ptr_k_loop_shared_a` / `tma_k_loop_shared_a` (one A tile feeding two accumulators: SwiGLU's
+gate and up), `tma_block_shapes` and the launch plumbing (`_device_info`, `_tma_layout`,
+`_descriptor`).
 """
 
 from __future__ import annotations
@@ -369,6 +373,56 @@ if triton is not None:
             b_ptrs += BLOCK_K * stride_bk
         return acc
 
+    @triton.jit
+    def ptr_k_loop_shared_a(
+        acc,
+        acc2,
+        a_ptr,
+        b_ptr,
+        b2_ptr,
+        pid_m,
+        pid_n,
+        M,
+        N,
+        K,
+        lo,
+        hi,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        stride_b2k,
+        stride_b2n,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """(acc + A @ B, acc2 + A @ B2) over K tiles lo..hi) of one output tile, each A tile
+        loaded once for both products (masked pointer loads; B and B2 of one shape)."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m[:, None] < M
+        n_mask = offs_n[None, :] < N
+        cols = offs_n[None, :].to(tl.int64)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (lo * BLOCK_K + offs_k[None, :]) * stride_ak
+        b_ptrs = b_ptr + (lo * BLOCK_K + offs_k[:, None]) * stride_bk + cols * stride_bn
+        b2_ptrs = b2_ptr + (lo * BLOCK_K + offs_k[:, None]) * stride_b2k + cols * stride_b2n
+        for kt in range(lo, hi):
+            k_left = K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask & (offs_k[None, :] < k_left), other=0.0)
+            b_mask = (offs_k[:, None] < k_left) & n_mask
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
+            acc = dot(a, b, acc, CAST_F32, PRECISION)
+            acc2 = dot(a, b2, acc2, CAST_F32, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+            b2_ptrs += BLOCK_K * stride_b2k
+        return acc, acc2
+
     @triton.autotune(
         configs=persistent_autotune_configs(),
         key=["M", "N", "K", "K2", "DUAL", "PRECISION"],
@@ -494,6 +548,41 @@ if triton is not None:
                 b = b_desc.load([off_k, off_n])
             acc = dot(a, b, acc, CAST_F32, PRECISION)
         return acc
+
+    @triton.jit
+    def tma_k_loop_shared_a(
+        acc,
+        acc2,
+        a_desc,
+        b_desc,
+        b2_desc,
+        off_m,
+        off_n,
+        lo,
+        hi,
+        A_T: tl.constexpr,
+        B_T: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """(acc + A @ B, acc2 + A @ B2) over K tiles lo..hi), each A tile loaded once by TMA for
+        both products (`_tma_k_loop`'s layouts; B2's descriptor laid out as B's)."""
+        for kt in range(lo, hi):
+            off_k = kt * BLOCK_K
+            if A_T:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_T:
+                b = b_desc.load([off_n, off_k]).T
+                b2 = b2_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+                b2 = b2_desc.load([off_k, off_n])
+            acc = dot(a, b, acc, CAST_F32, PRECISION)
+            acc2 = dot(a, b2, acc2, CAST_F32, PRECISION)
+        return acc, acc2
 
     @triton.autotune(
         configs=persistent_autotune_configs(pre_hook=_set_tma_blocks),

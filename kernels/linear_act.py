@@ -10,12 +10,36 @@ the Triton kernels (on CPU only under TRITON_INTERPRET=1).
 
 Triton path (fp32 accumulation throughout), by default without recomputation:
 
-forward   `_linear_gelu_fwd_kernel` / `_linear_swiglu_fwd_kernel`: tiled matmul of x with W^T
-          (for SwiGLU two accumulators, gate and up, fed by the same x tile), bias add and
-          activation in the epilogue; writes the activated output and the pre-activation(s)
-          z (SwiGLU: [z_gate | z_up], [M, 2N]) in the compute dtype. Saved for backward: x, the
-          weight copies and z -- torch eager saves the same for GeLU (x, W, z) and one more
-          [M, N] tensor for SwiGLU (silu(z_gate) beside z_gate and z_up).
+forward   one matmul of x with W^T (W [N, K] row-major: the GEMM's B operand transposed;
+          for SwiGLU two accumulators, gate and up, fed by the same x tile), bias add and
+          activation in fp32 in the epilogue; writes the activated output and the
+          pre-activation(s) z (SwiGLU: [z_gate | z_up], [M, 2N]) in the compute dtype. Saved
+          for backward: x, the weight copies and z -- torch eager saves the same for GeLU
+          (x, W, z) and one more [M, N] tensor for SwiGLU (silu(z_gate) beside z_gate and z_up).
+          Which kernel (`forward_plan`):
+          - on CUDA, persistent (kernels/gemm.py's schedule): a grid of min(#SMs, #tiles)
+            programs, program p computing output tiles p, p + grid, ... in grouped order (runs
+            of GROUP_M tiles share W's tile in L2); the epilogue cut into `SUBTILES` column
+            slices (<= 32 accumulator values per thread each: 128 accumulators plus gelu's
+            temporaries of a whole 128x256 tile spill). The first call of a (kernel, shapes,
+            dtype, flags, SMs) key autotunes, later ones launch the cached config directly.
+            `_linear_gelu_tma_kernel` / `_linear_swiglu_tma_kernel` on sm_90+ when x and the
+            weights are 16-bit and TMA-loadable (unit stride, 16-byte aligned base and rows:
+            K % 8 == 0 for contiguous operands; both SwiGLU weights laid out alike): tiles
+            loaded through host-side TensorDescriptors, W's [BLOCK_N, BLOCK_K] tile
+            transposed in shared memory; otherwise `_linear_*_persistent_kernel` with masked
+            pointer loads (sm_80, fp32, odd K or strides). Candidates: GeLU the persistent
+            GEMMs' (Hopper 128x256 / 256x128 / BK 128 tiles kept on sm_90 for 16-bit), SwiGLU
+            the dual tiles plus 128x128 per accumulator on 8 warps (sm_90, 16-bit: its two
+            accumulators are counted by the pruning). No split-K: the activation needs whole
+            dot products, and the forward has enough tiles for whole waves to dominate
+            (gpt_1b tp=4 [4096, 1408]: 192 tiles of 128x256 = 1.45 waves on 132 SMs, 352 of
+            128x128 = 2.7, the autotuner weighs the tail; 8B-class [8192, 14336]: 3584 of
+            128x256, SwiGLU 7168 of 128x128).
+          - `_linear_gelu_fwd_kernel` / `_linear_swiglu_fwd_kernel`, one program per tile
+            through the autotuner: the interpreter's default and `persistent=False`.
+          Test switches of `linear_gelu` / `linear_swiglu`: `persistent`, `tma` (True: the
+          descriptor kernel wherever the operands allow, also off Hopper), `num_sms`.
 backward  (1) `_linear_gelu_grad_kernel` / `_linear_swiglu_grad_kernel`, elementwise: the pre-activation
           gradient g = dy * act'(z) ([M, N]; SwiGLU [M, 2N] = [g_gate | g_up]);
           (2) two plain GEMMs (kernels/gemm.py `matmul`, Triton or cuBLAS by `gemm_backend`):
@@ -24,9 +48,10 @@ backward  (1) `_linear_gelu_grad_kernel` / `_linear_swiglu_grad_kernel`, element
           the main weights' dtype; db = g.sum(0) is a torch reduction.
           Three GEMMs per linear, as torch runs.
 
-`recompute=True` (opt-in memory mode): the forward writes only the output and saves x; the
-backward's `_linear_*_bwd_kernel` recomputes the pre-activation tile(s) with the forward's
-matmul and writes g from it (a fourth GEMM, no [M, N] tensor kept between the passes).
+`recompute=True` (opt-in memory mode): the forward (the same kernel choice, SAVE_PRE off)
+writes only the output and saves x; the backward's one-program-per-tile `_linear_*_bwd_kernel`
+recomputes the pre-activation tile(s) with the forward's matmul and writes g from it (a fourth
+GEMM, no [M, N] tensor kept between the passes).
 
 Precision: under autocast (trainer.precision=bf16|fp16) x and the weights are cast to the
 autocast dtype (16-bit weight copies made once per step, kernels/operands.py) and every
@@ -34,15 +59,19 @@ matmul multiplies 16-bit tiles with fp32 accumulation (tensor cores); z is store
 to 16 bits, as torch's F.linear output is. fp32 inputs use tf32 dots only when
 `kernels.tf32` allows it (kernels/tf32.py); the dot precision is part of the autotune key.
 On the interpreter tiles are cast to fp32 before `tl.dot` (bf16 dots are wrong there) and a
-single autotune config is used; on a GPU the configs of kernels/gemm.py `gpu_configs` are
-pruned per device (kernels/configs.py) and autotuned.
+single autotune config is used (the persistent kernels' with 4 epilogue slices); on a GPU the
+configs (kernels/gemm.py `gpu_configs`, `persistent_gpu_configs` here) are pruned per device
+(kernels/configs.py) and autotuned.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
+from meshtron.kernels import gemm
 from meshtron.kernels.backend import interpreting
 from meshtron.kernels.configs import gemm_prune
 from meshtron.kernels.gemm import GEMM_BACKENDS, autotune_configs, dot_flags, grid_2d, matmul
@@ -52,7 +81,15 @@ try:  # the torch backend works without triton
     import triton
     import triton.language as tl
 
-    from meshtron.kernels.gemm import dot, tile_ids
+    from meshtron.kernels.gemm import (
+        _ptr_k_loop,
+        _tma_k_loop,
+        dot,
+        ptr_k_loop_shared_a,
+        tile_coords,
+        tile_ids,
+        tma_k_loop_shared_a,
+    )
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -106,6 +143,78 @@ def elementwise_gpu_configs() -> list:
 def _elementwise_configs() -> list:
     # 16 x 32 under the interpreter: odd test shapes still cross program borders both ways.
     return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4)] if interpreting() else elementwise_gpu_configs()
+
+
+# SwiGLU's Hopper-sized tiles: 128x128 per accumulator, gate and up, is a 128x256 GEMM tile's
+# output work; 128 accumulator registers per thread on 8 warps (sm_90's limit, above sm_80's)
+# and 144 / 193 KiB of stages (one x tile and two W tiles per K step) on 3 / 4 stages.
+SWIGLU_HOPPER_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]
+EPILOGUE_REGS = 32  # accumulator values per thread one epilogue slice may hold (`SUBTILES`)
+
+
+def subtiles(block_m: int, block_n: int, num_warps: int) -> int:
+    """Column slices (1, 2 or 4) the persistent forwards' epilogue cuts a tile into: one per
+    `EPILOGUE_REGS` accumulator values per thread and accumulator. With the whole tile at once,
+    128 fp32 accumulators per thread plus gelu's temporaries spill (sm_90 AOT: 80-184 B)."""
+    return max(1, min(4, block_m * block_n // (32 * num_warps) // EPILOGUE_REGS, block_n // 16))
+
+
+def _with_subtiles(configs: list, interpreter: bool = False) -> list:
+    """`configs` with their `SUBTILES` constexpr (the interpreter's 32x32 tile: 4 slices of 8
+    columns, so that the tests run the sliced epilogue)."""
+    return [
+        triton.Config(
+            {
+                **c.kwargs,
+                "SUBTILES": 4 if interpreter else subtiles(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps),
+            },
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+            pre_hook=c.pre_hook,
+        )
+        for c in configs
+    ]
+
+
+def persistent_gpu_configs(swiglu: bool = False, pre_hook=None) -> list:
+    """GPU candidates of the persistent forward kernels before the per-device pruning: GeLU
+    takes the persistent GEMMs' (kernels/gemm.py `persistent_configs`, Hopper tiles included),
+    SwiGLU the dual tiles of `gpu_configs(dual=True)` plus `SWIGLU_HOPPER_TILES` (its pruning
+    counts two accumulators and two W tiles per K step); each with its epilogue `subtiles`."""
+    if not swiglu:
+        return _with_subtiles(gemm.persistent_configs(pre_hook))
+    tiles = [
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+        for c in gemm.gpu_configs(dual=True)
+    ]
+    return _with_subtiles(gemm.configs_of(tiles + SWIGLU_HOPPER_TILES, pre_hook))
+
+
+def _persistent_autotune_configs(swiglu: bool, pre_hook=None) -> list:
+    """One small config under the interpreter, else `persistent_gpu_configs`."""
+    if interpreting():
+        return _with_subtiles(gemm.persistent_autotune_configs(pre_hook), interpreter=True)
+    return persistent_gpu_configs(swiglu, pre_hook)
+
+
+def tma_block_shapes(constexprs: dict) -> dict:
+    """The block shape of each descriptor argument of the TMA forward kernels under a config's
+    constexprs (BLOCK_*, A_T, B_T): x is kernels/gemm.py's A operand, each weight its B = W^T
+    (a row-major W is B transposed: block [BLOCK_N, BLOCK_K]). Also read by kernels/aot.py."""
+    blocks = gemm.tma_block_shapes(constexprs)
+    return {
+        "x_desc": blocks["a_desc"],
+        "w_desc": blocks["b_desc"],
+        "wg_desc": blocks["b_desc"],
+        "wu_desc": blocks["b_desc"],
+    }
+
+
+def _set_tma_blocks(nargs: dict) -> None:
+    """Config pre-hook of the TMA forward kernels: each descriptor's block for the config tried."""
+    for name, shape in tma_block_shapes(nargs).items():
+        if name in nargs:
+            nargs[name].block_shape = shape
 
 
 if triton is not None:
@@ -186,6 +295,71 @@ if triton is not None:
             dy = cdf + u * 0.3989422804014327 * tl.exp(-0.5 * u * u)  # 1/sqrt(2 pi)
         return y, dy
 
+    @triton.jit
+    def _gelu_store(
+        acc,
+        b_ptr,
+        out_ptr,
+        pre_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        APPROX_TANH: tl.constexpr,
+    ):
+        """The GeLU forward epilogue of the fp32 tile acc = x W^T (rows offs_m, cols offs_n):
+        z = acc + b, out = gelu(z) in fp32, stored (masked) in the output's dtype; with
+        SAVE_PRE also z in pre's."""
+        acc = _add_bias(acc, b_ptr, offs_n, N, HAS_BIAS)
+        y, _dy = _gelu_and_grad(acc, APPROX_TANH)
+        rows = offs_m[:, None].to(tl.int64)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(out_ptr + rows * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if SAVE_PRE:
+            pre = acc.to(pre_ptr.dtype.element_ty)
+            tl.store(pre_ptr + rows * stride_pm + offs_n[None, :] * stride_pn, pre, mask=mask)
+
+    @triton.jit
+    def _swiglu_store(
+        a,
+        u,
+        bg_ptr,
+        bu_ptr,
+        out_ptr,
+        pre_gate_ptr,
+        pre_up_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BG: tl.constexpr,
+        HAS_BU: tl.constexpr,
+    ):
+        """The SwiGLU forward epilogue of the fp32 tiles a = x Wg^T, u = x Wu^T: out =
+        silu(a + bg) * (u + bu) in fp32, stored (masked) in the output's dtype; with SAVE_PRE
+        also the two pre-activations (pre_gate, pre_up share strides)."""
+        a = _add_bias(a, bg_ptr, offs_n, N, HAS_BG)
+        u = _add_bias(u, bu_ptr, offs_n, N, HAS_BU)
+        y = a * tl.sigmoid(a) * u
+        rows = offs_m[:, None].to(tl.int64)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(out_ptr + rows * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
+        if SAVE_PRE:
+            pre_off = rows * stride_pm + offs_n[None, :] * stride_pn
+            tl.store(pre_gate_ptr + pre_off, a.to(pre_gate_ptr.dtype.element_ty), mask=mask)
+            tl.store(pre_up_ptr + pre_off, u.to(pre_up_ptr.dtype.element_ty), mask=mask)
+
     @triton.autotune(
         configs=autotune_configs(),
         key=["M", "N", "K", "PRECISION"],
@@ -245,14 +419,23 @@ if triton is not None:
             CAST_F32,
             PRECISION,
         )
-        acc = _add_bias(acc, b_ptr, offs_n, N, HAS_BIAS)
-        y, _dy = _gelu_and_grad(acc, APPROX_TANH)
-        rows = offs_m[:, None].to(tl.int64)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptr + rows * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
-        if SAVE_PRE:
-            pre = acc.to(pre_ptr.dtype.element_ty)
-            tl.store(pre_ptr + rows * stride_pm + offs_n[None, :] * stride_pn, pre, mask=mask)
+        _gelu_store(
+            acc,
+            b_ptr,
+            out_ptr,
+            pre_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            stride_om,
+            stride_on,
+            stride_pm,
+            stride_pn,
+            SAVE_PRE,
+            HAS_BIAS,
+            APPROX_TANH,
+        )
 
     @triton.autotune(
         configs=autotune_configs(dual=True),
@@ -319,16 +502,414 @@ if triton is not None:
             CAST_F32,
             PRECISION,
         )
-        a = _add_bias(a, bg_ptr, offs_n, N, HAS_BG)
-        u = _add_bias(u, bu_ptr, offs_n, N, HAS_BU)
-        y = a * tl.sigmoid(a) * u
-        rows = offs_m[:, None].to(tl.int64)
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(out_ptr + rows * stride_om + offs_n[None, :] * stride_on, y.to(out_ptr.dtype.element_ty), mask=mask)
-        if SAVE_PRE:
-            pre_off = rows * stride_pm + offs_n[None, :] * stride_pn
-            tl.store(pre_gate_ptr + pre_off, a.to(pre_gate_ptr.dtype.element_ty), mask=mask)
-            tl.store(pre_up_ptr + pre_off, u.to(pre_up_ptr.dtype.element_ty), mask=mask)
+        _swiglu_store(
+            a,
+            u,
+            bg_ptr,
+            bu_ptr,
+            out_ptr,
+            pre_gate_ptr,
+            pre_up_ptr,
+            offs_m,
+            offs_n,
+            M,
+            N,
+            stride_om,
+            stride_on,
+            stride_pm,
+            stride_pn,
+            SAVE_PRE,
+            HAS_BG,
+            HAS_BU,
+        )
+
+    @triton.jit
+    def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The left and right [BLOCK_M, BLOCK_N // 2] column halves of a tile."""
+        return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+    @triton.jit
+    def _gelu_epilogue(
+        acc,
+        b_ptr,
+        out_ptr,
+        pre_ptr,
+        pid_m,
+        pid_n,
+        M,
+        N,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        APPROX_TANH: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SUBTILES: tl.constexpr,
+    ):
+        """`_gelu_store` of output tile (pid_m, pid_n) in SUBTILES (1, 2 or 4) column slices, one
+        after the other: the activation's temporaries of one slice live beside the accumulator,
+        not of the whole tile (128 accumulators per thread and gelu's of 64 more spill)."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if SUBTILES == 1:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _gelu_store(
+                acc, b_ptr, out_ptr, pre_ptr, offs_m, offs_n, M, N, stride_om, stride_on, stride_pm, stride_pn,
+                SAVE_PRE, HAS_BIAS, APPROX_TANH,
+            )  # fmt: skip
+        elif SUBTILES == 2:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            s0, s1 = _halves(acc, BLOCK_M, BLOCK_N)
+            _gelu_store(
+                s0, b_ptr, out_ptr, pre_ptr, offs_m, offs_n, M, N, stride_om, stride_on, stride_pm, stride_pn,
+                SAVE_PRE, HAS_BIAS, APPROX_TANH,
+            )  # fmt: skip
+            _gelu_store(
+                s1, b_ptr, out_ptr, pre_ptr, offs_m, offs_n + BLOCK_N // 2, M, N, stride_om, stride_on, stride_pm,
+                stride_pn, SAVE_PRE, HAS_BIAS, APPROX_TANH,
+            )  # fmt: skip
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            s0, s1 = _halves(left, BLOCK_M, BLOCK_N // 2)
+            s2, s3 = _halves(right, BLOCK_M, BLOCK_N // 2)
+            _gelu_store(
+                s0, b_ptr, out_ptr, pre_ptr, offs_m, offs_n, M, N, stride_om, stride_on, stride_pm, stride_pn,
+                SAVE_PRE, HAS_BIAS, APPROX_TANH,
+            )  # fmt: skip
+            _gelu_store(
+                s1, b_ptr, out_ptr, pre_ptr, offs_m, offs_n + BLOCK_N // 4, M, N, stride_om, stride_on, stride_pm,
+                stride_pn, SAVE_PRE, HAS_BIAS, APPROX_TANH,
+            )  # fmt: skip
+            _gelu_store(
+                s2, b_ptr, out_ptr, pre_ptr, offs_m, offs_n + 2 * (BLOCK_N // 4), M, N, stride_om, stride_on,
+                stride_pm, stride_pn, SAVE_PRE, HAS_BIAS, APPROX_TANH,
+            )  # fmt: skip
+            _gelu_store(
+                s3, b_ptr, out_ptr, pre_ptr, offs_m, offs_n + 3 * (BLOCK_N // 4), M, N, stride_om, stride_on,
+                stride_pm, stride_pn, SAVE_PRE, HAS_BIAS, APPROX_TANH,
+            )  # fmt: skip
+
+    @triton.jit
+    def _swiglu_epilogue(
+        a,
+        u,
+        bg_ptr,
+        bu_ptr,
+        out_ptr,
+        pre_gate_ptr,
+        pre_up_ptr,
+        pid_m,
+        pid_n,
+        M,
+        N,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BG: tl.constexpr,
+        HAS_BU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SUBTILES: tl.constexpr,
+    ):
+        """`_swiglu_store` of output tile (pid_m, pid_n) in SUBTILES (1 or 2) column slices."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if SUBTILES == 1:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _swiglu_store(
+                a, u, bg_ptr, bu_ptr, out_ptr, pre_gate_ptr, pre_up_ptr, offs_m, offs_n, M, N, stride_om,
+                stride_on, stride_pm, stride_pn, SAVE_PRE, HAS_BG, HAS_BU,
+            )  # fmt: skip
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            a0, a1 = _halves(a, BLOCK_M, BLOCK_N)
+            u0, u1 = _halves(u, BLOCK_M, BLOCK_N)
+            _swiglu_store(
+                a0, u0, bg_ptr, bu_ptr, out_ptr, pre_gate_ptr, pre_up_ptr, offs_m, offs_n, M, N, stride_om,
+                stride_on, stride_pm, stride_pn, SAVE_PRE, HAS_BG, HAS_BU,
+            )  # fmt: skip
+            _swiglu_store(
+                a1, u1, bg_ptr, bu_ptr, out_ptr, pre_gate_ptr, pre_up_ptr, offs_m, offs_n + BLOCK_N // 2, M, N,
+                stride_om, stride_on, stride_pm, stride_pn, SAVE_PRE, HAS_BG, HAS_BU,
+            )  # fmt: skip
+
+    @triton.autotune(
+        configs=_persistent_autotune_configs(swiglu=False),
+        key=["M", "N", "K", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)},
+    )
+    @triton.jit
+    def _linear_gelu_persistent_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        pre_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        APPROX_TANH: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        SUBTILES: tl.constexpr,
+    ):
+        """`_linear_gelu_fwd_kernel` persistent: program p computes output tiles p, p + grid, ...
+        in grouped order (masked pointer loads, W^T as B by its strides), each with the same
+        epilogue. No split-K: the activation needs whole dot products."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _ptr_k_loop(
+                acc,
+                x_ptr,
+                w_ptr,
+                pid_m,
+                pid_n,
+                M,
+                N,
+                K,
+                0,
+                k_tiles,
+                stride_xm,
+                stride_xk,
+                stride_wk,
+                stride_wn,
+                CAST_F32,
+                PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            _gelu_epilogue(
+                acc, b_ptr, out_ptr, pre_ptr, pid_m, pid_n, M, N, stride_om, stride_on, stride_pm, stride_pn,
+                SAVE_PRE, HAS_BIAS, APPROX_TANH, BLOCK_M, BLOCK_N, SUBTILES,
+            )  # fmt: skip
+
+    @triton.autotune(
+        configs=_persistent_autotune_configs(swiglu=False, pre_hook=_set_tma_blocks),
+        key=["M", "N", "K", "A_T", "B_T", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_desc", a_tiles=1, b_tiles=1)},
+    )
+    @triton.jit
+    def _linear_gelu_tma_kernel(
+        x_desc,
+        w_desc,
+        b_ptr,
+        out_ptr,
+        pre_ptr,
+        M,
+        N,
+        K,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        APPROX_TANH: tl.constexpr,
+        A_T: tl.constexpr,
+        B_T: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        SUBTILES: tl.constexpr,
+    ):
+        """`_linear_gelu_persistent_kernel` with the x and W tiles loaded by TMA through host-side
+        descriptors (zero-filled past the edges; blocks set per config by `_set_tma_blocks`):
+        B_T for a row-major W (its [BLOCK_N, BLOCK_K] tile transposed in shared memory), A_T
+        for a column-major x."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _tma_k_loop(
+                acc,
+                x_desc,
+                w_desc,
+                pid_m * BLOCK_M,
+                pid_n * BLOCK_N,
+                0,
+                k_tiles,
+                A_T,
+                B_T,
+                CAST_F32,
+                PRECISION,
+                BLOCK_K,
+            )
+            _gelu_epilogue(
+                acc, b_ptr, out_ptr, pre_ptr, pid_m, pid_n, M, N, stride_om, stride_on, stride_pm, stride_pn,
+                SAVE_PRE, HAS_BIAS, APPROX_TANH, BLOCK_M, BLOCK_N, SUBTILES,
+            )  # fmt: skip
+
+    @triton.autotune(
+        configs=_persistent_autotune_configs(swiglu=True),
+        key=["M", "N", "K", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
+    )
+    @triton.jit
+    def _linear_swiglu_persistent_kernel(
+        x_ptr,
+        wg_ptr,
+        bg_ptr,
+        wu_ptr,
+        bu_ptr,
+        out_ptr,
+        pre_gate_ptr,
+        pre_up_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wgn,
+        stride_wgk,
+        stride_wun,
+        stride_wuk,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BG: tl.constexpr,
+        HAS_BU: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        SUBTILES: tl.constexpr,
+    ):
+        """`_linear_swiglu_fwd_kernel` persistent: program p computes output tiles p, p + grid,
+        ... in grouped order, gate and up accumulated from the same x tile (masked pointer
+        loads), the same epilogue. No split-K."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            a, u = ptr_k_loop_shared_a(
+                a,
+                u,
+                x_ptr,
+                wg_ptr,
+                wu_ptr,
+                pid_m,
+                pid_n,
+                M,
+                N,
+                K,
+                0,
+                k_tiles,
+                stride_xm,
+                stride_xk,
+                stride_wgk,
+                stride_wgn,
+                stride_wuk,
+                stride_wun,
+                CAST_F32,
+                PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            _swiglu_epilogue(
+                a, u, bg_ptr, bu_ptr, out_ptr, pre_gate_ptr, pre_up_ptr, pid_m, pid_n, M, N, stride_om, stride_on,
+                stride_pm, stride_pn, SAVE_PRE, HAS_BG, HAS_BU, BLOCK_M, BLOCK_N, SUBTILES,
+            )  # fmt: skip
+
+    @triton.autotune(
+        configs=_persistent_autotune_configs(swiglu=True, pre_hook=_set_tma_blocks),
+        key=["M", "N", "K", "A_T", "B_T", "PRECISION"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_desc", a_tiles=1, b_tiles=2, accumulators=2)},
+    )
+    @triton.jit
+    def _linear_swiglu_tma_kernel(
+        x_desc,
+        wg_desc,
+        bg_ptr,
+        wu_desc,
+        bu_ptr,
+        out_ptr,
+        pre_gate_ptr,
+        pre_up_ptr,
+        M,
+        N,
+        K,
+        stride_om,
+        stride_on,
+        stride_pm,
+        stride_pn,
+        SAVE_PRE: tl.constexpr,
+        HAS_BG: tl.constexpr,
+        HAS_BU: tl.constexpr,
+        A_T: tl.constexpr,
+        B_T: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        SUBTILES: tl.constexpr,
+    ):
+        """`_linear_swiglu_persistent_kernel` with TMA loads (one x tile and the two W tiles per
+        K step; the weights' descriptors laid out alike)."""
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            a, u = tma_k_loop_shared_a(
+                a,
+                u,
+                x_desc,
+                wg_desc,
+                wu_desc,
+                pid_m * BLOCK_M,
+                pid_n * BLOCK_N,
+                0,
+                k_tiles,
+                A_T,
+                B_T,
+                CAST_F32,
+                PRECISION,
+                BLOCK_K,
+            )
+            _swiglu_epilogue(
+                a, u, bg_ptr, bu_ptr, out_ptr, pre_gate_ptr, pre_up_ptr, pid_m, pid_n, M, N, stride_om, stride_on,
+                stride_pm, stride_pn, SAVE_PRE, HAS_BG, HAS_BU, BLOCK_M, BLOCK_N, SUBTILES,
+            )  # fmt: skip
 
     @triton.autotune(configs=_elementwise_configs(), key=["N"])
     @triton.jit
@@ -529,6 +1110,20 @@ if triton is not None:
 
 # ----------------------------------------------------------------------------- launch helpers
 
+# the forward kernels by name (`ForwardPlan.kernel`)
+_FWD_KERNELS = (
+    {
+        "_linear_gelu_fwd_kernel": _linear_gelu_fwd_kernel,
+        "_linear_gelu_persistent_kernel": _linear_gelu_persistent_kernel,
+        "_linear_gelu_tma_kernel": _linear_gelu_tma_kernel,
+        "_linear_swiglu_fwd_kernel": _linear_swiglu_fwd_kernel,
+        "_linear_swiglu_persistent_kernel": _linear_swiglu_persistent_kernel,
+        "_linear_swiglu_tma_kernel": _linear_swiglu_tma_kernel,
+    }
+    if triton is not None
+    else {}
+)
+
 
 def _check(x, weights, biases):
     """Operands as the kernels take them: x and the weight copies in one compute dtype on one
@@ -547,73 +1142,120 @@ def _check(x, weights, biases):
             raise TypeError(f"linear_act: bias {b.dtype} on {b.device} must be floating point on {x.device}")
 
 
-def _linear_act_fwd(x2, weights, biases, act, save_pre):
+class ForwardPlan(NamedTuple):
+    """Which forward kernel runs (`forward_plan`): its name, the TMA layouts of (x, W^T)
+    ("n": row-major, "t": transposed; None off the TMA kernels) and the SMs of a persistent
+    grid (0: one program per tile)."""
+
+    kernel: str
+    layouts: tuple | None
+    num_sms: int
+
+
+class _Launch(NamedTuple):
+    kwargs: dict  # the constexpr flags and the tuned config (block sizes, num_warps, num_stages)
+    grid: int
+    blocks: dict | None  # TMA descriptor blocks under that config (None: pointer loads)
+
+
+_LAUNCHES: dict = {}  # launch key -> _Launch: the persistent forwards' tuned configs
+
+
+def forward_plan(x2, weights, persistent=None, tma=None, num_sms=None) -> ForwardPlan:
+    """The forward kernel for 2-D x2 [M, K] and the weight copies (one: GeLU, two: SwiGLU):
+    persistent (default on CUDA; `persistent=False`, and the interpreter's default, is one
+    program per tile), through TMA descriptors (default on sm_90+; `tma=True` also elsewhere,
+    e.g. the interpreter) when x and the weights are 16-bit and TMA-loadable (kernels/gemm.py
+    `_tma_layout`: unit stride, 16-byte aligned base and row stride; both weights laid out
+    alike), with pointer loads otherwise. `num_sms` overrides the SM count of the grid."""
+    name = "swiglu" if len(weights) == 2 else "gelu"
+    if persistent is None:
+        persistent = x2.device.type == "cuda"
+    if not persistent:
+        return ForwardPlan(f"_linear_{name}_fwd_kernel", None, 0)
+    sms, major = gemm._device_info(x2.device)
+    sms = num_sms or sms
+    if tma is None:
+        tma = major >= 9
+    if tma and gemm.TensorDescriptor is not None and x2.dtype in gemm.TMA_DTYPES and x2.shape[1] > 0:
+        lx = gemm._tma_layout(x2)
+        lw = {gemm._tma_layout(w.t()) for w in weights}
+        if lx is not None and len(lw) == 1 and None not in lw:
+            return ForwardPlan(f"_linear_{name}_tma_kernel", (lx, lw.pop()), sms)
+    return ForwardPlan(f"_linear_{name}_persistent_kernel", None, sms)
+
+
+def _linear_act_fwd(x2, weights, biases, act, save_pre, persistent=None, tma=None, num_sms=None):
     """Triton forward on 2-D x2 [M, K]: (out [M, N], z) in x2.dtype, z the pre-activation
-    ([M, N]; SwiGLU [M, 2N] = [z_gate | z_up]) when `save_pre`, else None."""
+    ([M, N]; SwiGLU [M, 2N] = [z_gate | z_up]) when `save_pre`, else None. The kernel is
+    `forward_plan`'s (`persistent`, `tma`, `num_sms` as there)."""
     M, K = x2.shape
     N = weights[0].shape[0]
     out = torch.empty((M, N), device=x2.device, dtype=x2.dtype)
     z = torch.empty((M, len(weights) * N), device=x2.device, dtype=x2.dtype) if save_pre else None
     if M == 0 or N == 0:
         return out, z
+    plan = forward_plan(x2, weights, persistent, tma, num_sms)
     cast, prec = dot_flags(x2.dtype)
-    pre = out if z is None else z  # an unused pointer without SAVE_PRE
+    flags = dict(SAVE_PRE=save_pre, CAST_F32=cast, PRECISION=prec)
     if act == _SWIGLU:
-        (wg, wu), (bg, bu) = weights, biases
-        _linear_swiglu_fwd_kernel[grid_2d(M, N)](
-            x2,
-            wg,
-            bg if bg is not None else wg,
-            wu,
-            bu if bu is not None else wu,
-            out,
-            pre,
-            pre[:, N:] if save_pre else pre,
-            M,
-            N,
-            K,
-            x2.stride(0),
-            x2.stride(1),
-            wg.stride(0),
-            wg.stride(1),
-            wu.stride(0),
-            wu.stride(1),
-            out.stride(0),
-            out.stride(1),
-            pre.stride(0),
-            pre.stride(1),
-            SAVE_PRE=save_pre,
-            HAS_BG=bg is not None,
-            HAS_BU=bu is not None,
-            CAST_F32=cast,
-            PRECISION=prec,
-        )
+        flags.update(HAS_BG=biases[0] is not None, HAS_BU=biases[1] is not None)
     else:
-        (w,), (b,) = weights, biases
-        _linear_gelu_fwd_kernel[grid_2d(M, N)](
-            x2,
-            w,
-            b if b is not None else w,
-            out,
-            pre,
-            M,
-            N,
-            K,
-            x2.stride(0),
-            x2.stride(1),
-            w.stride(0),
-            w.stride(1),
-            out.stride(0),
-            out.stride(1),
-            pre.stride(0),
-            pre.stride(1),
-            SAVE_PRE=save_pre,
-            HAS_BIAS=b is not None,
-            APPROX_TANH=act == _GELU_TANH,
-            CAST_F32=cast,
-            PRECISION=prec,
-        )
+        flags.update(HAS_BIAS=biases[0] is not None, APPROX_TANH=act == _GELU_TANH)
+    if plan.layouts is not None:
+        flags.update(A_T=plan.layouts[0] == "t", B_T=plan.layouts[1] == "t")
+    pre = out if z is None else z  # an unused pointer without SAVE_PRE
+    pre_up = z[:, N:] if save_pre and act == _SWIGLU else pre
+    sizes = (M, N, K)
+    tail = (out.stride(0), out.stride(1), pre.stride(0), pre.stride(1))
+
+    def args(blocks):
+        """The kernel's arguments; x and the weights as TMA descriptors with `blocks`, or as
+        pointers with their strides (blocks None). A missing bias: a stand-in pointer."""
+        if blocks is None:
+            operands = (x2, *weights)
+            strides = (x2.stride(0), x2.stride(1), *(s for w in weights for s in w.stride()))
+        else:
+            lx, lw = plan.layouts
+            operands = (gemm._descriptor(x2, lx, blocks["x_desc"]),)
+            operands += tuple(gemm._descriptor(w.t(), lw, blocks["w_desc"]) for w in weights)
+            strides = ()
+        bs = tuple(out if b is None else b for b in biases)
+        if act == _SWIGLU:
+            head = (operands[0], operands[1], bs[0], operands[2], bs[1], out, pre, pre_up)
+        else:
+            head = (operands[0], operands[1], bs[0], out, pre)
+        return (*head, *sizes, *strides, *tail)
+
+    kernel = _FWD_KERNELS[plan.kernel]
+    if plan.num_sms == 0:  # one program per tile, through the autotuner
+        kernel[grid_2d(M, N)](*args(None), **flags)
+    else:
+        _launch_persistent(kernel, plan, args, flags, x2, N)
     return out, z
+
+
+def _launch_persistent(kernel, plan: ForwardPlan, args, flags: dict, x2, N: int) -> None:
+    """Launch a persistent forward kernel on min(SMs, output tiles) programs: the first call of a
+    key through the autotuner (descriptor blocks set per config by its pre-hook), later calls
+    straight to the jitted kernel with the cached config. `args(blocks)` builds the arguments
+    (`blocks` None for the pointer kernels)."""
+    M, K = x2.shape
+    key = (plan.kernel, plan.layouts, M, N, K, x2.dtype, tuple(flags.items()), plan.num_sms, x2.device)
+    launch = _LAUNCHES.get(key)
+    if launch is not None:
+        kernel.fn[(launch.grid,)](*args(launch.blocks), **launch.kwargs)
+        return
+    tma = plan.layouts is not None
+
+    def programs(meta):
+        return min(plan.num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))
+
+    blocks = tma_block_shapes({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **flags}) if tma else None
+    kernel[lambda meta: (programs(meta),)](*args(blocks), **flags)
+    cfg = kernel.best_config
+    blocks = tma_block_shapes({**cfg.kwargs, **flags}) if tma else None
+    _LAUNCHES[key] = _Launch({**flags, **cfg.all_kwargs()}, programs(cfg.kwargs), blocks)
 
 
 def _grad_from_saved(z, dy, g, act, N):
@@ -738,11 +1380,11 @@ class _LinearGeluFn(torch.autograd.Function):
     the pre-activation (only x and w_c with `recompute`) and returns the main weight's gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_c, approximate, recompute, gemm_backend):
+    def forward(ctx, x, weight, bias, w_c, approximate, recompute, gemm_backend, fwd_kernel):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         act = _GELU_TANH if approximate == "tanh" else _GELU_NONE
-        out, z = _linear_act_fwd(x2, (w_c,), (bias,), act, save_pre=not recompute)
+        out, z = _linear_act_fwd(x2, (w_c,), (bias,), act, not recompute, *fwd_kernel)
         ctx.save_for_backward(x2, w_c, bias, z)
         ctx.act, ctx.shape, ctx.w_dtype, ctx.gemm_backend = act, shape, weight.dtype, gemm_backend
         return out.view(*shape[:-1], w_c.shape[0])
@@ -755,7 +1397,7 @@ class _LinearGeluFn(torch.autograd.Function):
         dx, dw, db = _linear_act_bwd(x2, (w_c,), (bias,), ctx.act, dy2, z, needs, ctx.w_dtype, ctx.gemm_backend)
         if dx is not None:
             dx = dx.view(ctx.shape)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class _LinearSwigluFn(torch.autograd.Function):
@@ -764,10 +1406,10 @@ class _LinearSwigluFn(torch.autograd.Function):
     gradients of the main weights."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, b_gate, w_up, b_up, wg_c, wu_c, recompute, gemm_backend):
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up, wg_c, wu_c, recompute, gemm_backend, fwd_kernel):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out, z = _linear_act_fwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, save_pre=not recompute)
+        out, z = _linear_act_fwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, not recompute, *fwd_kernel)
         ctx.save_for_backward(x2, wg_c, b_gate, wu_c, b_up, z)
         ctx.shape, ctx.w_dtype, ctx.gemm_backend = shape, w_gate.dtype, gemm_backend
         return out.view(*shape[:-1], wg_c.shape[0])
@@ -783,7 +1425,7 @@ class _LinearSwigluFn(torch.autograd.Function):
         )
         if dx is not None:
             dx = dx.view(ctx.shape)
-        return dx, dwg, dbg, dwu, dbu, None, None, None, None
+        return dx, dwg, dbg, dwu, dbu, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public API
@@ -805,6 +1447,9 @@ def linear_gelu(
     *,
     recompute: bool = False,
     gemm_backend: str = "triton",
+    persistent: bool | None = None,
+    tma: bool | None = None,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """gelu(x @ weight.T + bias), differentiable in x, weight and bias.
 
@@ -815,6 +1460,10 @@ def linear_gelu(
     matmul's epilogue, which also stores the pre-activation for the backward (with
     `recompute`: not stored, recomputed by the backward); the backward's dX and dW GEMMs run
     on `gemm_backend` ("triton" or "torch"), dW and db in the dtypes of weight and bias.
+    The forward kernel (`forward_plan`): persistent on CUDA, through TMA descriptors on sm_90+
+    where the operands allow, one program per tile under the interpreter; test switches
+    `persistent`, `tma` (True: the descriptor kernel wherever the operands allow it) and
+    `num_sms` (the SM count of the persistent grid).
     """
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate={approximate!r} must be one of {GELU_APPROXIMATIONS}")
@@ -824,7 +1473,8 @@ def linear_gelu(
     dtype = compute_dtype(x)
     x, w_c = x.to(dtype), weight_copy(weight, dtype)
     _check(x, (w_c,), (bias,))
-    return _LinearGeluFn.apply(x, weight, bias, w_c, approximate, recompute, gemm_backend)
+    fwd_kernel = (persistent, tma, num_sms)
+    return _LinearGeluFn.apply(x, weight, bias, w_c, approximate, recompute, gemm_backend, fwd_kernel)
 
 
 def linear_swiglu(
@@ -837,6 +1487,9 @@ def linear_swiglu(
     *,
     recompute: bool = False,
     gemm_backend: str = "triton",
+    persistent: bool | None = None,
+    tma: bool | None = None,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """silu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), differentiable in all inputs.
 
@@ -845,7 +1498,8 @@ def linear_swiglu(
     `linear_swiglu_reference`; "triton" the fused kernels: gate and up accumulated from the
     same x tiles, the product and the two pre-activations written (2 [M, N] tensors saved,
     torch saves 3; with `recompute` none, both recomputed by the backward); the backward's
-    dX and dW GEMMs run on `gemm_backend` ("triton" or "torch").
+    dX and dW GEMMs run on `gemm_backend` ("triton" or "torch"). The forward kernel and the
+    switches `persistent`, `tma`, `num_sms`: as `linear_gelu`'s.
     """
     _check_modes(backend, gemm_backend)
     if backend == "torch":
@@ -855,4 +1509,5 @@ def linear_swiglu(
     dtype = compute_dtype(x)
     x, wg_c, wu_c = x.to(dtype), weight_copy(w_gate, dtype), weight_copy(w_up, dtype)
     _check(x, (wg_c, wu_c), (b_gate, b_up))
-    return _LinearSwigluFn.apply(x, w_gate, b_gate, w_up, b_up, wg_c, wu_c, recompute, gemm_backend)
+    fwd_kernel = (persistent, tma, num_sms)
+    return _LinearSwigluFn.apply(x, w_gate, b_gate, w_up, b_up, wg_c, wu_c, recompute, gemm_backend, fwd_kernel)

@@ -1,6 +1,9 @@
 """Fused linear + activation kernels (kernels/linear_act.py): Triton (under the CPU
 interpreter) vs the plain-torch reference, forward and every gradient, fp32, in each mode:
-the pre-activation saved (default) or recomputed, the backward GEMMs on Triton or torch."""
+the pre-activation saved (default) or recomputed, the backward GEMMs on Triton or torch.
+The persistent forwards (pointer loads in fp32 and bf16, TMA descriptors in bf16 and fp16)
+on odd shapes with and without biases, SAVE_PRE on and off, the choice of forward kernel,
+their cached launches and their configs."""
 
 import os
 
@@ -8,9 +11,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from meshtron.kernels import configs, linear_act  # noqa: E402
 from meshtron.kernels.linear_act import (  # noqa: E402
     linear_gelu,
     linear_gelu_reference,
@@ -190,3 +195,193 @@ def test_16bit_operands_on_odd_shapes(dtype, tol, recompute):
             err = (t.float() - r.float()).abs().max()
             scale = r.float().abs().max()
             assert err <= tol * scale, f"{name}: max err {err:.3e} vs scale {scale:.3e}"
+
+
+# ----------------------------------------------------------------------------- persistent forwards
+
+
+# (kernel, operand dtype, K): the pointer kernel in fp32 and bf16 with an odd K (masked K tiles),
+# the TMA kernel in bf16 and fp16 with K = 40 (16-byte rows; the last K tile zero-filled past 40)
+PERSISTENT_CASES = [
+    ("persistent", torch.float32, 33),
+    ("persistent", torch.bfloat16, 33),
+    ("tma", torch.bfloat16, 40),
+    ("tma", torch.float16, 40),
+]
+TOLERANCE = {torch.float32: RTOL, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def _persistent_kw(kind):
+    # 4 "SMs" for 3 x 2 output tiles of 32 x 32 (M 70, N 50): programs 0 and 1 take two tiles each
+    return dict(persistent=True, tma=kind == "tma", num_sms=4)
+
+
+def _check_against_reference(ref_fn, tri_fn, tensors, dy, dtype, names):
+    """Output and every gradient of `tri_fn` (16-bit operands) against `ref_fn` on the same
+    rounded values in fp32: max-abs error within the dtype's tolerance of the reference's scale."""
+    ref = _run(ref_fn, [None if t is None else t.float() for t in tensors], dy.float())
+    tri = _run(tri_fn, tensors, dy)
+    assert tri[0].dtype == dtype
+    for name, r, t in zip(["out", *names], ref, tri):
+        if r is None:
+            assert t is None, name
+            continue
+        err = (t.float() - r.float()).abs().max()
+        scale = r.float().abs().max().clamp_min(1e-6)
+        assert err <= TOLERANCE[dtype] * scale, f"{name}: max err {err:.3e} vs scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("recompute", [False, True])  # SAVE_PRE on (the default) and off
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind,dtype,k", PERSISTENT_CASES)
+def test_persistent_gelu_forward_matches_reference(kind, dtype, k, bias, recompute):
+    """The persistent GeLU forward (pointer loads or TMA descriptors) on odd M and N, its sliced
+    epilogue and every gradient of the saved (or recomputed) pre-activation, against torch."""
+    x, (w,), (b,), dy = _leaves((70,), 50, k, [bias], 1, seed=k + bias)
+    x, w, dy = x.to(dtype), w.to(dtype), dy.to(dtype)
+    kw = _persistent_kw(kind)
+    assert linear_act.forward_plan(x, (w,), **kw).kernel == f"_linear_gelu_{kind}_kernel"
+    _check_against_reference(
+        lambda x, w, b: linear_gelu_reference(x, w, b, "tanh"),
+        lambda x, w, b: linear_gelu(x, w, b, "tanh", backend="triton", recompute=recompute, **kw),
+        [x, w, b],
+        dy,
+        dtype,
+        ["dx", "dweight", "dbias"],
+    )
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("biases", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("kind,dtype,k", PERSISTENT_CASES)
+def test_persistent_swiglu_forward_matches_reference(kind, dtype, k, biases, recompute):
+    """The persistent SwiGLU forward (gate and up from one x tile, pointer loads or TMA), odd M
+    and N, either bias alone or none, SAVE_PRE on and off, forward and every gradient."""
+    x, (wg, wu), (bg, bu), dy = _leaves((70,), 50, k, list(biases), 2, seed=k + 2 * biases[0] + biases[1])
+    x, wg, wu, dy = x.to(dtype), wg.to(dtype), wu.to(dtype), dy.to(dtype)
+    kw = _persistent_kw(kind)
+    assert linear_act.forward_plan(x, (wg, wu), **kw).kernel == f"_linear_swiglu_{kind}_kernel"
+    _check_against_reference(
+        linear_swiglu_reference,
+        lambda x, wg, bg, wu, bu: linear_swiglu(x, wg, bg, wu, bu, backend="triton", recompute=recompute, **kw),
+        [x, wg, bg, wu, bu],
+        dy,
+        dtype,
+        ["dx", "dw_gate", "db_gate", "dw_up", "db_up"],
+    )
+
+
+@pytest.mark.parametrize("kind,dtype,k", PERSISTENT_CASES)
+def test_persistent_forward_stores_the_pre_activations(kind, dtype, k):
+    """z as the backward reads it: GeLU's [M, N] and SwiGLU's [z_gate | z_up] ([M, 2N]) equal
+    x W^T + b rounded to the compute dtype (exactly in fp32 up to summation order), the output
+    the activation of it; a 3-D x (flattened rows) and a 2-row x (one partial row tile)."""
+    for lead in ((5, 3), (2,)):
+        x, (wg, wu), (bg, _), _ = _leaves(lead, 50, k, [True, False], 2, seed=7 + len(lead))
+        x2 = x.reshape(-1, k).to(dtype)
+        wg, wu = wg.to(dtype), wu.to(dtype)
+        zg = F.linear(x2.float(), wg.float(), bg)
+        zu = F.linear(x2.float(), wu.float())
+        tol = TOLERANCE[dtype]
+        out, z = linear_act._linear_act_fwd(x2, (wg,), (bg,), linear_act._GELU_NONE, True, **_persistent_kw(kind))
+        assert z.shape == (x2.shape[0], 50) and z.dtype == dtype
+        _close_to(z, zg, tol, "z")
+        _close_to(out, F.gelu(z.float()), tol, "gelu out")
+        out, z = linear_act._linear_act_fwd(x2, (wg, wu), (bg, None), linear_act._SWIGLU, True, **_persistent_kw(kind))
+        assert z.shape == (x2.shape[0], 100)
+        _close_to(z, torch.cat([zg, zu], 1), tol, "[z_gate | z_up]")
+        _close_to(out, F.silu(zg) * zu, 2 * tol, "swiglu out")
+        out2, none = linear_act._linear_act_fwd(
+            x2, (wg, wu), (bg, None), linear_act._SWIGLU, False, **_persistent_kw(kind)
+        )
+        assert none is None and torch.equal(out2, out)  # SAVE_PRE off: the same output
+
+
+def _close_to(actual, expected, tol, name):
+    err = (actual.float() - expected.float()).abs().max()
+    scale = expected.float().abs().max()
+    assert err <= tol * scale, f"{name}: max err {err:.3e} vs scale {scale:.3e}"
+
+
+def test_forward_plan_picks_the_kernel():
+    """One program per tile by default on CPU (and with persistent=False); persistent with
+    pointer loads, or TMA descriptors when asked and the operands allow it: 16-bit, unit
+    stride, 16-byte aligned base and rows, both SwiGLU weights laid out alike."""
+    bf = torch.bfloat16
+    x, w, w2 = torch.randn(48, 64, dtype=bf), torch.randn(40, 64, dtype=bf), torch.randn(40, 64, dtype=bf)
+    plan = linear_act.forward_plan
+    assert plan(x, (w,)) == ("_linear_gelu_fwd_kernel", None, 0)
+    assert plan(x, (w, w2), persistent=False, tma=True).kernel == "_linear_swiglu_fwd_kernel"
+    assert plan(x, (w,), persistent=True) == ("_linear_gelu_persistent_kernel", None, 4)  # not sm_90
+    assert plan(x, (w,), persistent=True, tma=True, num_sms=7) == ("_linear_gelu_tma_kernel", ("n", "t"), 7)
+    assert plan(x, (w, w2), persistent=True, tma=True).layouts == ("n", "t")
+    tma = dict(persistent=True, tma=True)
+    assert plan(x.float(), (w.float(),), **tma).kernel == "_linear_gelu_persistent_kernel"  # fp32: no TMA
+    odd_k = torch.randn(48, 66, dtype=bf)[:, :60]  # rows of 132 B: not 16-byte aligned
+    assert plan(odd_k, (w[:, :60],), **tma).kernel == "_linear_gelu_persistent_kernel"
+    w_cm = w.t().contiguous().t()  # column-major W: W^T row-major ("n")
+    assert plan(x, (w_cm,), **tma).layouts == ("n", "n")
+    assert plan(x, (w, w_cm), **tma).kernel == "_linear_swiglu_persistent_kernel"  # laid out unlike
+    assert plan(x, (w_cm, w2.t().contiguous().t()), **tma).layouts == ("n", "n")
+    x_cm = x.t().contiguous().t()
+    assert plan(x_cm, (w,), **tma).layouts == ("t", "t")
+    assert plan(x[:, :0], (w[:, :0],), **tma).kernel == "_linear_gelu_persistent_kernel"  # K = 0
+
+
+@pytest.mark.parametrize("kind", ["persistent", "tma"])
+def test_persistent_launch_cached_after_the_first_call(kind, monkeypatch):
+    """The first call of a key goes through the autotuner, later ones launch the jitted kernel
+    with the cached config on min(SMs, tiles) programs; another key (SAVE_PRE off) tunes again."""
+    bf = torch.bfloat16
+    x, w = torch.randn(70, 40, dtype=bf), torch.randn(50, 40, dtype=bf)
+    kw = dict(persistent=True, tma=kind == "tma", num_sms=5)
+    name = f"_linear_gelu_{kind}_kernel"
+    monkeypatch.setattr(linear_act, "_LAUNCHES", {})
+    first, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act._GELU_TANH, True, **kw)
+    (key,) = linear_act._LAUNCHES
+    assert key[0] == name and linear_act._LAUNCHES[key].grid == min(5, 3 * 2)
+    kernel = getattr(linear_act, name)
+
+    def no_autotuner(*args, **kwargs):
+        raise AssertionError("a cached launch went through the autotuner")
+
+    monkeypatch.setattr(kernel, "run", no_autotuner)
+    again, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act._GELU_TANH, True, **kw)
+    assert torch.equal(again, first)
+    with pytest.raises(AssertionError, match="autotuner"):  # a new key: SAVE_PRE off
+        linear_act._linear_act_fwd(x, (w,), (None,), linear_act._GELU_TANH, False, **kw)
+
+
+def test_persistent_configs_and_epilogue_slices():
+    """GeLU's persistent candidates are the persistent GEMMs' (Hopper tiles kept on sm_90 only,
+    16-bit), SwiGLU's the dual tiles plus 128x128 per accumulator on 8 warps (kept on sm_90 for
+    16-bit operands only: two accumulators); each config's epilogue slices hold <= 32
+    accumulator values per thread and accumulator (the interpreter's: 4 slices)."""
+    h100, a100 = configs.ARCH_LIMITS[90], configs.ARCH_LIMITS[80]
+
+    def tiles(cs):
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) for c in cs}
+
+    gelu, swiglu = linear_act.persistent_gpu_configs(False), linear_act.persistent_gpu_configs(True)
+    hopper = {(128, 256, 64, 8), (256, 128, 64, 8), (128, 128, 128, 8)}
+    assert hopper <= tiles(configs.prune_gemm_configs(gelu, h100, 2, 1, 1))
+    assert not hopper & tiles(configs.prune_gemm_configs(gelu, a100, 2, 1, 1))
+    kept = tiles(configs.prune_gemm_configs(swiglu, h100, 2, 1, 2, accumulators=2))
+    assert (128, 128, 64, 8) in kept and not any(bm * bn > 128 * 128 for bm, bn, _, _ in kept)
+    assert (128, 128, 64, 8) not in tiles(configs.prune_gemm_configs(swiglu, a100, 2, 1, 2, accumulators=2))
+    assert (128, 128, 64, 8) not in tiles(configs.prune_gemm_configs(swiglu, h100, 4, 1, 2, accumulators=2))
+    for c in gelu + swiglu:
+        bm, bn, warps, sub = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["SUBTILES"]
+        assert sub in (1, 2, 4) and bm * bn // (32 * warps) // sub <= linear_act.EPILOGUE_REGS
+    assert [linear_act.subtiles(*t) for t in ((128, 256, 8), (128, 128, 8), (128, 128, 4), (64, 64, 4))] == [4, 2, 4, 1]
+    # the interpreter's one config slices its 32x32 tiles in 4 (GeLU; SwiGLU's epilogue in 2),
+    # so that the tests above run the sliced epilogues
+    for kernel in (linear_act._linear_gelu_persistent_kernel, linear_act._linear_swiglu_tma_kernel):
+        assert [c.kwargs["SUBTILES"] for c in kernel.configs] == [4]
+    for kernel in (
+        linear_act._linear_gelu_persistent_kernel,
+        linear_act._linear_gelu_tma_kernel,
+        linear_act._linear_swiglu_persistent_kernel,
+        linear_act._linear_swiglu_tma_kernel,
+    ):
+        assert "PRECISION" in kernel.keys  # tf32 and IEEE fp32 tuned apart

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for Ampere (sm_80) and Hopper (sm_90) without a GPU
 (kernels/aot.py): each (kernel, dtype, arch) at least once with its riskiest kept config plus
 a seeded sample, checked for shared memory, the pruning bound, spills, wgmma (16-bit GEMMs on
-sm_90), mma.sync (16-bit GEMMs on sm_80) and TMA bulk copies (the TMA GEMM, sm_90 only). The
+sm_90), mma.sync (16-bit GEMMs on sm_80) and TMA bulk copies (the TMA GEMMs, sm_90 only). The
 checks themselves are proven to fail on synthetic results, and the per-device pruning on
 known configs (the Hopper-sized GEMM tiles kept on sm_90 only)."""
 
@@ -227,7 +227,7 @@ def test_selection_covers_every_kernel_dtype_arch_and_is_seeded(launches):
         assert aot.risk(c) == max(aot.risk(o) for o in same)
     # Every GEMM kernel is fed fp32 (IEEE and TF32), bf16 and fp16; the others fp32, bf16, fp16.
     gemm = {c.kernel for c in cases if c.gemm is not None}
-    assert len(gemm) == 9
+    assert len(gemm) == 13  # 9 + the persistent linear+activation forwards (pointer, TMA)
     assert {"_matmul_persistent_kernel", "_matmul_tma_kernel"} <= gemm
     for kernel in {c.kernel for c in cases}:
         dtypes = {d for k, d, _ in keys if k == kernel}
