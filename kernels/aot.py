@@ -68,7 +68,7 @@ SPILL_BUDGET = {
     "_linear_swiglu_fwd_kernel": 72,
     "_linear_swiglu_bwd_kernel": 56,  # 16-bit 128x64x32 on 4 warps, sm_90 (two accumulators + dy)
     # The persistent forwards, --all on both Tritons (2026-12): the TMA kernels 0 B on every kept
-    # config (epilogue in column slices, linear_act.subtiles; whole 128x256 tiles spilled 80-184 B);
+    # config (epilogue in column slices, linear_act_kernels.subtiles; whole 128x256 tiles spilled 80-184 B);
     # pointer loads 8 B (triton 3.9: 16-bit 256x128x64 / 128x128x32 on sm_90, IEEE fp32 64x64x16),
     # SwiGLU 72 B on IEEE fp32 64x64x16 on 4 warps, sm_90 (CUDA-core dots; 24 B with triton 3.6).
     "_linear_gelu_persistent_kernel": 8,
@@ -146,10 +146,10 @@ def _kernel_fns() -> dict:
     """name -> JITFunction of every Triton kernel in kernels/."""
     import triton
 
-    from meshtron.kernels import cross_entropy, gemm, grouped_gemm, linear_act, norms, swiglu
+    from meshtron.kernels import cross_entropy, gemm, grouped_gemm, linear_act_kernels, norms, swiglu
 
     fns = {}
-    for module in (gemm, linear_act, grouped_gemm, cross_entropy, swiglu):
+    for module in (gemm, linear_act_kernels, grouped_gemm, cross_entropy, swiglu):
         for name in dir(module):
             obj = getattr(module, name)
             if name.endswith("_kernel") and hasattr(obj, "run"):
@@ -320,7 +320,7 @@ def _captured() -> list[dict]:
 def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     """(GPU candidate configs, GEMM prune shape or None) of a kernel before the GEMM pruning
     (the norms' per-thread pruning already applied)."""
-    from meshtron.kernels import cross_entropy, gemm, grouped_gemm, linear_act, norms, swiglu
+    from meshtron.kernels import cross_entropy, gemm, grouped_gemm, linear_act_kernels, norms, swiglu
 
     if kernel == "_splitk_reduce_kernel":
         return gemm._splitk_reduce_kernel.configs, None
@@ -337,13 +337,15 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     if kernel.startswith("_swiglu_"):
         return swiglu.gpu_configs(), None
     if kernel in ("_linear_gelu_grad_kernel", "_linear_swiglu_grad_kernel"):
-        return linear_act.elementwise_gpu_configs(), None
-    module = grouped_gemm if kernel.startswith("_grouped") else gemm if kernel.startswith("_matmul") else linear_act
+        return linear_act_kernels.elementwise_gpu_configs(), None
+    module = (
+        grouped_gemm if kernel.startswith("_grouped") else gemm if kernel.startswith("_matmul") else linear_act_kernels
+    )
     shape = dict(getattr(module, kernel).early_config_prune.gemm_shape)
     if kernel in ("_matmul_persistent_kernel", "_matmul_tma_kernel"):
         candidates = gemm.persistent_configs()
     elif kernel.endswith(("_persistent_kernel", "_tma_kernel")):  # the persistent linear+activation forwards
-        candidates = linear_act.persistent_gpu_configs(swiglu=kernel.startswith("_linear_swiglu"))
+        candidates = linear_act_kernels.persistent_gpu_configs(swiglu=kernel.startswith("_linear_swiglu"))
     elif kernel == "_grouped_gemm_kernel":
         candidates = grouped_gemm.gpu_gemm_configs()
     elif kernel == "_grouped_gemm_dw_kernel":
@@ -458,12 +460,12 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
 
 def gemm_blocks(kernel: str, constexprs: dict) -> dict:
     """Descriptor argument -> block shape of a TMA kernel under a config's constexprs."""
-    from meshtron.kernels import gemm, linear_act
+    from meshtron.kernels import gemm, linear_act_kernels
 
     blocks = {
         "_matmul_tma_kernel": gemm.tma_block_shapes,
-        "_linear_gelu_tma_kernel": linear_act.tma_block_shapes,
-        "_linear_swiglu_tma_kernel": linear_act.tma_block_shapes,
+        "_linear_gelu_tma_kernel": linear_act_kernels.tma_block_shapes,
+        "_linear_swiglu_tma_kernel": linear_act_kernels.tma_block_shapes,
     }
     return blocks[kernel](constexprs)
 

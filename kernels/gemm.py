@@ -39,7 +39,7 @@ Which engine runs a plain GEMM under kernels.backend=auto is `kernels.backend.au
 ("gemm", ...)`'s call, from GPU measurements (bench/kernels.py). No communication.
 
 The tile configs (`gpu_configs`) and the jitted helpers `tile_ids` and `dot` are shared with
-the fused GEMM kernels of kernels/linear_act.py; `persistent_configs` adds the Hopper-sized
+the fused GEMM kernels of kernels/linear_act_kernels.py; `persistent_configs` adds the Hopper-sized
 tiles (128x256, 256x128, BK 128) for the persistent kernels. Its persistent forward kernels
 also take `tile_coords`, the K loops `_ptr_k_loop` / `_tma_k_loop`, their two-product twins
 `ptr_k_loop_shared_a` / `tma_k_loop_shared_a` (one A tile feeding two accumulators: SwiGLU's

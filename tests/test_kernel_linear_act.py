@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from meshtron.kernels import configs, linear_act  # noqa: E402
+from meshtron.kernels import configs, linear_act, linear_act_kernels  # noqa: E402
 from meshtron.kernels.linear_act import (  # noqa: E402
     linear_gelu,
     linear_gelu_reference,
@@ -362,7 +362,7 @@ def test_persistent_configs_and_epilogue_slices():
     def tiles(cs):
         return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) for c in cs}
 
-    gelu, swiglu = linear_act.persistent_gpu_configs(False), linear_act.persistent_gpu_configs(True)
+    gelu, swiglu = linear_act_kernels.persistent_gpu_configs(False), linear_act_kernels.persistent_gpu_configs(True)
     hopper = {(128, 256, 64, 8), (256, 128, 64, 8), (128, 128, 128, 8)}
     assert hopper <= tiles(configs.prune_gemm_configs(gelu, h100, 2, 1, 1))
     assert not hopper & tiles(configs.prune_gemm_configs(gelu, a100, 2, 1, 1))
@@ -372,16 +372,21 @@ def test_persistent_configs_and_epilogue_slices():
     assert (128, 128, 64, 8) not in tiles(configs.prune_gemm_configs(swiglu, h100, 4, 1, 2, accumulators=2))
     for c in gelu + swiglu:
         bm, bn, warps, sub = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["SUBTILES"]
-        assert sub in (1, 2, 4) and bm * bn // (32 * warps) // sub <= linear_act.EPILOGUE_REGS
-    assert [linear_act.subtiles(*t) for t in ((128, 256, 8), (128, 128, 8), (128, 128, 4), (64, 64, 4))] == [4, 2, 4, 1]
+        assert sub in (1, 2, 4) and bm * bn // (32 * warps) // sub <= linear_act_kernels.EPILOGUE_REGS
+    assert [linear_act_kernels.subtiles(*t) for t in ((128, 256, 8), (128, 128, 8), (128, 128, 4), (64, 64, 4))] == [
+        4,
+        2,
+        4,
+        1,
+    ]
     # the interpreter's one config slices its 32x32 tiles in 4 (GeLU; SwiGLU's epilogue in 2),
     # so that the tests above run the sliced epilogues
-    for kernel in (linear_act._linear_gelu_persistent_kernel, linear_act._linear_swiglu_tma_kernel):
+    for kernel in (linear_act_kernels._linear_gelu_persistent_kernel, linear_act_kernels._linear_swiglu_tma_kernel):
         assert [c.kwargs["SUBTILES"] for c in kernel.configs] == [4]
     for kernel in (
-        linear_act._linear_gelu_persistent_kernel,
-        linear_act._linear_gelu_tma_kernel,
-        linear_act._linear_swiglu_persistent_kernel,
-        linear_act._linear_swiglu_tma_kernel,
+        linear_act_kernels._linear_gelu_persistent_kernel,
+        linear_act_kernels._linear_gelu_tma_kernel,
+        linear_act_kernels._linear_swiglu_persistent_kernel,
+        linear_act_kernels._linear_swiglu_tma_kernel,
     ):
         assert "PRECISION" in kernel.keys  # tf32 and IEEE fp32 tuned apart
