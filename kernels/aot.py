@@ -89,7 +89,6 @@ SPILL_BUDGET = {
     # 8 B as the plain norms' for triton 3.6. The forward at 64 elements per thread spilled
     # 112-192 B, so its pruning stops at 32 (kernels/norms.py _prune_residual_configs).
     "_residual_norm_fwd_kernel": 8,
-    "_residual_norm_bwd_kernel": 8,
     "_swiglu_fwd_kernel": 0,
     "_swiglu_bwd_kernel": 0,
     "_ce_partials_kernel": 0,
@@ -157,7 +156,6 @@ def _kernel_fns() -> dict:
     fns["_norm_fwd_kernel"] = triton.jit(norms._norm_fwd_kernel)
     fns["_norm_bwd_kernel"] = triton.jit(norms._norm_bwd_kernel)
     fns["_residual_norm_fwd_kernel"] = triton.jit(norms._residual_norm_fwd_kernel)
-    fns["_residual_norm_bwd_kernel"] = triton.jit(norms._residual_norm_bwd_kernel)
     return fns
 
 
@@ -324,7 +322,7 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
 
     if kernel == "_splitk_reduce_kernel":
         return gemm._splitk_reduce_kernel.configs, None
-    if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_residual_norm_fwd_kernel", "_residual_norm_bwd_kernel"):
+    if kernel in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_residual_norm_fwd_kernel"):
         fwd, bwd = norms.gpu_norm_configs()
         block_h = launch["constexprs"]["BLOCK_H"]
         if kernel == "_residual_norm_fwd_kernel":

@@ -41,8 +41,8 @@ Kernel structure (one forward and one backward kernel, shared by both norms via 
   in torch (num_blocks is small, ~2*SMs, so a second kernel buys nothing) and cast to the
   parameter dtype.
 
-Fused residual + norm (``_residual_norm_fwd_kernel`` / ``_residual_norm_bwd_kernel``, the same
-structure and configs as the plain norm's; the forward pruned to 32 elements per thread):
+Fused residual + norm (``_residual_norm_fwd_kernel``, and ``_norm_bwd_kernel`` with HAS_DS: the
+same structure and configs as the plain norm's; the forward pruned to 32 elements per thread):
 
 * forward: reads x and delta once, adds them in fp32 and rounds once to s's dtype (torch's
   type promotion of x + delta, so exactly torch's add), writes s, normalises the rounded s
@@ -171,6 +171,7 @@ if triton_available():
         X,
         W,
         DY,
+        DS,
         DX,
         Mean,
         Rstd,
@@ -180,14 +181,18 @@ if triton_available():
         H,
         stride_x,
         stride_dy,
+        stride_ds,
         stride_dx,
         rows_per_prog,
         IS_RMS: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        HAS_DS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
-        """dx for rows [pid*rows_per_prog, ...) and this row block's partial dw (db) sums."""
+        """dx = norm_backward(dy) (+ ds, read only if HAS_DS: the fused residual norm's stream
+        gradient) for rows [pid*rows_per_prog, ...) and this row block's partial dw (db) sums.
+        X is the norm's input (the residual stream s for the fused norm)."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_H)
         col_mask = cols < H
@@ -216,6 +221,8 @@ if triton_available():
             else:
                 c2 = tl.sum(wdy, axis=1) / H
                 dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if HAS_DS:
+                dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             dw_acc += dy * xhat
             if HAS_BIAS:
@@ -274,69 +281,6 @@ if triton_available():
             b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
             y += b[None, :]
         tl.store(Y + out, y.to(Y.dtype.element_ty), mask=mask)
-
-    def _residual_norm_bwd_kernel(
-        S,
-        W,
-        DY,
-        DS,
-        DX,
-        Mean,
-        Rstd,
-        DW_part,
-        DB_part,
-        M,
-        H,
-        stride_s,
-        stride_dy,
-        stride_ds,
-        stride_dx,
-        rows_per_prog,
-        IS_RMS: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_DS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-    ):
-        """dx = ds_in + norm_backward(dy) for rows [pid*rows_per_prog, ...) (the gradient of both
-        x and delta) and this row block's partial dw (db) sums; ds_in is read only if HAS_DS."""
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_H)
-        col_mask = cols < H
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        row_start = pid * rows_per_prog
-        row_end = tl.minimum(row_start + rows_per_prog, M)
-        for start in range(row_start, row_end, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            mask = row_mask[:, None] & col_mask[None, :]
-            rows64 = rows.to(tl.int64)
-            s = tl.load(S + rows64[:, None] * stride_s + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
-            if IS_RMS:
-                shat = s * rstd[:, None]
-            else:
-                mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
-                shat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
-            wdy = w[None, :] * dy
-            c1 = tl.sum(shat * wdy, axis=1) / H
-            if IS_RMS:
-                dx = (wdy - shat * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = tl.sum(wdy, axis=1) / H
-                dx = (wdy - (shat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            if HAS_DS:
-                dx += tl.load(DS + rows64[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            dw_acc += dy * shat
-            if HAS_BIAS:
-                db_acc += dy
-        tl.store(DW_part + pid * H + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-        if HAS_BIAS:
-            tl.store(DB_part + pid * H + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
     def _keep_per_thread(configs, block_h, most):
         kept = [c for c in configs if 2 <= c.kwargs["BLOCK_M"] * block_h / (32 * c.num_warps) <= most]
@@ -401,7 +345,7 @@ if triton_available():
         key = ["H", "IS_RMS", "HAS_BIAS"]
         fwd = triton.autotune(configs=fwd_cfgs, key=key, prune_configs_by=prune)(triton.jit(_residual_norm_fwd_kernel))
         bwd = triton.autotune(configs=bwd_cfgs, key=key + ["HAS_DS"], prune_configs_by=bwd_prune)(
-            triton.jit(_residual_norm_bwd_kernel)
+            triton.jit(_norm_bwd_kernel)
         )
         return fwd, bwd
 
@@ -525,6 +469,7 @@ def _norm_backward(dy, x2, weight, has_bias, mean, rstd, is_rms):
             x2,
             weight,
             dy2,
+            dy2,  # DS: not read without HAS_DS
             dx,
             mean,
             rstd,
@@ -534,10 +479,12 @@ def _norm_backward(dy, x2, weight, has_bias, mean, rstd, is_rms):
             h,
             x2.stride(0),
             dy2.stride(0),
+            0,
             dx.stride(0),
             rows_per_prog,
             IS_RMS=is_rms,
             HAS_BIAS=has_bias,
+            HAS_DS=False,
             BLOCK_H=block_h,
         )
     # Reduction of the per-row-block partials: num_blocks (~2*SMs) x H, done in torch.
