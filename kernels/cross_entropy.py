@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from meshtron.kernels.backend import interpreting, triton_available
+from meshtron.kernels.launch import launch
 from meshtron.mpu.cross_entropy import (
     IGNORE_INDEX,
     combine_gathered_partials,
@@ -210,9 +211,9 @@ def cross_entropy_partials(
         vocab_size = vocab_start + v
     out = torch.empty(3, n, dtype=torch.float32, device=rows.device)
     if n:
-        _ce_partials_kernel[(n,)](
-            rows, tgt, out[0], out[1], out[2], rows.stride(0), v, vocab_start, vocab_size, IGNORE_INDEX
-        )
+        key = (v, rows.dtype, tgt.dtype, rows.device)
+        args = (rows, tgt, out[0], out[1], out[2], rows.stride(0), v, vocab_start, vocab_size, IGNORE_INDEX)
+        launch(_ce_partials_kernel, (n,), key, *args)
     return out[0], out[1], out[2]
 
 
@@ -229,7 +230,10 @@ def softmax_minus_onehot_(
     n, v = logits.shape
     if n:
         ones = torch.ones(1, dtype=torch.float32, device=logits.device)
-        _ce_backward_kernel[(n,)](
+        launch(
+            _ce_backward_kernel,
+            (n,),
+            (v, logits.dtype, logits.dtype, target.dtype, ones.dtype, logits.device),
             logits,
             logits,
             target.contiguous(),
@@ -265,7 +269,10 @@ class _FusedCrossEntropy(torch.autograd.Function):
         grad = rows if inplace else torch.empty_like(rows)
         dloss = grad_loss.reshape(-1)
         if n:
-            _ce_backward_kernel[(n,)](
+            launch(
+                _ce_backward_kernel,
+                (n,),
+                (v, rows.dtype, grad.dtype, tgt.dtype, dloss.dtype, rows.device),
                 rows,
                 grad,
                 tgt,

@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from meshtron.kernels import gemm
 from meshtron.kernels.backend import interpreting
 from meshtron.kernels.gemm import GEMM_BACKENDS, dot_flags, grid_2d, matmul
+from meshtron.kernels.launch import launch
 from meshtron.kernels.linear_act_kernels import _GELU_NONE, _GELU_TANH, _SWIGLU, tma_block_shapes
 from meshtron.kernels.operands import compute_dtype, weight_copy
 
@@ -285,12 +286,12 @@ def _grad_from_saved(z, dy, g, act, N):
     def grid(meta):
         return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])
 
+    key = (N, act, z.dtype, dy.dtype, g.dtype, z.device)
     if act == _SWIGLU:
-        _linear_swiglu_grad_kernel[grid](z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0))
+        launch(_linear_swiglu_grad_kernel, grid, key, z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0))
     else:
-        _linear_gelu_grad_kernel[grid](
-            z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0), APPROX_TANH=act == _GELU_TANH
-        )
+        args = (z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0))
+        launch(_linear_gelu_grad_kernel, grid, key, *args, APPROX_TANH=act == _GELU_TANH)
 
 
 def _grad_recomputed(x2, weights, biases, act, dy, g):

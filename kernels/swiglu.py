@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.kernels.backend import interpreting, triton_available
+from meshtron.kernels.launch import launch
 
 __all__ = ["swiglu", "swiglu_reference"]
 
@@ -80,7 +81,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         if gate.numel():
-            _swiglu_fwd_kernel[_grid(gate.numel())](gate, up, out, gate.numel())
+            launch(_swiglu_fwd_kernel, _grid(gate.numel()), (gate.dtype, gate.device), gate, up, out, gate.numel())
         ctx.save_for_backward(gate, up)
         return out
 
@@ -90,7 +91,8 @@ class _SwiGLU(torch.autograd.Function):
         dout = dout.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         if gate.numel():
-            _swiglu_bwd_kernel[_grid(gate.numel())](gate, up, dout, dgate, dup, gate.numel())
+            key = (gate.dtype, dout.dtype, gate.device)
+            launch(_swiglu_bwd_kernel, _grid(gate.numel()), key, gate, up, dout, dgate, dup, gate.numel())
         return dgate, dup
 
 

@@ -59,18 +59,19 @@ def test_moe_experts_run_the_fused_swiglu(backend, min_elements, fused, monkeypa
     and backward), auto's checked mode does (once its check passed) only on activations of
     `AUTO_TRITON_MIN_ELEMENTS` elements and more (here 10 rows x 24 = 240); every run equals
     the torch backend."""
-    from triton.runtime.autotuner import Autotuner
-
     from meshtron.kernels import backend as kernel_backend
+    from meshtron.kernels import swiglu as swiglu_module
     from meshtron.moe.experts import GroupedExperts
     from meshtron.mpu.init import initialize_parameters
     from meshtron.mpu.mesh import single_process_mesh
 
     monkeypatch.setitem(kernel_backend.AUTO_TRITON_MIN_ELEMENTS, "swiglu", min_elements)
     launched = []
-    original = Autotuner.run
+    original = swiglu_module.launch  # every launch, the autotuned first one and the cached ones
     monkeypatch.setattr(
-        Autotuner, "run", lambda self, *a, **k: launched.append(self.base_fn.__name__) or original(self, *a, **k)
+        swiglu_module,
+        "launch",
+        lambda kernel, *a, **k: launched.append(kernel.base_fn.__name__) or original(kernel, *a, **k),
     )
     selfcheck.reset()
     mesh = single_process_mesh()
