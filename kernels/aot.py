@@ -48,9 +48,16 @@ PRECISIONS = (
 )
 NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
 # Kernels compiled for some archs only: the TMA GEMMs run on sm_90+ with 16-bit operands.
-KERNEL_ARCHS = {"_matmul_tma_kernel": (90,), "_linear_gelu_tma_kernel": (90,), "_linear_swiglu_tma_kernel": (90,)}
+KERNEL_ARCHS = {
+    "_matmul_tma_kernel": (90,),
+    "_linear_gelu_tma_kernel": (90,),
+    "_linear_swiglu_tma_kernel": (90,),
+    "_grouped_gemm_tma_kernel": (90,),
+}
 # Kernels whose sm_90 PTX must load through TMA bulk tensor copies.
-TMA_KERNELS = frozenset({"_matmul_tma_kernel", "_linear_gelu_tma_kernel", "_linear_swiglu_tma_kernel"})
+TMA_KERNELS = frozenset(
+    {"_matmul_tma_kernel", "_linear_gelu_tma_kernel", "_linear_swiglu_tma_kernel", "_grouped_gemm_tma_kernel"}
+)
 
 # Stack-frame bytes per thread each kernel may use on the configs the pruning keeps (spills
 # or local arrays), measured over every kept config with `python -m meshtron.kernels.aot --all`
@@ -83,6 +90,13 @@ SPILL_BUDGET = {
     "_linear_swiglu_grad_kernel": 0,
     "_grouped_gemm_kernel": 16,  # IEEE fp32 128x128x16 on sm_90
     "_grouped_gemm_dw_kernel": 0,
+    # The grouped GEMM's persistent forward / dx and ordered dW, --all on their launches with both
+    # Tritons (2026-12): pointer loads 32 B with triton 3.9 on 16-bit 128x256x64 on 3 stages, sm_90
+    # (where 16-bit operands normally take the TMA kernel), 24 B IEEE fp32 128x128x16 on sm_90;
+    # 8 B with triton 3.6. TMA and the ordered dW 0 B (a persistent dW had 168-672 B on sm_90 tf32).
+    "_grouped_gemm_persistent_kernel": 32,
+    "_grouped_gemm_tma_kernel": 0,
+    "_grouped_gemm_dw_ordered_kernel": 0,
     "_norm_fwd_kernel": 8,  # triton 3.6 (the GPU image's): fp32 H=8192, 2 rows on 16 warps, sm_80
     "_norm_bwd_kernel": 8,
     # The fused residual norms: 0 B on all 334 kept configs (triton 3.9, --all on their launches);
@@ -231,6 +245,11 @@ def _workload(label: str) -> None:
             ]
         sizes = torch.tensor([16, 0, 16, 0, 16, 0, 16, 0])
         outs.append(grouped_gemm.grouped_gemm(x, leaf(CAPTURE_EXPERTS, k, n), sizes, backend="triton"))
+        # the persistent grouped GEMMs, as CUDA runs them: TMA forward / dx for 16-bit operands
+        # (sm_90; the pointer kernel for fp32), pointer loads (sm_80's), the ordered dW
+        for tma in (True, False):
+            w = leaf(CAPTURE_EXPERTS, k, n)
+            outs.append(grouped_gemm.grouped_gemm(x, w, sizes, backend="triton", persistent=True, tma=tma))
         outs.append(swiglu.swiglu(leaf(rows, n, dtype=fed), leaf(rows, n, dtype=fed), backend="triton"))
         for width in NORM_WIDTHS:
             h = leaf(16, width, dtype=fed)
@@ -342,12 +361,17 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     shape = dict(getattr(module, kernel).early_config_prune.gemm_shape)
     if kernel in ("_matmul_persistent_kernel", "_matmul_tma_kernel"):
         candidates = gemm.persistent_configs()
-    elif kernel.endswith(("_persistent_kernel", "_tma_kernel")):  # the persistent linear+activation forwards
+    elif kernel.startswith("_linear") and kernel.endswith(("_persistent_kernel", "_tma_kernel")):
+        # the persistent linear+activation forwards
         candidates = linear_act_kernels.persistent_gpu_configs(swiglu=kernel.startswith("_linear_swiglu"))
     elif kernel == "_grouped_gemm_kernel":
         candidates = grouped_gemm.gpu_gemm_configs()
     elif kernel == "_grouped_gemm_dw_kernel":
         candidates = grouped_gemm.gpu_dw_configs()
+    elif kernel in ("_grouped_gemm_persistent_kernel", "_grouped_gemm_tma_kernel"):
+        candidates = grouped_gemm.gpu_persistent_configs()
+    elif kernel == "_grouped_gemm_dw_ordered_kernel":
+        candidates = grouped_gemm.gpu_dw_ordered_configs()
     else:
         candidates = gemm.gpu_configs(dual=shape["b_tiles"] == 2)
     return candidates, shape
@@ -458,10 +482,11 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
 
 def gemm_blocks(kernel: str, constexprs: dict) -> dict:
     """Descriptor argument -> block shape of a TMA kernel under a config's constexprs."""
-    from meshtron.kernels import gemm, linear_act_kernels
+    from meshtron.kernels import gemm, grouped_gemm, linear_act_kernels
 
     blocks = {
         "_matmul_tma_kernel": gemm.tma_block_shapes,
+        "_grouped_gemm_tma_kernel": grouped_gemm.tma_block_shapes,
         "_linear_gelu_tma_kernel": linear_act_kernels.tma_block_shapes,
         "_linear_swiglu_tma_kernel": linear_act_kernels.tma_block_shapes,
     }

@@ -227,7 +227,9 @@ def test_selection_covers_every_kernel_dtype_arch_and_is_seeded(launches):
         assert aot.risk(c) == max(aot.risk(o) for o in same)
     # Every GEMM kernel is fed fp32 (IEEE and TF32), bf16 and fp16; the others fp32, bf16, fp16.
     gemm = {c.kernel for c in cases if c.gemm is not None}
-    assert len(gemm) == 13  # 9 + the persistent linear+activation forwards (pointer, TMA)
+    # 9 + the persistent linear+activation forwards (pointer, TMA) + the grouped GEMM's
+    # persistent forwards (pointer, TMA) and ordered dW
+    assert len(gemm) == 16
     assert {"_matmul_persistent_kernel", "_matmul_tma_kernel"} <= gemm
     for kernel in {c.kernel for c in cases}:
         dtypes = {d for k, d, _ in keys if k == kernel}
