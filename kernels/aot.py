@@ -50,13 +50,13 @@ NORM_WIDTHS = (2048, 8192)  # gpt_1b's hidden size, and a wide model's
 # Kernels compiled for some archs only: the TMA GEMMs run on sm_90+ with 16-bit operands.
 KERNEL_ARCHS = {
     "_matmul_tma_kernel": (90,),
-    "_linear_gelu_tma_kernel": (90,),
-    "_linear_swiglu_tma_kernel": (90,),
+    "linear_gelu_tma_kernel": (90,),
+    "linear_swiglu_tma_kernel": (90,),
     "_grouped_gemm_tma_kernel": (90,),
 }
 # Kernels whose sm_90 PTX must load through TMA bulk tensor copies.
 TMA_KERNELS = frozenset(
-    {"_matmul_tma_kernel", "_linear_gelu_tma_kernel", "_linear_swiglu_tma_kernel", "_grouped_gemm_tma_kernel"}
+    {"_matmul_tma_kernel", "linear_gelu_tma_kernel", "linear_swiglu_tma_kernel", "_grouped_gemm_tma_kernel"}
 )
 
 # Stack-frame bytes per thread each kernel may use on the configs the pruning keeps (spills
@@ -70,24 +70,24 @@ SPILL_BUDGET = {
     # persistent ones run on CUDA), re-measured with --all on both Tritons (2026-12): 16-bit
     # 128x128x32 (GeLU) / 128x64x32 and 64x128x32 (SwiGLU) on 4 warps with SAVE_PRE, sm_90,
     # 32-72 B, as on the code before the persistent kernels (the earlier budgets predate SAVE_PRE).
-    "_linear_gelu_fwd_kernel": 72,
-    "_linear_gelu_bwd_kernel": 0,
-    "_linear_swiglu_fwd_kernel": 72,
-    "_linear_swiglu_bwd_kernel": 56,  # 16-bit 128x64x32 on 4 warps, sm_90 (two accumulators + dy)
+    "linear_gelu_fwd_kernel": 72,
+    "linear_gelu_bwd_kernel": 0,
+    "linear_swiglu_fwd_kernel": 72,
+    "linear_swiglu_bwd_kernel": 56,  # 16-bit 128x64x32 on 4 warps, sm_90 (two accumulators + dy)
     # The persistent forwards, --all on both Tritons (2026-12): the TMA kernels 0 B on every kept
     # config (epilogue in column slices, linear_act_kernels.subtiles; whole 128x256 tiles spilled 80-184 B);
     # pointer loads 8 B (triton 3.9: 16-bit 256x128x64 / 128x128x32 on sm_90, IEEE fp32 64x64x16),
     # SwiGLU 72 B on IEEE fp32 64x64x16 on 4 warps, sm_90 (CUDA-core dots; 24 B with triton 3.6).
-    "_linear_gelu_persistent_kernel": 8,
-    "_linear_gelu_tma_kernel": 0,
-    "_linear_swiglu_persistent_kernel": 72,
-    "_linear_swiglu_tma_kernel": 0,
+    "linear_gelu_persistent_kernel": 8,
+    "linear_gelu_tma_kernel": 0,
+    "linear_swiglu_persistent_kernel": 72,
+    "linear_swiglu_tma_kernel": 0,
     "_matmul_kernel": 8,
     "_matmul_persistent_kernel": 16,  # triton 3.9: IEEE fp32 dual 128x64x16 on 8 warps, sm_90
     "_matmul_tma_kernel": 0,
     "_splitk_reduce_kernel": 0,
-    "_linear_gelu_grad_kernel": 0,
-    "_linear_swiglu_grad_kernel": 0,
+    "linear_gelu_grad_kernel": 0,
+    "linear_swiglu_grad_kernel": 0,
     "_grouped_gemm_kernel": 16,  # IEEE fp32 128x128x16 on sm_90
     "_grouped_gemm_dw_kernel": 0,
     # The grouped GEMM's persistent forward / dx and ordered dW, --all on their launches with both
@@ -353,7 +353,7 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
         return cross_entropy.gpu_configs(), None
     if kernel.startswith("_swiglu_"):
         return swiglu.gpu_configs(), None
-    if kernel in ("_linear_gelu_grad_kernel", "_linear_swiglu_grad_kernel"):
+    if kernel in ("linear_gelu_grad_kernel", "linear_swiglu_grad_kernel"):
         return linear_act_kernels.elementwise_gpu_configs(), None
     module = (
         grouped_gemm if kernel.startswith("_grouped") else gemm if kernel.startswith("_matmul") else linear_act_kernels
@@ -361,9 +361,9 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
     shape = dict(getattr(module, kernel).early_config_prune.gemm_shape)
     if kernel in ("_matmul_persistent_kernel", "_matmul_tma_kernel"):
         candidates = gemm.persistent_configs()
-    elif kernel.startswith("_linear") and kernel.endswith(("_persistent_kernel", "_tma_kernel")):
+    elif kernel.startswith("linear_") and kernel.endswith(("_persistent_kernel", "_tma_kernel")):
         # the persistent linear+activation forwards
-        candidates = linear_act_kernels.persistent_gpu_configs(swiglu=kernel.startswith("_linear_swiglu"))
+        candidates = linear_act_kernels.persistent_gpu_configs(swiglu=kernel.startswith("linear_swiglu"))
     elif kernel == "_grouped_gemm_kernel":
         candidates = grouped_gemm.gpu_gemm_configs()
     elif kernel == "_grouped_gemm_dw_kernel":
@@ -487,8 +487,8 @@ def gemm_blocks(kernel: str, constexprs: dict) -> dict:
     blocks = {
         "_matmul_tma_kernel": gemm.tma_block_shapes,
         "_grouped_gemm_tma_kernel": grouped_gemm.tma_block_shapes,
-        "_linear_gelu_tma_kernel": linear_act_kernels.tma_block_shapes,
-        "_linear_swiglu_tma_kernel": linear_act_kernels.tma_block_shapes,
+        "linear_gelu_tma_kernel": linear_act_kernels.tma_block_shapes,
+        "linear_swiglu_tma_kernel": linear_act_kernels.tma_block_shapes,
     }
     return blocks[kernel](constexprs)
 

@@ -41,7 +41,7 @@ Which engine runs a plain GEMM under kernels.backend=auto is `kernels.backend.au
 The tile configs (`gpu_configs`) and the jitted helpers `tile_ids` and `dot` are shared with
 the fused GEMM kernels of kernels/linear_act_kernels.py; `persistent_configs` adds the Hopper-sized
 tiles (128x256, 256x128, BK 128) for the persistent kernels. Its persistent forward kernels
-also take `tile_coords`, the K loops `_ptr_k_loop` / `_tma_k_loop`, their two-product twins
+also take `tile_coords`, the K loops `ptr_k_loop` / `tma_k_loop`, their two-product twins
 `ptr_k_loop_shared_a` / `tma_k_loop_shared_a` (one A tile feeding two accumulators: SwiGLU's
 gate and up), `tma_block_shapes` and the launch plumbing (`_device_info`, `_tma_layout`,
 `_descriptor`).
@@ -335,7 +335,7 @@ if triton is not None:
         )
 
     @triton.jit
-    def _ptr_k_loop(
+    def ptr_k_loop(
         acc,
         a_ptr,
         b_ptr,
@@ -474,7 +474,7 @@ if triton is not None:
         for u in tl.range(tl.program_id(0), full + tail * split, tl.num_programs(0)):
             pid_m, pid_n, lo, hi, lo2, hi2, slot = _unit(u, full, tail, split, num_m, num_n, k_tiles, k2_tiles, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = _ptr_k_loop(
+            acc = ptr_k_loop(
                 acc,
                 a_ptr,
                 b_ptr,
@@ -496,7 +496,7 @@ if triton is not None:
                 BLOCK_K,
             )
             if DUAL:
-                acc = _ptr_k_loop(
+                acc = ptr_k_loop(
                     acc,
                     a2_ptr,
                     b2_ptr,
@@ -520,7 +520,7 @@ if triton is not None:
             _epilogue(acc, c_ptr, ws_ptr, slot, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _tma_k_loop(
+    def tma_k_loop(
         acc,
         a_desc,
         b_desc,
@@ -567,7 +567,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
     ):
         """(acc + A @ B, acc2 + A @ B2) over K tiles lo..hi), each A tile loaded once by TMA for
-        both products (`_tma_k_loop`'s layouts; B2's descriptor laid out as B's)."""
+        both products (`tma_k_loop`'s layouts; B2's descriptor laid out as B's)."""
         for kt in range(lo, hi):
             off_k = kt * BLOCK_K
             if A_T:
@@ -632,9 +632,9 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
-            acc = _tma_k_loop(acc, a_desc, b_desc, off_m, off_n, lo, hi, A_T, B_T, CAST_F32, PRECISION, BLOCK_K)
+            acc = tma_k_loop(acc, a_desc, b_desc, off_m, off_n, lo, hi, A_T, B_T, CAST_F32, PRECISION, BLOCK_K)
             if DUAL:
-                acc = _tma_k_loop(acc, a2_desc, b2_desc, off_m, off_n, lo2, hi2, A_T, B_T, CAST_F32, PRECISION, BLOCK_K)
+                acc = tma_k_loop(acc, a2_desc, b2_desc, off_m, off_n, lo2, hi2, A_T, B_T, CAST_F32, PRECISION, BLOCK_K)
             _epilogue(acc, c_ptr, ws_ptr, slot, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
 
     @triton.autotune(configs=[triton.Config({"SUB_M": 32, "SUB_N": 128}, num_warps=4)], key=[])

@@ -26,7 +26,7 @@ What runs here (`grouped_plan`):
     same GROUP_M row tiles of x: B (and A) tiles are served from L2. The work bound is
     (ceil(N / BLOCK_M) + min(G, N)) * ceil(out / BLOCK_N) units (sum_g ceil(n_g / BLOCK_M) <=
     N / BLOCK_M + #non-empty groups); programs past the real count do no unit. K loop:
-    kernels/gemm.py's `_ptr_k_loop` on the group's rows (masked, software-pipelined pointer
+    kernels/gemm.py's `ptr_k_loop` on the group's rows (masked, software-pipelined pointer
     loads), any strides.
   - forward / dx on sm_90+ with 16-bit operands, `_grouped_gemm_tma_kernel`: the same
     schedule with x's tiles loaded by TMA through a 2-D descriptor and the weight's through a
@@ -93,7 +93,7 @@ try:
     import triton
     import triton.language as tl
 
-    from meshtron.kernels.gemm import _ptr_k_loop, dot, tile_coords
+    from meshtron.kernels.gemm import dot, ptr_k_loop, tile_coords
 except ImportError:  # the torch reference still works without triton
     triton = None
     tl = None
@@ -460,7 +460,7 @@ if triton is not None:
         for u in tl.range(tl.program_id(0), units, tl.num_programs(0)):
             g, row_start, rows, pid_m, pid_n = _unit_of(u, sizes_ptr, G, num_n, BLOCK_M, G_BLOCK, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = _ptr_k_loop(
+            acc = ptr_k_loop(
                 acc,
                 x_ptr + row_start.to(tl.int64) * stride_xm,
                 w_ptr + g.to(tl.int64) * stride_wg,

@@ -23,7 +23,7 @@ forward   one matmul of x with W^T (W [N, K] row-major: the GEMM's B operand tra
             slices (<= 32 accumulator values per thread each: 128 accumulators plus gelu's
             temporaries of a whole 128x256 tile spill). The first call of a (kernel, shapes,
             dtype, flags, SMs) key autotunes, later ones launch the cached config directly.
-            `_linear_gelu_tma_kernel` / `_linear_swiglu_tma_kernel` on sm_90+ when x and the
+            `linear_gelu_tma_kernel` / `linear_swiglu_tma_kernel` on sm_90+ when x and the
             weights are 16-bit and TMA-loadable (unit stride, 16-byte aligned base and rows:
             K % 8 == 0 for contiguous operands; both SwiGLU weights laid out alike): tiles
             loaded through host-side TensorDescriptors, W's [BLOCK_N, BLOCK_K] tile
@@ -36,11 +36,11 @@ forward   one matmul of x with W^T (W [N, K] row-major: the GEMM's B operand tra
             (gpt_1b tp=4 [4096, 1408]: 192 tiles of 128x256 = 1.45 waves on 132 SMs, 352 of
             128x128 = 2.7, the autotuner weighs the tail; 8B-class [8192, 14336]: 3584 of
             128x256, SwiGLU 7168 of 128x128).
-          - `_linear_gelu_fwd_kernel` / `_linear_swiglu_fwd_kernel`, one program per tile
+          - `linear_gelu_fwd_kernel` / `linear_swiglu_fwd_kernel`, one program per tile
             through the autotuner: the interpreter's default and `persistent=False`.
           Test switches of `linear_gelu` / `linear_swiglu`: `persistent`, `tma` (True: the
           descriptor kernel wherever the operands allow, also off Hopper), `num_sms`.
-backward  (1) `_linear_gelu_grad_kernel` / `_linear_swiglu_grad_kernel`, elementwise: the pre-activation
+backward  (1) `linear_gelu_grad_kernel` / `linear_swiglu_grad_kernel`, elementwise: the pre-activation
           gradient g = dy * act'(z) ([M, N]; SwiGLU [M, 2N] = [g_gate | g_up]);
           (2) two plain GEMMs (kernels/gemm.py `matmul`, Triton or cuBLAS by `gemm_backend`):
           dx = g @ W (SwiGLU: g_gate @ W_gate + g_up @ W_up, one launch) and dW = g^T @ x
@@ -75,7 +75,7 @@ from meshtron.kernels import gemm
 from meshtron.kernels.backend import interpreting
 from meshtron.kernels.gemm import GEMM_BACKENDS, dot_flags, grid_2d, matmul
 from meshtron.kernels.launch import launch
-from meshtron.kernels.linear_act_kernels import _GELU_NONE, _GELU_TANH, _SWIGLU, tma_block_shapes
+from meshtron.kernels.linear_act_kernels import ACT_GELU_NONE, ACT_GELU_TANH, ACT_SWIGLU, tma_block_shapes
 from meshtron.kernels.operands import compute_dtype, weight_copy
 
 try:  # the torch backend works without triton
@@ -83,16 +83,16 @@ try:  # the torch backend works without triton
     import triton.language as tl
 
     from meshtron.kernels.linear_act_kernels import (
-        _linear_gelu_bwd_kernel,
-        _linear_gelu_fwd_kernel,
-        _linear_gelu_grad_kernel,
-        _linear_gelu_persistent_kernel,
-        _linear_gelu_tma_kernel,
-        _linear_swiglu_bwd_kernel,
-        _linear_swiglu_fwd_kernel,
-        _linear_swiglu_grad_kernel,
-        _linear_swiglu_persistent_kernel,
-        _linear_swiglu_tma_kernel,
+        linear_gelu_bwd_kernel,
+        linear_gelu_fwd_kernel,
+        linear_gelu_grad_kernel,
+        linear_gelu_persistent_kernel,
+        linear_gelu_tma_kernel,
+        linear_swiglu_bwd_kernel,
+        linear_swiglu_fwd_kernel,
+        linear_swiglu_grad_kernel,
+        linear_swiglu_persistent_kernel,
+        linear_swiglu_tma_kernel,
     )
 except ImportError:  # pragma: no cover
     triton = None
@@ -133,12 +133,12 @@ def linear_swiglu_reference(
 # the forward kernels by name (`ForwardPlan.kernel`)
 _FWD_KERNELS = (
     {
-        "_linear_gelu_fwd_kernel": _linear_gelu_fwd_kernel,
-        "_linear_gelu_persistent_kernel": _linear_gelu_persistent_kernel,
-        "_linear_gelu_tma_kernel": _linear_gelu_tma_kernel,
-        "_linear_swiglu_fwd_kernel": _linear_swiglu_fwd_kernel,
-        "_linear_swiglu_persistent_kernel": _linear_swiglu_persistent_kernel,
-        "_linear_swiglu_tma_kernel": _linear_swiglu_tma_kernel,
+        "linear_gelu_fwd_kernel": linear_gelu_fwd_kernel,
+        "linear_gelu_persistent_kernel": linear_gelu_persistent_kernel,
+        "linear_gelu_tma_kernel": linear_gelu_tma_kernel,
+        "linear_swiglu_fwd_kernel": linear_swiglu_fwd_kernel,
+        "linear_swiglu_persistent_kernel": linear_swiglu_persistent_kernel,
+        "linear_swiglu_tma_kernel": linear_swiglu_tma_kernel,
     }
     if triton is not None
     else {}
@@ -192,7 +192,7 @@ def forward_plan(x2, weights, persistent=None, tma=None, num_sms=None) -> Forwar
     if persistent is None:
         persistent = x2.device.type == "cuda"
     if not persistent:
-        return ForwardPlan(f"_linear_{name}_fwd_kernel", None, 0)
+        return ForwardPlan(f"linear_{name}_fwd_kernel", None, 0)
     sms, major = gemm._device_info(x2.device)
     sms = num_sms or sms
     if tma is None:
@@ -201,8 +201,8 @@ def forward_plan(x2, weights, persistent=None, tma=None, num_sms=None) -> Forwar
         lx = gemm._tma_layout(x2)
         lw = {gemm._tma_layout(w.t()) for w in weights}
         if lx is not None and len(lw) == 1 and None not in lw:
-            return ForwardPlan(f"_linear_{name}_tma_kernel", (lx, lw.pop()), sms)
-    return ForwardPlan(f"_linear_{name}_persistent_kernel", None, sms)
+            return ForwardPlan(f"linear_{name}_tma_kernel", (lx, lw.pop()), sms)
+    return ForwardPlan(f"linear_{name}_persistent_kernel", None, sms)
 
 
 def _linear_act_fwd(x2, weights, biases, act, save_pre, persistent=None, tma=None, num_sms=None):
@@ -218,14 +218,14 @@ def _linear_act_fwd(x2, weights, biases, act, save_pre, persistent=None, tma=Non
     plan = forward_plan(x2, weights, persistent, tma, num_sms)
     cast, prec = dot_flags(x2.dtype)
     flags = dict(SAVE_PRE=save_pre, CAST_F32=cast, PRECISION=prec)
-    if act == _SWIGLU:
+    if act == ACT_SWIGLU:
         flags.update(HAS_BG=biases[0] is not None, HAS_BU=biases[1] is not None)
     else:
-        flags.update(HAS_BIAS=biases[0] is not None, APPROX_TANH=act == _GELU_TANH)
+        flags.update(HAS_BIAS=biases[0] is not None, APPROX_TANH=act == ACT_GELU_TANH)
     if plan.layouts is not None:
         flags.update(A_T=plan.layouts[0] == "t", B_T=plan.layouts[1] == "t")
     pre = out if z is None else z  # an unused pointer without SAVE_PRE
-    pre_up = z[:, N:] if save_pre and act == _SWIGLU else pre
+    pre_up = z[:, N:] if save_pre and act == ACT_SWIGLU else pre
     sizes = (M, N, K)
     tail = (out.stride(0), out.stride(1), pre.stride(0), pre.stride(1))
 
@@ -241,7 +241,7 @@ def _linear_act_fwd(x2, weights, biases, act, save_pre, persistent=None, tma=Non
             operands += tuple(gemm._descriptor(w.t(), lw, blocks["w_desc"]) for w in weights)
             strides = ()
         bs = tuple(out if b is None else b for b in biases)
-        if act == _SWIGLU:
+        if act == ACT_SWIGLU:
             head = (operands[0], operands[1], bs[0], operands[2], bs[1], out, pre, pre_up)
         else:
             head = (operands[0], operands[1], bs[0], out, pre)
@@ -287,11 +287,11 @@ def _grad_from_saved(z, dy, g, act, N):
         return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])
 
     key = (N, act, z.dtype, dy.dtype, g.dtype, z.device)
-    if act == _SWIGLU:
-        launch(_linear_swiglu_grad_kernel, grid, key, z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0))
+    if act == ACT_SWIGLU:
+        launch(linear_swiglu_grad_kernel, grid, key, z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0))
     else:
         args = (z, dy, g, M, N, z.stride(0), dy.stride(0), g.stride(0))
-        launch(_linear_gelu_grad_kernel, grid, key, *args, APPROX_TANH=act == _GELU_TANH)
+        launch(linear_gelu_grad_kernel, grid, key, *args, APPROX_TANH=act == ACT_GELU_TANH)
 
 
 def _grad_recomputed(x2, weights, biases, act, dy, g):
@@ -299,9 +299,9 @@ def _grad_recomputed(x2, weights, biases, act, dy, g):
     M, K = x2.shape
     N = weights[0].shape[0]
     cast, prec = dot_flags(x2.dtype)
-    if act == _SWIGLU:
+    if act == ACT_SWIGLU:
         (wg, wu), (bg, bu) = weights, biases
-        _linear_swiglu_bwd_kernel[grid_2d(M, N)](
+        linear_swiglu_bwd_kernel[grid_2d(M, N)](
             x2,
             wg,
             bg if bg is not None else wg,
@@ -330,7 +330,7 @@ def _grad_recomputed(x2, weights, biases, act, dy, g):
         )
     else:
         (w,), (b,) = weights, biases
-        _linear_gelu_bwd_kernel[grid_2d(M, N)](
+        linear_gelu_bwd_kernel[grid_2d(M, N)](
             x2,
             w,
             b if b is not None else w,
@@ -348,7 +348,7 @@ def _grad_recomputed(x2, weights, biases, act, dy, g):
             g.stride(0),
             g.stride(1),
             HAS_BIAS=b is not None,
-            APPROX_TANH=act == _GELU_TANH,
+            APPROX_TANH=act == ACT_GELU_TANH,
             CAST_F32=cast,
             PRECISION=prec,
         )
@@ -403,7 +403,7 @@ class _LinearGeluFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, w_c, approximate, recompute, gemm_backend, fwd_kernel):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        act = _GELU_TANH if approximate == "tanh" else _GELU_NONE
+        act = ACT_GELU_TANH if approximate == "tanh" else ACT_GELU_NONE
         out, z = _linear_act_fwd(x2, (w_c,), (bias,), act, not recompute, *fwd_kernel)
         ctx.save_for_backward(x2, w_c, bias, z)
         ctx.act, ctx.shape, ctx.w_dtype, ctx.gemm_backend = act, shape, weight.dtype, gemm_backend
@@ -429,7 +429,7 @@ class _LinearSwigluFn(torch.autograd.Function):
     def forward(ctx, x, w_gate, b_gate, w_up, b_up, wg_c, wu_c, recompute, gemm_backend, fwd_kernel):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        out, z = _linear_act_fwd(x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, not recompute, *fwd_kernel)
+        out, z = _linear_act_fwd(x2, (wg_c, wu_c), (b_gate, b_up), ACT_SWIGLU, not recompute, *fwd_kernel)
         ctx.save_for_backward(x2, wg_c, b_gate, wu_c, b_up, z)
         ctx.shape, ctx.w_dtype, ctx.gemm_backend = shape, w_gate.dtype, gemm_backend
         return out.view(*shape[:-1], wg_c.shape[0])
@@ -441,7 +441,7 @@ class _LinearSwigluFn(torch.autograd.Function):
         n = ctx.needs_input_grad
         needs = (n[0], n[1], n[3], n[2], n[4])  # (x, w_gate, w_up, b_gate, b_up)
         dx, dwg, dwu, dbg, dbu = _linear_act_bwd(
-            x2, (wg_c, wu_c), (b_gate, b_up), _SWIGLU, dy2, z, needs, ctx.w_dtype, ctx.gemm_backend
+            x2, (wg_c, wu_c), (b_gate, b_up), ACT_SWIGLU, dy2, z, needs, ctx.w_dtype, ctx.gemm_backend
         )
         if dx is not None:
             dx = dx.view(ctx.shape)

@@ -1,7 +1,7 @@
 """The Triton kernels of the fused linear + activation (kernels/linear_act.py launches them
 and holds the autograd functions and the public API; its docstring says what runs when).
 
-* forward, one program per tile: `_linear_gelu_fwd_kernel`, `_linear_swiglu_fwd_kernel`
+* forward, one program per tile: `linear_gelu_fwd_kernel`, `linear_swiglu_fwd_kernel`
   (the interpreter's default, `persistent=False`, and the recompute mode's forward);
 * forward, persistent (kernels/gemm.py's schedule): `_linear_*_persistent_kernel` (pointer
   loads) and `_linear_*_tma_kernel` (TMA descriptors, sm_90, 16-bit), the epilogue in column
@@ -24,12 +24,12 @@ try:  # the torch backend works without triton
     import triton.language as tl
 
     from meshtron.kernels.gemm import (
-        _ptr_k_loop,
-        _tma_k_loop,
         dot,
+        ptr_k_loop,
         ptr_k_loop_shared_a,
         tile_coords,
         tile_ids,
+        tma_k_loop,
         tma_k_loop_shared_a,
     )
 except ImportError:  # pragma: no cover
@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover
 # ----------------------------------------------------------------------------- Triton kernels
 
 # activation codes (constexpr ACT)
-_GELU_NONE, _GELU_TANH, _SWIGLU = 0, 1, 2
+ACT_GELU_NONE, ACT_GELU_TANH, ACT_SWIGLU = 0, 1, 2
 
 
 def elementwise_gpu_configs() -> list:
@@ -278,7 +278,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)},
     )
     @triton.jit
-    def _linear_gelu_fwd_kernel(
+    def linear_gelu_fwd_kernel(
         x_ptr,
         w_ptr,
         b_ptr,
@@ -355,7 +355,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
     )
     @triton.jit
-    def _linear_swiglu_fwd_kernel(
+    def linear_swiglu_fwd_kernel(
         x_ptr,
         wg_ptr,
         bg_ptr,
@@ -555,7 +555,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)},
     )
     @triton.jit
-    def _linear_gelu_persistent_kernel(
+    def linear_gelu_persistent_kernel(
         x_ptr,
         w_ptr,
         b_ptr,
@@ -583,7 +583,7 @@ if triton is not None:
         GROUP_M: tl.constexpr,
         SUBTILES: tl.constexpr,
     ):
-        """`_linear_gelu_fwd_kernel` persistent: program p computes output tiles p, p + grid, ...
+        """`linear_gelu_fwd_kernel` persistent: program p computes output tiles p, p + grid, ...
         in grouped order (masked pointer loads, W^T as B by its strides), each with the same
         epilogue. No split-K: the activation needs whole dot products."""
         num_m = tl.cdiv(M, BLOCK_M)
@@ -592,7 +592,7 @@ if triton is not None:
         for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = _ptr_k_loop(
+            acc = ptr_k_loop(
                 acc,
                 x_ptr,
                 w_ptr,
@@ -624,7 +624,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_desc", a_tiles=1, b_tiles=1)},
     )
     @triton.jit
-    def _linear_gelu_tma_kernel(
+    def linear_gelu_tma_kernel(
         x_desc,
         w_desc,
         b_ptr,
@@ -650,7 +650,7 @@ if triton is not None:
         GROUP_M: tl.constexpr,
         SUBTILES: tl.constexpr,
     ):
-        """`_linear_gelu_persistent_kernel` with the x and W tiles loaded by TMA through host-side
+        """`linear_gelu_persistent_kernel` with the x and W tiles loaded by TMA through host-side
         descriptors (zero-filled past the edges; blocks set per config by `_set_tma_blocks`):
         B_T for a row-major W (its [BLOCK_N, BLOCK_K] tile transposed in shared memory), A_T
         for a column-major x."""
@@ -660,7 +660,7 @@ if triton is not None:
         for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = _tma_k_loop(
+            acc = tma_k_loop(
                 acc,
                 x_desc,
                 w_desc,
@@ -685,7 +685,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
     )
     @triton.jit
-    def _linear_swiglu_persistent_kernel(
+    def linear_swiglu_persistent_kernel(
         x_ptr,
         wg_ptr,
         bg_ptr,
@@ -718,7 +718,7 @@ if triton is not None:
         GROUP_M: tl.constexpr,
         SUBTILES: tl.constexpr,
     ):
-        """`_linear_swiglu_fwd_kernel` persistent: program p computes output tiles p, p + grid,
+        """`linear_swiglu_fwd_kernel` persistent: program p computes output tiles p, p + grid,
         ... in grouped order, gate and up accumulated from the same x tile (masked pointer
         loads), the same epilogue. No split-K."""
         num_m = tl.cdiv(M, BLOCK_M)
@@ -764,7 +764,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_desc", a_tiles=1, b_tiles=2, accumulators=2)},
     )
     @triton.jit
-    def _linear_swiglu_tma_kernel(
+    def linear_swiglu_tma_kernel(
         x_desc,
         wg_desc,
         bg_ptr,
@@ -793,7 +793,7 @@ if triton is not None:
         GROUP_M: tl.constexpr,
         SUBTILES: tl.constexpr,
     ):
-        """`_linear_swiglu_persistent_kernel` with TMA loads (one x tile and the two W tiles per
+        """`linear_swiglu_persistent_kernel` with TMA loads (one x tile and the two W tiles per
         K step; the weights' descriptors laid out alike)."""
         num_m = tl.cdiv(M, BLOCK_M)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -825,7 +825,7 @@ if triton is not None:
 
     @triton.autotune(configs=_elementwise_configs(), key=["N"])
     @triton.jit
-    def _linear_gelu_grad_kernel(
+    def linear_gelu_grad_kernel(
         z_ptr,
         dy_ptr,
         g_ptr,
@@ -850,7 +850,7 @@ if triton is not None:
 
     @triton.autotune(configs=_elementwise_configs(), key=["N"])
     @triton.jit
-    def _linear_swiglu_grad_kernel(
+    def linear_swiglu_grad_kernel(
         z_ptr,
         dy_ptr,
         g_ptr,
@@ -883,7 +883,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1, accumulators=2)},
     )
     @triton.jit
-    def _linear_gelu_bwd_kernel(
+    def linear_gelu_bwd_kernel(
         x_ptr,
         w_ptr,
         b_ptr,
@@ -949,7 +949,7 @@ if triton is not None:
         prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=2, accumulators=2)},
     )
     @triton.jit
-    def _linear_swiglu_bwd_kernel(
+    def linear_swiglu_bwd_kernel(
         x_ptr,
         wg_ptr,
         bg_ptr,

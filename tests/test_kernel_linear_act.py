@@ -240,7 +240,7 @@ def test_persistent_gelu_forward_matches_reference(kind, dtype, k, bias, recompu
     x, (w,), (b,), dy = _leaves((70,), 50, k, [bias], 1, seed=k + bias)
     x, w, dy = x.to(dtype), w.to(dtype), dy.to(dtype)
     kw = _persistent_kw(kind)
-    assert linear_act.forward_plan(x, (w,), **kw).kernel == f"_linear_gelu_{kind}_kernel"
+    assert linear_act.forward_plan(x, (w,), **kw).kernel == f"linear_gelu_{kind}_kernel"
     _check_against_reference(
         lambda x, w, b: linear_gelu_reference(x, w, b, "tanh"),
         lambda x, w, b: linear_gelu(x, w, b, "tanh", backend="triton", recompute=recompute, **kw),
@@ -260,7 +260,7 @@ def test_persistent_swiglu_forward_matches_reference(kind, dtype, k, biases, rec
     x, (wg, wu), (bg, bu), dy = _leaves((70,), 50, k, list(biases), 2, seed=k + 2 * biases[0] + biases[1])
     x, wg, wu, dy = x.to(dtype), wg.to(dtype), wu.to(dtype), dy.to(dtype)
     kw = _persistent_kw(kind)
-    assert linear_act.forward_plan(x, (wg, wu), **kw).kernel == f"_linear_swiglu_{kind}_kernel"
+    assert linear_act.forward_plan(x, (wg, wu), **kw).kernel == f"linear_swiglu_{kind}_kernel"
     _check_against_reference(
         linear_swiglu_reference,
         lambda x, wg, bg, wu, bu: linear_swiglu(x, wg, bg, wu, bu, backend="triton", recompute=recompute, **kw),
@@ -283,16 +283,18 @@ def test_persistent_forward_stores_the_pre_activations(kind, dtype, k):
         zg = F.linear(x2.float(), wg.float(), bg)
         zu = F.linear(x2.float(), wu.float())
         tol = TOLERANCE[dtype]
-        out, z = linear_act._linear_act_fwd(x2, (wg,), (bg,), linear_act._GELU_NONE, True, **_persistent_kw(kind))
+        out, z = linear_act._linear_act_fwd(x2, (wg,), (bg,), linear_act.ACT_GELU_NONE, True, **_persistent_kw(kind))
         assert z.shape == (x2.shape[0], 50) and z.dtype == dtype
         _close_to(z, zg, tol, "z")
         _close_to(out, F.gelu(z.float()), tol, "gelu out")
-        out, z = linear_act._linear_act_fwd(x2, (wg, wu), (bg, None), linear_act._SWIGLU, True, **_persistent_kw(kind))
+        out, z = linear_act._linear_act_fwd(
+            x2, (wg, wu), (bg, None), linear_act.ACT_SWIGLU, True, **_persistent_kw(kind)
+        )
         assert z.shape == (x2.shape[0], 100)
         _close_to(z, torch.cat([zg, zu], 1), tol, "[z_gate | z_up]")
         _close_to(out, F.silu(zg) * zu, 2 * tol, "swiglu out")
         out2, none = linear_act._linear_act_fwd(
-            x2, (wg, wu), (bg, None), linear_act._SWIGLU, False, **_persistent_kw(kind)
+            x2, (wg, wu), (bg, None), linear_act.ACT_SWIGLU, False, **_persistent_kw(kind)
         )
         assert none is None and torch.equal(out2, out)  # SAVE_PRE off: the same output
 
@@ -310,22 +312,22 @@ def test_forward_plan_picks_the_kernel():
     bf = torch.bfloat16
     x, w, w2 = torch.randn(48, 64, dtype=bf), torch.randn(40, 64, dtype=bf), torch.randn(40, 64, dtype=bf)
     plan = linear_act.forward_plan
-    assert plan(x, (w,)) == ("_linear_gelu_fwd_kernel", None, 0)
-    assert plan(x, (w, w2), persistent=False, tma=True).kernel == "_linear_swiglu_fwd_kernel"
-    assert plan(x, (w,), persistent=True) == ("_linear_gelu_persistent_kernel", None, 4)  # not sm_90
-    assert plan(x, (w,), persistent=True, tma=True, num_sms=7) == ("_linear_gelu_tma_kernel", ("n", "t"), 7)
+    assert plan(x, (w,)) == ("linear_gelu_fwd_kernel", None, 0)
+    assert plan(x, (w, w2), persistent=False, tma=True).kernel == "linear_swiglu_fwd_kernel"
+    assert plan(x, (w,), persistent=True) == ("linear_gelu_persistent_kernel", None, 4)  # not sm_90
+    assert plan(x, (w,), persistent=True, tma=True, num_sms=7) == ("linear_gelu_tma_kernel", ("n", "t"), 7)
     assert plan(x, (w, w2), persistent=True, tma=True).layouts == ("n", "t")
     tma = dict(persistent=True, tma=True)
-    assert plan(x.float(), (w.float(),), **tma).kernel == "_linear_gelu_persistent_kernel"  # fp32: no TMA
+    assert plan(x.float(), (w.float(),), **tma).kernel == "linear_gelu_persistent_kernel"  # fp32: no TMA
     odd_k = torch.randn(48, 66, dtype=bf)[:, :60]  # rows of 132 B: not 16-byte aligned
-    assert plan(odd_k, (w[:, :60],), **tma).kernel == "_linear_gelu_persistent_kernel"
+    assert plan(odd_k, (w[:, :60],), **tma).kernel == "linear_gelu_persistent_kernel"
     w_cm = w.t().contiguous().t()  # column-major W: W^T row-major ("n")
     assert plan(x, (w_cm,), **tma).layouts == ("n", "n")
-    assert plan(x, (w, w_cm), **tma).kernel == "_linear_swiglu_persistent_kernel"  # laid out unlike
+    assert plan(x, (w, w_cm), **tma).kernel == "linear_swiglu_persistent_kernel"  # laid out unlike
     assert plan(x, (w_cm, w2.t().contiguous().t()), **tma).layouts == ("n", "n")
     x_cm = x.t().contiguous().t()
     assert plan(x_cm, (w,), **tma).layouts == ("t", "t")
-    assert plan(x[:, :0], (w[:, :0],), **tma).kernel == "_linear_gelu_persistent_kernel"  # K = 0
+    assert plan(x[:, :0], (w[:, :0],), **tma).kernel == "linear_gelu_persistent_kernel"  # K = 0
 
 
 @pytest.mark.parametrize("kind", ["persistent", "tma"])
@@ -335,9 +337,9 @@ def test_persistent_launch_cached_after_the_first_call(kind, monkeypatch):
     bf = torch.bfloat16
     x, w = torch.randn(70, 40, dtype=bf), torch.randn(50, 40, dtype=bf)
     kw = dict(persistent=True, tma=kind == "tma", num_sms=5)
-    name = f"_linear_gelu_{kind}_kernel"
+    name = f"linear_gelu_{kind}_kernel"
     monkeypatch.setattr(linear_act, "_LAUNCHES", {})
-    first, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act._GELU_TANH, True, **kw)
+    first, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act.ACT_GELU_TANH, True, **kw)
     (key,) = linear_act._LAUNCHES
     assert key[0] == name and linear_act._LAUNCHES[key].grid == min(5, 3 * 2)
     kernel = getattr(linear_act, name)
@@ -346,10 +348,10 @@ def test_persistent_launch_cached_after_the_first_call(kind, monkeypatch):
         raise AssertionError("a cached launch went through the autotuner")
 
     monkeypatch.setattr(kernel, "run", no_autotuner)
-    again, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act._GELU_TANH, True, **kw)
+    again, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act.ACT_GELU_TANH, True, **kw)
     assert torch.equal(again, first)
     with pytest.raises(AssertionError, match="autotuner"):  # a new key: SAVE_PRE off
-        linear_act._linear_act_fwd(x, (w,), (None,), linear_act._GELU_TANH, False, **kw)
+        linear_act._linear_act_fwd(x, (w,), (None,), linear_act.ACT_GELU_TANH, False, **kw)
 
 
 def test_persistent_configs_and_epilogue_slices():
@@ -381,12 +383,12 @@ def test_persistent_configs_and_epilogue_slices():
     ]
     # the interpreter's one config slices its 32x32 tiles in 4 (GeLU; SwiGLU's epilogue in 2),
     # so that the tests above run the sliced epilogues
-    for kernel in (linear_act_kernels._linear_gelu_persistent_kernel, linear_act_kernels._linear_swiglu_tma_kernel):
+    for kernel in (linear_act_kernels.linear_gelu_persistent_kernel, linear_act_kernels.linear_swiglu_tma_kernel):
         assert [c.kwargs["SUBTILES"] for c in kernel.configs] == [4]
     for kernel in (
-        linear_act_kernels._linear_gelu_persistent_kernel,
-        linear_act_kernels._linear_gelu_tma_kernel,
-        linear_act_kernels._linear_swiglu_persistent_kernel,
-        linear_act_kernels._linear_swiglu_tma_kernel,
+        linear_act_kernels.linear_gelu_persistent_kernel,
+        linear_act_kernels.linear_gelu_tma_kernel,
+        linear_act_kernels.linear_swiglu_persistent_kernel,
+        linear_act_kernels.linear_swiglu_tma_kernel,
     ):
         assert "PRECISION" in kernel.keys  # tf32 and IEEE fp32 tuned apart

@@ -28,10 +28,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STEP_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 3e-3}
 
 GEMM_KERNELS = {
-    "_linear_gelu_fwd_kernel",
-    "_linear_gelu_bwd_kernel",
-    "_linear_swiglu_fwd_kernel",
-    "_linear_swiglu_bwd_kernel",
+    "linear_gelu_fwd_kernel",
+    "linear_gelu_bwd_kernel",
+    "linear_swiglu_fwd_kernel",
+    "linear_swiglu_bwd_kernel",
     "_matmul_kernel",
     "_grouped_gemm_kernel",
     "_grouped_gemm_dw_kernel",
@@ -91,8 +91,8 @@ def test_kernels_receive_the_compute_dtype_and_match_torch(name, precision, laun
     kernels = {k for k, _ in launches}
     expected = {"_ce_partials_kernel", "_ce_backward_kernel", "_norm_fwd_kernel", "_norm_bwd_kernel"}
     expected |= {"_grouped_gemm_kernel", "_grouped_gemm_dw_kernel"} if name == "moe" else {"_matmul_kernel"}
-    expected |= {"_linear_gelu_fwd_kernel"} if name == "gpt2" else set()
-    expected |= {"_linear_swiglu_fwd_kernel"} if name == "llama" else set()
+    expected |= {"linear_gelu_fwd_kernel"} if name == "gpt2" else set()
+    expected |= {"linear_swiglu_fwd_kernel"} if name == "llama" else set()
     assert expected <= kernels, expected - kernels
     for kernel, dtypes in launches:
         if kernel in GEMM_KERNELS:
@@ -213,10 +213,10 @@ def test_autotune_key_includes_the_dot_precision():
     from meshtron.kernels import gemm, grouped_gemm, linear_act
 
     for kernel in (
-        linear_act._linear_gelu_fwd_kernel,
-        linear_act._linear_swiglu_fwd_kernel,
-        linear_act._linear_gelu_bwd_kernel,
-        linear_act._linear_swiglu_bwd_kernel,
+        linear_act.linear_gelu_fwd_kernel,
+        linear_act.linear_swiglu_fwd_kernel,
+        linear_act.linear_gelu_bwd_kernel,
+        linear_act.linear_swiglu_bwd_kernel,
         gemm._matmul_kernel,
     ):
         assert "PRECISION" in kernel.keys
