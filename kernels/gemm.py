@@ -43,8 +43,8 @@ the fused GEMM kernels of kernels/linear_act_kernels.py; `persistent_configs` ad
 tiles (128x256, 256x128, BK 128) for the persistent kernels. Its persistent forward kernels
 also take `tile_coords`, the K loops `ptr_k_loop` / `tma_k_loop`, their two-product twins
 `ptr_k_loop_shared_a` / `tma_k_loop_shared_a` (one A tile feeding two accumulators: SwiGLU's
-gate and up), `tma_block_shapes` and the launch plumbing (`_device_info`, `_tma_layout`,
-`_descriptor`).
+gate and up), `tma_block_shapes` and the launch plumbing (`device_info`, `tma_layout`,
+`descriptor`).
 """
 
 from __future__ import annotations
@@ -756,8 +756,9 @@ class GemmPlan(NamedTuple):
     max_split: int
 
 
-def _device_info(device: torch.device) -> tuple[int, int]:
-    """(SMs, compute capability major) of a CUDA device, cached; the interpreter's on CPU."""
+def device_info(device: torch.device) -> tuple[int, int]:
+    """(SMs, compute capability major) of a CUDA device, read once per device (a property
+    look-up per launch costs host time); the interpreter's stand-in on CPU."""
     info = _SMS.get(device)
     if info is None:
         if device.type == "cuda":
@@ -769,7 +770,7 @@ def _device_info(device: torch.device) -> tuple[int, int]:
     return info
 
 
-def _tma_layout(t: torch.Tensor) -> str | None:
+def tma_layout(t: torch.Tensor) -> str | None:
     """The TMA layout of operand `t`: "n" when it is row-major ([rows, cols] with unit column
     stride), "t" when it is the transpose of a row-major tensor, None when TMA cannot load it
     (other strides, a base or row stride not 16-byte aligned; the caller checks the dtype)."""
@@ -789,7 +790,7 @@ def gemm_plan(a, b, out, a2=None, b2=None, persistent=None, tma=None, split_k=No
     for a dual call with K2 != K), TMA (default: on sm_90+; `tma=True` also off Hopper, e.g.
     under the interpreter) when the operands are 16-bit and TMA-loadable, split-K unless
     `split_k=False`."""
-    sms, major = _device_info(a.device)
+    sms, major = device_info(a.device)
     if persistent is None:
         persistent = a.device.type == "cuda"
     if not persistent and (a2 is None or a2.shape[1] == a.shape[1]):
@@ -799,15 +800,15 @@ def gemm_plan(a, b, out, a2=None, b2=None, persistent=None, tma=None, split_k=No
     if tma is None:
         tma = major >= 9
     if tma and TensorDescriptor is not None and a.dtype in TMA_DTYPES and a.shape[1] and (a2 is None or a2.shape[1]):
-        la, lb = _tma_layout(a), _tma_layout(b)
-        if la and lb and (a2 is None or (_tma_layout(a2) == la and _tma_layout(b2) == lb)):
+        la, lb = tma_layout(a), tma_layout(b)
+        if la and lb and (a2 is None or (tma_layout(a2) == la and tma_layout(b2) == lb)):
             return GemmPlan("_matmul_tma_kernel", (la, lb), sms, max_split)
     return GemmPlan("_matmul_persistent_kernel", None, sms, max_split)
 
 
 def _fast_descriptors() -> bool:
     """Whether `TensorDescriptor`s can be made without their __post_init__ checks (~1 us each
-    on the host, and `_tma_layout` has made them): its fields start with base, shape, strides,
+    on the host, and `tma_layout` has made them): its fields start with base, shape, strides,
     block_shape and the others have defaults (Triton 3.6 and 3.9)."""
     import dataclasses
 
@@ -823,17 +824,21 @@ def _fast_descriptors() -> bool:
 _FAST_DESCRIPTORS = TensorDescriptor is not None and _fast_descriptors()
 
 
-def _descriptor(t: torch.Tensor, layout: str, block: list):
-    """A TMA descriptor of operand `t` on its row-major storage (`t.T` for layout "t")."""
-    if layout == "t":
-        shape, strides = [t.shape[1], t.shape[0]], [t.stride(1), 1]
-    else:
-        shape, strides = [t.shape[0], t.shape[1]], [t.stride(0), 1]
+def tensor_descriptor(t: torch.Tensor, shape: list, strides: list, block: list):
+    """A host-side TMA descriptor on t's storage, made without TensorDescriptor's checks where
+    that is safe (`_fast_descriptors`; the callers' layout checks stand in for them)."""
     if not _FAST_DESCRIPTORS:
         return TensorDescriptor(t, shape, strides, list(block))
     desc = object.__new__(TensorDescriptor)  # the defaults of the other fields are class attributes
     desc.base, desc.shape, desc.strides, desc.block_shape = t, shape, strides, list(block)
     return desc
+
+
+def descriptor(t: torch.Tensor, layout: str, block: list):
+    """A TMA descriptor of operand `t` on its row-major storage (`t.T` for layout "t")."""
+    if layout == "t":
+        return tensor_descriptor(t, [t.shape[1], t.shape[0]], [t.stride(1), 1], block)
+    return tensor_descriptor(t, [t.shape[0], t.shape[1]], [t.stride(0), 1], block)
 
 
 def _plan_of(M, N, K, K2, cfg, num_sms, max_split) -> tuple[int, int, int, int]:
@@ -909,10 +914,10 @@ def _persistent_mm(a, b, out, a2, b2, plan: GemmPlan, cast: bool, prec: str) -> 
     if layouts is not None:
         (la, lb), (block_a, block_b) = layouts, launch.blocks
         operands = (
-            _descriptor(a, la, block_a),
-            _descriptor(b, lb, block_b),
-            _descriptor(a2, la, block_a) if dual else None,
-            _descriptor(b2, lb, block_b) if dual else None,
+            descriptor(a, la, block_a),
+            descriptor(b, lb, block_b),
+            descriptor(a2, la, block_a) if dual else None,
+            descriptor(b2, lb, block_b) if dual else None,
         )
         kernel = _matmul_tma_kernel
     else:
@@ -942,10 +947,10 @@ def _first_launch(a, b, out, a2, b2, plan: GemmPlan, cast: bool, prec: str, key:
         flags.update(A_T=la == "t", B_T=lb == "t")
         blocks = tma_block_shapes({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **flags})  # set per config
         operands = (
-            _descriptor(a, la, blocks["a_desc"]),
-            _descriptor(b, lb, blocks["b_desc"]),
-            _descriptor(a2, la, blocks["a2_desc"]) if dual else None,
-            _descriptor(b2, lb, blocks["b2_desc"]) if dual else None,
+            descriptor(a, la, blocks["a_desc"]),
+            descriptor(b, lb, blocks["b_desc"]),
+            descriptor(a2, la, blocks["a2_desc"]) if dual else None,
+            descriptor(b2, lb, blocks["b2_desc"]) if dual else None,
         )
     else:
         kernel = _matmul_persistent_kernel

@@ -707,24 +707,15 @@ def grouped_plan(x, w, persistent=None, tma=None, num_sms=None) -> GroupedPlan:
         persistent = x.device.type == "cuda"
     if not persistent:
         return GroupedPlan("_grouped_gemm_kernel", None, 0)
-    sms, major = gemm._device_info(x.device)
+    sms, major = gemm.device_info(x.device)
     sms = num_sms or sms
     if tma is None:
         tma = major >= 9
     if tma and gemm.TensorDescriptor is not None and x.dtype in gemm.TMA_DTYPES and x.shape[1] > 0:
         lw = _w_layout(w)
-        if lw is not None and gemm._tma_layout(x) == "n":
+        if lw is not None and gemm.tma_layout(x) == "n":
             return GroupedPlan("_grouped_gemm_tma_kernel", ("n", lw), sms)
     return GroupedPlan("_grouped_gemm_persistent_kernel", None, sms)
-
-
-def _descriptor(t: torch.Tensor, shape: list, strides: list, block: list):
-    """A TMA descriptor on t's storage (kernels/gemm.py's fast construction where it applies)."""
-    if not gemm._FAST_DESCRIPTORS:
-        return gemm.TensorDescriptor(t, shape, strides, list(block))
-    desc = object.__new__(gemm.TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape = t, shape, strides, list(block)
-    return desc
 
 
 def _programs(num_sms: int, rows: int, groups: int, n_out: int, cfg: dict) -> int:
@@ -764,11 +755,11 @@ def _launch_gemm(
     def args(blocks):
         if not tma:
             return (x, w, y, sizes, groups, k, n_out, *x.stride(), *w.stride(), *y.stride())
-        x_desc = _descriptor(x, [rows, k], [x.stride(0), 1], blocks["x_desc"])
+        x_desc = gemm.tensor_descriptor(x, [rows, k], [x.stride(0), 1], blocks["x_desc"])
         if flags["W_T"]:
-            w_desc = _descriptor(w, [groups, n_out, k], [w.stride(0), w.stride(2), 1], blocks["w_desc"])
+            w_desc = gemm.tensor_descriptor(w, [groups, n_out, k], [w.stride(0), w.stride(2), 1], blocks["w_desc"])
         else:
-            w_desc = _descriptor(w, [groups, k, n_out], [w.stride(0), w.stride(1), 1], blocks["w_desc"])
+            w_desc = gemm.tensor_descriptor(w, [groups, k, n_out], [w.stride(0), w.stride(1), 1], blocks["w_desc"])
         return (x_desc, w_desc, y, sizes, groups, k, n_out, *y.stride())
 
     key = (plan.kernel, plan.layouts, k, n_out, x.dtype, out_dtype, *flags.values(), w_unit, plan.num_sms, x.device)

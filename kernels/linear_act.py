@@ -186,20 +186,20 @@ def forward_plan(x2, weights, persistent=None, tma=None, num_sms=None) -> Forwar
     persistent (default on CUDA; `persistent=False`, and the interpreter's default, is one
     program per tile), through TMA descriptors (default on sm_90+; `tma=True` also elsewhere,
     e.g. the interpreter) when x and the weights are 16-bit and TMA-loadable (kernels/gemm.py
-    `_tma_layout`: unit stride, 16-byte aligned base and row stride; both weights laid out
+    `tma_layout`: unit stride, 16-byte aligned base and row stride; both weights laid out
     alike), with pointer loads otherwise. `num_sms` overrides the SM count of the grid."""
     name = "swiglu" if len(weights) == 2 else "gelu"
     if persistent is None:
         persistent = x2.device.type == "cuda"
     if not persistent:
         return ForwardPlan(f"linear_{name}_fwd_kernel", None, 0)
-    sms, major = gemm._device_info(x2.device)
+    sms, major = gemm.device_info(x2.device)
     sms = num_sms or sms
     if tma is None:
         tma = major >= 9
     if tma and gemm.TensorDescriptor is not None and x2.dtype in gemm.TMA_DTYPES and x2.shape[1] > 0:
-        lx = gemm._tma_layout(x2)
-        lw = {gemm._tma_layout(w.t()) for w in weights}
+        lx = gemm.tma_layout(x2)
+        lw = {gemm.tma_layout(w.t()) for w in weights}
         if lx is not None and len(lw) == 1 and None not in lw:
             return ForwardPlan(f"linear_{name}_tma_kernel", (lx, lw.pop()), sms)
     return ForwardPlan(f"linear_{name}_persistent_kernel", None, sms)
@@ -237,8 +237,8 @@ def _linear_act_fwd(x2, weights, biases, act, save_pre, persistent=None, tma=Non
             strides = (x2.stride(0), x2.stride(1), *(s for w in weights for s in w.stride()))
         else:
             lx, lw = plan.layouts
-            operands = (gemm._descriptor(x2, lx, blocks["x_desc"]),)
-            operands += tuple(gemm._descriptor(w.t(), lw, blocks["w_desc"]) for w in weights)
+            operands = (gemm.descriptor(x2, lx, blocks["x_desc"]),)
+            operands += tuple(gemm.descriptor(w.t(), lw, blocks["w_desc"]) for w in weights)
             strides = ()
         bs = tuple(out if b is None else b for b in biases)
         if act == ACT_SWIGLU:

@@ -386,17 +386,15 @@ def _block_h(h: int) -> int:
     return bh
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (read once: a property look-up per launch
-    costs host time)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _num_row_blocks(x2: torch.Tensor) -> int:
     """Rows per backward program (a multiple of _ROW_ALIGN) giving ~2 programs per SM."""
     m = x2.shape[0]
-    target = 2 * _sm_count(x2.device) if x2.is_cuda else 4
+    if x2.is_cuda:
+        from meshtron.kernels.gemm import device_info  # imports triton: only once kernels run
+
+        target = 2 * device_info(x2.device)[0]
+    else:
+        target = 4
     rows_per_prog = math.ceil(m / target)
     rows_per_prog = max(_ROW_ALIGN, math.ceil(rows_per_prog / _ROW_ALIGN) * _ROW_ALIGN)
     return rows_per_prog

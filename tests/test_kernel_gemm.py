@@ -224,7 +224,7 @@ def test_device_properties_read_once_and_launches_cached(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     fake = torch.device("cuda", 7)
     try:
-        assert gemm._device_info(fake) == (132, 9) and gemm._device_info(fake) == (132, 9)
+        assert gemm.device_info(fake) == (132, 9) and gemm.device_info(fake) == (132, 9)
         assert reads == [fake]
     finally:
         gemm._SMS.pop(fake, None)
