@@ -54,8 +54,8 @@ What runs here (`grouped_plan`):
   interpreter counts 4 "SMs", so small shapes reach the persistent loop).
 Launches: the first call of a key (kernel, in/out widths, G_BLOCK, dtypes, dot precision,
 which weight stride is the unit one, SMs, TMA layouts) goes through the autotuner; later
-calls launch the jitted kernel with the remembered config (the persistent forwards:
-`_LAUNCHES`, the others kernels/launch.py), the grid computed from that config. N is not in
+calls launch the jitted kernel with the remembered config (kernels/launch.py; the TMA
+descriptors built for that config's tiles), the grid computed from that config. N is not in
 the key: the routing changes the row count every step.
 
 Backward: dx = the forward kernel on dy with weight[g]^T (a transposed view through strides,
@@ -679,9 +679,6 @@ class GroupedPlan(NamedTuple):
     num_sms: int
 
 
-_LAUNCHES: dict = {}  # launch key -> (config kwargs, TMA blocks or None): the persistent forwards' choices
-
-
 def _w_layout(w: torch.Tensor) -> str | None:
     """The TMA layout of a weight view w [G, K, N]: "n" when N has the unit stride, "t" when K
     has it (w^T of a row-major weight: the descriptor is on its [G, N, K] storage), None when a
@@ -763,16 +760,16 @@ def _launch_gemm(
         return (x_desc, w_desc, y, sizes, groups, k, n_out, *y.stride())
 
     key = (plan.kernel, plan.layouts, k, n_out, x.dtype, out_dtype, *flags.values(), w_unit, plan.num_sms, x.device)
-    chosen = _LAUNCHES.get(key)
-    if chosen is not None:
-        kwargs, blocks = chosen
-        kernel.fn[(_programs(plan.num_sms, rows, groups, n_out, kwargs),)](*args(blocks), **flags, **kwargs)
-        return y
-    # First call of the key: the autotuner picks the config (the TMA blocks set by its pre-hook).
-    blocks = tma_block_shapes({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **flags}) if tma else None
-    kernel[lambda meta: (_programs(plan.num_sms, rows, groups, n_out, meta),)](*args(blocks), **flags)
-    cfg = kernel.best_config
-    _LAUNCHES[key] = (cfg.all_kwargs(), tma_block_shapes({**cfg.kwargs, **flags}) if tma else None)
+
+    def programs(meta):
+        return (_programs(plan.num_sms, rows, groups, n_out, meta),)
+
+    def args_for(meta):  # the first, autotuned call: placeholder blocks (the configs' pre-hook sets them)
+        if not tma:
+            return args(None)
+        return args(tma_block_shapes(meta or {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **flags}))
+
+    launch(kernel, programs, key, args_for=args_for, **flags)
     return y
 
 

@@ -172,15 +172,6 @@ class ForwardPlan(NamedTuple):
     num_sms: int
 
 
-class _Launch(NamedTuple):
-    kwargs: dict  # the constexpr flags and the tuned config (block sizes, num_warps, num_stages)
-    grid: int
-    blocks: dict | None  # TMA descriptor blocks under that config (None: pointer loads)
-
-
-_LAUNCHES: dict = {}  # launch key -> _Launch: the persistent forwards' tuned configs
-
-
 def forward_plan(x2, weights, persistent=None, tma=None, num_sms=None) -> ForwardPlan:
     """The forward kernel for 2-D x2 [M, K] and the weight copies (one: GeLU, two: SwiGLU):
     persistent (default on CUDA; `persistent=False`, and the interpreter's default, is one
@@ -256,26 +247,23 @@ def _linear_act_fwd(x2, weights, biases, act, save_pre, persistent=None, tma=Non
 
 
 def _launch_persistent(kernel, plan: ForwardPlan, args, flags: dict, x2, N: int) -> None:
-    """Launch a persistent forward kernel on min(SMs, output tiles) programs: the first call of a
-    key through the autotuner (descriptor blocks set per config by its pre-hook), later calls
-    straight to the jitted kernel with the cached config. `args(blocks)` builds the arguments
-    (`blocks` None for the pointer kernels)."""
+    """Launch a persistent forward kernel on min(SMs, output tiles) programs through
+    kernels/launch.py (the autotuner on a key's first call, the remembered config afterwards).
+    `args(blocks)` builds the arguments: TMA descriptors with `blocks` (the config's tiles;
+    placeholders on the first call, the configs' pre-hook sets each candidate's), or pointers
+    (`blocks` None)."""
     M, K = x2.shape
     key = (plan.kernel, plan.layouts, M, N, K, x2.dtype, tuple(flags.items()), plan.num_sms, x2.device)
-    launch = _LAUNCHES.get(key)
-    if launch is not None:
-        kernel.fn[(launch.grid,)](*args(launch.blocks), **launch.kwargs)
-        return
-    tma = plan.layouts is not None
 
-    def programs(meta):
-        return min(plan.num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]))
+    def grid(meta):
+        return (min(plan.num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    blocks = tma_block_shapes({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **flags}) if tma else None
-    kernel[lambda meta: (programs(meta),)](*args(blocks), **flags)
-    cfg = kernel.best_config
-    blocks = tma_block_shapes({**cfg.kwargs, **flags}) if tma else None
-    _LAUNCHES[key] = _Launch({**flags, **cfg.all_kwargs()}, programs(cfg.kwargs), blocks)
+    def args_for(meta):
+        if plan.layouts is None:
+            return args(None)
+        return args(tma_block_shapes(meta or {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **flags}))
+
+    launch(kernel, grid, key, args_for=args_for, **flags)
 
 
 def _grad_from_saved(z, dy, g, act, N):

@@ -70,7 +70,6 @@ def tuned(monkeypatch):
     from meshtron.kernels import launch
 
     launch.clear()
-    gg._LAUNCHES.clear()
     names = []
     original = Autotuner.run
     monkeypatch.setattr(
@@ -78,7 +77,6 @@ def tuned(monkeypatch):
     )
     yield names
     launch.clear()
-    gg._LAUNCHES.clear()
 
 
 # The interpreter configs use 16x16x16 blocks: sizes 17 / 33 span two / three row tiles with a

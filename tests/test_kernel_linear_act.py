@@ -338,18 +338,31 @@ def test_persistent_launch_cached_after_the_first_call(kind, monkeypatch):
     x, w = torch.randn(70, 40, dtype=bf), torch.randn(50, 40, dtype=bf)
     kw = dict(persistent=True, tma=kind == "tma", num_sms=5)
     name = f"linear_gelu_{kind}_kernel"
-    monkeypatch.setattr(linear_act, "_LAUNCHES", {})
-    first, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act.ACT_GELU_TANH, True, **kw)
-    (key,) = linear_act._LAUNCHES
-    assert key[0] == name and linear_act._LAUNCHES[key].grid == min(5, 3 * 2)
+    from meshtron.kernels import launch
+
+    monkeypatch.setattr(launch, "_chosen", {})
     kernel = getattr(linear_act, name)
+    first, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act.ACT_GELU_TANH, True, **kw)
+    ((tuned_kernel, key),) = launch._chosen
+    assert tuned_kernel is kernel and key[0] == name
+    config = launch._chosen[(kernel, key)]
 
     def no_autotuner(*args, **kwargs):
         raise AssertionError("a cached launch went through the autotuner")
 
+    grids, jitted = [], kernel.fn
+
+    class GridRecorder:  # the cached launch's grid, kept to evaluate under the remembered config
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return jitted[grid]
+
     monkeypatch.setattr(kernel, "run", no_autotuner)
+    monkeypatch.setattr(kernel, "fn", GridRecorder())
     again, _ = linear_act._linear_act_fwd(x, (w,), (None,), linear_act.ACT_GELU_TANH, True, **kw)
     assert torch.equal(again, first)
+    (grid,) = grids
+    assert grid(config.kwargs) == (min(5, 3 * 2),)  # min(SMs, tiles) programs
     with pytest.raises(AssertionError, match="autotuner"):  # a new key: SAVE_PRE off
         linear_act._linear_act_fwd(x, (w,), (None,), linear_act.ACT_GELU_TANH, False, **kw)
 
