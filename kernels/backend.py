@@ -88,9 +88,12 @@ def _cuda_device_name() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
+@functools.cache
 def prefers_torch_on_cuda(kernel: str) -> bool:
     """Whether auto runs `kernel`'s torch path on this process's GPU: never measured there or
-    anywhere, or measured slower than torch (`measured_speedup` < 1)."""
+    anywhere, or measured slower than torch (`measured_speedup` < 1). Decided once per kernel
+    and process (the checked dispatch asks at every call); `cache_clear()` after changing the
+    table."""
     if kernel in DECIDED_ELSEWHERE:
         return False
     speedup = measured_speedup(kernel, _cuda_device_name())

@@ -258,7 +258,9 @@ def test_measured_table_takes_each_kernels_speedup_from_a_gpu_results_file(tmp_p
     cached = backend._measurements
     try:
         backend._measurements = lambda: tuple(table)
+        backend.prefers_torch_on_cuda.cache_clear()
         prefers = {k: backend.prefers_torch_on_cuda(k) for k in ("linear_gelu", "cross_entropy", "rms_norm", "gemm")}
     finally:
         backend._measurements = cached
+        backend.prefers_torch_on_cuda.cache_clear()
     assert prefers == {"linear_gelu": False, "cross_entropy": False, "rms_norm": True, "gemm": True}

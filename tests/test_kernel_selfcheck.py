@@ -124,7 +124,7 @@ def test_auto_runs_the_measured_slower_kernels_with_torch_on_cuda_only():
     assert plain_gemm_backend(CHECKED, "cpu") == "triton" and plain_gemm_backend("torch", "cpu") == "torch"
 
 
-def test_auto_follows_the_newest_measurement_of_this_gpu(monkeypatch):
+def test_auto_follows_the_newest_measurement_of_this_gpu(monkeypatch, request):
     """kernels/measured.json decides: the newest date wins, this GPU's entries before other
     GPUs', the slowest dtype of a date counts, and a kernel never measured runs torch."""
 
@@ -141,6 +141,8 @@ def test_auto_follows_the_newest_measurement_of_this_gpu(monkeypatch):
     )
     monkeypatch.setattr(backend, "_measurements", lambda: table)
     monkeypatch.setattr(backend, "_cuda_device_name", lambda: "A100")
+    backend.prefers_torch_on_cuda.cache_clear()  # decided once per process: forget the real table's
+    request.addfinalizer(backend.prefers_torch_on_cuda.cache_clear)  # and this one's, afterwards
     assert not backend.prefers_torch_on_cuda("rms_norm")  # no A100 entry: the H200's newest
     assert backend.prefers_torch_on_cuda("layer_norm") and backend.prefers_torch_on_cuda("linear_gelu")
     assert backend.prefers_torch_on_cuda("residual_rms_norm")  # never measured
