@@ -12,6 +12,10 @@
 #                                       # steps below, each one's output in $OUT as it finishes
 #   bash bench/gpu_session.sh kernels   # THERE, the same way: issue 36's kernel measurements
 #                                       # (see "kernels" below), one results file
+#   bash bench/gpu_session.sh peers     # THERE, the same way: issue 37's meshtron beside
+#                                       # torchtitan and Megatron-Core (see "peers" below)
+#   bash bench/gpu_session.sh checks    # THERE, the same way: issue 37's CUDA-only paths as
+#                                       # tests, and the packed-document attention figures
 #
 # Steps, most wanted first (issue 12's open target is the MoE block against Mixtral on a GPU),
 # each under `timeout` so that a slow one cannot take the rest's time; the whole run keeps to
@@ -54,8 +58,32 @@
 # failed. GPU_SESSION_PARTS picks parts. Without CUDA the same parts run on the CPU at tiny sizes
 # with TRITON_INTERPRET=1 (every code path once, the Triton calls included; nothing measured):
 #   OUT=/tmp/out bash bench/gpu_session.sh kernels
+#
+# peers: issue 37's comparison within GPU_SESSION_BUDGET seconds (default 470), bench/peers.py
+# once per model, each under `timeout` with its own cap (the kernels part's rule: a part may use
+# the slack, never the caps of the parts after it), most wanted first:
+#   dense_1b  dense_3b  moe_fine  moe_mixtral   (shapes and what each side runs: bench/peers.py)
+# Each part leaves its raw figures in $OUT/parts/<model>.json as it goes (a part cut off keeps
+# what it measured); then `bench/peers.py --merge-only` always runs: one record per target, the
+# unmeasured ones "not measured", in $OUT/results/gpu/<UTC date>-<device>-peers.json. The peer
+# packages are the Python 3.12 wheels that `fetch` puts in .whl/peers/ (torchtitan and
+# Megatron-Core and what their imported modules need), installed beside meshtron into
+# GPU_SESSION_SITE. Without CUDA every part runs bench/peers.py's CPU rehearsal (tiny shapes,
+# fp32, eager), with the peers that import here (.peers-cpu/, see docs/performance.md).
+# GPU_SESSION_PARTS picks parts, GPU_SESSION_PEERS_ARGS adds bench/peers.py options:
+#   OUT=/tmp/out bash bench/gpu_session.sh peers
+#
+# checks: issue 37's device-only code paths within GPU_SESSION_BUDGET seconds (default 240):
+# `pytest -m cuda` on CHECK_TESTS (the ring's flash chunk pairs, varlen / flex packed-document
+# attention, FP8 expert GEMMs by _scaled_grouped_mm, compiled blocks with and without CUDA
+# graphs) -> $OUT/pytest_cuda.txt, then bench/attention_check.py (varlen and flex beside the
+# dense mask: error, memory, time at s 4096 / 8192) -> $OUT/attention_check.json.
+#   OUT=/tmp/out bash bench/gpu_session.sh checks
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+CHECK_TESTS=(tests/test_context_parallel_blocks.py tests/test_document_attention.py tests/test_fp8.py
+             tests/test_compile_blocks.py)
 
 WHEELS=.whl
 # What meshtron imports that the device image lacks (its package list: .library/device/KINDS.md),
@@ -63,12 +91,25 @@ WHEELS=.whl
 # 36's peer for the fused LM head + loss (pure Python + Triton; `pip wheel --no-deps liger-kernel`
 # fetched 0.8.5 here on 2026-11-27; it needs only torch and triton, which the image has).
 FETCH=("hydra-core==1.3.8" "omegaconf==2.3.1" "antlr4-python3-runtime==4.9.3" "liger-kernel==0.8.5")
+# Issue 37's peers, for the device's Python 3.12, in .whl/peers/ (a folder of their own: the
+# cp312 Megatron-Core wheel does not install on another Python, so `install` leaves them out).
+# torchtitan's Requires-Dist lists datasets, tokenizers, torchdata, wandb, tensorboard ...;
+# the modules bench/peers.py imports (its model classes, config builders, loss, compile) import
+# only spmd_types and tyro (with typeguard, docstring-parser) beyond the image's packages
+# (checked 2026-11-28 by importing them with only these installed). Megatron-Core needs numpy and
+# packaging, which the image has. 0.19.2 is the newest Megatron-Core on PyPI on 2026-11-28.
+PEER_FETCH=("torchtitan==0.3.0" "spmd-types==0.2.3" "tyro==1.0.17" "typeguard==4.6.1" "docstring-parser==0.18.0"
+            "megatron-core==0.19.2")
+PEER_PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+                --platform manylinux2014_x86_64)
 
 fetch() {
     mkdir -p "$WHEELS"
     # pure-Python packages: `pip wheel` also builds antlr4's (sdist-only on PyPI) into a py3 wheel
     python3 -m pip wheel --quiet --no-deps -w "$WHEELS" "${FETCH[@]}" || return 1
-    ls -l "$WHEELS"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${PEER_PLATFORMS[@]}" -d "$WHEELS/peers" "${PEER_FETCH[@]}" || return 1
+    ls -l "$WHEELS" "$WHEELS/peers"
 }
 
 install() {  # install LOG: the wheels and meshtron into GPU_SESSION_SITE, on PYTHONPATH after
@@ -221,9 +262,105 @@ kernels() {
     [ -z "$failed" ]
 }
 
+peers() {
+    local out="${OUT:?set OUT to the folder that receives the results}"
+    local budget="${GPU_SESSION_BUDGET:-470}" parts="${GPU_SESSION_PARTS:-dense_1b,dense_3b,moe_fine,moe_mixtral}"
+    local start=$SECONDS log="$out/log.txt" failed="" partdir="$out/parts" results="$out/results/gpu"
+    local site="${GPU_SESSION_SITE:-/tmp/site}"
+    mkdir -p "$out" "$partdir"
+    export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+    unset TRITON_INTERPRET
+    install "$log" || return 1
+    local peer_wheels=()
+    shopt -s nullglob; peer_wheels=("$WHEELS"/peers/*.whl); shopt -u nullglob
+    if [ "$(python3 -c 'import sys; print(sys.version_info[:2] == (3, 12))')" = True ] && [ ${#peer_wheels[@]} -gt 0 ]; then
+        python3 -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$site" \
+            "${peer_wheels[@]}" >>"$log" 2>&1 || echo "peer wheels did not install (see log.txt)" | tee -a "$log"
+    else
+        echo "peer wheels (.whl/peers, Python 3.12) not installed here: bench/peers.py takes the peers it can import" \
+            | tee -a "$log"
+    fi
+
+    local cuda extra=() more=()
+    read -r -a more <<<"${GPU_SESSION_PEERS_ARGS:-}"  # more bench/peers.py options, e.g. "--sides meshtron torchtitan"
+    cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
+    if [ "$cuda" != "1" ]; then
+        extra=(--cpu-rehearsal)
+        echo "no CUDA: bench/peers.py's CPU rehearsal (tiny shapes, fp32, eager)" | tee -a "$log"
+    fi
+    env_info >"$out/env.txt" 2>>"$log"
+
+    # Each part reserves CAP seconds of the budget, in this order (as in `kernels`).
+    local names=(dense_1b dense_3b moe_fine moe_mixtral) caps=(120 130 110 100)
+    local i j name later limit left rc t0
+    for i in "${!names[@]}"; do
+        name=${names[$i]}
+        case ",$parts," in *",$name,"*) ;; *) continue ;; esac
+        later=0
+        for ((j = i + 1; j < ${#names[@]}; j++)); do
+            case ",$parts," in *",${names[$j]},"*) later=$((later + caps[j])) ;; esac
+        done
+        left=$((budget - (SECONDS - start)))
+        limit=$((left - later))
+        [ "$limit" -lt "${caps[$i]}" ] && limit=${caps[$i]}
+        [ "$limit" -gt "$left" ] && limit=$left
+        if [ "$limit" -lt 20 ]; then echo "== $name: skipped, ${left}s of the budget left" | tee -a "$log"; continue; fi
+        echo "== $name (up to ${limit}s): bench/peers.py --models $name ${extra[*]}" | tee -a "$log"
+        t0=$SECONDS
+        timeout --kill-after=5 "$limit" python3 bench/peers.py --models "$name" --raw-dir "$partdir" --no-records \
+            "${extra[@]}" "${more[@]}" >/dev/null 2>>"$log"
+        rc=$?
+        [ "$rc" = 0 ] || failed="$failed $name"
+        echo "== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$log"
+    done
+    # Always: every target gets a record, the unmeasured ones saying why.
+    echo "== merge" | tee -a "$log"
+    if python3 bench/peers.py --merge-only --raw-dir "$partdir" --out-dir "$results" "${extra[@]}" 2>&1 | tee -a "$log"; then
+        # the raw figures (every step time, loss, build time) in one file: the device tool returns at most 8
+        python3 -c 'import json, sys; print(json.dumps({p.split("/")[-1][:-5]: json.load(open(p)) for p in sys.argv[1:]}))' \
+            "$partdir"/*.json >"$out/peers_raw.json" 2>>"$log" && rm -rf "$partdir"
+    else
+        failed="$failed merge"
+    fi
+    echo "total $((SECONDS - start))s of ${budget}s${failed:+; failed:$failed}" | tee -a "$log"
+    [ -z "$failed" ]
+}
+
+checks() {
+    local out="${OUT:?set OUT to the folder that receives the results}"
+    local budget="${GPU_SESSION_BUDGET:-240}" start=$SECONDS log="$out/log.txt" failed="" left rc
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+    unset TRITON_INTERPRET
+    install "$log" || return 1
+    env_info >"$out/env.txt" 2>>"$log"
+    local cuda rehearsal=()
+    cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
+    [ "$cuda" = 1 ] || { rehearsal=(--cpu-rehearsal); echo "no CUDA: the cuda tests skip, attention_check rehearses" | tee -a "$log"; }
+    # The device paths no CPU can run, as pass / fail tests (half the budget at most).
+    echo "== pytest -m cuda: ${CHECK_TESTS[*]}" | tee -a "$log"
+    timeout --kill-after=5 $((budget / 2)) python3 -m pytest -q -p no:cacheprovider -m cuda "${CHECK_TESTS[@]}" \
+        >"$out/pytest_cuda.txt" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] || failed="$failed pytest"
+    echo "== pytest: exit $rc after $((SECONDS - start))s; $(tail -n 1 "$out/pytest_cuda.txt")" | tee -a "$log"
+    left=$((budget - (SECONDS - start)))
+    if [ "$left" -lt 20 ]; then
+        echo "== attention_check: skipped, ${left}s left" | tee -a "$log"
+    else
+        timeout --kill-after=5 "$left" python3 bench/attention_check.py "${rehearsal[@]}" --out "$out/attention_check.json" \
+            >/dev/null 2>>"$log" || failed="$failed attention_check"
+        echo "== attention_check: after $((SECONDS - start))s" | tee -a "$log"
+    fi
+    echo "total $((SECONDS - start))s of ${budget}s${failed:+; failed:$failed}" | tee -a "$log"
+    [ -z "$failed" ]
+}
+
 case "${1:-}" in
     fetch) fetch ;;
     run) run ;;
     kernels) kernels ;;
-    *) echo "usage: bench/gpu_session.sh fetch|run|kernels   (see the comment at the top)" >&2; exit 2 ;;
+    peers) peers ;;
+    checks) checks ;;
+    *) echo "usage: bench/gpu_session.sh fetch|run|kernels|peers|checks   (see the comment at the top)" >&2; exit 2 ;;
 esac

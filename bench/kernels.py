@@ -531,6 +531,36 @@ def fp8_cases(ctx: Ctx) -> list[dict]:
     return [time_record(ctx, name, figs, systems, shape=shape, flops=2.0 * m * k * n, note=why or None)]
 
 
+def fp8_grouped_cases(ctx: Ctx) -> list[dict]:
+    """The experts' grouped GEMM y[rows of g] = x[rows of g]·W_g at the 8B-class expert shape
+    in FP8 (moe/fp8_experts.py: rows quantized to e4m3 per row, each expert's weight per output
+    column, the quantization counted; on the path kernels.backend=auto takes there: torch's
+    _scaled_grouped_mm on sm_90) against the bf16 grouped GEMM (moe/experts.py grouped_matmul:
+    F.grouped_mm), forward only, as the dense FP8 record."""
+    from meshtron.kernels.backend import CHECKED
+    from meshtron.moe.experts import grouped_matmul
+    from meshtron.moe.fp8_experts import fp8_grouped_path, group_ends, grouped_fp8_product
+    from meshtron.mpu.fp8 import fp8_supported
+
+    d, s = ctx.dims, ctx.shape_name
+    e, rows, h, f = d["experts"], d["rows"], d["moe_h"], d["moe_f"]
+    x, w = ctx.randn(e * rows, h, seed=1).bfloat16(), (ctx.randn(e, h, f, seed=2) * 0.02).bfloat16()
+    sizes = torch.full((e,), rows, device=ctx.device, dtype=torch.int64)
+    offsets = group_ends(sizes)
+    shape = {"experts": e, "rows_per_expert": rows, "hidden": h, "ffn": f, "product": f"[{e}x{rows},{h}] @ W_g"}
+    ok, why = fp8_supported(ctx.device)
+    base = 'moe.experts.grouped_matmul(backend="torch") bf16 (F.grouped_mm)'
+    sides = [Side("baseline", base, lambda: grouped_matmul(x, w, sizes, backend="torch", offsets=offsets))]
+    if ok:
+        path = fp8_grouped_path(ctx.device, CHECKED)
+        system = f"moe.fp8_experts.grouped_fp8_product ({path}; e4m3, row / per-expert column scales)"
+        sides.append(Side("meshtron", system, lambda: grouped_fp8_product(x, w, sizes, offsets, path)))
+    figs = measure(sides, ctx.device, ctx.plan)
+    systems = {sd.label: sd.system for sd in sides}
+    flops = 2.0 * e * rows * h * f
+    return [time_record(ctx, f"FP8 expert GEMM vs bf16 {s}", figs, systems, shape=shape, flops=flops, note=why or None)]
+
+
 def linear_act_cases(ctx: Ctx) -> list[dict]:
     """linear+GeLU (tanh, with bias) and linear+SwiGLU (no biases) forward + backward vs torch eager;
     at gpt_1b_tp4 also the activations each side saves for backward."""
@@ -907,7 +937,16 @@ def lce_cases(ctx: Ctx) -> list[dict]:
 
 CASES = {
     "gpt_1b_tp4": (norm_cases, cross_entropy_cases, linear_act_cases, gemm_cases, grouped_cases),
-    "8b": (norm_cases, cross_entropy_cases, lce_cases, linear_act_cases, gemm_cases, fp8_cases, grouped_cases),
+    "8b": (
+        norm_cases,
+        cross_entropy_cases,
+        lce_cases,
+        linear_act_cases,
+        gemm_cases,
+        fp8_cases,
+        fp8_grouped_cases,
+        grouped_cases,
+    ),
 }
 
 
@@ -938,6 +977,7 @@ def _case_of(name: str) -> str:
         ("grouped GEMM", "grouped_cases"),
         ("fused LM head", "lce_cases"),
         ("FP8 GEMM", "fp8_cases"),
+        ("FP8 expert GEMM", "fp8_grouped_cases"),
     ):
         if name.startswith(prefix):
             return case

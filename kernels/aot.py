@@ -16,7 +16,8 @@ PTX (`wgmma`, `mma.sync`, TMA's `cp.async.bulk.tensor`).
 `check(results)` lists the failures: a compile error, a kept config over the arch's shared
 memory, a GEMM whose shared-memory estimate is below the compiled size (the pruning bound
 would be unsafe), a (kernel, dtype, arch) left with no config, a 16-bit GEMM without wgmma on
-sm_90 or without mma.sync on sm_80, a `TMA_KERNELS` kernel without TMA bulk copies on sm_90,
+sm_90 or without mma.sync on sm_80, an `FP8_KERNELS` kernel (e4m3 operands, dtype label "fp8")
+without an e4m3 wgmma on sm_90, a `TMA_KERNELS` kernel without TMA bulk copies on sm_90,
 and a stack frame over the kernel's stated `SPILL_BUDGET`. `KERNEL_ARCHS` names the kernels
 compiled for some archs only (the TMA GEMMs: sm_90).
 
@@ -53,11 +54,16 @@ KERNEL_ARCHS = {
     "linear_gelu_tma_kernel": (90,),
     "linear_swiglu_tma_kernel": (90,),
     "_grouped_gemm_tma_kernel": (90,),
+    "_grouped_gemm_fp8_kernel": (90,),  # e4m3 tensor cores: sm_89+ (Ada's sm_89 is not an ARCHS target)
 }
 # Kernels whose sm_90 PTX must load through TMA bulk tensor copies.
 TMA_KERNELS = frozenset(
     {"_matmul_tma_kernel", "linear_gelu_tma_kernel", "linear_swiglu_tma_kernel", "_grouped_gemm_tma_kernel"}
 )
+
+# Kernels fed float8_e4m3fn operands (dtype label "fp8", captured by `_fp8_workload`): their
+# sm_90 PTX must multiply with an e4m3 wgmma (not the operands converted to 16 bits first).
+FP8_KERNELS = frozenset({"_grouped_gemm_fp8_kernel"})
 
 # Stack-frame bytes per thread each kernel may use on the configs the pruning keeps (spills
 # or local arrays), measured over every kept config with `python -m meshtron.kernels.aot --all`
@@ -97,6 +103,7 @@ SPILL_BUDGET = {
     "_grouped_gemm_persistent_kernel": 32,
     "_grouped_gemm_tma_kernel": 0,
     "_grouped_gemm_dw_ordered_kernel": 0,
+    "_grouped_gemm_fp8_kernel": 0,
     "_norm_fwd_kernel": 8,  # triton 3.6 (the GPU image's): fp32 H=8192, 2 rows on 16 warps, sm_80
     "_norm_bwd_kernel": 8,
     # The fused residual norms: 0 B on all 334 kept configs (triton 3.9, --all on their launches);
@@ -136,6 +143,7 @@ class Result:
     wgmma: bool = False
     mma_sync: bool = False  # Ampere's mma.sync in the PTX
     tma: bool = False  # TMA bulk tensor copies (cp.async.bulk.tensor) in the PTX
+    wgmma_e4m3: bool = False  # an FP8 (e4m3 x e4m3) wgmma in the PTX
     estimate: int | None = None
     seconds: float = 0.0
     limits: dict = field(default_factory=dict)
@@ -194,6 +202,7 @@ def _describe(value):
             torch.float16: "fp16",
             torch.int32: "i32",
             torch.int64: "i64",
+            torch.float8_e4m3fn: "fp8e4nv",
         }[value.dtype]
         return {"type": "*" + name, "aligned": value.data_ptr() % 16 == 0}
     if type(value).__name__ == "TensorDescriptor":  # its block shape is the config's (`_cases_of`)
@@ -294,6 +303,22 @@ def _gemm_workload(dtype, gen) -> None:
     gemm.matmul(gg[:, :32], w, a2=gg[:, 32:], b2=rand(32, 64), persistent=True, tma=True)
 
 
+def _fp8_workload() -> None:
+    """The FP8 grouped GEMM (kernels/grouped_gemm.py `grouped_gemm_fp8`) as moe/fp8_experts.py
+    feeds it under trainer.precision=fp8, forward and input gradient alike: e4m3 rows and the
+    expert weight K-major ([G, K, N] viewed on [G, N, K] storage)."""
+    import torch
+
+    from meshtron.kernels import grouped_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    rows, k, n, g = CAPTURE_ROWS, CAPTURE_IN, CAPTURE_OUT, CAPTURE_EXPERTS
+    sizes = torch.tensor([16, 0, 16, 0, 16, 0, 16, 0])
+    x = torch.randn(rows, k, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn(g, n, k, generator=gen).to(torch.float8_e4m3fn).transpose(1, 2)
+    grouped_gemm.grouped_gemm_fp8(x, torch.ones(rows), w, torch.ones(g, n), sizes)
+
+
 def capture_launches() -> list[dict]:
     """Every autotuned kernel launch of `_workload` at each precision, as
     {"kernel", "dtype", "args": {name: description}, "constexprs"}; needs TRITON_INTERPRET=1."""
@@ -319,6 +344,8 @@ def capture_launches() -> list[dict]:
     try:
         for label, _, _ in PRECISIONS:
             _workload(label)
+        label = "fp8"
+        _fp8_workload()
     finally:
         Autotuner.run = original
     return launches
@@ -372,6 +399,8 @@ def _candidates(kernel: str, launch: dict) -> tuple[list, dict | None]:
         candidates = grouped_gemm.gpu_persistent_configs()
     elif kernel == "_grouped_gemm_dw_ordered_kernel":
         candidates = grouped_gemm.gpu_dw_ordered_configs()
+    elif kernel == "_grouped_gemm_fp8_kernel":
+        candidates = grouped_gemm.gpu_fp8_configs()
     else:
         candidates = gemm.gpu_configs(dual=shape["b_tiles"] == 2)
     return candidates, shape
@@ -401,7 +430,7 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     kernel, label = launch["kernel"], launch["dtype"]
     if arch not in KERNEL_ARCHS.get(kernel, ARCHS):
         return []
-    compute = dict((lbl, ctype) for lbl, ctype, _ in PRECISIONS)[label]
+    compute = {**{lbl: ctype for lbl, ctype, _ in PRECISIONS}, "fp8": "fp8"}[label]
     fn = _kernel_fns()[kernel]
     candidates, shape = _candidates(kernel, launch)
     if shape is None:
@@ -413,7 +442,7 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     variant = _variant(launch, compute)
     gemm_args = elem = None
     if shape is not None:
-        elem = 4 if compute == "fp32" else 2
+        elem = {"fp32": 4, "fp8": 1}.get(compute, 2)
         factor = 2 if shape["dual"] and base.get(shape["dual"]) else 1
         gemm_args = dict(
             a_tiles=shape["a_tiles"] * factor,
@@ -589,6 +618,7 @@ def compile_case(case: Case) -> Result:
             wgmma="wgmma" in ptx,
             mma_sync="mma.sync" in ptx,
             tma="cp.async.bulk.tensor" in ptx,
+            wgmma_e4m3=re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx) is not None,
             estimate=estimate,
             seconds=time.time() - start,
             limits=limits,
@@ -617,7 +647,7 @@ def compile_all(cases: list[Case], workers: int = 2) -> list[Result]:
                 f"{c.kernel}{'/' + c.variant if c.variant else ''} {c.dtype} sm_{c.arch} {c.config}: "
                 f"{'ok' if result.ok else result.error[:80]} shared={result.shared} est={result.estimate} "
                 f"regs={result.registers} stack={result.stack} wgmma={result.wgmma} mma.sync={result.mma_sync} "
-                f"tma={result.tma} {result.seconds:.1f}s",
+                f"tma={result.tma} e4m3={result.wgmma_e4m3} {result.seconds:.1f}s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -648,6 +678,8 @@ def check(results: list[Result]) -> list[str]:
             failures.append(f"{where}: 16-bit GEMM PTX for sm_{c.arch} has no wgmma")
         if c.arch < 90 and c.gemm is not None and c.dtype in ("bf16", "fp16") and not r.mma_sync:
             failures.append(f"{where}: 16-bit GEMM PTX for sm_{c.arch} has no mma.sync")
+        if c.arch >= 90 and c.kernel in FP8_KERNELS and not r.wgmma_e4m3:
+            failures.append(f"{where}: FP8 GEMM PTX for sm_{c.arch} has no e4m3 wgmma")
         if c.arch >= 90 and c.kernel in TMA_KERNELS and not r.tma:
             failures.append(f"{where}: PTX for sm_{c.arch} has no TMA bulk copy (cp.async.bulk.tensor)")
     return failures

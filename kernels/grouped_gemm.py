@@ -52,6 +52,12 @@ What runs here (`grouped_plan`):
   gridded over (group, K tile, N tile). The interpreter tests run both families
   (`persistent=True`, `tma=True` and `num_sms=` are `grouped_gemm`'s test switches; the
   interpreter counts 4 "SMs", so small shapes reach the persistent loop).
+* FP8, `grouped_gemm_fp8` (moe/fp8_experts.py's Triton path under trainer.precision=fp8),
+  `_grouped_gemm_fp8_kernel`: the persistent schedule above on float8_e4m3fn operands (pointer
+  loads, any strides; the caller feeds the weight K-major, the layout an fp8 wgmma reads),
+  `tl.dot` into an fp32 accumulator, then x's row scales and the expert's column scales
+  multiplied into it before the store. Forward and dx only (the recipe's dW is a bf16 GEMM);
+  not differentiable itself. Compiles to an e4m3 wgmma on sm_90 (kernels/aot.py FP8_KERNELS).
 Launches: the first call of a key (kernel, in/out widths, G_BLOCK, dtypes, dot precision,
 which weight stride is the unit one, SMs, TMA layouts) goes through the autotuner; later
 calls launch the jitted kernel with the remembered config (kernels/launch.py; the TMA
@@ -652,6 +658,87 @@ if triton is not None:
             BLOCK_N,
         )
 
+    # FP8 tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): 1-byte operands take K tiles of 128
+    # bytes (fp8 wgmma reads k32 per instruction), the stages cost half what 16-bit ones do.
+    FP8_TILES = [
+        (128, 128, 128, 8, 3),
+        (128, 256, 128, 8, 3),
+        (128, 128, 64, 4, 4),
+        (64, 128, 128, 4, 4),
+        (128, 64, 128, 4, 4),
+        (64, 64, 128, 4, 3),
+    ]
+
+    def gpu_fp8_configs() -> list:
+        """GPU candidates of the FP8 grouped kernel, before per-device pruning (`FP8_TILES`, GROUP_M 8)."""
+        return gemm.configs_of(FP8_TILES)
+
+    def _fp8_configs():
+        return _persistent_interpreter_configs() if interpreting() else gpu_fp8_configs()
+
+    @triton.autotune(
+        configs=_fp8_configs(),
+        key=["K", "N_OUT", "G_BLOCK"],
+        prune_configs_by={"early_config_prune": gemm_prune("x_ptr", a_tiles=1, b_tiles=1)},
+    )
+    @triton.jit
+    def _grouped_gemm_fp8_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        sizes_ptr,
+        x_scale_ptr,
+        w_scale_ptr,
+        G,
+        K,
+        N_OUT,
+        stride_xm,
+        stride_xk,
+        stride_wg,
+        stride_wk,
+        stride_wn,
+        stride_ym,
+        stride_yn,
+        stride_wsg,
+        G_BLOCK: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """Persistent FP8 y[rows of g] = (s_x[rows] s_w[g][cols]) * (q_x[rows of g] @ q_w[g]):
+        e4m3 tiles into `tl.dot` with an fp32 accumulator, the row scales of x and the column
+        scales of expert g's weight applied to the accumulator in the epilogue, then rounded to
+        y's dtype. The schedule is `_grouped_gemm_persistent_kernel`'s (`_unit_of`)."""
+        sizes = tl.load(sizes_ptr + tl.arange(0, G_BLOCK), mask=tl.arange(0, G_BLOCK) < G, other=0)
+        num_n = tl.cdiv(N_OUT, BLOCK_N)
+        units = tl.sum((sizes + BLOCK_M - 1) // BLOCK_M, axis=0) * num_n
+        offs_k = tl.arange(0, BLOCK_K)
+        for u in tl.range(tl.program_id(0), units, tl.num_programs(0)):
+            g, row_start, rows, pid_m, pid_n = _unit_of(u, sizes_ptr, G, num_n, BLOCK_M, G_BLOCK, GROUP_M)
+            local_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_mask = local_m < rows
+            n_mask = cols < N_OUT
+            a_ptrs = x_ptr + (row_start + local_m)[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+            b_ptrs = w_ptr + g.to(tl.int64) * stride_wg + offs_k[:, None] * stride_wk + cols[None, :] * stride_wn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kt in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - kt * BLOCK_K
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & n_mask[None, :], other=0.0)
+                if CAST_F32:  # the interpreter: exact fp32 products of the e4m3 values
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K * stride_xk
+                b_ptrs += BLOCK_K * stride_wk
+            s_x = tl.load(x_scale_ptr + row_start + local_m, mask=m_mask, other=0.0)
+            s_w = tl.load(w_scale_ptr + g.to(tl.int64) * stride_wsg + cols, mask=n_mask, other=0.0)
+            acc = acc * s_x[:, None] * s_w[None, :]
+            _store_rows(acc, y_ptr, row_start, rows, pid_m, pid_n, N_OUT, stride_ym, stride_yn, BLOCK_M, BLOCK_N)
+
 
 def _require_triton(t: torch.Tensor) -> None:
     if triton is None:
@@ -867,3 +954,38 @@ def grouped_gemm(
         switches = None if (persistent, tma, num_sms) == (None, None, None) else (persistent, tma, num_sms)
         return GroupedGemmFunction.apply(x.to(dtype), weight, group_sizes, weight_copy(weight, dtype), switches)
     raise ValueError(f"grouped_gemm backend={backend!r} must be 'torch' or 'triton'")
+
+
+def grouped_gemm_fp8(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    group_sizes: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """y[rows of g] = x_scale[rows] * w_scale[g] * (x_q[rows of g] @ w_q[g]) in one persistent
+    launch (`_grouped_gemm_fp8_kernel`; CUDA, or CPU under TRITON_INTERPRET=1): x_q [N, K] and
+    w_q [G, K, N_OUT] (any strides) in float8_e4m3fn, x_scale [N] and w_scale [G, N_OUT] fp32
+    (one per row of x, one per output column of each expert), fp32 accumulation, y [N, N_OUT]
+    in out_dtype. Not differentiable (moe/fp8_experts.py builds the FP8 recipe's backward on it)."""
+    _require_triton(x_q)
+    _check_shapes(x_q, w_q, group_sizes)
+    rows, k = x_q.shape
+    groups, _, n_out = w_q.shape
+    y = torch.empty(rows, n_out, device=x_q.device, dtype=out_dtype)
+    if rows == 0 or n_out == 0 or groups == 0:
+        return y
+    sizes = group_sizes.to(device=x_q.device, dtype=torch.int32)
+    x_scale, w_scale = x_scale.reshape(rows).float().contiguous(), w_scale.reshape(groups, n_out).float().contiguous()
+    flags = {"G_BLOCK": _g_block(groups), "CAST_F32": interpreting()}
+    sms = gemm.device_info(x_q.device)[0]
+    w_unit = (w_q.stride(1) == 1, w_q.stride(2) == 1)
+    key = ("fp8", k, n_out, out_dtype, *flags.values(), w_unit, sms, x_q.device)
+    args = (x_q, w_q, y, sizes, x_scale, w_scale, groups, k, n_out, *x_q.stride(), *w_q.stride(), *y.stride())
+
+    def programs(meta):
+        return (_programs(sms, rows, groups, n_out, meta),)
+
+    launch(_grouped_gemm_fp8_kernel, programs, key, *args, w_scale.stride(0), **flags)
+    return y

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 Check = tuple[bool, str]
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # what a run computes in
+PRECISION_SETTINGS = ("auto", *PRECISIONS)  # what trainer.precision accepts: auto is resolved per device
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")  # trainer.compile_mode
 
 
 def first_failure(checks: list[Check]) -> str | None:
@@ -26,8 +28,31 @@ def raise_first(checks: list[Check], error: type[Exception] = ValueError) -> Non
 
 
 def precision_check(precision: str) -> Check:
-    """`trainer.precision` names a compute precision meshtron runs."""
+    """`trainer.precision` names a compute precision meshtron runs, or auto."""
+    return (
+        precision in PRECISION_SETTINGS,
+        f"trainer.precision={precision!r} is unknown; use one of {', '.join(PRECISION_SETTINGS)}",
+    )
+
+
+def compute_precision_check(precision: str) -> Check:
+    """A precision a run computes in: auto must be resolved first (`pick_precision`)."""
+    if precision == "auto":
+        return (False, "trainer.precision=auto is resolved per device first (meshtron.rules.pick_precision)")
     return (precision in PRECISIONS, f"trainer.precision={precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+
+
+def pick_precision(precision: str, device_type: str, bf16_supported: bool) -> tuple[str, str]:
+    """`trainer.precision` resolved for the device a run computes on: an explicit choice stays;
+    auto is bf16 autocast on a CUDA device with bf16 support, fp32 elsewhere (a CPU has no fast
+    16-bit matmul). Returns (precision, why) — the why for the run's banner."""
+    if precision != "auto":
+        return precision, f"trainer.precision={precision}"
+    if device_type == "cuda" and bf16_supported:
+        return "bf16", "trainer.precision=auto picked bf16: a CUDA device with bf16 support"
+    if device_type == "cuda":
+        return "fp32", "trainer.precision=auto picked fp32: this CUDA device has no bf16 support"
+    return "fp32", f"trainer.precision=auto picked fp32: {device_type} has no fast 16-bit matmul"
 
 
 def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1) -> list[Check]:
@@ -37,7 +62,10 @@ def param_dtype_checks(param_dtype: str, precision: str, zero: int, pp: int = 1)
         return []
     return [
         (param_dtype == "bf16", f"optim.param_dtype={param_dtype!r} is unknown; use fp32 or bf16"),
-        (precision == "bf16", f"optim.param_dtype=bf16 needs trainer.precision=bf16 (got {precision!r})"),
+        (  # auto is checked again once resolved for the device (RunConfig.with_precision_for)
+            precision in ("bf16", "auto"),
+            f"optim.param_dtype=bf16 needs trainer.precision=bf16 (got {precision!r})",
+        ),
         (
             pp == 1,
             f"optim.param_dtype=bf16 does not support parallel.pp={pp} yet (tied-embedding sums across "
@@ -90,6 +118,107 @@ def compile_moe_checks(
             zero < 3,
             f"{what} does not support optim.zero=3 (its weight gathers around each block are untested "
             "with a compiled layer); use optim.zero<=2",
+        ),
+    ]
+
+
+def compile_checks(
+    compile: bool,
+    *,
+    compile_mode: str,
+    compile_moe: bool,
+    precision: str,
+    kernel_backend: str,
+    zero: int,
+    dropout: float,
+) -> list[Check]:
+    """`trainer.compile=true` puts every transformer block's body under torch.compile
+    (models/gpt.py `Block.compile_body`): inductor generates the blocks' kernels, the
+    collectives and the context-parallel ring are graph breaks where they do not trace, so
+    every tp/sp/cp/pp/ep layout and recompute mode is accepted. Refused: what it supersedes,
+    what it would silently change (hand-written kernels, dropout masks) and what is untested."""
+    what = "trainer.compile=true"
+    if not compile:
+        return [
+            (
+                compile_mode == "default",
+                f"trainer.compile_mode={compile_mode} is a mode of trainer.compile, which is off; "
+                "set trainer.compile=true or leave trainer.compile_mode=default",
+            )
+        ]
+    return [
+        (
+            not compile_moe,
+            f"{what} already compiles the MoE layers inside every block; set trainer.compile_moe=false "
+            "(trainer.compile supersedes it)",
+        ),
+        (
+            precision != "fp8",
+            f"{what} does not support trainer.precision=fp8 yet (the FP8 GEMMs' scaling is untested "
+            "under torch.compile); use fp32, bf16 or fp16",
+        ),
+        (
+            kernel_backend != "triton",
+            f"{what} lets inductor generate the blocks' kernels; use kernels.backend=auto or torch "
+            "(triton forces the hand-written kernels)",
+        ),
+        (
+            zero < 3,
+            f"{what} does not support optim.zero=3 (its gathers free the weights' storage between uses, "
+            "untested under a compiled block); use optim.zero<=2",
+        ),
+        (
+            dropout == 0,
+            f"{what} needs model.dropout=0 and model.attention_dropout=0 (got {dropout:g}): inductor "
+            "draws dropout masks from its own random stream, which eager runs and recomputation do not replay",
+        ),
+    ]
+
+
+def cuda_graph_checks(
+    compile_mode: str,
+    *,
+    device_type: str,
+    num_experts: int,
+    ep: int,
+    etp: int,
+    capacity_factor: float | None,
+    precision: str,
+    pp: int,
+) -> list[Check]:
+    """`trainer.compile_mode=reduce-overhead` replays the compiled blocks as CUDA graphs: only
+    on CUDA and where the step has no host sync (dense, or dropless MoE at ep = etp = 1 in
+    bf16); one pipeline stage (several microbatches' forwards before their backwards are
+    untested with the graphs' static buffers)."""
+    if compile_mode != "reduce-overhead":
+        return []
+    what = "trainer.compile_mode=reduce-overhead"
+    moe = num_experts > 0
+    return [
+        (
+            device_type == "cuda",
+            f"{what} captures CUDA graphs; this run computes on {device_type}: use trainer.compile_mode=default "
+            "or max-autotune-no-cudagraphs",
+        ),
+        (
+            not moe or ep * etp == 1,
+            f"{what} needs a step without host syncs; the MoE all-to-all at parallel.ep={ep}, parallel.etp={etp} "
+            "reads its split sizes on the host: use parallel.ep=etp=1 or trainer.compile_mode=default",
+        ),
+        (
+            not moe or capacity_factor is None,
+            f"{what} needs a step without host syncs; model.capacity_factor={capacity_factor} counts the kept "
+            "pairs on the host: use model.capacity_factor=null (dropless) or trainer.compile_mode=default",
+        ),
+        (
+            not moe or precision == "bf16",
+            f"{what} needs trainer.precision=bf16 for MoE models (got {precision}): the experts' grouped GEMM "
+            "pads its groups with a host sync in other precisions",
+        ),
+        (
+            pp == 1,
+            f"{what} does not support parallel.pp={pp} yet (microbatches' forwards before their backwards "
+            "are untested with CUDA graphs); use parallel.pp=1 or trainer.compile_mode=default",
         ),
     ]
 

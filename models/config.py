@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
 from meshtron.models.fits import layout_checks
 from meshtron.moe.config import ROUTING_FIELDS, MoEConfig, scope_checks, score_check
+from meshtron.mpu.document_attention import ATTENTION_BACKENDS
 from meshtron.mpu.mesh import ParallelConfig
-from meshtron.rules import Check, raise_first
+from meshtron.rules import COMPILE_MODES, Check, raise_first
 from meshtron.schema import declared_in, field_checks, setting
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -28,8 +29,10 @@ class ExecutionConfig:
     """How a model runs, not what it computes: activation recomputation (`trainer.recompute`,
     the first `trainer.recompute_layers` layers under full), the resolved kernel backend
     (`kernels.backend`) and the LM head fused with the loss (`trainer.fused_lm_loss`,
-    `trainer.lm_loss_chunk_rows`), the MoE layers compiled or not (`trainer.compile_moe`) and
-    their dispatch chunks (`trainer.moe_dispatch_chunks`).
+    `trainer.lm_loss_chunk_rows`), every block compiled or not (`trainer.compile`,
+    `trainer.compile_mode`), the MoE layers compiled or not (`trainer.compile_moe`) and
+    their dispatch chunks (`trainer.moe_dispatch_chunks`), packed documents' attention
+    (`trainer.attention_backend`).
     Given to `GPT` beside its `GPTConfig`; never saved with the weights."""
 
     recompute: str = setting(
@@ -52,12 +55,31 @@ class ExecutionConfig:
     compile_moe: bool = setting(
         False, help="torch.compile each MoE layer (whole, or its router and experts); bf16 (meshtron/rules.py)"
     )
+    # Every transformer block's body under torch.compile (`trainer.compile`; Block.compile_body,
+    # its run rules meshtron/rules.py compile_checks): supersedes compile_moe.
+    compile: bool = setting(
+        False, help="torch.compile every transformer block (dense and MoE), inductor's kernels (meshtron/rules.py)"
+    )
+    compile_mode: str = setting(
+        "default",
+        choices=COMPILE_MODES,
+        help="trainer.compile's torch.compile mode: default | max-autotune-no-cudagraphs | reduce-overhead "
+        "(CUDA graphs: CUDA, no host sync in the step)",
+    )
     # Each MoE layer's tokens dispatched in this many chunks, so that one chunk's experts run
     # while another's tokens travel (`trainer.moe_dispatch_chunks`; moe/layer.py MoELayer).
     moe_dispatch_chunks: int = setting(
         1,
         ge=1,
         help="MoE tokens dispatched in N chunks at ep/etp > 1: one chunk's experts overlap another's all-to-alls",
+    )
+    # Packed documents' attention without the dense [b, 1, s, s] mask where the device allows
+    # (`trainer.attention_backend`; mpu/document_attention.py, its run rules attention_backend_checks).
+    attention_backend: str = setting(
+        "auto",
+        choices=ATTENTION_BACKENDS,
+        help="packed documents' attention: auto (varlen on CUDA in 16 bits, flex on CUDA in fp32, else dense) "
+        "| dense | flex | varlen",
     )
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from meshtron.eager import prepare_for_compile
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import plain_gemm_backend
 from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
@@ -38,6 +39,7 @@ from meshtron.moe.router import pooled_aux_loss
 from meshtron.mpu import fp8
 from meshtron.mpu.context_parallel import context_parallel_attention, sequence_positions
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
+from meshtron.mpu.document_attention import document_attention
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
 from meshtron.mpu.mappings import all_reduce_stats, column_parallel_linear, gather_from_region
@@ -147,9 +149,19 @@ class Attention(nn.Module):
     """Causal self-attention with heads split over TP; grouped-query when num_kv_heads < num_heads.
     `selective`: recompute the attention core in backward instead of saving its internals."""
 
-    def __init__(self, cfg: GPTConfig, mesh: Mesh, device=None, dtype=None, *, selective: bool = False):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mesh: Mesh,
+        device=None,
+        dtype=None,
+        *,
+        selective: bool = False,
+        backend: str = "auto",
+    ):
         super().__init__()
         self.cfg, self.mesh, self.selective = cfg, mesh, selective
+        self.backend = backend  # packed documents' attention (mpu/document_attention.py)
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_heads // cfg.num_kv_heads
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -190,21 +202,19 @@ class Attention(nn.Module):
         probabilities from the tensor-parallel RNG stream). With context parallelism the
         sequence is sharded over `mesh.cp` and the ring / all-to-all attention of
         `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s] (the whole
-        sequence's, on every cp rank) adds the document mask of packed sequences."""
+        sequence's, on every cp rank) restricts attention to each packed document, by the
+        backend `self.backend` picks (`mpu.document_attention`: no dense mask where it can)."""
         p = self.cfg.attention_dropout_p if self.training else 0.0
         if self.mesh.cp_size > 1:
             out = context_parallel_attention(
-                q, k, v, self.mesh.cp, self.mesh.par.cp_comm, sequence_doc_ids=doc_ids, dropout_p=p
-            )
+                q, k, v, self.mesh.cp, self.mesh.par.cp_comm, sequence_doc_ids=doc_ids, dropout_p=p,
+                attention_backend=self.backend,
+            )  # fmt: skip
             return out.to(q.dtype)
-        mask = None
-        if doc_ids is not None:  # causal within each document: [b, 1, s, s]
-            same = doc_ids[:, :, None] == doc_ids[:, None, :]
-            mask = (same & torch.ones_like(same).tril_())[:, None]
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=self.q_per_group > 1
-            )
+            if doc_ids is not None:
+                return document_attention(q, k, v, doc_ids, dropout_p=p, backend=self.backend)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1)
 
 
 class MLP(nn.Module):
@@ -268,6 +278,9 @@ def _linear_swiglu_triton(x, w_gate, b_gate, w_up, b_up, gemm_backend="triton"):
     return linear_act.linear_swiglu(x, w_gate, b_gate, w_up, b_up, backend="triton", gemm_backend=gemm_backend)
 
 
+BLOCK_VARIANTS_LIMIT = 64  # compiled variants of the shared block body before dynamo gives up (Block.compile_body)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)));
     the MLP is an MoE layer for the layers `cfg.is_moe_layer` selects. The attention residual
@@ -287,9 +300,13 @@ class Block(nn.Module):
     ):
         super().__init__()
         self.cfg, self.mesh = cfg, mesh
-        backend, self.mode = execution.kernel_backend, execution.layer_mode(index)
+        self.mode = execution.layer_mode(index)
+        # compiled: inductor generates the block's kernels from the torch paths (Block.compile_body)
+        backend = "torch" if execution.compile else execution.kernel_backend
         self.norm1 = Norm(cfg, mesh, device, dtype, backend=backend)
-        self.attn = Attention(cfg, mesh, device, dtype, selective=self.mode == "selective")
+        self.attn = Attention(
+            cfg, mesh, device, dtype, selective=self.mode == "selective", backend=execution.attention_backend
+        )
         self.norm2 = Norm(cfg, mesh, device, dtype, backend=backend)
         self.index = index
         self.mlp = (
@@ -297,10 +314,36 @@ class Block(nn.Module):
             if cfg.is_moe_layer(index)
             else MLP(cfg, mesh, device, dtype, backend=backend)
         )
-        if execution.compile_moe and isinstance(self.mlp, MoELayer):
+        self.compiled = execution.compile
+        if execution.compile:  # supersedes compile_moe (meshtron/rules.py compile_checks)
+            self.compile_body(execution.compile_mode)
+        elif execution.compile_moe and isinstance(self.mlp, MoELayer):
             # fused elementwise kernels, far fewer launches: the whole layer where it traces,
             # else its router and experts (MoELayer.compile_moe)
             self.mlp.compile_moe()
+
+    def compile_body(self, mode: str = "default") -> None:
+        """Put this block's body (`_forward`: norms, attention, MLP or MoE layer, residuals)
+        under torch.compile in `mode` (`trainer.compile`, `trainer.compile_mode`), on this
+        instance: the module, its parameter names, state dict and hooks (ZeRO, parameter
+        gathers) stay eager, and full recomputation wraps the compiled body (its first pass and
+        its replay each run a graph). All blocks share the body's code object, so identical
+        blocks share their graphs (dynamo inlines the modules; parameters are graph inputs).
+        Collectives and the context-parallel ring are graph breaks where they do not trace;
+        an MoE layer's communication always runs eagerly (`MoELayer.keep_collectives_eager`).
+        Shapes: static in dense blocks (a new batch shape, evaluation's, compiles once more);
+        torch's automatic dynamic shapes in MoE blocks, as `MoELayer.compile_moe`: the rows per
+        expert after an ep all-to-all vary by step and recompile once with a dynamic count."""
+        dynamic = None if isinstance(self.mlp, MoELayer) else False
+        if isinstance(self.mlp, MoELayer):
+            self.mlp.keep_collectives_eager()
+        # Every block's variants (dense / MoE, recompute passes, train / eval, each model a
+        # process builds) count against dynamo's limit per code object (8), past which it runs
+        # the body eagerly with only a warning: allow many more.
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, BLOCK_VARIANTS_LIMIT)
+        prepare_for_compile()  # meshtron.eager's functions (layouts, fp32 grouped GEMMs): disabled before tracing
+        self._forward = torch.compile(self._forward, mode=mode, dynamic=dynamic)
 
     def forward(self, x: torch.Tensor, rope, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         full = self.mode == "full"

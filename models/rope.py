@@ -23,8 +23,19 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torc
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [b, heads, s, d] by position: x*cos + rotate_half(x)*sin, computed in fp32 (fp64
-    for fp64 input) and returned in x's dtype (cos/sin [s, d], or [b, 1, s, d] for per-sequence positions)."""
+    for fp64 input) and returned in x's dtype (cos/sin [s, d], or [b, 1, s, d] for per-sequence positions).
+    Under torch.compile (`trainer.compile`) the same math as plain ops, which inductor fuses:
+    the eager node's `out=` products into halves of one tensor are a graph break there."""
+    if torch.compiler.is_compiling():
+        return _rotate_functional(x.to(_compute_dtype(x)), cos, sin).to(x.dtype)
     return _Rope.apply(x, cos, sin)
+
+
+def _rotate_functional(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin without `out=` writes (autograd differentiates it)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class _Rope(torch.autograd.Function):

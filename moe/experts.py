@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.eager import eager
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import CHECKED
 from meshtron.kernels.operands import compute_dtype
+from meshtron.moe.fp8_experts import fp8_grouped_eligible, fp8_grouped_matmul
 from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mesh import expert_shard_checks
 from meshtron.rules import raise_first
@@ -55,9 +57,13 @@ def grouped_matmul(
     (`grouped_backend`). Under autocast both paths compute in the autocast dtype (y has it;
     gradients return in x's and weight's own dtypes), like a matmul under autocast.
     `offsets`: `group_offsets(group_sizes)` when the caller has it (several GEMMs over the same
-    groups compute it once; torch's path computes it when not given, Triton's needs none). No
-    communication.
+    groups compute it once; torch's path computes it when not given, Triton's needs none).
+    Inside an `fp8_scope` (trainer.precision=fp8), with in/out widths multiples of 16, the GEMM
+    runs by the FP8 recipe instead (moe/fp8_experts.py: e4m3 operands with row / column scales,
+    fp32 accumulation, bf16 output, a bf16 weight gradient). No communication.
     """
+    if fp8_grouped_eligible(x, weight, backend):
+        return fp8_grouped_matmul(x, weight, group_sizes, backend, offsets)
     return selfcheck.dispatch(
         "grouped_gemm",
         grouped_backend(x, weight, backend),
@@ -128,8 +134,20 @@ def _grouped_matmul_torch(
     if _grouped_mm_applies(x.device.type, dtype, weight.shape[1], weight.shape[2]):
         if offsets is None:
             offsets = group_offsets(group_sizes)
-        return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight, offs=offsets))
+        if dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return _grouped_mm_eager(x, weight, offsets)
+        return _grouped_mm(x, weight, offsets)
     return _padded_bmm(x, weight, group_sizes)
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight, offs=offsets))
+
+
+# Outside bf16, grouped_mm's meta function refuses the operands (torch 2.13) though the CPU
+# kernel takes them: under torch.compile (`trainer.compile`, fp32 on CPU) it runs eagerly, a
+# graph break on each side of the GEMM.
+_grouped_mm_eager = eager(_grouped_mm)
 
 
 def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -187,7 +205,13 @@ class GroupedExperts(nn.Module):
         self.w_down = weight((num_experts, ffn_hidden_size, h), (local_e, local_f, h), out_init_std, 1)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        backend = grouped_backend(x, self.w_up, self.backend)  # the same for all three GEMMs
+        # the same for all three GEMMs; the FP8 recipe picks its own path from the configured mode
+        # (w_up's widths are w_down's, swapped: one FP8 verdict for all three)
+        backend = (
+            self.backend
+            if fp8_grouped_eligible(x, self.w_up, self.backend)
+            else grouped_backend(x, self.w_up, self.backend)
+        )
         # shared by the torch path's three GEMMs (the Triton kernel sums the sizes itself)
         offsets = group_offsets(group_sizes) if backend == "torch" else None
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.eager import prepare_for_compile
 from meshtron.moe.capacity import capacity_for, capacity_keep_mask, capacity_keep_mask_cp
 from meshtron.moe.config import MoEConfig
 from meshtron.moe.dispatcher import AllToAllDispatcher
@@ -149,6 +150,7 @@ class MoELayer(nn.Module):
         self.dispatcher = AllToAllDispatcher(cfg.num_experts, cfg.top_k, mesh)
         self.last_router: RouterOutput | None = None
         self.last_dropped: torch.Tensor | None = None
+        self.reduce_counts = all_reduce_stats  # the capacity's kept-pair count (keep_collectives_eager)
 
     def compile_moe(self) -> str:
         """Put this layer under torch.compile (`trainer.compile_moe`) and say how: "layer", the
@@ -160,6 +162,7 @@ class MoELayer(nn.Module):
         to reduce over, runs eagerly between the statistics' two graphs. Parameters, state dict
         and hooks stay the modules' own. Rows per expert vary from step to step at ep > 1: the
         experts' graph recompiles once with a dynamic row count."""
+        prepare_for_compile()  # meshtron.eager's functions: disabled before tracing
         local_stats = self.scope.stats_ranks == 1  # also means tp = cp = 1: they shard the statistics
         if local_stats and self.cfg.capacity_factor is None and self.mesh.par.ep == 1 and self.mesh.par.etp == 1:
             self.compile(fullgraph=True)
@@ -171,6 +174,20 @@ class MoELayer(nn.Module):
         router.statistics = torch.compile(router.statistics, fullgraph=local_stats)
         self.experts.compile(fullgraph=True)
         return "parts"
+
+    def keep_collectives_eager(self) -> None:
+        """Under a compiled block (`trainer.compile`; models/gpt.py `Block.compile_body`) this
+        layer's communication runs eagerly, a graph break around each call: the dispatcher's
+        four steps where it communicates (ep or etp > 1; their all-to-all handles span the
+        calls: traced by dynamo (torch 2.13) an ep = 2 step lost its equality with eager, and
+        tracing some of the steps hung), the routing statistics' all-reduce where it has ranks
+        to reduce over, and the capacity's count of kept pairs."""
+        if self.dispatcher.rows:
+            for name in ("dispatch_chunks", "receive", "combine", "finish"):
+                setattr(self.dispatcher, name, torch.compiler.disable(getattr(self.dispatcher, name)))
+        if self.scope.stats_ranks > 1:
+            self.router.reduce_stats = torch.compiler.disable(all_reduce_stats)
+        self.reduce_counts = torch.compiler.disable(all_reduce_stats)
 
     def dispatch_chunk_count(self, num_tokens: int) -> int:
         """How many chunks `num_tokens` tokens are dispatched in: `dispatch_chunks` (at most one
@@ -218,7 +235,9 @@ class MoELayer(nn.Module):
                 keep = capacity_keep_mask(routing.topk_idx, self.cfg.num_experts, capacity, mesh.tp)
             keep = keep.reshape(-1)  # dropped pairs are not sent (the dispatcher filters them)
             kept = keep.sum().to(torch.float32)
-            counts = all_reduce_stats(torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]), mesh.tp_dp)
+            counts = self.reduce_counts(
+                torch.stack([kept, torch.tensor(float(s * b * k), device=x.device)]), mesh.tp_dp
+            )
             self.last_dropped = 1.0 - counts[0] / counts[1]
 
         # Over NCCL the all-to-alls run asynchronously: the shared experts' up/gate half runs

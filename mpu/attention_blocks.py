@@ -165,3 +165,101 @@ def attention_block_backward(
 def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """rowsum(dout * out) [b, h, sq] in fp32: the D term of the flash-attention backward."""
     return (dout.float() * out.float()).sum(-1)
+
+
+# ------------------------------------------------------------ flash blocks (no score matrix)
+
+FLASH_DTYPES_CUDA = (torch.float16, torch.bfloat16)
+
+
+def flash_blocks_apply(q: torch.Tensor, has_docs: bool) -> bool:
+    """Whether a flash kernel that returns the log-sum-exp can compute q's blocks: torch's
+    flash attention on CUDA for fp16/bf16 q with head dim a multiple of 8 up to 256, and no
+    document mask (the flash kernels take causal or nothing). Everything else runs the tiles."""
+    d = q.shape[-1]
+    return not has_docs and q.is_cuda and q.dtype in FLASH_DTYPES_CUDA and d % 8 == 0 and d <= 256
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv [b, hkv, s, d] -> [b, heads, s, d]: q head g*r .. g*r+r-1 reads kv head g."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_kv(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[b, h, s, d] gradients of the expanded kv -> [b, hkv, s, d]: summed over each group's q heads."""
+    b, h = x.shape[:2]
+    return x if h == hkv else x.reshape(b, hkv, h // hkv, *x.shape[2:]).sum(2)
+
+
+def _flash_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flash-attention call: (out in q's dtype, lse [b, h, sq] fp32)."""
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.float()
+
+
+def _flash_backward(q, k, v, out, lse, dout, scale: float, causal: bool):
+    """Gradients (dq, dk, dv; kv gradients summed to kv heads) of one flash block given the
+    final out and lse of q's rows: the kernel recomputes P = exp(S - lse) and uses
+    rowsum(dout * out) of the final out, so per-block calls sum to the merged gradient."""
+    hkv = k.shape[1]
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    out, dout = out.to(q.dtype).contiguous(), dout.to(q.dtype).contiguous()
+    if q.is_cuda:
+        sq, sk = q.shape[2], k.shape[2]
+        none = torch.empty(0, dtype=torch.int64, device=q.device)  # no varlen, no dropout rng
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, none, none, sq, sk, 0.0, causal, none, none, scale=scale
+        )
+    else:
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)  # the kernel's own lse dtype
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    return dq.float(), _sum_kv(dk.float(), hkv), _sum_kv(dv.float(), hkv)
+
+
+def flash_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, diagonal_chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_block` by flash-attention calls, no score matrix: q [b, h, sq, d] over k, v
+    [b, hkv, sk, d], every key visible, except that with `diagonal_chunk` = c the last c keys
+    are q's own positions (causal among them, the keys before fully visible): one unmasked
+    call for the earlier keys and one causal square call, merged by log-sum-exp (each call's
+    mask is then the same in top-left and bottom-right alignment). Returns (out, lse) fp32."""
+    if diagonal_chunk is None:
+        out, lse = _flash_forward(q, k, v, scale, causal=False)
+        return out.float(), lse
+    c = diagonal_chunk
+    out, lse = _flash_forward(q, k[:, :, -c:], v[:, :, -c:], scale, causal=True)
+    out = out.float()
+    if k.shape[2] > c:
+        early, early_lse = _flash_forward(q, k[:, :, :-c], v[:, :, :-c], scale, causal=False)
+        out, lse = merge_blocks(out, lse, early.float(), early_lse)
+    return out, lse
+
+
+def flash_block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    scale: float,
+    diagonal_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention_block_backward` of a `flash_block` (same key layout), given q's rows' final
+    (all blocks merged) `out` and `lse`: (dq, dk, dv) in fp32, dk/dv per kv head."""
+    if diagonal_chunk is None:
+        return _flash_backward(q, k, v, out, lse, dout, scale, causal=False)
+    c = diagonal_chunk
+    dq, dk_d, dv_d = _flash_backward(q, k[:, :, -c:], v[:, :, -c:], out, lse, dout, scale, causal=True)
+    if k.shape[2] == c:
+        return dq, dk_d, dv_d
+    dq_e, dk_e, dv_e = _flash_backward(q, k[:, :, :-c], v[:, :, :-c], out, lse, dout, scale, causal=False)
+    return dq.add_(dq_e), torch.cat([dk_e, dk_d], dim=2), torch.cat([dv_e, dv_d], dim=2)

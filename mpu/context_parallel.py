@@ -14,7 +14,12 @@ holds chunks i and 2*cp-1-i, so under the causal mask every rank has the same wo
   hides entirely are skipped (not computed), only diagonal pairs are masked, and every rank
   computes 2*cp+1 chunk pairs forward and backward. Backward passes kv and the accumulating
   dk/dv around the ring, recomputing P from q, k and the saved log-sum-exp, so no rank ever
-  holds more than a (s/cp) x (s/cp) block of scores.
+  holds more than a (s/cp) x (s/cp) block of scores. A chunk pair is computed by fp32 score
+  tiles (`attention_block`, any device, document masks) or, on CUDA in fp16/bf16 without
+  documents, by torch's flash-attention kernel, which returns the log-sum-exp the merge needs
+  and takes the final out and log-sum-exp in backward (`flash_block`; no score matrix at
+  all). `ring_attention(blocks=...)` picks; the CPU runs tiles unless told, and the tests hold
+  the two equal (the CPU flash kernel in fp32).
 * comm="a2a" (Ulysses): all-to-all from sequence shards to head shards, full-sequence attention
   on h/cp heads, all-to-all back (backward: the reverse all-to-alls). Needs h divisible by cp;
   kv heads are replicated as needed when hkv is not a multiple of cp.
@@ -41,12 +46,17 @@ from meshtron.mpu.attention_blocks import (
     attention_block_backward,
     attention_delta,
     attention_mask,
+    flash_block,
+    flash_block_backward,
+    flash_blocks_apply,
     merge_blocks,
 )
+from meshtron.mpu.document_attention import document_attention
 from meshtron.mpu.mappings import all_gather_stats, all_to_all
 from meshtron.mpu.mesh import group_rank, group_size
 
 CP_COMMS = ("ring", "a2a")
+RING_BLOCKS = ("auto", "tiles", "flash")  # how the ring computes a chunk pair (ring_attention)
 
 
 # ------------------------------------------------------------------- load-balanced sharding
@@ -158,7 +168,7 @@ def _wait(reqs) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, docs, group, scale, stats):
+    def forward(ctx, q, k, v, docs, group, scale, stats, flash):
         ring = _Ring(group)
         cp, rank = ring.size, ring.rank
         c = q.shape[2] // 2
@@ -175,11 +185,23 @@ class _RingAttention(torch.autograd.Function):
             for a, n, causal in _visible(cp, rank, src):
                 qa = chunk_ids(cp, rank)[a]
                 kcs = chunk_ids(cp, src)[:n]
-                mask = _block_mask(pos, docs, qa, kcs, causal, c)
                 rows = slice(a * c, (a + 1) * c)
-                blk_out, blk_lse = attention_block(
-                    q[:, :, rows], kv[0][:, :, : n * c], kv[1][:, :, : n * c], scale=scale, mask=mask
-                )
+                if flash:  # no score matrix; causal only on the diagonal chunk (the prefix's last)
+                    blk_out, blk_lse = flash_block(
+                        q[:, :, rows],
+                        kv[0][:, :, : n * c],
+                        kv[1][:, :, : n * c],
+                        scale=scale,
+                        diagonal_chunk=c if causal else None,
+                    )
+                else:
+                    blk_out, blk_lse = attention_block(
+                        q[:, :, rows],
+                        kv[0][:, :, : n * c],
+                        kv[1][:, :, : n * c],
+                        scale=scale,
+                        mask=_block_mask(pos, docs, qa, kcs, causal, c),
+                    )
                 out[:, :, rows], lse[:, :, rows] = merge_blocks(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
                 if stats is not None:
                     stats.forward_blocks += n
@@ -188,7 +210,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.group, ctx.scale, ctx.stats = group, scale, stats
+        ctx.group, ctx.scale, ctx.stats, ctx.flash = group, scale, stats, flash
         return out
 
     @staticmethod
@@ -198,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = ring.size, ring.rank
         c = q.shape[2] // 2
         pos = [torch.arange(g * c, (g + 1) * c, device=q.device) for g in range(2 * cp)]
-        delta = attention_delta(out, dout)
+        delta = None if ctx.flash else attention_delta(out, dout)  # the flash kernel forms its own
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = None  # the dk/dv accumulator of the kv block held now (fp32), received from prev
@@ -212,18 +234,31 @@ class _RingAttention(torch.autograd.Function):
             mine = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for a, n, causal in _visible(cp, rank, src):
                 qa = chunk_ids(cp, rank)[a]
-                mask = _block_mask(pos, docs, qa, chunk_ids(cp, src)[:n], causal, c)
                 rows = slice(a * c, (a + 1) * c)
-                dq_a, dk, dv = attention_block_backward(
-                    q[:, :, rows],
-                    kv[0][:, :, : n * c],
-                    kv[1][:, :, : n * c],
-                    lse[:, :, rows],
-                    dout[:, :, rows],
-                    delta[:, :, rows],
-                    scale=ctx.scale,
-                    mask=mask,
-                )
+                q_a, k_n, v_n = q[:, :, rows], kv[0][:, :, : n * c], kv[1][:, :, : n * c]
+                if ctx.flash:
+                    dq_a, dk, dv = flash_block_backward(
+                        q_a,
+                        k_n,
+                        v_n,
+                        out[:, :, rows],
+                        lse[:, :, rows],
+                        dout[:, :, rows],
+                        scale=ctx.scale,
+                        diagonal_chunk=c if causal else None,
+                    )
+                else:
+                    mask = _block_mask(pos, docs, qa, chunk_ids(cp, src)[:n], causal, c)
+                    dq_a, dk, dv = attention_block_backward(
+                        q_a,
+                        k_n,
+                        v_n,
+                        lse[:, :, rows],
+                        dout[:, :, rows],
+                        delta[:, :, rows],
+                        scale=ctx.scale,
+                        mask=mask,
+                    )
                 dq[:, :, rows] += dq_a
                 mine[0][:, :, : n * c] += dk
                 mine[1][:, :, : n * c] += dv
@@ -243,7 +278,7 @@ class _RingAttention(torch.autograd.Function):
             dkv_reqs = ring.start(mine, dkv, tag=1)
         if cp > 1:
             _wait(dkv_reqs)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def _block_mask(
@@ -277,14 +312,24 @@ def ring_attention(
     scale: float | None = None,
     stats: RingStats | None = None,
     sequence_doc_ids: torch.Tensor | None = None,
+    blocks: str = "auto",
 ) -> torch.Tensor:
     """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence, kv [b, hkv, s/cp, d] passed around the ring
-    of `group` (P2P); returns out [b, h, s/cp, d] in q's dtype. Backward: ring of kv and dk/dv."""
+    of `group` (P2P); returns out [b, h, s/cp, d] in q's dtype. Backward: ring of kv and dk/dv.
+    `blocks` computes each chunk pair: "tiles" (fp32 score tiles, any device, documents),
+    "flash" (torch's flash attention returning the log-sum-exp; no documents) or "auto" (flash
+    where `mpu.attention_blocks.flash_blocks_apply`: CUDA, fp16/bf16, no documents)."""
     if k.shape != v.shape:
         raise ValueError(f"ring attention needs k and v of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if blocks not in RING_BLOCKS:
+        raise ValueError(f"ring attention blocks={blocks!r} is unknown; use one of {', '.join(RING_BLOCKS)}")
+    docs = _sequence_docs(doc_ids, sequence_doc_ids, group)
+    if blocks == "flash" and docs is not None:
+        raise ValueError("ring attention blocks='flash' takes no document mask; use 'tiles' or 'auto'")
+    flash = blocks == "flash" or (blocks == "auto" and flash_blocks_apply(q, docs is not None))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, _sequence_docs(doc_ids, sequence_doc_ids, group), group, scale, stats)
+    return _RingAttention.apply(q, k, v, docs, group, scale, stats, flash)
 
 
 # ----------------------------------------------------------------- all-to-all (Ulysses)
@@ -319,11 +364,13 @@ def ulysses_attention(
     doc_ids: torch.Tensor | None = None,
     scale: float | None = None,
     sequence_doc_ids: torch.Tensor | None = None,
+    attention_backend: str = "auto",
 ) -> torch.Tensor:
     """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence by all-to-all over `group` to h/cp heads of
     the full sequence and back; kv heads [b, hkv, s/cp, d] are replicated first when hkv is not a
-    multiple of cp. Returns out [b, h, s/cp, d]; backward through the all-to-alls' autograd."""
+    multiple of cp. Documents: `mpu.document_attention` with `attention_backend` on the whole
+    sequence. Returns out [b, h, s/cp, d]; backward through the all-to-alls' autograd."""
     cp = group_size(group)
     h, hkv = q.shape[1], k.shape[1]
     check_cp_shapes(q.shape[2] * cp, h, cp, "a2a")
@@ -334,14 +381,11 @@ def ulysses_attention(
         k, v = k.repeat_interleave(m, dim=1), v.repeat_interleave(m, dim=1)
     if cp > 1:
         q, k, v = (_seq_to_heads(t, cp, group) for t in (q, k, v))
-    mask = None
     docs = _sequence_docs(doc_ids, sequence_doc_ids, group)
     if docs is not None:
-        pos = torch.arange(docs.shape[1], device=q.device)
-        mask = attention_mask(pos, pos, docs, docs)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+        out = document_attention(q, k, v, docs, scale=scale, backend=attention_backend)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return _heads_to_seq(out, cp, group) if cp > 1 else out
 
 
@@ -357,12 +401,14 @@ def context_parallel_attention(
     dropout_p: float = 0.0,
     stats: RingStats | None = None,
     sequence_doc_ids: torch.Tensor | None = None,
+    attention_backend: str = "auto",
 ) -> torch.Tensor:
     """Causal self-attention over the cp group `group` (see the module doc) with `comm` "ring" or
     "a2a". q [b, h, s/cp, d], k, v [b, hkv, s/cp, d] in the load-balanced chunk order; returns
     out [b, h, s/cp, d]. Document masks from `doc_ids` [b, s/cp] (this rank's shard, gathered)
-    or `sequence_doc_ids` [b, s] (the whole sequence, as the model holds it). `dropout_p` > 0 is
-    not supported with context parallelism (raises)."""
+    or `sequence_doc_ids` [b, s] (the whole sequence, as the model holds it); a2a runs them by
+    `attention_backend` (`mpu.document_attention`), ring by its own blocks (auto or dense only).
+    `dropout_p` > 0 is not supported with context parallelism (raises)."""
     if dropout_p > 0:
         raise ValueError(
             f"attention dropout {dropout_p} is not supported with context parallelism (set model.attention_dropout=0)"
@@ -370,5 +416,7 @@ def context_parallel_attention(
     check_cp_shapes(q.shape[2] * group_size(group), q.shape[1], group_size(group), comm)
     docs = dict(doc_ids=doc_ids, sequence_doc_ids=sequence_doc_ids)
     if comm == "ring":
+        if attention_backend not in ("auto", "dense"):
+            raise ValueError(f"attention backend {attention_backend!r} applies to cp_comm=a2a, not ring")
         return ring_attention(q, k, v, group, scale=scale, stats=stats, **docs)
-    return ulysses_attention(q, k, v, group, scale=scale, **docs)
+    return ulysses_attention(q, k, v, group, scale=scale, attention_backend=attention_backend, **docs)

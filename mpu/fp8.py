@@ -20,8 +20,11 @@ numerics without a GPU).
 `fp8_scope(per_tensor)` turns the FP8 path on for the linears of mpu/mappings.py inside it
 (the training step opens it inside bf16 autocast, training/precision.py); outside a scope,
 or for operands `_scaled_mm` cannot take (a dimension not a multiple of 16), the GEMM runs
-in the autocast dtype as before. The LM head, the embeddings, attention's own matmuls and
-the MoE experts' grouped GEMMs stay bf16 (FP8 expert GEMMs: not built yet). No communication.
+in the autocast dtype as before. The LM head, the embeddings and attention's own matmuls stay
+bf16. The routed experts' grouped GEMMs follow the same recipe per expert inside the scope
+(moe/fp8_experts.py: rows per row, each expert's weight per output column forward and per
+input row for dx, dW in bf16; torch's `_scaled_grouped_mm` on sm_90, a Triton FP8 grouped
+kernel elsewhere on CUDA, a dequantized fp32 emulation on the CPU). No communication.
 """
 
 from __future__ import annotations

@@ -48,7 +48,14 @@ from meshtron.mpu.mesh import ParallelConfig, virtual_mesh
 from meshtron.pipeline.schedules import build_schedule
 from meshtron.planning.activations import SavedTrace, etp_row_bytes, trace_layer, trace_post, trace_pre
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
-from meshtron.rules import PRECISIONS, batch_checks, microbatches, param_dtype_checks, precision_check, raise_first
+from meshtron.rules import (
+    PRECISIONS,
+    batch_checks,
+    compute_precision_check,
+    microbatches,
+    param_dtype_checks,
+    raise_first,
+)
 
 __all__ = [
     "plan_rank",
@@ -262,7 +269,7 @@ def model_state_bytes(
       parameter at dp = R: 18 (zero=0), 6 + 12/R (zero=1), 2 + 16/R (zero=2), 18/R (zero=3).
     Bucket padding (fewer than R_g elements per bucket) is ignored.
     """
-    raise_first([precision_check(precision), *param_dtype_checks(param_dtype, precision, zero)])
+    raise_first([compute_precision_check(precision), *param_dtype_checks(param_dtype, precision, zero)])
     resident = param_dtype == "bf16"
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"optim.zero={zero} must be 0, 1, 2 or 3")
@@ -458,7 +465,7 @@ def chunk_activations(
     one place: MoE rows gathered over etp (`planning.activations.etp_row_bytes`), and the step
     transients below (logits held, the loss's copies, backward working sets).
     """
-    raise_first([precision_check(precision)])
+    raise_first([compute_precision_check(precision)])
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
     h, b = cfg.hidden_size, micro_batch_size
@@ -751,7 +758,7 @@ def plan_rank(
     model_states: everything above the persistent states at the peak), total (the step's
     peak) and host (offload). `bench/memory.py` measures the same categories.
     """
-    raise_first([precision_check(precision)])
+    raise_first([compute_precision_check(precision)])
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
     zero = _resolve_zero(zero, zero_dp)

@@ -77,7 +77,7 @@ def test_merge_gives_every_target_one_record_in_order():
     assert [r["name"] for r in merged] == [t.name for t in kr.TARGETS] and kr.check(merged) == []
     by = {r["name"]: r for r in merged}
     assert by["gemm dX 8b"]["meshtron"] == 1.0  # the first of a name wins
-    assert by["FP8 expert GEMM vs bf16 8b"]["note"].startswith("not built")
+    assert "part '8b' did not run" in by["FP8 expert GEMM vs bf16 8b"]["note"]  # built: measured with 8b
     assert "part 'e2e_llama' did not run" in by["end to end llama 8L h1024 auto vs torch"]["note"]
     assert by["gemm dW gpt_1b_tp4"]["meshtron"] is None and by["gemm dW gpt_1b_tp4"]["met"] is False
 
@@ -193,6 +193,7 @@ def _table_dirs(tmp_path):
     res, doc, measured = tmp_path / "gpu", tmp_path / "kernels.md", tmp_path / "measured.json"
     res.mkdir()
     doc.write_text(f"# K\n\n{rt.BEGIN}\n{rt.END}\n\ntail\n")
+    (tmp_path / "performance.md").write_text(f"# P\n\n{rt.PEERS_BEGIN}\n{rt.PEERS_END}\n")
     measured.write_text(rt.MEASURED.read_text())
     return res, doc, measured
 
@@ -201,7 +202,7 @@ def test_results_table_uses_the_newest_gpu_file_per_device_and_check_catches_sta
     res, doc, measured = _table_dirs(tmp_path)
 
     def rt_main(*args):
-        return rt.main([*args, "--measured", str(measured)])
+        return rt.main([*args, "--measured", str(measured), "--peers-doc", str(tmp_path / "performance.md")])
 
     assert rt_main(*["--results", str(res), "--doc", str(doc)]) == 0
     assert "No GPU run has recorded figures in this format yet" in doc.read_text()

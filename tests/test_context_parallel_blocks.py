@@ -17,11 +17,13 @@ from meshtron.mpu.attention_blocks import (
     attention_delta,
     attention_mask,
     document_ids,
+    flash_blocks_apply,
     merge_blocks,
 )
 from meshtron.mpu.context_parallel import (
     check_cp_shapes,
     context_parallel_attention,
+    ring_attention,
     sequence_positions,
     shard_sequence,
     unshard_sequence,
@@ -215,3 +217,41 @@ def test_row_tiles_give_the_untiled_block(monkeypatch, with_docs):
     torch.testing.assert_close(tiled_lse, lse, **TOL)
     for got, want in zip(attention_block_backward(q, k, v, lse, dout, delta, scale=0.3, mask=mask), grads):
         torch.testing.assert_close(got, want, **TOL)
+
+
+def _ring_one_rank(q, k, v, dout, blocks: str):
+    """The ring over a group of one (two chunks: one diagonal pair, one with an earlier chunk)
+    with its chunk pairs computed by `blocks`: out and (dq, dk, dv)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*leaves, None, blocks=blocks)
+    return out, torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_ring_flash_blocks_equal_tiles_on_cpu(hkv):
+    """The flash chunk pairs (torch's CPU flash kernel, fp32, returning the log-sum-exp) give the
+    tiles' output and gradients (1e-5): the merge, the diagonal split and the backward from the
+    final out and log-sum-exp; GQA kv gradients summed per kv head."""
+    q, k, v = _qkv(hkv, seed=5)
+    dout = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(6))
+    want, want_grads = _ring_one_rank(q, k, v, dout, "tiles")
+    got, got_grads = _ring_one_rank(q, k, v, dout, "flash")
+    torch.testing.assert_close(got, want, **TOL)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's flash attention kernel)")
+def test_ring_flash_blocks_equal_tiles_on_cuda_bf16():
+    """On CUDA in bf16 `auto` picks the flash chunk pairs; they equal the fp32 tiles within bf16
+    tolerance (output and gradients), GQA included."""
+    q, k, v = (t.cuda().bfloat16() for t in _qkv(2, seed=7))
+    dout = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(8)).cuda().bfloat16()
+    want, want_grads = _ring_one_rank(q, k, v, dout, "tiles")
+    got, got_grads = _ring_one_rank(q, k, v, dout, "auto")
+    assert flash_blocks_apply(q, has_docs=False)
+    bf16 = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **bf16)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.float(), w.float(), **bf16)

@@ -212,3 +212,20 @@ def test_the_check_sees_a_lazy_cycle(tmp_path):
     (tmp_path / "low" / "b.py").write_text("class C:\n    pass\n")
     (tmp_path / "high" / "d.py").write_text("import importlib\n")
     assert cycles(import_graph(tmp_path)) == []
+
+
+def test_importing_meshtron_loads_neither_the_compiler_nor_triton():
+    """Importing the model, the MoE layer and the training loop imports neither torch._dynamo
+    nor Triton (meshtron/eager.py defers torch.compiler.disable to compile time): a process that
+    never compiles or launches a kernel pays neither, and a test process can still choose
+    Triton's interpreter mode after importing meshtron."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import meshtron.models.gpt, meshtron.moe.layer, meshtron.training.loop; "
+        "print(sorted(m for m in ('triton', 'torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

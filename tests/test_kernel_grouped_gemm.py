@@ -276,3 +276,52 @@ def test_repeated_launches_skip_the_autotuner(tuned):
 def test_new_kernels_autotune_on_the_dot_precision():
     for kernel in (gg._grouped_gemm_persistent_kernel, gg._grouped_gemm_tma_kernel, gg._grouped_gemm_dw_ordered_kernel):
         assert "INPUT_PRECISION" in kernel.keys and "G_BLOCK" in kernel.keys
+
+
+# The FP8 grouped GEMM (`grouped_gemm_fp8`, moe/fp8_experts.py's "triton" path): the interpreter
+# loads e4m3 tiles and multiplies them exactly in fp32 (checked against the float64 product).
+FP8_SIZES = [[5, 0, 21, 3], [0, 0, 0, 0], [17, 1, 0, 40]]
+
+
+@pytest.mark.parametrize("sizes", FP8_SIZES)
+@pytest.mark.parametrize("k_major", [False, True])
+def test_fp8_grouped_kernel_matches_the_scaled_product(sizes, k_major):
+    """y[rows of g] = s_x[rows] s_w[g] (q_x @ q_w[g]) in bf16: empty groups, rows and K (40)
+    not multiples of the 16-wide interpreter tiles, the weight row-major or K-major (the layout
+    moe/fp8_experts.py feeds)."""
+    gen = torch.Generator().manual_seed(7)
+    n, k, f = sum(sizes), 40, 24
+    x_q = torch.randn(n, k, generator=gen).mul(20).to(torch.float8_e4m3fn)
+    w = torch.randn(4, f, k, generator=gen).mul(20).to(torch.float8_e4m3fn)
+    w_q = w.transpose(1, 2) if k_major else w.transpose(1, 2).contiguous()
+    x_s, w_s = torch.rand(n, generator=gen) + 0.5, torch.rand(4, f, generator=gen) + 0.5
+    y = gg.grouped_gemm_fp8(x_q, x_s, w_q, w_s, torch.tensor(sizes))
+    want = _loop(x_q.double() * x_s.double()[:, None], w_q.double() * w_s.double()[:, None, :], sizes)
+    assert y.dtype == torch.bfloat16 and y.shape == (n, f)
+    # one bf16 rounding (half a unit: 2^-8 relative) of an fp32 sum whose own error may tip it over
+    assert ((y.double() - want).abs() <= want.abs() * 2.0**-7 + 1e-9).all()
+
+
+def test_fp8_expert_gemms_on_triton_equal_the_emulation():
+    """moe/fp8_experts.py under kernels.backend=triton (this kernel) against its emulated path
+    (dequantize, fp32 matmul): forward and dx within one bf16 unit of each other, dW equal."""
+    from meshtron.moe import fp8_experts
+    from meshtron.mpu.fp8 import fp8_scope
+
+    gen = torch.Generator().manual_seed(8)
+    sizes = torch.tensor([5, 0, 21, 3])
+    x, w = torch.randn(29, 48, generator=gen), torch.randn(4, 48, 32, generator=gen) * 0.2
+    dy = torch.randn(29, 32, generator=gen).bfloat16()
+    outs = {}
+    for backend in ("triton", "torch"):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8_scope():
+            y = fp8_experts.fp8_grouped_matmul(xl, wl, sizes, backend)
+        y.backward(dy)
+        outs[backend] = (y.double(), xl.grad.double(), wl.grad)
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = outs["triton"], outs["torch"]
+    # the same fp32 products summed in another order, each rounded once to bf16: at most one
+    # bf16 unit apart (2^-7 relative)
+    assert ((y - y_ref).abs() <= y_ref.abs() * 2.0**-7 + 1e-6).all()
+    assert ((dx - dx_ref).abs() <= dx_ref.abs() * 2.0**-7 + 1e-6).all()
+    assert torch.equal(dw, dw_ref)

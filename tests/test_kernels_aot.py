@@ -1,7 +1,8 @@
 """Every Triton kernel compiles for Ampere (sm_80) and Hopper (sm_90) without a GPU
 (kernels/aot.py): each (kernel, dtype, arch) at least once with its riskiest kept config plus
 a seeded sample, checked for shared memory, the pruning bound, spills, wgmma (16-bit GEMMs on
-sm_90), mma.sync (16-bit GEMMs on sm_80) and TMA bulk copies (the TMA GEMMs, sm_90 only). The
+sm_90), mma.sync (16-bit GEMMs on sm_80), an e4m3 wgmma (the FP8 grouped GEMM, sm_90 only) and
+TMA bulk copies (the TMA GEMMs, sm_90 only). The
 checks themselves are proven to fail on synthetic results, and the per-device pruning on
 known configs (the Hopper-sized GEMM tiles kept on sm_90 only)."""
 
@@ -81,6 +82,10 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path, launche
     assert kernels == set(aot.SPILL_BUDGET), kernels ^ set(aot.SPILL_BUDGET)
     for kernel in kernels:
         dtypes = {d for k, d, _ in compiled if k == kernel}
+        if kernel in aot.FP8_KERNELS:  # e4m3 operands only, sm_90 only
+            assert dtypes == {"fp8"}, (kernel, dtypes)
+            assert {a for k, _, a in compiled if k == kernel} == set(aot.KERNEL_ARCHS[kernel])
+            continue
         sixteen_bit_only = kernel in aot.TMA_KERNELS
         assert {"bf16", "fp16"} <= dtypes and (sixteen_bit_only or dtypes & {"fp32", "fp32-ieee"}), (kernel, dtypes)
         assert {a for k, _, a in compiled if k == kernel} == set(aot.KERNEL_ARCHS.get(kernel, (80, 90)))
@@ -90,6 +95,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path, launche
     assert any(r["wgmma"] for r in results if r["case"]["arch"] == 90 and r["case"]["dtype"] == "bf16")
     assert any(r["mma_sync"] for r in results if r["case"]["arch"] == 80 and r["case"]["dtype"] == "bf16")
     assert any(r["tma"] for r in results if r["case"]["kernel"] in aot.TMA_KERNELS)
+    assert any(r["wgmma_e4m3"] for r in results if r["case"]["kernel"] in aot.FP8_KERNELS)
 
 
 def _result(
@@ -104,6 +110,7 @@ def _result(
     gemm=True,
     mma_sync=True,
     tma=True,
+    wgmma_e4m3=False,
 ):
     case = aot.Case(
         kernel,
@@ -124,6 +131,7 @@ def _result(
         wgmma=wgmma,
         mma_sync=mma_sync,
         tma=tma,
+        wgmma_e4m3=wgmma_e4m3,
         estimate=estimate if gemm else None,
         limits=limits,
     )
@@ -139,11 +147,13 @@ def test_check_accepts_a_clean_result_and_flags_each_defect():
         "no wgmma": _result(wgmma=False),
         "no mma.sync": _result(arch=80, wgmma=False, mma_sync=False),
         "no TMA copy": _result(kernel="_matmul_tma_kernel", tma=False),
+        "no e4m3 wgmma": _result(kernel="_grouped_gemm_fp8_kernel", dtype="fp8", wgmma_e4m3=False),
     }
     for defect, result in cases.items():
         assert len(aot.check([result])) == 1, defect
     # wgmma is required of 16-bit GEMMs on sm_90 only, mma.sync of 16-bit GEMMs on sm_80 only,
     # TMA copies of the TMA kernels on sm_90 only.
+    assert aot.check([_result(kernel="_grouped_gemm_fp8_kernel", dtype="fp8", wgmma_e4m3=True)]) == []
     assert (
         aot.check(
             [
@@ -228,14 +238,16 @@ def test_selection_covers_every_kernel_dtype_arch_and_is_seeded(launches):
     # Every GEMM kernel is fed fp32 (IEEE and TF32), bf16 and fp16; the others fp32, bf16, fp16.
     gemm = {c.kernel for c in cases if c.gemm is not None}
     # 9 + the persistent linear+activation forwards (pointer, TMA) + the grouped GEMM's
-    # persistent forwards (pointer, TMA) and ordered dW
-    assert len(gemm) == 16
+    # persistent forwards (pointer, TMA) and ordered dW + the FP8 grouped GEMM
+    assert len(gemm) == 17 and aot.FP8_KERNELS <= gemm
     assert {"_matmul_persistent_kernel", "_matmul_tma_kernel"} <= gemm
     for kernel in {c.kernel for c in cases}:
         dtypes = {d for k, d, _ in keys if k == kernel}
         want = {"fp32-ieee", "fp32-tf32", "bf16", "fp16"} if kernel in gemm else {"fp32", "bf16", "fp16"}
         if kernel in aot.TMA_KERNELS:
             want = {"bf16", "fp16"}
+        if kernel in aot.FP8_KERNELS:
+            want = {"fp8"}
         assert dtypes == want, (kernel, dtypes)
         assert {a for k, _, a in keys if k == kernel} == set(aot.KERNEL_ARCHS.get(kernel, aot.ARCHS))
 

@@ -7,7 +7,14 @@ import pytest
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.mesh import ParallelConfig
 from meshtron.planning.plan import plan_rank
-from meshtron.rules import batch_checks, first_failure, microbatches, precision_check
+from meshtron.rules import (
+    batch_checks,
+    compute_precision_check,
+    first_failure,
+    microbatches,
+    pick_precision,
+    precision_check,
+)
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.precision import Precision
 
@@ -45,11 +52,47 @@ def test_microbatches():
 
 def test_precision_rule_is_the_one_message_everywhere():
     ok, message = precision_check("fp4")
-    assert not ok and message == "trainer.precision='fp4' is unknown; use one of fp32, bf16, fp16, fp8"
-    with pytest.raises(ValueError) as from_precision:
-        Precision("fp4")
+    assert not ok and message == "trainer.precision='fp4' is unknown; use one of auto, fp32, bf16, fp16, fp8"
     with pytest.raises(ConfigError) as from_config:
         RunConfig.from_dict({"trainer": {"precision": "fp4"}})
+    assert str(from_config.value) == message
+    # what computes (Precision, the planner) takes resolved precisions only
+    ok, computed = compute_precision_check("fp4")
+    assert not ok and computed == "trainer.precision='fp4' is unknown; use one of fp32, bf16, fp16, fp8"
+    with pytest.raises(ValueError) as from_precision:
+        Precision("fp4")
     with pytest.raises(ValueError) as from_plan:
         plan_rank(GPTConfig(), ParallelConfig(), 1, 0, micro_batch_size=1, global_batch_size=1, precision="fp4")
-    assert str(from_precision.value) == str(from_config.value) == str(from_plan.value) == message
+    assert str(from_precision.value) == str(from_plan.value) == computed
+    with pytest.raises(ValueError, match="auto is resolved per device first"):
+        Precision("auto")
+
+
+@pytest.mark.parametrize(
+    "setting, device, bf16, picked",
+    [
+        ("auto", "cuda", True, "bf16"),
+        ("auto", "cuda", False, "fp32"),
+        ("auto", "cpu", True, "fp32"),
+        ("fp32", "cuda", True, "fp32"),
+        ("fp16", "cpu", False, "fp16"),
+    ],
+)
+def test_auto_precision_is_bf16_on_cuda_with_bf16_else_fp32(setting, device, bf16, picked):
+    name, why = pick_precision(setting, device, bf16)
+    assert name == picked
+    assert why.startswith(f"trainer.precision={setting}") and (setting != "auto" or f"picked {picked}" in why)
+    run, why_run = RunConfig.from_dict({"trainer": {"precision": setting}}).with_precision_for(device, bf16)
+    assert run.trainer.precision == picked and why_run == why
+
+
+def test_auto_is_the_default_and_rechecked_once_resolved():
+    run = RunConfig.from_dict({"optim": {"param_dtype": "bf16"}})
+    assert run.trainer.precision == "auto"  # bf16 weights pass with auto: a GPU would pick bf16
+    assert run.with_precision_for("cuda", True)[0].trainer.precision == "bf16"
+    with pytest.raises(ConfigError) as err:
+        run.with_precision_for("cpu", False)
+    assert str(err.value) == (
+        "optim.param_dtype=bf16 needs trainer.precision=bf16 (got 'fp32') "
+        "(trainer.precision=auto picked fp32: cpu has no fast 16-bit matmul)"
+    )

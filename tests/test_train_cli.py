@@ -55,6 +55,8 @@ def test_default_training_learns_on_real_text(tmp_path):
     assert [r["step"] for r in records if "val_loss" in r] == [20, 40] and val[1] < 3.6
     assert all(r["skipped_steps"] == 0 for r in records)
     assert "step   40/40 | loss" in out.stdout
+    # trainer.precision=auto (the default) picks fp32 on a CPU and the banner says why
+    assert "meshtron: compute fp32 (trainer.precision=auto picked fp32: cpu has no fast 16-bit matmul)" in out.stdout
 
 
 @pytest.mark.timeout(120)

@@ -20,8 +20,17 @@ from typing import Any
 from meshtron.errors import ConfigError
 from meshtron.kernels.tf32 import TF32_MODES
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.mpu.document_attention import attention_backend_checks
 from meshtron.mpu.mesh import ParallelConfig
-from meshtron.rules import batch_size_checks, local_sgd_checks, param_dtype_checks, precision_check, raise_first
+from meshtron.rules import (
+    Check,
+    batch_size_checks,
+    local_sgd_checks,
+    param_dtype_checks,
+    pick_precision,
+    precision_check,
+    raise_first,
+)
 from meshtron.schema import Allowed, declared_in, field_checks, nearest_key, setting
 from meshtron.training.schedule import DECAY_STYLES
 
@@ -42,9 +51,12 @@ class TrainerConfig:
     dry_run: bool = setting(False, help="plan memory per rank (plan.json) and exit without training")
     log_every: int = setting(10, ge=1, help="log metrics every N steps")
     max_grad_norm: float = setting(1.0, ge=0, help="gradient clipping norm (0 = no clipping)")
-    # fp32 | bf16 | fp16 | fp8 (meshtron/rules.py precision_check; fp8: training/precision.py)
+    # auto | fp32 | bf16 | fp16 | fp8 (meshtron/rules.py precision_check, pick_precision; fp8:
+    # training/precision.py). auto: bf16 on a CUDA device with bf16, fp32 on CPUs.
     precision: str = setting(
-        "fp32", help="fp32 | bf16 | fp16 | fp8: autocast compute (fp8: FP8 dense GEMMs), fp32 main weights and grads"
+        "auto",
+        help="auto (bf16 on CUDA with bf16, else fp32) | fp32 | bf16 | fp16 | fp8: autocast compute "
+        "(fp8: FP8 dense GEMMs), fp32 main weights and grads",
     )
     initial_loss_scale: float = setting(
         65536.0, ge=1, in_train_yaml=False, help="fp16 only: dynamic loss scale to start from"
@@ -63,8 +75,11 @@ class TrainerConfig:
     recompute_layers: int | None = _execution("recompute_layers")
     fused_lm_loss: bool = _execution("fused_lm_loss")  # kernels/linear_cross_entropy.py
     lm_loss_chunk_rows: int | None = _execution("lm_loss_chunk_rows")  # None: by device, chunk_rows_for
+    compile: bool = _execution("compile")  # meshtron/rules.py compile_checks
+    compile_mode: str = _execution("compile_mode")  # meshtron/rules.py cuda_graph_checks
     compile_moe: bool = _execution("compile_moe")  # meshtron/rules.py compile_moe_checks
     moe_dispatch_chunks: int = _execution("moe_dispatch_chunks")  # moe/layer.py
+    attention_backend: str = _execution("attention_backend")  # mpu/document_attention.py
     eval_every: int = setting(50, ge=0, help="validation loss on the held-out split every N steps (0 = off)")
     eval_batches: int = setting(2, ge=1, help="global batches of held-out text per evaluation")
     max_skipped: int = setting(5, ge=0, help="abort after this many consecutive steps with a non-finite loss/grad norm")
@@ -207,19 +222,38 @@ class RunConfig:
         run.validate()
         return run
 
+    def with_precision_for(self, device_type: str, bf16_supported: bool) -> tuple[RunConfig, str]:
+        """This run with `trainer.precision=auto` resolved for the device it computes on
+        (meshtron/rules.py pick_precision), checked again with the picked precision; returns
+        (run, why), the why for the banner. Raises ConfigError naming the pick when a rule
+        that auto satisfied fails for it (optim.param_dtype=bf16 on a CPU)."""
+        picked, why = pick_precision(self.trainer.precision, device_type, bf16_supported)
+        raise_first(self.attention_checks(device_type, picked), ConfigError)
+        if picked == self.trainer.precision:
+            return self, why
+        run = dataclasses.replace(self, trainer=dataclasses.replace(self.trainer, precision=picked))
+        try:
+            run.validate()
+        except ConfigError as err:
+            raise ConfigError(f"{err} ({why})") from err
+        return run, why
+
     def execution(self, kernel_backend: str = "torch") -> ExecutionConfig:
         """How the model runs (not part of what is saved): trainer.recompute,
         trainer.recompute_layers, trainer.fused_lm_loss, trainer.lm_loss_chunk_rows and
-        trainer.compile_moe, trainer.moe_dispatch_chunks, and the kernel backend `kernels.backend`
-        resolved to."""
+        trainer.compile, trainer.compile_mode, trainer.compile_moe, trainer.moe_dispatch_chunks,
+        and the kernel backend `kernels.backend` resolved to."""
         return ExecutionConfig(
             recompute=self.trainer.recompute,
             recompute_layers=self.trainer.recompute_layers,
             kernel_backend=kernel_backend,
             fused_lm_loss=self.trainer.fused_lm_loss,
             lm_loss_chunk_rows=self.trainer.lm_loss_chunk_rows,
+            compile=self.trainer.compile,
+            compile_mode=self.trainer.compile_mode,
             compile_moe=self.trainer.compile_moe,
             moe_dispatch_chunks=self.trainer.moe_dispatch_chunks,
+            attention_backend=self.trainer.attention_backend,
         )
 
     def validate(self) -> None:
@@ -240,6 +274,7 @@ class RunConfig:
             raise ConfigError(str(err)) from err
         checks = [
             precision_check(t.precision),
+            *self.attention_checks(t.device if t.device != "auto" else None),
             *batch_size_checks(t.global_batch_size, t.micro_batch_size),
             (
                 o.warmup_steps is None or o.warmup_steps <= t.max_steps,
@@ -293,6 +328,18 @@ class RunConfig:
             ),
         ]
         raise_first(checks, ConfigError)
+
+    def attention_checks(self, device_type: str | None, precision: str | None = None) -> list[Check]:
+        """trainer.attention_backend's rules (mpu/document_attention.py attention_backend_checks)
+        for a run on `device_type` (None: not resolved yet) in `precision` (None: trainer.precision)."""
+        return attention_backend_checks(
+            self.trainer.attention_backend,
+            device_type=device_type,
+            precision=precision or self.trainer.precision,
+            attention_dropout=self.model.attention_dropout_p,
+            cp=self.parallel.cp,
+            cp_comm=self.parallel.cp_comm,
+        )
 
     @property
     def warmup_steps(self) -> int:

@@ -54,11 +54,14 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
 
     Talks over the default process group when launched by torchrun (WORLD_SIZE > 1).
     """
+    wants_cuda = run.trainer.device == "cuda" or (run.trainer.device == "auto" and torch.cuda.is_available())
+    run, precision_why = run.with_precision_for(
+        "cuda" if wants_cuda else "cpu", wants_cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    )
     if run.parallel.dp_mode == "ps":  # parameter servers: their own world layout and loop
         return run_parameter_server(run, run_dir)
     world_size, _, _, local_world = launcher_env()
     par, micro, n_micro = check_run_config(run, world_size, local_world)
-    wants_cuda = run.trainer.device == "cuda" or (run.trainer.device == "auto" and torch.cuda.is_available())
     if run.trainer.device == "cuda" and not run.trainer.dry_run and not torch.cuda.is_available():
         raise ConfigError(
             "trainer.device=cuda but this machine has no usable CUDA device "
@@ -94,7 +97,8 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
                 overlap_param_gather=run.optim.overlap_param_gather,
             )
             try:
-                return Trainer(run, engine, env, run_dir, dataset, n_micro).train(start_from)
+                trainer = Trainer(run, engine, env, run_dir, dataset, n_micro, precision_why=precision_why)
+                return trainer.train(start_from)
             finally:
                 engine.close()
     finally:
@@ -132,9 +136,19 @@ class Trainer:
     Collectives: the engine's step, and the logging, stop-request and checkpoint agreements
     every rank runs at the same steps."""
 
-    def __init__(self, run: RunConfig, engine: Engine, env, run_dir: Path, dataset: TokenDataset, n_micro: int):
+    def __init__(
+        self,
+        run: RunConfig,
+        engine: Engine,
+        env,
+        run_dir: Path,
+        dataset: TokenDataset,
+        n_micro: int,
+        *,
+        precision_why: str = "",
+    ):
         self.run, self.engine, self.env, self.run_dir, self.dataset = run, engine, env, run_dir, dataset
-        self.n_micro = n_micro
+        self.n_micro, self.precision_why = n_micro, precision_why or f"trainer.precision={run.trainer.precision}"
         t, ckpt = run.trainer, run.checkpoint
         # checkpoint.async: the writer thread coordinates over its own gloo group, made here, at
         # startup, by every rank alike (training/checkpoint.py AsyncCheckpointer)
@@ -205,10 +219,11 @@ class Trainer:
             good_steps=self.state.loss_scale_good_steps,
         )
         engine.precision = Precision(t.precision, env.device.type, scaler)
-        # MFU against the compute dtype's peak on GPUs; CPUs have no fast 16-bit matmul, so fp32's.
-        dtype = engine.precision.dtype
+        # MFU against the device's bf16 peak on GPUs whatever the run computes in (the design's
+        # one definition, as torchtitan and Megatron report it); CPUs have no fast 16-bit matmul,
+        # so fp32's there.
         peak_per_process, peak_source = peak_flops(
-            env.device, dtype if dtype is not None and env.device.type == "cuda" else torch.float32
+            env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32
         )
         self.reporter = StepReporter(
             self.run_dir,
@@ -247,6 +262,9 @@ class Trainer:
             f"{peak_total / 1e9:.1f} GFLOP/s ({peak_source}) x{env.world_size}; run dir {self.run_dir}",
             flush=True,
         )
+        print(f"meshtron: compute {t.precision} ({self.precision_why})", flush=True)
+        if t.compile or t.compile_moe:
+            print(f"meshtron: {compiled_what(t.compile, t.compile_mode)}", flush=True)
 
     def _step(self, step: int, first_step: int) -> StepResult:
         """Step index `step`: this rank's microbatches through the engine, the traces asked for,
@@ -442,6 +460,15 @@ def _export_pipeline_trace(
         f"v={par.vpp}",
         flush=True,
     )
+
+
+def compiled_what(compile_blocks: bool, mode: str) -> str:
+    """The banner's line on what runs under torch.compile (trainer.compile, trainer.compile_mode;
+    else trainer.compile_moe)."""
+    if not compile_blocks:
+        return "compiled: the MoE layers under torch.compile (trainer.compile_moe)"
+    graphs = ", CUDA graphs" if mode == "reduce-overhead" else ""
+    return f"compiled: every transformer block under torch.compile (trainer.compile, mode {mode}{graphs})"
 
 
 def moe_metrics(out: StepResult) -> dict:

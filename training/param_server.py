@@ -785,6 +785,8 @@ def train_ps(run, env, run_dir, dataset) -> dict:
     (history of logged records) or {"server": ServerResult}. Needs the default group."""
     from meshtron.training.reporting import lr_schedule
 
+    cuda = env.device.type == "cuda"  # trainer.precision=auto, resolved as run_training does
+    run, _ = run.with_precision_for(env.device.type, cuda and torch.cuda.is_bf16_supported())
     worker_par, workers, per_worker, micro = check_ps_run(run, env.world_size)
     roles = Roles(workers, per_worker, run.parallel.servers)
     rank = env.rank
@@ -834,7 +836,7 @@ def _train_worker(
     )
     client = engine.optimizer
     start = client.hello().start
-    peak, _ = peak_flops(env.device, torch.float32)
+    peak, _ = peak_flops(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32)  # as loop.py
     reporter = StepReporter(
         run_dir,
         t,

@@ -162,6 +162,8 @@ def run(argv: list[str]) -> int:
     except _ArgumentError as err:
         raise ConfigError(str(err)) from err
     run_cfg = compose_run(args.overrides)
+    # trainer.precision=auto as the planned devices would pick it (every GPU preset has bf16)
+    run_cfg, _ = run_cfg.with_precision_for("cpu" if args.gpu == "cpu" else "cuda", bf16_supported=True)
     t, o = run_cfg.trainer, run_cfg.optim
     cluster = _cluster(args, t.precision)
     fixed = pinned_fields(args.overrides, run_cfg)

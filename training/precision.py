@@ -1,5 +1,9 @@
 """Mixed precision: bf16/fp16 compute with fp32 main weights and fp32 gradients.
 
+`trainer.precision=auto` (the default) is resolved before anything is built, per device:
+bf16 on CUDA with bf16 support, fp32 elsewhere (meshtron/rules.py `pick_precision`,
+`RunConfig.with_precision_for`); `Precision` takes the resolved name only.
+
 `trainer.precision=bf16|fp16` runs forward (and so backward) under `torch.autocast`: matmuls,
 attention and the expert GEMMs compute in the 16-bit type while the parameters stay fp32 and
 are the main weights, gradients accumulate in the reducer's fp32 buckets, and the optimizer
@@ -12,9 +16,10 @@ main weights in the optimizer (16-bit resident weights, dp/resident.py): autocas
 no weight copies to make, gradients are still accumulated and reduced in fp32.
 
 `trainer.precision=fp8` is bf16 autocast plus FP8 GEMMs for the dense linears (attention's
-qkv and output projections, the MLPs, shared experts): e4m3 operands with per-row scales,
-fp32 accumulation, a bf16 weight-gradient GEMM (mpu/fp8.py has the recipe); everything else
-is bf16 as above. It needs a GPU of compute capability 8.9 or newer (or the CPU, where torch
+qkv and output projections, the MLPs, shared experts) and the routed experts' grouped GEMMs
+(moe/fp8_experts.py; on GPUs with torch's FP8 grouped GEMM, sm_90/sm_100): e4m3 operands with
+per-row scales, fp32 accumulation, a bf16 weight-gradient GEMM (mpu/fp8.py has the recipe);
+everything else is bf16 as above. It needs a GPU of compute capability 8.9 or newer (or the CPU, where torch
 computes the same numbers slowly: tests and smoke runs).
 
 fp16 has a narrow exponent range, so its gradients are computed on a scaled loss
@@ -33,7 +38,7 @@ import torch
 
 from meshtron.errors import ConfigError
 from meshtron.mpu.fp8 import fp8_scope, fp8_supported
-from meshtron.rules import precision_check, raise_first
+from meshtron.rules import compute_precision_check, raise_first
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
@@ -65,7 +70,7 @@ class Precision:
     """The compute precision of a run: `autocast()` for forward passes and the loss scale."""
 
     def __init__(self, name: str = "fp32", device_type: str = "cpu", scaler: LossScaler | None = None):
-        raise_first([precision_check(name)])
+        raise_first([compute_precision_check(name)])
         if name == "fp8":
             ok, why = fp8_supported(torch.device(device_type))
             if not ok:

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from meshtron.dp.hierarchical import resolve_hierarchical
 from meshtron.errors import ConfigError
 from meshtron.models.fits import check_model_fits
 from meshtron.mpu.mesh import ParallelConfigError
 from meshtron.observability.metrics import require_tensorboard
-from meshtron.rules import batch_checks, compile_moe_checks, microbatches, raise_first
+from meshtron.rules import (
+    Check,
+    batch_checks,
+    compile_checks,
+    compile_moe_checks,
+    cuda_graph_checks,
+    microbatches,
+    raise_first,
+)
 from meshtron.textdata.data import ByteTokenizer
 from meshtron.training.checkpoint import CheckpointError, check_compatible, resolve_resume
 from meshtron.training.config import RunConfig
@@ -49,7 +59,8 @@ def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None
             kernel_backend=run.kernels.backend,
             recompute=t.recompute,
             zero=run.optim.zero,
-        ),
+        )
+        + compiled_block_checks(run, par),
         ConfigError,
     )
     micro, n_micro = microbatches(t.global_batch_size, t.micro_batch_size, par.dp)
@@ -61,6 +72,31 @@ def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None
             f"{ByteTokenizer.vocab_size}; use model.vocab_size >= {ByteTokenizer.vocab_size}"
         )
     return par, micro, n_micro
+
+
+def compiled_block_checks(run: RunConfig, par) -> list[Check]:
+    """trainer.compile's and trainer.compile_mode's rules (meshtron/rules.py compile_checks,
+    cuda_graph_checks) for this run, on the device it will compute on."""
+    t, m = run.trainer, run.model
+    on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    return compile_checks(
+        t.compile,
+        compile_mode=t.compile_mode,
+        compile_moe=t.compile_moe,
+        precision=t.precision,
+        kernel_backend=run.kernels.backend,
+        zero=run.optim.zero,
+        dropout=max(m.dropout, m.attention_dropout_p),
+    ) + cuda_graph_checks(
+        t.compile_mode,
+        device_type="cuda" if on_cuda else "cpu",
+        num_experts=m.num_experts,
+        ep=par.ep,
+        etp=par.etp,
+        capacity_factor=m.capacity_factor,
+        precision=t.precision,
+        pp=par.pp,
+    )
 
 
 def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:

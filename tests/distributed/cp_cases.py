@@ -14,6 +14,7 @@ from meshtron.mpu.context_parallel import (
     RingStats,
     context_parallel_attention,
     gather_sequence,
+    ring_attention,
     shard_sequence,
 )
 
@@ -37,7 +38,7 @@ def _inputs(hkv: int, with_docs: bool, seed: int):
     return q, k, v, dout, docs
 
 
-def _check_attention(group, comm: str, hkv: int, with_docs: bool, seed: int) -> RingStats:
+def _check_attention(group, comm: str, hkv: int, with_docs: bool, seed: int, blocks: str | None = None) -> RingStats:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, dout, docs = _inputs(hkv, with_docs, seed)
     pos = torch.arange(S)
@@ -45,11 +46,13 @@ def _check_attention(group, comm: str, hkv: int, with_docs: bool, seed: int) -> 
     want_grads = torch.autograd.grad(want, (q, k, v), dout)
     local = [shard_sequence(t.detach(), 2, cp, rank).requires_grad_() for t in (q, k, v)]
     stats = RingStats()
-    out = context_parallel_attention(
-        *local, group, comm, stats=stats, doc_ids=None if docs is None else shard_sequence(docs, 1, cp, rank)
-    )
+    local_docs = None if docs is None else shard_sequence(docs, 1, cp, rank)
+    if blocks is None:
+        out = context_parallel_attention(*local, group, comm, stats=stats, doc_ids=local_docs)
+    else:  # the ring with its chunk pairs computed by `blocks`
+        out = ring_attention(*local, group, stats=stats, doc_ids=local_docs, blocks=blocks)
     grads = torch.autograd.grad(out, local, shard_sequence(dout, 2, cp, rank))
-    what = f"cp={cp} {comm} hkv={hkv} docs={with_docs}"
+    what = f"cp={cp} {comm} hkv={hkv} docs={with_docs} blocks={blocks}"
     torch.testing.assert_close(gather_sequence(out.detach(), 2, group), want, **TOL, msg=lambda m: f"{what} out: {m}")
     for name, got, ref in zip("qkv", grads, want_grads):
         torch.testing.assert_close(
@@ -79,6 +82,25 @@ def ring_equals_full_attention() -> None:
         _check_attention(dist.group.WORLD, "ring", hkv, with_docs, seed=10 + i)
     if world > 2:  # ring neighbours are global ranks of a group that is not the world
         _check_attention(_groups(2), "ring", 2, True, seed=13)
+
+
+def ring_flash_blocks_equal_full_attention() -> None:
+    """The ring's chunk pairs by flash-attention calls returning the log-sum-exp (CPU: torch's
+    flash kernel for CPU, fp32) equal full attention as the score tiles do, MHA and GQA, and
+    count the same blocks; the flash blocks refuse a document mask."""
+    for i, hkv in enumerate((4, 2, 1)):
+        stats = _check_attention(dist.group.WORLD, "ring", hkv, False, seed=40 + i, blocks="flash")
+        cp = dist.get_world_size()
+        assert (stats.forward_blocks, stats.backward_blocks) == (2 * cp + 1, 2 * cp + 1), stats
+    q = torch.zeros(1, 4, 4, 8)
+    try:
+        ring_attention(
+            q, q, q, dist.group.WORLD, sequence_doc_ids=torch.zeros(1, 4 * dist.get_world_size()), blocks="flash"
+        )
+    except ValueError as e:
+        assert str(e) == "ring attention blocks='flash' takes no document mask; use 'tiles' or 'auto'", str(e)
+    else:
+        raise AssertionError("flash blocks with a document mask did not raise")
 
 
 def a2a_equals_full_attention() -> None:
@@ -127,6 +149,7 @@ def cases_for_world(world_size: int) -> list[str]:
         return []
     return [
         "ring_equals_full_attention",
+        "ring_flash_blocks_equal_full_attention",
         "a2a_equals_full_attention",
         "ring_skips_invisible_blocks",
         "bad_shapes_raise_before_communicating",

@@ -117,7 +117,9 @@ def build_pipeline(cfg: GPTConfig, mesh, micro: int, execution: ExecutionConfig 
     return chunks, named, reducer, optimizer, executor
 
 
-def check_pipeline_layout(layout, stage_layers=None) -> None:
+def check_pipeline_layout(layout, stage_layers=None, execution: ExecutionConfig = ExecutionConfig()) -> None:
+    """The pipeline layout (arch, moe, pp, vpp, schedule, tp, sp, ep) run with `execution`
+    trains like the serial eager model: losses, gradients, weights, live activations, eval."""
     arch, moe, pp, vpp, schedule, tp, sp, ep = layout
     cfg = pipeline_config(arch, moe)
     mesh = build_mesh(
@@ -125,7 +127,7 @@ def check_pipeline_layout(layout, stage_layers=None) -> None:
     )
     dp = mesh.dp_size
     batch = dp * MICRO_PER_RANK
-    chunks, named, reducer, optimizer, executor = build_pipeline(cfg, mesh, 1)
+    chunks, named, reducer, optimizer, executor = build_pipeline(cfg, mesh, 1, execution)
 
     serial_mesh = single_process_mesh()
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
