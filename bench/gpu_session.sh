@@ -122,6 +122,21 @@ install() {  # install LOG: the wheels and meshtron into GPU_SESSION_SITE, on PY
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 }
 
+part_limit() {  # part_limit I: seconds part I of the caller's names / caps may take, or "unwanted"
+    # (not in its parts): the budget left less the caps of the wanted parts after it, at least its
+    # own cap, at most what is left. Reads the caller's names, caps, parts, budget and start.
+    local i=$1 j later=0 left limit
+    case ",$parts," in *",${names[$i]},"*) ;; *) echo unwanted; return ;; esac
+    for ((j = i + 1; j < ${#names[@]}; j++)); do
+        case ",$parts," in *",${names[$j]},"*) later=$((later + caps[j])) ;; esac
+    done
+    left=$((budget - (SECONDS - start)))
+    limit=$((left - later))
+    [ "$limit" -lt "${caps[$i]}" ] && limit=${caps[$i]}
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "$limit"
+}
+
 env_info() {
     nvidia-smi -L 2>&1 || true
     python3 - <<'EOF'
@@ -223,19 +238,12 @@ kernels() {
     local names=(gpt_1b_tp4 8b e2e_llama e2e_gpt_1b e2e_fp8) caps=(150 125 75 80 40)
     local args_gpt_1b_tp4=(--shapes gpt_1b_tp4 --not-built) args_8b=(--shapes 8b)
     local args_e2e_llama=(--e2e llama_8l_h1024) args_e2e_gpt_1b=(--e2e gpt_1b_4l) args_e2e_fp8=(--e2e fp8_loss)
-    local i j name later limit left rc
+    local i name limit rc
     for i in "${!names[@]}"; do
         name=${names[$i]}
-        case ",$parts," in *",$name,"*) ;; *) continue ;; esac
-        later=0
-        for ((j = i + 1; j < ${#names[@]}; j++)); do
-            case ",$parts," in *",${names[$j]},"*) later=$((later + caps[j])) ;; esac
-        done
-        left=$((budget - (SECONDS - start)))
-        limit=$((left - later))
-        [ "$limit" -lt "${caps[$i]}" ] && limit=${caps[$i]}
-        [ "$limit" -gt "$left" ] && limit=$left
-        if [ "$limit" -lt 20 ]; then echo "== $name: skipped, ${left}s of the budget left" | tee -a "$log"; continue; fi
+        limit=$(part_limit "$i")
+        [ "$limit" = unwanted ] && continue
+        if [ "$limit" -lt 20 ]; then echo "== $name: skipped, $((budget - (SECONDS - start)))s of the budget left" | tee -a "$log"; continue; fi
         local -n args="args_$name"
         local extra=()
         [ "${args[0]}" = --e2e ] && extra=(--e2e-timeout $((limit - 10)))
@@ -292,19 +300,12 @@ peers() {
 
     # Each part reserves CAP seconds of the budget, in this order (as in `kernels`).
     local names=(dense_1b dense_3b moe_fine moe_mixtral) caps=(120 130 110 100)
-    local i j name later limit left rc t0
+    local i name limit rc t0
     for i in "${!names[@]}"; do
         name=${names[$i]}
-        case ",$parts," in *",$name,"*) ;; *) continue ;; esac
-        later=0
-        for ((j = i + 1; j < ${#names[@]}; j++)); do
-            case ",$parts," in *",${names[$j]},"*) later=$((later + caps[j])) ;; esac
-        done
-        left=$((budget - (SECONDS - start)))
-        limit=$((left - later))
-        [ "$limit" -lt "${caps[$i]}" ] && limit=${caps[$i]}
-        [ "$limit" -gt "$left" ] && limit=$left
-        if [ "$limit" -lt 20 ]; then echo "== $name: skipped, ${left}s of the budget left" | tee -a "$log"; continue; fi
+        limit=$(part_limit "$i")
+        [ "$limit" = unwanted ] && continue
+        if [ "$limit" -lt 20 ]; then echo "== $name: skipped, $((budget - (SECONDS - start)))s of the budget left" | tee -a "$log"; continue; fi
         echo "== $name (up to ${limit}s): bench/peers.py --models $name ${extra[*]}" | tee -a "$log"
         t0=$SECONDS
         timeout --kill-after=5 "$limit" python3 bench/peers.py --models "$name" --raw-dir "$partdir" --no-records \

@@ -214,6 +214,17 @@ def _autocast(device, bf16: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
+def _update(loss, model, optimizer):
+    """A peer's backward and update, as meshtron's step does them: clip at MAX_GRAD_NORM, AdamW."""
+    import torch
+
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _adamw(params, device):
     import torch
 
@@ -398,11 +409,7 @@ class TorchtitanSide:
             pred = self.model(x, **self.kwargs)
             loss, _ = self.loss_fn(pred, y, torch.tensor(y.numel(), device=self.device))
         del pred
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return _update(loss, self.model, self.optimizer)
 
     def close(self):
         del self.model, self.optimizer
@@ -508,15 +515,10 @@ class MegatronSide:
         self.system = f"Megatron-Core {version('megatron-core')} GPTModel, local spec, eager"
 
     def step(self, x, y):
-        import torch
 
         with _autocast(self.device, self.bf16):
             loss = self.model(x, self.position_ids, self.mask, labels=y).float().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return _update(loss, self.model, self.optimizer)
 
     def close(self):
         del self.model, self.optimizer
