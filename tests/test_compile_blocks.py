@@ -186,7 +186,14 @@ def test_compiled_blocks_train_like_eager(name):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "case", ["gpt2_tp2_sp_compiled", "llama_cp2_compiled", "llama_moe_ep2_compiled", "gpt2_pp2_1f1b_compiled"]
+    "case",
+    [
+        "gpt2_tp2_sp_compiled",
+        "llama_cp2_compiled",
+        "llama_moe_ep2_compiled",
+        "llama_zero2_dp2_compiled",
+        "gpt2_pp2_1f1b_compiled",
+    ],
 )
 def test_compiled_blocks_in_two_rank_layouts_equal_serial(case):
     """tests/distributed/compile_cases.py in one gloo world of 2 (per-collective timeout 60 s)."""

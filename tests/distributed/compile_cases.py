@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from meshtron.dp.distributed_optimizer import ShardedAdamW
+from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.config import ExecutionConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.training.step import train_step
 from tests.distributed.dense_cases import (
+    ADAM_EPS,
     LR,
     UNFUSED,
     assert_close,
@@ -35,9 +38,10 @@ STEPS = 2
 MICRO = 2  # sequences per microbatch (the serial run takes every replica's, in order)
 
 
-def check_compiled_layout(arch: str, moe: bool = False, **layout) -> None:
+def check_compiled_layout(arch: str, moe: bool = False, zero: int = 0, **layout) -> None:
     """The compiled model in `layout` (ParallelConfig fields) trains like the serial eager one
-    (`moe`: 8 experts, top-2, dropless, aux and z losses)."""
+    (`moe`: 8 experts, top-2, dropless, aux and z losses; `zero` 1 or 2: the sharded AdamW over
+    dp, gradients reduce-scattered at 2, so only the loss, norm and weights are compared)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -46,6 +50,10 @@ def check_compiled_layout(arch: str, moe: bool = False, **layout) -> None:
     mesh = build_mesh(ParallelConfig(**layout), cfg)
     serial_mesh = single_process_mesh()
     model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(compile=True))
+    if zero:
+        reducer.remove_hooks()
+        reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, bucket_mb=0.01, shard_grads=zero == 2)
+        optimizer = ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
     assert all(block.compiled for block in model.layers.values())
     for step in range(STEPS):
@@ -55,7 +63,7 @@ def check_compiled_layout(arch: str, moe: bool = False, **layout) -> None:
         ref_out = train_step(ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0)
         for key in ("loss", "grad_norm") + (("aux_loss", "z_loss") if moe else ()):
             assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
-        if step == 0:
+        if step == 0 and not zero:
             compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
     compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "weight")
     reducer.remove_hooks()
@@ -80,6 +88,12 @@ def llama_moe_ep2_compiled() -> None:
     check_compiled_layout("llama", moe=True, ep=2)
 
 
+def llama_zero2_dp2_compiled() -> None:
+    """ZeRO-2 at dp=2: gradient buckets reduce-scattered by hooks on the compiled blocks'
+    parameters, each rank's AdamW shard, the weights all-gathered after the step."""
+    check_compiled_layout("llama", zero=2)
+
+
 def gpt2_pp2_1f1b_compiled() -> None:
     """pp=2 (1F1B): each stage's compiled blocks between the pipeline's point-to-point
     messages; losses, gradients, weights and the pipelined evaluation equal the serial model."""
@@ -92,7 +106,13 @@ def gpt2_pp2_1f1b_compiled() -> None:
     torch._dynamo.reset()
 
 
-CASES = ("gpt2_tp2_sp_compiled", "llama_cp2_compiled", "llama_moe_ep2_compiled", "gpt2_pp2_1f1b_compiled")
+CASES = (
+    "gpt2_tp2_sp_compiled",
+    "llama_cp2_compiled",
+    "llama_moe_ep2_compiled",
+    "llama_zero2_dp2_compiled",
+    "gpt2_pp2_1f1b_compiled",
+)
 
 
 def cases_for_world(world_size: int) -> list[str]:
