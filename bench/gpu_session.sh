@@ -31,6 +31,9 @@
 #                 the same with a capacity (1.25) eager and with --compile-moe, which compiles
 #                 the router and experts only (the mode every layout with ep > 1 gets; one GPU
 #                 cannot run ep > 1)                                 -> $OUT/moe_layer_compile_bf16.json
+#   moe_swiglu_ab four JSON lines: the moe_compile step's small MoE model eager in bf16 with
+#                 auto as it is, then with the experts' fused SwiGLU always on
+#                 (--swiglu-min-elements 0), twice, alternating   -> $OUT/moe_swiglu_ab.json
 #   moe_fp32      the issue's shape in fp32                                    -> $OUT/moe_layer_*.json
 #   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
 #   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
@@ -155,7 +158,7 @@ EOF
 
 run() {
     local out="${OUT:?set OUT to the folder that receives the results}"
-    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_large,moe_compile,moe_fp32,acceptance,bench}"
+    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_large,moe_compile,moe_swiglu_ab,moe_fp32,acceptance,bench}"
     local start=$SECONDS log="$out/log.txt" failed=""
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -207,6 +210,14 @@ run() {
         --compile reduce-overhead) && $(printf '%q ' "${throughput[@]}") && $(printf '%q ' "${throughput[@]}" --compile-moe) \
         && $(printf '%q ' "${throughput[@]}" --capacity-factor 1.25) \
         && $(printf '%q ' "${throughput[@]}" --capacity-factor 1.25 --compile-moe)"
+    # Issue 37's A/B of the host-bound bf16 MoE step (10-22% slower with the permutation gathers
+    # and the fused SwiGLU both on): auto as it is (the SwiGLU only from 2^26 elements) against
+    # the SwiGLU always on, alternating, two rounds: what the SwiGLU alone costs or saves.
+    local ab_line="" ab_round
+    for ab_round in 1 2; do
+        ab_line+="${ab_line:+ && }$(printf '%q ' "${throughput[@]}") && $(printf '%q ' "${throughput[@]}" --swiglu-min-elements 0)"
+    done
+    step moe_swiglu_ab moe_swiglu_ab.json bash -c "$ab_line"
     moe moe_fp32 moe_layer_fp32.json fp32
     # Without CUDA gpu_acceptance prints why it skips: the rehearsal proves it starts.
     step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections kernels,steps,card

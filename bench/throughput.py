@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from meshtron.kernels import backend as kernel_backend_module  # noqa: E402
 from meshtron.kernels import selfcheck  # noqa: E402
 from meshtron.kernels.backend import CHECKED, resolve_backend  # noqa: E402
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
@@ -41,7 +42,7 @@ from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
 from meshtron.observability.memory import peak_memory_bytes  # noqa: E402
 from meshtron.planning.flops import model_flops_per_token  # noqa: E402
 from meshtron.planning.peak import peak_flops  # noqa: E402
-from meshtron.rules import PRECISIONS, compile_moe_checks, first_failure  # noqa: E402
+from meshtron.rules import PRECISIONS, compile_checks, compile_moe_checks, cuda_graph_checks, first_failure  # noqa: E402
 from meshtron.training.config import OptimConfig  # noqa: E402
 from meshtron.training.engine import Engine, EngineConfig  # noqa: E402
 from meshtron.training.host_malloc import keep_freed_host_memory  # noqa: E402
@@ -124,6 +125,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="trainer.compile_moe=true: each MoE layer under torch.compile (one graph, or its "
         "router and experts where collectives or host syncs cut it; bf16: meshtron/rules.py "
         "compile_moe_checks)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="trainer.compile=true: every transformer block under torch.compile (meshtron/rules.py compile_checks)",
+    )
+    p.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=["default", "max-autotune-no-cudagraphs", "reduce-overhead"],
+        help="trainer.compile_mode with --compile (reduce-overhead: CUDA graphs where the step has no host sync)",
+    )
+    p.add_argument(
+        "--swiglu-min-elements",
+        type=int,
+        default=None,
+        help="A/B: kernels.backend=auto runs the experts' fused SwiGLU from this many elements "
+        "(kernels/backend.py AUTO_TRITON_MIN_ELEMENTS; default: its own 2^26)",
     )
     p.add_argument(
         "--moe-dispatch-chunks",
@@ -383,11 +402,42 @@ def build_run(args: argparse.Namespace, device: torch.device, world: int):
     )
     if failure:
         fail(f"--compile-moe: {failure}")
+    failure = first_failure(
+        compile_checks(
+            args.compile,
+            compile_mode=args.compile_mode,
+            compile_moe=args.compile_moe,
+            precision=args.precision,
+            kernel_backend=args.kernels,
+            zero=0,
+            dropout=0.0,
+        )
+        + (
+            cuda_graph_checks(
+                args.compile_mode,
+                device_type=device.type,
+                num_experts=cfg.num_experts,
+                ep=args.ep,
+                etp=args.etp,
+                capacity_factor=cfg.capacity_factor,
+                precision=args.precision,
+                pp=args.pp,
+            )
+            if args.compile
+            else []
+        )
+    )
+    if failure:
+        fail(f"--compile: {failure}")
+    if args.swiglu_min_elements is not None:  # an A/B of the fused SwiGLU's size threshold
+        kernel_backend_module.AUTO_TRITON_MIN_ELEMENTS["swiglu"] = args.swiglu_min_elements
     execution = ExecutionConfig(
         recompute=args.recompute,
         kernel_backend=backend,
         fused_lm_loss=not args.unfused_lm_loss,
         compile_moe=args.compile_moe,
+        compile=args.compile,
+        compile_mode=args.compile_mode,
         moe_dispatch_chunks=args.moe_dispatch_chunks,
     )
     engine = Engine.build(
@@ -528,6 +578,8 @@ def main(argv=None) -> None:
             "optimizer": "AdamW",
             "recompute": args.recompute,
             "compile_moe": args.compile_moe,
+            "compile": args.compile_mode if args.compile else None,
+            "swiglu_min_elements": kernel_backend_module.AUTO_TRITON_MIN_ELEMENTS["swiglu"],
             "moe_dispatch_chunks": args.moe_dispatch_chunks,
             "kernels": backend,
             "kernel_verdicts": {k: selfcheck.verdict(k) for k in selfcheck.KERNELS if selfcheck.verdict(k) is not None},
