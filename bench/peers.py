@@ -244,13 +244,8 @@ class MeshtronSide:
         from meshtron.training.precision import Precision
 
         cfg = gpt_config(shape)
-        fields = {f.name for f in dataclasses.fields(ExecutionConfig)}
-        execution = dict(kernel_backend="auto" if device.type == "cuda" else "torch")
-        how = "eager"
-        if compile and "compile" in fields:
-            execution["compile"], how = True, "every block under torch.compile (trainer.compile)"
-        elif compile and shape.is_moe:
-            execution["compile_moe"], how = True, "MoE layers under torch.compile (trainer.compile_moe)"
+        execution = dict(kernel_backend="auto" if device.type == "cuda" else "torch", compile=compile)
+        how = "every block under torch.compile (trainer.compile)" if compile else "eager"
         self.engine = Engine.build(
             EngineConfig(
                 model=cfg,
