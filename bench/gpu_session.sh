@@ -34,6 +34,8 @@
 #   moe_swiglu_ab four JSON lines: the moe_compile step's small MoE model eager in bf16 with
 #                 auto as it is, then with the experts' fused SwiGLU always on
 #                 (--swiglu-min-elements 0), twice, alternating   -> $OUT/moe_swiglu_ab.json
+#   compile_blocks  that model with every block compiled (--compile), then on CUDA with CUDA
+#                 graphs too (--compile-mode reduce-overhead)     -> $OUT/compile_blocks.json
 #   moe_fp32      the issue's shape in fp32                                    -> $OUT/moe_layer_*.json
 #   acceptance    bench/gpu_acceptance.py --sections kernels,steps,card       -> $OUT/acceptance.json
 #   bench         bench/gpu_acceptance.py --sections bench (kernels, throughput, MoE again)
@@ -158,7 +160,7 @@ EOF
 
 run() {
     local out="${OUT:?set OUT to the folder that receives the results}"
-    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_large,moe_compile,moe_swiglu_ab,moe_fp32,acceptance,bench}"
+    local budget="${GPU_SESSION_BUDGET:-500}" steps="${GPU_SESSION_STEPS:-env,moe_bf16,moe_large,moe_compile,moe_swiglu_ab,compile_blocks,moe_fp32,acceptance,bench}"
     local start=$SECONDS log="$out/log.txt" failed=""
     mkdir -p "$out"
     export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -218,6 +220,12 @@ run() {
         ab_line+="${ab_line:+ && }$(printf '%q ' "${throughput[@]}") && $(printf '%q ' "${throughput[@]}" --swiglu-min-elements 0)"
     done
     step moe_swiglu_ab moe_swiglu_ab.json bash -c "$ab_line"
+    # The same small MoE model with every block compiled (trainer.compile), then with CUDA graphs
+    # too (reduce-overhead: dropless ep = 1 has no host sync; CUDA only, the CPU refuses it).
+    local blocks_line
+    blocks_line="$(printf '%q ' "${throughput[@]}" --compile)"
+    [ "$device" = cuda ] && blocks_line+=" && $(printf '%q ' "${throughput[@]}" --compile --compile-mode reduce-overhead)"
+    step compile_blocks compile_blocks.json bash -c "$blocks_line"
     moe moe_fp32 moe_layer_fp32.json fp32
     # Without CUDA gpu_acceptance prints why it skips: the rehearsal proves it starts.
     step acceptance acceptance.json python3 bench/gpu_acceptance.py --sections kernels,steps,card

@@ -44,16 +44,20 @@ def test_without_a_verb_it_prints_the_usage():
 
 
 def test_cpu_rehearsal_runs_the_steps_and_leaves_each_result(tmp_path):
-    proc = session(tmp_path, "run", GPU_SESSION_STEPS="env,moe_large,moe_compile,moe_swiglu_ab,moe_fp32,acceptance")
+    proc = session(
+        tmp_path, "run", GPU_SESSION_STEPS="env,moe_large,moe_compile,moe_swiglu_ab,compile_blocks,moe_fp32,acceptance"
+    )
     out = tmp_path / "out"
     log = (out / "log.txt").read_text()
     assert proc.returncode == 0, proc.stdout + log
     assert "no CUDA: rehearsal on the CPU at a tiny size" in log
-    for step in ("env", "moe_large", "moe_compile", "moe_swiglu_ab", "moe_fp32", "acceptance"):
+    for step in ("env", "moe_large", "moe_compile", "moe_swiglu_ab", "compile_blocks", "moe_fp32", "acceptance"):
         assert f"== {step}: exit 0" in log, log
     ab = [json.loads(line) for line in (out / "moe_swiglu_ab.json").read_text().strip().splitlines()]
     assert [r["config"]["swiglu_min_elements"] for r in ab] == [1 << 26, 0, 1 << 26, 0]
     assert all(r["config"]["moe"]["experts"] == 4 and r["tokens_per_s"] > 0 for r in ab)
+    (blocks,) = [json.loads(line) for line in (out / "compile_blocks.json").read_text().strip().splitlines()]
+    assert blocks["config"]["compile"] == "default" and blocks["tokens_per_s"] > 0  # CUDA graphs: on CUDA only
     block, eager, compiled, capped, capped_compiled = map(
         json.loads, (out / "moe_layer_compile_bf16.json").read_text().strip().splitlines()
     )
