@@ -29,6 +29,7 @@ their recomputation) share them: one host sync per microbatch, not per layer.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable
@@ -66,6 +67,8 @@ def backend_problem(
         return f"is torch's flash varlen kernel, CUDA only (got {device_type})"
     if backend == "varlen" and dtype not in HALF_DTYPES:
         return f"needs fp16 or bf16 inputs (got {str(dtype).removeprefix('torch.')})"
+    if backend == "varlen" and not varlen_kernel_fits():
+        return f"needs torch's varlen_attn with window_size and enable_gqa (torch {torch.__version__} lacks them); use flex"
     if backend == "flex" and device_type != "cuda" and (device_type != "cpu" or requires_grad):
         return f"has no backward on {device_type} (FlexAttention trains on CUDA only)"
     return None
@@ -86,7 +89,19 @@ def pick_backend(requested: str, device_type: str, dtype: torch.dtype, dropout_p
         # inside a compiled block (trainer.compile): varlen's segment count changes with every
         # microbatch (a recompile each), flex's block mask keeps its shapes
         return "flex"
-    return "varlen" if dtype in HALF_DTYPES else "flex"
+    return "varlen" if dtype in HALF_DTYPES and varlen_kernel_fits() else "flex"
+
+
+@functools.cache
+def varlen_kernel_fits() -> bool:
+    """Whether this torch's `varlen_attn` takes what `varlen_document_attention` passes
+    (window_size for the causal mask, enable_gqa, scale): torch 2.13's does; older releases
+    have other signatures (auto then takes flex)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return {"window_size", "enable_gqa", "scale"} <= inspect.signature(varlen_attn).parameters.keys()
 
 
 def attention_backend_checks(

@@ -160,6 +160,19 @@ def test_auto_picks_by_device_dtype_and_dropout(device, dtype, dropout, grad, pi
     assert pick_backend("auto", device, dtype, dropout, grad) == picked
 
 
+def test_a_torch_without_varlens_arguments_gets_flex(monkeypatch):
+    """A torch whose varlen_attn lacks window_size / enable_gqa (older releases, e.g. a GPU
+    image's): auto takes flex on CUDA, an explicit varlen says why not."""
+    from meshtron.mpu import document_attention as module
+
+    monkeypatch.setattr(module, "varlen_kernel_fits", lambda: False)
+    assert pick_backend("auto", "cuda", BF16, 0.0, True) == "flex"
+    with pytest.raises(ValueError, match="needs torch's varlen_attn with window_size and enable_gqa"):
+        pick_backend("varlen", "cuda", BF16, 0.0, True)
+    monkeypatch.undo()
+    assert module.varlen_kernel_fits()  # this torch (2.13) has them
+
+
 def test_auto_picks_flex_inside_compiled_blocks(monkeypatch):
     """Under torch.compile (trainer.compile) auto takes flex on CUDA, whose block mask keeps its
     shapes, not varlen, whose segment count would recompile every microbatch."""
