@@ -42,7 +42,7 @@ from meshtron.training.engine import Engine, EngineConfig
 from meshtron.training.host_malloc import keep_freed_host_memory
 from meshtron.training.local_sgd import build_local_sgd
 from meshtron.training.param_server import run_parameter_server
-from meshtron.training.precision import LossScaler, Precision
+from meshtron.training.precision import LossScaler, Precision, device_has_fast_bf16
 from meshtron.training.preemption import StopRequest
 from meshtron.training.reporting import StepReporter, lr_schedule, split_microbatches, val_microbatches
 from meshtron.training.run_checks import check_run_config, checkpoint_to_start_from
@@ -55,9 +55,8 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
     Talks over the default process group when launched by torchrun (WORLD_SIZE > 1).
     """
     wants_cuda = run.trainer.device == "cuda" or (run.trainer.device == "auto" and torch.cuda.is_available())
-    run, precision_why = run.with_precision_for(
-        "cuda" if wants_cuda else "cpu", wants_cuda and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    )
+    device_type = "cuda" if wants_cuda else "cpu"
+    run, precision_why = run.with_precision_for(device_type, device_has_fast_bf16(device_type))
     if run.parallel.dp_mode == "ps":  # parameter servers: their own world layout and loop
         return run_parameter_server(run, run_dir)
     world_size, _, _, local_world = launcher_env()

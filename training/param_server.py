@@ -783,10 +783,11 @@ def train_ps(run, env, run_dir, dataset) -> dict:
     """Every rank of the world: build the worker meshes and the servers' group (collectively),
     then serve (the last `parallel.servers` ranks) or train. Returns the worker's summary
     (history of logged records) or {"server": ServerResult}. Needs the default group."""
+    from meshtron.training.precision import device_has_fast_bf16
     from meshtron.training.reporting import lr_schedule
 
-    cuda = env.device.type == "cuda"  # trainer.precision=auto, resolved as run_training does
-    run, _ = run.with_precision_for(env.device.type, cuda and torch.cuda.is_bf16_supported())
+    # trainer.precision=auto, resolved as run_training does
+    run, _ = run.with_precision_for(env.device.type, device_has_fast_bf16(env.device.type))
     worker_par, workers, per_worker, micro = check_ps_run(run, env.world_size)
     roles = Roles(workers, per_worker, run.parallel.servers)
     rank = env.rank

@@ -100,6 +100,12 @@ class Precision:
 FP32 = Precision("fp32")
 
 
+def device_has_fast_bf16(device_type: str) -> bool:
+    """Whether `device_type` computes bf16 at tensor-core speed here (a CUDA device with bf16
+    support): what `trainer.precision=auto` asks (RunConfig.with_precision_for)."""
+    return device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 @contextlib.contextmanager
 def _fp8_autocast(device_type: str):
     with torch.autocast(device_type, dtype=torch.bfloat16), fp8_scope():
