@@ -16,6 +16,8 @@
 #                                       # torchtitan and Megatron-Core (see "peers" below)
 #   bash bench/gpu_session.sh checks    # THERE, the same way: issue 37's CUDA-only paths as
 #                                       # tests, and the packed-document attention figures
+#   bash bench/gpu_session.sh rehearse  # THERE, the same way: issue 38's ranks of big layouts
+#                                       # rehearsed on one GPU beside the planner (see "rehearse")
 #
 # Steps, most wanted first (issue 12's open target is the MoE block against Mixtral on a GPU),
 # each under `timeout` so that a slow one cannot take the rest's time; the whole run keeps to
@@ -84,6 +86,21 @@
 # graphs) -> $OUT/pytest_cuda.txt, then bench/attention_check.py (varlen and flex beside the
 # dense mask: error, memory, time at s 4096 / 8192) -> $OUT/attention_check.json.
 #   OUT=/tmp/out bash bench/gpu_session.sh checks
+#
+# rehearse: issue 38's rehearsals within GPU_SESSION_BUDGET seconds (default 420), one process
+# (bench/rehearse_gpu.py), which starts a part only while its budget (the verb's, less the install
+# and a 10-second margin) has room for the longest part so far: the card command
+# `+model=gpt_1b parallel.tp=4 parallel.ep=8` at ranks 0 and 7, the planner's top layout for 64
+# H100s one rank per pipeline stage, then the card's ranks 1-6 (its busiest expert rank is the
+# busiest of those that ran). It rewrites its records after every part, so a part cut off by the
+# outer `timeout` leaves the others' figures and says so:
+#   $OUT/results/gpu/<UTC date>-<device>-rehearse.json   -> copy into bench/results/gpu/ and commit
+#   $OUT/rehearse/card_rank0.json, card_rank<busiest>.json, plan_stage<first/last>.json, summary.json
+# (the full `meshtron.rehearse --json` reports; summary.json has every rehearsal's key figures).
+# env_info goes into $OUT/log.txt (the device tool returns at most 8 files). Without CUDA it runs
+# bench/rehearse_gpu.py's CPU rehearsal (tiny shapes, fp32; under a minute).
+# GPU_SESSION_REHEARSE_ARGS adds bench/rehearse_gpu.py options (e.g. "--card-ranks 0,7"):
+#   OUT=/tmp/out bash bench/gpu_session.sh rehearse
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -376,11 +393,55 @@ checks() {
     [ -z "$failed" ]
 }
 
+rehearse() {
+    local out="${OUT:?set OUT to the folder that receives the results}"
+    local budget="${GPU_SESSION_BUDGET:-420}" start=$SECONDS log="$out/log.txt" failed="" results="$out/results/gpu"
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+    unset TRITON_INTERPRET
+    install "$log" || return 1
+    local cuda extra=() more=() left rc
+    read -r -a more <<<"${GPU_SESSION_REHEARSE_ARGS:-}"  # more bench/rehearse_gpu.py options
+    cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
+    if [ "$cuda" != "1" ]; then
+        extra=(--cpu-rehearsal)
+        echo "no CUDA: bench/rehearse_gpu.py's CPU rehearsal (tiny shapes, fp32)" | tee -a "$log"
+    fi
+    env_info >>"$log" 2>&1  # in the log, not env.txt: the device tool returns at most 8 files
+    left=$((budget - (SECONDS - start)))
+    if [ "$left" -lt 30 ]; then
+        echo "== rehearse: skipped, ${left}s of the budget left" | tee -a "$log"
+        return 1
+    fi
+    echo "== rehearse (up to ${left}s): bench/rehearse_gpu.py --budget $((left - 10)) ${extra[*]} ${more[*]}" | tee -a "$log"
+    timeout --kill-after=5 "$left" python3 bench/rehearse_gpu.py --budget $((left - 10)) --out-dir "$results" \
+        --reports-dir "$out/rehearse" "${extra[@]}" "${more[@]}" >>"$log" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] || failed="$failed rehearse"
+    grep -E '^(rehearsed rank|memory:|time:|job:|== (card|top|plan)|[0-9]+ records)' "$log" | tail -n 40
+    echo "== rehearse: exit $rc after $((SECONDS - start))s" | tee -a "$log"
+    # the records as they stand (a cut-off part says so in its records), checked against the targets
+    shopt -s nullglob
+    local files=("$results"/*-rehearse.json)
+    shopt -u nullglob
+    if [ ${#files[@]} -eq 0 ]; then
+        echo "== check: no records file" | tee -a "$log"
+        failed="$failed records"
+    elif ! python3 bench/rehearse_gpu.py --check "${files[@]}" 2>&1 | tee -a "$log"; then
+        failed="$failed check"
+    else
+        echo "== check: ${files[*]} passes" | tee -a "$log"
+    fi
+    echo "total $((SECONDS - start))s of ${budget}s${failed:+; failed:$failed}" | tee -a "$log"
+    [ -z "$failed" ]
+}
+
 case "${1:-}" in
     fetch) fetch ;;
     run) run ;;
     kernels) kernels ;;
     peers) peers ;;
     checks) checks ;;
-    *) echo "usage: bench/gpu_session.sh fetch|run|kernels|peers|checks   (see the comment at the top)" >&2; exit 2 ;;
+    rehearse) rehearse ;;
+    *) echo "usage: bench/gpu_session.sh fetch|run|kernels|peers|checks|rehearse   (see the comment at the top)" >&2; exit 2 ;;
 esac

@@ -15,9 +15,10 @@ every key of `RECORD_KEYS`:
 * `ratio`: how many times better meshtron is than the baseline (baseline time / meshtron
   time; meshtron rate / baseline rate), or the fraction a metric names;
 * `target`, `better` and `met`: `better` "higher" means met = ratio >= target, "lower" means
-  met = meshtron <= target (host microseconds <= 10); no target (an informative figure) means
-  met null; no figure (`meshtron` null: not built, failed or not measured, said in `note`)
-  means met false;
+  met = meshtron <= target (host microseconds <= 10), "within" means met = |ratio - 1| <= target
+  (a figure that must match its baseline to a tolerance: bench/rehearse_gpu.py's memory); no
+  target (an informative figure) means met null; no figure (`meshtron` null: not built, failed
+  or not measured, said in `note`) means met false;
 * `device`, `date` (UTC), `torch`, `triton`: where and when;
 * extra keys a record may carry: `shape`, `dtype`, `method` (how the device time was taken,
   per side: `cuda_graph`, `profiler` or `cpu_wall`), `device_ms`, `host_us`, `host_fwd_us`,
@@ -50,7 +51,7 @@ class Target:
     metric: str
     unit: str
     target: float | None
-    better: str = "higher"  # "higher": ratio >= target; "lower": meshtron <= target
+    better: str = "higher"  # "higher": ratio >= target; "lower": meshtron <= target; "within": |ratio - 1| <= target
     part: str = "gpt_1b_tp4"  # which part of the GPU run measures it (bench/gpu_session.sh kernels)
 
 
@@ -131,6 +132,8 @@ def met_of(meshtron, ratio, target, better: str) -> bool | None:
         return None
     if better == "lower":
         return meshtron is not None and meshtron <= target
+    if better == "within":  # a two-sided tolerance: the ratio within `target` of 1 (to 1e-9: 0.95 is within 0.05)
+        return ratio is not None and round(abs(ratio - 1), 9) <= target
     return ratio is not None and ratio >= target
 
 

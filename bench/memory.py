@@ -53,6 +53,7 @@ import torch.distributed as dist  # noqa: E402
 
 from meshtron.models.config import ExecutionConfig, GPTConfig  # noqa: E402
 from meshtron.mpu.mesh import ParallelConfig, build_mesh  # noqa: E402
+from meshtron.observability.memory import held_state_bytes, profiled_peak  # noqa: E402
 from meshtron.planning.activations import saved_activation_bytes  # noqa: E402
 from meshtron.planning.plan import plan_rank  # noqa: E402
 from meshtron.training.config import OptimConfig  # noqa: E402
@@ -118,63 +119,6 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     if args.model == "moe":
         kw.update(num_experts=args.experts, top_k=args.top_k)
     return GPTConfig(**kw)
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if torch.is_tensor(t) and t.dim() > 0:
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
-def state_bytes(chunks, reducer, optimizer) -> dict[str, int]:
-    """Exact bytes of weights, gradients and optimizer state held now (unique storages; under
-    ZeRO-3 the parameters' full storages are empty between steps and the shards hold them)."""
-    params = [p for c in chunks for p in c.parameters()]
-    grads = [p.grad for p in params if p.grad is not None]
-    for bucket in reducer.buckets:
-        grads += [getattr(bucket, "buffer", None), getattr(bucket, "shard", None)]
-    state = optimizer.state.values() if hasattr(optimizer, "state") else []
-    opt = [t for s in state for t in s.values() if torch.is_tensor(t)]
-    main = []
-    if hasattr(optimizer, "state_tensors"):  # 16-bit resident weights: fp32 main weights + moments
-        main, opt = optimizer.state_tensors()
-    shards = [getattr(bucket, "param_shard", None) for bucket in reducer.buckets]
-    return {
-        "weights": _storage_bytes(params + [s for s in shards if s is not None]),
-        "grads": _storage_bytes(g for g in grads if g is not None),
-        "optimizer": _storage_bytes(opt),
-        "main_params": _storage_bytes(main),
-    }
-
-
-def profiled_peak(fn, device: torch.device) -> int:
-    """High-water mark of tensor bytes allocated by `fn()` above those allocated when it starts."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False) as prof:
-        fn()
-    events = [
-        e
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    events.sort(key=lambda e: e.start_ns())
-    running = high = 0
-    for e in events:
-        running += e.nbytes()
-        high = max(high, running)
-    return high
 
 
 def main(argv=None) -> None:
@@ -270,7 +214,7 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
             local = local_microbatch(*microbatches[0], mesh)  # this rank's cp shard
             saved = saved_activation_bytes(chunks[0], local.inputs, local.targets)
     step()  # warm-up: AdamW state exists from here on
-    states = state_bytes(chunks, reducer, optimizer)
+    states = held_state_bytes(chunks, reducer, optimizer)
     persistent = sum(states.values())
     above = profiled_peak(step, device)
     measured = dict(states, activations=above, total=persistent + above, activations_saved=saved)

@@ -1,6 +1,8 @@
 """docs/kernels.md's table of GPU kernel figures and kernels/measured.json (what
-kernels.backend=auto runs on CUDA), generated from bench/results/gpu/*-kernels.json, and
-docs/performance.md's table of meshtron beside its peers from bench/results/gpu/*-peers.json.
+kernels.backend=auto runs on CUDA), generated from bench/results/gpu/*-kernels.json,
+docs/performance.md's table of meshtron beside its peers from bench/results/gpu/*-peers.json,
+and docs/planning.md's table of ranks rehearsed on a GPU beside the planner from
+bench/results/gpu/*-rehearse.json (bench/rehearse_gpu.py).
 
     python bench/results_table.py           # rewrite the table block and kernels/measured.json
     python bench/results_table.py --check   # exit 1 if either is stale or a results file is bad
@@ -26,6 +28,8 @@ if str(ROOT) not in sys.path:
 
 from bench.kernel_records import check, device_slug  # noqa: E402
 from bench.peers import check as check_peers  # noqa: E402
+from bench.rehearse_gpu import WHATS as REHEARSE_WHATS  # noqa: E402
+from bench.rehearse_gpu import check as check_rehearse  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu"
 DOC = ROOT / "docs" / "kernels.md"
@@ -50,6 +54,7 @@ CE_TRITON, CE_TORCH_PATH = (
 BEGIN, END = "<!-- kernel-table:begin -->", "<!-- kernel-table:end -->"
 FILE = re.compile(r"(\d{4}-\d{2}-\d{2})-([a-z0-9]+)-kernels\.json")
 PEERS_FILE = re.compile(r"(\d{4}-\d{2}-\d{2})-([a-z0-9]+)-peers\.json")
+REHEARSE_FILE = re.compile(r"(\d{4}-\d{2}-\d{2})-([a-z0-9]+)-rehearse\.json")
 NONE_YET = (
     "No GPU run has recorded figures in this format yet: the first `bench/gpu_session.sh kernels` "
     "on a lent GPU writes `bench/results/gpu/<UTC date>-<device>-kernels.json`."
@@ -60,11 +65,20 @@ PEERS_NONE_YET = (
     "No GPU run has compared meshtron with its peers yet: the first `bench/gpu_session.sh peers` "
     "on a lent GPU writes `bench/results/gpu/<UTC date>-<device>-peers.json`."
 )
+REHEARSE_DOC = ROOT / "docs" / "planning.md"
+REHEARSE_BEGIN, REHEARSE_END = "<!-- rehearse-table:begin -->", "<!-- rehearse-table:end -->"
+REHEARSE_NONE_YET = (
+    "No GPU run has rehearsed a rank yet: the first `bench/gpu_session.sh rehearse` on a lent GPU "
+    "writes `bench/results/gpu/<UTC date>-<device>-rehearse.json`."
+)
 # kind -> (results file names, the doc's markers, the text while no GPU file exists)
 TABLES = {
     "kernels": (FILE, BEGIN, END, NONE_YET),
     "peers": (PEERS_FILE, PEERS_BEGIN, PEERS_END, PEERS_NONE_YET),
+    "rehearse": (REHEARSE_FILE, REHEARSE_BEGIN, REHEARSE_END, REHEARSE_NONE_YET),
 }
+# a results file's checker, by the end of its name
+CHECKERS = {"-kernels.json": check, "-peers.json": check_peers, "-rehearse.json": check_rehearse}
 
 
 def latest_files(results: Path, pattern: re.Pattern = FILE) -> list[Path]:
@@ -115,18 +129,74 @@ def table(path: Path) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
-        goal = "-" if r["target"] is None else ("≤ " if r.get("better") == "lower" else "≥ ") + _num(r["target"])
+        goal = _goal(r)
         met_cell = {True: "yes", False: "no", None: "-"}[r["met"]]
         cells = [r["name"], _num(r["meshtron"]), _num(r["baseline"]), r.get("unit", ""), _num(r["ratio"]), goal]
         lines.append("| " + " | ".join([*map(str, cells), met_cell, _how(r)]) + " |")
     return "\n".join(lines)
 
 
+def _goal(r: dict) -> str:
+    if r["target"] is None:
+        return "-"
+    if r.get("better") == "within":
+        return "1 ± " + _num(r["target"])
+    return ("≤ " if r.get("better") == "lower" else "≥ ") + _num(r["target"])
+
+
+def rehearse_table(path: Path) -> str:
+    """One row per rehearsed rank of a -rehearse.json file: measured vs planned GiB, the rank's
+    step time and MFU, the job's predicted vs planned tokens/s."""
+    records = json.loads(path.read_text())
+    first = records[0]
+    suffixes = [what for what, *_ in REHEARSE_WHATS]  # memory, rank MFU, job tokens/s
+    ranks: dict[str, dict[str, dict]] = {}
+    for r in records:
+        what = next(w for w in suffixes if r["name"].endswith(" " + w))
+        ranks.setdefault(r["name"][: -len(what) - 1], {})[what] = r
+    memory_met = sum(rows[suffixes[0]]["met"] is True for rows in ranks.values())
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    lines = [
+        f"**{first['device']}, {first['date']}** (`{rel}`; torch {first['torch']}, Triton {first['triton']}): "
+        f"{len(ranks)} ranks, memory within {_num(first['target'])} of the planner's for {memory_met}.",
+        "",
+        "| rehearsed rank | rank / world | measured GiB | planned GiB | measured / planned | met (1 ± 0.05) "
+        "| step s | rank MFU | predicted job tokens/s | planner tokens/s | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, rows in ranks.items():
+        mem, mfu, job = (rows.get(w, {}) for w in suffixes)
+        rank = f"{mem['rank']} / {mem['world']}" if mem.get("rank") is not None else "-"
+        step = mfu.get("step_s")
+        note = "; ".join(
+            dict.fromkeys(
+                str(x) for x in (mem.get("note"), mfu.get("note"), job.get("note"), mem.get("plan_overrides")) if x
+            )
+        )
+        cells = [
+            label,
+            rank,
+            _num(mem.get("meshtron")),
+            _num(mem.get("baseline")),
+            _num(mem.get("ratio")),
+            {True: "yes", False: "no", None: "-"}[mem.get("met")],
+            _num(None if step is None else round(step, 4)),
+            _num(mfu.get("meshtron")),
+            _num(job.get("meshtron")),
+            _num(job.get("baseline")),
+            note.replace("|", "\\|").replace("\n", " "),
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def block(results: Path, kind: str = "kernels") -> str:
-    """The generated block of `kind` ("kernels": docs/kernels.md, "peers": docs/performance.md)."""
+    """The generated block of `kind` ("kernels": docs/kernels.md, "peers": docs/performance.md,
+    "rehearse": docs/planning.md)."""
     pattern, begin, end, none_yet = TABLES[kind]
     files = latest_files(results, pattern)
-    body = "\n\n".join(table(p) for p in files) if files else none_yet
+    render = rehearse_table if kind == "rehearse" else table
+    body = "\n\n".join(render(p) for p in files) if files else none_yet
     note = "<!-- generated by `python bench/results_table.py` from the newest results file per device; do not edit -->"
     return f"{begin}\n{note}\n\n{body}\n\n{end}"
 
@@ -140,20 +210,21 @@ def rewrite(doc_text: str, new_block: str, kind: str = "kernels") -> str:
 
 
 def problems(results: Path) -> list[str]:
-    """Every results file's problems: issue 36's `-kernels.json` (bench/kernel_records.py) and
-    issue 37's `-peers.json` (bench/peers.py) against their target lists and the contract."""
+    """Every results file's problems: issue 36's `-kernels.json` (bench/kernel_records.py),
+    issue 37's `-peers.json` (bench/peers.py) and issue 38's `-rehearse.json`
+    (bench/rehearse_gpu.py) against their target lists and the contract."""
     out = []
     for path in sorted(results.glob("*.json")):
-        name = FILE.fullmatch(path.name) or PEERS_FILE.fullmatch(path.name)
+        name = FILE.fullmatch(path.name) or PEERS_FILE.fullmatch(path.name) or REHEARSE_FILE.fullmatch(path.name)
         if not name:
-            out.append(f"{path.name}: not named <UTC date>-<device>-kernels.json or -peers.json")
+            out.append(f"{path.name}: not named <UTC date>-<device>-kernels.json, -peers.json or -rehearse.json")
             continue
         try:
             records = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             out.append(f"{path.name}: not JSON ({err})")
             continue
-        checker = check if path.name.endswith("-kernels.json") else check_peers
+        checker = next(c for end, c in CHECKERS.items() if path.name.endswith(end))
         out += [f"{path.name}: {line}" for line in checker(records)]
         if isinstance(records, list) and records and isinstance(records[0], dict):
             first = records[0]
@@ -200,9 +271,12 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--doc", type=Path, default=DOC, help="the kernel table's doc (docs/kernels.md)")
     p.add_argument("--peers-doc", type=Path, default=PEERS_DOC, help="the peers table's doc (docs/performance.md)")
+    p.add_argument(
+        "--rehearse-doc", type=Path, default=REHEARSE_DOC, help="the rehearsed ranks' table's doc (docs/planning.md)"
+    )
     p.add_argument("--measured", type=Path, default=MEASURED)
     args = p.parse_args(argv)
-    docs = {"kernels": args.doc, "peers": args.peers_doc}
+    docs = {"kernels": args.doc, "peers": args.peers_doc, "rehearse": args.rehearse_doc}
     texts = {kind: path.read_text() for kind, path in docs.items()}
     wants = {kind: rewrite(texts[kind], block(args.results, kind), kind) for kind in docs}
     table_text = args.measured.read_text()
@@ -213,7 +287,9 @@ def main(argv=None) -> int:
                 path.write_text(wants[kind])
         if want_table != table_text:
             args.measured.write_text(want_table)
-        print(f"{args.doc}, {args.peers_doc}, {args.measured}: from {len(list(args.results.glob('*.json')))} file(s)")
+        print(
+            f"{args.doc}, {args.peers_doc}, {args.rehearse_doc}, {args.measured}: from {len(list(args.results.glob('*.json')))} file(s)"
+        )
         return 0
     bad = problems(args.results)
     for kind, path in docs.items():

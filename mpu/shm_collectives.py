@@ -36,7 +36,8 @@ from torch.profiler import record_function
 from meshtron.mpu.waits import wait_for
 
 # Publishing relies on x86's in-order stores (data visible before the flag); elsewhere gloo.
-ENABLED = os.environ.get("MESHTRON_SHM_COLLECTIVES", "1") != "0" and platform.machine() in ("x86_64", "AMD64")
+_ENV_ENABLED = os.environ.get("MESHTRON_SHM_COLLECTIVES", "1") != "0" and platform.machine() in ("x86_64", "AMD64")
+ENABLED = _ENV_ENABLED
 TIMEOUT_S = 600.0  # a late peer fails the wait after this long; set_timeout() follows the process group's
 SLOT_BYTES = 4 << 20  # per rank and call parity; larger tensors go through gloo
 _FLAG_BYTES = 4096  # one int64 flag per rank, up to 512 ranks
@@ -52,6 +53,13 @@ def set_timeout(seconds: float) -> None:
     (called where the group is created with its timeout: trainer.collective_timeout_s)."""
     global TIMEOUT_S
     TIMEOUT_S = float(seconds)
+
+
+def set_enabled(flag: bool | None) -> None:
+    """Turn shared-memory collectives off (False: a rehearsal's groups have no peers to map a
+    segment with) or back to the environment's choice (None)."""
+    global ENABLED
+    ENABLED = _ENV_ENABLED if flag is None else bool(flag)
 
 
 def reset() -> None:

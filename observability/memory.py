@@ -16,7 +16,14 @@ import torch
 from meshtron.mpu.mappings import all_gather_stats, world_group
 from meshtron.mpu.mesh import collective_device, group_size
 
-__all__ = ["peak_memory_bytes", "peak_memory_per_rank", "format_bytes"]
+__all__ = [
+    "peak_memory_bytes",
+    "peak_memory_per_rank",
+    "format_bytes",
+    "held_state_bytes",
+    "profiled_peak",
+    "storage_bytes",
+]
 
 
 def _max_rss_bytes() -> int:
@@ -70,3 +77,62 @@ def format_bytes(n: float | int | None) -> str:
             return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if torch.is_tensor(t) and t.dim() > 0:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def held_state_bytes(chunks, reducer, optimizer) -> dict[str, int]:
+    """Exact bytes of weights, gradients and optimizer state held now (unique storages; under
+    ZeRO-3 the parameters' full storages are empty between steps and the shards hold them)."""
+    params = [p for c in chunks for p in c.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    for bucket in reducer.buckets:
+        grads += [getattr(bucket, "buffer", None), getattr(bucket, "shard", None)]
+    state = optimizer.state.values() if hasattr(optimizer, "state") else []
+    opt = [t for s in state for t in s.values() if torch.is_tensor(t)]
+    main = []
+    if hasattr(optimizer, "state_tensors"):  # 16-bit resident weights: fp32 main weights + moments
+        main, opt = optimizer.state_tensors()
+    shards = [getattr(bucket, "param_shard", None) for bucket in reducer.buckets]
+    return {
+        "weights": storage_bytes(params + [s for s in shards if s is not None]),
+        "grads": storage_bytes(g for g in grads if g is not None),
+        "optimizer": storage_bytes(opt),
+        "main_params": storage_bytes(main),
+    }
+
+
+def profiled_peak(fn, device: torch.device) -> int:
+    """High-water mark of tensor bytes allocated by `fn()` above those allocated when it starts:
+    CUDA from the caching allocator's peak; CPU from the profiler's memory events (every
+    allocation and free of `fn`, summed in time order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False) as prof:
+        fn()
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    events.sort(key=lambda e: e.start_ns())
+    running = high = 0
+    for e in events:
+        running += e.nbytes()
+        high = max(high, running)
+    return high

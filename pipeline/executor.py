@@ -87,6 +87,10 @@ class PipelineExecutor:
         self.pp, self.rank, self.v = mesh.pp_size, mesh.pp_rank, len(chunks)
         self.shape, self.dtype, self.device = activation_shape, dtype, torch.device(device)
         self.tags = tags
+        # True: each timeline stamp waits for the device first, so a span is the device's time
+        # for that action, not its launch (`meshtron.rehearse` on CUDA; costs the overlap of
+        # the host running ahead, so training runs leave it off)
+        self.device_timed = False
         self.num_virtual = self.pp * self.v
         self.stage_ranks = dist.get_process_group_ranks(mesh.pp)
         wanted = collective_device()
@@ -95,6 +99,11 @@ class PipelineExecutor:
                 f"pipeline messages on {self.device} cannot travel over the {dist.get_backend()} "
                 f"backend, which moves {wanted.type} tensors"
             )
+
+    def _clock(self) -> float:
+        if self.device_timed and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _tag(self, message: Message) -> int:
         if not self.tags:
@@ -122,11 +131,11 @@ class PipelineExecutor:
                 tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 inbox[op.message] = tensor
                 ops.append(dist.P2POp(dist.irecv, tensor, peer, tag=self._tag(op.message)))
-        start = time.perf_counter()
+        start = self._clock()
         peers = ", ".join(str(op) for op in batch.ops)
         for work in dist.batch_isend_irecv(ops):
             wait_for(work, f"pipeline p2p over pp ({peers})")
-        result.timeline.append(TimelineEvent(name, microbatch, chunk, start, time.perf_counter()))
+        result.timeline.append(TimelineEvent(name, microbatch, chunk, start, self._clock()))
 
     def run(
         self,
@@ -168,7 +177,7 @@ class PipelineExecutor:
                 else:
                     x = inbox.pop(need)
                     x.requires_grad_(not forward_only)
-                start = time.perf_counter()
+                start = self._clock()
                 out = chunk(x, **(forward_kwargs[m] if forward_kwargs else {}))
                 extra = extra_fn(chunk) if extra_fn is not None else None
                 if produced is None:
@@ -182,12 +191,12 @@ class PipelineExecutor:
                     outbox[produced] = out.detach().to(self.dtype).contiguous()
                     if not forward_only:
                         saved[(m, c)] = (x, out, extra)
-                result.timeline.append(TimelineEvent("F", m, c, start, time.perf_counter()))
+                result.timeline.append(TimelineEvent("F", m, c, start, self._clock()))
                 result.peak_live_activations = max(result.peak_live_activations, len(saved))
             else:
                 x, out, extra = saved.pop((m, c))
                 grad = None if need is None else inbox.pop(need)
-                start = time.perf_counter()
+                start = self._clock()
                 with before_backward(index, action) if before_backward else contextlib.nullcontext():
                     if grad is None:
                         out.backward()
@@ -197,7 +206,7 @@ class PipelineExecutor:
                         torch.autograd.backward([out, extra], [grad.to(out.dtype), torch.ones_like(extra)])
                 if produced is not None:
                     outbox[produced] = x.grad.contiguous()
-                result.timeline.append(TimelineEvent("B", m, c, start, time.perf_counter()))
+                result.timeline.append(TimelineEvent("B", m, c, start, self._clock()))
         for batch in batches[next_batch:]:  # the last action's message
             self._exchange(batch, outbox, inbox, result, "send", actions[-1].microbatch, actions[-1].chunk)
         if saved:

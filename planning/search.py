@@ -113,6 +113,8 @@ def enumerate_layouts(
     for tp in choices("tp", [d for d in divisors(world) if d <= gpus_per_node]):
         for cp in choices("cp", divisors(world // tp)):
             for pp in choices("pp", divisors(world // (tp * cp))):
+                if world % (tp * cp * pp):  # a pinned size that does not divide what is left
+                    continue
                 dp = world // (tp * cp * pp)
                 if fixed.get("dp", dp) != dp or first_failure(param_dtype_checks(param_dtype, precision, 0, pp)):
                     continue

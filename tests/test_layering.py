@@ -29,7 +29,7 @@ LAYERS = {
 }
 # `python -m` entry points at the import root, like train.py: they only forward to a command line
 # module of the top layer, so nothing below them imports them.
-ENTRY_POINTS = {"meshtron/plan.py", "meshtron/verify.py"}
+ENTRY_POINTS = {"meshtron/plan.py", "meshtron/verify.py", "meshtron/rehearse.py"}
 
 
 def _meshtron_imports(path: Path, folder: str) -> list[tuple[int, str]]:

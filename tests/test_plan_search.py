@@ -217,6 +217,12 @@ def test_enumeration_zero_recompute_micro_batches():
     assert {lay.micro_batch_size for lay in single} == {1, 2, 4}
 
 
+def test_a_pinned_size_that_does_not_divide_the_world_yields_no_layout():
+    cfg = tiny()
+    assert enumerate_layouts(cfg, 4, global_batch_size=4, gpus_per_node=4, fixed={"pp": 3}) == []
+    assert enumerate_layouts(cfg, 4, global_batch_size=4, gpus_per_node=4, fixed={"tp": 2, "cp": 4}) == []
+
+
 def test_sp_on_and_off_ranked_by_their_cost():
     """tp=2 x dp=2 with and without SP are both candidates, ranked by their own cost. On both
     presets (GPU ring; CPU, where SP's collectives go through shared memory like TP's

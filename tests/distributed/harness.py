@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_world(
-    world_size: int, cases: list[str], timeout: float = 600.0, collective_timeout: float = 60.0
+    world_size: int, cases: list[str], timeout: float = 600.0, collective_timeout: float = 60.0, backend: str = "gloo"
 ) -> dict[str, dict]:
-    """Return {case: {"ok": bool, "errors": {rank: traceback}}} after running all cases."""
+    """Return {case: {"ok": bool, "errors": {rank: traceback}}} after running all cases.
+    `backend` "recorded_gloo": gloo groups that log every call (mpu/rehearsal_groups.py)."""
     with tempfile.TemporaryDirectory(prefix=f"meshtron-w{world_size}-") as tmp:
         store = os.path.join(tmp, "store")
         # TRITON_INTERPRET must be set before triton is first imported in a worker (some cases
@@ -52,6 +53,8 @@ def run_world(
                 str(collective_timeout),
                 "--cases",
                 ",".join(cases),
+                "--backend",
+                backend,
                 "--dump-stacks-after",
                 str(max(timeout - 20.0, 1.0)),
             ]

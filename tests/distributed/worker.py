@@ -37,13 +37,19 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--collective-timeout", type=float, default=60.0)
     parser.add_argument("--dump-stacks-after", type=float, default=0.0)
+    parser.add_argument("--backend", default="gloo")
     args = parser.parse_args()
     if args.dump_stacks_after > 0:
         # A hang shows where every rank was stuck (in the rank's log, shown by the harness).
         faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     torch.set_num_threads(1)
+    if args.backend != "gloo":  # recorded_gloo: every call logged, shared memory off (mpu/rehearsal_groups.py)
+        from meshtron.mpu import rehearsal_groups
+
+        rehearsal_groups.register_backends()
+        shm_collectives.set_enabled(False)
     dist.init_process_group(
-        "gloo",
+        args.backend,
         init_method=f"file://{args.store}",
         rank=args.rank,
         world_size=args.world_size,
