@@ -125,7 +125,8 @@ def test_a_report_places_the_rank_and_sums_its_parts():
     r = _report_of_rank_5_of_8()
     assert r["coords"] == {"pp": 1, "dp": 0, "cp": 0, "tp": 1, "edp": 1, "ep": 0, "etp": 0}
     m = r["memory_bytes"]
-    assert m["total"] == m["weights"] + m["grads"] + m["optimizer"] + m["activations"]
+    assert m["total"] == m["weights"] + m["grads"] + m["optimizer"] + m["other_held"] + m["activations"]
+    assert m["other_held"] == 0  # CPU: the model states stand for what the step starts with
     assert m["weights"] > 0 and m["activations"] > 0 and m["optimizer"] == 2 * m["weights"]  # AdamW's two moments
     assert r["memory_ratio"] == pytest.approx(m["total"] / r["planned_memory_bytes"]["total"])
     assert sum(row["count"] for row in r["traffic"]) == r["calls_per_step"] == len(r["calls"])

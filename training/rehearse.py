@@ -11,9 +11,11 @@ second process is needed. The rank then trains `--steps` steps for real on this 
 (`--warmup` of them, 1 by default, are excluded from the figures: AdamW makes its state in the
 first). Reported, as one JSON object (`--json`) and a few lines:
 
-* memory: the step's peak (CUDA: the caching allocator's; CPU: the profiler's allocations),
-  split into weights, gradients, optimizer state and the rest (activations and working
-  buffers), beside `planning.plan.plan_rank`'s figures for the same rank;
+* memory: the step's peak (CUDA: the caching allocator's high-water mark of tensor bytes,
+  beside the bytes it reserved; CPU: the model states plus the profiler's high-water mark of
+  the step's allocations), split into weights, gradients, optimizer state, other tensors held
+  between steps (CUDA) and the rest (activations and working buffers), beside
+  `planning.plan.plan_rank`'s figures for the same rank;
 * time: seconds per step, and by phase: forward, optimizer, the rest (backward and gradient
   reduction) at pp = 1; every pipeline action (F, B per microbatch and chunk) at pp > 1;
 * communication: every collective and point-to-point message of a step (op, the mesh group it
@@ -233,6 +235,10 @@ def run_steps(engine: Engine, run: RunConfig, dataset, steps: int) -> list[dict]
                 inputs.to(engine.device), targets.to(engine.device), engine.config.micro_batch_size
             )
             states = held_state_bytes(engine.chunks, engine.reducer, engine.optimizer)
+            cuda = engine.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(engine.device)
+            held = torch.cuda.memory_allocated(engine.device) if cuda else None
             mark = len(rehearsal_groups.CALLS)
             box = {}
 
@@ -249,7 +255,9 @@ def run_steps(engine: Engine, run: RunConfig, dataset, steps: int) -> list[dict]
                     "phases": clock.take(),
                     "actions": _actions(out.pipeline),
                     "states": states,
+                    "held_at_start": held,  # CUDA: every tensor byte held when the step starts
                     "peak_above_start": above,
+                    "reserved_peak": torch.cuda.max_memory_reserved(engine.device) if cuda else None,
                     "calls": [c.as_dict() for c in rehearsal_groups.calls_since(mark)],
                     "loss": float(out.loss),
                     "skipped": bool(out.skipped),
@@ -398,7 +406,11 @@ def summarize(records: list[dict], warmup: int, engine: Engine, run: RunConfig, 
     last = measured[-1]
     states = last["states"]
     model_states = states["weights"] + states["grads"] + states["optimizer"] + states["main_params"]
-    peak = max(r["peak_above_start"] for r in measured) + model_states
+    # the step's start: CUDA knows every byte held then (model states and anything else kept
+    # between steps: gathered-parameter buffers, caches); the CPU profiler sees only the step,
+    # so there the model states stand for it
+    held = model_states if last["held_at_start"] is None else last["held_at_start"]
+    peak = held + max(r["peak_above_start"] for r in measured)
     seconds = sum(r["seconds"] for r in measured) / len(measured)
     phases: dict[str, float] = defaultdict(float)
     for r in measured:
@@ -425,8 +437,11 @@ def summarize(records: list[dict], warmup: int, engine: Engine, run: RunConfig, 
         "grads": states["grads"],
         "optimizer": states["optimizer"] + states["main_params"],
     }
-    memory["activations"] = peak - model_states
+    memory["other_held"] = held - model_states
+    memory["activations"] = peak - held
     memory["total"] = peak
+    if last["reserved_peak"] is not None:
+        memory["allocator_reserved"] = max(r["reserved_peak"] for r in measured)
     return {
         "rank": ctx["rank"],
         "world": ctx["world"],
@@ -507,7 +522,8 @@ def format_report(r: dict) -> list[str]:
     lines = [
         f"rehearsed rank {r['rank']} of {r['world']} on {r['device']}: {r['layout']}",
         f"memory: peak {m['total'] / gib:.3f} GiB (weights {m['weights'] / gib:.3f}, grads {m['grads'] / gib:.3f}, "
-        f"optimizer {m['optimizer'] / gib:.3f}, activations {m['activations'] / gib:.3f}); planned "
+        f"optimizer {m['optimizer'] / gib:.3f}, other held {m['other_held'] / gib:.3f}, "
+        f"activations {m['activations'] / gib:.3f}); planned "
         f"{p['total'] / gib:.3f} GiB" + (f" (measured/planned {r['memory_ratio']:.3f})" if r["memory_ratio"] else ""),
         "time: "
         + f"{r['step_s'] * 1e3:.1f} ms/step ("
