@@ -126,6 +126,7 @@ def rehearsal_world(world: int, rank: int, device: torch.device):
     backend = rehearsal_groups.REHEARSAL_CUDA if device.type == "cuda" else rehearsal_groups.REHEARSAL_CPU
     dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world)
     try:
+        check_routes(device)
         yield
     finally:
         dist.destroy_process_group()
@@ -147,6 +148,34 @@ class Prepared:
     device: torch.device
     dataset: object
     eos_id: int | None
+
+
+def check_routes(device: torch.device) -> None:
+    """Call each collective the code above uses once on the world group: a torch whose Python
+    process groups cannot take one (older releases route some tensor collectives past
+    Python) fails here with its name, not deep inside a model's step."""
+    if dist.get_world_size() == 1:
+        return
+    n, x = dist.get_world_size(), torch.ones(2, device=device)
+    peer = (dist.get_rank() + 1) % n
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13's names
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        gather.__name__: lambda: gather(torch.empty(2 * n, device=device), x),
+        scatter.__name__: lambda: scatter(x[:1], torch.ones(n, device=device)),
+        "all_to_all_single": lambda: dist.all_to_all_single(
+            torch.empty(n, device=device), torch.ones(n, device=device)
+        ),
+        "batch_isend_irecv": lambda: [w.wait() for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])],
+    }
+    mark = len(rehearsal_groups.CALLS)
+    for name, call in calls.items():
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - named with the torch release, then raised
+            raise RuntimeError(f"torch {torch.__version__}: {name} does not reach the rehearsal group ({err})") from err
+    del rehearsal_groups.CALLS[mark:]
 
 
 def prepare(run: RunConfig, world: int, gpus_per_node: int = 8) -> Prepared:
