@@ -270,6 +270,9 @@ def summarize(report: dict) -> dict:
         "rank_mfu": report["rank_mfu"],
         "job_tokens_per_s": report["job"]["tokens_per_s"],
         "planned_tokens_per_s": report["planned_job"]["tokens_per_s"],
+        "implied_efficiency": report.get("implied_efficiency"),  # planning/step_time.py's GPU_EFFICIENCY, measured
+        "allocator_reserved_gib": m.get("allocator_reserved", 0) / GIB,
+        "other_held_gib": m.get("other_held", 0) / GIB,
         "ep_all_to_all_recv_bytes": ep_recv_bytes(report),
         "losses": report["losses"],
     }

@@ -345,6 +345,29 @@ def register_backends() -> None:
             dist.Backend.register_backend(name, create, extended_api=True, devices=devices)
 
 
-def is_rehearsal(group=None) -> bool:
-    """Whether `group` (None: the world) is a rehearsal group: its peers are emulated."""
-    return dist.is_initialized() and str(dist.get_backend(group)).startswith("rehearsal_")
+def check_routes(device: torch.device) -> None:
+    """Call each collective the code above uses once on the world group: a torch whose Python
+    process groups cannot take one (older releases route some tensor collectives past
+    Python) fails here with its name, not deep inside a model's step."""
+    if dist.get_world_size() == 1:
+        return
+    n, x = dist.get_world_size(), torch.ones(2, device=device)
+    peer = (dist.get_rank() + 1) % n
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13's names
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        gather.__name__: lambda: gather(torch.empty(2 * n, device=device), x),
+        scatter.__name__: lambda: scatter(x[:1], torch.ones(n, device=device)),
+        "all_to_all_single": lambda: dist.all_to_all_single(
+            torch.empty(n, device=device), torch.ones(n, device=device)
+        ),
+        "batch_isend_irecv": lambda: [w.wait() for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])],
+    }
+    mark = len(CALLS)
+    for name, call in calls.items():
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - named with the torch release, then raised
+            raise RuntimeError(f"torch {torch.__version__}: {name} does not reach the rehearsal group ({err})") from err
+    del CALLS[mark:]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.mpu import rehearsal_groups
+from meshtron.planning.step_time import CPU_CALIBRATION
 from meshtron.training.cli import compose_run
 from meshtron.training.rehearse import main, rehearsal_world, rehearse
 from tests.distributed import rehearse_cases
@@ -136,6 +137,10 @@ def test_a_report_places_the_rank_and_sums_its_parts():
     assert sum(row["count"] for row in r["traffic"] if row["op"] == "send") == 4
     assert {row["group"] for row in r["traffic"]} >= {"tp", "p2p", "dp"}
     assert [a["name"] for a in r["actions"]].count("F") == 4
+    measured = r["job"]["compute_s"] - r["phases_s"]["optimizer"]  # this stage's F and B actions
+    assert measured == pytest.approx(r["phases_s"]["forward"] + r["phases_s"]["backward"])
+    implied = CPU_CALIBRATION["efficiency"] * r["planned_job"]["compute_s"] / measured
+    assert r["implied_efficiency"] == pytest.approx(implied)
     j = r["job"]
     assert j["step_s"] >= j["compute_s"] > 0 and j["tokens_per_s"] == pytest.approx(8 * 64 / j["step_s"])
     assert len(r["losses"]) == 3 and all(loss == loss for loss in r["losses"])

@@ -126,7 +126,7 @@ def rehearsal_world(world: int, rank: int, device: torch.device):
     backend = rehearsal_groups.REHEARSAL_CUDA if device.type == "cuda" else rehearsal_groups.REHEARSAL_CPU
     dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world)
     try:
-        check_routes(device)
+        rehearsal_groups.check_routes(device)
         yield
     finally:
         dist.destroy_process_group()
@@ -148,34 +148,6 @@ class Prepared:
     device: torch.device
     dataset: object
     eos_id: int | None
-
-
-def check_routes(device: torch.device) -> None:
-    """Call each collective the code above uses once on the world group: a torch whose Python
-    process groups cannot take one (older releases route some tensor collectives past
-    Python) fails here with its name, not deep inside a model's step."""
-    if dist.get_world_size() == 1:
-        return
-    n, x = dist.get_world_size(), torch.ones(2, device=device)
-    peer = (dist.get_rank() + 1) % n
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13's names
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    calls = {
-        "all_reduce": lambda: dist.all_reduce(x),
-        gather.__name__: lambda: gather(torch.empty(2 * n, device=device), x),
-        scatter.__name__: lambda: scatter(x[:1], torch.ones(n, device=device)),
-        "all_to_all_single": lambda: dist.all_to_all_single(
-            torch.empty(n, device=device), torch.ones(n, device=device)
-        ),
-        "batch_isend_irecv": lambda: [w.wait() for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer)])],
-    }
-    mark = len(rehearsal_groups.CALLS)
-    for name, call in calls.items():
-        try:
-            call()
-        except Exception as err:  # noqa: BLE001 - named with the torch release, then raised
-            raise RuntimeError(f"torch {torch.__version__}: {name} does not reach the rehearsal group ({err})") from err
-    del rehearsal_groups.CALLS[mark:]
 
 
 def prepare(run: RunConfig, world: int, gpus_per_node: int = 8) -> Prepared:
@@ -426,7 +398,14 @@ def planned(run: RunConfig, par, world: int, rank: int, micro: int, execution, c
         precision=t.precision,
         param_dtype=o.param_dtype,
     )
-    return {"memory_bytes": plan["memory"]["bytes"], "step_s": modelled.total, "tokens_per_s": modelled.tokens_per_s}
+    return {
+        "memory_bytes": plan["memory"]["bytes"],
+        "step_s": modelled.total,
+        "tokens_per_s": modelled.tokens_per_s,
+        "compute_s": modelled.compute_per_microbatch * modelled.microbatches,
+        "optimizer_s": modelled.optimizer,
+        "efficiency": cluster.efficiency,
+    }
 
 
 def summarize(records: list[dict], warmup: int, engine: Engine, run: RunConfig, ctx: dict) -> dict:
@@ -494,7 +473,12 @@ def summarize(records: list[dict], warmup: int, engine: Engine, run: RunConfig, 
         "calls_per_step": len(last["calls"]),
         "calls": last["calls"],
         "job": job,
-        "planned_job": {"step_s": plan["step_s"], "tokens_per_s": plan["tokens_per_s"]},
+        "planned_job": {k: plan[k] for k in ("step_s", "tokens_per_s", "compute_s", "optimizer_s")},
+        # the preset efficiency that makes the planner's matmul term equal this rank's measured
+        # compute (step less optimizer): what a GPU rehearsal corrects planning/step_time.py by
+        "implied_efficiency": plan["efficiency"] * plan["compute_s"] / (compute_s - phases.get("optimizer", 0.0))
+        if compute_s > phases.get("optimizer", 0.0)
+        else None,
         "losses": [r["loss"] for r in records],
         "assumption": "every peer holds and routes what this rank does, its expert traffic scaled by "
         "expert_load (mpu/rehearsal_groups.py)",
@@ -571,6 +555,12 @@ def format_report(r: dict) -> list[str]:
         f"job: predicted {j['step_s'] * 1e3:.1f} ms/step, {j['tokens_per_s']:,.0f} tokens/s; planner "
         f"{pj['step_s'] * 1e3:.1f} ms/step, {pj['tokens_per_s']:,.0f} tokens/s"
     )
+    if r["implied_efficiency"] is not None:
+        lines.append(
+            f"planner's matmul time {pj['compute_s'] * 1e3:.1f} ms per step vs measured "
+            f"{(j['compute_s'] - r['phases_s'].get('optimizer', 0.0)) * 1e3:.1f} ms: "
+            f"the {r['interconnect']} preset's efficiency would be {r['implied_efficiency']:.3f}"
+        )
     return lines
 
 
