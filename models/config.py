@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from meshtron.kernels.backend import RESOLVED as RESOLVED_BACKENDS
 from meshtron.models.fits import layout_checks
+from meshtron.models.rope import rope_scaling_checks
 from meshtron.moe.config import ROUTING_FIELDS, MoEConfig, scope_checks, score_check
 from meshtron.mpu.document_attention import ATTENTION_BACKENDS
 from meshtron.mpu.mesh import ParallelConfig
@@ -139,6 +140,21 @@ class GPTConfig:
     init_std: float = setting(0.02, gt=0, help="std of the normal weight init")
     norm_eps: float = setting(1e-5, gt=0, in_train_yaml=False, help="epsilon of the LayerNorm/RMSNorm")
     rope_theta: float = setting(10000.0, gt=0, in_train_yaml=False, help="RoPE base")
+    # RoPE frequency scaling (models/rope.py ROPE_SCALING_KEYS): Hugging Face's rope_scaling /
+    # rope_parameters dict without rope_theta, e.g. Llama 3.1's {rope_type: llama3, factor: 8.0,
+    # low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192}.
+    rope_scaling: dict | None = setting(
+        None, in_train_yaml=False, help="RoPE frequency scaling: null (plain RoPE) | {rope_type: llama3, factor, ...}"
+    )
+    qkv_bias: bool | None = setting(
+        None, in_train_yaml=False, help="bias on the q/k/v projection (null = model.bias; Qwen2: true, bias false)"
+    )
+    sliding_window: int | None = setting(
+        None,
+        ge=1,
+        in_train_yaml=False,
+        help="attention window (Mistral): null or >= seq_len (full causal); smaller is not implemented yet",
+    )
     # Mixture of Experts (0 experts = dense model).
     num_experts: int = setting(0, ge=0, help="> 0: MoE layers (see configs/model/moe_tiny.yaml)")
     top_k: int = setting(2, help="experts each token is routed to")
@@ -163,6 +179,14 @@ class GPTConfig:
     hf_router_fields: dict | None = setting(
         None, in_train_yaml=False, help="set by meshtron-hf import: the Mixtral router fields export writes back"
     )
+    # Set by models/hf/ on import where the architecture alone does not name the HF family
+    # (Mistral is Llama's architecture); export writes it back. The model never reads it.
+    hf_model_type: str | None = setting(
+        None,
+        choices=(None, "mistral"),
+        in_train_yaml=False,
+        help="set by meshtron-hf import: the HF model_type export writes (mistral: Llama's architecture)",
+    )
 
     def __post_init__(self) -> None:
         raise_first(field_checks("model", self))  # types and ranges before any arithmetic on them
@@ -171,6 +195,8 @@ class GPTConfig:
         self.activation = self.activation or act
         self.position = self.position or pos
         self.bias = bias if self.bias is None else self.bias
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
@@ -200,6 +226,13 @@ class GPTConfig:
                 self.position != "rope" or self.head_dim % 2 == 0,
                 f"RoPE needs an even head dim; hidden_size/num_heads={self.head_dim}",
             ),
+            (
+                self.sliding_window is None or self.sliding_window >= self.seq_len,
+                f"model.sliding_window={self.sliding_window} < model.seq_len={self.seq_len}: sliding-window "
+                f"attention is not implemented yet (a later step of issue 39); use a window >= seq_len "
+                f"(full causal attention) or null",
+            ),
+            *rope_scaling_checks(self.rope_scaling, self.position),
             *self._moe_checks(),
         ]
 

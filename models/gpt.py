@@ -167,7 +167,7 @@ class Attention(nn.Module):
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, qkv_out, mesh, bias=cfg.bias, init_std=cfg.init_std, device=device, dtype=dtype
+            cfg.hidden_size, qkv_out, mesh, bias=cfg.qkv_bias, init_std=cfg.init_std, device=device, dtype=dtype
         )
         self.proj = RowParallelLinear(
             cfg.num_heads * cfg.head_dim,
@@ -452,7 +452,9 @@ class GPT(nn.Module):
         """RoPE tables for `seq` positions, computed once per (length, device)."""
         key = (seq, str(device))
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_tables(seq, self.cfg.head_dim, self.cfg.rope_theta, device)
+            self._rope_cache[key] = rope_tables(
+                seq, self.cfg.head_dim, self.cfg.rope_theta, device, self.cfg.rope_scaling
+            )
         return self._rope_cache[key]
 
     @property

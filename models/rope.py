@@ -1,5 +1,11 @@
 """Rotary position embeddings (RoPE, rotate-half convention of Hugging Face's Llama).
 
+Frequency scaling (`GPTConfig.rope_scaling`, Hugging Face's rope_scaling dict without
+rope_theta): `llama3` (Llama 3.1 / 3.2) divides the low frequencies (wavelength above
+original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones
+(wavelength below original_max_position_embeddings / high_freq_factor) and interpolates
+linearly in 1/wavelength between them, as transformers' `_compute_llama3_parameters`.
+
 `apply_rope` is one autograd node: the forward writes x*cos + rotate_half(x)*sin into a new
 tensor with two fused multiply-adds per half, and the backward applies the transposed rotation
 to the gradient the same way. torch's composition of slices, a negation, a concatenation and
@@ -10,12 +16,85 @@ Only the cos/sin tables are saved for backward, as before. No communication.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+# rope_type -> the keys its scaling dict must hold (each a number > 0), besides rope_type.
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [seq_len, head_dim] for rotate-half RoPE (the Hugging Face Llama convention)."""
+
+def rope_scaling_checks(scaling: dict | None, position: str | None = "rope") -> list[tuple[bool, str]]:
+    """(holds, message) for `model.rope_scaling`: null, or a dict with a known rope_type and
+    exactly its keys, each a finite number > 0 (llama3: high_freq_factor > low_freq_factor)."""
+    if scaling is None:
+        return []
+    kind = scaling.get("rope_type")
+    where = f"model.rope_scaling={scaling!r}"
+    if kind not in ROPE_SCALING_KEYS:
+        return [(False, f"{where}: rope_type must be one of {', '.join(ROPE_SCALING_KEYS)}")]
+    keys = ROPE_SCALING_KEYS[kind]
+    extra = sorted(set(scaling) - set(keys) - {"rope_type"})
+    missing = [k for k in keys if k not in scaling]
+    numbers = all(
+        isinstance(scaling.get(k), (int, float))
+        and not isinstance(scaling.get(k), bool)
+        and math.isfinite(scaling[k])
+        and scaling[k] > 0
+        for k in keys
+        if k in scaling
+    )
+    checks = [
+        (position == "rope", f"{where} needs model.position=rope, not {position}"),
+        (not missing, f"{where}: {kind} needs the keys {', '.join(keys)}; missing {', '.join(missing)}"),
+        (not extra, f"{where}: {kind} takes only the keys {', '.join(keys)}; unknown {', '.join(extra)}"),
+        (numbers, f"{where}: {', '.join(keys)} must be finite numbers > 0"),
+    ]
+    if kind == "llama3" and not missing and numbers:
+        checks.append(
+            (
+                scaling["high_freq_factor"] > scaling["low_freq_factor"],
+                f"{where}: high_freq_factor must be > low_freq_factor",
+            )
+        )
+    return checks
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
+    """RoPE's head_dim/2 inverse frequencies theta^(-2i/head_dim) (fp32), rescaled by `scaling`."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    raise ValueError(f"rope_scaling rope_type={scaling['rope_type']!r} is not implemented")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's rescaling: with L = original_max_position_embeddings, wavelengths 2*pi/f
+    above L / low_freq_factor are stretched by `factor` (f / factor), those below
+    L / high_freq_factor kept, and the ones between get (1 - a) f / factor + a f with
+    a = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    # blend is 0 for wavelength >= L/low (fully stretched), 1 for wavelength <= L/high (kept);
+    # the endpoints are taken from the plain formulas so the values are transformers' bitwise.
+    mixed = (1 - blend) * inv_freq / factor + blend * inv_freq
+    stretched = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, mixed, stretched)
+
+
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq_len, head_dim] for rotate-half RoPE (the Hugging Face Llama convention),
+    frequencies rescaled by `scaling` (GPTConfig.rope_scaling)."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()

@@ -335,7 +335,9 @@ def trace_layer(
         with _traced(block, precision, device) as saved:
             x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
             rope = (
-                rope_tables(cfg.seq_len // cp, cfg.head_dim, cfg.rope_theta, x.device) if cfg.position == "rope" else ()
+                rope_tables(cfg.seq_len // cp, cfg.head_dim, cfg.rope_theta, x.device, cfg.rope_scaling)
+                if cfg.position == "rope"
+                else ()
             )
             rope_ids = _storage_ids(rope)
             saved.excluded |= rope_ids

@@ -108,7 +108,7 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     h = cfg.hidden_size
     qkv = _qkv_out(cfg)
     n = 2 * _norm_params(cfg)  # norm1, norm2: replicated over tp
-    n += h * qkv // tp + (qkv // tp if cfg.bias else 0)  # column-parallel fused QKV
+    n += h * qkv // tp + (qkv // tp if cfg.qkv_bias else 0)  # column-parallel fused QKV
     n += h * h // tp + (h if cfg.bias else 0)  # row-parallel out proj, replicated bias
     if not is_moe:
         f = cfg.ffn_hidden_size

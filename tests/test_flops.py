@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from meshtron.models.config import GPTConfig
-from meshtron.mpu.mesh import ParallelConfig
+from meshtron.models.gpt import GPT
+from meshtron.mpu.mesh import ParallelConfig, single_process_mesh
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 from meshtron.planning.plan import chunk_activations, meta_param_counts, model_state_bytes
 
@@ -93,6 +94,15 @@ def test_param_count_llama_with_bias_and_layernorm():
     # Every norm (5) gains a bias of h; QKV bias 128, proj bias 64, gate+up bias 2*160, down bias 64.
     extra = 5 * 64 + 2 * (128 + 64 + 2 * 160 + 64)
     assert param_count(cfg)["total"] == base + extra
+
+
+def test_param_count_qkv_bias_only():
+    """Qwen2: the fused QKV gains its bias (128 per layer), nothing else does; the count is the
+    built model's."""
+    cfg = llama_gqa_tiny(qkv_bias=True)
+    assert param_count(cfg)["total"] == param_count(llama_gqa_tiny())["total"] + 2 * 128
+    model = GPT(cfg, single_process_mesh())
+    assert param_count(cfg)["total"] == sum(p.numel() for p in model.parameters())
 
 
 def test_param_count_moe():

@@ -1,13 +1,14 @@
-"""Hugging Face configs <-> GPTConfig (GPT-2, Llama, Mixtral), the conversion error and the
-optional-dependency checks. No torch.distributed, no files."""
+"""Hugging Face configs <-> GPTConfig (GPT-2, Llama 2/3.x, Mistral, Qwen2, Mixtral), the
+conversion error and the optional-dependency checks. No torch.distributed, no files."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from meshtron.models.config import GPTConfig
+from meshtron.models.rope import ROPE_SCALING_KEYS
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mixtral")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2")
 
 
 class HFConversionError(ValueError):
@@ -49,27 +50,60 @@ def _fail(model_type: str, field: str, value, why: str) -> HFConversionError:
     return HFConversionError(f"{model_type} config field {field}={value!r} is not supported by meshtron: {why}")
 
 
-def _rope_theta(hf, model_type: str) -> float:
-    """theta of plain RoPE; any scaling / partial rotary raises naming the field."""
+def _scaling_from_hf(params: dict, field: str, model_type: str, max_positions) -> dict | None:
+    """GPTConfig.rope_scaling of an HF rope_parameters / rope_scaling dict (None: plain RoPE);
+    a rope type meshtron does not compute raises naming `field`."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise _fail(
+            model_type,
+            f"{field}.rope_type",
+            rope_type,
+            f"meshtron computes plain RoPE and {', '.join(ROPE_SCALING_KEYS)} scaling "
+            f"({rope_type} is not implemented yet: a later step of issue 39)",
+        )
+    keys = ROPE_SCALING_KEYS[rope_type]
+    scaling = {"rope_type": rope_type, **{k: params.get(k) for k in keys}}
+    if scaling.get("original_max_position_embeddings") is None:  # transformers' fallback
+        scaling["original_max_position_embeddings"] = max_positions
+    missing = [k for k in keys if scaling[k] is None]
+    if missing:
+        raise _fail(model_type, f"{field}.{missing[0]}", None, f"{rope_type} RoPE scaling needs it")
+    return scaling
+
+
+def _rope(hf, model_type: str) -> tuple[float, dict | None]:
+    """(theta, GPTConfig.rope_scaling) of the config's RoPE; partial rotary or a scaling
+    meshtron does not compute raises naming the field."""
+    max_positions = _get(hf, "max_position_embeddings")
     params = _get(hf, "rope_parameters")
+    theta, scaling = None, None
     if isinstance(params, dict):
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise _fail(model_type, "rope_parameters.rope_type", rope_type, "only plain RoPE (rope_type='default')")
         factor = params.get("partial_rotary_factor", 1.0)
         if factor != 1.0:
             raise _fail(model_type, "rope_parameters.partial_rotary_factor", factor, "RoPE covers the whole head")
-        if "rope_theta" in params:
-            return float(params["rope_theta"])
-    scaling = _get(hf, "rope_scaling")
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type != "default":
-            raise _fail(model_type, "rope_scaling", scaling, "only plain RoPE (no scaling)")
+        scaling = _scaling_from_hf(params, "rope_parameters", model_type, max_positions)
+        theta = params.get("rope_theta")
+    old = _get(hf, "rope_scaling")
+    if old and not isinstance(params, dict):
+        scaling = _scaling_from_hf(old, "rope_scaling", model_type, max_positions)
     factor = _get(hf, "partial_rotary_factor", 1.0)
     if factor not in (None, 1.0):
         raise _fail(model_type, "partial_rotary_factor", factor, "RoPE covers the whole head")
-    return float(_get(hf, "rope_theta", 10000.0))
+    return float(theta if theta is not None else _get(hf, "rope_theta", 10000.0)), scaling
+
+
+def _sliding_window(hf, model_type: str) -> int | None:
+    """The attention window of a Mistral / Mixtral / Qwen2 config (None: full causal)."""
+    window = _get(hf, "sliding_window")
+    if window is None or not _get(hf, "use_sliding_window", model_type != "qwen2"):
+        return None
+    layer_types = _get(hf, "layer_types")
+    if model_type == "qwen2" and layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
 
 
 def aux_loss_coef_from_hf(router: dict, top_k: int) -> float:
@@ -102,8 +136,8 @@ def check_model_type(model_type) -> None:
 
 
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
-    """The GPTConfig of a Hugging Face GPT-2, Llama or Mixtral config (a `PretrainedConfig`
-    or its dict). Dropout is 0; `overrides` replace any GPTConfig field afterwards
+    """The GPTConfig of a Hugging Face GPT-2, Llama, Mistral, Qwen2 or Mixtral config (a
+    `PretrainedConfig` or its dict). Dropout is 0; `overrides` replace any GPTConfig field afterwards
     (e.g. seq_len, dropout, kernel_backend); a `seq_len` override must lie in 1..the model's
     maximum positions. Raises HFConversionError naming the field for any HF feature meshtron
     would not reproduce exactly, or for values that make no valid model."""
@@ -123,6 +157,18 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
             f"{model_type} config field {field}={cfg.seq_len}: the model has no positions "
             f"beyond it"
         )
+    window = None if model_type == "gpt2" else _sliding_window(hf_config, model_type)
+    if window is not None:
+        used = seq_len if seq_len is not None else cfg.seq_len
+        if window < used:
+            raise _fail(
+                model_type,
+                "sliding_window",
+                window,
+                f"sliding-window attention is not implemented yet (a later step of issue 39); a window >= "
+                f"the sequence length ({used}) is full causal attention and imports (--seq-len {window})",
+            )
+        overrides = {**overrides, "sliding_window": window}
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
@@ -181,9 +227,7 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
                 f"meshtron has one bias switch for attention and MLP, and mlp_bias={mlp_bias}",
             )
         seq_len = _get(hf, "max_position_embeddings")
-        window = _get(hf, "sliding_window")
-        if window is not None and _get(hf, "use_sliding_window", True) and window < seq_len:
-            raise _fail(model_type, "sliding_window", window, "meshtron attention is full causal")
+        theta, scaling = _rope(hf, model_type)
         extra = {}
         if model_type == "mixtral":
             if _get(hf, "router_jitter_noise", 0.0):
@@ -230,15 +274,20 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
             tie_embeddings=tie,
             init_std=float(_get(hf, "initializer_range", 0.02)),
             norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(hf, model_type),
+            qkv_bias=attn_bias or model_type == "qwen2",  # Qwen2: q/k/v biases only
+            rope_theta=theta,
+            rope_scaling=scaling,
+            hf_model_type="mistral" if model_type == "mistral" else None,
             **extra,
         )
     return cfg
 
 
 def hf_family(cfg: GPTConfig) -> str:
-    """ "gpt2", "llama" or "mixtral": the HF architecture that holds exactly `cfg`'s model;
-    raises HFConversionError naming the GPTConfig field that no HF family can express."""
+    """ "gpt2", "llama", "mistral", "qwen2" or "mixtral": the HF architecture that holds exactly
+    `cfg`'s model (Mistral: Llama's, named by cfg.hf_model_type; Qwen2: q/k/v biases without
+    the others); raises HFConversionError naming the GPTConfig field that no HF family can
+    express."""
 
     def bad(field, value, why):
         return HFConversionError(f"model.{field}={value!r} has no Hugging Face equivalent: {why}")
@@ -250,6 +299,10 @@ def hf_family(cfg: GPTConfig) -> str:
     for field, value in wanted.items():
         if getattr(cfg, field) != value:
             raise bad(field, getattr(cfg, field), f"arch={cfg.arch} in Hugging Face needs {value!r}")
+    if cfg.rope_scaling is not None and cfg.is_moe:
+        raise bad("rope_scaling", cfg.rope_scaling, "Mixtral has plain RoPE")
+    if cfg.qkv_bias != cfg.bias and (cfg.bias or cfg.is_moe or cfg.hf_model_type is not None):
+        raise bad("qkv_bias", cfg.qkv_bias, "q/k/v biases alone are Qwen2's: a dense model with model.bias=false")
     if cfg.arch == "gpt2":
         if cfg.num_kv_heads != cfg.num_heads:
             raise bad("num_kv_heads", cfg.num_kv_heads, "GPT-2 has no grouped-query attention")
@@ -257,7 +310,11 @@ def hf_family(cfg: GPTConfig) -> str:
             raise bad("num_experts", cfg.num_experts, "GPT-2 has no MoE variant (use arch=llama: Mixtral)")
         return "gpt2"
     if not cfg.is_moe:
-        return "llama"
+        if cfg.qkv_bias and not cfg.bias:
+            return "qwen2"
+        if cfg.hf_model_type == "mistral" and cfg.bias:
+            raise bad("bias", cfg.bias, "Mistral has no biases")
+        return cfg.hf_model_type or "llama"
     checks = [
         ("moe_every", 1),
         ("shared_experts", 0),
@@ -304,9 +361,20 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
         **common,
     )
     if int(transformers.__version__.split(".")[0]) >= 5:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        kw["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     else:
         kw["rope_theta"] = cfg.rope_theta
+        kw["rope_scaling"] = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+    if family in ("mistral", "qwen2"):
+        kw.update(
+            intermediate_size=cfg.ffn_hidden_size,
+            head_dim=cfg.head_dim,
+            sliding_window=cfg.sliding_window,
+            architectures=[_CONFIG_CLASSES[family].replace("Config", "ForCausalLM")],
+        )
+        if family == "qwen2":
+            kw.update(use_sliding_window=cfg.sliding_window is not None, max_window_layers=0)
+        return family, kw
     if family == "llama":
         kw.update(
             intermediate_size=cfg.ffn_hidden_size,
@@ -320,14 +388,20 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
         intermediate_size=cfg.moe_ffn_hidden_size,
         num_local_experts=cfg.num_experts,
         num_experts_per_tok=cfg.top_k,
-        sliding_window=None,
+        sliding_window=cfg.sliding_window,
         architectures=["MixtralForCausalLM"],
         **hf_router_fields(cfg),
     )
     return family, kw
 
 
-_CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mixtral": "MixtralConfig"}
+_CONFIG_CLASSES = {
+    "gpt2": "GPT2Config",
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "mixtral": "MixtralConfig",
+    "qwen2": "Qwen2Config",
+}
 
 
 def hf_config_from_gpt(cfg: GPTConfig, **overrides):
@@ -341,7 +415,7 @@ def hf_config_from_gpt(cfg: GPTConfig, **overrides):
 # training-only hyperparameters (an imported model trains with dropout 0 unless told otherwise,
 # which says nothing about the checkpoint) and the maximum positions (below).
 _KEEP_ORIGINAL = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "initializer_range")
-MAX_POSITION_FIELDS = {"gpt2": "n_positions", "llama": "max_position_embeddings", "mixtral": "max_position_embeddings"}
+MAX_POSITION_FIELDS = {"gpt2": "n_positions", **{t: "max_position_embeddings" for t in SUPPORTED_MODEL_TYPES[1:]}}
 
 
 def hf_config_dict_over(cfg: GPTConfig, original: dict) -> dict:
@@ -367,4 +441,6 @@ def hf_config_dict_over(cfg: GPTConfig, original: dict) -> dict:
         merged[positions] = max(original[positions], cfg.seq_len)
     if family != "gpt2" and "rope_parameters" in kw and "rope_theta" in original:
         merged["rope_theta"] = cfg.rope_theta  # a 4.x config: keep both spellings equal
+    if family != "gpt2" and "rope_parameters" in kw and original.get("rope_scaling") is not None:
+        merged["rope_scaling"] = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
     return merged

@@ -125,14 +125,15 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
                 _same(m + "attn.proj.weight", a + "o_proj.weight", (h, nq * d)),
                 _same(m + "norm2.weight", L + "post_attention_layernorm.weight", (h,)),
             ]
-            if cfg.bias:
-                units += [
+            if cfg.qkv_bias:  # Llama with attention_bias, Qwen2
+                units.append(
                     _qkv_unit(
                         cfg, m + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), True, False
-                    ),
-                    _same(m + "attn.proj.bias", a + "o_proj.bias", (h,)),
-                ]
-            if family == "llama":
+                    )
+                )
+            if cfg.bias:
+                units.append(_same(m + "attn.proj.bias", a + "o_proj.bias", (h,)))
+            if not cfg.is_moe:  # Llama, Mistral, Qwen2
                 units += [
                     _same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
                     _same(m + "mlp.up.weight", L + "mlp.up_proj.weight", (f, h)),

@@ -3,7 +3,8 @@
 checks that the gathered logits equal HF's (max abs error <= 1e-4, fp32) and that
 `export_hf_state_dict` gives back the original state dict bitwise on global rank 0.
 
-Layouts: GPT-2 / Llama / Mixtral at tp=2, Mixtral at ep=2 (world 2); GPT-2 / Llama at
+Layouts: GPT-2 / Llama / Mistral / Llama 3.1 RoPE / Qwen2 / Mixtral at tp=2, Mixtral at ep=2
+(world 2); GPT-2 / Llama at
 pp=2 x tp=2 and Mixtral at pp=2 x ep=2 (world 4), the pipeline forward run stage by stage
 with point-to-point sends.
 
@@ -35,8 +36,21 @@ SEQ = 16
 SEED = 0
 
 
+# Llama 3.1's rope scaling (original context 32 of hf_config's 64 positions, theta 100): the
+# tiny head's 8 frequencies fall in all three bands (kept, interpolated, divided by factor).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 100.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
 def hf_config(family: str, **kw):
-    """A tiny transformers config: hidden 64, 2 layers, vocab 300 (Llama/Mixtral with GQA)."""
+    """A tiny transformers config: hidden 64, 2 layers, vocab 300 (Llama-like families and
+    Mixtral with GQA; "llama3": Llama with LLAMA3_ROPE)."""
     import transformers
 
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1)
@@ -53,6 +67,14 @@ def hf_config(family: str, **kw):
     )
     if family == "llama":
         return transformers.LlamaConfig(**{**llama, **kw})
+    if family == "llama3":  # Llama 3.1 / 3.2 RoPE scaling, stretched within the tiny context
+        return transformers.LlamaConfig(
+            **{**llama, "max_position_embeddings": 64, "rope_parameters": dict(LLAMA3_ROPE), **kw}
+        )
+    if family == "mistral":
+        return transformers.MistralConfig(**{**llama, "sliding_window": None, **kw})
+    if family == "qwen2":
+        return transformers.Qwen2Config(**{**llama, **kw})
     return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**llama, **kw})
 
 
@@ -64,6 +86,9 @@ def hf_model(family: str, seed: int = SEED, **kw):
     cls = {
         "gpt2": transformers.GPT2LMHeadModel,
         "llama": transformers.LlamaForCausalLM,
+        "llama3": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
     }[family]
     return cls(hf_config(family, **kw)).eval()
@@ -140,6 +165,18 @@ def mixtral_tp2() -> None:
 
 def mixtral_ep2() -> None:
     check("mixtral", ParallelConfig(tp=1, ep=2))
+
+
+def mistral_tp2() -> None:
+    check("mistral", ParallelConfig(tp=2))
+
+
+def llama3_tp2() -> None:
+    check("llama3", ParallelConfig(tp=2))
+
+
+def qwen2_tp2() -> None:  # the q/k/v biases split like the fused QKV rows
+    check("qwen2", ParallelConfig(tp=2))
 
 
 def gpt2_pp2_tp2() -> None:
@@ -357,7 +394,16 @@ def mixtral_train_ep2() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
-        return ["gpt2_tp2", "llama_tp2", "mixtral_tp2", "mixtral_ep2", "mixtral_train_ep2"]
+        return [
+            "gpt2_tp2",
+            "llama_tp2",
+            "mistral_tp2",
+            "llama3_tp2",
+            "qwen2_tp2",
+            "mixtral_tp2",
+            "mixtral_ep2",
+            "mixtral_train_ep2",
+        ]
     if world_size == 4:
         return ["gpt2_pp2_tp2", "llama_pp2_tp2", "mixtral_pp2_ep2"]
     return []
