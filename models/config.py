@@ -111,7 +111,7 @@ class GPTConfig:
     """
 
     num_layers: int = setting(4, ge=1, help="transformer layers")
-    hidden_size: int = setting(128, ge=1, help="model width (head dim = hidden_size / num_heads)")
+    hidden_size: int = setting(128, ge=1, help="model width (head dim = hidden_size / num_heads unless kv_channels)")
     num_heads: int = setting(4, ge=1, help="attention heads")
     num_kv_heads: int | None = setting(None, ge=1, help="null = num_heads; fewer = grouped-query attention")
     ffn_hidden_size: int | None = setting(None, ge=1, help="null = 4 * hidden_size")
@@ -149,6 +149,16 @@ class GPTConfig:
     qkv_bias: bool | None = setting(
         None, in_train_yaml=False, help="bias on the q/k/v projection (null = model.bias; Qwen2: true, bias false)"
     )
+    # Qwen3: the head width need not be hidden_size / num_heads (Megatron's --kv-channels),
+    # and each head's q and k pass an RMSNorm (one weight of head_dim shared by the heads)
+    # before RoPE.
+    kv_channels: int | None = setting(
+        None,
+        ge=1,
+        in_train_yaml=False,
+        help="width of each attention head's q, k and v (null = hidden_size / num_heads)",
+    )
+    qk_norm: bool = setting(False, in_train_yaml=False, help="RMSNorm over each head's q and k before RoPE (Qwen3)")
     sliding_window: int | None = setting(
         None,
         ge=1,
@@ -215,8 +225,9 @@ class GPTConfig:
         """The rules between fields (types and ranges already hold)."""
         return [
             (
-                self.hidden_size % self.num_heads == 0,
-                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}",
+                self.kv_channels is not None or self.hidden_size % self.num_heads == 0,
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}; "
+                f"set model.kv_channels for a head width of its own",
             ),
             (
                 self.num_heads % self.num_kv_heads == 0,
@@ -224,7 +235,7 @@ class GPTConfig:
             ),
             (
                 self.position != "rope" or self.head_dim % 2 == 0,
-                f"RoPE needs an even head dim; hidden_size/num_heads={self.head_dim}",
+                f"RoPE needs an even head dim; the head dim is {self.head_dim}",
             ),
             (
                 self.sliding_window is None or self.sliding_window >= self.seq_len,
@@ -264,7 +275,8 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Width of each head's q, k and v: `kv_channels`, else hidden_size / num_heads."""
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     @property
     def is_moe(self) -> bool:

@@ -178,6 +178,19 @@ class Attention(nn.Module):
             device=device,
             dtype=dtype,
         )
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # Qwen3: one RMSNorm weight per head width, shared by every head
+            # Each tp rank norms its own heads, so its gradient is a partial sum over the
+            # heads: summed over every rank of the stage (tp x dp x cp), as SP's norms are.
+            d, split = cfg.head_dim, mesh.tp_size > 1
+            self.q_norm, self.k_norm = (
+                tag(
+                    nn.Parameter(torch.empty(d, device=device, dtype=dtype)),
+                    constant_init((d,), 1.0),
+                    sequence_parallel=split,
+                )
+                for _ in range(2)
+            )
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, doc_ids: torch.Tensor | None = None
@@ -186,6 +199,10 @@ class Attention(nn.Module):
         qkv = rearrange(qkv, "s b (g r d) -> b g r s d", r=self.q_per_group + 2, d=self.head_dim)
         q = rearrange(qkv[:, :, : self.q_per_group], "b g r s d -> b (g r) s d")
         k, v = qkv[:, :, self.q_per_group], qkv[:, :, self.q_per_group + 1]
+        if self.q_norm is not None:
+            eps = self.cfg.norm_eps
+            q = F.rms_norm(q, (self.head_dim,), self.q_norm.to(q.dtype), eps)
+            k = F.rms_norm(k, (self.head_dim,), self.k_norm.to(k.dtype), eps)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

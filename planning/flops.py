@@ -73,12 +73,13 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     a heads, g kv heads, d head_dim, f ffn_hidden_size):
 
     * fused QKV:        2 * h * (a + 2g) * d
-    * attention scores: 2 * s * a * d = 2*s*h   (Q K^T against all s keys)
-    * attention x V:    2 * s * h
+    * attention scores: 2 * s * a * d   (Q K^T against all s keys; a * d = h unless
+      model.kv_channels sets d)
+    * attention x V:    2 * s * a * d
       The causal mask is ignored: both attention matmuls are counted over the full s x s
       square (the common Megatron / PaLM convention), so this is ~2*s*h more than the
       useful work of a causal model.
-    * output proj:      2 * h * h
+    * output proj:      2 * a * d * h
     * MLP:              gelu 2 * 2*h*f;  swiglu 2 * 3*h*f
     * MoE layer instead of MLP: router 2*h*E + (top_k + shared_experts) MLPs of
       moe_ffn_hidden_size each (the tokens' routed experts and the shared experts).
@@ -90,7 +91,8 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     cfg.validate()
     h, s = cfg.hidden_size, cfg.seq_len
     moe = set(moe_layer_indices(cfg))
-    attn = 2 * h * _qkv_out(cfg) + 4 * s * h + 2 * h * h
+    heads = cfg.num_heads * cfg.head_dim  # the attention's width (h unless model.kv_channels)
+    attn = 2 * h * _qkv_out(cfg) + 4 * s * heads + 2 * heads * h
     dense_mlp = 2 * _mlp_matrices(cfg, cfg.ffn_hidden_size)
     moe_mlp = 2 * h * cfg.num_experts + 2 * (cfg.top_k + cfg.shared_experts) * _mlp_matrices(
         cfg, cfg.moe_ffn_hidden_size
@@ -108,8 +110,9 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     h = cfg.hidden_size
     qkv = _qkv_out(cfg)
     n = 2 * _norm_params(cfg)  # norm1, norm2: replicated over tp
+    n += 2 * cfg.head_dim if cfg.qk_norm else 0  # q and k norms: replicated over tp
     n += h * qkv // tp + (qkv // tp if cfg.qkv_bias else 0)  # column-parallel fused QKV
-    n += h * h // tp + (h if cfg.bias else 0)  # row-parallel out proj, replicated bias
+    n += cfg.num_heads * cfg.head_dim * h // tp + (h if cfg.bias else 0)  # row-parallel out proj, replicated bias
     if not is_moe:
         f = cfg.ffn_hidden_size
         n += _mlp_matrices(cfg, f) // tp

@@ -105,6 +105,23 @@ def test_param_count_qkv_bias_only():
     assert param_count(cfg)["total"] == sum(p.numel() for p in model.parameters())
 
 
+def test_qwen3_heads_of_their_own_width_and_qk_norm():
+    """Qwen3: heads 24 wide at hidden 64 / 4 heads (model.kv_channels) change the fused QKV
+    ((4 + 2*2) x 24 rows), the out proj (4 x 24 columns) and the attention FLOPs (a*d = 96 for
+    h = 64); QK-norm adds two weights of 24 per layer, replicated over tp. Counts equal the
+    built model's, at tp = 1 and on each of 2 ranks."""
+    cfg = llama_gqa_tiny(kv_channels=24, qk_norm=True)
+    h, s, f, v, ad, qkv = 64, 16, 160, 384, 4 * 24, (4 + 2 * 2) * 24
+    expected = 3 * (2 * (2 * h * qkv + 4 * s * ad + 2 * ad * h + 2 * 3 * h * f) + 2 * h * v)
+    assert model_flops_per_token(cfg) == expected
+    base = llama_gqa_tiny()
+    per_layer = h * qkv + ad * h + 2 * 24 - (h * (4 + 2 * 2) * 16 + h * h)
+    assert param_count(cfg)["total"] == param_count(base)["total"] + 2 * per_layer
+    assert param_count(cfg)["total"] == sum(p.numel() for p in GPT(cfg, single_process_mesh()).parameters())
+    tp2 = params_per_rank(cfg, tp=2)
+    assert tp2 - params_per_rank(base, tp=2) == 2 * (h * qkv // 2 + ad * h // 2 + 2 * 24 - (h * 128 // 2 + h * h // 2))
+
+
 def test_param_count_moe():
     emb = 128 * 32
     attn = 2 * 32 + 32 * 96 + 32 * 32  # two RMSNorms, QKV, proj

@@ -205,7 +205,6 @@ def test_tied_head_must_equal_embedding():
         ),
         ("llama", dict(hidden_act="gelu"), "hidden_act"),
         ("llama", dict(attention_bias=True), "attention_bias"),
-        ("llama", dict(head_dim=32), "head_dim"),
         ("mixtral", dict(sliding_window=8), "sliding_window"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
         ("gpt2", dict(activation_function="gelu"), "activation_function"),

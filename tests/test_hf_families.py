@@ -22,7 +22,7 @@ pytest.importorskip("safetensors")
 from meshtron.models import hf as mhf  # noqa: E402
 from tests.distributed import hf_cases as hc  # noqa: E402
 
-FAMILIES = ["mistral", "llama3", "qwen2"]
+FAMILIES = ["mistral", "llama3", "qwen2", "qwen3"]
 ATOL = 1e-5
 
 
@@ -59,6 +59,10 @@ def test_family_features_are_imported(imported):
         assert cfg.hf_model_type == "mistral" and mhf.hf_family(cfg) == "mistral"
     elif family == "llama3":
         assert cfg.rope_scaling == {k: v for k, v in hc.LLAMA3_ROPE.items() if k != "rope_theta"}
+    elif family == "qwen3":
+        assert cfg.qk_norm and cfg.kv_channels == 24 and cfg.head_dim == 24 and mhf.hf_family(cfg) == "qwen3"
+        attn = model.layers["0"].attn
+        assert attn.q_norm.shape == attn.k_norm.shape == (24,) and attn.proj.weight.shape == (64, 4 * 24)
     else:
         assert cfg.qkv_bias and not cfg.bias
         assert model.layers["0"].attn.qkv.bias is not None and model.layers["0"].attn.proj.bias is None
@@ -246,3 +250,17 @@ def test_cli_import_export_keeps_the_family(family, tmp_path):
         assert written.get(key) == source.get(key), key
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in hf.state_dict().items())
+
+
+def test_llama_heads_of_their_own_width():
+    """Any Llama-family config's head_dim other than hidden / heads (32 at 64 / 4) imports as
+    model.kv_channels: logits equal transformers', and export writes the head_dim back."""
+    hf = hc.hf_model("llama", head_dim=32)
+    cfg = mhf.config_from_hf(hf.config)
+    assert cfg.kv_channels == 32 and cfg.head_dim == 32 and not cfg.qk_norm
+    model = GPT(cfg, single_process_mesh()).eval()
+    mhf.load_hf_state_dict(model, hf.state_dict())
+    ids = _ids()
+    with torch.no_grad():
+        assert (_logits(model, ids) - hf(ids).logits).abs().max().item() <= ATOL
+    assert mhf.hf_config_from_gpt(cfg).head_dim == 32 and mhf.config_from_hf(mhf.hf_config_from_gpt(cfg)) == cfg

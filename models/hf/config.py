@@ -8,7 +8,7 @@ import dataclasses
 from meshtron.models.config import GPTConfig
 from meshtron.models.rope import ROPE_SCALING_KEYS
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3")
 
 
 class HFConversionError(ValueError):
@@ -96,12 +96,13 @@ def _rope(hf, model_type: str) -> tuple[float, dict | None]:
 
 
 def _sliding_window(hf, model_type: str) -> int | None:
-    """The attention window of a Mistral / Mixtral / Qwen2 config (None: full causal)."""
+    """The attention window of a Mistral / Mixtral / Qwen2 / Qwen3 config (None: full causal)."""
     window = _get(hf, "sliding_window")
-    if window is None or not _get(hf, "use_sliding_window", model_type != "qwen2"):
+    qwen = model_type in ("qwen2", "qwen3")
+    if window is None or not _get(hf, "use_sliding_window", not qwen):
         return None
     layer_types = _get(hf, "layer_types")
-    if model_type == "qwen2" and layer_types is not None and "sliding_attention" not in layer_types:
+    if qwen and layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return window
 
@@ -210,13 +211,8 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
             raise _fail(model_type, "hidden_act", act, "meshtron's Llama MLP is SwiGLU (silu)")
         h, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
         head_dim = _get(hf, "head_dim")
-        if head_dim is not None and head_dim * heads != h:
-            raise _fail(
-                model_type,
-                "head_dim",
-                head_dim,
-                f"meshtron needs head_dim = hidden_size / num_attention_heads = {h}/{heads}",
-            )
+        # a head width of its own (Qwen3's 128 at hidden 1024 / 16 heads): model.kv_channels
+        kv_channels = head_dim if head_dim is not None and head_dim * heads != h else None
         attn_bias = bool(_get(hf, "attention_bias", False))
         mlp_bias = bool(_get(hf, "mlp_bias", False))
         if attn_bias != mlp_bias:
@@ -275,6 +271,8 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
             init_std=float(_get(hf, "initializer_range", 0.02)),
             norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
             qkv_bias=attn_bias or model_type == "qwen2",  # Qwen2: q/k/v biases only
+            kv_channels=kv_channels,
+            qk_norm=model_type == "qwen3",
             rope_theta=theta,
             rope_scaling=scaling,
             hf_model_type="mistral" if model_type == "mistral" else None,
@@ -284,10 +282,10 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
 
 
 def hf_family(cfg: GPTConfig) -> str:
-    """ "gpt2", "llama", "mistral", "qwen2" or "mixtral": the HF architecture that holds exactly
-    `cfg`'s model (Mistral: Llama's, named by cfg.hf_model_type; Qwen2: q/k/v biases without
-    the others); raises HFConversionError naming the GPTConfig field that no HF family can
-    express."""
+    """ "gpt2", "llama", "mistral", "qwen2", "qwen3" or "mixtral": the HF architecture that holds
+    exactly `cfg`'s model (Mistral: Llama's, named by cfg.hf_model_type; Qwen2: q/k/v biases
+    without the others; Qwen3: QK-norm); raises HFConversionError naming the GPTConfig field
+    that no HF family can express."""
 
     def bad(field, value, why):
         return HFConversionError(f"model.{field}={value!r} has no Hugging Face equivalent: {why}")
@@ -303,13 +301,19 @@ def hf_family(cfg: GPTConfig) -> str:
         raise bad("rope_scaling", cfg.rope_scaling, "Mixtral has plain RoPE")
     if cfg.qkv_bias != cfg.bias and (cfg.bias or cfg.is_moe or cfg.hf_model_type is not None):
         raise bad("qkv_bias", cfg.qkv_bias, "q/k/v biases alone are Qwen2's: a dense model with model.bias=false")
+    if cfg.qk_norm and (cfg.is_moe or cfg.bias or cfg.qkv_bias or cfg.hf_model_type is not None):
+        raise bad("qk_norm", cfg.qk_norm, "QK-norm is Qwen3's: a dense model without biases")
     if cfg.arch == "gpt2":
+        if cfg.kv_channels is not None:
+            raise bad("kv_channels", cfg.kv_channels, "GPT-2's heads are hidden_size / n_head wide")
         if cfg.num_kv_heads != cfg.num_heads:
             raise bad("num_kv_heads", cfg.num_kv_heads, "GPT-2 has no grouped-query attention")
         if cfg.is_moe:
             raise bad("num_experts", cfg.num_experts, "GPT-2 has no MoE variant (use arch=llama: Mixtral)")
         return "gpt2"
     if not cfg.is_moe:
+        if cfg.qk_norm:
+            return "qwen3"
         if cfg.qkv_bias and not cfg.bias:
             return "qwen2"
         if cfg.hf_model_type == "mistral" and cfg.bias:
@@ -365,14 +369,16 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
     else:
         kw["rope_theta"] = cfg.rope_theta
         kw["rope_scaling"] = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
-    if family in ("mistral", "qwen2"):
+    if family in ("mistral", "qwen2", "qwen3"):
         kw.update(
             intermediate_size=cfg.ffn_hidden_size,
             head_dim=cfg.head_dim,
             sliding_window=cfg.sliding_window,
             architectures=[_CONFIG_CLASSES[family].replace("Config", "ForCausalLM")],
         )
-        if family == "qwen2":
+        if family == "qwen3":
+            kw.update(attention_bias=False)
+        if family in ("qwen2", "qwen3"):
             kw.update(use_sliding_window=cfg.sliding_window is not None, max_window_layers=0)
         return family, kw
     if family == "llama":
@@ -391,6 +397,7 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
         sliding_window=cfg.sliding_window,
         architectures=["MixtralForCausalLM"],
         **hf_router_fields(cfg),
+        **({"head_dim": cfg.head_dim} if cfg.kv_channels else {}),  # else transformers' own (None)
     )
     return family, kw
 
@@ -401,6 +408,7 @@ _CONFIG_CLASSES = {
     "mistral": "MistralConfig",
     "mixtral": "MixtralConfig",
     "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
 }
 
 

@@ -125,6 +125,11 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
                 _same(m + "attn.proj.weight", a + "o_proj.weight", (h, nq * d)),
                 _same(m + "norm2.weight", L + "post_attention_layernorm.weight", (h,)),
             ]
+            if cfg.qk_norm:  # Qwen3: one RMSNorm weight per head width for q, one for k
+                units += [
+                    _same(m + "attn.q_norm", a + "q_norm.weight", (d,)),
+                    _same(m + "attn.k_norm", a + "k_norm.weight", (d,)),
+                ]
             if cfg.qkv_bias:  # Llama with attention_bias, Qwen2
                 units.append(
                     _qkv_unit(

@@ -75,6 +75,8 @@ def hf_config(family: str, **kw):
         return transformers.MistralConfig(**{**llama, "sliding_window": None, **kw})
     if family == "qwen2":
         return transformers.Qwen2Config(**{**llama, **kw})
+    if family == "qwen3":  # QK-norm, and heads 24 wide at hidden 64 / 4 heads (model.kv_channels)
+        return transformers.Qwen3Config(**{**llama, "head_dim": 24, **kw})
     return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**llama, **kw})
 
 
@@ -89,6 +91,7 @@ def hf_model(family: str, seed: int = SEED, **kw):
         "llama3": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
     }[family]
     return cls(hf_config(family, **kw)).eval()
@@ -177,6 +180,35 @@ def llama3_tp2() -> None:
 
 def qwen2_tp2() -> None:  # the q/k/v biases split like the fused QKV rows
     check("qwen2", ParallelConfig(tp=2))
+
+
+def qwen3_tp2() -> None:  # the heads (24 wide) split over tp, the q/k norms replicated
+    check("qwen3", ParallelConfig(tp=2))
+
+
+def qwen3_train_tp2() -> None:
+    """Qwen3 at tp=2: every rank norms only its own heads' q and k, so the q/k norm weights'
+    gradients are partial sums that must be summed over tp; 4 AdamW steps from the imported
+    weights follow transformers' losses, and every weight (the norms' included) after them."""
+    from meshtron.models import hf as mhf
+    from meshtron.training.step import train_step
+
+    hf = hf_model("qwen3", vocab_size=TRAIN_VOCAB).train()
+    model, reducer, optimizer, mesh = meshtron_trainer(hf, ParallelConfig(tp=2))
+    hf_opt = hf_adamw(hf)
+    problems = []
+    for step in range(TRAIN_STEPS):
+        batch = train_batch(step)
+        out = train_step(model, reducer, optimizer, [batch], mesh, lr=TRAIN_LR, max_grad_norm=0.0)
+        got, want = float(out.loss), hf_train_step(hf, hf_opt, [batch])
+        if not relative(got, want) <= TRAIN_RTOL:
+            problems.append(f"step {step}: meshtron loss {got:.7f} vs transformers {want:.7f}")
+    exported = mhf.export_hf_state_dict(model, mesh)  # collective: before any rank raises
+    reducer.remove_hooks()
+    if problems:
+        raise AssertionError("; ".join(problems))
+    if mesh.rank == 0 and (problem := compare_trained_weights(exported, hf, 1e-5)):
+        raise AssertionError(f"after {TRAIN_STEPS} steps: {problem}")
 
 
 def gpt2_pp2_tp2() -> None:
@@ -400,6 +432,8 @@ def cases_for_world(world_size: int) -> list[str]:
             "mistral_tp2",
             "llama3_tp2",
             "qwen2_tp2",
+            "qwen3_tp2",
+            "qwen3_train_tp2",
             "mixtral_tp2",
             "mixtral_ep2",
             "mixtral_train_ep2",
