@@ -211,6 +211,10 @@ def qwen3_train_tp2() -> None:
         raise AssertionError(f"after {TRAIN_STEPS} steps: {problem}")
 
 
+def qwen3_pp2_tp2() -> None:  # QK-norm and 24-wide heads through two stages of tp=2
+    check("qwen3", ParallelConfig(tp=2, pp=2))
+
+
 def gpt2_pp2_tp2() -> None:
     check("gpt2", ParallelConfig(tp=2, pp=2))
 
@@ -439,5 +443,5 @@ def cases_for_world(world_size: int) -> list[str]:
             "mixtral_train_ep2",
         ]
     if world_size == 4:
-        return ["gpt2_pp2_tp2", "llama_pp2_tp2", "mixtral_pp2_ep2"]
+        return ["gpt2_pp2_tp2", "llama_pp2_tp2", "qwen3_pp2_tp2", "mixtral_pp2_ep2"]
     return []
