@@ -190,25 +190,7 @@ def qwen3_train_tp2() -> None:
     """Qwen3 at tp=2: every rank norms only its own heads' q and k, so the q/k norm weights'
     gradients are partial sums that must be summed over tp; 4 AdamW steps from the imported
     weights follow transformers' losses, and every weight (the norms' included) after them."""
-    from meshtron.models import hf as mhf
-    from meshtron.training.step import train_step
-
-    hf = hf_model("qwen3", vocab_size=TRAIN_VOCAB).train()
-    model, reducer, optimizer, mesh = meshtron_trainer(hf, ParallelConfig(tp=2))
-    hf_opt = hf_adamw(hf)
-    problems = []
-    for step in range(TRAIN_STEPS):
-        batch = train_batch(step)
-        out = train_step(model, reducer, optimizer, [batch], mesh, lr=TRAIN_LR, max_grad_norm=0.0)
-        got, want = float(out.loss), hf_train_step(hf, hf_opt, [batch])
-        if not relative(got, want) <= TRAIN_RTOL:
-            problems.append(f"step {step}: meshtron loss {got:.7f} vs transformers {want:.7f}")
-    exported = mhf.export_hf_state_dict(model, mesh)  # collective: before any rank raises
-    reducer.remove_hooks()
-    if problems:
-        raise AssertionError("; ".join(problems))
-    if mesh.rank == 0 and (problem := compare_trained_weights(exported, hf, 1e-5)):
-        raise AssertionError(f"after {TRAIN_STEPS} steps: {problem}")
+    train_like_transformers(hf_model("qwen3", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=2))
 
 
 def qwen3_pp2_tp2() -> None:  # QK-norm and 24-wide heads through two stages of tp=2
@@ -327,7 +309,7 @@ def meshtron_objective(out: StepResult, cfg) -> float:
     """The total objective of a `train_step` result: its `loss` is the LM loss alone and its
     `aux_loss` the unweighted aux (summed over MoE layers), so add aux_loss_coef x aux."""
     total = out.loss
-    if cfg.aux_loss_coef > 0:
+    if cfg.is_moe and cfg.aux_loss_coef > 0:
         total = total + cfg.aux_loss_coef * out.aux_loss
     return float(total)
 
@@ -401,13 +383,25 @@ def mixtral_train_ep2() -> None:
     transformers accumulating over the same two microbatches, output_router_logits=True, two
     MoE layers: needs the per-rank-microbatch statistics (model.aux_loss_scope="microbatch")
     pooled across layers (model.aux_loss_layers="pooled")."""
+    hf = tiny_mixtral(output_router_logits=True, layers=2)
+
+    def check_mesh(mesh) -> None:
+        if mesh.dp_size != 2 or mesh.par.ep != 2:
+            raise AssertionError(f"expected dp=2 x ep=2, got dp={mesh.dp_size}, ep={mesh.par.ep}")
+
+    train_like_transformers(hf, ParallelConfig(tp=1, ep=2), check_mesh)
+
+
+def train_like_transformers(hf, par: ParallelConfig, check_mesh=None) -> None:
+    """`TRAIN_STEPS` AdamW steps of `hf` imported at layout `par` (dp rank r trains its rows of
+    each global batch) beside transformers accumulating over the same microbatches: the total
+    objective of every step to TRAIN_RTOL, every weight afterwards to 1e-5 relative."""
     from meshtron.models import hf as mhf
     from meshtron.training.step import train_step
 
-    hf = tiny_mixtral(output_router_logits=True, layers=2)
-    model, reducer, optimizer, mesh = meshtron_trainer(hf, ParallelConfig(tp=1, ep=2))
-    if mesh.dp_size != 2 or mesh.par.ep != 2:
-        raise AssertionError(f"expected dp=2 x ep=2, got dp={mesh.dp_size}, ep={mesh.par.ep}")
+    model, reducer, optimizer, mesh = meshtron_trainer(hf, par)
+    if check_mesh is not None:
+        check_mesh(mesh)
     hf_opt = hf_adamw(hf)
     problems = []
     for step in range(TRAIN_STEPS):
