@@ -714,14 +714,28 @@ def virtual_stage_layers(
 
 
 def init_model_chunks(
-    cfg: GPTConfig, mesh: Mesh, seed: int, device=None, dtype=None, *, execution: ExecutionConfig = ExecutionConfig()
+    cfg: GPTConfig,
+    mesh: Mesh,
+    seed: int,
+    device=None,
+    dtype=None,
+    *,
+    execution: ExecutionConfig = ExecutionConfig(),
+    initialize: bool = True,
 ) -> list[GPT]:
     """This rank's model chunks with their layout-independent initial values, after seeding
-    the default and tensor-parallel RNG streams from `seed` (what every run does first)."""
+    the default and tensor-parallel RNG streams from `seed` (what every run does first).
+    `initialize=False` leaves the parameters zero, for a caller that loads every weight next
+    (a checkpoint or a Hugging Face folder): no full tensor is generated."""
     seed_parallel_rng(seed, mesh.tp_rank, mesh.pp_rank, torch.device(device or "cpu").type, cp_rank=mesh.cp_rank)
     chunks = build_model_chunks(cfg, mesh, device, dtype, execution=execution)
     for chunk in chunks:
-        initialize_parameters(chunk, seed, mesh)
+        if initialize:
+            initialize_parameters(chunk, seed, mesh)
+        else:
+            with torch.no_grad():
+                for param in chunk.parameters():
+                    param.zero_()
     return chunks
 
 

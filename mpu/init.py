@@ -87,6 +87,19 @@ def local_shard(full: torch.Tensor, shards, mesh) -> torch.Tensor:
     return full
 
 
+def local_offsets(param: torch.Tensor, mesh) -> tuple[int, ...]:
+    """Where this rank's piece of `param` (shaped like the local parameter, split along
+    `param.shards` on `mesh` as `local_shard` splits) starts in the full tensor, per dim."""
+    offsets = [0] * param.dim()
+    block = list(param.shape)
+    for dim, axis in getattr(param, "shards", ()):
+        block[dim] *= getattr(mesh.par, axis)
+    for dim, axis in getattr(param, "shards", ()):
+        block[dim] //= getattr(mesh.par, axis)
+        offsets[dim] += getattr(mesh, f"{axis}_rank") * block[dim]
+    return tuple(offsets)
+
+
 @torch.no_grad()
 def full_tensor(local: torch.Tensor, shards, mesh) -> torch.Tensor:
     """Inverse of `local_shard`: the full tensor of this rank's piece `local` (a parameter, its

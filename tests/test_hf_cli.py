@@ -121,3 +121,84 @@ def test_import_of_a_folder_without_config_fails_clearly(tmp_path):
     )
     assert done.returncode == 2
     assert "config.json not found" in done.stderr
+
+
+HF_RUN = [
+    "trainer.max_steps=1",
+    "trainer.global_batch_size=4",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "data.max_bytes=2000000",
+    "model.seq_len=32",
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_init_from_a_hugging_face_folder_at_tp2_and_resume_auto(hf_model, tmp_path):
+    """`checkpoint.init_from=hf:FOLDER` with no model config: the folder's config.json is the
+    model, each of 2 tp ranks reads its shards, and the first step's loss is transformers'.
+    With checkpoint.resume=auto the next launch resumes the run's own checkpoint instead."""
+    model, folder = hf_model
+    want = _first_batch_loss(model, 32, 4)
+    common = [
+        *HF_RUN,
+        f"checkpoint.init_from=hf:{folder}",
+        "checkpoint.resume=auto",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+    ]
+    tp2 = run(
+        [*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'tp2'}"],
+        timeout=200,
+        threads=1,
+    )
+    assert tp2.returncode == 0, tp2.stderr[-3000:]
+    assert f"initial weights from the Hugging Face folder {folder}" in tp2.stdout
+    loss = metrics(tmp_path / "tp2")[0]["loss"]
+    assert abs(loss - want) <= 1e-5 * want, (loss, want)
+    again = run(
+        [sys.executable, "train.py", *common, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'again'}"], timeout=150
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "at step 1" in again.stdout, again.stdout[-2000:]
+    assert "Hugging Face folder" not in again.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.num_layers=3", "model.num_layers=3 contradicts checkpoint.init_from=hf:"),
+        ("model.seq_len=64", "model.seq_len=64 must lie between 1 and the model's maximum positions (32)"),
+        ("checkpoint.resume=/nowhere", "checkpoint.resume=/nowhere and checkpoint.init_from are exclusive"),
+    ],
+)
+def test_init_from_a_hugging_face_folder_refuses_contradictions(hf_model, tmp_path, override, message):
+    _, folder = hf_model
+    done = run(
+        [sys.executable, "train.py", f"checkpoint.init_from=hf:{folder}", override, f"hydra.run.dir={tmp_path}"],
+        timeout=100,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_init_from_a_hugging_face_folder_missing_a_tensor_fails_before_training(hf_model, tmp_path):
+    import safetensors.torch
+
+    model, folder = hf_model
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    tensors = {k: v for k, v in model.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    safetensors.torch.save_file(tensors, str(broken / "model.safetensors"))
+    done = run(
+        [sys.executable, "train.py", f"checkpoint.init_from=hf:{broken}", *HF_RUN, f"hydra.run.dir={tmp_path / 'r'}"],
+        timeout=100,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr[-2000:]
+    assert "missing tensor model.layers.1.mlp.up_proj.weight" in lines[0] and f"hf:{broken}" in lines[0]

@@ -1029,6 +1029,22 @@ def _retire_stale_lock(lock: Path, holder: dict) -> bool:
 # ---------------------------------------------------------------------------------- load
 
 
+@contextlib.contextmanager
+def writable_weights(chunks: list[nn.Module], optimizer: TrainingOptimizer | None):
+    """Yields {parameter: the tensor its loaded local value goes into}: the parameter itself,
+    or for 16-bit resident weights (dp/resident.py) an fp32 tensor (read fp32 values, not
+    bf16). On a clean exit the optimizer takes what was written: an offloaded one re-reads its
+    main weights, a resident one installs the fp32 values and their bf16 rounding."""
+    mains = None
+    if hasattr(optimizer, "load_main_weights"):
+        mains = {p: torch.zeros_like(p, dtype=torch.float32) for _, p in _own_parameters(chunks)}
+    yield {p: p if mains is None else mains[p] for _, p in _own_parameters(chunks)}
+    if optimizer is not None:
+        optimizer.mark_weights_changed()
+    if mains is not None:
+        optimizer.load_main_weights(mains)
+
+
 def load_checkpoint(
     path: str | Path, chunks: list[nn.Module], optimizer: TrainingOptimizer | None, mesh, *, weights_only: bool = False
 ) -> TrainState:
@@ -1050,40 +1066,35 @@ def _load_checkpoint(
             f"checkpoint {path} holds weights only (no optimizer state or step): start from it "
             f"with checkpoint.init_from instead of checkpoint.resume"
         )
-    state = model_state(chunks, mesh, for_load=True)
-    mains = None
-    if hasattr(optimizer, "load_main_weights"):  # 16-bit resident weights: read fp32 values, not bf16
-        mains = {p: torch.zeros_like(p, dtype=torch.float32) for _, p in _own_parameters(chunks)}
-        for name, param in _own_parameters(chunks):
-            piece = shard_piece(param, mains[param], mesh)
-            if piece is not None:
-                state[f"model/{name}"] = piece
-    moments = None
-    if not weights_only:
-        opt, moments = optimizer_state(chunks, optimizer, mesh, for_load=True)
-        state.update(opt)
     same_layout = meta["world_size"] == mesh.world_size and meta["layout"] == dataclasses.asdict(mesh.par)
     rng_key = f"rng/rank{mesh.rank}"
-    if same_layout and not weights_only:
-        state[rng_key] = b""
-    try:
-        with torch.no_grad(), _single_process_quiet():
-            dcp.load(
-                state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False)
-            )
-    except CheckpointException as err:
-        cause = _os_error_in(err)
-        if cause is None:
-            raise
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {cause}") from None
-    for name, buf in _persistent_buffers(chunks):  # DCP may hand back new tensors for plain values
-        loaded = state[f"model/{name}"]
-        if loaded is not buf:
-            buf.copy_(loaded)
-    if optimizer is not None:  # an offloaded optimizer re-reads its main weights
-        optimizer.mark_weights_changed()
-    if mains is not None:  # fp32 main weights and their bf16 rounding into the parameters
-        optimizer.load_main_weights(mains)
+    with writable_weights(chunks, optimizer) as targets:
+        state = model_state(chunks, mesh, for_load=True)
+        for name, param in _own_parameters(chunks):
+            if targets[param] is not param:
+                piece = shard_piece(param, targets[param], mesh)
+                if piece is not None:
+                    state[f"model/{name}"] = piece
+        moments = None
+        if not weights_only:
+            opt, moments = optimizer_state(chunks, optimizer, mesh, for_load=True)
+            state.update(opt)
+        if same_layout and not weights_only:
+            state[rng_key] = b""
+        try:
+            with torch.no_grad(), _single_process_quiet():
+                dcp.load(
+                    state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False)
+                )
+        except CheckpointException as err:
+            cause = _os_error_in(err)
+            if cause is None:
+                raise
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {cause}") from None
+        for name, buf in _persistent_buffers(chunks):  # DCP may hand back new tensors for plain values
+            loaded = state[f"model/{name}"]
+            if loaded is not buf:
+                buf.copy_(loaded)
     if weights_only:
         return TrainState()
     optimizer.load_param_moments(moments, float(state["optim/step"]))

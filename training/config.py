@@ -32,6 +32,7 @@ from meshtron.rules import (
     raise_first,
 )
 from meshtron.schema import Allowed, declared_in, field_checks, nearest_key, setting
+from meshtron.training.hf_start import hf_folder, model_from_hf_folder
 from meshtron.training.schedule import DECAY_STYLES
 
 
@@ -220,6 +221,11 @@ class RunConfig:
             built[key] = _build_section(key, kinds[key], value or {})
         run = RunConfig(**built)
         run.validate()
+        folder = hf_folder(run.checkpoint.init_from)
+        if folder is None:
+            return run
+        run = dataclasses.replace(run, model=model_from_hf_folder(folder, run.model))
+        run.validate()
         return run
 
     def with_precision_for(self, device_type: str, bf16_supported: bool) -> tuple[RunConfig, str]:
@@ -322,9 +328,10 @@ class RunConfig:
                 "checkpoint.async=true needs checkpoint.dir (where to write the checkpoints)",
             ),
             (
-                not (c.resume and c.init_from),
-                "checkpoint.resume and checkpoint.init_from are exclusive: resume continues a run (optimizer, step, data "
-                "position), init_from only takes weights; set one of them",
+                not c.init_from or c.resume in (None, "auto"),
+                f"checkpoint.resume={c.resume} and checkpoint.init_from are exclusive: resume continues a run "
+                "(optimizer, step, data position), init_from only takes weights; set one of them (with "
+                "checkpoint.resume=auto, init_from is where a run with no checkpoint in checkpoint.dir starts)",
             ),
         ]
         raise_first(checks, ConfigError)

@@ -38,6 +38,7 @@ from meshtron.mpu.mesh import Mesh, ParallelConfig, build_mesh
 from meshtron.pipeline.executor import PipelineExecutor, activation_shape
 from meshtron.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from meshtron.training.config import OptimConfig
+from meshtron.training.hf_start import load_hf_into
 from meshtron.training.optim import build_reducer_and_optimizer
 from meshtron.training.precision import FP32, Precision
 from meshtron.training.step import StepResult, evaluate, pipeline_train_step, train_step
@@ -121,6 +122,7 @@ class Engine:
         overlap_param_gather: bool = False,
         optimizer_factory: OptimizerFactory | None = None,
         adjust_model: Callable[[list[nn.Module]], None] | None = None,
+        init_weights: bool = True,
     ) -> Engine:
         """Build the run of `config` on `layout` (a built mesh, or the `ParallelConfig` to build
         one over the current world: creates every process group), on `device`.
@@ -128,14 +130,17 @@ class Engine:
         `optimizer_factory` replaces the `config.optim` reducer and optimizer
         (training/optim.py); `adjust_model` sees the chunks before the reducer takes their
         parameters (the verifier's fault injection); `overlap_param_gather` leaves ZeRO-1/2
-        parameter all-gathers in flight after each update (dp/param_gather.py)."""
+        parameter all-gathers in flight after each update (dp/param_gather.py);
+        `init_weights=False` leaves the weights zero for a caller that loads every one next."""
         device = torch.device(device)
         mesh = (
             layout
             if isinstance(layout, Mesh)
             else build_mesh(layout, config.model, device_type=device.type, ranks_per_node=ranks_per_node)
         )
-        chunks = init_model_chunks(config.model, mesh, config.seed, device=device, execution=config.execution)
+        chunks = init_model_chunks(
+            config.model, mesh, config.seed, device=device, execution=config.execution, initialize=init_weights
+        )
         if adjust_model is not None:
             adjust_model(chunks)
         if optimizer_factory is None:
@@ -211,6 +216,11 @@ class Engine:
     def load(self, path: Path, *, weights_only: bool = False) -> TrainState:
         """Load a checkpoint of any layout into this one (training/checkpoint.py); every rank."""
         return load_checkpoint(path, self.chunks, self.optimizer, self.mesh, weights_only=weights_only)
+
+    def load_hf(self, folder: Path) -> int:
+        """Read this rank's shards of the Hugging Face model in `folder` (training/hf_start.py);
+        returns the bytes this rank read. Every rank, no communication."""
+        return load_hf_into(folder, self.chunks, self.optimizer)
 
     def save(
         self,

@@ -94,6 +94,7 @@ def run_training(run: RunConfig, run_dir: str | Path) -> dict:
                 env.device,
                 ranks_per_node=env.local_world_size,
                 overlap_param_gather=run.optim.overlap_param_gather,
+                init_weights=start_from is None,  # a start checkpoint replaces every weight
             )
             try:
                 trainer = Trainer(run, engine, env, run_dir, dataset, n_micro, precision_why=precision_why)
@@ -194,22 +195,23 @@ class Trainer:
             self._close()
         return self._summary(stopped_early)
 
+    def _load_start(self, kind: str, path: Path) -> str:
+        """Load the weights (and state, for "resume") to start from; returns what was loaded, for the log."""
+        if kind == "init_from_hf":
+            read = self.engine.load_hf(path)
+            return f"initial weights from the Hugging Face folder {path} (this rank read {read / 2**20:,.1f} MiB: its shards)"
+        self.state = self.engine.load(path, weights_only=kind == "init_from")
+        if kind == "init_from":
+            return f"initial weights from {path}"
+        return f"resumed from {path} at step {self.state.step} ({self.state.consumed_samples:,} samples consumed)"
+
     def _start(self, start_from: tuple[str, Path] | None) -> None:
         """Load the checkpoint to start from, then build what depends on the loaded state."""
         run, engine, env, t = self.run, self.engine, self.env, self.run.trainer
         if start_from is not None:
-            kind, path = start_from
-            self.state = engine.load(path, weights_only=kind == "init_from")
+            loaded = self._load_start(*start_from)
             if env.is_main:
-                print(
-                    f"meshtron: {'resumed from' if kind == 'resume' else 'initial weights from'} {path}"
-                    + (
-                        f" at step {self.state.step} ({self.state.consumed_samples:,} samples consumed)"
-                        if kind == "resume"
-                        else ""
-                    ),
-                    flush=True,
-                )
+                print(f"meshtron: {loaded}", flush=True)
         # None unless optim.local_steps > 1 or an outer optimizer; after loading: DiLoCo keeps the start weights
         self.local_sgd = build_local_sgd(run.optim, engine.chunks, engine.mesh)
         scaler = LossScaler(

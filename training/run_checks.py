@@ -28,6 +28,7 @@ from meshtron.rules import (
 from meshtron.textdata.data import ByteTokenizer
 from meshtron.training.checkpoint import CheckpointError, check_compatible, resolve_resume
 from meshtron.training.config import RunConfig
+from meshtron.training.hf_start import check_hf_weights, hf_folder
 
 
 def check_run_config(run: RunConfig, world_size: int, ranks_per_node: int | None = None) -> tuple:
@@ -100,15 +101,23 @@ def compiled_block_checks(run: RunConfig, par) -> list[Check]:
 
 
 def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
-    """("resume" | "init_from", path) after checking the checkpoint is complete and holds the
-    tensors this model needs, or None for a fresh start. Runs before any process group, on
-    every rank alike, so a bad checkpoint fails with one line instead of a hang."""
+    """("resume" | "init_from" | "init_from_hf", path) after checking the checkpoint is complete
+    and holds the tensors this model needs (a Hugging Face folder: from its safetensors
+    headers), or None for a fresh start. With checkpoint.resume=auto a checkpoint in
+    checkpoint.dir wins over checkpoint.init_from, which starts a run that has none. Runs
+    before any process group, on every rank alike, so a bad checkpoint fails with one line
+    instead of a hang."""
     c = run.checkpoint
+    kind = "resume"
     try:
-        if c.init_from:
-            path, kind = resolve_resume(None, c.init_from), "init_from"
-        else:
-            path, kind = resolve_resume(c.dir, c.resume), "resume"
+        path = resolve_resume(c.dir, c.resume)
+        if path is None and c.init_from:
+            kind = "init_from"
+            folder = hf_folder(c.init_from)
+            if folder is not None:
+                check_hf_weights(folder, run.model)
+                return "init_from_hf", folder
+            path = resolve_resume(None, c.init_from)
         if path is None:
             return None
         meta = check_compatible(path, run.model)
@@ -118,5 +127,5 @@ def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
                 f"checkpoint.init_from={path}"
             )
     except CheckpointError as err:
-        raise ConfigError(f"checkpoint.{'init_from' if c.init_from else 'resume'}: {err}") from err
+        raise ConfigError(f"checkpoint.{kind}: {err}") from err
     return kind, path

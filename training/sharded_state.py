@@ -40,6 +40,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from meshtron.mpu.init import local_offsets
+
 
 @dataclass
 class ShardPiece:
@@ -76,20 +78,14 @@ def shard_piece(param: nn.Parameter, local: torch.Tensor, mesh) -> ShardPiece | 
     Offsets follow `mpu.init.local_shard`: equal contiguous chunks, one split per (dim, axis)
     of `param.shards`, applied in order (experts: ep first, then etp inside it).
     """
-    offsets = [0] * local.dim()
-    block = list(param.shape)
-    for dim, axis in getattr(param, "shards", ()):
-        block[dim] *= _mesh_size(mesh, axis)
-    for dim, axis in getattr(param, "shards", ()):
-        block[dim] //= _mesh_size(mesh, axis)
-        offsets[dim] += getattr(mesh, f"{axis}_rank") * block[dim]
+    offsets = local_offsets(param, mesh)
     valid_rows = getattr(param, "valid_rows", None)
     if valid_rows is not None:
         keep = min(local.shape[0], valid_rows - offsets[0])
         if keep <= 0:
             return None
         local = local[:keep]
-    return ShardPiece(local, tuple(offsets), global_shape(param, mesh))
+    return ShardPiece(local, offsets, global_shape(param, mesh))
 
 
 def _boxes(shape: tuple[int, ...], first: int, last: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -14,6 +14,9 @@ are refused naming the field (later steps of issue 39).
     config_from_hf(hf_config, **overrides) -> GPTConfig
     hf_config_from_gpt(cfg, **overrides) -> transformers config
     load_hf_state_dict(model, state_dict)            every rank loads its shards from the full HF dict
+    load_hf_weights(model, source, targets=None)     every rank reads only its shards' slices
+    open_hf_weights(folder, family) -> source        a folder's safetensors, memory-mapped
+    read_hf_config(folder)                           its config.json as a transformers config
     export_hf_state_dict(model, mesh) -> dict | None the full HF dict on global rank 0
     save_hf_folder(state_dict, hf_config, out_dir)   model.safetensors + config.json
     read_hf_folder(src_dir) -> (hf_config, state_dict)
@@ -81,8 +84,16 @@ from meshtron.models.hf.config import (
     hf_family,
     hf_router_fields,
 )
-from meshtron.models.hf.files import read_hf_folder, read_import_base, save_hf_folder, save_import_base
-from meshtron.models.hf.weights import export_hf_state_dict, load_hf_state_dict
+from meshtron.models.hf.files import (
+    open_hf_weights,
+    read_hf_config,
+    read_hf_folder,
+    read_import_base,
+    save_hf_folder,
+    save_import_base,
+)
+from meshtron.models.hf.sources import DictSource, SafetensorsSource
+from meshtron.models.hf.weights import checked_units, export_hf_state_dict, load_hf_state_dict, load_hf_weights
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -100,4 +111,10 @@ __all__ = [
     "save_import_base",
     "export_hf_state_dict",
     "load_hf_state_dict",
+    "load_hf_weights",
+    "checked_units",
+    "open_hf_weights",
+    "read_hf_config",
+    "DictSource",
+    "SafetensorsSource",
 ]

@@ -16,6 +16,7 @@ from meshtron.models.hf.config import (
     require_safetensors,
     require_transformers,
 )
+from meshtron.models.hf.sources import SafetensorsSource
 
 # --------------------------------------------------------------------------------------------
 # Folders
@@ -136,12 +137,10 @@ def read_import_base(base_dir) -> dict:
     return {"config": config, "generation": generation, "positions": positions, "tokenizer_files": tokenizer_files}
 
 
-def read_hf_folder(src_dir) -> tuple[object, dict[str, torch.Tensor]]:
-    """(config, full state dict) of a local Hugging Face model folder: `config.json` and
-    `model.safetensors`, or the shards listed in `model.safetensors.index.json` (or every
-    `*.safetensors`). Local files only, no network. A config.json that is not JSON or has an
-    unsupported model_type, a bad index or a truncated/corrupt weights file raises
-    HFConversionError naming the file; a missing one FileNotFoundError."""
+def read_hf_config(src_dir):
+    """The transformers config of the local Hugging Face model folder `src_dir` (its
+    config.json; no network). FileNotFoundError when there is none; HFConversionError naming
+    the file when it is not JSON, has an unsupported model_type or transformers cannot read it."""
     transformers = require_transformers()
     src = Path(src_dir)
     config_path = src / "config.json"
@@ -153,9 +152,26 @@ def read_hf_folder(src_dir) -> tuple[object, dict[str, torch.Tensor]]:
     except HFConversionError as err:
         raise HFConversionError(f"{config_path}: {err}") from None
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(str(src), local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(str(src), local_files_only=True)
     except (OSError, ValueError) as err:
         raise HFConversionError(f"{config_path}: transformers cannot read it: {err}") from None
+
+
+def open_hf_weights(src_dir, family: str) -> SafetensorsSource:
+    """The safetensors weights of the local model folder `src_dir` (`model.safetensors`, the
+    shards its index lists, or every `*.safetensors`), memory-mapped for sliced reads; keys
+    normalized for `family` ("gpt2", "llama", ...). Close it when done."""
+    return SafetensorsSource(_weight_files(Path(src_dir)), family)
+
+
+def read_hf_folder(src_dir) -> tuple[object, dict[str, torch.Tensor]]:
+    """(config, full state dict) of a local Hugging Face model folder: `config.json` and
+    `model.safetensors`, or the shards listed in `model.safetensors.index.json` (or every
+    `*.safetensors`). Local files only, no network. A config.json that is not JSON or has an
+    unsupported model_type, a bad index or a truncated/corrupt weights file raises
+    HFConversionError naming the file; a missing one FileNotFoundError."""
+    hf_config = read_hf_config(src_dir)
+    src = Path(src_dir)
     state_dict: dict[str, torch.Tensor] = {}
     for path in _weight_files(src):
         part = _load_safetensors(path)

@@ -4,7 +4,6 @@ mesh's groups with mpu collectives)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,12 +12,12 @@ from torch import nn
 
 from meshtron.models.config import GPTConfig
 from meshtron.models.hf.config import HFConversionError, hf_family
-from meshtron.mpu.init import full_tensor, local_shard
+from meshtron.models.hf.sources import DictSource, Index, SafetensorsSource
+from meshtron.mpu.init import full_tensor, local_offsets
 from meshtron.mpu.mappings import gather_object
 from meshtron.mpu.mesh import Mesh
 
-# Tensors of real checkpoints that are not weights (causal-mask buffers, cached RoPE tables).
-_IGNORED_KEYS = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$")
+TensorSource = DictSource | SafetensorsSource
 _VOCAB_PARAMS = ("embed.weight", "head.weight")
 
 
@@ -27,29 +26,31 @@ _VOCAB_PARAMS = ("embed.weight", "head.weight")
 # --------------------------------------------------------------------------------------------
 
 
+# read(hf_key, index) -> the sub-tensor of HF tensor `hf_key` at `index` (one slice per dim)
+Reader = Callable[[str, Index], torch.Tensor]
+
+
 @dataclass
 class _Unit:
-    """Meshtron full tensors `mt` <-> HF tensors `hf` (shapes `hf_shapes`), converted exactly."""
+    """Meshtron full tensors `mt` <-> HF tensors `hf` (shapes `hf_shapes`), converted exactly.
+
+    `read_mt(read, mt_name, box)` reads the block `box` (one slice per dim) of the full
+    meshtron tensor `mt_name` through `read`, touching only the HF elements that block holds;
+    `to_hf` turns the full meshtron tensors into the HF ones (export)."""
 
     mt: tuple[str, ...]
     hf: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
-    to_mt: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    read_mt: Callable[[Reader, str, Index], torch.Tensor]
     to_hf: Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def _same(mt: str, hf: str, shape) -> _Unit:
-    return _Unit((mt,), (hf,), (tuple(shape),), lambda t: list(t), lambda t: list(t))
+    return _Unit((mt,), (hf,), (tuple(shape),), lambda read, _, box: read(hf, box), lambda t: list(t))
 
 
 def _transposed(mt: str, hf: str, hf_shape) -> _Unit:
-    return _Unit((mt,), (hf,), (tuple(hf_shape),), lambda t: [t[0].t()], lambda t: [t[0].t()])
-
-
-def _qkv_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    rest = tuple(q.shape[1:])
-    parts = [x.reshape((kv_heads, -1) + rest) for x in (q, k, v)]
-    return torch.cat(parts, dim=1).reshape((-1,) + rest)
+    return _Unit((mt,), (hf,), (tuple(hf_shape),), lambda read, _, box: read(hf, box[::-1]).t(), lambda t: [t[0].t()])
 
 
 def _qkv_split(fused: torch.Tensor, cfg: GPTConfig) -> list[torch.Tensor]:
@@ -61,22 +62,48 @@ def _qkv_split(fused: torch.Tensor, cfg: GPTConfig) -> list[torch.Tensor]:
     return [x.reshape((-1,) + rest) for x in (q, k, v)]
 
 
+def _qkv_runs(cfg: GPTConfig, rows: slice) -> list[tuple[int, int, int]]:
+    """(part: 0 q / 1 k / 2 v, first row in that part's tensor, row count): the runs that
+    make up rows `rows` of meshtron's fused QKV, whose rows are grouped per KV head
+    [q heads of group 0, k_0, v_0 | q heads of group 1, k_1, v_1 | ...] (models/gpt.py)."""
+    d, g = cfg.head_dim, cfg.num_kv_heads
+    q_rows = cfg.num_heads // g * d
+    size = q_rows + 2 * d
+    runs = []
+    for group in range(rows.start // size, -(-rows.stop // size)):
+        lo, hi = max(rows.start - group * size, 0), min(rows.stop - group * size, size)
+        parts = ((0, q_rows, group * q_rows), (q_rows, q_rows + d, group * d), (q_rows + d, size, group * d))
+        for part, (start, stop, first) in enumerate(parts):
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                runs.append((part, first + a - start, b - a))
+    return runs
+
+
 def _qkv_unit(cfg: GPTConfig, mt: str, hf_keys: tuple[str, ...], is_bias: bool, gpt2: bool) -> _Unit:
     d, nq, nkv, h = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
     if gpt2:  # one Conv1D [h, 3h] ([q | k | v] columns) or bias [3h]
         shape = (3 * h,) if is_bias else (h, 3 * h)
 
-        def to_mt(t):
-            full = t[0] if is_bias else t[0].t()
-            return [_qkv_grouped(*full.split(h, dim=0), kv_heads=nkv)]
+        def read_gpt2(read, _, box):
+            pieces = []
+            for part, first, count in _qkv_runs(cfg, box[0]):
+                cols = slice(part * h + first, part * h + first + count)
+                pieces.append(read(hf_keys[0], (cols,)) if is_bias else read(hf_keys[0], (box[1], cols)).t())
+            return torch.cat(pieces, dim=0)
 
         def to_hf(t):
             full = torch.cat(_qkv_split(t[0], cfg), dim=0)
             return [full if is_bias else full.t()]
 
-        return _Unit((mt,), hf_keys, (shape,), to_mt, to_hf)
+        return _Unit((mt,), hf_keys, (shape,), read_gpt2, to_hf)
     shapes = tuple((n * d,) if is_bias else (n * d, h) for n in (nq, nkv, nkv))
-    return _Unit((mt,), hf_keys, shapes, lambda t: [_qkv_grouped(*t, kv_heads=nkv)], lambda t: _qkv_split(t[0], cfg))
+
+    def read_parts(read, _, box):
+        runs = _qkv_runs(cfg, box[0])
+        return torch.cat([read(hf_keys[p], (slice(first, first + n),) + box[1:]) for p, first, n in runs], dim=0)
+
+    return _Unit((mt,), hf_keys, shapes, read_parts, lambda t: _qkv_split(t[0], cfg))
 
 
 def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
@@ -162,25 +189,27 @@ def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit
     E, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
     if moe_format == "fused":  # transformers 5.x: [E, 2f, h] gate rows then up rows; down [E, h, f]
         x = L + "mlp."
+        gate_up, down = x + "experts.gate_up_proj", x + "experts.down_proj"
 
-        def gate_up_to_mt(t):
-            gate, up = t[0].split(f, dim=1)
-            return [gate.transpose(1, 2), up.transpose(1, 2)]
+        def read_gate_or_up(read, name, box):  # meshtron [E, h, f] <- rows of gate_up [E, 2f, h]
+            first = 0 if name.endswith("w_gate") else f
+            rows = slice(first + box[2].start, first + box[2].stop)
+            return read(gate_up, (box[0], rows, box[1])).transpose(1, 2)
 
         return [
             _same(m + "router.weight", x + "gate.weight", (E, h)),
             _Unit(
                 (m + "experts.w_gate", m + "experts.w_up"),
-                (x + "experts.gate_up_proj",),
+                (gate_up,),
                 ((E, 2 * f, h),),
-                gate_up_to_mt,
+                read_gate_or_up,
                 lambda t: [torch.cat([t[0], t[1]], dim=2).transpose(1, 2)],
             ),
             _Unit(
                 (m + "experts.w_down",),
-                (x + "experts.down_proj",),
+                (down,),
                 ((E, h, f),),
-                lambda t: [t[0].transpose(1, 2)],
+                lambda read, _, box: read(down, (box[0], box[2], box[1])).transpose(1, 2),
                 lambda t: [t[0].transpose(1, 2)],
             ),
         ]
@@ -189,13 +218,12 @@ def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit
 
     def stacked(mt: str, w: str, shape) -> _Unit:
         keys = tuple(f"{x}experts.{e}.{w}.weight" for e in range(E))
-        return _Unit(
-            (mt,),
-            keys,
-            (tuple(shape),) * E,
-            lambda t: [torch.stack([w_.t() for w_ in t])],
-            lambda t: [w_.t() for w_ in t[0].unbind(0)],
-        )
+
+        def read_experts(read, _, box):  # meshtron [E, a, b] <- each expert's [b, a]
+            experts = range(box[0].start, box[0].stop)
+            return torch.stack([read(keys[e], (box[2], box[1])).t() for e in experts])
+
+        return _Unit((mt,), keys, (tuple(shape),) * E, read_experts, lambda t: [w_.t() for w_ in t[0].unbind(0)])
 
     return [
         _same(m + "router.weight", x + "gate.weight", (E, h)),
@@ -225,91 +253,107 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))], dim=0)
 
 
-def _normalize_keys(state_dict: dict, family: str) -> dict:
-    """Drop non-weight buffers; accept GPT-2 checkpoints saved without the `transformer.` prefix."""
-    out = {k: v for k, v in state_dict.items() if not _IGNORED_KEYS.search(k)}
-    if family == "gpt2" and "transformer.wte.weight" not in out and "wte.weight" in out:
-        out = {(k if k.startswith("lm_head.") else "transformer." + k): v for k, v in out.items()}
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # Import
 # --------------------------------------------------------------------------------------------
 
+_WPE = "transformer.wpe.weight"
+_TIE_CHECK_ROWS = 4096  # rows of lm_head / embedding compared at a time (bounded memory)
 
-@torch.no_grad()
-def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a FULL Hugging Face state dict into a meshtron model built for any layout.
 
-    `model` is one `GPT` chunk or this rank's list of pipeline chunks; every rank passes the
-    same full dict and keeps its own shards (tp / ep / etp), vocabulary tensors zero-padded.
-    Tied embedding copies on the last pipeline stage get the embedding too. A GPT-2 position
-    table longer than `cfg.seq_len` gives its first `seq_len` rows. Router expert
-    biases (aux-loss-free balancing state, not in HF) are reset to zero. Missing, unexpected
-    or wrongly shaped tensors raise HFConversionError naming the tensor (on every rank, before
-    anything is copied).
-    """
-    chunks = _chunks(model)
-    cfg: GPTConfig = chunks[0].cfg
-    mesh: Mesh = chunks[0].mesh
+def checked_units(cfg: GPTConfig, source: TensorSource) -> list[_Unit]:
+    """The conversion units of `cfg` after checking `source` holds exactly their tensors with
+    their shapes (read from the headers; a tied model's `lm_head.weight`, when present, must
+    equal the embedding: compared in row blocks). HFConversionError naming the tensor."""
     family = hf_family(cfg)
-    sd = _normalize_keys(state_dict, family)
-    wpe = "transformer.wpe.weight"
-    if family == "gpt2" and wpe in sd and sd[wpe].dim() == 2 and sd[wpe].shape[0] > cfg.seq_len:
-        # Imported at a seq_len below n_positions: the model keeps the first positions (export
-        # can put the rest back: training/hf_cli.py export --base).
-        sd[wpe] = sd[wpe][: cfg.seq_len]
-    moe_format = "per_expert" if any(".block_sparse_moe." in k for k in sd) else "fused"
+    keys = set(source.keys())
+    moe_format = "per_expert" if any(".block_sparse_moe." in k for k in keys) else "fused"
     units = _units(cfg, moe_format)
-
     expected = {key: shape for u in units for key, shape in zip(u.hf, u.hf_shapes)}
-    embed_key = units[0].hf[0]
     optional = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_embeddings else {}
-    missing = [k for k in expected if k not in sd]
+    missing = [k for k in expected if k not in keys]
     if missing:
         raise HFConversionError(
             f"missing tensor {missing[0]} in the Hugging Face state dict"
             + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else "")
         )
-    unexpected = [k for k in sd if k not in expected and k not in optional]
+    unexpected = sorted(k for k in keys if k not in expected and k not in optional)
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise HFConversionError(
             f"unexpected tensor {unexpected[0]} in the Hugging Face state dict for a {family} model{more}"
         )
-    for key, shape in {**expected, **{k: s for k, s in optional.items() if k in sd}}.items():
-        got = tuple(sd[key].shape)
-        if got != tuple(shape):
+    for key, shape in {**expected, **{k: s for k, s in optional.items() if k in keys}}.items():
+        got = source.shape(key)
+        # Imported at a seq_len below n_positions, GPT-2 keeps the first positions (export can
+        # put the rest back: training/hf_cli.py export --base).
+        longer_positions = key == _WPE and len(got) == 2 and got[0] > shape[0] and got[1] == shape[1]
+        if got != tuple(shape) and not longer_positions:
             raise HFConversionError(f"tensor {key} has shape {got}, expected {tuple(shape)} for this config")
-    if cfg.tie_embeddings and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd[embed_key]):
-        raise HFConversionError(
-            f"tensor lm_head.weight differs from {embed_key} but the config ties the "
-            f"embeddings (tie_word_embeddings=True)"
-        )
+    if cfg.tie_embeddings and "lm_head.weight" in keys:
+        _check_tied(source, units[0].hf[0], cfg.vocab_size)
+    return units
 
-    by_mt = {name: u for u in units for name in u.mt}
-    converted: dict[int, dict[str, torch.Tensor]] = {}
+
+def _check_tied(source: TensorSource, embed_key: str, rows: int) -> None:
+    for start in range(0, rows, _TIE_CHECK_ROWS):
+        block = (slice(start, min(start + _TIE_CHECK_ROWS, rows)),)
+        if not torch.equal(source.read("lm_head.weight", block), source.read(embed_key, block)):
+            raise HFConversionError(
+                f"tensor lm_head.weight differs from {embed_key} but the config ties the "
+                f"embeddings (tie_word_embeddings=True)"
+            )
+
+
+def _read_local(unit: _Unit, source: TensorSource, name: str, box: Index, valid_rows: int | None) -> torch.Tensor:
+    """The block `box` of meshtron tensor `name`; rows at or past `valid_rows` (vocabulary
+    padding) are zeros and are not read."""
+    if valid_rows is None or box[0].stop <= valid_rows:
+        return unit.read_mt(source.read, name, box)
+    rows = box[0].stop - box[0].start
+    kept = slice(box[0].start, max(box[0].start, valid_rows))
+    if kept.stop == kept.start:
+        return torch.zeros((rows,) + tuple(s.stop - s.start for s in box[1:]))
+    return _pad_rows(unit.read_mt(source.read, name, (kept,) + box[1:]), rows)
+
+
+@torch.no_grad()
+def load_hf_weights(model, source: TensorSource, targets: dict | None = None) -> None:
+    """Read this rank's shards of a Hugging Face model from `source` (a `DictSource` or a
+    folder's `SafetensorsSource`) into a meshtron model built for any layout: every
+    parameter's block of the full tensor (tp / ep / etp splits) is read as slices of the HF
+    tensors it comes from, nothing else; vocabulary tensors are zero-padded. No communication.
+
+    `model` is one `GPT` chunk or this rank's list of pipeline chunks. `targets` maps a
+    parameter to the tensor its values go into (default: the parameter itself; the fp32 main
+    weights of 16-bit resident parameters). Tied embedding copies on the last pipeline stage
+    get the embedding too. Router expert biases (aux-loss-free balancing state, not in HF) are
+    reset to zero. Missing, unexpected or wrongly shaped tensors raise HFConversionError
+    naming the tensor (on every rank, before anything is copied)."""
+    chunks = _chunks(model)
+    cfg: GPTConfig = chunks[0].cfg
+    mesh: Mesh = chunks[0].mesh
+    by_mt = {name: u for u in checked_units(cfg, source) for name in u.mt}
+    unmatched = [name for chunk in chunks for name, _ in chunk.named_parameters() if name not in by_mt]
+    if unmatched:
+        raise HFConversionError(f"meshtron parameter {unmatched[0]} has no Hugging Face counterpart")
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            unit = by_mt.get(name)
-            if unit is None:
-                raise HFConversionError(f"meshtron parameter {name} has no Hugging Face counterpart")
-            if id(unit) not in converted:
-                converted[id(unit)] = dict(zip(unit.mt, unit.to_mt([sd[k] for k in unit.hf])))
-            full = converted[id(unit)][name]
-            if name in _VOCAB_PARAMS:
-                full = _pad_rows(full, chunk.padded_vocab_size)
-            local = local_shard(full, param.shards, mesh)
-            if local.shape != param.shape:
-                raise HFConversionError(
-                    f"tensor {', '.join(unit.hf)} gives meshtron {name} a shard of shape "
-                    f"{tuple(local.shape)}, expected {tuple(param.shape)}"
-                )
-            param.copy_(local)
+            offsets = local_offsets(param, mesh)
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, param.shape))
+            local = _read_local(by_mt[name], source, name, box, cfg.vocab_size if name in _VOCAB_PARAMS else None)
+            (param if targets is None else targets[param]).copy_(local)
         for name, buf in chunk.named_buffers():
             if name.endswith("router.expert_bias"):
                 buf.zero_()
+
+
+def load_hf_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a FULL Hugging Face state dict into a meshtron model built for any layout: every
+    rank passes the same dict and keeps its own shards (`load_hf_weights`). A GPT-2 position
+    table longer than `cfg.seq_len` gives its first `seq_len` rows."""
+    chunks = _chunks(model)
+    load_hf_weights(chunks, DictSource(state_dict, hf_family(chunks[0].cfg)))
 
 
 # --------------------------------------------------------------------------------------------

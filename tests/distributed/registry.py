@@ -17,6 +17,7 @@ CASE_MODULES = (
     "tests.distributed.zero3_cases",
     "tests.distributed.checkpoint_cases",
     "tests.distributed.hf_cases",
+    "tests.distributed.hf_folder_cases",
     "tests.distributed.offload_cases",
     "tests.distributed.cp_cases",
     "tests.distributed.cp_model_cases",
