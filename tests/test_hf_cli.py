@@ -162,6 +162,17 @@ def test_init_from_a_hugging_face_folder_at_tp2_and_resume_auto(hf_model, tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "at step 1" in again.stdout, again.stdout[-2000:]
     assert "Hugging Face folder" not in again.stdout
+    out = tmp_path / "exported"
+    done = run(
+        [sys.executable, "-m", "meshtron.training.hf_cli", "export", "--src", str(tmp_path / "ck"), "--out", str(out)]
+        + ["--base", str(folder)],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert back.state_dict().keys() == model.state_dict().keys()
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(back.state_dict()[k], v)]
+    assert moved, "two training steps changed no weight of the exported model"
 
 
 @pytest.mark.timeout(120)
