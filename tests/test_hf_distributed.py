@@ -1,6 +1,7 @@
-"""Hugging Face interop across processes: a full HF state dict loads into tp, ep and pp x tp
-layouts with HF's logits, and exports back bitwise on rank 0; an imported one-layer Mixtral
-trained at ep=2 follows transformers' objective and weights step by step
+"""Hugging Face interop across processes: a full HF state dict loads into tp, ep, pp, cp
+(ring and a2a) and pp x tp layouts with HF's logits, and exports back bitwise on rank 0; the
+new families (Mistral, Llama 3.1, Qwen2, Qwen3) train like transformers at tp, pp and cp; an
+imported Mixtral trained at ep=2 follows transformers' objective and weights step by step
 (tests/distributed/hf_cases.py)."""
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
 """Hugging Face interop across processes: every rank builds the same tiny random HF model
 (fixed seed), loads the full state dict into its shards of a parallel meshtron model, and
-checks that the gathered logits equal HF's (max abs error <= 1e-4, fp32) and that
-`export_hf_state_dict` gives back the original state dict bitwise on global rank 0.
+checks that the gathered logits equal HF's (max abs error <= 1e-5, fp32; measured <= 2.4e-7)
+and that `export_hf_state_dict` gives back the original state dict bitwise on global rank 0.
+Under context parallelism each rank compares the logits of its own cp shard of the sequence.
 
-Layouts: GPT-2 / Llama / Mistral / Llama 3.1 RoPE / Qwen2 / Mixtral at tp=2, Mixtral at ep=2
-(world 2); GPT-2 / Llama at
-pp=2 x tp=2 and Mixtral at pp=2 x ep=2 (world 4), the pipeline forward run stage by stage
-with point-to-point sends.
+Layouts: GPT-2 / Llama / Mistral / Llama 3.1 RoPE / Qwen2 / Qwen3 / Mixtral at tp=2, Mixtral at
+ep=2, Mistral / Llama 3.1 / Qwen2 at pp=2, Mistral / Llama 3.1 / Qwen2 / Qwen3 at cp=2 (ring
+and a2a alternating) (world 2); GPT-2 / Llama / Qwen3 at pp=2 x tp=2 and Mixtral at pp=2 x
+ep=2 (world 4), the pipeline forward run stage by stage with point-to-point sends.
 
 Training fidelity (`mixtral_train_ep2`): a two-layer Mixtral imported from transformers and
 trained by meshtron at ep=2 (dp=2, one microbatch per rank and step) gives, step by step, the
 total objective (LM loss + router_aux_loss_coef x aux pooled over layers) of transformers
 trained with gradient accumulation over the same per-rank microbatches, and the same weights
-after the steps. The single-process version is
+after the steps. The issue-39 families train the same way (`train_like_transformers`): Qwen3
+at tp=2 and at cp=2 (ring), Llama 3.1 at pp=2 (1F1B over two microbatches), Mistral at cp=2
+(ring), Qwen2 at cp=2 (a2a); each step's objective to STEP_RTOL (measured <= 1.8e-7), the
+weights after 4 steps to 1e-5 (measured <= 7.2e-6, Qwen3's embedding at cp=2; 6.0e-6 at dp=2:
+fp32 summation order through AdamW, see TRAIN_EPS). The single-process version is
 tests/test_hf.py::test_mixtral_trains_like_transformers; the helpers (`tiny_mixtral`,
 `hf_train_step`, `meshtron_trainer`, ...) serve both, and `pooling_gap` measures how far
 meshtron's per-layer aux_loss_layers="sum" is from transformers (numbers in models/hf/).
@@ -26,11 +31,12 @@ import torch
 import torch.distributed as dist
 
 from meshtron.models.gpt import build_model_chunks
+from meshtron.mpu.context_parallel import shard_sequence
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.pipeline.executor import activation_shape
 from meshtron.training.step import StepResult
 
-ATOL = 1e-4
+ATOL = 1e-5
 VOCAB = 300  # padded to 128*tp: padding rows are exercised
 SEQ = 16
 SEED = 0
@@ -98,7 +104,11 @@ def hf_model(family: str, seed: int = SEED, **kw):
 
 
 def _forward(chunks, mesh, ids: torch.Tensor) -> torch.Tensor | None:
-    """Full logits [b, s, vocab] on the last pipeline stage (None on the others)."""
+    """Logits [b, s/cp, vocab] of this rank's cp shard of the full sequences `ids` [b, s]
+    (`shard_sequence`'s load-balanced chunks) on the last pipeline stage (None on the others)."""
+    seq = ids.shape[1]
+    if mesh.cp_size > 1:
+        ids = shard_sequence(ids, 1, mesh.cp_size, mesh.cp_rank)
     if mesh.pp_size == 1:
         (model,) = chunks
         return model.full_logits(model(ids))
@@ -107,7 +117,7 @@ def _forward(chunks, mesh, ids: torch.Tensor) -> torch.Tensor | None:
     if mesh.pp_rank == 0:
         x = chunk(ids)
     else:
-        x = torch.empty(activation_shape(mesh, ids.shape[1], ids.shape[0], chunk.cfg.hidden_size))
+        x = torch.empty(activation_shape(mesh, seq, ids.shape[0], chunk.cfg.hidden_size))
         dist.recv(x, src=stage_ranks[mesh.pp_rank - 1])
         x = chunk(x)
     if mesh.pp_rank < mesh.pp_size - 1:
@@ -132,7 +142,7 @@ def check(family: str, par: ParallelConfig) -> None:
     with torch.no_grad():
         got = _forward(chunks, mesh, ids)
         if got is not None:
-            want = hf(ids).logits
+            want = shard_sequence(hf(ids).logits, 1, mesh.cp_size, mesh.cp_rank)
             if got.shape != want.shape:
                 problem = f"logits shape {tuple(got.shape)} != HF {tuple(want.shape)}"
             elif not (err := (got - want).abs().max().item()) <= ATOL:
@@ -193,6 +203,62 @@ def qwen3_train_tp2() -> None:
     train_like_transformers(hf_model("qwen3", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=2))
 
 
+def llama3_train_pp2() -> None:
+    """Llama 3.1 RoPE through two pipeline stages: 2 microbatches per step under 1F1B."""
+    train_like_transformers(hf_model("llama3", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=1, pp=2), None, 2)
+
+
+def mistral_train_cp2_ring() -> None:
+    train_like_transformers(hf_model("mistral", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=1, cp=2))
+
+
+def qwen2_train_cp2_a2a() -> None:
+    """q/k/v biases under Ulysses cp; k_proj biases to 1e-4 (test_hf_families.py says why)."""
+    train_like_transformers(
+        hf_model("qwen2", vocab_size=TRAIN_VOCAB).train(),
+        ParallelConfig(tp=1, cp=2, cp_comm="a2a"),
+        loose=("k_proj.bias",),
+    )
+
+
+def qwen3_train_cp2_ring() -> None:
+    """The q/k norm weights replicated over cp: their gradients summed over the sequence shards."""
+    train_like_transformers(hf_model("qwen3", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=1, cp=2))
+
+
+def mistral_pp2() -> None:
+    check("mistral", ParallelConfig(tp=1, pp=2))
+
+
+def llama3_pp2() -> None:  # the scaled inverse frequencies on each stage
+    check("llama3", ParallelConfig(tp=1, pp=2))
+
+
+def qwen2_pp2() -> None:
+    check("qwen2", ParallelConfig(tp=1, pp=2))
+
+
+# cp=2: each rank holds chunks (r, 3 - r) of 4, so RoPE (llama3's scaled frequencies included)
+# sees positions that are not 0..s/2-1; ring and a2a (Ulysses: 4 heads / 2 kv heads split
+# over cp, Qwen3's 24-wide heads) alternate over the families.
+
+
+def mistral_cp2_ring() -> None:
+    check("mistral", ParallelConfig(tp=1, cp=2, cp_comm="ring"))
+
+
+def llama3_cp2_a2a() -> None:
+    check("llama3", ParallelConfig(tp=1, cp=2, cp_comm="a2a"))
+
+
+def qwen2_cp2_ring() -> None:
+    check("qwen2", ParallelConfig(tp=1, cp=2, cp_comm="ring"))
+
+
+def qwen3_cp2_a2a() -> None:
+    check("qwen3", ParallelConfig(tp=1, cp=2, cp_comm="a2a"))
+
+
 def qwen3_pp2_tp2() -> None:  # QK-norm and 24-wide heads through two stages of tp=2
     check("qwen3", ParallelConfig(tp=2, pp=2))
 
@@ -219,7 +285,8 @@ TRAIN_LR, TRAIN_BETAS, TRAIN_WD = 1e-3, (0.9, 0.95), 0.1
 # 2e-5 weight differences (2 layers, 2 microbatches, one process vs transformers); 7e-7 at 1e-6.
 TRAIN_EPS = 1e-6
 AUX_COEF = 0.02  # Mixtral-8x7B's router_aux_loss_coef
-TRAIN_RTOL = 1e-5
+TRAIN_RTOL = 1e-5  # tests/test_hf.py's one-process Mixtral
+STEP_RTOL = 1e-6  # each step's objective in train_like_transformers and test_hf_families.py
 
 
 def tiny_mixtral(output_router_logits: bool, coef: float = AUX_COEF, layers: int = 1, seed: int = SEED):
@@ -280,7 +347,7 @@ def hf_train_step(hf, optimizer, microbatches) -> float:
                 )
                 / tokens
             )
-            if out.aux_loss is not None:
+            if getattr(out, "aux_loss", None) is not None:  # MoE models only
                 objective = objective + hf.config.router_aux_loss_coef * out.aux_loss / len(microbatches)
         objective.backward()
         total += objective.item()
@@ -318,13 +385,14 @@ def relative(got: float, want: float) -> float:
     return abs(got - want) / max(abs(want), 1e-12)
 
 
-def compare_trained_weights(exported: dict, hf, rtol: float) -> str | None:
+def compare_trained_weights(exported: dict, hf, rtol: float, loose=(), loose_rtol: float = 1e-4) -> str | None:
     """The first HF tensor whose exported meshtron value differs by more than `rtol`
-    (tensor-level relative error), or None."""
+    (tensor-level relative error; `loose_rtol` for names ending with one of `loose`), or None."""
     for key, want in hf.state_dict().items():
+        tol = loose_rtol if key.endswith(tuple(loose)) else rtol
         err = ((exported[key].double() - want.double()).norm() / want.double().norm().clamp(min=1e-12)).item()
-        if not err <= rtol:
-            return f"weight {key}: relative error {err:.3e} > {rtol:.0e}"
+        if not err <= tol:
+            return f"weight {key}: relative error {err:.3e} > {tol:.0e}"
     return None
 
 
@@ -392,33 +460,48 @@ def mixtral_train_ep2() -> None:
     train_like_transformers(hf, ParallelConfig(tp=1, ep=2), check_mesh)
 
 
-def train_like_transformers(hf, par: ParallelConfig, check_mesh=None) -> None:
-    """`TRAIN_STEPS` AdamW steps of `hf` imported at layout `par` (dp rank r trains its rows of
-    each global batch) beside transformers accumulating over the same microbatches: the total
-    objective of every step to TRAIN_RTOL, every weight afterwards to 1e-5 relative."""
+def train_like_transformers(hf, par: ParallelConfig | None, check_mesh=None, micro_per_rank: int = 1, loose=()) -> None:
+    """`TRAIN_STEPS` AdamW steps of `hf` imported at layout `par` beside transformers
+    accumulating over the same microbatches: each global batch is cut into dp x
+    `micro_per_rank` microbatches of consecutive rows, dp rank r trains the r-th
+    `micro_per_rank` of them (through the 1F1B pipeline schedule when pp > 1; every cp rank
+    its shard of each sequence; par None: one process). The total objective of every step to
+    STEP_RTOL, every weight afterwards to 1e-5 relative (1e-4 for the tensors whose names end
+    with one of `loose`)."""
     from meshtron.models import hf as mhf
-    from meshtron.training.step import train_step
+    from meshtron.pipeline.executor import PipelineExecutor
+    from meshtron.training.step import pipeline_train_step, train_step
 
     model, reducer, optimizer, mesh = meshtron_trainer(hf, par)
     if check_mesh is not None:
         check_mesh(mesh)
+    rows = TRAIN_BATCH // (mesh.dp_size * micro_per_rank)
+    executor = None
+    if mesh.pp_size > 1:
+        shape = activation_shape(mesh, SEQ, rows, model.cfg.hidden_size)
+        executor = PipelineExecutor([model], mesh, shape, torch.float32, torch.device("cpu"), tags=False)
     hf_opt = hf_adamw(hf)
     problems = []
     for step in range(TRAIN_STEPS):
-        micro = split_rows(train_batch(step), mesh.dp_size)
-        out = train_step(model, reducer, optimizer, [micro[mesh.dp_rank]], mesh, lr=TRAIN_LR, max_grad_norm=0.0)
+        micro = split_rows(train_batch(step), mesh.dp_size * micro_per_rank)
+        mine = micro[mesh.dp_rank * micro_per_rank : (mesh.dp_rank + 1) * micro_per_rank]
+        kw = dict(lr=TRAIN_LR, max_grad_norm=0.0)
+        if executor is None:
+            out = train_step(model, reducer, optimizer, mine, mesh, **kw)
+        else:
+            out = pipeline_train_step([model], reducer, optimizer, mine, mesh, executor, schedule="1f1b", **kw)
         got = meshtron_objective(out, model.cfg)
         want = hf_train_step(hf, hf_opt, micro)
-        if not relative(got, want) <= TRAIN_RTOL:
+        if not relative(got, want) <= STEP_RTOL:
             problems.append(
                 f"step {step}: meshtron objective {got:.7f} vs transformers {want:.7f} "
-                f"(relative {relative(got, want):.2e} > {TRAIN_RTOL:.0e})"
+                f"(relative {relative(got, want):.2e} > {STEP_RTOL:.0e})"
             )
     exported = mhf.export_hf_state_dict(model, mesh)  # collective: before any rank raises
     reducer.remove_hooks()
     if problems:
         raise AssertionError("; ".join(problems))
-    if mesh.rank == 0 and (problem := compare_trained_weights(exported, hf, 1e-5)):
+    if mesh.rank == 0 and (problem := compare_trained_weights(exported, hf, 1e-5, loose)):
         raise AssertionError(f"after {TRAIN_STEPS} steps: {problem}")
 
 
@@ -432,6 +515,17 @@ def cases_for_world(world_size: int) -> list[str]:
             "qwen2_tp2",
             "qwen3_tp2",
             "qwen3_train_tp2",
+            "mistral_pp2",
+            "llama3_pp2",
+            "qwen2_pp2",
+            "mistral_cp2_ring",
+            "llama3_cp2_a2a",
+            "qwen2_cp2_ring",
+            "qwen3_cp2_a2a",
+            "llama3_train_pp2",
+            "mistral_train_cp2_ring",
+            "qwen2_train_cp2_a2a",
+            "qwen3_train_cp2_ring",
             "mixtral_tp2",
             "mixtral_ep2",
             "mixtral_train_ep2",
