@@ -3,6 +3,8 @@
 
     python bench/hf_load_memory.py --make /tmp/synth2b                       # write a ~2B bf16 Llama
     python bench/hf_load_memory.py --folder /tmp/synth2b --layout 8x1:0 --layout 4x2:5 --json out.json
+    meshtron-hf import --src /tmp/synth2b --out /tmp/synth2b_ck --seq-len 4096   # a meshtron checkpoint of it
+    python bench/hf_load_memory.py --export /tmp/synth2b_ck --json out.json   # the streamed export's memory
 
 The synthetic checkpoint is a Llama-3-shaped model (vocab 128256, hidden 2048, 24 layers, ffn
 8192, 16 heads, 8 KV heads, untied: 1.99B parameters, 3.98 GB in bf16) in 7 safetensors shards
@@ -18,12 +20,18 @@ the page cache behind the memory-mapped files is reclaimable and not counted. Re
 rank's parameter bytes ("shard", fp32), the largest single tensor of the checkpoint in its
 stored dtype, the bound shard + largest tensor, the peak RssAnon above the interpreter's before
 the model is built and after it is built, the bytes read and the load time.
+
+`--export CKPT` measures `meshtron-hf export` of a meshtron checkpoint (training/hf_cli.py:
+one conversion unit at a time read from the checkpoint, converted, cast to bf16 and written):
+its peak RssAnon above the interpreter's, beside the largest single parameter in fp32 (the
+largest unit it must hold) and the whole model's fp32 bytes (what a gathered export holds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -162,6 +170,29 @@ def measure(folder: Path, tp: int, pp: int, rank: int) -> dict:
     }
 
 
+def measure_export(checkpoint: Path, out: Path) -> dict:
+    """Peak anonymous memory of the streamed export of `checkpoint` into `out` (bf16)."""
+    from meshtron.models.config import GPTConfig
+    from meshtron.training.checkpoint import expected_model_shapes, read_meta
+    from meshtron.training.hf_cli import export_from_checkpoint
+
+    saved = read_meta(sorted(checkpoint.glob("step_*"))[-1])["model"]
+    shapes = expected_model_shapes(GPTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}))
+    sizes = [4 * math.prod(s) for s in shapes.values()]
+    before = rss_anon()
+    start = time.perf_counter()
+    with PeakSampler() as sampler:
+        export_from_checkpoint(checkpoint, out, dtype="bfloat16")
+    return {
+        "export": str(checkpoint),
+        "model_fp32_bytes": sum(sizes),
+        "largest_parameter_fp32_bytes": max(sizes),
+        "peak_bytes": sampler.peak - before,
+        "written_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--make", type=Path, help="write the synthetic checkpoint into this folder and stop")
@@ -169,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--folder", type=Path)
     p.add_argument("--layout", action="append", default=[], help="TPxPP:RANK, e.g. 8x1:0 (repeatable)")
     p.add_argument("--measure", help="(internal) measure this TPxPP:RANK in this process")
+    p.add_argument("--export", type=Path, help="measure the export of this meshtron checkpoint dir instead")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.make:
@@ -180,8 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         tp, pp = (int(x) for x in shape.split("x"))
         print(json.dumps(measure(args.folder, tp, pp, int(rank))))
         return 0
-    results = []
-    for layout in args.layout or ["8x1:0"]:
+    if args.export:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as out:
+            results = [measure_export(args.export, Path(out))]
+        args.layout = []
+    else:
+        results = []
+    for layout in args.layout if args.export else args.layout or ["8x1:0"]:
         cmd = [sys.executable, __file__, "--folder", str(args.folder), "--measure", layout]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -25,7 +25,7 @@ from torch import nn
 
 from meshtron.moe.config import routing_checks
 from meshtron.moe.counts import add_counts
-from meshtron.mpu.init import normal_init, stable_seed, tag
+from meshtron.mpu.init import normal_init, tag
 from meshtron.mpu.mappings import all_reduce_stats
 from meshtron.mpu.recompute import is_replaying
 from meshtron.rules import raise_first
@@ -163,8 +163,7 @@ class TopKRouter(nn.Module):
             # A usable value when built standalone; initialize_parameters overwrites it with the
             # (seed, name)-derived value in a model.
             with torch.no_grad():
-                gen = torch.Generator().manual_seed(stable_seed(0, "router.weight"))
-                self.weight.copy_(init_fn(gen).to(self.weight.dtype))
+                self.weight.copy_(init_fn(0, "router.weight").to(self.weight.dtype))
         # The statistics' all-reduce; MoELayer.compile_moe swaps in a copy that torch.compile
         # runs eagerly (a graph break), since a collective does not trace.
         self.reduce_stats = all_reduce_stats

@@ -1,12 +1,15 @@
-"""Layout-independent parameter initialization.
+"""Layout-independent parameter initialization, generated in proportion to the shard.
 
-Every parameter carries an `init_fn(generator) -> full tensor` describing its *full*
-(unsharded) value and `shards`: the (dim, mesh axis) pairs it is split along, in equal
-contiguous chunks ("tp" for dense tensor parallelism, "ep" and "etp" for experts).
-`initialize_parameters` seeds one generator per parameter from (seed, parameter name),
-builds the full value and keeps this rank's shard, so a parameter's full value depends only
-on the seed and its name, never on the layout. The cost is generating each full tensor once
-per rank.
+Every parameter carries an `init_fn` (a `ParamInit`: `normal_init`, `constant_init`)
+describing its *full* (unsharded) value and `shards`: the (dim, mesh axis) pairs it is split
+along, in equal contiguous chunks ("tp" for dense tensor parallelism, "ep" and "etp" for
+experts). A random full value is defined tile by tile: the tensor is cut into fixed tiles
+(`tile_shape`: 256 x 256 over the last two dims, one index of every dim before them;
+65,536 elements of a vector), and each tile is drawn from its own generator seeded by (seed,
+parameter name, tile index). `initialize_parameters` fills this rank's block of the full
+tensor by drawing only the tiles that block overlaps, straight into the parameter, so a
+parameter's full value depends only on the seed and its name, never on the layout, and a
+rank's cost (time and memory) is its shard's plus at most one tile around each block edge.
 
 Other tags read by the gradient code: `sequence_parallel` (replicated over TP but fed by
 distinct tokens on each TP rank: gradient summed over tp x dp) and `expert` (lives on the
@@ -16,12 +19,13 @@ expert mesh: gradient summed over the expert-data-parallel group).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import itertools
 
 import torch
 from torch import nn
 
-InitFn = Callable[[torch.Generator], torch.Tensor]
+TILE_2D = (256, 256)  # tile of the last two dims of a tensor
+TILE_1D = 65536  # tile of a vector
 
 
 def stable_seed(seed: int, name: str) -> int:
@@ -30,26 +34,76 @@ def stable_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def normal_init(shape: tuple[int, ...], std: float, valid_rows: int | None = None) -> InitFn:
-    """N(0, std) over `shape`; rows at or past `valid_rows` (vocabulary padding) are zero."""
+def tile_shape(ndim: int) -> tuple[int, ...]:
+    """The tile of a tensor with `ndim` dims: one index of each leading dim, TILE_2D over the last two."""
+    if ndim == 0:
+        return ()
+    if ndim == 1:
+        return (TILE_1D,)
+    return (1,) * (ndim - 2) + TILE_2D
 
-    def fn(gen: torch.Generator) -> torch.Tensor:
-        rows = shape[0] if valid_rows is None else valid_rows
-        full = torch.zeros(shape)
-        full[:rows] = torch.randn((rows,) + tuple(shape[1:]), generator=gen) * std
+
+class ParamInit:
+    """A parameter's full value of `shape`, any block of which can be produced alone."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = tuple(int(n) for n in shape)
+
+    def fill_block(self, out: torch.Tensor, seed: int, name: str, offsets: tuple[int, ...]) -> None:
+        """Write the block of the full value that starts at `offsets` (shaped like `out`) into `out`."""
+        raise NotImplementedError  # every subclass defines its values
+
+    def __call__(self, seed: int = 0, name: str = "") -> torch.Tensor:
+        """The full value (a standalone module's default; models fill blocks per rank)."""
+        full = torch.empty(self.shape)
+        self.fill_block(full, seed, name, (0,) * len(self.shape))
         return full
 
-    return fn
+
+class _Normal(ParamInit):
+    def __init__(self, shape, std: float, valid_rows: int | None):
+        super().__init__(shape)
+        self.std, self.valid_rows = float(std), valid_rows
+
+    def fill_block(self, out, seed, name, offsets):
+        tile = tile_shape(out.dim())
+        spans = [range(o // t, (o + n - 1) // t + 1) for o, n, t in zip(offsets, out.shape, tile)]
+        for index in itertools.product(*spans):
+            start = [i * t for i, t in zip(index, tile)]
+            size = [min(t, full - s) for t, full, s in zip(tile, self.shape, start)]
+            gen = torch.Generator().manual_seed(stable_seed(seed, f"{name}@{index}"))
+            values = torch.randn(size, generator=gen).mul_(self.std)
+            lo = [max(s, o) for s, o in zip(start, offsets)]
+            hi = [min(s + n, o + m) for s, n, o, m in zip(start, size, offsets, out.shape)]
+            src = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
+            out[dst].copy_(values[src])
+        if self.valid_rows is not None:  # vocabulary padding rows are zero
+            out[max(0, self.valid_rows - offsets[0]) :].zero_()
 
 
-def constant_init(shape: tuple[int, ...], value: float) -> InitFn:
+class _Constant(ParamInit):
+    def __init__(self, shape, value: float):
+        super().__init__(shape)
+        self.value = float(value)
+
+    def fill_block(self, out, seed, name, offsets):
+        out.fill_(self.value)
+
+
+def normal_init(shape: tuple[int, ...], std: float, valid_rows: int | None = None) -> ParamInit:
+    """N(0, std) over `shape`, drawn tile by tile; rows at or past `valid_rows` (vocabulary padding) are zero."""
+    return _Normal(shape, std, valid_rows)
+
+
+def constant_init(shape: tuple[int, ...], value: float) -> ParamInit:
     """A tensor of `shape` filled with `value`."""
-    return lambda gen: torch.full(shape, float(value))
+    return _Constant(shape, value)
 
 
 def tag(
     param: nn.Parameter,
-    init_fn: InitFn,
+    init_fn: ParamInit,
     tp_shard_dim: int | None = None,
     sequence_parallel: bool = False,
     expert_shards: tuple[tuple[int, str], ...] | None = None,
@@ -116,13 +170,20 @@ def full_tensor(local: torch.Tensor, shards, mesh) -> torch.Tensor:
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, seed: int, mesh) -> None:
     """Fill every tagged parameter of `model` with this rank's shard (on `mesh`) of its
-    layout-independent value."""
+    layout-independent value, drawing only the tiles the shard overlaps."""
     for name, param in model.named_parameters():
-        init_fn = getattr(param, "init_fn", None)
-        if init_fn is None:
+        init = getattr(param, "init_fn", None)
+        if init is None:
             raise RuntimeError(f"parameter {name} has no init_fn; create it with mpu.init.tag")
-        gen = torch.Generator().manual_seed(stable_seed(seed, name))
-        local = local_shard(init_fn(gen), param.shards, mesh)
-        if local.shape != param.shape:
-            raise RuntimeError(f"init of {name}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
-        param.copy_(local.to(param.dtype))
+        full = list(param.shape)
+        for dim, axis in param.shards:
+            full[dim] *= getattr(mesh.par, axis)
+        if tuple(full) != init.shape:
+            raise RuntimeError(
+                f"init of {name}: the shard {tuple(param.shape)} makes a full tensor {tuple(full)}, "
+                f"its init describes {init.shape}"
+            )
+        out = param if param.dtype == torch.float32 and param.device.type == "cpu" else torch.empty(param.shape)
+        init.fill_block(out, seed, name, local_offsets(param, mesh))
+        if out is not param:
+            param.copy_(out)

@@ -213,3 +213,40 @@ def test_init_from_a_hugging_face_folder_missing_a_tensor_fails_before_training(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr[-2000:]
     assert "missing tensor model.layers.1.mlp.up_proj.weight" in lines[0] and f"hf:{broken}" in lines[0]
+
+
+@pytest.mark.timeout(200)
+def test_a_bf16_model_exports_bf16_in_indexed_shards(hf_model, tmp_path):
+    """import -> export of a bf16 folder gives back its tensors bitwise, in bf16, written one
+    conversion unit at a time into safetensors files of at most --max-shard-size with an index."""
+    import copy
+    import json
+
+    model, _ = hf_model
+    original = tmp_path / "bf16"
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(original)
+    hf_cli = [sys.executable, "-m", "meshtron.training.hf_cli"]
+    done = run([*hf_cli, "import", "--src", str(original), "--out", str(tmp_path / "ck")], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "exported"
+    done = run(
+        [*hf_cli, "export", "--src", str(tmp_path / "ck"), "--out", str(out), "--base", str(tmp_path / "ck")]
+        + ["--max-shard-size", "40KB"],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and all((out / f).stat().st_size < 40_000 + 4096 for f in files)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.bfloat16)
+    want = transformers.AutoModelForCausalLM.from_pretrained(original, local_files_only=True, dtype=torch.bfloat16)
+    assert back.state_dict().keys() == want.state_dict().keys()
+    for key, value in want.state_dict().items():
+        assert back.state_dict()[key].dtype == torch.bfloat16 and torch.equal(back.state_dict()[key], value), key
+    fp32 = tmp_path / "fp32"
+    done = run(
+        [*hf_cli, "export", "--src", str(tmp_path / "ck"), "--out", str(fp32), "--dtype", "float32"], timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (fp32 / "model.safetensors").is_file() and not (fp32 / "model.safetensors.index.json").exists()

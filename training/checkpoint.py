@@ -842,6 +842,17 @@ def expected_model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def read_full_tensors(path: str | Path, names: tuple[str, ...], shapes: dict) -> list[torch.Tensor]:
+    """The full (unsharded, vocabulary unpadded) fp32 values of model parameters `names` saved
+    in the checkpoint at `path`, whatever layout saved them (`shapes`: `expected_model_shapes`
+    of its model): only those tensors are read. One process, no group (export reads a model one
+    conversion unit at a time)."""
+    state = {f"model/{n}": torch.empty(shapes[f"model/{n}"]) for n in names}
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False))
+    return [state[f"model/{n}"] for n in names]
+
+
 def check_compatible(path: str | Path, model_cfg) -> dict:
     """Check that the checkpoint at `path` holds exactly the tensors (names and global shapes)
     the model needs; returns its meta. Rank-independent: run it before any process group."""

@@ -15,22 +15,25 @@ from meshtron.models.gpt import GPT
 from meshtron.models.hf import (
     MAX_POSITION_FIELDS,
     HFConversionError,
+    TensorStream,
     config_from_hf,
-    export_hf_state_dict,
     hf_config_dict_over,
     hf_config_from_gpt,
     hf_family,
+    hf_tensor_shapes,
     load_hf_state_dict,
     read_hf_folder,
     read_import_base,
     save_hf_folder,
     save_import_base,
+    stream_hf_tensors,
 )
 from meshtron.mpu.mesh import single_process_mesh
 from meshtron.training.checkpoint import (
     CheckpointError,
     TrainState,
-    load_checkpoint,
+    expected_model_shapes,
+    read_full_tensors,
     read_meta,
     resolve_resume,
     save_checkpoint,
@@ -63,14 +66,31 @@ def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:
     return path
 
 
-def export_from_checkpoint(src, out_dir, base=None) -> Path:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(choice: str, original: dict | None) -> torch.dtype:
+    """The dtype export writes: `choice` ("auto" = the original config.json's `dtype` /
+    `torch_dtype` when there is a base and it names one of DTYPES, else float32)."""
+    if choice != "auto":
+        return DTYPES[choice]
+    named = (original or {}).get("dtype") or (original or {}).get("torch_dtype")
+    return DTYPES.get(str(named).removeprefix("torch."), torch.float32)
+
+
+def export_from_checkpoint(src, out_dir, base=None, dtype: str = "auto", max_file_bytes: int = 5 * 10**9) -> Path:
     """Write the weights of a meshtron checkpoint (a step_N folder, or a checkpoint.dir: its
     newest) as a Hugging Face folder loadable by `AutoModelForCausalLM.from_pretrained`, with
     a generation_config.json (bos/eos/pad ids).
 
+    Streamed: one conversion unit at a time is read from the checkpoint (whatever layout saved
+    it), converted and written, in `dtype` (`export_dtype`: with a base, the original model's
+    dtype), in safetensors files of at most `max_file_bytes` with an index; the process holds
+    one unit's tensors, never the model.
+
     `base`: the `--out` of `meshtron-hf import` (or the original Hugging Face folder) of the
     model this checkpoint was trained from. Then config.json is the original one with the
-    model's shape fields written over it (`hf_config_dict_over`: dtype, bos/eos ids,
+    model's shape fields written over it (`hf_config_dict_over`: bos/eos ids,
     output_router_logits and unknown fields kept), the maximum positions stay the original's
     and GPT-2 positions beyond the trained seq_len are the original rows, the generation
     config is the original's (pad = eos when it has none) and the tokenizer files are copied.
@@ -82,45 +102,48 @@ def export_from_checkpoint(src, out_dir, base=None) -> Path:
     saved = read_meta(path)["model"]
     cfg = GPTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in fields})
     hf_family(cfg)  # fails early, naming the field, for models transformers cannot hold
-    mesh = single_process_mesh()
-    model = GPT(cfg, mesh)
-    load_checkpoint(path, [model], None, mesh, weights_only=True)
-    state_dict = export_hf_state_dict(model, mesh)
-    if base is None:
+    original = read_import_base(base) if base is not None else None
+    shapes = hf_tensor_shapes(cfg)
+    full_shapes = expected_model_shapes(cfg)
+    tensors = stream_hf_tensors(cfg, lambda names: read_full_tensors(path, names, full_shapes))
+    if original is None:
         hf_config = hf_config_from_gpt(cfg)
-        return save_hf_folder(
-            state_dict,
-            hf_config,
-            out_dir,
-            generation_config=_generation_config(hf_config.to_dict(), None, cfg.vocab_size),
-        )
-    original = read_import_base(base)
-    config = hf_config_dict_over(cfg, original["config"])
-    positions = original["positions"]
-    if positions is not None:
-        _append_original_positions(state_dict, positions, config[MAX_POSITION_FIELDS["gpt2"]], cfg, base)
+        generation = _generation_config(hf_config.to_dict(), None, cfg.vocab_size)
+        copy_files = ()
+    else:
+        hf_config = hf_config_dict_over(cfg, original["config"])
+        generation = _generation_config(hf_config, original["generation"], cfg.vocab_size)
+        copy_files = tuple(original["tokenizer_files"])
+        if original["positions"] is not None:
+            n_positions = hf_config[MAX_POSITION_FIELDS["gpt2"]]
+            shapes[_WPE] = (n_positions, cfg.hidden_size)
+            tensors = _with_original_positions(tensors, original["positions"], n_positions, cfg, base)
     return save_hf_folder(
-        state_dict,
-        config,
+        TensorStream(shapes, tensors),
+        hf_config,
         out_dir,
-        generation_config=_generation_config(config, original["generation"], cfg.vocab_size),
-        copy_files=tuple(original["tokenizer_files"]),
+        generation_config=generation,
+        copy_files=copy_files,
+        dtype=export_dtype(dtype, None if original is None else original["config"]),
+        max_file_bytes=max_file_bytes,
     )
 
 
-def _append_original_positions(state_dict: dict, positions, n_positions: int, cfg: GPTConfig, base) -> None:
-    """Extend the trained GPT-2 position table (cfg.seq_len rows) to `n_positions` rows with
-    the original table's rows beyond it (they were never trained)."""
-    key = "transformer.wpe.weight"
-    trained = state_dict[key]
-    if n_positions == trained.shape[0]:
-        return
+_WPE = "transformer.wpe.weight"
+
+
+def _with_original_positions(tensors, positions, n_positions: int, cfg: GPTConfig, base):
+    """`tensors` with the trained GPT-2 position table (cfg.seq_len rows) extended to
+    `n_positions` rows by the original table's rows beyond it (they were never trained)."""
     if tuple(positions.shape) != (n_positions, cfg.hidden_size):
         raise HFConversionError(
             f"--base {base}: the original position table has shape {tuple(positions.shape)}, "
             f"expected ({n_positions}, {cfg.hidden_size}) from its config.json"
         )
-    state_dict[key] = torch.cat([trained, positions[cfg.seq_len :].to(trained.dtype)], dim=0)
+    for key, tensor in tensors:
+        if key == _WPE and n_positions != tensor.shape[0]:
+            tensor = torch.cat([tensor, positions[cfg.seq_len :].to(tensor.dtype)], dim=0)
+        yield key, tensor
 
 
 def _generation_config(config: dict, original: dict | None, vocab_size: int) -> dict:
@@ -144,6 +167,20 @@ def _generation_config(config: dict, original: dict | None, vocab_size: int) -> 
     return gen
 
 
+def _size(text: str) -> int:
+    """Bytes of "5GB", "500MB", "64KB" or a plain integer (argparse type)."""
+    import argparse
+
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * factor)
+    if upper.isdigit():
+        return int(upper)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 1000000")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -165,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         "folder) of the model trained: keeps its config fields, "
         "generation config, tokenizer files and untrained positions",
     )
+    exp.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="dtype of the written weights (auto: the --base model's dtype, else float32)",
+    )
+    exp.add_argument(
+        "--max-shard-size", type=_size, default=5 * 10**9, help="largest safetensors file, e.g. 5GB or 500MB (5GB)"
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -176,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--src CHECKPOINT_DIR --out FOLDER --base {Path(args.out)}"
             )
         else:
-            out = export_from_checkpoint(args.src, args.out, args.base)
+            out = export_from_checkpoint(args.src, args.out, args.base, args.dtype, args.max_shard_size)
             print(f"meshtron: wrote {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     except (HFConversionError, CheckpointError, OSError) as err:  # bad input files, unwritable --out
         print(f"meshtron: {args.command} failed: {err}", file=sys.stderr)

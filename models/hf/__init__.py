@@ -18,7 +18,9 @@ are refused naming the field (later steps of issue 39).
     open_hf_weights(folder, family) -> source        a folder's safetensors, memory-mapped
     read_hf_config(folder)                           its config.json as a transformers config
     export_hf_state_dict(model, mesh) -> dict | None the full HF dict on global rank 0
-    save_hf_folder(state_dict, hf_config, out_dir)   model.safetensors + config.json
+    save_hf_folder(state_dict | TensorStream, hf_config, out_dir, dtype=, max_file_bytes=)
+                                                     safetensors (streamed, sharded with an index) + config.json
+    stream_hf_tensors(cfg, read_full) -> (key, tensor)...  export one conversion unit at a time
     read_hf_folder(src_dir) -> (hf_config, state_dict)
     save_import_base / read_import_base              the imported folder's own config.json,
                                                      generation config, tokenizer and positions
@@ -85,6 +87,7 @@ from meshtron.models.hf.config import (
     hf_router_fields,
 )
 from meshtron.models.hf.files import (
+    TensorStream,
     open_hf_weights,
     read_hf_config,
     read_hf_folder,
@@ -93,7 +96,14 @@ from meshtron.models.hf.files import (
     save_import_base,
 )
 from meshtron.models.hf.sources import DictSource, SafetensorsSource
-from meshtron.models.hf.weights import checked_units, export_hf_state_dict, load_hf_state_dict, load_hf_weights
+from meshtron.models.hf.weights import (
+    checked_units,
+    export_hf_state_dict,
+    hf_tensor_shapes,
+    load_hf_state_dict,
+    load_hf_weights,
+    stream_hf_tensors,
+)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -116,5 +126,8 @@ __all__ = [
     "open_hf_weights",
     "read_hf_config",
     "DictSource",
+    "TensorStream",
+    "hf_tensor_shapes",
+    "stream_hf_tensors",
     "SafetensorsSource",
 ]

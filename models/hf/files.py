@@ -3,9 +3,12 @@ model.safetensors + config.json. No network."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,22 +27,28 @@ from meshtron.models.hf.sources import SafetensorsSource
 
 
 def save_hf_folder(
-    state_dict: dict[str, torch.Tensor],
+    state_dict: dict[str, torch.Tensor] | TensorStream,
     hf_config,
     out_dir,
     *,
     generation_config: dict | None = None,
     copy_files: tuple[Path, ...] = (),
+    dtype: torch.dtype | None = None,
+    max_file_bytes: int = 5 * 10**9,
 ) -> Path:
-    """Write `model.safetensors` and `config.json` into `out_dir` so that
-    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads the model. `hf_config`
-    is a transformers config (saved with `save_pretrained`) or a config.json dict (written as
-    it is, after checking transformers can build a config from it). A tied `lm_head.weight`
-    is left out (as `save_pretrained` does). `generation_config` (a dict) is written as
+    """Write the weights and `config.json` into `out_dir` so that
+    `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads the model.
+
+    `state_dict`: a full state dict, or a `TensorStream` (shapes known beforehand, tensors
+    produced one at a time: written as they come, `write_safetensors_streamed`). Weights are
+    written in `dtype` (default: the state dict's, fp32 for a stream) as `model.safetensors` or
+    files of at most `max_file_bytes` with an index; config.json's dtype says which. `hf_config`
+    is a transformers config (saved with `save_pretrained`) or a config.json dict (written as it
+    is, after checking transformers can build a config from it). A tied `lm_head.weight` is
+    left out (as `save_pretrained` does). `generation_config` (a dict) is written as
     `generation_config.json`; `copy_files` (tokenizer files) are copied in. OSError naming
     `out_dir` when it cannot be written."""
     transformers = require_transformers()
-    st = require_safetensors()
     out = Path(out_dir)
     if isinstance(hf_config, dict):
         try:
@@ -49,15 +58,21 @@ def save_hf_folder(
     else:
         config_object = hf_config
     tied = bool(getattr(config_object, "tie_word_embeddings", False))
-    tensors = {
-        k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items() if not (tied and k == "lm_head.weight")
-    }
+    stream = state_dict if isinstance(state_dict, TensorStream) else TensorStream.of(state_dict)
+    if tied:
+        stream = stream.without("lm_head.weight")
+    dtype = dtype or stream.dtype or torch.float32
     try:
         out.mkdir(parents=True, exist_ok=True)
-        st.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:  # an earlier export's weights
+            stale.unlink(missing_ok=True)
+        write_safetensors_streamed(out, stream.shapes, stream.items, dtype, max_file_bytes)
+        dtype_name = str(dtype).removeprefix("torch.")
         if isinstance(hf_config, dict):
-            (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+            config = {**hf_config, ("torch_dtype" if "torch_dtype" in hf_config else "dtype"): dtype_name}
+            (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         else:
+            hf_config.dtype = dtype_name
             hf_config.save_pretrained(str(out))
         if generation_config is not None:
             (out / GENERATION_FILE).write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
@@ -66,6 +81,100 @@ def save_hf_folder(
     except OSError as err:
         raise OSError(f"cannot write the Hugging Face folder {out}: {err.strerror or err}") from err
     return out
+
+
+@dataclasses.dataclass
+class TensorStream:
+    """Tensors known by name and shape beforehand (`shapes`, in writing order) and produced
+    one at a time (`items` yields (name, tensor) in that order); `dtype`: theirs, if known."""
+
+    shapes: dict[str, tuple[int, ...]]
+    items: Iterator[tuple[str, torch.Tensor]]
+    dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, state_dict: dict[str, torch.Tensor]) -> TensorStream:
+        dtypes = {t.dtype for t in state_dict.values()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
+        return cls({k: tuple(v.shape) for k, v in state_dict.items()}, iter(state_dict.items()), dtype)
+
+    def without(self, name: str) -> TensorStream:
+        shapes = {k: s for k, s in self.shapes.items() if k != name}
+        return TensorStream(shapes, ((k, t) for k, t in self.items if k != name), self.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Streamed, sharded safetensors: each tensor written as it comes, the headers known beforehand
+# --------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _file_groups(shapes: dict[str, tuple[int, ...]], itemsize: int, max_file_bytes: int) -> list[list[str]]:
+    """Tensor names in order, cut into consecutive files of at most `max_file_bytes` (a bigger
+    single tensor gets a file of its own)."""
+    groups, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if groups[-1] and size + nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def _header(names: list[str], shapes: dict, dtype: torch.dtype) -> bytes:
+    itemsize, offset, entries = torch.tensor([], dtype=dtype).element_size(), 0, {}
+    for name in names:
+        end = offset + math.prod(shapes[name]) * itemsize
+        entries[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shapes[name]), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_safetensors_streamed(
+    out_dir,
+    shapes: dict[str, tuple[int, ...]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    max_file_bytes: int = 5 * 10**9,
+) -> list[Path]:
+    """Write the tensors `tensors` yields ((name, tensor), in the order of `shapes`) as
+    safetensors files of at most `max_file_bytes` in `dtype`: `model.safetensors`, or
+    `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json` (the layout
+    `save_pretrained` writes). Each file's header is written first (every shape is known), then
+    each tensor's bytes as it arrives: only the tensor being written is held. Returns the files."""
+    if dtype not in _ST_DTYPES:
+        raise ValueError(f"dtype {dtype} is not one of {sorted(map(str, _ST_DTYPES))}")
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    groups = _file_groups(shapes, itemsize, max_file_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stream = iter(tensors)
+    for group, file_name in zip(groups, names):
+        with open(out / file_name, "wb") as f:
+            f.write(_header(group, shapes, dtype))
+            for expected in group:
+                name, tensor = next(stream)
+                if name != expected or tuple(tensor.shape) != tuple(shapes[name]):
+                    raise ValueError(f"got tensor {name} {tuple(tensor.shape)}, expected {expected} {shapes[expected]}")
+                data = tensor.detach().to("cpu", dtype).contiguous()
+                f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    if len(groups) > 1:
+        weight_map = {name: file for group, file in zip(groups, names) for name in group}
+        total = sum(math.prod(s) * itemsize for s in shapes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [out / n for n in names]
 
 
 # --------------------------------------------------------------------------------------------

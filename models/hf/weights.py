@@ -4,7 +4,7 @@ mesh's groups with mpu collectives)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -413,3 +413,26 @@ def export_hf_state_dict(model, mesh: Mesh, moe_format: str | None = None) -> di
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out[units[0].hf[0]].clone()
     return out
+
+
+def _export_units(cfg: GPTConfig, moe_format: str | None) -> list[_Unit]:
+    moe_format = moe_format or _default_moe_format()
+    if moe_format not in ("fused", "per_expert"):
+        raise ValueError(f"moe_format={moe_format!r} must be 'fused' or 'per_expert'")
+    return _units(cfg, moe_format)
+
+
+def hf_tensor_shapes(cfg: GPTConfig, moe_format: str | None = None) -> dict[str, tuple[int, ...]]:
+    """{HF key: shape} of every tensor of `cfg`'s Hugging Face checkpoint, in writing order (a
+    tied model's `lm_head.weight` is left out, as `save_pretrained` does)."""
+    return {k: tuple(s) for u in _export_units(cfg, moe_format) for k, s in zip(u.hf, u.hf_shapes)}
+
+
+def stream_hf_tensors(
+    cfg: GPTConfig, read_full: Callable[[tuple[str, ...]], list[torch.Tensor]], moe_format: str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, tensor) of every tensor of `hf_tensor_shapes(cfg)`, in its order, converted one
+    unit at a time: `read_full(names)` returns the full meshtron tensors of those parameter
+    names (vocabulary unpadded), so at most one unit's tensors are held at once."""
+    for unit in _export_units(cfg, moe_format):
+        yield from zip(unit.hf, unit.to_hf(read_full(unit.mt)))
