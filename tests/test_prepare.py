@@ -497,7 +497,7 @@ def test_hf_tokenizer_errors(corpus: pathlib.Path, tmp_path: pathlib.Path):
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         prepare([corpus], tmp_path / "x", tokenizer=f"hf:{tmp_path / 'nope'}")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+    with pytest.raises(ValueError, match="the folder has no tokenizer files"):
         prepare([corpus], tmp_path / "x", tokenizer=f"hf:{tmp_path / 'empty'}")
     with pytest.raises(ValueError, match="needs a folder"):
         prepare([corpus], tmp_path / "x", tokenizer="hf:")

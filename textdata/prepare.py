@@ -24,12 +24,21 @@ UTF-8 (invalid bytes become U+FFFD).
 
 ``hf:FOLDER`` tokenizes with a model's own tokenizer: FOLDER is a Hugging Face folder
 (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``, with ``tokenizer_config.json``) loaded
-with ``transformers.AutoTokenizer`` (fast tokenizers only, local files only). Documents are
-encoded without special tokens (no BOS) and each is followed by the tokenizer's EOS token,
-which must exist; text that spells a special token is encoded as text. ``index.json`` records
-``tokenizer: "hf"``, the folder (``tokenizer_source``), the tokenizer class, ``vocab_size``
-(every id of the tokenizer, added tokens included), ``eos_id``/``eos_token``, ``bos_id`` and the
-SHA-256 of the tokenizer file copied into the output.
+with ``transformers.AutoTokenizer`` (fast tokenizers only, local files only). Each document is
+encoded without special tokens (text that spells a special token, such as ``<|endoftext|>`` in
+a source file, is encoded as text), preceded by BOS when the tokenizer itself puts BOS first
+(Llama 3, Mistral; not Qwen, nor GPT-2) and followed by the family's end-of-document token: the
+tokenizer's ``eos_token``, except that a chat-turn end (``<|eot_id|>``, ``<|eom_id|>``,
+``<|im_end|>``, the eos of Llama 3 and Qwen instruct folders) gives way to the base model's
+end of text in the vocabulary (``<|end_of_text|>``, ``<|endoftext|>``); ``--eos TOKEN`` names it
+instead. A folder without tokenizer files, one transformers cannot load, a tokenizer that maps
+text to no tokens, or no end-of-document token to choose: one line, exit 2, nothing written.
+``index.json`` records ``tokenizer: "hf"``, the folder (``tokenizer_source``), the tokenizer
+class, ``vocab_size`` (every id of the tokenizer, added tokens included),
+``eos_id``/``eod_token``/``eos_rule`` (and the tokenizer's own ``tokenizer_eos_token``),
+``bos_id``/``bos_token`` (null when no BOS is written) and the SHA-256 of the tokenizer file
+copied into the output. A document's ``start``/``length`` cover its text tokens (BOS, when
+written, is at ``start - 1``).
 
 Everything is written into a hidden temporary directory beside ``--out`` which is renamed
 into place at the end, so an interrupted run never leaves a directory that looks valid.
@@ -104,7 +113,7 @@ class BPETokenizer:
 
         if isinstance(text, (bytes, bytearray, memoryview)):
             text = bytes(text).decode("utf-8", errors="replace")
-        return torch.tensor(self._tok.encode(text).ids, dtype=torch.int64)
+        return torch.tensor(self._tok.encode(text, add_special_tokens=False).ids, dtype=torch.int64)
 
     def decode(self, ids) -> str:
         if hasattr(ids, "tolist"):
@@ -112,46 +121,130 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+# Files a Hugging Face folder holds its tokenizer in (one of these sets must be there).
+HF_TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+# eos_token values that end a chat turn, not a document (Llama 3 instruct, Qwen instruct), and the
+# end-of-text tokens their families' base models end documents with.
+CHAT_TURN_ENDS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>")
+DOCUMENT_ENDS = ("<|end_of_text|>", "<|endoftext|>")
+# Encoded to tell an empty or unusable tokenizer and whether the tokenizer puts BOS first.
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog, 0123456789 times."
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class HFTokenizer:
     """A Hugging Face model folder's fast tokenizer (``transformers.AutoTokenizer``, local
-    files only): ``backend`` is its ``tokenizers.Tokenizer``; ``vocab_size`` covers every id
-    (added tokens included); ``eod_id`` is its EOS id. ValueError naming the folder when it
-    has no readable fast tokenizer or no EOS token."""
+    files only), set up the way its family prepares pretraining text:
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    * ``backend`` is its ``tokenizers.Tokenizer``, encoding without special tokens, and text
+      that spells a special token (``"<|endoftext|>"`` in a source file) stays text;
+    * ``eod_id``/``eos_token``: the end-of-document token written after every document: the
+      tokenizer's ``eos_token``, except that a chat-turn end (``<|eot_id|>``, ``<|eom_id|>``,
+      ``<|im_end|>``: the eos of Llama 3 and Qwen instruct folders) is replaced by the one
+      end-of-text token its vocabulary holds (``<|end_of_text|>`` or ``<|endoftext|>``, the base
+      model's eos); ``eos`` (``--eos TOKEN``) overrides both. ``eos_rule`` says which applied;
+    * ``bos_id``: the BOS written before every document when the tokenizer itself puts it first
+      (``tokenizer(text)`` starts with ``bos_token_id``: Llama 3's post-processor, Mistral's
+      ``add_bos_token``), else None (Qwen has no BOS; GPT-2's bos is its eos, not added);
+    * ``vocab_size`` covers every id (added tokens included).
+
+    ValueError (one line, naming the folder) when the folder has no tokenizer files, transformers
+    cannot load them, the tokenizer is not a fast one, maps text to no tokens (or only to its
+    unknown token), or no end-of-document token can be chosen (it says what to set)."""
+
+    def __init__(self, folder: str | os.PathLike[str], eos: str | None = None) -> None:
         root = pathlib.Path(folder).expanduser()
+        where = f"--tokenizer hf:{folder}"
         if not root.is_dir():
             raise FileNotFoundError(
-                f"--tokenizer hf:{folder}: {str(root)!r} is not a directory (give a Hugging "
-                f"Face model folder with tokenizer.json or vocab.json + merges.txt)"
+                f"{where}: {str(root)!r} is not a directory (give a Hugging Face model folder with "
+                f"tokenizer.json, or vocab.json + merges.txt)"
+            )
+        if not any(all((root / name).is_file() for name in group) for group in HF_TOKENIZER_FILES):
+            raise ValueError(
+                f"{where}: the folder has no tokenizer files (tokenizer.json, vocab.json + merges.txt, "
+                f"or tokenizer.model); copy them from the model's Hugging Face repository into it"
             )
         try:
             import transformers
         except ImportError as err:
-            raise ImportError("--tokenizer hf:FOLDER needs `transformers`; pip install 'meshtron[hf]'") from err
+            raise ImportError(f"{where} needs `transformers`; pip install 'meshtron[hf]'") from err
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # its load-time advice is not ours to print
         try:
             tok = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"--tokenizer hf:{folder}: transformers cannot load a tokenizer from it ({err})") from None
-        if not getattr(tok, "is_fast", False):
+        except Exception as err:  # noqa: BLE001 -- any failure to load is one line naming the folder
+            raise ValueError(f"{where}: transformers cannot load a tokenizer from it ({_one_line(err)})") from None
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+        if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
             raise ValueError(
-                f"--tokenizer hf:{folder}: {type(tok).__name__} is not a fast tokenizer; save the "
-                f"folder with a tokenizer.json (a *TokenizerFast)"
-            )
-        if tok.eos_token_id is None:
-            raise ValueError(
-                f"--tokenizer hf:{folder}: the tokenizer has no eos_token, which prepare writes "
-                f"after every document; set eos_token in its tokenizer_config.json"
+                f"{where}: {type(tok).__name__} is not a fast tokenizer; save the folder with a "
+                f"tokenizer.json (a *TokenizerFast)"
             )
         self.source = str(root.resolve())
         self.class_name = type(tok).__name__
-        self.backend = tok.backend_tokenizer
+        # A copy: transformers resets its backend's encode_special_tokens on every call.
+        self.backend = type(tok.backend_tokenizer).from_str(tok.backend_tokenizer.to_str())
         if hasattr(self.backend, "encode_special_tokens"):
             self.backend.encode_special_tokens = True  # a literal "<|endoftext|>" in a file is just text
-        self.vocab_size = max(len(tok), max(tok.get_vocab().values()) + 1)
-        self.eod_id = int(tok.eos_token_id)
-        self.eos_token = str(tok.eos_token)
-        self.bos_id = tok.bos_token_id
+        vocab = tok.get_vocab()
+        self.vocab_size = max(len(tok), max(vocab.values(), default=-1) + 1)
+
+        probe = self.backend.encode(PROBE_TEXT, add_special_tokens=False).ids
+        if not probe:
+            raise ValueError(
+                f"{where}: its tokenizer maps text to no tokens (vocabulary of {self.vocab_size}): "
+                f"the tokenizer files are empty or not the model's; copy them from the model's repository"
+            )
+        if tok.unk_token_id is not None and all(i == tok.unk_token_id for i in probe):
+            raise ValueError(
+                f"{where}: its tokenizer maps every word of a test sentence to its unknown token "
+                f"{tok.unk_token!r} (vocabulary of {self.vocab_size}); copy the tokenizer files from the model's repository"
+            )
+
+        declared = tok.eos_token
+        self.tokenizer_eos_token = None if declared is None else str(declared)
+        if eos is not None:
+            if eos not in vocab:
+                raise ValueError(f"{where}: --eos {eos!r} is not a token of its tokenizer; give one of its tokens")
+            self.eos_token, self.eos_rule = eos, "--eos"
+        elif declared is None:
+            raise ValueError(
+                f"{where}: the tokenizer has no eos_token, which prepare writes after every document; "
+                f"set eos_token in its tokenizer_config.json or pass --eos TOKEN"
+            )
+        elif str(declared) in CHAT_TURN_ENDS:
+            ends = [t for t in DOCUMENT_ENDS if t in vocab]
+            if len(ends) != 1:
+                raise ValueError(
+                    f"{where}: the tokenizer's eos_token {str(declared)!r} ends a chat turn, and its vocabulary "
+                    f"holds {' and '.join(ends) or f'neither of {DOCUMENT_ENDS[0]}, {DOCUMENT_ENDS[1]}'}; pass "
+                    f"--eos TOKEN (the base model's end of text)"
+                )
+            self.eos_token = ends[0]
+            self.eos_rule = f"end of text; the tokenizer's eos_token {str(declared)} ends a chat turn"
+        else:
+            self.eos_token, self.eos_rule = str(declared), "the tokenizer's eos_token"
+        if self.eos_token not in vocab:
+            raise ValueError(f"{where}: its eos_token {self.eos_token!r} is not in its vocabulary; pass --eos TOKEN")
+        self.eod_id = int(vocab[self.eos_token])
+
+        # BOS: written first in every document when the tokenizer itself puts it first.
+        with_special = list(tok(PROBE_TEXT, add_special_tokens=True)["input_ids"])
+        bos_id = tok.bos_token_id
+        adds_bos = (
+            bos_id is not None
+            and int(bos_id) != self.eod_id  # GPT-2 style: bos is eos, the separator already marks the start
+            and with_special[:1] == [bos_id]
+            and probe[:1] != [bos_id]
+        )
+        self.bos_id = int(bos_id) if adds_bos else None
+        self.bos_token = str(tok.bos_token) if adds_bos else None
 
     def encode_batch(self, texts: list[str]):
         """Ids of each text, without special tokens."""
@@ -286,14 +379,26 @@ def _train_bpe(files, max_bytes, vocab_size: int, min_frequency: int):
     return tok
 
 
-def _write_bpe_tokens(tok, files, max_bytes, writer: _TokenWriter, eod_id: int) -> list[dict]:
-    """`tok`: a tokenizers.Tokenizer or an HFTokenizer (anything with encode_batch)."""
+def _write_bpe_tokens(
+    tok, files, max_bytes, writer: _TokenWriter, eod_id: int, bos_id: int | None = None, name: str = "bpe"
+) -> list[dict]:
+    """`tok`: a tokenizers.Tokenizer or an HFTokenizer (anything with encode_batch). Each document
+    is [bos_id] + its ids + [eod_id]; its record's start/length cover its ids. A document with
+    visible text that encodes to no tokens is a ValueError naming it (a tokenizer that drops text)."""
     documents = []
     batch: list[tuple[pathlib.Path, str]] = []
+    bos = None if bos_id is None else np.array([bos_id], dtype=np.int64)
 
     def flush() -> None:
         encoded = tok.encode_batch([text for _, text in batch])
-        for (path, _), enc in zip(batch, encoded):
+        for (path, text), enc in zip(batch, encoded):
+            if not enc.ids and not text.isspace():
+                raise ValueError(
+                    f"--tokenizer {name}: {path} ({len(text)} characters) encodes to no tokens; the tokenizer "
+                    f"drops text (are its files the model's?)"
+                )
+            if bos is not None:
+                writer.write(bos)
             start = writer.n_tokens
             length = writer.write(np.asarray(enc.ids, dtype=np.int64))
             writer.write(np.array([eod_id], dtype=np.int64))
@@ -334,6 +439,7 @@ def prepare(
     max_bytes: int | None = None,
     overwrite: bool = False,
     min_frequency: int = 2,
+    eos: str | None = None,
 ) -> dict:
     """Tokenize ``src`` (files/folders; None = the stdlib ``.py`` sources) into ``out``.
 
@@ -342,7 +448,8 @@ def prepare(
     be left unset (or 256) for the byte tokenizer. ``max_bytes`` caps the source bytes
     read (the last file is cut). An existing non-empty ``out`` is only replaced with
     ``overwrite``. ``tokenizer="hf:FOLDER"`` uses a Hugging Face folder's own tokenizer
-    (``HFTokenizer``; ``vocab_size`` must be left unset, ``min_frequency`` does not apply).
+    (``HFTokenizer``; ``vocab_size`` must be left unset, ``min_frequency`` does not apply);
+    ``eos`` (hf only) names the end-of-document token instead of the one ``HFTokenizer`` picks.
     Raises ValueError/FileNotFoundError/ImportError with a clear message.
     """
     hf_tok = None
@@ -354,12 +461,14 @@ def prepare(
                 f"--vocab-size {vocab_size} does not apply to --tokenizer {tokenizer} (its vocabulary "
                 f"is the tokenizer's own); leave it out"
             )
-        hf_tok = HFTokenizer(tokenizer[len(HF_PREFIX) :])  # fails before reading anything
+        hf_tok = HFTokenizer(tokenizer[len(HF_PREFIX) :], eos=eos)  # fails before reading anything
         vocab_size = hf_tok.vocab_size
         if vocab_size > 1 << 32:
             raise ValueError(f"--tokenizer {tokenizer}: vocabulary of {vocab_size} does not fit uint32 token ids")
     elif tokenizer not in TOKENIZERS[:2]:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {', '.join(TOKENIZERS)}")
+    elif eos is not None:
+        raise ValueError(f"--eos applies to --tokenizer hf:FOLDER only (the {tokenizer} separator is fixed)")
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"--max-bytes must be positive, got {max_bytes}")
     if hf_tok is not None:
@@ -421,7 +530,15 @@ def prepare(
             if tok is None:
                 documents = _write_byte_tokens(files, max_bytes, writer)
             else:
-                documents = _write_bpe_tokens(tok, files, max_bytes, writer, eod_ids[0])
+                documents = _write_bpe_tokens(
+                    tok,
+                    files,
+                    max_bytes,
+                    writer,
+                    eod_ids[0],
+                    bos_id=hf_tok.bos_id if hf_tok is not None else None,
+                    name=tokenizer,
+                )
         finally:
             writer.close()
         if writer.n_tokens == 0:
@@ -435,7 +552,10 @@ def prepare(
                 "tokenizer_class": hf_tok.class_name,
                 "tokenizer_sha256": tokenizer_sha,
                 "eos_id": hf_tok.eod_id,
+                "eos_rule": hf_tok.eos_rule,
+                "tokenizer_eos_token": hf_tok.tokenizer_eos_token,
                 "bos_id": hf_tok.bos_id,
+                "bos_token": hf_tok.bos_token,
             }
         elif tok is not None:
             tok.save(str(tmp / TOKENIZER_FILE))
@@ -499,6 +619,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-bytes", type=int, default=None, help="read at most this many source bytes")
     parser.add_argument("--min-frequency", type=int, default=2, help="BPE: minimum pair frequency to merge")
+    parser.add_argument(
+        "--eos",
+        default=None,
+        metavar="TOKEN",
+        help="hf:FOLDER: the end-of-document token (default: the tokenizer's eos_token, or the base "
+        "model's end of text when that eos_token ends a chat turn)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
     try:
@@ -510,6 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_bytes=args.max_bytes,
             overwrite=args.overwrite,
             min_frequency=args.min_frequency,
+            eos=args.eos,
         )
     except (OSError, ValueError, ImportError) as err:
         print(f"meshtron-prepare: error: {err}", file=sys.stderr)
@@ -518,6 +646,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"wrote {info['n_tokens']} {info['dtype']} tokens ({info['n_documents']} documents, "
         f"{info['tokenizer']} tokenizer, vocab_size {info['vocab_size']}) to {args.out}"
     )
+    if info["tokenizer"] == "hf":
+        bos = f"{info['bos_token']} (id {info['bos_id']}) + " if info["bos_id"] is not None else ""
+        print(f"documents: {bos}text + {info['eod_token']} (id {info['eos_id']}; {info['eos_rule']})")
     return 0
 
 
