@@ -65,7 +65,9 @@ def check_compiled_layout(arch: str, moe: bool = False, zero: int = 0, **layout)
             assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
         if step == 0 and not zero:
             compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
-    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "weight")
+    # Inductor's fused kernels round differently from eager; AdamW's normalisation amplifies that
+    # on the small, zero-initialized biases (1.27e-5 measured on gpt2_tp2_sp's attn.proj.bias).
+    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "weight", rtol=3e-5)
     reducer.remove_hooks()
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0, f"nothing was compiled: {dict(counters['stats'])}"

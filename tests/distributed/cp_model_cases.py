@@ -202,6 +202,8 @@ LAYOUTS = {
         "gpt2_cp2_a2a_docs": ("gpt2", 2, "a2a", {"docs": True}),
         "llama_cp2_ring_selective_recompute": ("llama", 2, "ring", {"recompute": "selective"}),
         "gpt2_moe_cp2_ring_ep2": ("gpt2", 2, "ring", {"moe": True, "ep": 2}),
+        "qwen3_cp2_ring_docs_selective_recompute": ("qwen3", 2, "ring", {"docs": True, "recompute": "selective"}),
+        "llama3_cp2_a2a_docs": ("llama3", 2, "a2a", {"docs": True}),
         "gpt2_moe_cp2_a2a_capacity_sequence_scope": (
             "gpt2",
             2,
@@ -226,6 +228,7 @@ LAYOUTS = {
             {"moe": True, "tp": 2, "sp": True, "ep": 2, "capacity": 1.25},
         ),
         "llama_cp2_a2a_dp2_zero3": ("llama", 2, "a2a", {"zero": 3}),
+        "qwen2_cp2_ring_pp2_docs": ("qwen2", 2, "ring", {"pp": 2, "docs": True}),
     },
     8: {
         "llama_cp4_ring_tp2_sp": ("llama", 4, "ring", {"tp": 2, "sp": True}),

@@ -16,6 +16,8 @@ eps=1e-8 and 1e-6 at eps=1e-6; the 8-layer GPT-2 of the pipeline cases 1.6e-4 at
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -40,8 +42,36 @@ ADAM_EPS = 1e-4
 UNFUSED = ExecutionConfig(fused_lm_loss=False)
 
 
+# The Hugging Face families' distinguishing features on the Llama test models ("qwen3": an
+# RMSNorm over each head's q and k, heads 12 wide at hidden 64 / 8 heads; "qwen2": q/k/v biases
+# alone; "llama3": Llama 3.1's RoPE scaling with the 16-position context in all three bands).
+FAMILIES = {
+    "qwen3": dict(qk_norm=True, kv_channels=12),
+    "qwen2": dict(qkv_bias=True),
+    "llama3": dict(
+        rope_theta=100.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+}
+
+
+def family_config(arch: str, base) -> GPTConfig:
+    """`base("llama")` with the features of family `arch` (FAMILIES), or `base(arch)`."""
+    if arch in FAMILIES:
+        return dataclasses.replace(base("llama"), **FAMILIES[arch])
+    return base(arch)
+
+
 def model_config(arch: str) -> GPTConfig:
     # vocab 200 is not a multiple of 128*tp: padding differs between layouts.
+    if arch in FAMILIES:
+        return family_config(arch, model_config)
     if arch == "llama":
         return GPTConfig(
             arch="llama",
@@ -234,11 +264,14 @@ def cases_for_world(world_size: int) -> list[str]:
             "recompute_matches_with_dropout",
             "triton_kernels_llama_tp2_sp",
             "fp8_llama_tp2_sp",
+            "qwen3_tp2_sp_mb1",
+            "qwen2_tp2_sp_mb2",
+            "llama3_tp2_nosp_mb1",
         ]
     return names
 
 
-for _arch in ("gpt2", "llama"):
+for _arch in ("gpt2", "llama", *FAMILIES):
     for _tp in (1, 2, 4):
         for _sp in (False, True):
             for _micro in (1, 2):

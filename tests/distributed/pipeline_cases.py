@@ -23,6 +23,7 @@ from meshtron.training.optim import build_optimizer
 from meshtron.training.step import evaluate, pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
     ADAM_EPS,
+    FAMILIES,
     LR,
     SEED,
     STEPS,
@@ -30,6 +31,7 @@ from tests.distributed.dense_cases import (
     assert_close,
     build,
     compare_parameters,
+    family_config,
     global_batch,
 )
 from tests.distributed.moe_dispatch_cases import forced_exchanges
@@ -60,6 +62,8 @@ MICRO_PER_RANK = 4
 
 
 def pipeline_config(arch: str, moe: bool) -> GPTConfig:
+    if arch in FAMILIES:
+        return family_config(arch, lambda a: pipeline_config(a, moe))
     extra = (
         dict(num_experts=4, top_k=2, moe_every=2, moe_ffn_hidden_size=32, aux_loss_coef=0.01, z_loss_coef=0.001)
         if moe

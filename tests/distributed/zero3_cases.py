@@ -149,6 +149,12 @@ def zero3_llama_tp2_sp_dp() -> None:
     _check(model_config("llama"), ParallelConfig(tp=2, sp=True))
 
 
+def zero3_qwen3_tp2_sp_dp_full_recompute() -> None:
+    """Qwen3's features at tp=2 with SP x dp=2, full recompute: the q/k norm weights (replicated,
+    sequence-parallel) shard over tp_dp and are gathered for the replayed block."""
+    _check(model_config("qwen3"), ParallelConfig(tp=2, sp=True), recompute="full")
+
+
 def zero3_gpt2_tp2_dp_selective() -> None:
     """GPT-2 (tied, vocab-parallel embedding) at tp=2 without SP x dp=2, selective recompute
     (the attention core replayed in backward)."""
@@ -386,6 +392,7 @@ def cases_for_world(world_size: int) -> list[str]:
     if world_size == 4:
         return [
             "zero3_llama_tp2_sp_dp",
+            "zero3_qwen3_tp2_sp_dp_full_recompute",
             "zero3_gpt2_tp2_dp_selective",
             "zero3_moe_ep2_edp",
             "zero3_checkpoint_reshard",

@@ -131,6 +131,11 @@ def zero2_llama_tp2_sp_dp() -> None:
     _check(model_config("llama"), ParallelConfig(tp=2, sp=True), zero=2)
 
 
+def zero2_qwen2_tp2_sp_dp() -> None:
+    """Qwen2's q/k/v biases (sharded with the fused QKV rows) under ZeRO-2 at tp=2 with SP."""
+    _check(model_config("qwen2"), ParallelConfig(tp=2, sp=True), zero=2)
+
+
 def zero2_moe_ep2_edp2() -> None:
     _check(moe_config("gpt2", 2, "softmax", None), ParallelConfig(tp=1, ep=2), zero=2)
 
@@ -457,6 +462,7 @@ def cases_for_world(world_size: int) -> list[str]:
         return [
             "zero1_dense_dp",
             "zero1_llama_tp2_sp_dp",
+            "zero2_qwen2_tp2_sp_dp",
             "zero1_moe_edp",
             "zero2_dense_dp",
             "zero2_llama_tp2_sp_dp",
