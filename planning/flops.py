@@ -22,6 +22,8 @@ from meshtron.rules import raise_first
 
 __all__ = [
     "model_flops_per_token",
+    "attention_width",
+    "attention_core_flops_per_token",
     "param_count",
     "params_per_rank",
     "moe_layer_indices",
@@ -63,6 +65,22 @@ def _qkv_out(cfg: GPTConfig) -> int:
     return (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
 
 
+def attention_width(cfg: GPTConfig) -> int:
+    """Width of the attention's q and output, num_heads * head_dim: hidden_size unless
+    model.kv_channels gives the heads a width of their own (Qwen3-0.6B: 16 x 128 = 2048 at
+    hidden 1024). K and V are num_kv_heads * head_dim wide. Every planner term on the attention's
+    q, scores or output uses this width, never hidden_size."""
+    return cfg.num_heads * cfg.head_dim
+
+
+def attention_core_flops_per_token(cfg: GPTConfig) -> float:
+    """Forward FLOPs per token of one layer's attention core, q k^T and probabilities x v over
+    the full s x s square (causal mask ignored): 2 * 2 * s * a * d, a * d the attention width.
+    What selective recompute replays in backward, and what context-parallel attention overlaps
+    its ring passes with."""
+    return float(4 * cfg.seq_len * attention_width(cfg))
+
+
 # --------------------------------------------------------------------------- FLOPs
 
 
@@ -89,10 +107,10 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     Norms, softmax, activations, RoPE and the embedding lookup are not counted.
     """
     cfg.validate()
-    h, s = cfg.hidden_size, cfg.seq_len
+    h = cfg.hidden_size
     moe = set(moe_layer_indices(cfg))
-    heads = cfg.num_heads * cfg.head_dim  # the attention's width (h unless model.kv_channels)
-    attn = 2 * h * _qkv_out(cfg) + 4 * s * heads + 2 * heads * h
+    heads = attention_width(cfg)  # h unless model.kv_channels
+    attn = 2 * h * _qkv_out(cfg) + attention_core_flops_per_token(cfg) + 2 * heads * h
     dense_mlp = 2 * _mlp_matrices(cfg, cfg.ffn_hidden_size)
     moe_mlp = 2 * h * cfg.num_experts + 2 * (cfg.top_k + cfg.shared_experts) * _mlp_matrices(
         cfg, cfg.moe_ffn_hidden_size
@@ -112,7 +130,7 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     n = 2 * _norm_params(cfg)  # norm1, norm2: replicated over tp
     n += 2 * cfg.head_dim if cfg.qk_norm else 0  # q and k norms: replicated over tp
     n += h * qkv // tp + (qkv // tp if cfg.qkv_bias else 0)  # column-parallel fused QKV
-    n += cfg.num_heads * cfg.head_dim * h // tp + (h if cfg.bias else 0)  # row-parallel out proj, replicated bias
+    n += attention_width(cfg) * h // tp + (h if cfg.bias else 0)  # row-parallel out proj, replicated bias
     if not is_moe:
         f = cfg.ffn_hidden_size
         n += _mlp_matrices(cfg, f) // tp

@@ -16,7 +16,8 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
 
 * compute: the bottleneck stage's matmul FLOPs (`planning.flops.model_flops_per_token` split
   into L equal layers plus the LM head on the last stage), plus recomputation (selective: the
-  attention core's forward, 4*s*h per token per layer; full: each layer's forward again, a
+  attention core's forward, 4*s*a*d per token per layer, a*d = num_heads x head_dim, the
+  attention's width: hidden_size unless model.kv_channels; full: each layer's forward again, a
   third of its training FLOPs), divided over the tp*cp ranks of a stage (experts balanced over
   the folded expert mesh, so the same share) at peak_flops*efficiency;
 * tensor parallelism: per layer per microbatch 2 exchanges forward and 2 backward of the
@@ -31,7 +32,8 @@ virtual stages per rank, one rank's microbatch is mbs sequences of s/cp tokens):
   this rank's 2 chunks each: (cp-1) x this rank's K,V bytes) and twice that backward (kv and
   the accumulating dk/dv), batched isend/irecv at `torch_latency_s`, overlapped with the
   attention blocks' compute; a2a: 4 all-to-alls
-  (q, k, v, out) per layer forward and 4 backward, exposed;
+  (q, k, v, out: q and out a*d wide, k and v num_kv_heads x head_dim) per layer forward and 4
+  backward, exposed;
 * expert parallelism: per MoE layer per microbatch, dispatch and combine all-to-alls of
   top_k rows of h per token over ep, forward and backward (an upper bound: a token sent to
   one rank for two experts is one row), and under etp an all-gather and a reduce-scatter of
@@ -89,7 +91,12 @@ import torch
 from meshtron.models.config import GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, placement
 from meshtron.pipeline.schedules import build_all_ranks
-from meshtron.planning.flops import model_flops_per_token, moe_layer_indices
+from meshtron.planning.flops import (
+    attention_core_flops_per_token,
+    attention_width,
+    model_flops_per_token,
+    moe_layer_indices,
+)
 from meshtron.planning.peak import known_gpu_peak_flops
 from meshtron.schema import declared_in
 
@@ -570,7 +577,8 @@ def step_time(
     # plus recomputation), the LM head on the last stage
     per_token, head = costs.per_token, costs.head
     layer = (per_token - head) / L
-    recompute = {"none": 0.0, "selective": 4 * s * h, "full": layer / 3}[layout.recompute]
+    core = attention_core_flops_per_token(cfg)  # 4*s*a*d: a*d = h unless model.kv_channels
+    recompute = {"none": 0.0, "selective": core, "full": layer / 3}[layout.recompute]
     tokens = mbs * s  # one microbatch's tokens of the stage, split over tp*cp ranks
     stage_layers = L / pp
     stage = stage_layers * (layer + recompute) + head  # the last stage (the bottleneck) holds the LM head
@@ -607,10 +615,10 @@ def step_time(
             chunk = kv / 2  # one of this rank's two load-balanced chunks
             pass_t = chunk / bw["cp"] + slow_lat  # batched isend/irecv (gloo on a CPU)
             fwd, bwd = 2 * (cp - 1) * pass_t, 2 * 2 * (cp - 1) * pass_t
-            attn_fwd = compute_time(4 * s * h * tokens / (tp * cp), cluster)  # attention core: 4*s*h per token
+            attn_fwd = compute_time(core * tokens / (tp * cp), cluster)  # the attention core's forward
             cp_fwd, cp_bwd = exposed(fwd, attn_fwd), exposed(bwd, 2 * attn_fwd)
         else:
-            q = mbs * (s / cp) * h / tp * ab
+            q = mbs * (s / cp) * attention_width(cfg) / tp * ab  # q and out: a*d wide
             cp_fwd = cp_bwd = sum(all_to_all_time(x, cp, bw["cp"], lat) for x in (q, kv / 2, kv / 2, q))
     cp_mb = stage_layers * (cp_fwd + cp_bwd)
 
