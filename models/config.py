@@ -140,11 +140,16 @@ class GPTConfig:
     init_std: float = setting(0.02, gt=0, help="std of the normal weight init")
     norm_eps: float = setting(1e-5, gt=0, in_train_yaml=False, help="epsilon of the LayerNorm/RMSNorm")
     rope_theta: float = setting(10000.0, gt=0, in_train_yaml=False, help="RoPE base")
-    # RoPE frequency scaling (models/rope.py ROPE_SCALING_KEYS): Hugging Face's rope_scaling /
-    # rope_parameters dict without rope_theta, e.g. Llama 3.1's {rope_type: llama3, factor: 8.0,
-    # low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192}.
+    # RoPE frequency scaling (models/rope.py ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL): Hugging
+    # Face's rope_scaling / rope_parameters dict without rope_theta, e.g. Llama 3.1's
+    # {rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0,
+    # original_max_position_embeddings: 8192} or Qwen2.5's {rope_type: yarn, factor: 4.0,
+    # original_max_position_embeddings: 32768} (yarn may also hold attention_factor, beta_fast,
+    # beta_slow, mscale, mscale_all_dim, truncate).
     rope_scaling: dict | None = setting(
-        None, in_train_yaml=False, help="RoPE frequency scaling: null (plain RoPE) | {rope_type: llama3, factor, ...}"
+        None,
+        in_train_yaml=False,
+        help="RoPE frequency scaling: null (plain RoPE) | {rope_type: llama3 | yarn, factor, ...}",
     )
     qkv_bias: bool | None = setting(
         None, in_train_yaml=False, help="bias on the q/k/v projection (null = model.bias; Qwen2: true, bias false)"
@@ -163,7 +168,7 @@ class GPTConfig:
         None,
         ge=1,
         in_train_yaml=False,
-        help="attention window (Mistral): null or >= seq_len (full causal); smaller is not implemented yet",
+        help="attention window (Mistral): query i sees keys i-w < j <= i; null or >= seq_len: full causal",
     )
     # Mixture of Experts (0 experts = dense model).
     num_experts: int = setting(0, ge=0, help="> 0: MoE layers (see configs/model/moe_tiny.yaml)")
@@ -183,6 +188,9 @@ class GPTConfig:
     router_groups: int = declared_in(MoEConfig, "router_groups")
     router_topk_groups: int = declared_in(MoEConfig, "router_topk_groups")
     shared_experts: int = declared_in(MoEConfig, "shared_experts")
+    router_scaling_factor: float = declared_in(MoEConfig, "router_scaling_factor")
+    shared_ffn_hidden_size: int | None = declared_in(MoEConfig, "shared_ffn_hidden_size")
+    shared_expert_gate: bool = declared_in(MoEConfig, "shared_expert_gate")
     # Set by models/hf/ on import: the Mixtral config's {"router_aux_loss_coef",
     # "output_router_logits"}, written back on export while aux_loss_coef still equals what
     # they import as (None: not imported). The model never reads it.
@@ -237,12 +245,6 @@ class GPTConfig:
                 self.position != "rope" or self.head_dim % 2 == 0,
                 f"RoPE needs an even head dim; the head dim is {self.head_dim}",
             ),
-            (
-                self.sliding_window is None or self.sliding_window >= self.seq_len,
-                f"model.sliding_window={self.sliding_window} < model.seq_len={self.seq_len}: sliding-window "
-                f"attention is not implemented yet (a later step of issue 39); use a window >= seq_len "
-                f"(full causal attention) or null",
-            ),
             *rope_scaling_checks(self.rope_scaling, self.position),
             *self._moe_checks(),
         ]
@@ -272,6 +274,14 @@ class GPTConfig:
     def attention_dropout_p(self) -> float:
         """Dropout on the attention probabilities: `attention_dropout`, else `dropout`."""
         return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding window when it restricts attention (model.sliding_window < seq_len), else
+        None: a window >= the sequence length is full causal attention."""
+        if self.sliding_window is None or self.sliding_window >= self.seq_len:
+            return None
+        return self.sliding_window
 
     @property
     def head_dim(self) -> int:

@@ -135,6 +135,11 @@ def layout_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp",
         ),
         *pipeline_checks(par, cfg),
+        (
+            par.cp == 1 or getattr(cfg, "attention_window", None) is None,
+            f"model.sliding_window={getattr(cfg, 'sliding_window', None)} (shorter than model.seq_len) needs "
+            f"parallel.cp=1 (got cp={par.cp}): sliding-window attention is not split over context parallelism",
+        ),
         (par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)"),
         *expert_checks(par, cfg),
     ]

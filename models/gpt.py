@@ -29,6 +29,7 @@ from einops import rearrange
 from torch import nn
 
 from meshtron.eager import prepare_for_compile
+from meshtron.errors import ConfigError
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import plain_gemm_backend
 from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
@@ -39,13 +40,14 @@ from meshtron.moe.router import pooled_aux_loss
 from meshtron.mpu import fp8
 from meshtron.mpu.context_parallel import context_parallel_attention, sequence_positions
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
-from meshtron.mpu.document_attention import document_attention
+from meshtron.mpu.document_attention import document_attention, sliding_window_checks
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
 from meshtron.mpu.mappings import all_reduce_stats, column_parallel_linear, gather_from_region
 from meshtron.mpu.mesh import Mesh
 from meshtron.mpu.random import get_rng_tracker, seed_parallel_rng
 from meshtron.mpu.recompute import recompute
+from meshtron.rules import raise_first
 
 
 class Norm(nn.Module):
@@ -162,6 +164,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.mesh, self.selective = cfg, mesh, selective
         self.backend = backend  # packed documents' attention (mpu/document_attention.py)
+        # Mistral's sliding window when it restricts (< seq_len): cp = 1, not varlen
+        self.window = cfg.attention_window
+        raise_first(sliding_window_checks(backend, self.window, mesh.cp_size), ConfigError)
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_heads // cfg.num_kv_heads
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -220,7 +225,10 @@ class Attention(nn.Module):
         sequence is sharded over `mesh.cp` and the ring / all-to-all attention of
         `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s] (the whole
         sequence's, on every cp rank) restricts attention to each packed document, by the
-        backend `self.backend` picks (`mpu.document_attention`: no dense mask where it can)."""
+        backend `self.backend` picks (`mpu.document_attention`: no dense mask where it can).
+        A sliding window (`self.window`, cp = 1 only) limits query i to keys i - w < j <= i,
+        through `document_attention` too (dense mask on the CPU, FlexAttention on CUDA); a
+        sequence no longer than the window is plain causal attention."""
         p = self.cfg.attention_dropout_p if self.training else 0.0
         if self.mesh.cp_size > 1:
             out = context_parallel_attention(
@@ -229,8 +237,9 @@ class Attention(nn.Module):
             )  # fmt: skip
             return out.to(q.dtype)
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            if doc_ids is not None:
-                return document_attention(q, k, v, doc_ids, dropout_p=p, backend=self.backend)
+            window = self.window if self.window is not None and self.window < q.shape[2] else None
+            if doc_ids is not None or window is not None:
+                return document_attention(q, k, v, doc_ids, dropout_p=p, backend=self.backend, window=window)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1)
 
 

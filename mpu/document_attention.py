@@ -6,7 +6,11 @@ of its heads) call `document_attention` on tensors they hold.
 Layout: q [b, h, s, d], k and v [b, hkv, s, d] with h a multiple of hkv (grouped-query), and
 `doc_ids` [b, s], the per-token document ids of `mpu.attention_blocks.document_ids`: each
 document is one contiguous run of equal ids within its row. A query sees the keys at or before
-it in its own document. Backends (`ATTENTION_BACKENDS`, the setting `trainer.attention_backend`):
+it in its own document. A sliding window (`window`, `model.sliding_window` when it is shorter
+than the sequence, Mistral's) further limits query i to keys i - window < j <= i, as
+transformers' sliding-window causal mask; `doc_ids` None then means one document per row (the
+model's plain causal attention with a window). Backends (`ATTENTION_BACKENDS`, the setting
+`trainer.attention_backend`):
 
 * "dense": the boolean [b, 1, s, s] mask and `F.scaled_dot_product_attention`: what every
   parallel == serial test pins, the only one with attention dropout. O(s^2) memory per layer,
@@ -20,6 +24,11 @@ it in its own document. Backends (`ATTENTION_BACKENDS`, the setting `trainer.att
   only. No dropout.
 * "auto": `pick_backend`: varlen on CUDA with 16-bit inputs, flex on CUDA otherwise and
   inside compiled blocks (`trainer.compile`: static shapes), dense on the CPU or with dropout.
+
+With a window: dense and flex add it to their masks; varlen is refused (`pick_backend`, and
+`attention_backend_checks` before the run) and auto takes flex where it would take varlen.
+Context parallelism (cp > 1) has no window (ring attention's blocks and the all-to-all path
+do not mask by distance): refused by `attention_backend_checks` and by the model's build.
 
 The segments (one host sync: the ids are copied to the host) and the block mask are built once
 per `doc_ids` tensor and reused while it lives unmodified, so the layers of one forward (and
@@ -45,7 +54,7 @@ ATTENTION_BACKENDS = ("auto", "dense", "flex", "varlen")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _HALF_PRECISIONS = ("bf16", "fp16", "fp8", "auto")  # fp8 runs attention in bf16 autocast
 
-# (id(doc_ids), kind) -> (weak reference to doc_ids, its version when built, the layout)
+# (id(doc_ids), kind, window) -> (weak reference to doc_ids, its version when built, the layout)
 _LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
 
 
@@ -53,14 +62,21 @@ _LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
 
 
 def backend_problem(
-    backend: str, device_type: str, dtype: torch.dtype, dropout_p: float, requires_grad: bool
+    backend: str,
+    device_type: str,
+    dtype: torch.dtype,
+    dropout_p: float,
+    requires_grad: bool,
+    window: int | None = None,
 ) -> str | None:
     """Why `backend` cannot run attention on `device_type` with `dtype` inputs, dropout
-    `dropout_p` and (`requires_grad`) a backward to come; None when it can."""
+    `dropout_p`, (`requires_grad`) a backward to come and sliding window `window`; None when it can."""
     if backend not in ATTENTION_BACKENDS:
         return f"unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
     if backend in ("auto", "dense"):
         return None
+    if backend == "varlen" and window is not None:
+        return f"has no sliding window (model.sliding_window={window}); use flex, dense or auto"
     if dropout_p > 0:
         return f"has no attention dropout (got {dropout_p}); use dense"
     if backend == "varlen" and device_type != "cuda":
@@ -74,11 +90,19 @@ def backend_problem(
     return None
 
 
-def pick_backend(requested: str, device_type: str, dtype: torch.dtype, dropout_p: float, requires_grad: bool) -> str:
+def pick_backend(
+    requested: str,
+    device_type: str,
+    dtype: torch.dtype,
+    dropout_p: float,
+    requires_grad: bool,
+    window: int | None = None,
+) -> str:
     """The backend (dense, flex or varlen) that runs a call: auto is varlen on CUDA with fp16/bf16
-    inputs, flex on CUDA otherwise, dense on other devices or with dropout; an explicit choice
-    stays, or raises ValueError with the reason when it cannot run there (`backend_problem`)."""
-    problem = backend_problem(requested, device_type, dtype, dropout_p, requires_grad)
+    inputs and no sliding `window`, flex on CUDA otherwise, dense on other devices or with
+    dropout; an explicit choice stays, or raises ValueError with the reason when it cannot run
+    there (`backend_problem`)."""
+    problem = backend_problem(requested, device_type, dtype, dropout_p, requires_grad, window)
     if problem is not None:
         raise ValueError(f"attention backend {requested!r} {problem}")
     if requested != "auto":
@@ -89,7 +113,7 @@ def pick_backend(requested: str, device_type: str, dtype: torch.dtype, dropout_p
         # inside a compiled block (trainer.compile): varlen's segment count changes with every
         # microbatch (a recompile each), flex's block mask keeps its shapes
         return "flex"
-    return "varlen" if dtype in HALF_DTYPES and varlen_kernel_fits() else "flex"
+    return "varlen" if dtype in HALF_DTYPES and window is None and varlen_kernel_fits() else "flex"
 
 
 @functools.cache
@@ -105,14 +129,25 @@ def varlen_kernel_fits() -> bool:
 
 
 def attention_backend_checks(
-    backend: str, *, device_type: str | None, precision: str, attention_dropout: float, cp: int, cp_comm: str
+    backend: str,
+    *,
+    device_type: str | None,
+    precision: str,
+    attention_dropout: float,
+    cp: int,
+    cp_comm: str,
+    sliding_window: int | None = None,
 ) -> list[Check]:
     """The run rules of `trainer.attention_backend` (device_type None: not known yet, checked
-    again once resolved): varlen and flex only where they run and where they are used."""
+    again once resolved): varlen and flex only where they run and where they are used; a
+    `sliding_window` (GPTConfig.attention_window: model.sliding_window < seq_len) neither
+    with context parallelism nor with varlen."""
+    window = sliding_window_checks(backend, sliding_window, cp)
     if backend not in ("flex", "varlen"):
-        return []
+        return window
     what = f"trainer.attention_backend={backend}"
     return [
+        *window,
         (
             attention_dropout == 0,
             f"{what} has no attention dropout (model.attention_dropout or model.dropout gives "
@@ -141,6 +176,25 @@ def attention_backend_checks(
     ]
 
 
+def sliding_window_checks(backend: str, sliding_window: int | None, cp: int) -> list[Check]:
+    """A sliding window (None: none, or one >= the sequence) runs at cp=1 only, and not with
+    the varlen backend."""
+    if sliding_window is None:
+        return []
+    what = f"model.sliding_window={sliding_window}"
+    return [
+        (
+            cp == 1,
+            f"{what} (shorter than model.seq_len) needs parallel.cp=1 (context parallelism has no "
+            f"sliding window; got parallel.cp={cp}): use parallel.cp=1, or model.sliding_window=null / >= model.seq_len",
+        ),
+        (
+            backend != "varlen",
+            f"{what} (shorter than model.seq_len) is not in trainer.attention_backend=varlen; use auto, flex or dense",
+        ),
+    ]
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -148,37 +202,47 @@ def document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    doc_ids: torch.Tensor,
+    doc_ids: torch.Tensor | None,
     *,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within documents: q [b, h, s, d], k, v [b, hkv, s, d], `doc_ids` [b, s]
-    -> out [b, h, s, d] in q's dtype, by `backend` (`pick_backend`). No communication; dropout
-    (dense only) draws from the current RNG (the caller forks the tensor-parallel stream)."""
+    (None: one document per row) -> out [b, h, s, d] in q's dtype, by `backend`
+    (`pick_backend`); `window`: query i sees keys i - window < j <= i only. No communication;
+    dropout (dense only) draws from the current RNG (the caller forks the tensor-parallel stream)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    chosen = pick_backend(backend, q.device.type, q.dtype, dropout_p, grad)
+    chosen = pick_backend(backend, q.device.type, q.dtype, dropout_p, grad, window)
     if chosen == "varlen":
         return varlen_document_attention(q, k, v, doc_ids, scale=scale)
     if chosen == "flex":
-        return flex_document_attention(q, k, v, doc_ids, scale=scale)
-    return dense_document_attention(q, k, v, doc_ids, scale=scale, dropout_p=dropout_p)
+        return flex_document_attention(q, k, v, doc_ids, scale=scale, window=window)
+    return dense_document_attention(q, k, v, doc_ids, scale=scale, dropout_p=dropout_p, window=window)
 
 
 def dense_document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    doc_ids: torch.Tensor,
+    doc_ids: torch.Tensor | None,
     *,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """SDPA with the boolean mask [b, 1, s, s] (same document and causal): bit for bit the
-    model's attention before the other backends existed. No communication."""
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    mask = (same & torch.ones_like(same).tril_())[:, None]
+    """SDPA with the boolean mask [b, 1, s, s] (same document and causal, within `window`; no
+    `doc_ids`: [s, s], causal within `window`): bit for bit the model's attention before the
+    other backends existed. No communication."""
+    if doc_ids is None:
+        mask = causal_window_mask(q.shape[2], window, q.device)
+    else:
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        if window is None:
+            mask = (same & torch.ones_like(same).tril_())[:, None]
+        else:
+            mask = (same & causal_window_mask(same.shape[-1], window, same.device))[:, None]
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -209,11 +273,21 @@ def varlen_document_attention(
 
 
 def flex_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, *, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """FlexAttention with the block mask of `document_block_mask` (built once per `doc_ids`
-    tensor): compiled on CUDA, eager elsewhere (the CPU: forward only). No communication."""
-    block_mask = document_layout(doc_ids, "flex")
+    tensor and window; no `doc_ids`: `window_block_mask`, once per length and window):
+    compiled on CUDA, eager elsewhere (the CPU: forward only). No communication."""
+    if doc_ids is None:
+        block_mask = window_block_mask(q.shape[2], window, q.device)
+    else:
+        block_mask = document_layout(doc_ids, "flex", window)
     gqa = q.shape[1] != k.shape[1]
     if q.is_cuda:
         return _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
@@ -247,8 +321,19 @@ def document_segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ends.to(torch.int32).to(doc_ids.device), longest
 
 
-def document_block_mask(doc_ids: torch.Tensor):
-    """FlexAttention BlockMask over [b, any head, s, s]: key at or before the query, same document."""
+def causal_window_mask(s: int, window: int | None, device) -> torch.Tensor:
+    """Boolean [s, s]: query i sees key j iff j <= i and (with a `window`) i - window < j, the
+    mask of transformers' sliding-window causal attention (`sliding_window_overlay`)."""
+    i = torch.arange(s, device=device)
+    behind = i[:, None] - i[None, :]  # query - key
+    if window is None:
+        return behind >= 0
+    return (behind >= 0) & (behind < window)
+
+
+def document_block_mask(doc_ids: torch.Tensor, window: int | None = None):
+    """FlexAttention BlockMask over [b, any head, s, s]: key at or before the query, same
+    document (and, with `window`, fewer than `window` tokens behind it)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = doc_ids.detach().clone()  # the mask's own copy: the cache must not keep doc_ids alive
@@ -256,25 +341,42 @@ def document_block_mask(doc_ids: torch.Tensor):
     def causal_same_document(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (docs[b, q_idx] == docs[b, kv_idx])
 
+    def windowed_same_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window) & (docs[b, q_idx] == docs[b, kv_idx])
+
     rows, s = docs.shape
-    return create_block_mask(causal_same_document, rows, None, s, s, device=docs.device)
-
-
-_BUILDERS = {"varlen": document_segments, "flex": document_block_mask}
+    mask_mod = causal_same_document if window is None else windowed_same_document
+    return create_block_mask(mask_mod, rows, None, s, s, device=docs.device)
 
 
 @eager  # host work on a cache: stays out of compiled graphs
-def document_layout(doc_ids: torch.Tensor, kind: str):
-    """`document_segments` (kind "varlen") or `document_block_mask` ("flex") of `doc_ids`, built
-    once per tensor and reused while it lives unmodified (every layer of a forward passes the
-    same tensor). No communication."""
+@functools.lru_cache(maxsize=16)
+def window_block_mask(s: int, window: int, device):
+    """FlexAttention BlockMask over [any row, any head, s, s]: causal within `window` (query i
+    sees keys i - window < j <= i), built once per (s, window, device)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(causal_window, None, None, s, s, device=device)
+
+
+_BUILDERS = {"varlen": lambda doc_ids, window: document_segments(doc_ids), "flex": document_block_mask}
+
+
+@eager  # host work on a cache: stays out of compiled graphs
+def document_layout(doc_ids: torch.Tensor, kind: str, window: int | None = None):
+    """`document_segments` (kind "varlen") or `document_block_mask` ("flex", with `window`) of
+    `doc_ids`, built once per tensor (and window) and reused while it lives unmodified (every
+    layer of a forward passes the same tensor). No communication."""
     if doc_ids.is_inference():  # no version counter to trust: build each time
-        return _BUILDERS[kind](doc_ids)
-    key = (id(doc_ids), kind)
+        return _BUILDERS[kind](doc_ids, window)
+    key = (id(doc_ids), kind, window)
     hit = _LAYOUTS.get(key)
     if hit is not None and hit[0]() is doc_ids and hit[1] == doc_ids._version:
         return hit[2]
-    layout = _BUILDERS[kind](doc_ids)
+    layout = _BUILDERS[kind](doc_ids, window)
     _LAYOUTS[key] = (weakref.ref(doc_ids, lambda _, key=key: _LAYOUTS.pop(key, None)), doc_ids._version, layout)
     return layout
 

@@ -205,7 +205,7 @@ def test_tied_head_must_equal_embedding():
         ),
         ("llama", dict(hidden_act="gelu"), "hidden_act"),
         ("llama", dict(attention_bias=True), "attention_bias"),
-        ("mixtral", dict(sliding_window=8), "sliding_window"),
+        ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), "max_window_layers"),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
         ("gpt2", dict(activation_function="gelu"), "activation_function"),
         ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),

@@ -2,8 +2,9 @@
 (rope_type llama3) and Qwen2 (q/k/v biases only) models from `transformers` load into meshtron
 with transformers' logits (max abs error <= 1e-5), export back bitwise and through a folder
 that `AutoModelForCausalLM` loads as the same class, follow transformers' AdamW trajectory for
-a few steps, and configs round-trip. What is not implemented yet (a sliding window smaller than
-the sequence, yarn RoPE) is refused in one line naming the field."""
+a few steps, and configs round-trip. YaRN RoPE and sliding windows smaller than the sequence:
+tests/test_hf_yarn_window.py; a RoPE type meshtron does not compute is refused in one line
+naming the field."""
 
 from __future__ import annotations
 
@@ -117,16 +118,12 @@ def test_mistral_window_at_least_the_sequence_is_full_attention():
 
 
 @pytest.mark.parametrize("family", ["mistral", "mixtral", "qwen2"])
-def test_smaller_sliding_window_is_refused_in_one_line(family):
+def test_smaller_sliding_window_imports(family):
+    """A window shorter than the sequence imports (numerics: tests/test_hf_yarn_window.py)."""
     kw = dict(sliding_window=8, **({"use_sliding_window": True, "max_window_layers": 0} if family == "qwen2" else {}))
-    with pytest.raises(mhf.HFConversionError, match="sliding_window=8") as err:
-        mhf.config_from_hf(hc.hf_config(family, **kw))
-    assert "\n" not in str(err.value) and "not implemented yet" in str(err.value)
-    with pytest.raises(mhf.HFConversionError, match="sliding_window=8"):
-        mhf.config_from_hf(hc.hf_config(family, **kw), seq_len=9)
-    assert mhf.config_from_hf(hc.hf_config(family, **kw), seq_len=8).sliding_window == 8
-    with pytest.raises(ValueError, match="model.sliding_window=8 < model.seq_len=16"):
-        GPTConfig(arch="llama", seq_len=16, sliding_window=8)
+    assert mhf.config_from_hf(hc.hf_config(family, **kw)).attention_window == 8
+    assert mhf.config_from_hf(hc.hf_config(family, **kw), seq_len=8).attention_window is None
+    assert GPTConfig(arch="llama", seq_len=16, sliding_window=8).attention_window == 8
 
 
 def test_qwen2_window_off_is_full_attention():
@@ -158,23 +155,24 @@ def test_llama3_rope_falls_back_to_max_positions():
 
 
 @pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
-def test_yarn_is_refused_in_one_line(field):
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+def test_unknown_rope_type_is_refused_in_one_line(field):
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
     config = hc.hf_config("llama").to_dict()
     if field == "rope_parameters":
-        config[field] = {**yarn, "rope_theta": 1e4}
+        config[field] = {**dynamic, "rope_theta": 1e4}
     else:
         config.pop("rope_parameters", None)
-        config[field] = yarn
-    with pytest.raises(mhf.HFConversionError, match=rf"{field}\.rope_type='yarn'") as err:
+        config[field] = dynamic
+    with pytest.raises(mhf.HFConversionError, match=rf"{field}\.rope_type='dynamic'") as err:
         mhf.config_from_hf(config)
-    assert "\n" not in str(err.value) and "not implemented yet" in str(err.value)
+    assert "\n" not in str(err.value) and "llama3, yarn" in str(err.value)
 
 
 @pytest.mark.parametrize(
     "scaling,match",
     [
-        ({"rope_type": "yarn", "factor": 2.0}, "rope_type must be one of llama3"),
+        ({"rope_type": "linear", "factor": 2.0}, "rope_type must be one of llama3, yarn"),
+        ({"rope_type": "yarn", "factor": 2.0}, "missing original_max_position_embeddings"),
         ({"rope_type": "llama3", "factor": 8.0}, "missing low_freq_factor"),
         (
             {

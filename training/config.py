@@ -346,6 +346,7 @@ class RunConfig:
             attention_dropout=self.model.attention_dropout_p,
             cp=self.parallel.cp,
             cp_comm=self.parallel.cp_comm,
+            sliding_window=self.model.attention_window,
         )
 
     @property

@@ -3,13 +3,14 @@ folders (`files`); the command line that turns folders into checkpoints is train
 
 Supported families (transformers 4.40+ and 5.x naming):
     GPT-2    (`GPT2Config`, `GPT2LMHeadModel`)          <-> arch="gpt2"
-    Llama    (`LlamaConfig`, `LlamaForCausalLM`)        <-> arch="llama" (Llama 3.1/3.2: rope_scaling llama3)
+    Llama    (`LlamaConfig`, `LlamaForCausalLM`)        <-> arch="llama" (Llama 3.1/3.2: rope_scaling llama3 or yarn)
     Mistral  (`MistralConfig`, `MistralForCausalLM`)    <-> arch="llama", hf_model_type="mistral"
     Qwen2    (`Qwen2Config`, `Qwen2ForCausalLM`)        <-> arch="llama", qkv_bias=True (bias=False)
+    Qwen3    (`Qwen3Config`, `Qwen3ForCausalLM`)        <-> arch="llama", qk_norm=True (kv_channels: head_dim)
     Mixtral  (`MixtralConfig`, `MixtralForCausalLM`)    <-> arch="llama" with num_experts > 0
-A sliding window (Mistral, Mixtral, Qwen2 with use_sliding_window) imports only when it is at
-least the sequence length (full causal attention); a smaller one, yarn RoPE and Qwen3's QK-norm
-are refused naming the field (later steps of issue 39).
+A sliding window (Mistral, Mixtral; Qwen2/Qwen3 with use_sliding_window when every layer
+slides) imports as model.sliding_window (parallel.cp=1, dense or flex attention); rope_scaling
+llama3 and yarn import as model.rope_scaling; Qwen3's QK-norm as model.qk_norm.
 
     config_from_hf(hf_config, **overrides) -> GPTConfig
     hf_config_from_gpt(cfg, **overrides) -> transformers config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtron.models.config import GPTConfig
-from meshtron.models.rope import ROPE_SCALING_KEYS
+from meshtron.models.rope import ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3")
 
@@ -61,13 +61,16 @@ def _scaling_from_hf(params: dict, field: str, model_type: str, max_positions) -
             model_type,
             f"{field}.rope_type",
             rope_type,
-            f"meshtron computes plain RoPE and {', '.join(ROPE_SCALING_KEYS)} scaling "
-            f"({rope_type} is not implemented yet: a later step of issue 39)",
+            f"meshtron computes plain RoPE and {', '.join(ROPE_SCALING_KEYS)} scaling",
         )
     keys = ROPE_SCALING_KEYS[rope_type]
     scaling = {"rope_type": rope_type, **{k: params.get(k) for k in keys}}
+    # yarn's optional keys as the config holds them (absent or null: transformers' default)
+    scaling.update({k: params[k] for k in ROPE_SCALING_OPTIONAL[rope_type] if params.get(k) is not None})
     if scaling.get("original_max_position_embeddings") is None:  # transformers' fallback
         scaling["original_max_position_embeddings"] = max_positions
+    if rope_type == "yarn" and scaling["factor"] is None and max_positions:  # transformers' fallback
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
     missing = [k for k in keys if scaling[k] is None]
     if missing:
         raise _fail(model_type, f"{field}.{missing[0]}", None, f"{rope_type} RoPE scaling needs it")
@@ -95,16 +98,25 @@ def _rope(hf, model_type: str) -> tuple[float, dict | None]:
     return float(theta if theta is not None else _get(hf, "rope_theta", 10000.0)), scaling
 
 
-def _sliding_window(hf, model_type: str) -> int | None:
-    """The attention window of a Mistral / Mixtral / Qwen2 / Qwen3 config (None: full causal)."""
+def _sliding_window(hf, model_type: str) -> tuple[int | None, bool]:
+    """(the attention window of a Mistral / Mixtral / Qwen2 / Qwen3 config, None: full causal;
+    whether every layer slides). Qwen's window needs use_sliding_window and applies to the
+    layers whose layer_types entry is sliding_attention (without layer_types: the layers from
+    max_window_layers on, as transformers builds them)."""
     window = _get(hf, "sliding_window")
     qwen = model_type in ("qwen2", "qwen3")
     if window is None or not _get(hf, "use_sliding_window", not qwen):
-        return None
+        return None, True
+    if not qwen:
+        return window, True
     layer_types = _get(hf, "layer_types")
-    if qwen and layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window
+    if layer_types is None:
+        layers, first = _get(hf, "num_hidden_layers"), _get(hf, "max_window_layers", 0) or 0
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    sliding = [kind == "sliding_attention" for kind in layer_types]
+    if not any(sliding):
+        return None, True
+    return window, all(sliding)
 
 
 def aux_loss_coef_from_hf(router: dict, top_k: int) -> float:
@@ -158,16 +170,17 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
             f"{model_type} config field {field}={cfg.seq_len}: the model has no positions "
             f"beyond it"
         )
-    window = None if model_type == "gpt2" else _sliding_window(hf_config, model_type)
+    window, every_layer = (None, True) if model_type == "gpt2" else _sliding_window(hf_config, model_type)
     if window is not None:
         used = seq_len if seq_len is not None else cfg.seq_len
-        if window < used:
+        if window < used and not every_layer:
             raise _fail(
                 model_type,
-                "sliding_window",
-                window,
-                f"sliding-window attention is not implemented yet (a later step of issue 39); a window >= "
-                f"the sequence length ({used}) is full causal attention and imports (--seq-len {window})",
+                "max_window_layers",
+                _get(hf_config, "max_window_layers"),
+                f"meshtron's sliding_window={window} applies to every layer, and this config slides only "
+                f"some (layer_types / max_window_layers); a window >= the sequence length ({used}) is full "
+                f"causal attention and imports (--seq-len {window})",
             )
         overrides = {**overrides, "sliding_window": window}
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
