@@ -174,6 +174,14 @@ class GPTConfig:
     num_experts: int = setting(0, ge=0, help="> 0: MoE layers (see configs/model/moe_tiny.yaml)")
     top_k: int = setting(2, help="experts each token is routed to")
     moe_every: int = setting(1, ge=1, in_train_yaml=False, help="every N-th layer's MLP is MoE (counting from 1)")
+    # Layer patterns of the fine-grained MoE models: DeepSeek-V3's first_k_dense_replace (the
+    # first 3 layers dense) and Qwen-MoE's mlp_only_layers (listed layers dense).
+    moe_first_dense: int = setting(
+        0, ge=0, in_train_yaml=False, help="the first N layers keep a dense MLP (DeepSeek-V3: first_k_dense_replace)"
+    )
+    moe_dense_layers: list[int] | None = setting(
+        None, in_train_yaml=False, help="0-based layers that keep a dense MLP (Qwen-MoE: mlp_only_layers); null = none"
+    )
     moe_ffn_hidden_size: int | None = setting(
         None, ge=1, in_train_yaml=False, help="each expert's ffn width (null = ffn_hidden_size)"
     )
@@ -252,9 +260,16 @@ class GPTConfig:
     def _moe_checks(self) -> list[tuple[bool, str]]:
         """moe/config.py's rules on the MoE fields (the router score and aux-loss scope are
         checked on dense models too: a typo should not wait for the first MoE run)."""
+        dense = list(self.moe_dense_layers or ())
+        pattern = [
+            (
+                all(isinstance(i, int) and 0 <= i < self.num_layers for i in dense),
+                f"model.moe_dense_layers={dense} must list layer indices between 0 and {self.num_layers - 1}",
+            )
+        ]
         if not self.num_experts:
-            return [score_check(self.router_score), *scope_checks(self.aux_loss_scope, self.aux_loss_layers)]
-        return self.moe().checks()
+            return [score_check(self.router_score), *scope_checks(self.aux_loss_scope, self.aux_loss_layers), *pattern]
+        return [*self.moe().checks(), *pattern]
 
     def moe(self) -> MoEConfig:
         """The config of this model's MoE layers (moe/config.py): the model's shape and its
@@ -298,8 +313,14 @@ class GPTConfig:
         return layout_checks(par, self)
 
     def is_moe_layer(self, index: int) -> bool:
-        """Layer `index` (0-based) has an MoE MLP: every `moe_every`-th layer, counting from 1."""
-        return self.is_moe and (index + 1) % self.moe_every == 0
+        """Layer `index` (0-based) has an MoE MLP: every `moe_every`-th layer, counting from 1,
+        past the first `moe_first_dense` layers and not listed in `moe_dense_layers`."""
+        return (
+            self.is_moe
+            and (index + 1) % self.moe_every == 0
+            and index >= self.moe_first_dense
+            and index not in (self.moe_dense_layers or ())
+        )
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rounded up to a multiple of 128*tp (padded logits never enter the loss)."""

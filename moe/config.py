@@ -152,6 +152,28 @@ class MoEConfig:
     shared_experts: int = setting(
         0, in_train_yaml=False, ge=0, help="experts every token passes through besides its routed ones"
     )
+    # Fine-grained MoE models' extras: DeepSeek-V3 scales the routed experts' combine weights by
+    # routed_scaling_factor (2.5); Qwen2-MoE's shared expert is one MLP of its own width whose
+    # output each token scales by sigmoid(x . w) (shared_expert_gate).
+    router_scaling_factor: float = setting(
+        1.0, in_train_yaml=False, gt=0, help="the routed experts' combine weights multiplied by this (DeepSeek-V3: 2.5)"
+    )
+    shared_ffn_hidden_size: int | None = setting(
+        None,
+        in_train_yaml=False,
+        ge=1,
+        help="width of the shared experts' MLP (null = shared_experts * moe_ffn_hidden_size; Qwen2-MoE's own size)",
+    )
+    shared_expert_gate: bool = setting(
+        False, in_train_yaml=False, help="the shared experts' output scaled per token by sigmoid(x . w) (Qwen2-MoE)"
+    )
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the shared experts' MLP (0: none)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_ffn_hidden_size or self.shared_experts * self.ffn_hidden_size
 
     def validate(self) -> None:
         """Raise ValueError naming the field of the first rule that does not hold."""
@@ -173,6 +195,11 @@ class MoEConfig:
             ),
             *scope_checks(self.aux_loss_scope, self.aux_loss_layers),
             (self.shared_experts >= 0, f"model.shared_experts={self.shared_experts} must be >= 0"),
+            (
+                self.shared_experts or not (self.shared_expert_gate or self.shared_ffn_hidden_size),
+                "model.shared_expert_gate and model.shared_ffn_hidden_size apply to shared experts: set "
+                "model.shared_experts >= 1",
+            ),
             (
                 self.capacity_factor is None or self.capacity_factor > 0,
                 f"model.capacity_factor={self.capacity_factor} must be > 0 or null (dropless)",

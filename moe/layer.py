@@ -52,9 +52,12 @@ class SharedExperts(nn.Module):
     def __init__(self, cfg: MoEConfig, mesh: Mesh, device=None, dtype=None):
         super().__init__()
         self.mesh = mesh
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size * cfg.shared_experts
+        h, f = cfg.hidden_size, cfg.shared_width
         tp = mesh.tp_size
-        raise_first(expert_shard_checks(0, cfg.ffn_hidden_size, cfg.shared_experts, ep=1, etp=1, tp=tp))
+        if cfg.shared_ffn_hidden_size is None:
+            raise_first(expert_shard_checks(0, cfg.ffn_hidden_size, cfg.shared_experts, ep=1, etp=1, tp=tp))
+        elif f % tp:
+            raise ValueError(f"model.shared_ffn_hidden_size={f} must be divisible by parallel.tp={tp}")
         out_std = expert_out_init_std(cfg.init_std, cfg.num_layers)
 
         def weight(full, local, std, dim):
@@ -65,6 +68,22 @@ class SharedExperts(nn.Module):
         self.up = weight((f, h), (f // tp, h), cfg.init_std, 0)
         self.gate = weight((f, h), (f // tp, h), cfg.init_std, 0) if cfg.activation == "swiglu" else None
         self.down = weight((h, f), (h, f // tp), out_std, 1)
+        # Qwen2-MoE's shared_expert_gate: each token's shared output times sigmoid(x . w). Every
+        # tp rank scores its own sequence shard: the gradient is summed over tp, as the router's.
+        self.output_gate = (
+            tag(
+                nn.Parameter(torch.empty(1, h, device=device, dtype=dtype)),
+                normal_init((1, h), cfg.init_std),
+                sequence_parallel=tp > 1,
+            )
+            if cfg.shared_expert_gate
+            else None
+        )
+
+    def gated(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The shared output `out` [s/tp, b, h] of the sequence shard x [s/tp, b, h], scaled by
+        sigmoid(x . output_gate) per token when the layer has the gate. No communication."""
+        return out if self.output_gate is None else out * torch.sigmoid(F.linear(x, self.output_gate))
 
     def hidden(self, x: torch.Tensor, full: torch.Tensor | None = None) -> torch.Tensor:
         """This TP rank's slice of the hidden activation, [s, b, f/tp], for the sequence shard
@@ -79,7 +98,7 @@ class SharedExperts(nn.Module):
         return reduce_scatter_to_sequence(fp8.linear(hidden, self.down), self.mesh.tp)
 
     def forward(self, x: torch.Tensor, full: torch.Tensor | None = None) -> torch.Tensor:
-        return self.output(self.hidden(x, full))
+        return self.gated(self.output(self.hidden(x, full)), x)
 
 
 class MoELayer(nn.Module):
@@ -129,6 +148,7 @@ class MoELayer(nn.Module):
             groups=cfg.router_groups,
             topk_groups=cfg.router_topk_groups,
             pooled_aux=cfg.aux_loss_layers == "pooled",
+            scaling_factor=cfg.router_scaling_factor,
             init_std=cfg.init_std,
             sequence_parallel=mesh.tp_size > 1,
             device=device,
@@ -256,7 +276,7 @@ class MoELayer(nn.Module):
         self.last_router = self.router.statistics(routing, self.scope.stats_group, per_sequence=self.scope.per_sequence)
         if keep is None:
             self.last_dropped = torch.zeros((), device=x.device)
-        shared_out = self.shared.output(shared_hidden) if self.shared is not None else None
+        shared_out = self.shared.gated(self.shared.output(shared_hidden), x) if self.shared is not None else None
         routed = [self.dispatcher.finish(state) for state in in_flight]
         out = (routed[0] if len(routed) == 1 else torch.cat(routed)).view(s, b, h)
         if shared_out is not None:

@@ -123,6 +123,7 @@ class TopKRouter(nn.Module):
         groups: int = 0,
         topk_groups: int = 0,
         pooled_aux: bool = False,
+        scaling_factor: float = 1.0,
         init_std: float = 0.02,
         sequence_parallel: bool = False,
         device=None,
@@ -152,6 +153,7 @@ class TopKRouter(nn.Module):
         self.bias_update_rate = float(bias_update_rate)
         self.groups, self.topk_groups = int(groups), int(topk_groups)
         self.pooled_aux = bool(pooled_aux)  # the aux loss is formed across layers (pooled_aux_loss)
+        self.scaling_factor = float(scaling_factor)  # DeepSeek-V3's routed_scaling_factor
         init_fn = normal_init((num_experts, hidden_size), init_std)
         self.weight = tag(
             nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype)),
@@ -177,6 +179,7 @@ class TopKRouter(nn.Module):
             f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"score={self.score}, renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}, "
             f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}"
+            + (f", scaling_factor={self.scaling_factor}" if self.scaling_factor != 1.0 else "")
             + (f", groups={self.groups}, topk_groups={self.topk_groups}" if self.groups else "")
         )
 
@@ -214,6 +217,8 @@ class TopKRouter(nn.Module):
         topk_weight = scores.gather(-1, topk_idx)
         if self.score == "sigmoid" or self.renormalize:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        if self.scaling_factor != 1.0:
+            topk_weight = topk_weight * self.scaling_factor
         return Routing(topk_idx.view(*x.shape[:-1], k), topk_weight.view(*x.shape[:-1], k), logits, probs)
 
     def statistics(

@@ -34,12 +34,10 @@ __all__ = [
 
 
 def moe_layer_indices(cfg: GPTConfig) -> list[int]:
-    """Indices i of the layers whose MLP is a MoE layer: (i + 1) % moe_every == 0 (none if dense)."""
-    if not cfg.is_moe:
-        return []
+    """Indices i of the layers whose MLP is a MoE layer (`GPTConfig.is_moe_layer`; none if dense)."""
     if cfg.moe_every < 1:
         raise ValueError(f"model.moe_every={cfg.moe_every} must be >= 1")
-    return [i for i in range(cfg.num_layers) if (i + 1) % cfg.moe_every == 0]
+    return [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
 
 
 def _mlp_matrices(cfg: GPTConfig, ffn: int) -> int:
@@ -99,8 +97,9 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
       useful work of a causal model.
     * output proj:      2 * a * d * h
     * MLP:              gelu 2 * 2*h*f;  swiglu 2 * 3*h*f
-    * MoE layer instead of MLP: router 2*h*E + (top_k + shared_experts) MLPs of
-      moe_ffn_hidden_size each (the tokens' routed experts and the shared experts).
+    * MoE layer instead of MLP: router 2*h*E + top_k MLPs of moe_ffn_hidden_size (the
+      tokens' routed experts) + the shared experts' MLP (its width: shared_ffn_hidden_size or
+      shared_experts * moe_ffn_hidden_size) and output gate 2*h (Qwen2-MoE).
 
     plus the LM head 2 * h * V, with V = cfg.padded_vocab_size(1) (the padded logits are
     computed; using tp=1's padding keeps the figure independent of the layout).
@@ -112,9 +111,8 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     heads = attention_width(cfg)  # h unless model.kv_channels
     attn = 2 * h * _qkv_out(cfg) + attention_core_flops_per_token(cfg) + 2 * heads * h
     dense_mlp = 2 * _mlp_matrices(cfg, cfg.ffn_hidden_size)
-    moe_mlp = 2 * h * cfg.num_experts + 2 * (cfg.top_k + cfg.shared_experts) * _mlp_matrices(
-        cfg, cfg.moe_ffn_hidden_size
-    )
+    shared = _mlp_matrices(cfg, cfg.moe().shared_width) + (h if cfg.shared_expert_gate else 0)
+    moe_mlp = 2 * h * cfg.num_experts + 2 * cfg.top_k * _mlp_matrices(cfg, cfg.moe_ffn_hidden_size) + 2 * shared
     forward = sum(attn + (moe_mlp if i in moe else dense_mlp) for i in range(cfg.num_layers))
     forward += 2 * h * cfg.padded_vocab_size(1)
     return float(3 * forward)
@@ -140,9 +138,8 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     fm = cfg.moe_ffn_hidden_size
     n += cfg.num_experts * h  # router, replicated
     n += (cfg.num_experts // ep) * _mlp_matrices(cfg, fm) // etp  # routed experts, no biases
-    n += (
-        cfg.shared_experts * _mlp_matrices(cfg, fm) // tp
-    )  # shared experts: tensor-parallel like the MLP (moe/layer.py)
+    n += _mlp_matrices(cfg, cfg.moe().shared_width) // tp  # shared experts: tensor-parallel like the MLP
+    n += h if cfg.shared_expert_gate else 0  # their output gate (Qwen2-MoE), replicated
     return n
 
 

@@ -222,9 +222,13 @@ def test_unsupported_model_type():
 
 
 def test_unexpressible_meshtron_config_names_field():
-    cfg = GPTConfig(arch="llama", num_experts=4, top_k=2, shared_experts=1)
-    with pytest.raises(mhf.HFConversionError, match="model.shared_experts"):
+    cfg = GPTConfig(arch="llama", num_experts=4, top_k=2, shared_experts=1)  # Qwen2-MoE's gates its shared expert
+    with pytest.raises(mhf.HFConversionError, match="model.shared_expert_gate=False .*Qwen2-MoE needs True"):
         mhf.hf_family(cfg)
+    with pytest.raises(mhf.HFConversionError, match="model.moe_every=2 .*Mixtral needs 1"):
+        mhf.hf_family(GPTConfig(arch="llama", num_layers=4, num_experts=4, top_k=2, moe_every=2))
+    with pytest.raises(mhf.HFConversionError, match="model.router_scaling_factor=2.5 .*Qwen3-MoE needs 1.0"):
+        mhf.hf_family(GPTConfig(arch="llama", num_experts=4, top_k=2, qk_norm=True, router_scaling_factor=2.5))
     grouped = GPTConfig(arch="llama", num_experts=4, top_k=2, router_groups=2, router_topk_groups=1)
     with pytest.raises(mhf.HFConversionError, match="model.router_groups"):
         mhf.hf_family(grouped)

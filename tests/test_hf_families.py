@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 from meshtron.models import hf as mhf  # noqa: E402
 from tests.distributed import hf_cases as hc  # noqa: E402
 
-FAMILIES = ["mistral", "llama3", "qwen2", "qwen3"]
+FAMILIES = ["mistral", "llama3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
 ATOL = 1e-5
 
 
@@ -64,6 +64,12 @@ def test_family_features_are_imported(imported):
         assert cfg.qk_norm and cfg.kv_channels == 24 and cfg.head_dim == 24 and mhf.hf_family(cfg) == "qwen3"
         attn = model.layers["0"].attn
         assert attn.q_norm.shape == attn.k_norm.shape == (24,) and attn.proj.weight.shape == (64, 4 * 24)
+    elif family in ("qwen3_moe", "qwen2_moe"):
+        assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True] and mhf.hf_family(cfg) == family
+        assert cfg.num_experts == 8 and cfg.top_k == 3 and cfg.aux_loss_layers == "pooled"
+        assert cfg.router_renormalize == (family == "qwen3_moe") and cfg.qk_norm == (family == "qwen3_moe")
+        assert cfg.shared_expert_gate == (family == "qwen2_moe") and cfg.qkv_bias == (family == "qwen2_moe")
+        assert cfg.moe().shared_width == (48 if family == "qwen2_moe" else 0)
     else:
         assert cfg.qkv_bias and not cfg.bias
         assert model.layers["0"].attn.qkv.bias is not None and model.layers["0"].attn.proj.bias is None
@@ -96,7 +102,7 @@ def test_trains_like_transformers(family):
     normalization turns that noise into full-size steps. The same loop runs at tp=2, pp=2 and
     cp=2 in tests/distributed/hf_cases.py."""
     hf = hc.hf_model(family, vocab_size=hc.TRAIN_VOCAB).train()
-    hc.train_like_transformers(hf, None, loose=("k_proj.bias",) if family == "qwen2" else ())
+    hc.train_like_transformers(hf, None, loose=("k_proj.bias",) if family in ("qwen2", "qwen2_moe") else ())
 
 
 # ------------------------------------------------------------------------------- Mistral

@@ -141,6 +141,9 @@ def test_layout_dp_is_resolved_and_moe_gets_every_routing_field():
         router_groups=2,
         router_topk_groups=1,
         shared_experts=1,
+        router_scaling_factor=2.5,
+        shared_ffn_hidden_size=96,
+        shared_expert_gate=True,
     )
     assert set(changed) == set(ROUTING_FIELDS)
     moe = GPTConfig(num_experts=4, top_k=2, **changed).moe()

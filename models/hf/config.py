@@ -8,7 +8,8 @@ import dataclasses
 from meshtron.models.config import GPTConfig
 from meshtron.models.rope import ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 
 
 class HFConversionError(ValueError):
@@ -104,7 +105,7 @@ def _sliding_window(hf, model_type: str) -> tuple[int | None, bool]:
     layers whose layer_types entry is sliding_attention (without layer_types: the layers from
     max_window_layers on, as transformers builds them)."""
     window = _get(hf, "sliding_window")
-    qwen = model_type in ("qwen2", "qwen3")
+    qwen = model_type in ("qwen2", "qwen3", *QWEN_MOE)
     if window is None or not _get(hf, "use_sliding_window", not qwen):
         return None, True
     if not qwen:
@@ -184,6 +185,38 @@ def config_from_hf(hf_config, **overrides) -> GPTConfig:
             )
         overrides = {**overrides, "sliding_window": window}
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def _qwen_moe_fields(hf, model_type: str) -> dict:
+    """The MoE fields of a Qwen2-MoE / Qwen3-MoE config: softmax top-k routing renormalized
+    iff norm_topk_prob, MoE layers every decoder_sparse_step-th but mlp_only_layers, the
+    router losses as Mixtral's (pooled across layers); Qwen2-MoE's shared expert, one MLP of
+    shared_expert_intermediate_size behind a sigmoid gate."""
+    top_k = _get(hf, "num_experts_per_tok")
+    router = {
+        "router_aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001)),
+        "output_router_logits": bool(_get(hf, "output_router_logits", False)),
+    }
+    shared = _get(hf, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return dict(
+        num_experts=_get(hf, "num_experts"),
+        top_k=top_k,
+        moe_every=_get(hf, "decoder_sparse_step", 1) or 1,
+        moe_dense_layers=list(_get(hf, "mlp_only_layers", None) or []) or None,
+        moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
+        capacity_factor=None,
+        aux_loss_coef=aux_loss_coef_from_hf(router, top_k),
+        z_loss_coef=0.0,
+        router_score="softmax",
+        router_renormalize=bool(_get(hf, "norm_topk_prob", False)),
+        router_bias_update_rate=0.0,
+        shared_experts=1 if shared else 0,
+        shared_ffn_hidden_size=shared or None,
+        shared_expert_gate=bool(shared),
+        aux_loss_scope="microbatch",
+        aux_loss_layers="pooled",
+        hf_router_fields=router,
+    )
 
 
 def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
@@ -269,6 +302,8 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
                 aux_loss_layers="pooled",
                 hf_router_fields=router,
             )
+        if model_type in QWEN_MOE:
+            extra = _qwen_moe_fields(hf, model_type)
         cfg = GPTConfig(
             arch="llama",
             num_layers=_get(hf, "num_hidden_layers"),
@@ -283,9 +318,12 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
             tie_embeddings=tie,
             init_std=float(_get(hf, "initializer_range", 0.02)),
             norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
-            qkv_bias=attn_bias or model_type == "qwen2",  # Qwen2: q/k/v biases only
+            # Qwen2 (and Qwen2-MoE, its own qkv_bias field): q/k/v biases only
+            qkv_bias=attn_bias
+            or model_type == "qwen2"
+            or (model_type == "qwen2_moe" and bool(_get(hf, "qkv_bias", True))),
             kv_channels=kv_channels,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_theta=theta,
             rope_scaling=scaling,
             hf_model_type="mistral" if model_type == "mistral" else None,
@@ -310,12 +348,13 @@ def hf_family(cfg: GPTConfig) -> str:
     for field, value in wanted.items():
         if getattr(cfg, field) != value:
             raise bad(field, getattr(cfg, field), f"arch={cfg.arch} in Hugging Face needs {value!r}")
-    if cfg.rope_scaling is not None and cfg.is_moe:
+    qwen_moe = cfg.is_moe and (cfg.qk_norm or cfg.shared_experts > 0)  # Qwen3-MoE / Qwen2-MoE
+    if cfg.rope_scaling is not None and cfg.is_moe and not qwen_moe:
         raise bad("rope_scaling", cfg.rope_scaling, "Mixtral has plain RoPE")
-    if cfg.qkv_bias != cfg.bias and (cfg.bias or cfg.is_moe or cfg.hf_model_type is not None):
-        raise bad("qkv_bias", cfg.qkv_bias, "q/k/v biases alone are Qwen2's: a dense model with model.bias=false")
-    if cfg.qk_norm and (cfg.is_moe or cfg.bias or cfg.qkv_bias or cfg.hf_model_type is not None):
-        raise bad("qk_norm", cfg.qk_norm, "QK-norm is Qwen3's: a dense model without biases")
+    if cfg.qkv_bias != cfg.bias and (cfg.bias or cfg.hf_model_type is not None or (cfg.is_moe and not qwen_moe)):
+        raise bad("qkv_bias", cfg.qkv_bias, "q/k/v biases alone are Qwen2's and Qwen2-MoE's: model.bias=false")
+    if cfg.qk_norm and (cfg.bias or cfg.qkv_bias or cfg.hf_model_type is not None or cfg.shared_experts):
+        raise bad("qk_norm", cfg.qk_norm, "QK-norm is Qwen3's and Qwen3-MoE's: no biases, no shared experts")
     if cfg.arch == "gpt2":
         if cfg.kv_channels is not None:
             raise bad("kv_channels", cfg.kv_channels, "GPT-2's heads are hidden_size / n_head wide")
@@ -332,18 +371,23 @@ def hf_family(cfg: GPTConfig) -> str:
         if cfg.hf_model_type == "mistral" and cfg.bias:
             raise bad("bias", cfg.bias, "Mistral has no biases")
         return cfg.hf_model_type or "llama"
+    family = "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.shared_experts else "mixtral"
+    name = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "mixtral": "Mixtral"}[family]
     checks = [
-        ("moe_every", 1),
-        ("shared_experts", 0),
         ("router_score", "softmax"),
-        ("router_renormalize", True),
         ("bias", False),
         ("router_groups", 0),
+        ("router_scaling_factor", 1.0),
+        ("moe_first_dense", 0),
     ]
+    if family == "mixtral":
+        checks += [("moe_every", 1), ("moe_dense_layers", None), ("router_renormalize", True)]
+    if family == "qwen2_moe":
+        checks += [("shared_experts", 1), ("shared_expert_gate", True)]
     for field, value in checks:
         if getattr(cfg, field) != value:
-            raise bad(field, getattr(cfg, field), f"Mixtral needs {value!r}")
-    return "mixtral"
+            raise bad(field, getattr(cfg, field), f"{name} needs {value!r}")
+    return family
 
 
 def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
@@ -403,6 +447,27 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
             architectures=["LlamaForCausalLM"],
         )
         return family, kw
+    if family in QWEN_MOE:
+        kw.update(
+            intermediate_size=cfg.ffn_hidden_size,
+            moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+            norm_topk_prob=cfg.router_renormalize,
+            decoder_sparse_step=cfg.moe_every,
+            mlp_only_layers=list(cfg.moe_dense_layers or []),
+            head_dim=cfg.head_dim,
+            sliding_window=cfg.sliding_window,
+            use_sliding_window=cfg.sliding_window is not None,
+            max_window_layers=0,
+            architectures=[_CONFIG_CLASSES[family].replace("Config", "ForCausalLM")],
+            **hf_router_fields(cfg),
+        )
+        if family == "qwen2_moe":
+            kw.update(shared_expert_intermediate_size=cfg.moe().shared_width, qkv_bias=bool(cfg.qkv_bias))
+        else:
+            kw.update(attention_bias=False)
+        return family, kw
     kw.update(
         intermediate_size=cfg.moe_ffn_hidden_size,
         num_local_experts=cfg.num_experts,
@@ -422,6 +487,8 @@ _CONFIG_CLASSES = {
     "mixtral": "MixtralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 
 

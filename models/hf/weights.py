@@ -165,7 +165,7 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
                 )
             if cfg.bias:
                 units.append(_same(m + "attn.proj.bias", a + "o_proj.bias", (h,)))
-            if not cfg.is_moe:  # Llama, Mistral, Qwen2
+            if not cfg.is_moe_layer(i):  # Llama, Mistral, Qwen2, a Qwen-MoE's dense layers
                 units += [
                     _same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
                     _same(m + "mlp.up.weight", L + "mlp.up_proj.weight", (f, h)),
@@ -178,14 +178,22 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
                         _same(m + "mlp.down.bias", L + "mlp.down_proj.bias", (h,)),
                     ]
             else:
-                units += _expert_units(cfg, m + "mlp.", L, moe_format)
+                units += _expert_units(cfg, m + "mlp.", L, moe_format, family)
+                if cfg.shared_experts:  # Qwen2-MoE: one shared MLP behind a sigmoid gate
+                    fs, x = cfg.moe().shared_width, L + "mlp.shared_expert"
+                    units += [
+                        _same(m + "mlp.shared.gate", x + ".gate_proj.weight", (fs, h)),
+                        _same(m + "mlp.shared.up", x + ".up_proj.weight", (fs, h)),
+                        _same(m + "mlp.shared.down", x + ".down_proj.weight", (h, fs)),
+                        _same(m + "mlp.shared.output_gate", x + "_gate.weight", (1, h)),
+                    ]
         units.append(_same("final_norm.weight", "model.norm.weight", (h,)))
     if not cfg.tie_embeddings:
         units.append(_same("head.weight", "lm_head.weight", (V, h)))
     return units
 
 
-def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit]:
+def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str, family: str) -> list[_Unit]:
     E, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
     if moe_format == "fused":  # transformers 5.x: [E, 2f, h] gate rows then up rows; down [E, h, f]
         x = L + "mlp."
@@ -213,8 +221,11 @@ def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit
                 lambda t: [t[0].transpose(1, 2)],
             ),
         ]
-    # transformers 4.x / original checkpoints: one nn.Linear per expert and matrix.
-    x = L + "block_sparse_moe."
+    # transformers 4.x / original checkpoints: one nn.Linear per expert and matrix, named
+    # Mixtral's block_sparse_moe.experts.<e>.w1/w3/w2 or Qwen-MoE's mlp.experts.<e>.gate/up/down_proj.
+    qwen = family != "mixtral"
+    x = L + ("mlp." if qwen else "block_sparse_moe.")
+    names = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
 
     def stacked(mt: str, w: str, shape) -> _Unit:
         keys = tuple(f"{x}experts.{e}.{w}.weight" for e in range(E))
@@ -227,9 +238,9 @@ def _expert_units(cfg: GPTConfig, m: str, L: str, moe_format: str) -> list[_Unit
 
     return [
         _same(m + "router.weight", x + "gate.weight", (E, h)),
-        stacked(m + "experts.w_gate", "w1", (f, h)),
-        stacked(m + "experts.w_up", "w3", (f, h)),
-        stacked(m + "experts.w_down", "w2", (h, f)),
+        stacked(m + "experts.w_gate", names[0], (f, h)),
+        stacked(m + "experts.w_up", names[1], (f, h)),
+        stacked(m + "experts.w_down", names[2], (h, f)),
     ]
 
 
@@ -267,7 +278,8 @@ def checked_units(cfg: GPTConfig, source: TensorSource) -> list[_Unit]:
     equal the embedding: compared in row blocks). HFConversionError naming the tensor."""
     family = hf_family(cfg)
     keys = set(source.keys())
-    moe_format = "per_expert" if any(".block_sparse_moe." in k for k in keys) else "fused"
+    per_expert = any(".block_sparse_moe." in k or ".mlp.experts.0.gate_proj." in k for k in keys)
+    moe_format = "per_expert" if per_expert else "fused"
     units = _units(cfg, moe_format)
     expected = {key: shape for u in units for key, shape in zip(u.hf, u.hf_shapes)}
     optional = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_embeddings else {}

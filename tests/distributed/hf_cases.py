@@ -83,6 +83,22 @@ def hf_config(family: str, **kw):
         return transformers.Qwen2Config(**{**llama, **kw})
     if family == "qwen3":  # QK-norm, and heads 24 wide at hidden 64 / 4 heads (model.kv_channels)
         return transformers.Qwen3Config(**{**llama, "head_dim": 24, **kw})
+    # Fine-grained MoE (issue 40): 3 layers, the middle one dense (mlp_only_layers), 8 experts of
+    # width 32, top-3, the router losses trained (output_router_logits).
+    qwen_moe = dict(
+        llama,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    )
+    if family == "qwen3_moe":  # + Qwen3's QK-norm and 24-wide heads, top-k renormalized
+        return transformers.Qwen3MoeConfig(**{**qwen_moe, "head_dim": 24, "norm_topk_prob": True, **kw})
+    if family == "qwen2_moe":  # + a shared expert of width 48 behind a sigmoid gate, q/k/v biases, raw top-k
+        return transformers.Qwen2MoeConfig(**{**qwen_moe, "shared_expert_intermediate_size": 48, **kw})
     return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**llama, **kw})
 
 
@@ -98,6 +114,8 @@ def hf_model(family: str, seed: int = SEED, **kw):
         "mistral": transformers.MistralForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "qwen2_moe": transformers.Qwen2MoeForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
     }[family]
     return cls(hf_config(family, **kw)).eval()
@@ -201,6 +219,27 @@ def qwen3_train_tp2() -> None:
     gradients are partial sums that must be summed over tp; 4 AdamW steps from the imported
     weights follow transformers' losses, and every weight (the norms' included) after them."""
     train_like_transformers(hf_model("qwen3", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=2))
+
+
+def qwen2_moe_tp2() -> None:  # the shared expert split over tp like an MLP, its sigmoid gate replicated
+    check("qwen2_moe", ParallelConfig(tp=2))
+
+
+def qwen3_moe_ep2() -> None:  # 8 experts over ep=2, the middle layer dense
+    check("qwen3_moe", ParallelConfig(tp=1, ep=2))
+
+
+def qwen2_moe_train_tp2_ep2() -> None:
+    """Qwen2-MoE at tp=2 x ep=2: each tp rank scores its own sequence shard through the shared
+    expert's gate, so the gate's gradient is a partial sum that must be summed over tp; 4 AdamW
+    steps with the pooled router aux follow transformers."""
+    hf = hf_model("qwen2_moe", vocab_size=TRAIN_VOCAB).train()
+    train_like_transformers(hf, ParallelConfig(tp=2, ep=2), loose=("k_proj.bias",))
+
+
+def qwen3_moe_train_ep2() -> None:
+    """Qwen3-MoE at ep=2 (dp=2): top-3 of 8 renormalized, QK-norm, a dense middle layer."""
+    train_like_transformers(hf_model("qwen3_moe", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=1, ep=2))
 
 
 def llama3_train_pp2() -> None:
@@ -515,6 +554,10 @@ def cases_for_world(world_size: int) -> list[str]:
             "qwen2_tp2",
             "qwen3_tp2",
             "qwen3_train_tp2",
+            "qwen2_moe_tp2",
+            "qwen3_moe_ep2",
+            "qwen2_moe_train_tp2_ep2",
+            "qwen3_moe_train_ep2",
             "mistral_pp2",
             "llama3_pp2",
             "qwen2_pp2",

@@ -109,24 +109,34 @@ def gpt2_tp2_short_seq_folder() -> None:
         _remove(folder)
 
 
-def _write_per_expert_mixtral(hf, path: Path) -> None:
-    """`hf`'s weights under the original Mixtral names (block_sparse_moe.experts.<e>.w1/w2/w3)."""
+def _write_per_expert(hf, path: Path, qwen: bool = False) -> None:
+    """`hf`'s weights under the original per-expert names: Mixtral's
+    block_sparse_moe.experts.<e>.w1/w2/w3, or (`qwen`) Qwen-MoE's mlp.experts.<e>.gate_proj/
+    down_proj/up_proj (the Hub checkpoints' layout; transformers 5 fuses them on load)."""
     import safetensors.torch
 
+    block, (gate_name, up_name, down_name) = (
+        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+        if qwen
+        else (
+            "block_sparse_moe",
+            ("w1", "w3", "w2"),
+        )
+    )
     tensors = {}
     for key, value in hf.state_dict().items():
         if ".mlp.experts.gate_up_proj" in key:
             layer = key.split(".mlp.")[0]
             gate, up = value.chunk(2, dim=1)
             for e in range(value.shape[0]):
-                tensors[f"{layer}.block_sparse_moe.experts.{e}.w1.weight"] = gate[e].clone()
-                tensors[f"{layer}.block_sparse_moe.experts.{e}.w3.weight"] = up[e].clone()
+                tensors[f"{layer}.{block}.experts.{e}.{gate_name}.weight"] = gate[e].clone()
+                tensors[f"{layer}.{block}.experts.{e}.{up_name}.weight"] = up[e].clone()
         elif ".mlp.experts.down_proj" in key:
             layer = key.split(".mlp.")[0]
             for e in range(value.shape[0]):
-                tensors[f"{layer}.block_sparse_moe.experts.{e}.w2.weight"] = value[e].clone()
+                tensors[f"{layer}.{block}.experts.{e}.{down_name}.weight"] = value[e].clone()
         else:
-            tensors[key.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value.clone()
+            tensors[key.replace(".mlp.gate.", f".{block}.gate.")] = value.clone()
     hf.config.save_pretrained(path)
     safetensors.torch.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
@@ -134,7 +144,18 @@ def _write_per_expert_mixtral(hf, path: Path) -> None:
 def mixtral_ep2_per_expert_folder() -> None:
     """Original-format Mixtral experts: each rank reads only its experts' tensors."""
     hf = hf_model("mixtral")
-    folder = _shared_folder(lambda path: _write_per_expert_mixtral(hf, path))
+    folder = _shared_folder(lambda path: _write_per_expert(hf, path))
+    try:
+        _load_and_compare(hf, folder, ParallelConfig(tp=1, ep=2), itemsize=4)
+    finally:
+        _remove(folder)
+
+
+def qwen3_moe_ep2_per_expert_folder() -> None:
+    """Qwen3-MoE in the Hub's per-expert layout (mlp.experts.<e>.gate_proj...): each rank reads
+    only its experts' tensors; the dense middle layer's MLP is read like Llama's."""
+    hf = hf_model("qwen3_moe")
+    folder = _shared_folder(lambda path: _write_per_expert(hf, path, qwen=True))
     try:
         _load_and_compare(hf, folder, ParallelConfig(tp=1, ep=2), itemsize=4)
     finally:
@@ -153,7 +174,12 @@ def llama3_pp2_tp2_folder() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 2:
-        return ["qwen3_tp2_bf16_folder", "gpt2_tp2_short_seq_folder", "mixtral_ep2_per_expert_folder"]
+        return [
+            "qwen3_tp2_bf16_folder",
+            "gpt2_tp2_short_seq_folder",
+            "mixtral_ep2_per_expert_folder",
+            "qwen3_moe_ep2_per_expert_folder",
+        ]
     if world_size == 4:
         return ["llama3_pp2_tp2_folder"]
     return []
