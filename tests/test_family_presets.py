@@ -6,6 +6,7 @@ realistic layout; the tiny presets keep each family's distinguishing feature and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -287,3 +288,92 @@ def test_tiny_presets_train_on_cpu(tmp_path):
         losses = [r["loss"] for r in records if "loss" in r]
         assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (name, losses)
         assert losses[-1] < losses[0] - 0.2, (name, losses)
+
+
+# ------------------------------------------------------------------------- fine-grained MoE (issue 40)
+
+QWEN3_MOE_30B = {  # Qwen/Qwen3-30B-A3B's config.json, the architecture fields
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_moe_preset_is_qwen3_30b_a3b_and_plans_on_eight_gpus(tmp_path):
+    """qwen3_moe_30b_a3b has the published architecture (imported, its aux-loss choice aside),
+    transformers' parameter count (30,532,122,624, counted on the meta device) and exports as
+    Qwen3MoeConfig; at tp=2 (SP) x ep=8 with ZeRO-1, bf16 and full recompute every rank of one
+    node plans under 80 GiB (ep=8 alone: 81.1 GiB). The tiny twin keeps its shape: QK-norm, 128-wide attention, a dense layer."""
+    from meshtron.training.distributed import DistEnv
+    from meshtron.training.loop import _dry_run
+    from meshtron.training.run_checks import check_run_config
+
+    cfg = preset("qwen3_moe_30b_a3b")
+    imported = config_from_hf(QWEN3_MOE_30B, seq_len=cfg.seq_len)
+    assert dataclasses.replace(imported, aux_loss_coef=0.001, aux_loss_layers="sum", hf_router_fields=None) == cfg
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(hf_config_from_gpt(cfg))
+    assert param_count(cfg)["total"] == sum(p.numel() for p in hf.parameters()) == 30_532_122_624
+    back = config_from_hf(hf.config, seq_len=cfg.seq_len)  # an import trains transformers' pooled aux
+    assert type(hf.config).__name__ == "Qwen3MoeConfig"
+    assert dataclasses.replace(back, aux_loss_layers="sum", hf_router_fields=None) == cfg
+    run = composed(
+        "+model=qwen3_moe_30b_a3b",
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "parallel.ep=8",
+        "optim.zero=1",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=16",
+        "trainer.precision=bf16",
+        "trainer.recompute=full",
+        "trainer.device=cuda",
+    )
+    run, _ = run.with_precision_for("cuda", True)
+    par, micro, _ = check_run_config(run, 8, 8)
+    _dry_run(run, par, DistEnv(8, 0, 0, 8, torch.device("cuda", 0), 1), tmp_path, micro, run.execution("torch"))
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["layout"]["ep"] == 8 and len(plan["ranks"]) == 8
+    for r in plan["ranks"]:
+        assert 0 < r["memory"]["bytes"]["total"] < 80 * 2**30, r["memory"]["bytes"]["total"] / 2**30
+    tiny = preset("qwen3_moe_tiny")
+    assert hf_family(tiny) == "qwen3_moe" and attention_width(tiny) == 128 != tiny.hidden_size
+    assert [tiny.is_moe_layer(i) for i in range(3)] == [True, False, True] and param_count(tiny)["total"] < 400_000
+
+
+@pytest.mark.timeout(120)
+def test_qwen3_moe_tiny_trains_on_cpu(tmp_path):
+    out = _run(
+        ["+model=qwen3_moe_tiny", "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
+        + ["trainer.progress=false", "trainer.device=cpu", f"hydra.run.dir={tmp_path}"],
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
