@@ -136,9 +136,9 @@ def layout_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
         ),
         *pipeline_checks(par, cfg),
         (
-            par.cp == 1 or getattr(cfg, "attention_window", None) is None,
+            par.cp == 1 or par.cp_comm == "a2a" or getattr(cfg, "attention_window", None) is None,
             f"model.sliding_window={getattr(cfg, 'sliding_window', None)} (shorter than model.seq_len) needs "
-            f"parallel.cp=1 (got cp={par.cp}): sliding-window attention is not split over context parallelism",
+            f"parallel.cp=1 or parallel.cp_comm=a2a (got cp={par.cp}, cp_comm={par.cp_comm}): the ring has no window",
         ),
         (par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)"),
         *expert_checks(par, cfg),

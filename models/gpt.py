@@ -34,6 +34,7 @@ from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import plain_gemm_backend
 from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.models.config import ExecutionConfig, GPTConfig
+from meshtron.models.mla import MLAttention
 from meshtron.models.rope import apply_rope, rope_tables
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
@@ -164,9 +165,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.mesh, self.selective = cfg, mesh, selective
         self.backend = backend  # packed documents' attention (mpu/document_attention.py)
-        # Mistral's sliding window when it restricts (< seq_len): cp = 1, not varlen
+        # Mistral's sliding window when it restricts (< seq_len): cp = 1 or cp_comm=a2a, not varlen
         self.window = cfg.attention_window
-        raise_first(sliding_window_checks(backend, self.window, mesh.cp_size), ConfigError)
+        raise_first(sliding_window_checks(backend, self.window, mesh.cp_size, mesh.par.cp_comm), ConfigError)
         self.head_dim = cfg.head_dim
         self.q_per_group = cfg.num_heads // cfg.num_kv_heads
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -226,14 +227,15 @@ class Attention(nn.Module):
         `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s] (the whole
         sequence's, on every cp rank) restricts attention to each packed document, by the
         backend `self.backend` picks (`mpu.document_attention`: no dense mask where it can).
-        A sliding window (`self.window`, cp = 1 only) limits query i to keys i - w < j <= i,
+        A sliding window (`self.window`; cp = 1 or the all-to-all cp) limits query i to keys i - w < j <= i,
         through `document_attention` too (dense mask on the CPU, FlexAttention on CUDA); a
         sequence no longer than the window is plain causal attention."""
         p = self.cfg.attention_dropout_p if self.training else 0.0
         if self.mesh.cp_size > 1:
+            window = self.window if self.window is not None and self.window < q.shape[2] * self.mesh.cp_size else None
             out = context_parallel_attention(
                 q, k, v, self.mesh.cp, self.mesh.par.cp_comm, sequence_doc_ids=doc_ids, dropout_p=p,
-                attention_backend=self.backend,
+                attention_backend=self.backend, window=window,
             )  # fmt: skip
             return out.to(q.dtype)
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
@@ -330,7 +332,8 @@ class Block(nn.Module):
         # compiled: inductor generates the block's kernels from the torch paths (Block.compile_body)
         backend = "torch" if execution.compile else execution.kernel_backend
         self.norm1 = Norm(cfg, mesh, device, dtype, backend=backend)
-        self.attn = Attention(
+        attention = MLAttention if cfg.attention == "mla" else Attention  # models/mla.py: DeepSeek's latent attention
+        self.attn = attention(
             cfg, mesh, device, dtype, selective=self.mode == "selective", backend=execution.attention_backend
         )
         self.norm2 = Norm(cfg, mesh, device, dtype, backend=backend)
@@ -478,8 +481,8 @@ class GPT(nn.Module):
         """RoPE tables for `seq` positions, computed once per (length, device)."""
         key = (seq, str(device))
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_tables(
-                seq, self.cfg.head_dim, self.cfg.rope_theta, device, self.cfg.rope_scaling
+            self._rope_cache[key] = rope_tables(  # rope_dim: qk_rope_head_dim under MLA
+                seq, self.cfg.rope_dim, self.cfg.rope_theta, device, self.cfg.rope_scaling
             )
         return self._rope_cache[key]
 

@@ -365,8 +365,10 @@ def ulysses_attention(
     scale: float | None = None,
     sequence_doc_ids: torch.Tensor | None = None,
     attention_backend: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
+    """Causal (and, with `doc_ids`, document-masked; with `window`, query i sees keys
+    i - window < j <= i only) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence by all-to-all over `group` to h/cp heads of
     the full sequence and back; kv heads [b, hkv, s/cp, d] are replicated first when hkv is not a
     multiple of cp. Documents: `mpu.document_attention` with `attention_backend` on the whole
@@ -382,8 +384,8 @@ def ulysses_attention(
     if cp > 1:
         q, k, v = (_seq_to_heads(t, cp, group) for t in (q, k, v))
     docs = _sequence_docs(doc_ids, sequence_doc_ids, group)
-    if docs is not None:
-        out = document_attention(q, k, v, docs, scale=scale, backend=attention_backend)
+    if docs is not None or window is not None:
+        out = document_attention(q, k, v, docs, scale=scale, backend=attention_backend, window=window)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return _heads_to_seq(out, cp, group) if cp > 1 else out
@@ -402,13 +404,15 @@ def context_parallel_attention(
     stats: RingStats | None = None,
     sequence_doc_ids: torch.Tensor | None = None,
     attention_backend: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal self-attention over the cp group `group` (see the module doc) with `comm` "ring" or
     "a2a". q [b, h, s/cp, d], k, v [b, hkv, s/cp, d] in the load-balanced chunk order; returns
     out [b, h, s/cp, d]. Document masks from `doc_ids` [b, s/cp] (this rank's shard, gathered)
     or `sequence_doc_ids` [b, s] (the whole sequence, as the model holds it); a2a runs them by
     `attention_backend` (`mpu.document_attention`), ring by its own blocks (auto or dense only).
-    `dropout_p` > 0 is not supported with context parallelism (raises)."""
+    `dropout_p` > 0 is not supported with context parallelism (raises); a sliding `window`
+    (a2a only) limits query i to keys i - window < j <= i."""
     if dropout_p > 0:
         raise ValueError(
             f"attention dropout {dropout_p} is not supported with context parallelism (set model.attention_dropout=0)"
@@ -418,5 +422,7 @@ def context_parallel_attention(
     if comm == "ring":
         if attention_backend not in ("auto", "dense"):
             raise ValueError(f"attention backend {attention_backend!r} applies to cp_comm=a2a, not ring")
+        if window is not None:
+            raise ValueError(f"a sliding window ({window}) needs cp_comm=a2a: the ring has none")
         return ring_attention(q, k, v, group, scale=scale, stats=stats, **docs)
-    return ulysses_attention(q, k, v, group, scale=scale, attention_backend=attention_backend, **docs)
+    return ulysses_attention(q, k, v, group, scale=scale, attention_backend=attention_backend, window=window, **docs)

@@ -141,8 +141,8 @@ def attention_backend_checks(
     """The run rules of `trainer.attention_backend` (device_type None: not known yet, checked
     again once resolved): varlen and flex only where they run and where they are used; a
     `sliding_window` (GPTConfig.attention_window: model.sliding_window < seq_len) neither
-    with context parallelism nor with varlen."""
-    window = sliding_window_checks(backend, sliding_window, cp)
+    with the ring context parallelism nor with varlen."""
+    window = sliding_window_checks(backend, sliding_window, cp, cp_comm)
     if backend not in ("flex", "varlen"):
         return window
     what = f"trainer.attention_backend={backend}"
@@ -176,17 +176,18 @@ def attention_backend_checks(
     ]
 
 
-def sliding_window_checks(backend: str, sliding_window: int | None, cp: int) -> list[Check]:
-    """A sliding window (None: none, or one >= the sequence) runs at cp=1 only, and not with
-    the varlen backend."""
+def sliding_window_checks(backend: str, sliding_window: int | None, cp: int, cp_comm: str = "a2a") -> list[Check]:
+    """A sliding window (None: none, or one >= the sequence) runs at cp=1 or with the all-to-all
+    context parallelism (each rank attends over whole sequences), not the ring, and not with the
+    varlen backend."""
     if sliding_window is None:
         return []
     what = f"model.sliding_window={sliding_window}"
     return [
         (
-            cp == 1,
-            f"{what} (shorter than model.seq_len) needs parallel.cp=1 (context parallelism has no "
-            f"sliding window; got parallel.cp={cp}): use parallel.cp=1, or model.sliding_window=null / >= model.seq_len",
+            cp == 1 or cp_comm == "a2a",
+            f"{what} (shorter than model.seq_len) needs parallel.cp=1 or parallel.cp_comm=a2a (the ring has no "
+            f"sliding window; got parallel.cp={cp}, cp_comm={cp_comm})",
         ),
         (
             backend != "varlen",

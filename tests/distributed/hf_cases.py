@@ -144,10 +144,10 @@ def _forward(chunks, mesh, ids: torch.Tensor) -> torch.Tensor | None:
     return chunk.full_logits(x)
 
 
-def check(family: str, par: ParallelConfig) -> None:
+def check(family: str, par: ParallelConfig, **hf_kw) -> None:
     from meshtron.models import hf as mhf
 
-    hf = hf_model(family)
+    hf = hf_model(family, **hf_kw)
     state = hf.state_dict()
     cfg = mhf.config_from_hf(hf.config)
     if par.pp > 1 and cfg.is_moe:  # the aux pooled across layers needs one stage (forward only here)
@@ -240,6 +240,17 @@ def qwen2_moe_train_tp2_ep2() -> None:
 def qwen3_moe_train_ep2() -> None:
     """Qwen3-MoE at ep=2 (dp=2): top-3 of 8 renormalized, QK-norm, a dense middle layer."""
     train_like_transformers(hf_model("qwen3_moe", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=1, ep=2))
+
+
+def mistral_window_cp2_a2a() -> None:
+    """A sliding window of 5 over 16 tokens under the all-to-all cp (each rank attends over whole
+    sequences for its heads): transformers' logits."""
+    check("mistral", ParallelConfig(tp=1, cp=2, cp_comm="a2a"), sliding_window=5)
+
+
+def mistral_window_train_cp2_a2a() -> None:
+    hf = hf_model("mistral", vocab_size=TRAIN_VOCAB, sliding_window=5).train()
+    train_like_transformers(hf, ParallelConfig(tp=1, cp=2, cp_comm="a2a"))
 
 
 def llama3_train_pp2() -> None:
@@ -558,6 +569,8 @@ def cases_for_world(world_size: int) -> list[str]:
             "qwen3_moe_ep2",
             "qwen2_moe_train_tp2_ep2",
             "qwen3_moe_train_ep2",
+            "mistral_window_cp2_a2a",
+            "mistral_window_train_cp2_a2a",
             "mistral_pp2",
             "llama3_pp2",
             "qwen2_pp2",
