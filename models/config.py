@@ -17,6 +17,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
+ATTENTIONS = ("mha", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 ARCH_DEFAULTS = {
     # arch: (norm, activation, position, bias)
@@ -170,6 +172,28 @@ class GPTConfig:
         in_train_yaml=False,
         help="attention window (Mistral): query i sees keys i-w < j <= i; null or >= seq_len: full causal",
     )
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py): q (optionally) and k/v pass
+    # low-rank latents; each head's q and k are a nope part and a rope part, the rope key one
+    # head shared by all; v has a width of its own. Transformers' DeepseekV3Config names.
+    attention: str = setting(
+        "mha",
+        choices=ATTENTIONS,
+        in_train_yaml=False,
+        help="mha (multi-head / grouped-query, fused QKV) | mla (multi-head latent attention, DeepSeek-V2/V3)",
+    )
+    q_lora_rank: int | None = setting(
+        None, ge=1, in_train_yaml=False, help="mla: rank of the q latent (null = a plain q projection)"
+    )
+    kv_lora_rank: int | None = setting(None, ge=1, in_train_yaml=False, help="mla: rank of the shared k/v latent")
+    qk_nope_head_dim: int | None = setting(
+        None, ge=1, in_train_yaml=False, help="mla: width of each head's q/k part without RoPE"
+    )
+    qk_rope_head_dim: int | None = setting(
+        None, ge=1, in_train_yaml=False, help="mla: width of each head's q/k RoPE part (the rope key: one head shared)"
+    )
+    v_head_dim: int | None = setting(
+        None, ge=1, in_train_yaml=False, help="mla: width of each head's v (null = qk_nope_head_dim)"
+    )
     # Mixture of Experts (0 experts = dense model).
     num_experts: int = setting(0, ge=0, help="> 0: MoE layers (see configs/model/moe_tiny.yaml)")
     top_k: int = setting(2, help="experts each token is routed to")
@@ -229,6 +253,8 @@ class GPTConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.attention == "mla" and self.v_head_dim is None:
+            self.v_head_dim = self.qk_nope_head_dim
         raise_first(self._cross_field_checks())
 
     def validate(self) -> None:
@@ -241,7 +267,7 @@ class GPTConfig:
         """The rules between fields (types and ranges already hold)."""
         return [
             (
-                self.kv_channels is not None or self.hidden_size % self.num_heads == 0,
+                self.attention == "mla" or self.kv_channels is not None or self.hidden_size % self.num_heads == 0,
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}; "
                 f"set model.kv_channels for a head width of its own",
             ),
@@ -249,12 +275,51 @@ class GPTConfig:
                 self.num_heads % self.num_kv_heads == 0,
                 f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.num_kv_heads}",
             ),
+            *self._mla_checks(),
             (
-                self.position != "rope" or self.head_dim % 2 == 0,
-                f"RoPE needs an even head dim; the head dim is {self.head_dim}",
+                self.position != "rope" or self.rope_dim is None or self.rope_dim % 2 == 0,
+                f"RoPE needs an even head dim; the head dim is {self.head_dim}"
+                if self.attention == "mha"
+                else f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE turns pairs of dims)",
             ),
             *rope_scaling_checks(self.rope_scaling, self.position),
             *self._moe_checks(),
+        ]
+
+    def _mla_checks(self) -> list[tuple[bool, str]]:
+        """Multi-head latent attention's rules (models/mla.py): its shape fields set with
+        attention=mla and only then; RoPE; no grouped-query heads, q/k norm, q/k/v biases,
+        kv_channels or sliding window (context parallelism is refused by the layer)."""
+        if self.attention != "mla":
+            given = [name for name in MLA_FIELDS if getattr(self, name) is not None]
+            return [
+                (not given, f"model.{given[0] if given else ''} is an mla field; set model.attention=mla or drop it")
+            ]
+        missing = [
+            name for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim") if getattr(self, name) is None
+        ]
+        return [
+            (not missing, f"model.attention=mla needs model.{', model.'.join(missing)} set"),
+            (
+                self.position == "rope",
+                f"model.attention=mla needs model.position=rope (arch llama), not {self.position}",
+            ),
+            (
+                self.num_kv_heads == self.num_heads,
+                f"model.attention=mla has no grouped-query heads: model.num_kv_heads={self.num_kv_heads} must be "
+                f"null or model.num_heads={self.num_heads}",
+            ),
+            (not self.qkv_bias, "model.attention=mla has no q/kv projection biases: set model.qkv_bias=false"),
+            (not self.qk_norm, "model.qk_norm is not defined for model.attention=mla (its latents are normed instead)"),
+            (
+                self.kv_channels is None,
+                "model.kv_channels is not used by model.attention=mla: set model.qk_nope_head_dim, "
+                "qk_rope_head_dim and v_head_dim instead",
+            ),
+            (
+                self.attention_window is None,
+                f"model.sliding_window={self.sliding_window} is not supported with model.attention=mla",
+            ),
         ]
 
     def _moe_checks(self) -> list[tuple[bool, str]]:
@@ -300,8 +365,16 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of each head's q, k and v: `kv_channels`, else hidden_size / num_heads."""
+        """Width of each head's q and k (and v under mha): `kv_channels`, else hidden_size /
+        num_heads; under attention=mla qk_nope_head_dim + qk_rope_head_dim (v: v_head_dim)."""
+        if self.attention == "mla":
+            return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
         return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def rope_dim(self) -> int | None:
+        """Width RoPE rotates in each head: head_dim, or qk_rope_head_dim under attention=mla."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def is_moe(self) -> bool:

@@ -335,7 +335,7 @@ def trace_layer(
         with _traced(block, precision, device) as saved:
             x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
             rope = (
-                rope_tables(cfg.seq_len // cp, cfg.head_dim, cfg.rope_theta, x.device, cfg.rope_scaling)
+                rope_tables(cfg.seq_len // cp, cfg.rope_dim, cfg.rope_theta, x.device, cfg.rope_scaling)
                 if cfg.position == "rope"
                 else ()
             )

@@ -2,7 +2,7 @@
 
 Everything here is pure arithmetic on a `GPTConfig` (the sharding rules are mpu.mesh's): no
 process groups. The
-formulas follow the model as built in `models/` (pre-norm blocks, fused QKV, GQA, gelu or
+formulas follow the model as built in `models/` (pre-norm blocks, fused QKV, GQA or MLA, gelu or
 swiglu MLP, optional MoE layers every `moe_every` layers, optional tied LM head):
 
 * `model_flops_per_token` is the number MFU is computed from
@@ -24,6 +24,7 @@ __all__ = [
     "model_flops_per_token",
     "attention_width",
     "attention_core_flops_per_token",
+    "mla_projection_matrices",
     "param_count",
     "params_per_rank",
     "moe_layer_indices",
@@ -73,10 +74,36 @@ def attention_width(cfg: GPTConfig) -> int:
 
 def attention_core_flops_per_token(cfg: GPTConfig) -> float:
     """Forward FLOPs per token of one layer's attention core, q k^T and probabilities x v over
-    the full s x s square (causal mask ignored): 2 * 2 * s * a * d, a * d the attention width.
+    the full s x s square (causal mask ignored): 2 * 2 * s * a * d, a * d the attention width;
+    under MLA 2 * s * a * (dq + dv) (q and k dq = qk_nope + qk_rope wide, v dv wide).
     What selective recompute replays in backward, and what context-parallel attention overlaps
     its ring passes with."""
+    if cfg.attention == "mla":
+        return float(2 * cfg.seq_len * cfg.num_heads * (cfg.head_dim + cfg.v_head_dim))
     return float(4 * cfg.seq_len * attention_width(cfg))
+
+
+def mla_projection_matrices(cfg: GPTConfig, tp: int = 1) -> tuple[int, int]:
+    """Weight elements of one MLA layer's projections as (replicated, split over tp) at tp:
+    h hidden, a heads, dq = qk_nope + qk_rope, dn, dr, dv the head widths, rq / rkv the ranks:
+    * replicated: q_a_proj rq*h (q_lora_rank set), kv_a_proj_with_mqa (rkv + dr)*h;
+    * column / row-parallel, split by heads: q_b_proj a*dq*rq (or q_proj a*dq*h), kv_b_proj
+      a*(dn + dv)*rkv, o_proj a*dv*h.
+    Also the forward multiply-adds per token of the projections (each weight element once)."""
+    h, a = cfg.hidden_size, cfg.num_heads
+    dq, rkv, rq = cfg.head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    replicated = (rkv + cfg.qk_rope_head_dim) * h + (rq * h if rq is not None else 0)
+    split = a * dq * (rq if rq is not None else h) + a * (cfg.qk_nope_head_dim + cfg.v_head_dim) * rkv
+    split += a * cfg.v_head_dim * h
+    return replicated, split // tp
+
+
+def _attention_projection_flops(cfg: GPTConfig) -> int:
+    """Forward FLOPs per token of one layer's attention projections: fused QKV + out proj, or
+    MLA's five (two multiply-adds per weight element, `mla_projection_matrices`)."""
+    if cfg.attention == "mla":
+        return 2 * sum(mla_projection_matrices(cfg))
+    return 2 * cfg.hidden_size * _qkv_out(cfg) + 2 * attention_width(cfg) * cfg.hidden_size
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -97,6 +124,12 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
       useful work of a causal model.
     * output proj:      2 * a * d * h
     * MLP:              gelu 2 * 2*h*f;  swiglu 2 * 3*h*f
+    * MLA (model.attention=mla) instead of QKV, scores, x V and output proj, with dq =
+      qk_nope + qk_rope, dn, dr, dv the head widths, rq / rkv the latent ranks:
+      q: 2*h*rq + 2*rq*a*dq (q_lora_rank set) or 2*h*a*dq; kv down: 2*h*(rkv + dr);
+      kv up: 2*rkv*a*(dn + dv); scores 2*s*a*dq; x V 2*s*a*dv; output 2*a*dv*h
+      (latent norms and RoPE not counted; Megatron-Core's num_floating_point_operations has the
+      same matrices, plus rq + rkv for the norms, and halves the core for the causal mask).
     * MoE layer instead of MLP: router 2*h*E + top_k MLPs of moe_ffn_hidden_size (the
       tokens' routed experts) + the shared experts' MLP (its width: shared_ffn_hidden_size or
       shared_experts * moe_ffn_hidden_size) and output gate 2*h (Qwen2-MoE).
@@ -108,8 +141,7 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     cfg.validate()
     h = cfg.hidden_size
     moe = set(moe_layer_indices(cfg))
-    heads = attention_width(cfg)  # h unless model.kv_channels
-    attn = 2 * h * _qkv_out(cfg) + attention_core_flops_per_token(cfg) + 2 * heads * h
+    attn = _attention_projection_flops(cfg) + attention_core_flops_per_token(cfg)
     dense_mlp = 2 * _mlp_matrices(cfg, cfg.ffn_hidden_size)
     shared = _mlp_matrices(cfg, cfg.moe().shared_width) + (h if cfg.shared_expert_gate else 0)
     moe_mlp = 2 * h * cfg.num_experts + 2 * cfg.top_k * _mlp_matrices(cfg, cfg.moe_ffn_hidden_size) + 2 * shared
@@ -124,11 +156,15 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
 def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: int = 1) -> int:
     """Parameters of one block held by one rank (tp/ep/etp = 1: the full block)."""
     h = cfg.hidden_size
-    qkv = _qkv_out(cfg)
     n = 2 * _norm_params(cfg)  # norm1, norm2: replicated over tp
-    n += 2 * cfg.head_dim if cfg.qk_norm else 0  # q and k norms: replicated over tp
-    n += h * qkv // tp + (qkv // tp if cfg.qkv_bias else 0)  # column-parallel fused QKV
-    n += attention_width(cfg) * h // tp + (h if cfg.bias else 0)  # row-parallel out proj, replicated bias
+    if cfg.attention == "mla":  # models/mla.py: down projections and latent norms replicated
+        replicated, split = mla_projection_matrices(cfg, tp)
+        n += replicated + split + cfg.kv_lora_rank + (cfg.q_lora_rank or 0) + (h if cfg.bias else 0)
+    else:
+        qkv = _qkv_out(cfg)
+        n += 2 * cfg.head_dim if cfg.qk_norm else 0  # q and k norms: replicated over tp
+        n += h * qkv // tp + (qkv // tp if cfg.qkv_bias else 0)  # column-parallel fused QKV
+        n += attention_width(cfg) * h // tp + (h if cfg.bias else 0)  # row-parallel out proj, replicated bias
     if not is_moe:
         f = cfg.ffn_hidden_size
         n += _mlp_matrices(cfg, f) // tp

@@ -379,6 +379,8 @@ def _layer_backward(
     c = 4 if precision == "fp32" else 2
     a_l, g_l = a // tp, g // tp
     qkv_l = (a_l + 2 * g_l) * d
+    if cfg.attention == "mla":  # q and k a_l x dq, v a_l x dv (models/mla.py)
+        qkv_l = a_l * (2 * d + cfg.v_head_dim)
     T = tokens
     grad_in = T * 4 * h
     mlp_part = saved_none.after_mark

@@ -24,6 +24,7 @@ CASE_MODULES = (
     "tests.distributed.resident_cases",
     "tests.distributed.local_sgd_cases",
     "tests.distributed.ps_cases",
+    "tests.distributed.mla_cases",
 )
 WORLD_SIZES = (2, 4, 8)
 WORLD_TIMEOUT_S = 600.0
