@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 from meshtron.models import hf as mhf  # noqa: E402
 from tests.distributed import hf_cases as hc  # noqa: E402
 
-FAMILIES = ["mistral", "llama3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
+FAMILIES = ["mistral", "llama3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3"]
 ATOL = 1e-5
 
 
@@ -64,6 +64,12 @@ def test_family_features_are_imported(imported):
         assert cfg.qk_norm and cfg.kv_channels == 24 and cfg.head_dim == 24 and mhf.hf_family(cfg) == "qwen3"
         attn = model.layers["0"].attn
         assert attn.q_norm.shape == attn.k_norm.shape == (24,) and attn.proj.weight.shape == (64, 4 * 24)
+    elif family == "deepseek_v3":
+        assert cfg.attention == "mla" and mhf.hf_family(cfg) == "deepseek_v3"
+        assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True] and cfg.router_score == "sigmoid"
+        assert (cfg.router_groups, cfg.router_topk_groups, cfg.router_scaling_factor) == (4, 2, 2.5)
+        bias = model.layers["1"].mlp.router.expert_bias
+        assert torch.equal(bias, hf.model.layers[1].mlp.gate.e_score_correction_bias) and bias.abs().sum() > 0
     elif family in ("qwen3_moe", "qwen2_moe"):
         assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True] and mhf.hf_family(cfg) == family
         assert cfg.num_experts == 8 and cfg.top_k == 3 and cfg.aux_loss_layers == "pooled"

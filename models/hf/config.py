@@ -8,7 +8,17 @@ import dataclasses
 from meshtron.models.config import GPTConfig
 from meshtron.models.rope import ROPE_SCALING_KEYS, ROPE_SCALING_OPTIONAL
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "gpt2",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+)
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 
 
@@ -219,8 +229,77 @@ def _qwen_moe_fields(hf, model_type: str) -> dict:
     )
 
 
+def _deepseek_v3_config(hf) -> GPTConfig:
+    """DeepSeek-V3: multi-head latent attention (model.attention=mla), the first
+    first_k_dense_replace layers dense, then MoE layers of n_routed_experts sigmoid-scored
+    experts (top-k renormalized, times routed_scaling_factor; e_score_correction_bias is the
+    router's expert_bias) inside the best topk_group of n_group groups, plus n_shared_experts
+    ungated shared experts. transformers trains no balancing loss and never moves the bias:
+    aux, z and the bias update rate are 0 (set model.router_bias_update_rate to train it)."""
+    t = "deepseek_v3"
+    if _get(hf, "hidden_act", "silu") != "silu":
+        raise _fail(t, "hidden_act", _get(hf, "hidden_act"), "meshtron's MLP and experts are SwiGLU (silu)")
+    if _get(hf, "attention_bias", False):
+        raise _fail(t, "attention_bias", True, "meshtron's latent attention has no biases")
+    if not _get(hf, "norm_topk_prob", True):
+        raise _fail(t, "norm_topk_prob", False, "sigmoid router weights are always renormalized over the k")
+    eps = float(_get(hf, "rms_norm_eps", 1e-6))
+    if eps != 1e-6:  # transformers' latent norms keep the default 1e-6; meshtron's use model.norm_eps
+        raise _fail(t, "rms_norm_eps", eps, "the latent RMSNorms use 1e-6 in transformers: meshtron needs equal eps")
+    heads, groups, topk_groups = _get(hf, "num_attention_heads"), _get(hf, "n_group") or 1, _get(hf, "topk_group") or 1
+    top_k = _get(hf, "num_experts_per_tok")
+    if groups > 1 and top_k // topk_groups != 2:
+        raise _fail(
+            t,
+            "topk_group",
+            topk_groups,
+            f"transformers scores a group by its best 2 experts; meshtron by its best "
+            f"num_experts_per_tok // topk_group = {top_k // topk_groups}: they agree only at 2",
+        )
+    theta, scaling = _rope(hf, t)
+    return GPTConfig(
+        arch="llama",
+        num_layers=_get(hf, "num_hidden_layers"),
+        hidden_size=_get(hf, "hidden_size"),
+        num_heads=heads,
+        num_kv_heads=heads,
+        ffn_hidden_size=_get(hf, "intermediate_size"),
+        vocab_size=_get(hf, "vocab_size"),
+        seq_len=_get(hf, "max_position_embeddings"),
+        dropout=0.0,
+        bias=False,
+        tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
+        init_std=float(_get(hf, "initializer_range", 0.02)),
+        norm_eps=eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention="mla",
+        q_lora_rank=_get(hf, "q_lora_rank"),
+        kv_lora_rank=_get(hf, "kv_lora_rank"),
+        qk_nope_head_dim=_get(hf, "qk_nope_head_dim"),
+        qk_rope_head_dim=_get(hf, "qk_rope_head_dim"),
+        v_head_dim=_get(hf, "v_head_dim"),
+        num_experts=_get(hf, "n_routed_experts") or _get(hf, "num_local_experts"),
+        top_k=top_k,
+        moe_first_dense=_get(hf, "first_k_dense_replace", 0) or 0,
+        moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
+        capacity_factor=None,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+        router_score="sigmoid",
+        router_renormalize=True,
+        router_bias_update_rate=0.0,
+        router_groups=groups if groups > 1 else 0,
+        router_topk_groups=topk_groups if groups > 1 else 0,
+        router_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0)),
+        shared_experts=_get(hf, "n_shared_experts", 0) or 0,
+    )
+
+
 def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
     """config_from_hf without overrides, for a supported `model_type`."""
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_config(hf)
     if _get(hf, "is_encoder_decoder", False) or _get(hf, "add_cross_attention", False):
         raise _fail(model_type, "add_cross_attention", True, "decoder-only models only")
     tie = bool(_get(hf, "tie_word_embeddings", model_type == "gpt2"))
@@ -348,6 +427,8 @@ def hf_family(cfg: GPTConfig) -> str:
     for field, value in wanted.items():
         if getattr(cfg, field) != value:
             raise bad(field, getattr(cfg, field), f"arch={cfg.arch} in Hugging Face needs {value!r}")
+    if cfg.attention == "mla":
+        return _deepseek_family(cfg, bad)
     qwen_moe = cfg.is_moe and (cfg.qk_norm or cfg.shared_experts > 0)  # Qwen3-MoE / Qwen2-MoE
     if cfg.rope_scaling is not None and cfg.is_moe and not qwen_moe:
         raise bad("rope_scaling", cfg.rope_scaling, "Mixtral has plain RoPE")
@@ -388,6 +469,28 @@ def hf_family(cfg: GPTConfig) -> str:
         if getattr(cfg, field) != value:
             raise bad(field, getattr(cfg, field), f"{name} needs {value!r}")
     return family
+
+
+def _deepseek_family(cfg: GPTConfig, bad) -> str:
+    """ "deepseek_v3" for a latent-attention model DeepSeek-V3's config can hold, else the field."""
+    checks = [
+        ("arch", "llama"),
+        ("bias", False),
+        ("router_score", "sigmoid"),
+        ("moe_every", 1),
+        ("moe_dense_layers", None),
+        ("shared_expert_gate", False),
+        ("shared_ffn_hidden_size", None),
+        ("norm_eps", 1e-6),
+    ]
+    if not cfg.is_moe:
+        raise bad("num_experts", cfg.num_experts, "DeepSeek-V3's latent attention comes with MoE layers")
+    for field, value in checks:
+        if getattr(cfg, field) != value:
+            raise bad(field, getattr(cfg, field), f"DeepSeek-V3 needs {value!r}")
+    if cfg.router_groups and cfg.top_k // cfg.router_topk_groups != 2:
+        raise bad("router_topk_groups", cfg.router_topk_groups, "DeepSeek-V3 scores a group by its best 2 experts")
+    return "deepseek_v3"
 
 
 def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
@@ -447,6 +550,28 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
             architectures=["LlamaForCausalLM"],
         )
         return family, kw
+    if family == "deepseek_v3":
+        kw.update(
+            intermediate_size=cfg.ffn_hidden_size,
+            moe_intermediate_size=cfg.moe_ffn_hidden_size,
+            n_routed_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+            n_shared_experts=cfg.shared_experts,
+            routed_scaling_factor=cfg.router_scaling_factor,
+            n_group=cfg.router_groups or 1,
+            topk_group=cfg.router_topk_groups or 1,
+            first_k_dense_replace=cfg.moe_first_dense,
+            norm_topk_prob=True,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_interleave=True,
+            attention_bias=False,
+            architectures=["DeepseekV3ForCausalLM"],
+        )
+        return family, kw
     if family in QWEN_MOE:
         kw.update(
             intermediate_size=cfg.ffn_hidden_size,
@@ -489,6 +614,7 @@ _CONFIG_CLASSES = {
     "qwen3": "Qwen3Config",
     "qwen2_moe": "Qwen2MoeConfig",
     "qwen3_moe": "Qwen3MoeConfig",
+    "deepseek_v3": "DeepseekV3Config",
 }
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from meshtron.models.config import GPTConfig
 from meshtron.models.hf.config import HFConversionError, hf_family
 from meshtron.models.hf.sources import DictSource, Index, SafetensorsSource
+from meshtron.models.mla import deinterleave_rope_rows, interleave_rope_rows
 from meshtron.mpu.init import full_tensor, local_offsets
 from meshtron.mpu.mappings import gather_object
 from meshtron.mpu.mesh import Mesh
@@ -136,35 +137,14 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
         units += [_same("final_norm.weight", p + "ln_f.weight", (h,)), _same("final_norm.bias", p + "ln_f.bias", (h,))]
     else:
         units.append(_same("embed.weight", "model.embed_tokens.weight", (V, h)))
-        d, nq = cfg.head_dim, cfg.num_heads
         for i in range(cfg.num_layers):
             L, m = f"model.layers.{i}.", f"layers.{i}."
             a = L + "self_attn."
             units += [
                 _same(m + "norm1.weight", L + "input_layernorm.weight", (h,)),
-                _qkv_unit(
-                    cfg,
-                    m + "attn.qkv.weight",
-                    (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                    False,
-                    False,
-                ),
-                _same(m + "attn.proj.weight", a + "o_proj.weight", (h, nq * d)),
                 _same(m + "norm2.weight", L + "post_attention_layernorm.weight", (h,)),
             ]
-            if cfg.qk_norm:  # Qwen3: one RMSNorm weight per head width for q, one for k
-                units += [
-                    _same(m + "attn.q_norm", a + "q_norm.weight", (d,)),
-                    _same(m + "attn.k_norm", a + "k_norm.weight", (d,)),
-                ]
-            if cfg.qkv_bias:  # Llama with attention_bias, Qwen2
-                units.append(
-                    _qkv_unit(
-                        cfg, m + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), True, False
-                    )
-                )
-            if cfg.bias:
-                units.append(_same(m + "attn.proj.bias", a + "o_proj.bias", (h,)))
+            units += _mla_units(cfg, m + "attn.", a) if cfg.attention == "mla" else _attention_units(cfg, m, a)
             if not cfg.is_moe_layer(i):  # Llama, Mistral, Qwen2, a Qwen-MoE's dense layers
                 units += [
                     _same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
@@ -179,17 +159,86 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
                     ]
             else:
                 units += _expert_units(cfg, m + "mlp.", L, moe_format, family)
-                if cfg.shared_experts:  # Qwen2-MoE: one shared MLP behind a sigmoid gate
-                    fs, x = cfg.moe().shared_width, L + "mlp.shared_expert"
-                    units += [
-                        _same(m + "mlp.shared.gate", x + ".gate_proj.weight", (fs, h)),
-                        _same(m + "mlp.shared.up", x + ".up_proj.weight", (fs, h)),
-                        _same(m + "mlp.shared.down", x + ".down_proj.weight", (h, fs)),
-                        _same(m + "mlp.shared.output_gate", x + "_gate.weight", (1, h)),
-                    ]
+                units += _shared_units(cfg, m + "mlp.", L + "mlp.", family)
         units.append(_same("final_norm.weight", "model.norm.weight", (h,)))
     if not cfg.tie_embeddings:
         units.append(_same("head.weight", "lm_head.weight", (V, h)))
+    return units
+
+
+def _attention_units(cfg: GPTConfig, m: str, a: str) -> list[_Unit]:
+    """Fused QKV (rows grouped per KV head), output projection, Qwen3's q/k norms and biases."""
+    h, d, nq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    qkv = (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+    units = [
+        _qkv_unit(cfg, m + "attn.qkv.weight", qkv, False, False),
+        _same(m + "attn.proj.weight", a + "o_proj.weight", (h, nq * d)),
+    ]
+    if cfg.qk_norm:  # Qwen3: one RMSNorm weight per head width for q, one for k
+        units += [
+            _same(m + "attn.q_norm", a + "q_norm.weight", (d,)),
+            _same(m + "attn.k_norm", a + "k_norm.weight", (d,)),
+        ]
+    if cfg.qkv_bias:  # Llama with attention_bias, Qwen2
+        biases = (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+        units.append(_qkv_unit(cfg, m + "attn.qkv.bias", biases, True, False))
+    if cfg.bias:
+        units.append(_same(m + "attn.proj.bias", a + "o_proj.bias", (h,)))
+    return units
+
+
+def _mla_units(cfg: GPTConfig, m: str, a: str) -> list[_Unit]:
+    """DeepSeek-V3's latent attention: the same names; the rope rows of q_b_proj (q_proj) and
+    kv_a_proj_with_mqa reordered from DeepSeek's interleaved pairs to rotate-half
+    (models/mla.py). A tp shard of q_b_proj holds whole heads, so the reorder is local."""
+    h, nq = cfg.hidden_size, cfg.num_heads
+    dn, dr, dv, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+
+    def rope_rows(name: str, shape, width: int, offset: int) -> _Unit:
+        return _Unit(
+            (m + name + ".weight",),
+            (a + name + ".weight",),
+            (tuple(shape),),
+            lambda read, _, box: deinterleave_rope_rows(read(a + name + ".weight", box), dr, width, offset),
+            lambda t: [interleave_rope_rows(t[0], dr, width, offset)],
+        )
+
+    units = []
+    if cfg.q_lora_rank is not None:
+        r = cfg.q_lora_rank
+        units += [
+            _same(m + "q_a_proj.weight", a + "q_a_proj.weight", (r, h)),
+            _same(m + "q_a_layernorm.weight", a + "q_a_layernorm.weight", (r,)),
+            rope_rows("q_b_proj", (nq * (dn + dr), r), dn + dr, dn),
+        ]
+    else:
+        units.append(rope_rows("q_proj", (nq * (dn + dr), h), dn + dr, dn))
+    return units + [
+        rope_rows("kv_a_proj_with_mqa", (rank + dr, h), rank + dr, rank),
+        _same(m + "kv_a_layernorm.weight", a + "kv_a_layernorm.weight", (rank,)),
+        _same(m + "kv_b_proj.weight", a + "kv_b_proj.weight", (nq * (dn + dv), rank)),
+        _same(m + "o_proj.weight", a + "o_proj.weight", (h, nq * dv)),
+    ]
+
+
+def _shared_units(cfg: GPTConfig, m: str, x: str, family: str) -> list[_Unit]:
+    """Shared experts: Qwen2-MoE's mlp.shared_expert.* behind mlp.shared_expert_gate;
+    DeepSeek-V3's mlp.shared_experts.* (and its router's e_score_correction_bias, the
+    meshtron router's expert_bias buffer)."""
+    h, fs = cfg.hidden_size, cfg.moe().shared_width
+    units = []
+    if family == "deepseek_v3":
+        units.append(_same(m + "router.expert_bias", x + "gate.e_score_correction_bias", (cfg.num_experts,)))
+    if not cfg.shared_experts:
+        return units
+    s = x + ("shared_experts" if family == "deepseek_v3" else "shared_expert")
+    units += [
+        _same(m + "shared.gate", s + ".gate_proj.weight", (fs, h)),
+        _same(m + "shared.up", s + ".up_proj.weight", (fs, h)),
+        _same(m + "shared.down", s + ".down_proj.weight", (h, fs)),
+    ]
+    if cfg.shared_expert_gate:
+        units.append(_same(m + "shared.output_gate", s + "_gate.weight", (1, h)))
     return units
 
 
@@ -340,8 +389,9 @@ def load_hf_weights(model, source: TensorSource, targets: dict | None = None) ->
     parameter to the tensor its values go into (default: the parameter itself; the fp32 main
     weights of 16-bit resident parameters). Tied embedding copies on the last pipeline stage
     get the embedding too. Router expert biases (aux-loss-free balancing state, not in HF) are
-    reset to zero. Missing, unexpected or wrongly shaped tensors raise HFConversionError
-    naming the tensor (on every rank, before anything is copied)."""
+    reset to zero unless the checkpoint holds them (DeepSeek-V3's e_score_correction_bias).
+    Missing, unexpected or wrongly shaped tensors raise HFConversionError naming the tensor (on
+    every rank, before anything is copied)."""
     chunks = _chunks(model)
     cfg: GPTConfig = chunks[0].cfg
     mesh: Mesh = chunks[0].mesh
@@ -356,7 +406,9 @@ def load_hf_weights(model, source: TensorSource, targets: dict | None = None) ->
             local = _read_local(by_mt[name], source, name, box, cfg.vocab_size if name in _VOCAB_PARAMS else None)
             (param if targets is None else targets[param]).copy_(local)
         for name, buf in chunk.named_buffers():
-            if name.endswith("router.expert_bias"):
+            if name in by_mt:  # DeepSeek-V3's e_score_correction_bias: replicated, read whole
+                buf.copy_(by_mt[name].read_mt(source.read, name, tuple(slice(0, n) for n in buf.shape)))
+            elif name.endswith("router.expert_bias"):
                 buf.zero_()
 
 
@@ -403,6 +455,10 @@ def export_hf_state_dict(model, mesh: Mesh, moe_format: str | None = None) -> di
             if name in _VOCAB_PARAMS:
                 full = full[: cfg.vocab_size]
             local[name] = full.cpu().clone()
+        exported_buffers = {n for u in units for n in u.mt}
+        for name, buf in chunk.named_buffers():
+            if name in exported_buffers:  # replicated buffers HF keeps (DeepSeek-V3's expert bias)
+                local[name] = buf.detach().cpu().clone()
 
     full_params = local
     if mesh.pp_size > 1:

@@ -99,6 +99,31 @@ def hf_config(family: str, **kw):
         return transformers.Qwen3MoeConfig(**{**qwen_moe, "head_dim": 24, "norm_topk_prob": True, **kw})
     if family == "qwen2_moe":  # + a shared expert of width 48 behind a sigmoid gate, q/k/v biases, raw top-k
         return transformers.Qwen2MoeConfig(**{**qwen_moe, "shared_expert_intermediate_size": 48, **kw})
+    if family == "deepseek_v3":  # MLA, the first layer dense, sigmoid top-4 of 8 in the best 2 of 4 groups
+        deepseek = dict(
+            vocab_size=VOCAB,
+            bos_token_id=0,
+            eos_token_id=1,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=96,
+            max_position_embeddings=32,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+        )
+        return transformers.DeepseekV3Config(**{**deepseek, **kw})
     return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**llama, **kw})
 
 
@@ -116,9 +141,15 @@ def hf_model(family: str, seed: int = SEED, **kw):
         "qwen3": transformers.Qwen3ForCausalLM,
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
     }[family]
-    return cls(hf_config(family, **kw)).eval()
+    model = cls(hf_config(family, **kw)).eval()
+    with torch.no_grad():  # transformers starts DeepSeek's expert-choice biases at 0: make them matter
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * 0.05)
+    return model
 
 
 def _forward(chunks, mesh, ids: torch.Tensor) -> torch.Tensor | None:
@@ -240,6 +271,20 @@ def qwen2_moe_train_tp2_ep2() -> None:
 def qwen3_moe_train_ep2() -> None:
     """Qwen3-MoE at ep=2 (dp=2): top-3 of 8 renormalized, QK-norm, a dense middle layer."""
     train_like_transformers(hf_model("qwen3_moe", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=1, ep=2))
+
+
+def deepseek_v3_tp2_ep2() -> None:
+    """MLA heads split over tp (latents, norms and the rope key replicated), 8 sigmoid-routed
+    experts over ep with group limits and the expert-choice bias, a shared expert over tp."""
+    check("deepseek_v3", ParallelConfig(tp=2, ep=2))
+
+
+def deepseek_v3_train_tp2_ep2() -> None:
+    train_like_transformers(hf_model("deepseek_v3", vocab_size=TRAIN_VOCAB).train(), ParallelConfig(tp=2, ep=2))
+
+
+def deepseek_v3_pp2_tp2() -> None:  # 4 layers (the first dense) over two stages of tp=2
+    check("deepseek_v3", ParallelConfig(tp=2, pp=2), num_hidden_layers=4)
 
 
 def mistral_window_cp2_a2a() -> None:
@@ -571,6 +616,8 @@ def cases_for_world(world_size: int) -> list[str]:
             "qwen3_moe_train_ep2",
             "mistral_window_cp2_a2a",
             "mistral_window_train_cp2_a2a",
+            "deepseek_v3_tp2_ep2",
+            "deepseek_v3_train_tp2_ep2",
             "mistral_pp2",
             "llama3_pp2",
             "qwen2_pp2",
@@ -587,5 +634,5 @@ def cases_for_world(world_size: int) -> list[str]:
             "mixtral_train_ep2",
         ]
     if world_size == 4:
-        return ["gpt2_pp2_tp2", "llama_pp2_tp2", "qwen3_pp2_tp2", "mixtral_pp2_ep2"]
+        return ["gpt2_pp2_tp2", "llama_pp2_tp2", "qwen3_pp2_tp2", "mixtral_pp2_ep2", "deepseek_v3_pp2_tp2"]
     return []
