@@ -223,6 +223,15 @@ class GPTConfig:
     router_scaling_factor: float = declared_in(MoEConfig, "router_scaling_factor")
     shared_ffn_hidden_size: int | None = declared_in(MoEConfig, "shared_ffn_hidden_size")
     shared_expert_gate: bool = declared_in(MoEConfig, "shared_expert_gate")
+    # Multi-token prediction (DeepSeek-V3 section 2.2, models/mtp.py): D extra depths on the last
+    # pipeline stage, each one block predicting one token further; the objective adds
+    # mtp_loss_weight / D * sum_k (mean cross-entropy of depth k).
+    mtp_depths: int = setting(
+        0, ge=0, in_train_yaml=False, help="multi-token prediction depths (DeepSeek-V3: 1); 0 = none"
+    )
+    mtp_loss_weight: float = setting(
+        0.3, ge=0, in_train_yaml=False, help="weight lambda of the mean MTP loss (DeepSeek-V3: 0.3, later 0.1)"
+    )
     # Set by models/hf/ on import: the Mixtral config's {"router_aux_loss_coef",
     # "output_router_logits"}, written back on export while aux_loss_coef still equals what
     # they import as (None: not imported). The model never reads it.

@@ -35,6 +35,7 @@ from meshtron.kernels.backend import plain_gemm_backend
 from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.mla import MLAttention
+from meshtron.models.mtp import MTPDepth, depth_targets, shifted_ids
 from meshtron.models.rope import apply_rope, rope_tables
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
@@ -432,7 +433,13 @@ class GPT(nn.Module):
         self.pooled_aux_value: torch.Tensor | None = None  # set by aux_loss() with aux_loss_layers=pooled
         self.padded_vocab_size = cfg.padded_vocab_size(mesh.tp_size)
         layers = range(cfg.num_layers) if layers is None else layers
-        needs_embedding = pre_process or (post_process and cfg.tie_embeddings)
+        if cfg.mtp_depths and mesh.cp_size > 1:
+            raise ConfigError(
+                f"model.mtp_depths={cfg.mtp_depths} is not supported with parallel.cp={mesh.cp_size} "
+                "(the shifted tokens cross cp shards)"
+            )
+        # The MTP depths (last stage) embed shifted tokens: the embedding's copy is needed there too.
+        needs_embedding = pre_process or (post_process and (cfg.tie_embeddings or cfg.mtp_depths > 0))
         self.embed = None
         if needs_embedding:
             self.embed = VocabParallelEmbedding(
@@ -447,7 +454,7 @@ class GPT(nn.Module):
             self.embed.weight.tied_embedding_copy = not pre_process
             # Shared with the LM head: under pp the first and last stage hold a copy each,
             # whose gradients the reducer sums over `mesh.embedding`.
-            self.embed.weight.tied_across_stages = cfg.tie_embeddings
+            self.embed.weight.tied_across_stages = cfg.tie_embeddings or cfg.mtp_depths > 0
         self.pos_embed = None
         if pre_process and cfg.position == "learned":
             self.pos_embed = tag(
@@ -476,6 +483,31 @@ class GPT(nn.Module):
                     (self.padded_vocab_size, cfg.hidden_size), cfg.init_std, valid_rows=cfg.vocab_size
                 )
                 self.head.weight.valid_rows = cfg.vocab_size
+        # Multi-token prediction (models/mtp.py): the depths after the final norm, last stage only.
+        self.mtp = None
+        self.last_mtp_sums: torch.Tensor | None = None  # [D] summed CE per depth of the last forward
+        if post_process and cfg.mtp_depths:
+            backend = "torch" if execution.compile else execution.kernel_backend
+
+            def norm():
+                return Norm(cfg, mesh, device, dtype, backend=backend)
+
+            self.mtp = nn.ModuleList(
+                MTPDepth(
+                    cfg,
+                    mesh,
+                    k,
+                    enorm=norm(),
+                    hnorm=norm(),
+                    # global index past the main layers: MoE or dense by cfg.is_moe_layer, as
+                    # DeepSeek-V3's MTP layer (index num_hidden_layers) is an MoE layer
+                    block=Block(cfg, mesh, cfg.num_layers + k - 1, device, dtype, execution=execution),
+                    norm=Norm(cfg, mesh, device, dtype, backend=execution.kernel_backend),
+                    device=device,
+                    dtype=dtype,
+                )
+                for k in range(1, cfg.mtp_depths + 1)
+            )
 
     def _rope(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for `seq` positions, computed once per (length, device)."""
@@ -532,6 +564,7 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        mtp_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids [b, s/cp] (first chunk) or hidden [s/cp(/tp), b, h] -> logits [b, s/cp, V_pad/tp]
         (last chunk) or hidden [s/cp(/tp), b, h]. Packed sequences: `positions` [b, s/cp], this
@@ -541,8 +574,14 @@ class GPT(nn.Module):
         cross-entropy (fp32 scalar, identical over TP): under `execution.fused_lm_loss` the head
         and the loss run in row chunks and the logits never exist whole
         (kernels/linear_cross_entropy.py), else `loss_per_token(logits, targets).sum()`. Other
-        chunks ignore `targets`."""
+        chunks ignore `targets`.
+        Multi-token prediction (`model.mtp_depths`, models/mtp.py): in training mode with
+        `targets`, the last chunk also runs its depths and keeps their summed cross-entropies
+        [D] in `last_mtp_sums` (`mtp_loss_sums`); they need the token ids [b, s]: `x` on a
+        chunk that embeds, else `mtp_ids` (pipeline stages get them with the targets)."""
         cp = self.mesh.cp_size
+        if self.pre_process and mtp_ids is None:
+            mtp_ids = x
         if self.pre_process:
             b, s = x.shape
             if s * cp > self.cfg.seq_len:
@@ -563,8 +602,19 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.final_norm(x)
+        self.last_mtp_sums = None
+        if self.mtp is not None and targets is not None and self.training:
+            if mtp_ids is None:
+                raise ValueError("multi-token prediction needs the token ids: pass mtp_ids to the last chunk")
+            self.last_mtp_sums = self._mtp_loss_sums(x, mtp_ids, targets, rope, doc_ids)
         if targets is not None and self.execution.fused_lm_loss:
             return self.lm_loss_sum(x, targets)
+        logits = self.logits_out(self._head_logits(x))
+        return logits if targets is None else self.loss_per_token(logits, targets).sum()
+
+    def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits [b, s, V_pad/tp] of normed hidden states
+        `x` [s(/tp), b, h] through the LM head (the unfused path)."""
         weight = self.lm_head_weight
         # Batch-major before the head: transposing [s, b, h] costs h per token, transposing
         # the logits V/tp per token (on the CPU a 32 MiB copy at the reference shape).
@@ -576,8 +626,28 @@ class GPT(nn.Module):
             # The head stays 16-bit under trainer.precision=fp8 (its backward keeps that choice).
             with fp8.fp8_paused():
                 logits = column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
-        logits = self.logits_out(logits)
-        return logits if targets is None else self.loss_per_token(logits, targets).sum()
+        return logits
+
+    def _mtp_loss_sums(self, hidden, ids, targets, rope, doc_ids) -> torch.Tensor:
+        """Summed cross-entropy [D] of each MTP depth (models/mtp.py) from the final norm's
+        output `hidden` [s(/tp), b, h], token ids [b, s] and the main targets [b, s]."""
+        sums = []
+        for depth in self.mtp:
+            k = depth.depth
+            embedded = self.embed(shifted_ids(ids.to(targets.device), k).t())  # [s(/tp), b, h]
+            hidden = depth(hidden, embedded, rope, doc_ids)
+            labels = depth_targets(targets, k, doc_ids)
+            normed = depth.norm(hidden)
+            if self.execution.fused_lm_loss:
+                sums.append(self.lm_loss_sum(normed, labels))
+            else:
+                sums.append(self.loss_per_token(self._head_logits(normed), labels).sum())
+        return torch.stack(sums)
+
+    def mtp_loss_sums(self) -> torch.Tensor | None:
+        """The last training forward's summed cross-entropy [D] of each MTP depth (this rank's
+        tokens, differentiable); None without MTP depths on this chunk or outside training."""
+        return self.last_mtp_sums
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -650,15 +720,23 @@ class GPT(nn.Module):
         """All-gather local logits over TP and drop the padded vocabulary: [b, s, vocab_size]."""
         return gather_from_region(logits, -1, self.mesh.tp)[..., : self.cfg.vocab_size]
 
+    def _blocks(self) -> list[Block]:
+        """The main blocks of this chunk, then its MTP depths' blocks."""
+        return list(self.layers.values()) + ([depth.block for depth in self.mtp] if self.mtp is not None else [])
+
     def moe_layers(self) -> list[MoELayer]:
-        return [layer.mlp for layer in self.layers.values() if isinstance(layer.mlp, MoELayer)]
+        """The MoE layers of this chunk, the MTP depths' included (their expert bias updates too)."""
+        return [block.mlp for block in self._blocks() if isinstance(block.mlp, MoELayer)]
 
     def aux_loss(self) -> torch.Tensor | None:
         """This rank's differentiable share of the routers' auxiliary terms (coefficients
-        applied) from the last forward, summed over MoE layers; None for a dense model.
+        applied) from the last forward, summed over MoE layers (the MTP depths' too when they
+        ran); None for a dense model.
         With `aux_loss_layers="pooled"` the balance term is one loss over all layers' pooled
         statistics (`moe.router.pooled_aux_loss`); its value is kept in `pooled_aux_value`."""
-        blocks = [block for block in self.layers.values() if isinstance(block.mlp, MoELayer)]
+        # The MTP depths' routers count when they ran in the last forward (training with targets).
+        blocks = self._blocks() if self.last_mtp_sums is not None else list(self.layers.values())
+        blocks = [block for block in blocks if isinstance(block.mlp, MoELayer)]
         if not blocks:
             return None
         total = sum(

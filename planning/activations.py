@@ -377,12 +377,14 @@ def _trace_end_chunk(
     fused_lm_loss: bool = False,
 ) -> SavedTrace:
     """`run(model, saved)` on a layer-less chunk (kind "pre": embeddings; "post": final norm,
-    head and loss, fused or not) built on meta for TP rank `tp_rank`; cached per shape."""
+    head and loss, fused or not) built on meta for TP rank `tp_rank`; cached per shape.
+    The multi-token prediction depths (model.mtp_depths) are left out of the trace: their
+    activations are not planned."""
     from meshtron.models.gpt import GPT
 
     def measure() -> SavedTrace:
         model = GPT(
-            cfg,
+            dataclasses.replace(cfg, mtp_depths=0),
             _mesh(cfg, tp, sp, tp_rank, cp, cp_comm),
             device="meta",
             layers=range(0),

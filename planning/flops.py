@@ -34,6 +34,12 @@ __all__ = [
 # --------------------------------------------------------------------------- helpers
 
 
+def _mtp_blocks(cfg: GPTConfig) -> list[int]:
+    """Global block indices of the MTP depths (models/mtp.py): num_layers .. num_layers + D - 1
+    (MoE or dense by cfg.is_moe_layer, as the model builds them)."""
+    return list(range(cfg.num_layers, cfg.num_layers + cfg.mtp_depths))
+
+
 def moe_layer_indices(cfg: GPTConfig) -> list[int]:
     """Indices i of the layers whose MLP is a MoE layer (`GPTConfig.is_moe_layer`; none if dense)."""
     if cfg.moe_every < 1:
@@ -137,6 +143,9 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     plus the LM head 2 * h * V, with V = cfg.padded_vocab_size(1) (the padded logits are
     computed; using tp=1's padding keeps the figure independent of the layout).
     Norms, softmax, activations, RoPE and the embedding lookup are not counted.
+    Each multi-token prediction depth (model.mtp_depths, models/mtp.py) adds one block (MoE or
+    dense as cfg.is_moe_layer of its index num_layers + k - 1), its projection 2 * 2h * h and
+    one more LM head 2 * h * V (every token runs every depth; the ignored tail is computed).
     """
     cfg.validate()
     h = cfg.hidden_size
@@ -147,6 +156,10 @@ def model_flops_per_token(cfg: GPTConfig) -> float:
     moe_mlp = 2 * h * cfg.num_experts + 2 * cfg.top_k * _mlp_matrices(cfg, cfg.moe_ffn_hidden_size) + 2 * shared
     forward = sum(attn + (moe_mlp if i in moe else dense_mlp) for i in range(cfg.num_layers))
     forward += 2 * h * cfg.padded_vocab_size(1)
+    for i in _mtp_blocks(cfg):
+        forward += (
+            attn + (moe_mlp if cfg.is_moe_layer(i) else dense_mlp) + 2 * 2 * h * h + 2 * h * cfg.padded_vocab_size(1)
+        )
     return float(3 * forward)
 
 
@@ -179,6 +192,16 @@ def _layer_params(cfg: GPTConfig, is_moe: bool, tp: int = 1, ep: int = 1, etp: i
     return n
 
 
+def _mtp_params(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1) -> int:
+    """Parameters of the MTP depths held by one rank of the last stage: per depth enorm, hnorm
+    and the final norm (replicated), the projection [h, 2h] (replicated over tp) and one block."""
+    h = cfg.hidden_size
+    return sum(
+        3 * _norm_params(cfg) + 2 * h * h + _layer_params(cfg, cfg.is_moe_layer(i), tp, ep, etp)
+        for i in _mtp_blocks(cfg)
+    )
+
+
 def param_count(cfg: GPTConfig) -> dict[str, int]:
     """Parameter counts of the unsharded model.
 
@@ -191,6 +214,8 @@ def param_count(cfg: GPTConfig) -> dict[str, int]:
     * `active_per_token`: `total` minus the routed experts a token does not visit
       ((num_experts - top_k) experts per MoE layer); equals `total` for a dense model;
     * `embedding`: token + position embedding + untied LM head (for "non-embedding" counts).
+    The MTP depths (model.mtp_depths) are counted in `total`: three norms, the projection
+    [h, 2h] and one block each (they share the embedding and the head).
     """
     cfg.validate()
     h = cfg.hidden_size
@@ -200,7 +225,9 @@ def param_count(cfg: GPTConfig) -> dict[str, int]:
     embedding += 0 if cfg.tie_embeddings else vocab * h
     total = embedding + _norm_params(cfg)
     total += sum(_layer_params(cfg, i in moe) for i in range(cfg.num_layers))
-    idle = len(moe) * (cfg.num_experts - cfg.top_k) * _mlp_matrices(cfg, cfg.moe_ffn_hidden_size)
+    total += _mtp_params(cfg)
+    routed = len(moe) + sum(cfg.is_moe_layer(i) for i in _mtp_blocks(cfg))
+    idle = routed * (cfg.num_experts - cfg.top_k) * _mlp_matrices(cfg, cfg.moe_ffn_hidden_size)
     return {"total": total, "active_per_token": total - idle, "embedding": embedding}
 
 
@@ -224,7 +251,8 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
     row-parallel biases are replicated. Each rank holds num_experts/ep routed experts with
     their ffn split over etp. Pipeline stages get contiguous layer ranges (the first
     num_layers % pp stages one layer more); the first stage holds the embeddings, the last
-    the final norm and LM head (with tied embeddings and pp > 1, a copy of the embedding).
+    the final norm and LM head (with tied embeddings and pp > 1, a copy of the embedding) and
+    the MTP depths (with pp > 1 and untied embeddings, the embedding's copy they read).
     Returns the maximum over stages. Raises ValueError when a size does not divide.
     """
     h = cfg.hidden_size
@@ -249,5 +277,8 @@ def params_per_rank(cfg: GPTConfig, tp: int = 1, ep: int = 1, etp: int = 1, pp: 
             n += _norm_params(cfg)
             if not cfg.tie_embeddings or not first:
                 n += vocab_local * h
+            n += _mtp_params(cfg, tp, ep, etp)
+            if cfg.mtp_depths and not cfg.tie_embeddings and not first:
+                n += vocab_local * h  # the embedding's copy on the last stage
         best = max(best, n)
     return best

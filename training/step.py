@@ -11,6 +11,7 @@ from torch import nn
 from meshtron.dp.adamw import TrainingOptimizer
 from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.kernels.operands import weight_copy_scope
+from meshtron.models.mtp import depth_target_counts
 from meshtron.moe.scope import AuxLossScope, aux_loss_scope
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.mappings import all_reduce_stats
@@ -51,6 +52,40 @@ class StepResult:
     z_loss: torch.Tensor | None = None
     moe_layers: list[MoELayerStats] = field(default_factory=list)
     pipeline: PipelineResult | None = None  # pp > 1: the executor's result (timeline, peak live activations)
+    # Multi-token prediction only (model.mtp_depths > 0, models/mtp.py): each depth's mean
+    # cross-entropy over its counted labels of the global batch [D], and their mean over depths
+    # (`mtp_loss`, unweighted: the objective added model.mtp_loss_weight * mtp_loss).
+    mtp_loss: torch.Tensor | None = None
+    mtp_depth_losses: torch.Tensor | None = None
+
+
+class MTPObjective:
+    """The MTP term of one step: each depth's summed cross-entropy divided by the global count
+    of its labels (sum over dp x cp), weighted by mtp_loss_weight / D; `add` returns the
+    differentiable term of one microbatch and accumulates the per-depth means for the report."""
+
+    def __init__(self, cfg, microbatches: list[LocalMicrobatch], mesh: Mesh, device):
+        self.depths, self.weight = cfg.mtp_depths, cfg.mtp_loss_weight
+        self.counts = None
+        self.total = None
+        if self.depths:
+            counts = depth_target_counts(microbatches, self.depths).to(device)
+            self.counts = all_reduce_stats(counts, mesh.dp_cp).clamp(min=1.0)
+            self.total = torch.zeros(self.depths, dtype=torch.float32, device=device)
+
+    def add(self, sums: torch.Tensor | None) -> torch.Tensor | None:
+        if sums is None or not self.depths:
+            return None
+        means = sums / self.counts.to(sums.device)
+        self.total = self.total + means.detach().float().to(self.total.device)
+        return means.sum() * (self.weight / self.depths)
+
+    def report(self, out: StepResult, mesh: Mesh) -> None:
+        """Per-depth means reduced over dp x cp and pp (only the last stage has them)."""
+        if not self.depths:
+            return
+        per_depth = all_reduce_stats(all_reduce_stats(self.total, mesh.dp_cp), mesh.pp)
+        out.mtp_depth_losses, out.mtp_loss = per_depth, per_depth.mean()
 
 
 def global_token_count(microbatches: list[LocalMicrobatch], mesh: Mesh) -> torch.Tensor:
@@ -60,10 +95,13 @@ def global_token_count(microbatches: list[LocalMicrobatch], mesh: Mesh) -> torch
     return all_reduce_stats(count, mesh.dp_cp).clamp(min=1.0)
 
 
-def loss_forward_kwargs(microbatches: list[LocalMicrobatch]) -> list[dict]:
+def loss_forward_kwargs(microbatches: list[LocalMicrobatch], mtp: bool = False) -> list[dict]:
     """Each microbatch's forward keywords with its targets: the last model chunk then returns
-    its summed LM loss (fused with the head under trainer.fused_lm_loss), the others ignore them."""
-    return [dict(mb.forward_kwargs, targets=mb.targets) for mb in microbatches]
+    its summed LM loss (fused with the head under trainer.fused_lm_loss), the others ignore them.
+    `mtp`: the token ids go along too (`mtp_ids`: the last stage's MTP depths embed them)."""
+    return [
+        dict(mb.forward_kwargs, targets=mb.targets, **({"mtp_ids": mb.inputs} if mtp else {})) for mb in microbatches
+    ]
 
 
 def train_step(
@@ -89,7 +127,9 @@ def train_step(
     tokens in the *global* batch, so accumulated gradients summed over dp equal the
     single-process gradient of the mean loss. MoE models add their routers' aux and z-loss
     terms, each pooled over the tokens of its aux-loss scope (moe/scope.py), averaged over the
-    step's pooled sets (`AuxLossScope.objective_divisor`).
+    step's pooled sets (`AuxLossScope.objective_divisor`). Multi-token prediction
+    (model.mtp_depths > 0) adds mtp_loss_weight / D times the sum of each depth's mean
+    cross-entropy over its labels of the global batch (`MTPObjective`; reported as `mtp_loss`).
     Returns a `StepResult`: `loss` (global-batch mean LM cross-entropy, reduced over dp, no aux
     terms) and `grad_norm` (before clipping) as tensors, and `skipped`: True when the loss or
     the gradient norm is not finite, in which case the optimizer step (and the expert-bias
@@ -110,20 +150,24 @@ def train_step(
     scope = aux_loss_scope(model.cfg.aux_loss_scope, mesh)
     aux_divisor = scope.objective_divisor(n_micro) * outer_replicas
     moe = MoEStepStats(model.cfg, scope)
+    mtp = MTPObjective(model.cfg, microbatches, mesh, tokens.device)
     with weight_copy_scope():  # the Triton GEMMs' 16-bit weight copies: made once per step
         for i, mb in enumerate(microbatches):
             with reducer.sync(i == n_micro - 1):
                 with precision.autocast():
                     loss = model(mb.inputs, **mb.forward_kwargs, targets=mb.targets) / tokens
                     aux = model.aux_loss()
+                    mtp_term = mtp.add(model.mtp_loss_sums())
                 objective = loss if aux is None else loss + aux / aux_divisor
+                if mtp_term is not None:
+                    objective = objective + mtp_term
                 (objective * precision.loss_scale).backward()
             loss_sum = loss_sum + loss.detach().to(loss_sum.device)
             moe.add(model.moe_stats(), n_micro, model.pooled_aux_value)
     reducer.finish()
-    return _finish_step(
-        [model], optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm, precision=precision
-    )
+    out = _finish_step([model], optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm, precision=precision)
+    mtp.report(out, mesh)
+    return out
 
 
 def pipeline_train_step(
@@ -160,6 +204,7 @@ def pipeline_train_step(
     scope = aux_loss_scope(chunks[0].cfg.aux_loss_scope, mesh)
     aux_divisor = scope.objective_divisor(n_micro)
     moe = MoEStepStats(chunks[0].cfg, scope)
+    mtp = MTPObjective(chunks[0].cfg, microbatches, mesh, tokens.device)
     scale = precision.loss_scale
 
     def loss_fn(chunk, loss_sum, m):  # the last chunk's forward got the targets: its output is the summed loss
@@ -167,10 +212,14 @@ def pipeline_train_step(
 
     def extra_fn(chunk):
         aux = chunk.aux_loss()
-        if aux is None:
-            return None
-        moe.add(chunk.moe_stats(), n_micro)
-        return aux / aux_divisor * scale
+        mtp_term = mtp.add(chunk.mtp_loss_sums())  # the last stage's MTP depths
+        if aux is not None:
+            moe.add(chunk.moe_stats(), n_micro)
+            aux = aux / aux_divisor * scale
+        if mtp_term is not None:
+            mtp_term = mtp_term * scale
+            aux = mtp_term if aux is None else aux + mtp_term
+        return aux
 
     def before_backward(index, action):
         return reducer.sync(last_backward[action.chunk] == index)
@@ -182,12 +231,13 @@ def pipeline_train_step(
             loss_fn,
             extra_fn,
             before_backward,
-            forward_kwargs=loss_forward_kwargs(microbatches),
+            forward_kwargs=loss_forward_kwargs(microbatches, mtp=mtp.depths > 0),
         )
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)
     out = _finish_step(chunks, optimizer, mesh, loss_sum, moe, lr=lr, max_grad_norm=max_grad_norm, precision=precision)
     out.pipeline = result
+    mtp.report(out, mesh)
     return out
 
 

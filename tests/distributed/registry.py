@@ -25,6 +25,7 @@ CASE_MODULES = (
     "tests.distributed.local_sgd_cases",
     "tests.distributed.ps_cases",
     "tests.distributed.mla_cases",
+    "tests.distributed.mtp_cases",
 )
 WORLD_SIZES = (2, 4, 8)
 WORLD_TIMEOUT_S = 600.0
