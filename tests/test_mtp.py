@@ -237,3 +237,24 @@ def test_config_checks() -> None:
         mtp_config(mtp_depths=-1)
     with pytest.raises(ValueError, match="mtp_loss_weight"):
         mtp_config(mtp_loss_weight=-0.1)
+
+
+@pytest.mark.timeout(120)
+def test_train_py_logs_the_mtp_loss(tmp_path):
+    """python train.py with model.mtp_depths=2 trains and writes mtp_loss to metrics.jsonl."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["+model=llama3_tiny", "+model.mtp_depths=2", "trainer.max_steps=2", "trainer.log_every=1"]
+    args += ["trainer.eval_every=0", "trainer.progress=false", "trainer.device=cpu", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=root, capture_output=True, text=True, timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["mtp_loss"] > 0 for r in records)

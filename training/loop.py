@@ -360,6 +360,8 @@ class Trainer:
             ).item()
         if out.moe_layers:
             record.update(moe_metrics(out))
+        if out.mtp_loss is not None:  # multi-token prediction: mean over depths, unweighted
+            record["mtp_loss"] = float(out.mtp_loss)
         self.watchdog.phase(f"step {n}: peak-memory all_gather")
         peak_mem = peak_memory_per_rank(self.env.device)  # a collective: every rank, same steps
         record["peak_mem_bytes"], record["peak_mem_max_bytes"] = peak_mem, max(peak_mem)
