@@ -197,10 +197,13 @@ class _CudaKernels(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
+            dv = v.shape[-1]
+            if dv != q.shape[-1]:  # MLA's narrower v: CUDA's memory-efficient kernel saves the same out + lse
+                v = F.pad(v, (0, q.shape[-1] - dv))
             out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False)
+                q, k, v, kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False), scale=kwargs.get("scale")
             )
-            return out
+            return out[..., :dv] if dv != q.shape[-1] else out
         if func is F.dropout:
             x, p, training = (list(args) + [kwargs.get("p", 0.5), kwargs.get("training", True)])[:3]
             return torch.native_dropout(x, p, training)[0] if training and p > 0 else x

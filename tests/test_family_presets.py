@@ -377,3 +377,57 @@ def test_qwen3_moe_tiny_trains_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
+def test_deepseek_v3_preset_exports_as_deepseek_v3_and_plans_on_eight_gpus(tmp_path):
+    """deepseek_v3_16b (DeepSeek-V3's architecture at ~16B) exports as DeepseekV3Config with
+    transformers' own parameter count (its MTP depth aside: transformers builds none) and, at
+    ep=8 with ZeRO-1, bf16 and selective recompute, every rank of one node plans under 80 GiB;
+    the tiny twin keeps the shape."""
+    from meshtron.training.distributed import DistEnv
+    from meshtron.training.loop import _dry_run
+    from meshtron.training.run_checks import check_run_config
+
+    transformers = pytest.importorskip("transformers")
+    cfg = preset("deepseek_v3_16b")
+    with torch.device("meta"):
+        hf = transformers.DeepseekV3ForCausalLM(hf_config_from_gpt(cfg))
+    hf_params = sum(p.numel() for p in hf.parameters())
+    assert param_count(dataclasses.replace(cfg, mtp_depths=0))["total"] == hf_params == 15_527_984_896
+    assert param_count(cfg)["total"] > hf_params  # + the MTP depth
+    back = config_from_hf(hf.config, seq_len=cfg.seq_len)
+    assert back.attention == "mla" and (back.router_groups, back.router_topk_groups) == (8, 4)
+    assert (back.num_experts, back.top_k, back.moe_first_dense, back.router_scaling_factor) == (64, 8, 1, 2.5)
+    run = composed(
+        "+model=deepseek_v3_16b",
+        "parallel.ep=8",
+        "optim.zero=1",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=16",
+        "trainer.precision=bf16",
+        "trainer.recompute=selective",
+        "trainer.device=cuda",
+    )
+    run, _ = run.with_precision_for("cuda", True)
+    par, micro, _ = check_run_config(run, 8, 8)
+    _dry_run(run, par, DistEnv(8, 0, 0, 8, torch.device("cuda", 0), 1), tmp_path, micro, run.execution("torch"))
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert len(plan["ranks"]) == 8
+    for r in plan["ranks"]:
+        assert 0 < r["memory"]["bytes"]["total"] < 80 * 2**30, r["memory"]["bytes"]["total"] / 2**30
+    tiny = preset("deepseek_v3_tiny")
+    assert hf_family(tiny) == "deepseek_v3" and tiny.mtp_depths == 1 and param_count(tiny)["total"] < 500_000
+
+
+@pytest.mark.timeout(120)
+def test_deepseek_v3_tiny_trains_on_cpu(tmp_path):
+    out = _run(
+        ["+model=deepseek_v3_tiny", "trainer.max_steps=3", "trainer.log_every=1", "trainer.eval_every=0"]
+        + ["trainer.progress=false", "trainer.device=cpu", f"hydra.run.dir={tmp_path}"],
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert all(r["mtp_loss"] > 0 for r in records)
