@@ -18,6 +18,8 @@
 #                                       # tests, and the packed-document attention figures
 #   bash bench/gpu_session.sh rehearse  # THERE, the same way: issue 38's ranks of big layouts
 #                                       # rehearsed on one GPU beside the planner (see "rehearse")
+#   bash bench/gpu_session.sh moe_experts  # THERE, the same way: issue 40's many small experts
+#                                       # beside 8 large ones, one MoE layer (see "moe_experts")
 #
 # Steps, most wanted first (issue 12's open target is the MoE block against Mixtral on a GPU),
 # each under `timeout` so that a slow one cannot take the rest's time; the whole run keeps to
@@ -101,6 +103,16 @@
 # bench/rehearse_gpu.py's CPU rehearsal (tiny shapes, fp32; under a minute).
 # GPU_SESSION_REHEARSE_ARGS adds bench/rehearse_gpu.py options (e.g. "--card-ranks 0,7"):
 #   OUT=/tmp/out bash bench/gpu_session.sh rehearse
+#
+# moe_experts: issue 40's sweep within GPU_SESSION_BUDGET seconds (default 150: ~60 s measuring
+# plus the install): bench/moe_many_experts.py, one MoE layer forward + backward in bf16 with
+# kernels.backend=auto at hidden 2048, 8,192 tokens: 8 experts of 3072 top-2 beside 64 / 128 / 256
+# experts of 768 top-8 (Qwen3-30B-A3B's experts; equal active FLOPs per token): per-token time,
+# host ops per layer, nested ops, grouped-GEMM share (kernel time) ->
+#   $OUT/results/gpu/<UTC date>-<device>-moe-experts.json   -> copy into bench/results/gpu/ and commit
+# Without CUDA it runs the script's --cpu-rehearsal (tiny sizes, fp32; seconds).
+# GPU_SESSION_MOE_EXPERTS_ARGS adds bench/moe_many_experts.py options (e.g. "--rounds 5"):
+#   OUT=/tmp/out bash bench/gpu_session.sh moe_experts
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -436,6 +448,36 @@ rehearse() {
     [ -z "$failed" ]
 }
 
+moe_experts() {
+    local out="${OUT:?set OUT to the folder that receives the results}"
+    local budget="${GPU_SESSION_BUDGET:-150}" start=$SECONDS log="$out/log.txt" results="$out/results/gpu" left rc
+    mkdir -p "$out"
+    export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+    unset TRITON_INTERPRET
+    install "$log" || return 1
+    local cuda extra=() more=()
+    read -r -a more <<<"${GPU_SESSION_MOE_EXPERTS_ARGS:-}"  # more bench/moe_many_experts.py options
+    cuda=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>>"$log")
+    if [ "$cuda" = "1" ]; then
+        extra=(--device cuda --dtype bf16 --kernels auto)
+    else
+        extra=(--cpu-rehearsal)
+        echo "no CUDA: bench/moe_many_experts.py's CPU rehearsal (tiny sizes, fp32)" | tee -a "$log"
+    fi
+    env_info >>"$log" 2>&1  # in the log: the device tool returns at most 8 files
+    left=$((budget - (SECONDS - start)))
+    if [ "$left" -lt 30 ]; then
+        echo "== moe_experts: skipped, ${left}s of the budget left" | tee -a "$log"
+        return 1
+    fi
+    echo "== moe_experts (up to ${left}s): bench/moe_many_experts.py ${extra[*]} ${more[*]}" | tee -a "$log"
+    timeout --kill-after=5 "$left" python3 bench/moe_many_experts.py "${extra[@]}" --out-dir "$results" "${more[@]}" \
+        2>&1 | grep -v '^USDT' | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    echo "== moe_experts: exit $rc after $((SECONDS - start))s" | tee -a "$log"
+    [ "$rc" = 0 ]
+}
+
 case "${1:-}" in
     fetch) fetch ;;
     run) run ;;
@@ -443,5 +485,6 @@ case "${1:-}" in
     peers) peers ;;
     checks) checks ;;
     rehearse) rehearse ;;
-    *) echo "usage: bench/gpu_session.sh fetch|run|kernels|peers|checks|rehearse   (see the comment at the top)" >&2; exit 2 ;;
+    moe_experts) moe_experts ;;
+    *) echo "usage: bench/gpu_session.sh fetch|run|kernels|peers|checks|rehearse|moe_experts   (see the comment at the top)" >&2; exit 2 ;;
 esac

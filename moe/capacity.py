@@ -45,18 +45,13 @@ def capacity_keep_mask(topk_idx: torch.Tensor, num_experts: int, capacity: int, 
     if topk_idx.dim() != 3:
         raise ValueError(f"topk_idx must be [s_local, b, k], got shape {tuple(topk_idx.shape)}")
     s, b, k = topk_idx.shape
-    E = num_experts
-    # one-hot per choice; positions before t within this shard, per (sample, expert)
-    before_local = []  # k x [s, b, E]
-    counts = []  # k x [b, E]
-    for j in range(k):
-        # scatter instead of F.one_hot: no device-side index check, so no host sync on GPU
-        hot = torch.zeros(s, b, E, dtype=torch.int64, device=topk_idx.device)
-        hot.scatter_(-1, topk_idx[:, :, j : j + 1], 1)  # [s, b, E]
-        cum = hot.cumsum(dim=0)
-        before_local.append(cum - hot)
-        counts.append(cum[-1] if s > 0 else hot.sum(dim=0))
-    counts_local = torch.stack(counts, dim=1)  # [b, k, E]
+    # One-hot of every choice at once, [s, b, k, E] (no loop over the k choices: the layer's op
+    # count does not grow with top_k or the expert count); scatter instead of F.one_hot: no
+    # device-side index check, so no host sync on GPU.
+    idx = topk_idx.unsqueeze(-1)  # [s, b, k, 1]
+    hot = torch.zeros(s, b, k, num_experts, dtype=torch.int64, device=topk_idx.device).scatter_(-1, idx, 1)
+    cum = hot.cumsum(dim=0)  # pairs up to and including t within this shard, per (sample, choice, expert)
+    counts_local = cum[-1] if s > 0 else hot.sum(dim=0)  # [b, k, E]
 
     gathered = all_gather_stats(counts_local, seq_group)  # [W, b, k, E], rank order
     rank = group_rank(seq_group)
@@ -64,12 +59,11 @@ def capacity_keep_mask(topk_idx: torch.Tensor, num_experts: int, capacity: int, 
     earlier_choices = total.cumsum(dim=1) - total  # choices j' < j, all ranks
     lower_ranks = gathered[:rank].sum(dim=0)  # choice j, positions on lower ranks
     offset = earlier_choices + lower_ranks  # [b, k, E]
-
-    keep = torch.empty(s, b, k, dtype=torch.bool, device=topk_idx.device)
-    for j in range(k):
-        pos = before_local[j] + offset[:, j].unsqueeze(0)  # [s, b, E]
-        keep[:, :, j] = pos.gather(-1, topk_idx[:, :, j : j + 1]).squeeze(-1) < capacity
-    return keep
+    # each pair's rank among its (sample, expert)'s pairs, read at its own expert only: the
+    # pairs before t in this shard (its own one-hot is the 1 taken off) plus the offset
+    before = cum.gather(-1, idx).squeeze(-1) - 1  # [s, b, k]
+    pos = before + offset.unsqueeze(0).expand(s, b, k, num_experts).gather(-1, idx).squeeze(-1)
+    return pos < capacity
 
 
 def capacity_keep_mask_cp(topk_idx: torch.Tensor, num_experts: int, capacity: int, mesh) -> torch.Tensor:
