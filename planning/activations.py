@@ -201,7 +201,12 @@ class _CudaKernels(TorchFunctionMode):
             if dv != q.shape[-1]:  # MLA's narrower v: CUDA's memory-efficient kernel saves the same out + lse
                 v = F.pad(v, (0, q.shape[-1] - dv))
             out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False), scale=kwargs.get("scale")
+                q,
+                k,
+                v,
+                kwargs.get("dropout_p", 0.0),
+                is_causal=kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"),
             )
             return out[..., :dv] if dv != q.shape[-1] else out
         if func is F.dropout:

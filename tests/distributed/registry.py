@@ -11,6 +11,7 @@ CASE_MODULES = (
     "tests.distributed.dense_cases",
     "tests.distributed.mpu_cases",
     "tests.distributed.moe_cases",
+    "tests.distributed.moe_fine_cases",
     "tests.distributed.moe_dispatch_cases",
     "tests.distributed.pipeline_cases",
     "tests.distributed.zero_cases",
