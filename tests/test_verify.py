@@ -68,6 +68,63 @@ def test_correct_layouts_pass(overrides, world):
     assert "PASS:" in out.stdout.splitlines()[-1]
 
 
+# DeepSeek-V3's features on moe_tiny by overrides: latent attention (q latent, v wider than
+# nope), 64 experts top-8 in 4 of 8 groups (shrunk to 16), sigmoid scores scaled by 2.5, the
+# aux-free bias, a shared expert, the first layer dense, two MTP depths.
+DEEPSEEK_OVERRIDES = [
+    "+model=moe_tiny",
+    "model.num_kv_heads=4",
+    "+model.attention=mla",
+    "+model.q_lora_rank=24",
+    "+model.kv_lora_rank=16",
+    "+model.qk_nope_head_dim=8",
+    "+model.qk_rope_head_dim=4",
+    "+model.v_head_dim=12",
+    "model.num_experts=64",
+    "model.top_k=8",
+    "model.moe_every=1",
+    "+model.moe_first_dense=1",
+    "model.router_score=sigmoid",
+    "model.router_groups=8",
+    "model.router_topk_groups=4",
+    "+model.router_scaling_factor=2.5",
+    "model.router_bias_update_rate=0.001",
+    "model.aux_loss_scope=sequence",
+    "+model.mtp_depths=2",
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "overrides, kept",
+    [
+        (
+            [*DEEPSEEK_OVERRIDES, "parallel.tp=2", "parallel.ep=2"],
+            ["mla (q_lora_rank=8", "v=12", "experts=16 top_k=8", "layers DE", "groups=8 topk_groups=4", "mtp_depths=2"],
+        ),
+        (
+            [
+                "+model=qwen3_tiny",
+                "+model.rope_scaling={rope_type:yarn,factor:4.0,original_max_position_embeddings:32}",
+                "parallel.tp=2",
+                "parallel.sp=true",
+            ],
+            ["kv_channels=16 (hidden/heads=8) qk_norm", "(bands: kept, mixed, scaled)"],
+        ),
+    ],
+    ids=["mla-deepseek-routing-mtp-tp2-ep2", "qwen3-yarn-tp2-sp"],
+)
+def test_model_families_pass(overrides, kept):
+    """The shrunk model keeps the family's features (printed) and the layout equals one process,
+    MTP losses and depths' activations included (one step: the features, not the trajectory)."""
+    out = verify(*overrides, "--steps", "1", timeout=100)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    shrunk = next(line for line in out.stdout.splitlines() if line.startswith("shrunk model: "))
+    for feature in kept:
+        assert feature in shrunk, shrunk
+    assert "PASS:" in out.stdout.splitlines()[-1]
+
+
 @pytest.mark.timeout(180)
 def test_injected_fault_is_named():
     """Norm weights' gradients summed over the wrong group (tp instead of their data replicas):

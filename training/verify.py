@@ -15,7 +15,18 @@ What it does (`main`):
    counts kept divisible by tp (and by cp for cp_comm=a2a), head dim 8, hidden = heads * 8,
    the ffn ratios kept (rounded to multiples of tp / etp), vocabulary 200 (never a multiple
    of 128*tp, so the padded vocabulary is exercised), seq_len 16 rounded to what sp/cp
-   need, dropout 0. The shrunk model is printed.
+   need, dropout 0. The families' features are kept, scaled alike: kv_channels as many
+   times hidden/heads as it was (!= it when it was), qk_norm / qkv_bias / every other flag
+   copied; rope_scaling with original_max_position_embeddings moved to the value nearest its
+   share of seq_len at which the shrunk rope dims fall in as many bands as before (`rope_bands`:
+   kept, mixed, scaled: llama3's three, yarn's ramp); a sliding window that restricts attention
+   stays shorter than the shrunk seq_len (one that does not, stays so); MLA: nope dim 8, the
+   rope dim even in the same ratio (>= 8 under rope scaling), v as wide as nope or not, the
+   latent ranks scaled (q_lora_rank null stays null); more than max(16, 2 top_k) experts cut to
+   that (router_groups and router_topk_groups kept, so top_k // topk_groups too, a multiple of
+   ep), shared_ffn_hidden_size scaled (multiple of tp); moe_first_dense / moe_dense_layers
+   mapped onto the shrunk layers, layers added until the dense / MoE mix of the original is
+   kept; mtp_depths kept up to 2. The shrunk model is printed with them.
 3. Runs the layout in `world` gloo processes (this module's `--worker` mode, rendezvous
    through a FileStore in a temporary directory, OMP_NUM_THREADS=1, a gloo timeout on every
    collective and a wall-clock limit on the whole run) and, meanwhile, the serial reference
@@ -28,9 +39,11 @@ What it does (`main`):
    microbatch j of every dp rank concatenated (global). Synthetic tokens rather than the run's
    text: the shrunk vocabulary is below the byte tokenizer's 256, and no data set is read.
 4. Records per step, on every rank: every watched module's forward output per microbatch
-   (embed, layers.N.{norm1,attn,norm2,mlp}, layers.N, final_norm and the logits), all-gathered
+   (embed, layers.N.{norm1,attn,norm2,mlp}, layers.N, final_norm, the logits and, with MTP,
+   each depth's embedding mtp.K.embed, output mtp.K and norm mtp.K.norm), all-gathered
    over what shards it (the sequence over tp under SP, over cp with context parallelism; the
-   logits' vocabulary over tp, padding dropped); the loss (and MoE aux/z-loss); every
+   logits' vocabulary over tp, padding dropped); the loss (and MoE aux/z-loss, the MTP loss
+   and each depth's); every
    parameter's full gradient after the data-parallel reduction and before clipping
    (all-gathered over its `shards`, tp/ep/etp; from the ZeRO-2/3 bucket shards where the
    gradients are sharded); the gradient norm; every full weight after the update (and MoE
@@ -123,7 +136,7 @@ SHRUNK_SEQ = 16
 HEAD_DIM = 8
 PACKED_EOS = 1
 FAULTS = ("grad-group", "grad-skip")
-_WATCHED = re.compile(r"^(embed|final_norm|layers\.\d+(\.(norm1|attn|norm2|mlp))?)$")
+_WATCHED = re.compile(r"^(embed|final_norm|layers\.\d+(\.(norm1|attn|norm2|mlp))?|mtp\.\d+(\.norm)?)$")
 _FAULT_TARGET = re.compile(r"norm\d?\.weight$")
 
 
@@ -142,6 +155,111 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _even(n: int) -> int:
+    """`n` rounded up to an even number, at least 2 (RoPE turns pairs of dims)."""
+    return max(2, n + n % 2)
+
+
+def _head_changes(cfg: GPTConfig, rope_scaled: bool) -> dict:
+    """Head widths beside HEAD_DIM: kv_channels as many times hidden / heads as it was (and
+    != it when it was), MLA's nope dim HEAD_DIM, its rope dim even and in the same ratio (at
+    least 4 frequencies under rope scaling, so that every band can occur), v as wide as nope
+    or not as it was."""
+    if cfg.attention == "mla":
+        nope = HEAD_DIM
+        rope = _even(round(cfg.qk_rope_head_dim / cfg.qk_nope_head_dim * nope))
+        if rope_scaled:
+            rope = max(rope, HEAD_DIM)
+        v = max(1, round(cfg.v_head_dim / cfg.qk_nope_head_dim * nope))
+        if v == nope and cfg.v_head_dim != cfg.qk_nope_head_dim:
+            v = nope + 2 if cfg.v_head_dim > cfg.qk_nope_head_dim else nope // 2
+        return dict(qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v)
+    if cfg.kv_channels is None:
+        return {}
+    width = cfg.hidden_size / cfg.num_heads
+    channels = _even(round(cfg.kv_channels / width * HEAD_DIM))
+    if channels == HEAD_DIM and cfg.kv_channels * cfg.num_heads != cfg.hidden_size:
+        channels = 2 * HEAD_DIM if cfg.kv_channels > width else HEAD_DIM // 2
+    return {"kv_channels": channels}
+
+
+def rope_bands(cfg: GPTConfig) -> set[str]:
+    """Which bands of `cfg.rope_scaling` its rope dims fall in (models/rope.py): "kept" (the
+    plain frequency), "scaled" (divided by factor) and "mixed" (between: llama3's smoothed band,
+    yarn's ramp). Empty without scaling."""
+    from meshtron.models.rope import inverse_frequencies
+
+    if cfg.rope_scaling is None or cfg.position != "rope":
+        return set()
+    plain = inverse_frequencies(cfg.rope_dim, cfg.rope_theta).double()
+    scaled = inverse_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling).double()
+    factor = cfg.rope_scaling["factor"]
+    bands = set()
+    for p, s in zip(plain.tolist(), scaled.tolist()):
+        if math.isclose(s, p, rel_tol=1e-6):
+            bands.add("kept")
+        elif math.isclose(s, p / factor, rel_tol=1e-6):
+            bands.add("scaled")
+        else:
+            bands.add("mixed")
+    return bands
+
+
+def _shrink_rope_scaling(cfg: GPTConfig, small: GPTConfig) -> dict | None:
+    """`cfg.rope_scaling` with original_max_position_embeddings scaled to the shrunk model:
+    the value nearest (in ratio) to the original's share of seq_len at which the shrunk rope
+    dims fall in as many bands as the original's did (all three for the usual configs)."""
+    if cfg.rope_scaling is None or cfg.position != "rope":
+        return cfg.rope_scaling
+    original = cfg.rope_scaling["original_max_position_embeddings"]
+    wanted = len(rope_bands(cfg))
+    target = max(original * small.seq_len / cfg.seq_len, 1.0)
+    candidates = {max(1, round(target))} | {round(2 ** (e / 8)) for e in range(8, 8 * 48)}
+    best, best_key = None, None
+    for context in sorted(candidates):
+        scaling = dict(cfg.rope_scaling, original_max_position_embeddings=context)
+        bands = len(rope_bands(dataclasses.replace(small, rope_scaling=scaling)))
+        key = (-min(bands, wanted), abs(math.log(context / target)))
+        if best_key is None or key < best_key:
+            best, best_key = scaling, key
+    if not isinstance(original, int):
+        best["original_max_position_embeddings"] = float(best["original_max_position_embeddings"])
+    return best
+
+
+def _dense_pattern(cfg: GPTConfig, layers: int) -> dict:
+    """moe_first_dense / moe_dense_layers mapped onto `layers` layers (layer i -> i*layers//L;
+    a nonzero first-k stays >= 1 and leaves a layer)."""
+    out: dict = {}
+    if cfg.moe_first_dense:
+        out["moe_first_dense"] = max(1, min(layers - 1, round(cfg.moe_first_dense * layers / cfg.num_layers)))
+    if cfg.moe_dense_layers is not None:
+        out["moe_dense_layers"] = sorted({min(layers - 1, i * layers // cfg.num_layers) for i in cfg.moe_dense_layers})
+    return out
+
+
+def _layer_kinds(cfg: GPTConfig) -> set[bool]:
+    return {cfg.is_moe_layer(i) for i in range(cfg.num_layers)}
+
+
+def _shrink_experts(cfg: GPTConfig, par: ParallelConfig) -> dict:
+    """Fewer experts for fine-grained MoE (above max(16, 2 top_k)): top_k kept, router_groups
+    and router_topk_groups kept (so top_k // topk_groups too) with fewer experts per group (at
+    least top_k // topk_groups, and what top_k needs), the count a multiple of ep."""
+    least = max(16, 2 * cfg.top_k)
+    if cfg.num_experts <= least:
+        return {}
+    if cfg.router_groups:
+        groups, top_groups = cfg.router_groups, cfg.router_topk_groups
+        per_group = max(-(-least // groups), -(-cfg.top_k // top_groups), cfg.top_k // top_groups, 1)
+        per_group = min(per_group, cfg.num_experts // groups)
+        step = par.ep // math.gcd(par.ep, groups)
+        experts = groups * _round_up(per_group, step)
+    else:
+        experts = _round_up(least, par.ep)
+    return {"num_experts": min(experts, cfg.num_experts)}
+
+
 def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, ParallelConfig]:
     """A small model of the same structure for layout `par` (resolved), and `par` with its
     stage_layers scaled alike (module doc, step 2)."""
@@ -153,23 +271,15 @@ def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, Parall
     kv = tp * m
     heads = kv * ratio
     hidden = heads * HEAD_DIM
-    ffn = _round_up(max(1, round(cfg.ffn_hidden_size / cfg.hidden_size * hidden)), tp)
+    width = hidden / cfg.hidden_size
+    ffn = _round_up(max(1, round(cfg.ffn_hidden_size * width)), tp)
     stages = par.pp * par.vpp
-    stage_layers = None
-    if par.stage_layers is not None:
-        g = math.gcd(*par.stage_layers)
-        stage_layers = [n // g for n in par.stage_layers]
-        layers = sum(stage_layers)
-    else:
-        wanted = min(cfg.num_layers, max(2, cfg.moe_every if cfg.is_moe else 1))
-        layers = stages * -(-wanted // stages)
     vocab = min(cfg.vocab_size, SHRUNK_VOCAB)
     if vocab % 128 == 0:  # keep vocab % (128*tp) != 0: the padded rows must be exercised
         vocab -= 1
     seq_multiple = math.lcm(tp if par.sp else 1, 2 * cp if cp > 1 else 1)
     seq = _round_up(min(cfg.seq_len, SHRUNK_SEQ), seq_multiple)
     changes = dict(
-        num_layers=layers,
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv,
@@ -179,24 +289,84 @@ def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, Parall
         dropout=0.0,
         attention_dropout=None,
         hf_router_fields=None,
+        mtp_depths=min(cfg.mtp_depths, 2),
+        **_head_changes(cfg, cfg.rope_scaling is not None),
     )
+    if cfg.attention == "mla":
+        changes["kv_lora_rank"] = max(HEAD_DIM, round(cfg.kv_lora_rank * width))
+        if cfg.q_lora_rank is not None:
+            changes["q_lora_rank"] = max(HEAD_DIM, round(cfg.q_lora_rank * width))
+    if cfg.attention_window is not None:  # a window that restricts attention stays shorter than seq_len
+        changes["sliding_window"] = max(2, min(seq - 1, round(cfg.sliding_window * seq / cfg.seq_len)))
+    elif cfg.sliding_window is not None:
+        changes["sliding_window"] = seq
     if cfg.is_moe:
         multiple = math.lcm(par.etp, tp) if cfg.shared_experts else par.etp
-        changes["moe_ffn_hidden_size"] = _round_up(
-            max(1, round(cfg.moe_ffn_hidden_size / cfg.hidden_size * hidden)), multiple
-        )
-    small = dataclasses.replace(cfg, **changes)
+        changes["moe_ffn_hidden_size"] = _round_up(max(1, round(cfg.moe_ffn_hidden_size * width)), multiple)
+        if cfg.shared_ffn_hidden_size is not None:
+            changes["shared_ffn_hidden_size"] = _round_up(max(1, round(cfg.shared_ffn_hidden_size * width)), tp)
+        changes.update(_shrink_experts(cfg, par))
+    # Layers: the fewest that keep the MoE / dense mix (moe_every, moe_first_dense,
+    # moe_dense_layers) on whole stages; given stage_layers are divided by their gcd, then
+    # multiplied until the mix is kept.
+    kinds = _layer_kinds(cfg)
+    wanted = min(cfg.num_layers, max(2, cfg.moe_every if cfg.is_moe else 1))
+    base = None if par.stage_layers is None else [n // math.gcd(*par.stage_layers) for n in par.stage_layers]
+    for grow in range(1, cfg.num_layers + 1):
+        if base is not None:
+            stage_layers = [n * grow for n in base]
+            layers = sum(stage_layers)
+        else:
+            stage_layers = None
+            layers = stages * -(-(wanted + grow - 1) // stages)
+        small = dataclasses.replace(cfg, num_layers=layers, **changes, **_dense_pattern(cfg, layers))
+        if _layer_kinds(small) >= kinds:
+            break
+    small = dataclasses.replace(small, rope_scaling=_shrink_rope_scaling(cfg, small))
     return small, dataclasses.replace(par, stage_layers=stage_layers)
 
 
 def describe_model(cfg: GPTConfig, par: ParallelConfig) -> str:
-    """One line of the shrunk model's shape."""
-    moe = (
-        f" experts={cfg.num_experts} top_k={cfg.top_k} moe_every={cfg.moe_every} moe_ffn={cfg.moe_ffn_hidden_size}"
-        f" shared_experts={cfg.shared_experts} scope={cfg.aux_loss_scope}"
-        if cfg.is_moe
-        else " dense"
-    )
+    """One line of the shrunk model's shape, with every structural feature it kept."""
+    features = []
+    if cfg.attention == "mla":
+        features.append(
+            f"mla (q_lora_rank={cfg.q_lora_rank} kv_lora_rank={cfg.kv_lora_rank} qk_nope={cfg.qk_nope_head_dim} "
+            f"qk_rope={cfg.qk_rope_head_dim} v={cfg.v_head_dim})"
+        )
+    elif cfg.kv_channels is not None:
+        features.append(f"kv_channels={cfg.kv_channels} (hidden/heads={cfg.hidden_size // cfg.num_heads})")
+    if cfg.qk_norm:
+        features.append("qk_norm")
+    if cfg.qkv_bias != cfg.bias:
+        features.append(f"qkv_bias={cfg.qkv_bias}")
+    if cfg.rope_scaling is not None:
+        bands = ", ".join(sorted(rope_bands(cfg)))
+        features.append(f"rope_scaling={cfg.rope_scaling} (bands: {bands})")
+    if cfg.sliding_window is not None:
+        features.append(f"sliding_window={cfg.sliding_window}")
+    if cfg.mtp_depths:
+        features.append(f"mtp_depths={cfg.mtp_depths} mtp_loss_weight={cfg.mtp_loss_weight}")
+    moe = " dense"
+    if cfg.is_moe:
+        pattern = "".join("E" if cfg.is_moe_layer(i) else "D" for i in range(cfg.num_layers))
+        routing = [f"score={cfg.router_score}"]
+        if cfg.router_groups:
+            routing.append(f"groups={cfg.router_groups} topk_groups={cfg.router_topk_groups}")
+        if cfg.router_scaling_factor != 1.0:
+            routing.append(f"scaling={cfg.router_scaling_factor}")
+        if cfg.router_bias_update_rate:
+            routing.append(f"bias_rate={cfg.router_bias_update_rate}")
+        shared = f"shared_experts={cfg.shared_experts}"
+        if cfg.shared_experts and cfg.shared_ffn_hidden_size is not None:
+            shared += f" shared_ffn={cfg.shared_ffn_hidden_size}"
+        if cfg.shared_expert_gate:
+            shared += " gated"
+        moe = (
+            f" experts={cfg.num_experts} top_k={cfg.top_k} moe_every={cfg.moe_every} layers {pattern}"
+            f" (E: MoE, D: dense) moe_ffn={cfg.moe_ffn_hidden_size} {shared} {' '.join(routing)}"
+            f" scope={cfg.aux_loss_scope}"
+        )
     stages = (
         f" stages {par.stage_layers}"
         if par.stage_layers
@@ -206,7 +376,8 @@ def describe_model(cfg: GPTConfig, par: ParallelConfig) -> str:
         f"{cfg.arch} ({cfg.norm}, {cfg.activation}, {cfg.position} positions, bias={cfg.bias}, "
         f"tied={cfg.tie_embeddings}) layers={cfg.num_layers}{stages} hidden={cfg.hidden_size} "
         f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} (GQA {cfg.num_heads // cfg.num_kv_heads}:1) "
-        f"ffn={cfg.ffn_hidden_size}{moe} vocab={cfg.vocab_size} (padded to {cfg.padded_vocab_size(par.tp)} "
+        + "".join(f"{f} " for f in features)
+        + f"ffn={cfg.ffn_hidden_size}{moe} vocab={cfg.vocab_size} (padded to {cfg.padded_vocab_size(par.tp)} "
         f"at tp={par.tp}) seq={cfg.seq_len} dropout=0 fp32"
     )
 
@@ -330,18 +501,30 @@ class Recorder:
         self.calls: dict[str, int] = defaultdict(int)
         self.records: list[tuple[tuple, tuple | None, torch.Tensor]] = []
         self.handles = []
+        # Multi-token prediction embeds shifted tokens with the chunk's `embed` after the final
+        # norm (models/gpt.py): the j-th such call of a forward is recorded as mtp.j.embed, so
+        # that `embed` stays one call per microbatch on every layout (under pp the last stage's
+        # embedding copy serves only the depths).
+        self.mtp_embeds: dict[int, int | None] = {}
         for chunk in chunks:
             for name, module in chunk.named_modules():
                 if _WATCHED.match(name):
-                    self.handles.append(module.register_forward_hook(self._hook(name)))
+                    self.handles.append(module.register_forward_hook(self._hook(name, chunk)))
             if chunk.post_process:
                 self.handles.append(chunk.logits_out.register_forward_hook(self._hook("logits")))
+            if getattr(chunk, "mtp", None) is not None:
+                self.handles.append(chunk.register_forward_pre_hook(partial(self._mtp_phase, chunk, None)))
+                self.handles.append(chunk.final_norm.register_forward_hook(partial(self._mtp_phase, chunk, 0)))
 
     def start_step(self, step: int) -> None:
         self.step = step
         self.calls.clear()
 
-    def _hook(self, name: str):
+    def _mtp_phase(self, chunk, value, *_) -> None:
+        """A chunk's forward starts (None) or passes its final norm (0: the MTP embeddings follow)."""
+        self.mtp_embeds[id(chunk)] = value
+
+    def _hook(self, name: str, chunk=None):
         from meshtron.mpu.recompute import is_replaying
 
         def hook(module, args, output):
@@ -350,10 +533,15 @@ class Recorder:
             # Recomputation replays forwards inside backward: only the first forward counts.
             if is_replaying() or torch._C._current_graph_task_id() != -1 or not torch.is_tensor(output):
                 return
-            index = self.calls[name]
-            self.calls[name] += 1
+            key = name
+            depth = self.mtp_embeds.get(id(chunk)) if name == "embed" else None
+            if depth is not None:
+                key = f"mtp.{depth}.embed"
+                self.mtp_embeds[id(chunk)] = depth + 1
+            index = self.calls[key]
+            self.calls[key] += 1
             microbatch, rows = self.where(index)
-            self.records.append((("act", self.step, name, microbatch), rows, self._full_activation(name, output)))
+            self.records.append((("act", self.step, key, microbatch), rows, self._full_activation(key, output)))
 
         return hook
 
@@ -401,13 +589,19 @@ class Recorder:
             self.records.append((("grad", self.step, name), None, full.float().clone()))
 
     def record_step(self, out: StepResult) -> None:
-        """Loss terms (aux and z-loss: MoE only), gradient norm and every full weight (and expert
+        """Loss terms (aux and z-loss: MoE only; the MTP loss and each depth's), gradient norm and every full weight (and expert
         bias) after the update."""
         from meshtron.dp import zero3
 
-        for key, value in (("loss", out.loss), ("aux_loss", out.aux_loss), ("z_loss", out.z_loss)):
+        for key, value in (
+            ("loss", out.loss),
+            ("aux_loss", out.aux_loss),
+            ("z_loss", out.z_loss),
+            ("mtp_loss", getattr(out, "mtp_loss", None)),
+            ("mtp_depth_losses", getattr(out, "mtp_depth_losses", None)),
+        ):
             if value is not None:
-                self.records.append((("loss", self.step, key), None, value.detach().float().reshape(1).clone()))
+                self.records.append((("loss", self.step, key), None, value.detach().float().reshape(-1).clone()))
         self.records.append(
             (("grad_norm", self.step, "grad_norm"), None, out.grad_norm.detach().float().reshape(1).clone())
         )
