@@ -136,11 +136,6 @@ def layout_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
         ),
         *pipeline_checks(par, cfg),
         (
-            par.cp == 1 or par.cp_comm == "a2a" or getattr(cfg, "attention_window", None) is None,
-            f"model.sliding_window={getattr(cfg, 'sliding_window', None)} (shorter than model.seq_len) needs "
-            f"parallel.cp=1 or parallel.cp_comm=a2a (got cp={par.cp}, cp_comm={par.cp_comm}): the ring has no window",
-        ),
-        (
             par.cp == 1 or getattr(cfg, "attention", "mha") != "mla",
             f"model.attention=mla needs parallel.cp=1 (got cp={par.cp}): latent attention is not split over "
             f"context parallelism yet",

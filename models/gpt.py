@@ -166,7 +166,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.mesh, self.selective = cfg, mesh, selective
         self.backend = backend  # packed documents' attention (mpu/document_attention.py)
-        # Mistral's sliding window when it restricts (< seq_len): cp = 1 or cp_comm=a2a, not varlen
+        # Mistral's sliding window when it restricts (< seq_len): any cp, not varlen
         self.window = cfg.attention_window
         raise_first(sliding_window_checks(backend, self.window, mesh.cp_size, mesh.par.cp_comm), ConfigError)
         self.head_dim = cfg.head_dim
@@ -228,7 +228,7 @@ class Attention(nn.Module):
         `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s] (the whole
         sequence's, on every cp rank) restricts attention to each packed document, by the
         backend `self.backend` picks (`mpu.document_attention`: no dense mask where it can).
-        A sliding window (`self.window`; cp = 1 or the all-to-all cp) limits query i to keys i - w < j <= i,
+        A sliding window (`self.window`; any cp: the ring masks its tiles) limits query i to keys i - w < j <= i,
         through `document_attention` too (dense mask on the CPU, FlexAttention on CUDA); a
         sequence no longer than the window is plain causal attention."""
         p = self.cfg.attention_dropout_p if self.training else 0.0

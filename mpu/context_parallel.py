@@ -168,7 +168,7 @@ def _wait(reqs) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, docs, group, scale, stats, flash):
+    def forward(ctx, q, k, v, docs, group, scale, stats, flash, window):
         ring = _Ring(group)
         cp, rank = ring.size, ring.rank
         c = q.shape[2] // 2
@@ -200,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
                         kv[0][:, :, : n * c],
                         kv[1][:, :, : n * c],
                         scale=scale,
-                        mask=_block_mask(pos, docs, qa, kcs, causal, c),
+                        mask=_block_mask(pos, docs, qa, kcs, causal, c, window),
                     )
                 out[:, :, rows], lse[:, :, rows] = merge_blocks(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
                 if stats is not None:
@@ -210,7 +210,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_next
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.group, ctx.scale, ctx.stats, ctx.flash = group, scale, stats, flash
+        ctx.group, ctx.scale, ctx.stats, ctx.flash, ctx.window = group, scale, stats, flash, window
         return out
 
     @staticmethod
@@ -248,7 +248,7 @@ class _RingAttention(torch.autograd.Function):
                         diagonal_chunk=c if causal else None,
                     )
                 else:
-                    mask = _block_mask(pos, docs, qa, chunk_ids(cp, src)[:n], causal, c)
+                    mask = _block_mask(pos, docs, qa, chunk_ids(cp, src)[:n], causal, c, ctx.window)
                     dq_a, dk, dv = attention_block_backward(
                         q_a,
                         k_n,
@@ -278,20 +278,31 @@ class _RingAttention(torch.autograd.Function):
             dkv_reqs = ring.start(mine, dkv, tag=1)
         if cp > 1:
             _wait(dkv_reqs)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def _block_mask(
-    pos: list[torch.Tensor], docs: torch.Tensor | None, q_chunk: int, kv_chunks, causal: bool, c: int
+    pos: list[torch.Tensor],
+    docs: torch.Tensor | None,
+    q_chunk: int,
+    kv_chunks,
+    causal: bool,
+    c: int,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """Mask of one q chunk against kv chunks (global indices): causal only on a diagonal pair,
-    the document mask wherever documents are given (`docs`: full-sequence ids [b, s])."""
+    the document mask wherever documents are given (`docs`: full-sequence ids [b, s]), and a
+    sliding `window` (query i sees keys i - window < j) on every pair."""
     k_pos = torch.cat([pos[g] for g in kv_chunks])
     q_doc = k_doc = None
     if docs is not None:
         q_doc = docs[:, q_chunk * c : (q_chunk + 1) * c]
         k_doc = torch.cat([docs[:, g * c : (g + 1) * c] for g in kv_chunks], dim=1)
-    return attention_mask(pos[q_chunk] if causal else None, k_pos if causal else None, q_doc, k_doc)
+    mask = attention_mask(pos[q_chunk] if causal else None, k_pos if causal else None, q_doc, k_doc)
+    if window is None:
+        return mask
+    near = (pos[q_chunk][:, None] - k_pos[None, :] < window)[None, None]
+    return near if mask is None else mask & near
 
 
 def _sequence_docs(doc_ids: torch.Tensor | None, sequence_doc_ids: torch.Tensor | None, group) -> torch.Tensor | None:
@@ -313,6 +324,7 @@ def ring_attention(
     stats: RingStats | None = None,
     sequence_doc_ids: torch.Tensor | None = None,
     blocks: str = "auto",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal (and, with `doc_ids`, document-masked) attention of this rank's load-balanced
     shard q [b, h, s/cp, d] over the whole sequence, kv [b, hkv, s/cp, d] passed around the ring
@@ -325,11 +337,12 @@ def ring_attention(
     if blocks not in RING_BLOCKS:
         raise ValueError(f"ring attention blocks={blocks!r} is unknown; use one of {', '.join(RING_BLOCKS)}")
     docs = _sequence_docs(doc_ids, sequence_doc_ids, group)
-    if blocks == "flash" and docs is not None:
-        raise ValueError("ring attention blocks='flash' takes no document mask; use 'tiles' or 'auto'")
-    flash = blocks == "flash" or (blocks == "auto" and flash_blocks_apply(q, docs is not None))
+    masked = docs is not None or window is not None
+    if blocks == "flash" and masked:
+        raise ValueError("ring attention blocks='flash' takes no document mask or window; use 'tiles' or 'auto'")
+    flash = blocks == "flash" or (blocks == "auto" and flash_blocks_apply(q, masked))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, docs, group, scale, stats, flash)
+    return _RingAttention.apply(q, k, v, docs, group, scale, stats, flash, window)
 
 
 # ----------------------------------------------------------------- all-to-all (Ulysses)
@@ -412,7 +425,7 @@ def context_parallel_attention(
     or `sequence_doc_ids` [b, s] (the whole sequence, as the model holds it); a2a runs them by
     `attention_backend` (`mpu.document_attention`), ring by its own blocks (auto or dense only).
     `dropout_p` > 0 is not supported with context parallelism (raises); a sliding `window`
-    (a2a only) limits query i to keys i - window < j <= i."""
+    limits query i to keys i - window < j <= i (the ring: in its score tiles)."""
     if dropout_p > 0:
         raise ValueError(
             f"attention dropout {dropout_p} is not supported with context parallelism (set model.attention_dropout=0)"
@@ -422,7 +435,5 @@ def context_parallel_attention(
     if comm == "ring":
         if attention_backend not in ("auto", "dense"):
             raise ValueError(f"attention backend {attention_backend!r} applies to cp_comm=a2a, not ring")
-        if window is not None:
-            raise ValueError(f"a sliding window ({window}) needs cp_comm=a2a: the ring has none")
-        return ring_attention(q, k, v, group, scale=scale, stats=stats, **docs)
+        return ring_attention(q, k, v, group, scale=scale, stats=stats, window=window, **docs)
     return ulysses_attention(q, k, v, group, scale=scale, attention_backend=attention_backend, window=window, **docs)

@@ -140,8 +140,8 @@ def attention_backend_checks(
 ) -> list[Check]:
     """The run rules of `trainer.attention_backend` (device_type None: not known yet, checked
     again once resolved): varlen and flex only where they run and where they are used; a
-    `sliding_window` (GPTConfig.attention_window: model.sliding_window < seq_len) neither
-    with the ring context parallelism nor with varlen."""
+    `sliding_window` (GPTConfig.attention_window: model.sliding_window < seq_len) not with
+    varlen."""
     window = sliding_window_checks(backend, sliding_window, cp, cp_comm)
     if backend not in ("flex", "varlen"):
         return window
@@ -177,21 +177,15 @@ def attention_backend_checks(
 
 
 def sliding_window_checks(backend: str, sliding_window: int | None, cp: int, cp_comm: str = "a2a") -> list[Check]:
-    """A sliding window (None: none, or one >= the sequence) runs at cp=1 or with the all-to-all
-    context parallelism (each rank attends over whole sequences), not the ring, and not with the
-    varlen backend."""
+    """A sliding window (None: none, or one >= the sequence) runs at any cp (the all-to-all
+    through these backends, the ring in its score tiles), not with the varlen backend."""
     if sliding_window is None:
         return []
-    what = f"model.sliding_window={sliding_window}"
     return [
         (
-            cp == 1 or cp_comm == "a2a",
-            f"{what} (shorter than model.seq_len) needs parallel.cp=1 or parallel.cp_comm=a2a (the ring has no "
-            f"sliding window; got parallel.cp={cp}, cp_comm={cp_comm})",
-        ),
-        (
             backend != "varlen",
-            f"{what} (shorter than model.seq_len) is not in trainer.attention_backend=varlen; use auto, flex or dense",
+            f"model.sliding_window={sliding_window} (shorter than model.seq_len) is not in "
+            f"trainer.attention_backend=varlen; use auto, flex or dense",
         ),
     ]
 

@@ -4,19 +4,17 @@ Tiny random transformers models load into meshtron with transformers' logits (ma
 <= 1e-5; measured <= 2.4e-7), configs round-trip import -> export -> import, the window composes
 with packed documents (transformers run on each document alone is the reference, and the
 attention core equals an explicit-mask softmax), and what meshtron does not run with a window
-(the ring's parallel.cp > 1, trainer.attention_backend=varlen) is refused in one line naming
+(trainer.attention_backend=varlen) is refused in one line naming
 model.sliding_window."""
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
 
 from meshtron.errors import ConfigError
 from meshtron.models.config import ExecutionConfig, GPTConfig
-from meshtron.models.gpt import GPT, Attention
+from meshtron.models.gpt import GPT
 from meshtron.models.rope import inverse_frequencies, rope_attention_factor, rope_tables
 from meshtron.mpu.attention_blocks import document_ids
 from meshtron.mpu.document_attention import (
@@ -214,24 +212,21 @@ def test_window_at_least_the_sequence_is_plain_causal():
 
 
 def test_window_refusals_are_one_line_naming_the_field():
-    """The ring cp (cp > 1, cp_comm=ring) and the varlen backend: at config time
-    (attention_backend_checks), when the model is built, and in the backend pick; the a2a cp
-    (whole sequences per rank) takes the window."""
+    """The varlen backend has no window: refused at config time (attention_backend_checks),
+    when the model is built, and in the backend pick; context parallelism takes it (the
+    all-to-all through these backends, the ring in its score tiles)."""
     common = dict(device_type=None, precision="bf16", attention_dropout=0.0)
-    for backend, cp, comm in (("auto", 2, "ring"), ("dense", 2, "ring"), ("varlen", 1, "a2a")):
-        checks = attention_backend_checks(backend, cp=cp, cp_comm=comm, sliding_window=WINDOW, **common)
-        failed = [msg for ok, msg in checks if not ok]
-        assert failed and failed[0].startswith(f"model.sliding_window={WINDOW}") and "\n" not in failed[0]
-    assert all(ok for ok, _ in attention_backend_checks("flex", cp=1, cp_comm="a2a", sliding_window=WINDOW, **common))
-    assert all(ok for ok, _ in attention_backend_checks("auto", cp=2, cp_comm="a2a", sliding_window=WINDOW, **common))
-    assert all(ok for ok, _ in attention_backend_checks("auto", cp=2, cp_comm="ring", sliding_window=None, **common))
+    checks = attention_backend_checks("varlen", cp=1, cp_comm="a2a", sliding_window=WINDOW, **common)
+    failed = [msg for ok, msg in checks if not ok]
+    assert failed and failed[0].startswith(f"model.sliding_window={WINDOW}") and "\n" not in failed[0]
+    for backend, cp, comm in (("flex", 1, "a2a"), ("auto", 2, "a2a"), ("auto", 2, "ring"), ("dense", 2, "ring")):
+        assert all(
+            ok for ok, _ in attention_backend_checks(backend, cp=cp, cp_comm=comm, sliding_window=WINDOW, **common)
+        )
     cfg = mhf.config_from_hf(hc.hf_config("mistral", **WINDOW_KW["mistral"]))
-    ring = types.SimpleNamespace(cp_size=2, par=types.SimpleNamespace(cp_comm="ring"))
-    with pytest.raises(ConfigError, match=rf"^model\.sliding_window={WINDOW} .*cp_comm=a2a") as err:
-        Attention(cfg, ring)
-    assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match=rf"^model\.sliding_window={WINDOW} .*varlen"):
+    with pytest.raises(ConfigError, match=rf"^model\.sliding_window={WINDOW} .*varlen") as err:
         GPT(cfg, single_process_mesh(), execution=ExecutionConfig(attention_backend="varlen"))
+    assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=rf"'varlen' has no sliding window \(model\.sliding_window={WINDOW}\)"):
         pick_backend("varlen", "cuda", torch.bfloat16, 0.0, True, WINDOW)
     assert pick_backend("auto", "cuda", torch.bfloat16, 0.0, True, WINDOW) == "flex"

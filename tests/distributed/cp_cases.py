@@ -98,7 +98,7 @@ def ring_flash_blocks_equal_full_attention() -> None:
             q, q, q, dist.group.WORLD, sequence_doc_ids=torch.zeros(1, 4 * dist.get_world_size()), blocks="flash"
         )
     except ValueError as e:
-        assert str(e) == "ring attention blocks='flash' takes no document mask; use 'tiles' or 'auto'", str(e)
+        assert str(e) == "ring attention blocks='flash' takes no document mask or window; use 'tiles' or 'auto'", str(e)
     else:
         raise AssertionError("flash blocks with a document mask did not raise")
 

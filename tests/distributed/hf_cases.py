@@ -293,6 +293,13 @@ def mistral_window_cp2_a2a() -> None:
     check("mistral", ParallelConfig(tp=1, cp=2, cp_comm="a2a"), sliding_window=5)
 
 
+def mistral_window_train_cp2_ring() -> None:
+    """The ring's score tiles mask the window (query i sees keys i-5 < j): 4 AdamW steps like
+    transformers, the load-balanced chunks passing keys far outside the window around."""
+    hf = hf_model("mistral", vocab_size=TRAIN_VOCAB, sliding_window=5).train()
+    train_like_transformers(hf, ParallelConfig(tp=1, cp=2, cp_comm="ring"))
+
+
 def mistral_window_train_cp2_a2a() -> None:
     hf = hf_model("mistral", vocab_size=TRAIN_VOCAB, sliding_window=5).train()
     train_like_transformers(hf, ParallelConfig(tp=1, cp=2, cp_comm="a2a"))
@@ -616,6 +623,7 @@ def cases_for_world(world_size: int) -> list[str]:
             "qwen3_moe_train_ep2",
             "mistral_window_cp2_a2a",
             "mistral_window_train_cp2_a2a",
+            "mistral_window_train_cp2_ring",
             "deepseek_v3_tp2_ep2",
             "deepseek_v3_train_tp2_ep2",
             "mistral_pp2",
