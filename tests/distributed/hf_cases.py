@@ -293,6 +293,14 @@ def mistral_window_cp2_a2a() -> None:
     check("mistral", ParallelConfig(tp=1, cp=2, cp_comm="a2a"), sliding_window=5)
 
 
+def mistral_window_tp2() -> None:  # the window mask per position, the heads split over tp
+    check("mistral", ParallelConfig(tp=2), sliding_window=5)
+
+
+def mistral_window_pp2() -> None:
+    check("mistral", ParallelConfig(tp=1, pp=2), sliding_window=5)
+
+
 def mistral_window_train_cp2_ring() -> None:
     """The ring's score tiles mask the window (query i sees keys i-5 < j): 4 AdamW steps like
     transformers, the load-balanced chunks passing keys far outside the window around."""
@@ -624,6 +632,8 @@ def cases_for_world(world_size: int) -> list[str]:
             "mistral_window_cp2_a2a",
             "mistral_window_train_cp2_a2a",
             "mistral_window_train_cp2_ring",
+            "mistral_window_tp2",
+            "mistral_window_pp2",
             "deepseek_v3_tp2_ep2",
             "deepseek_v3_train_tp2_ep2",
             "mistral_pp2",
