@@ -8,6 +8,10 @@ Supported families (transformers 4.40+ and 5.x naming):
     Qwen2    (`Qwen2Config`, `Qwen2ForCausalLM`)        <-> arch="llama", qkv_bias=True (bias=False)
     Qwen3    (`Qwen3Config`, `Qwen3ForCausalLM`)        <-> arch="llama", qk_norm=True (kv_channels: head_dim)
     Mixtral  (`MixtralConfig`, `MixtralForCausalLM`)    <-> arch="llama" with num_experts > 0
+    Qwen2-MoE (`Qwen2MoeConfig`)   <-> MoE + shared_experts=1, shared_ffn_hidden_size, shared_expert_gate
+    Qwen3-MoE (`Qwen3MoeConfig`)   <-> MoE + qk_norm (moe_every / moe_dense_layers: mlp_only_layers)
+    DeepSeek-V3 (`DeepseekV3Config`) <-> attention="mla", sigmoid groups routing, router_scaling_factor,
+                                       moe_first_dense, shared experts, expert_bias (e_score_correction_bias)
 A sliding window (Mistral, Mixtral; Qwen2/Qwen3 with use_sliding_window when every layer
 slides) imports as model.sliding_window (parallel.cp=1, dense or flex attention); rope_scaling
 llama3 and yarn import as model.rope_scaling; Qwen3's QK-norm as model.qk_norm.
