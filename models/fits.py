@@ -135,11 +135,6 @@ def layout_checks(par: ParallelConfig, cfg: ModelShape) -> list[Check]:
             f"sequence parallelism needs tp={par.tp} to divide seq_len={cfg.seq_len}; change model.seq_len or parallel.tp",
         ),
         *pipeline_checks(par, cfg),
-        (
-            par.cp == 1 or getattr(cfg, "attention", "mha") != "mla",
-            f"model.attention=mla needs parallel.cp=1 (got cp={par.cp}): latent attention is not split over "
-            f"context parallelism yet",
-        ),
         (par.vpp == 1 or par.pp > 1, f"parallel.vpp={par.vpp} needs pipeline parallelism (parallel.pp > 1)"),
         *expert_checks(par, cfg),
     ]

@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from meshtron.errors import ConfigError
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import GPT, init_model_chunks
 from meshtron.models.mla import MLAttention, deinterleave_rope_rows, interleave_rope_rows, mla_softmax_scale
@@ -187,13 +186,6 @@ def test_mla_defaults_and_widths():
     assert GPTConfig(arch="llama").rope_dim == GPTConfig(arch="llama").head_dim
     # MLA's heads need not divide hidden_size
     assert mla_config(hidden_size=66, num_heads=4).head_dim == NOPE + ROPE
-
-
-def test_mla_refuses_context_parallelism():
-    cfg = mla_config()
-    mesh = virtual_mesh(ParallelConfig(cp=2), 2, 0)
-    with pytest.raises(ConfigError, match=r"^model.attention=mla needs parallel.cp=1 \(got cp=2\)"):
-        MLAttention(cfg, mesh, device="meta")
 
 
 # --------------------------------------------------------------------------- planner

@@ -204,6 +204,8 @@ LAYOUTS = {
         "gpt2_moe_cp2_ring_ep2": ("gpt2", 2, "ring", {"moe": True, "ep": 2}),
         "qwen3_cp2_ring_docs_selective_recompute": ("qwen3", 2, "ring", {"docs": True, "recompute": "selective"}),
         "llama3_cp2_a2a_docs": ("llama3", 2, "a2a", {"docs": True}),
+        "mla_cp2_ring_docs": ("mla", 2, "ring", {"docs": True}),
+        "mla_cp2_a2a_selective_recompute": ("mla", 2, "a2a", {"recompute": "selective"}),
         "gpt2_moe_cp2_a2a_capacity_sequence_scope": (
             "gpt2",
             2,

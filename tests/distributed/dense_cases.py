@@ -48,6 +48,16 @@ UNFUSED = ExecutionConfig(fused_lm_loss=False)
 FAMILIES = {
     "qwen3": dict(qk_norm=True, kv_channels=12),
     "qwen2": dict(qkv_bias=True),
+    # DeepSeek's multi-head latent attention (q latent 24, kv latent 16, heads 8 + 4 rope wide, v 12)
+    "mla": dict(
+        attention="mla",
+        num_kv_heads=None,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=12,
+    ),
     "llama3": dict(
         rope_theta=100.0,
         rope_scaling={
