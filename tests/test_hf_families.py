@@ -262,3 +262,21 @@ def test_llama_heads_of_their_own_width():
     with torch.no_grad():
         assert (_logits(model, ids) - hf(ids).logits).abs().max().item() <= ATOL
     assert mhf.hf_config_from_gpt(cfg).head_dim == 32 and mhf.config_from_hf(mhf.hf_config_from_gpt(cfg)) == cfg
+
+
+def test_deepseek_v3_mtp_module_in_the_checkpoint_is_ignored():
+    """A DeepSeek-V3 checkpoint's MTP module (model.layers.<num_layers>.*, which transformers
+    does not build either) loads without it; any other unknown tensor is still refused."""
+    hf = hc.hf_model("deepseek_v3")
+    cfg = mhf.config_from_hf(hf.config)
+    state = dict(hf.state_dict())
+    state["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    state["model.layers.3.enorm.weight"] = torch.ones(64)
+    model = GPT(cfg, single_process_mesh()).eval()
+    mhf.load_hf_state_dict(model, state)
+    ids = _ids()
+    with torch.no_grad():
+        assert (_logits(model, ids) - hf(ids).logits).abs().max().item() <= ATOL
+    state["model.layers.1.surprise.weight"] = torch.zeros(2)
+    with pytest.raises(mhf.HFConversionError, match="unexpected tensor model.layers.1.surprise.weight"):
+        mhf.load_hf_state_dict(model, state)

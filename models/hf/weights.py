@@ -338,7 +338,7 @@ def checked_units(cfg: GPTConfig, source: TensorSource) -> list[_Unit]:
             f"missing tensor {missing[0]} in the Hugging Face state dict"
             + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else "")
         )
-    unexpected = sorted(k for k in keys if k not in expected and k not in optional)
+    unexpected = sorted(k for k in keys if k not in expected and k not in optional and not _mtp_key(k, cfg, family))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise HFConversionError(
@@ -354,6 +354,16 @@ def checked_units(cfg: GPTConfig, source: TensorSource) -> list[_Unit]:
     if cfg.tie_embeddings and "lm_head.weight" in keys:
         _check_tied(source, units[0].hf[0], cfg.vocab_size)
     return units
+
+
+def _mtp_key(key: str, cfg: GPTConfig, family: str) -> bool:
+    """A DeepSeek-V3 checkpoint's multi-token-prediction module (model.layers.<i>.* for i >= the
+    model's layers): not imported, as transformers does not build it either (meshtron's
+    model.mtp_depths trains fresh depths)."""
+    if family != "deepseek_v3" or not key.startswith("model.layers."):
+        return False
+    index = key.split(".")[2]
+    return index.isdigit() and int(index) >= cfg.num_layers
 
 
 def _check_tied(source: TensorSource, embed_key: str, rows: int) -> None:
