@@ -385,14 +385,13 @@ def _trace_end_chunk(
     fused_lm_loss: bool = False,
 ) -> SavedTrace:
     """`run(model, saved)` on a layer-less chunk (kind "pre": embeddings; "post": final norm,
-    head and loss, fused or not) built on meta for TP rank `tp_rank`; cached per shape.
-    The multi-token prediction depths (model.mtp_depths) are left out of the trace: their
-    activations are not planned."""
+    head and loss, fused or not, and the multi-token prediction depths with the fused loss)
+    built on meta for TP rank `tp_rank`; cached per shape."""
     from meshtron.models.gpt import GPT
 
     def measure() -> SavedTrace:
         model = GPT(
-            dataclasses.replace(cfg, mtp_depths=0),
+            cfg if kind == "post" and fused_lm_loss else dataclasses.replace(cfg, mtp_depths=0),
             _mesh(cfg, tp, sp, tp_rank, cp, cp_comm),
             device="meta",
             layers=range(0),
@@ -455,9 +454,9 @@ def trace_post(
         targets = torch.zeros(micro_batch_size, cfg.seq_len // cp, dtype=torch.long)
         saved.term = "loss" if fused_lm_loss else "head"
         with saved.hooks():
-            if fused_lm_loss:
+            if fused_lm_loss:  # with the MTP depths (model.mtp_depths), which need the token ids
                 with saved.children_as_terms(model):
-                    model(x, targets=targets)
+                    model(x, targets=targets, mtp_ids=targets if cfg.mtp_depths else None)
             else:
                 with saved.children_as_terms(model):
                     logits = model(x)
