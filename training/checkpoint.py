@@ -359,7 +359,7 @@ class _ChecksummingWriter(dcp.FileSystemWriter):
             raise self.fs.write_error from None
 
 
-def _describe_os_error(err: OSError) -> str:
+def describe_os_error(err: OSError) -> str:
     """'<file>: <cause>' for an OSError (the cause alone when it names no file)."""
     cause = err.strerror or str(err)
     return f"{err.filename}: {cause}" if err.filename else cause
@@ -370,7 +370,7 @@ def _os_error_in(err: CheckpointException) -> str | None:
     when the failures are not I/O errors (programming errors: they keep their traceback)."""
     for rank, (failure, _) in sorted(err.failures.items()):
         if isinstance(failure, OSError):
-            return f"rank {rank}: {_describe_os_error(failure)}"
+            return f"rank {rank}: {describe_os_error(failure)}"
     return None
 
 
@@ -384,7 +384,7 @@ def _on_main_agreed(action, what: str, group="world") -> None:
         try:
             action()
         except OSError as err:
-            error = f"{what}: {_describe_os_error(err)}"
+            error = f"{what}: {describe_os_error(err)}"
         except CheckpointError as err:
             error = f"{what}: {err}"
     error = broadcast_object(error, group)
@@ -722,6 +722,12 @@ def read_meta(path: str | Path) -> dict:
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     meta_path = path / META_FILE
+    if not meta_path.is_file() and _ps_servers(path) is not None:
+        raise CheckpointError(
+            f"{path} is a parameter-server checkpoint (ps_step_N of parallel.dp_mode=ps), not an "
+            f"all-reduce one; resume it with parallel.dp_mode=ps parallel.servers={_ps_servers(path)} "
+            f"checkpoint.resume={path}"
+        )
     if not meta_path.is_file():
         raise CheckpointError(
             f"{path} is not a complete meshtron checkpoint (no {META_FILE}: the save did not "
@@ -753,6 +759,12 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
+def _ps_servers(path: Path) -> int | None:
+    """S when `path` holds a parameter-server checkpoint's `server_s_of_S.pt` files, else None."""
+    counts = [int(m.group(1)) for f in path.iterdir() if (m := re.match(r"^server_\d+_of_(\d+)\.pt$", f.name))]
+    return max(counts) if counts else None
+
+
 def file_crc32(path: Path) -> int:
     """CRC32 of the file at `path`, read in 8 MiB chunks."""
     crc, buffer = 0, bytearray(_READ_CHUNK)
@@ -775,7 +787,7 @@ def check_checkpoint_crcs(path: str | Path) -> dict:
         try:
             crc = file_crc32(path / name)
         except OSError as err:
-            raise CheckpointError(f"checkpoint file {_describe_os_error(err)}") from None
+            raise CheckpointError(f"checkpoint file {describe_os_error(err)}") from None
         if f"{crc:08x}" != entry["crc32"]:
             raise CheckpointError(
                 f"checkpoint file {path / name} is corrupt: its CRC32 is {crc:08x}, "
@@ -784,7 +796,7 @@ def check_checkpoint_crcs(path: str | Path) -> dict:
     return meta
 
 
-def _warn(message: str) -> None:
+def warn_checkpoint(message: str) -> None:
     """Print `meshtron: warning: <message>` on global rank 0 (ranks may not have a process group yet)."""
     if launcher_env()[1] == 0:
         print(f"meshtron: warning: {message}", file=sys.stderr, flush=True)
@@ -799,7 +811,14 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
     if resume == "auto":
         if root is None:
             raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
-        return _newest_intact(list_checkpoints(root))
+        found = list_checkpoints(root)
+        ps = sorted(Path(root).glob("ps_step_*")) if not found and Path(root).is_dir() else []
+        if ps:
+            raise CheckpointError(
+                f"{root} holds parameter-server checkpoints ({len(ps)} ps_step_N folder(s)) and no all-reduce one: resume "
+                "them with parallel.dp_mode=ps, or give this run another checkpoint.dir"
+            )
+        return _newest_intact(found)
     path = Path(resume)
     if _STEP_DIR.match(path.name) is None and path.is_dir():
         found = list_checkpoints(path)  # a checkpoint.dir given as resume: take its newest
@@ -818,10 +837,10 @@ def _newest_intact(found: list[Path]) -> Path | None:
             check_checkpoint_crcs(path)
         except CheckpointError as err:
             problems.append(str(err))
-            _warn(f"skipping checkpoint {path}: {err}")
+            warn_checkpoint(f"skipping checkpoint {path}: {err}")
             continue
         if problems:
-            _warn(f"resuming from the previous checkpoint {path}")
+            warn_checkpoint(f"resuming from the previous checkpoint {path}")
         return path
     if problems:
         raise CheckpointError(
@@ -870,8 +889,8 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
         if k.startswith("model/") and hasattr(v, "size")
     }
     expected = expected_model_shapes(model_cfg)
-    config_diff = _config_diff(meta.get("model", {}), dataclasses.asdict(model_cfg))
-    hint = f" (model config differs from the checkpoint's: {config_diff})" if config_diff else ""
+    differs = config_diff(meta.get("model", {}), dataclasses.asdict(model_cfg))
+    hint = f" (model config differs from the checkpoint's: {differs})" if differs else ""
     for key, shape in expected.items():
         if key not in saved:
             raise CheckpointError(f"checkpoint {path} has no tensor {key[6:]} that the model needs{hint}")
@@ -886,7 +905,7 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
     return meta
 
 
-def _config_diff(saved: dict, current: dict) -> str:
+def config_diff(saved: dict, current: dict) -> str:
     # Keys only one side has (fields added later, or run settings older checkpoints saved with
     # the model: recompute, kernel_backend) are not shape: they never make a difference.
     diffs = [f"{k} {saved[k]!r} -> {current[k]!r}" for k in sorted(current) if k in saved and saved[k] != current[k]]
@@ -965,7 +984,7 @@ def _take_lock(lock: Path) -> dict:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise CheckpointError(f"checkpoint.dir {root} cannot be created: {_describe_os_error(err)}") from None
+        raise CheckpointError(f"checkpoint.dir {root} cannot be created: {describe_os_error(err)}") from None
     record = {
         "pid": os.getpid(),
         "pid_start": _process_start(os.getpid()),
@@ -1008,7 +1027,7 @@ def _create_lock(lock: Path, record: dict) -> bool:
     except FileExistsError:
         return False
     except OSError as err:
-        raise CheckpointError(f"checkpoint.dir {lock.parent} is not writable: {_describe_os_error(err)}") from None
+        raise CheckpointError(f"checkpoint.dir {lock.parent} is not writable: {describe_os_error(err)}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(record, f)

@@ -65,10 +65,14 @@ in-flight pushes are not saved).
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 import math
 import os
+import re
 import signal
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,22 +84,40 @@ from meshtron.dp.adamw import TrainingOptimizer, adamw
 from meshtron.dp.grad_norm import global_grad_norm, scale_to_max_norm
 from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.dp.param_server_comm import PSChannel
-from meshtron.errors import ConfigError
+from meshtron.errors import ConfigError, say_one_line
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
-from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, dim_groups
+from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, collective_device, dim_groups
+from meshtron.training.checkpoint import (
+    CheckpointError,
+    config_diff,
+    describe_os_error,
+    file_crc32,
+    hold_checkpoint_dir,
+    warn_checkpoint,
+)
+from meshtron.training.preemption import StopRequest
 from meshtron.training.run_checks import check_run_config
 
 HEADER = 12
 HELLO, PUSH, DONE = 0.0, 1.0, 2.0
 TAG_HEAD, TAG_BODY, TAG_REPLY_HEAD, TAG_REPLY_BODY = 71, 72, 73, 74
-# push header fields
-P_KIND, P_STEP, P_VERSION, P_TOKENS, P_LOSS, P_FINITE, P_NORM = range(7)
-# reply header fields
-R_VERSION, R_NORM, R_LOSS, R_STALE_MAX, R_STALE_SUM, R_STALE_COUNT, R_BYTES, R_START = range(8)
+# push header fields (P_STOP: this rank caught SIGTERM; on a DONE: the run aborts, nothing saved)
+P_KIND, P_STEP, P_VERSION, P_TOKENS, P_LOSS, P_FINITE, P_NORM, P_STOP = range(8)
+# reply header fields (R_STOP: stop after this step; R_SKIPPED: the update answered was skipped)
+R_VERSION, R_NORM, R_LOSS, R_STALE_MAX, R_STALE_SUM, R_STALE_COUNT, R_BYTES, R_START, R_STOP, R_SKIPPED = range(10)
 
 DELAY_ENV = "MESHTRON_PS_TEST_DELAY"  # test hook: "worker:seconds" sleeps before each of its steps
 KILL_ENV = "MESHTRON_PS_TEST_KILL"  # test hook: "worker:step" SIGKILLs that worker's ranks at that step
+KILL_SERVER_ENV = "MESHTRON_PS_TEST_KILL_SERVER"  # test hook: "server:version" SIGKILLs that server there
+PS_FORMAT = "meshtron-ps-checkpoint"
+_PS_FILE = re.compile(r"^server_(\d+)_of_(\d+)\.pt$")
+# model settings that change no parameter: a ps checkpoint resumes across them
+_RUN_ONLY_MODEL_KEYS = frozenset({"dropout", "attention_dropout", "init_std"})
+
+
+class PSPeerLost(RuntimeError):
+    """A peer of a parameter-server run is gone (one line: which rank, which exchange)."""
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -339,6 +361,11 @@ class ParameterServer:
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.sends: list = []
         self.saved_version = -1
+        self.stop = False  # sticky: a worker rank or this server caught SIGTERM (or a worker aborts)
+        self.abort = False  # a worker stops the run for trainer.max_skipped: nothing is saved
+        self.last_skipped = False
+        self.stopper = StopRequest(enabled=run.checkpoint.dir is not None)
+        self.kill_at = _env_hook(KILL_SERVER_ENV).get(index)
 
     # --- setup
     def setup(self) -> int:
@@ -383,7 +410,11 @@ class ParameterServer:
         start = 0
         resume = resume_dir(self.run.checkpoint, r.servers)
         if resume is not None:
-            start = self._load(resume)
+            try:
+                start = self._load(resume)
+            except CheckpointError as err:  # checked before any group; changed since: one line here
+                say_one_line(f"meshtron: checkpoint error: {err}")
+                raise SystemExit(2) from None
         self.answered = [start] * r.workers
         if self.s > 0:
             self.snapshots[self.version] = [p.clone() for p in self.params]
@@ -394,10 +425,17 @@ class ParameterServer:
 
     def _receive(self) -> tuple[torch.Tensor, int, torch.Tensor]:
         header = torch.empty(HEADER, dtype=torch.float64)
-        src = self.channel.recv_any(header, TAG_HEAD)
-        _, t = self.roles.peer_of(src)
-        body = torch.empty(self.hi[t] - self.lo[t])
-        self.channel.recv(body, src, TAG_BODY)
+        try:
+            src = self.channel.recv_any(header, TAG_HEAD)
+            _, t = self.roles.peer_of(src)
+            body = torch.empty(self.hi[t] - self.lo[t])
+            self.channel.recv(body, src, TAG_BODY)
+        except RuntimeError as err:
+            cause = _cause(err)
+            raise PSPeerLost(
+                f"parameter server {self.index}: a worker rank is gone at version {self.version} ({cause}); "
+                "resume from the last ps_step_N checkpoint with checkpoint.resume=auto"
+            ) from None
         return header, src, body
 
     # --- serving
@@ -409,9 +447,14 @@ class ParameterServer:
             header, src, body = self._receive()
             if header[P_KIND] == DONE:
                 done += 1
+                if header[P_STOP]:  # a worker stopped the run (trainer.max_skipped): no save
+                    self.stop = self.abort = True
+                if self.stop:  # pushes waiting for a stopped worker's clocks: answer them now
+                    self._flush_deferred()
                 continue
             w, t = r.peer_of(src)
             step = int(header[P_STEP])
+            self.stop = self.stop or bool(header[P_STOP])
             if t == 0:
                 self.trace.append((w, step, tuple(self.answered)))
             if self.sync == "asp":
@@ -419,7 +462,10 @@ class ParameterServer:
             else:
                 self._clock_push(src, step, header, body)
         self._drain()
-        if self.run.checkpoint.dir and self.saved_version != self.version:
+        if self.stop and hasattr(self.stopper, "disarm"):
+            self.stopper.disarm()  # every worker is done: the save below may take its time
+        self.stopper.close()
+        if self.run.checkpoint.dir and self.saved_version != self.version and not self.abort:
             self._save()
         mean = self.stale_sum / self.stale_count if self.stale_count else 0.0
         return ServerResult(self.version, self.stale_max, mean, self.trace, self.state_bytes())
@@ -435,6 +481,13 @@ class ParameterServer:
     def _needed(self, step: int) -> int:
         """The parameter version a push of `step` is answered with (clocks 0..step-s applied)."""
         return max(0, step - self.s + 1)
+
+    def _flush_deferred(self) -> None:
+        """Answer every waiting push with the current parameters (the run is stopping: the
+        clocks they wait for will never complete)."""
+        for src, _ in self.deferred:
+            self._reply(src, None)
+        self.deferred = []
 
     def _answer_ready(self) -> None:
         still = []
@@ -468,9 +521,11 @@ class ParameterServer:
         finite = all(float(pushes[src][0][P_FINITE]) == 1.0 for src in pushes)
         for w in range(r.workers):
             self._staleness(clock - int(heads[w][P_VERSION]))
+        self.stop = self.stop or self.stopper.requested  # taken into replies only here: one clock for all
         self._update(grads, self._global_norm(grads), finite, self.lr_at(clock))
         self.last_loss = loss
         self.version = clock + 1
+        self._kill_hook()
         if self.s > 0:
             self.snapshots[self.version] = [p.clone() for p in self.params]
         every = self.run.checkpoint.every
@@ -491,6 +546,7 @@ class ParameterServer:
         AdamW step of the shards at `lr`; nothing when the step is not finite."""
         finite = finite and bool(torch.isfinite(norm))
         self.last_norm = float(norm)
+        self.last_skipped = not finite
         if not finite or self.optimizer is None:
             return
         scale_to_max_norm(grads, norm, self.run.trainer.max_grad_norm)
@@ -513,15 +569,22 @@ class ParameterServer:
         grads = [entry[t][1] for t in range(r.per_worker)]  # already ~1/W of the worker's mean gradient
         norm = torch.tensor(float(head[P_NORM]))
         finite = all(float(entry[t][0][P_FINITE]) == 1.0 for t in entry)
+        self.stop = self.stop or self.stopper.requested
         self._update(grads, norm, finite, self.lr_at(self.version // r.workers))
         self.last_loss = float(head[P_LOSS]) * r.workers
         self.version += 1
+        self._kill_hook()
         every = self.run.checkpoint.every
         if self.run.checkpoint.dir and every and self.version % (every * r.workers) == 0:
             self._save()
         for tt in range(r.per_worker):
             self._reply(r.worker_rank(w, tt), None)
         self.answered[w] += 1
+
+    def _kill_hook(self) -> None:
+        """The tests' hook MESHTRON_PS_TEST_KILL_SERVER: this server dies without a word at a version."""
+        if self.kill_at is not None and self.version == int(self.kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _staleness(self, value: int) -> None:
         self.stale_max = max(self.stale_max, value)
@@ -537,6 +600,7 @@ class ParameterServer:
         header[R_STALE_MAX], header[R_STALE_SUM] = self.stale_max, self.stale_sum
         header[R_STALE_COUNT] = self.stale_count
         header[R_BYTES], header[R_START] = self.state_bytes(), getattr(self, "start", 0)
+        header[R_STOP], header[R_SKIPPED] = float(self.stop), float(self.last_skipped)
         body = source[t].clone()
         self.sends.append((self.channel.isend(header, rank, TAG_REPLY_HEAD), header))
         self.sends.append((self.channel.isend(body, rank, TAG_REPLY_BODY), body))
@@ -562,6 +626,11 @@ class ParameterServer:
         return self.version // self.roles.workers if self.sync == "asp" else self.version
 
     def _save(self) -> None:
+        """Write this server's shard, moments and version to `ps_step_<step>/server_<s>_of_<S>.pt`
+        and, next to it, `server_<s>_of_<S>.json`: the file's size and CRC32 (computed from the
+        bytes written), the step, the server count, tp and the model config a resume checks
+        (`check_ps_folder`). Each file goes in atomically (temporary file, then rename); the
+        .pt first, the .json last, so a shard without its description is incomplete."""
         step = self._step_of_version()
         folder = Path(self.run.checkpoint.dir) / f"ps_step_{step}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -575,14 +644,28 @@ class ParameterServer:
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "staleness": (self.stale_max, self.stale_sum, self.stale_count),
         }
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # a killed run leaves the previous file or the new one, never half of one
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        description = {
+            "format": PS_FORMAT,
+            "step": step,
+            "version": self.version,
+            "servers": self.roles.servers,
+            "server": self.index,
+            "tp": self.roles.per_worker,
+            "sync": self.sync,
+            "model": dataclasses.asdict(self.run.model),
+            "file": {"name": path.name, "bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"},
+        }
+        _write_durably(path, data)
+        _write_durably(path.with_suffix(".json"), json.dumps(description, indent=1, sort_keys=True).encode())
         self.saved_version = self.version
         keep = self.run.checkpoint.keep
         if keep:
             folders = sorted(_ps_folders(Path(self.run.checkpoint.dir)), key=lambda f: f[0])
             for _, old in folders[:-keep]:
+                (old / path.with_suffix(".json").name).unlink(missing_ok=True)  # description first
                 (old / path.name).unlink(missing_ok=True)
                 try:
                     old.rmdir()
@@ -591,10 +674,16 @@ class ParameterServer:
 
     def _load(self, folder: Path) -> int:
         path = folder / f"server_{self.index}_of_{self.roles.servers}.pt"
-        state = torch.load(path, weights_only=False)
+        try:
+            state = torch.load(path, weights_only=False)
+        except Exception as err:  # noqa: BLE001 (verified before any group: changed since)
+            raise CheckpointError(f"checkpoint file {path} cannot be read ({err}); use another checkpoint") from None
         layout = [(sum(m["numels"]), lo, hi) for m, lo, hi in zip(self.meta, self.lo, self.hi)]
         if [tuple(x) for x in state["layout"]] != layout:
-            raise RuntimeError(f"{path} holds another layout {state['layout']} than this run's {layout}")
+            raise CheckpointError(
+                f"checkpoint file {path} holds the ranges {state['layout']} but this run's model needs "
+                f"{layout}: the model differs from the checkpoint's; resume with its model settings"
+            )
         for mine, saved in zip(self.params, state["params"]):
             mine.copy_(saved)
         if self.optimizer is not None:
@@ -603,6 +692,16 @@ class ParameterServer:
         self.stale_max, self.stale_sum, self.stale_count = state["staleness"]
         self.saved_version = self.version
         return int(state["step"])
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """`data` into `path` through a temporary file, fsynced, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a killed run leaves the previous file or the new one, never half of one
 
 
 def _ps_folders(root: Path) -> list[tuple[int, Path]]:
@@ -615,21 +714,154 @@ def _ps_folders(root: Path) -> list[tuple[int, Path]]:
     ]
 
 
+def _server_count(folder: Path) -> int | None:
+    """The S of the `server_s_of_S` files in `folder` (the largest when several; None: none)."""
+    counts = [int(m.group(2)) for f in folder.iterdir() if (m := _PS_FILE.match(f.name))]
+    return max(counts) if counts else None
+
+
+def check_ps_folder(folder: Path, servers: int | None = None) -> list[dict]:
+    """The descriptions of a ps_step_N folder's shards after checking that it is complete (a
+    shard and its description for every one of its S servers) and that every shard has the
+    size and CRC32 recorded at save; `servers`: S expected (None: the folder's own). Raises
+    CheckpointError naming the file. No communication."""
+    count = _server_count(folder) if servers is None else servers
+    if count is None:
+        raise CheckpointError(f"{folder} holds no server_s_of_S.pt file; it is not a parameter-server checkpoint")
+    descriptions = []
+    for s in range(count):
+        path = folder / f"server_{s}_of_{count}.pt"
+        side = path.with_suffix(".json")
+        if not path.is_file() or not side.is_file():
+            missing = path if not path.is_file() else side
+            raise CheckpointError(
+                f"checkpoint {folder} is incomplete: {missing.name} is missing (the save did not finish)"
+            )
+        try:
+            description = json.loads(side.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"checkpoint file {side} is unreadable ({err}); the checkpoint is corrupt") from None
+        entry = description.get("file", {}) if isinstance(description, dict) else {}
+        if description.get("format") != PS_FORMAT or not {"bytes", "crc32"} <= entry.keys():
+            raise CheckpointError(f"checkpoint file {side} is not a parameter-server shard description")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {path} has {size} bytes, {entry['bytes']} were written (truncated or "
+                "modified); the checkpoint is corrupt, use another"
+            )
+        try:
+            crc = file_crc32(path)
+        except OSError as err:
+            raise CheckpointError(f"checkpoint file {describe_os_error(err)}") from None
+        if f"{crc:08x}" != entry["crc32"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is corrupt: its CRC32 is {crc:08x}, {entry['crc32']} was written; "
+                "use another checkpoint"
+            )
+        descriptions.append(description)
+    return descriptions
+
+
 def latest_complete(root: Path, servers: int) -> Path | None:
-    """The newest ps_step_N folder of `root` holding every server's file (None: none)."""
+    """The newest ps_step_N folder of `root` holding every server's shard and description (None: none)."""
     for _, folder in sorted(_ps_folders(root), reverse=True):
-        if all((folder / f"server_{s}_of_{servers}.pt").exists() for s in range(servers)):
+        if all(
+            (folder / f"server_{s}_of_{servers}{suffix}").exists()
+            for s in range(servers)
+            for suffix in (".pt", ".json")
+        ):
             return folder
     return None
 
 
 def resume_dir(c, servers: int) -> Path | None:
-    """The ps_step_N folder a run resumes from (checkpoint.resume = auto or a folder), or None."""
+    """The ps_step_N folder a run resumes from: `checkpoint.resume` as `resolve_ps_resume` left
+    it (a folder, checked before any process group), or None."""
     if not c.resume:
         return None
     if c.resume != "auto":
         return Path(c.resume)
     return latest_complete(Path(c.dir), servers) if c.dir else None
+
+
+def resolve_ps_resume(run):
+    """`run` with checkpoint.resume resolved to the verified ps_step_N folder to load (or None:
+    a fresh start), before any process group, alike on every rank: "auto" takes the newest
+    intact folder of checkpoint.dir, skipping a corrupt or incomplete one with a warning; a
+    folder given must be intact; a checkpoint.dir given as resume is taken as "auto" there.
+    The folder must come from this server count, tp and model (else one line saying which
+    setting changed). Raises CheckpointError."""
+    c = run.checkpoint
+    if not c.resume:
+        return run
+    root = Path(c.dir) if c.resume == "auto" else Path(c.resume)
+    if c.resume == "auto" and c.dir is None:
+        raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
+    if c.resume != "auto" and not root.is_dir():
+        raise CheckpointError(f"checkpoint.resume={root} does not exist or is not a directory")
+    if (root / "meshtron.json").is_file():
+        raise CheckpointError(
+            f"{root} is an all-reduce checkpoint (step_N): a parameter-server run resumes a ps_step_N folder; "
+            "resume it with parallel.dp_mode=allreduce or give a ps_step_N folder"
+        )
+    if c.resume != "auto" and _server_count(root) is not None:  # one ps_step_N folder
+        found = _check_for_run(root, run)
+    else:
+        found = None
+        problems = []
+        for _, folder in sorted(_ps_folders(root), reverse=True):
+            try:
+                check_ps_folder(folder)
+            except CheckpointError as err:
+                problems.append(str(err))
+                warn_checkpoint(f"skipping checkpoint {folder}: {err}")
+                continue
+            found = _check_for_run(folder, run)
+            if problems:
+                warn_checkpoint(f"resuming from the previous checkpoint {found}")
+            break
+        if found is None and problems:
+            raise CheckpointError(
+                f"no intact parameter-server checkpoint in {root} (newest: {problems[0]}); delete the corrupt "
+                "ones or start fresh without checkpoint.resume"
+            )
+        if found is None and any(p.name.startswith("step_") for p in root.iterdir()):
+            raise CheckpointError(
+                f"{root} holds all-reduce checkpoints (step_N) and no ps_step_N folder: resume them with "
+                "parallel.dp_mode=allreduce, or give this run another checkpoint.dir"
+            )
+        if found is None and c.resume != "auto":
+            raise CheckpointError(f"checkpoint.resume={root} holds no ps_step_N checkpoint")
+    return dataclasses.replace(run, checkpoint=dataclasses.replace(c, resume=None if found is None else str(found)))
+
+
+def _check_for_run(folder: Path, run) -> Path:
+    """`folder` after checking its shards (`check_ps_folder`) and that this run can load them:
+    the same parallel.servers and parallel.tp (the shards are ranges of each tp rank's flat
+    vector, cut for that server count) and the same model. Raises CheckpointError."""
+    descriptions = check_ps_folder(folder)
+    saved = descriptions[0]
+    if saved["servers"] != run.parallel.servers:
+        raise CheckpointError(
+            f"checkpoint {folder} was saved with parallel.servers={saved['servers']} but this run has "
+            f"parallel.servers={run.parallel.servers}: the server state is cut into that many shards; resume "
+            f"with parallel.servers={saved['servers']} (and one process more or less), or start fresh"
+        )
+    if saved["tp"] != run.parallel.tp:
+        raise CheckpointError(
+            f"checkpoint {folder} was saved with parallel.tp={saved['tp']} but this run has "
+            f"parallel.tp={run.parallel.tp}: the shards are per tp rank; resume with parallel.tp={saved['tp']}"
+        )
+    current = dataclasses.asdict(run.model)
+    changed = {k: v for k, v in saved.get("model", {}).items() if k not in _RUN_ONLY_MODEL_KEYS}
+    diff = config_diff(changed, current)
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {folder} was saved for another model (model.{diff.replace(', ', ', model.')}); "
+            "resume with the checkpoint's model settings"
+        )
+    return folder
 
 
 # ----------------------------------------------------------------------------- worker client
@@ -646,6 +878,8 @@ class Reply:
     stale_mean: float
     server_bytes: int
     start: int
+    stop: bool = False
+    skipped: bool = False
 
 
 class ParameterServerClient(TrainingOptimizer):
@@ -685,20 +919,25 @@ class ParameterServerClient(TrainingOptimizer):
         """Send the layout (worker 0 only) and this rank's parameters, install the servers'
         parameters (fresh or resumed); returns the reply (its `start`: the first step)."""
         if self.worker == 0:
-            for server in self.roles.server_ranks:
-                self.channel.send_object(self.layout.meta(), server)
+            for s, server in enumerate(self.roles.server_ranks):
+                try:
+                    self.channel.send_object(self.layout.meta(), server)
+                except RuntimeError as err:
+                    raise PSPeerLost(_lost(s, server, "the hello", err)) from None
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.layout.params])
         return self._exchange(HELLO, 0, 0.0, 0.0, True, flat)
 
-    def exchange(self, step: int, tokens: float, loss: float, finite: bool) -> Reply:
-        """Push this step's gradient; wait for and install the parameters the servers answer with."""
+    def exchange(self, step: int, tokens: float, loss: float, finite: bool, stop: bool = False) -> Reply:
+        """Push this step's gradient (and whether this rank caught SIGTERM); wait for and install
+        the parameters the servers answer with."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.layout.params]
         flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in grads])
-        return self._exchange(PUSH, step, tokens, loss, finite, flat)
+        return self._exchange(PUSH, step, tokens, loss, finite, flat, stop)
 
-    def done(self) -> None:
+    def done(self, abort: bool = False) -> None:
+        """Tell every server this rank is finished (`abort`: the run stops without a save)."""
         header = torch.zeros(HEADER, dtype=torch.float64)
-        header[P_KIND] = DONE
+        header[P_KIND], header[P_STOP] = DONE, float(abort)
         works = []
         for s, server in enumerate(self.roles.server_ranks):
             lo, hi = self.ranges[s]
@@ -706,14 +945,26 @@ class ParameterServerClient(TrainingOptimizer):
                 self.channel.isend(header, server, TAG_HEAD),
                 self.channel.isend(torch.zeros(hi - lo), server, TAG_BODY),
             ]
-        for work in works:
-            work.wait()
+        self._wait(works, "the end of the run")
 
-    def _exchange(self, kind: float, step: int, tokens: float, loss: float, finite: bool, flat: torch.Tensor) -> Reply:
+    def _wait(self, works: list, what: str) -> None:
+        """Wait for `works` (4 per server, in server order, or 2 for `done`); a server that is
+        gone raises PSPeerLost naming it instead of gloo's traceback."""
+        per = len(works) // max(1, self.roles.servers)
+        for i, work in enumerate(works):
+            try:
+                work.wait()
+            except RuntimeError as err:
+                s = i // per
+                raise PSPeerLost(_lost(s, self.roles.server_rank(s), what, err)) from None
+
+    def _exchange(
+        self, kind: float, step: int, tokens: float, loss: float, finite: bool, flat: torch.Tensor, stop: bool = False
+    ) -> Reply:
         header = torch.zeros(HEADER, dtype=torch.float64)
         header[P_KIND], header[P_STEP], header[P_VERSION] = kind, step, self.version
         header[P_TOKENS], header[P_LOSS], header[P_FINITE] = tokens, loss, 1.0 if finite else 0.0
-        header[P_NORM] = float(self.local_norm)
+        header[P_NORM], header[P_STOP] = float(self.local_norm), float(stop)
         works, heads, bodies = [], [], []
         for s, server in enumerate(self.roles.server_ranks):
             lo, hi = self.ranges[s]
@@ -725,8 +976,7 @@ class ParameterServerClient(TrainingOptimizer):
                 self.channel.irecv(heads[-1], server, TAG_REPLY_HEAD),
                 self.channel.irecv(bodies[-1], server, TAG_REPLY_BODY),
             ]
-        for work in works:
-            work.wait()
+        self._wait(works, "the hello" if kind == HELLO else f"the exchange of step {step + 1}")
         versions = {int(h[R_VERSION]) for h in heads}
         self.version = min(versions)
         fresh = torch.cat(bodies)
@@ -742,7 +992,26 @@ class ParameterServerClient(TrainingOptimizer):
             float(first[R_STALE_SUM]) / float(first[R_STALE_COUNT]) if first[R_STALE_COUNT] else 0.0,
             int(max(float(h[R_BYTES]) for h in heads)),
             int(first[R_START]),
+            any(float(h[R_STOP]) for h in heads),
+            any(float(h[R_SKIPPED]) for h in heads),
         )
+
+
+def _cause(err: BaseException) -> str:
+    """A short cause for a lost peer: gloo's known phrase, else the error's type."""
+    text = str(err)
+    for phrase in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out"):
+        if phrase in text:
+            return phrase.lower()
+    return type(err).__name__
+
+
+def _lost(server: int, rank: int, what: str, err: BaseException) -> str:
+    cause = _cause(err)
+    return (
+        f"parameter server {server} (global rank {rank}) is gone during {what} ({cause}); the run stops: "
+        "resume from the last ps_step_N checkpoint with checkpoint.resume=auto"
+    )
 
 
 # ----------------------------------------------------------------------------- the run
@@ -756,9 +1025,11 @@ def run_parameter_server(run, run_dir) -> dict:
 
     world_size, _, _, _ = launcher_env()
     check_ps_run(run, world_size)
-    c = run.checkpoint
-    if c.resume and c.resume != "auto" and not Path(c.resume).is_dir():
-        raise ConfigError(f"checkpoint.resume={c.resume}: not a ps_step_N folder of a parameter-server run")
+    if not run.trainer.dry_run:
+        try:  # every rank alike, before any process group: one line for a bad checkpoint
+            run = resolve_ps_resume(run)
+        except CheckpointError as err:
+            raise ConfigError(f"checkpoint.resume: {err}") from err
     if run.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but this machine has no usable CUDA device; use auto or cpu")
     dataset = None
@@ -774,7 +1045,11 @@ def run_parameter_server(run, run_dir) -> dict:
         run_dir = agree_on_run_dir(run_dir)
         if run.trainer.dry_run:
             return ps_dry_run(run, env, run_dir)
-        return train_ps(run, env, run_dir, dataset)
+        with hold_checkpoint_dir(run.checkpoint.dir):  # one writer per dir, as the all-reduce path
+            return train_ps(run, env, run_dir, dataset)
+    except PSPeerLost as err:  # a dead peer: one line, not gloo's traceback (the others are gone too)
+        say_one_line(f"meshtron: {err}")
+        os._exit(1)  # the groups cannot be torn down cleanly with a peer gone
     finally:
         teardown_distributed()
 
@@ -805,6 +1080,10 @@ def train_ps(run, env, run_dir, dataset) -> dict:
         return {"server": result}
     out = _train_worker(run, env, Path(run_dir), dataset, mesh, roles, micro, schedule, channel)
     barrier(world_group())
+    if out.get("aborted"):  # trainer.max_skipped: every rank has finished its part, nothing saved
+        if mesh.tp_rank == 0:
+            say_one_line(f"meshtron: {out['aborted']}")
+        raise SystemExit(1)
     return out
 
 
@@ -850,6 +1129,10 @@ def _train_worker(
     )
     if env.is_main:
         print(_worker_banner(run, roles, mesh, start, run_dir), flush=True)
+    stopper = StopRequest(enabled=run.checkpoint.dir is not None)
+    bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
+    skipped_total = skipped_in_a_row = 0
+    stopped_after, aborted = None, None
     try:
         for step in range(start, t.max_steps):
             _test_hooks(worker, step)
@@ -861,28 +1144,73 @@ def _train_worker(
             total = _global_tokens(dataset, step, t.global_batch_size, micro, mesh, eos_id).to(env.device)
             out = engine.step(microbatches, schedule(step), token_count=total, outer_replicas=roles.workers)
             share = float(out.loss)  # this worker's share of the global batch's mean loss
-            reply = client.exchange(step, own, share, finite=not out.skipped)
+            reply = client.exchange(step, own, share, finite=not out.skipped, stop=stopper.requested)
             reporter.tick()
-            if not reporter.log_due(step + 1):
-                continue
-            record = _worker_record(run, engine, reporter, step, schedule(step), reply, share, own, total)
-            if reporter.eval_due(step + 1) and worker == 0:  # worker 0's parameters on the whole held-out batches
-                val = val_microbatches(dataset, t, 0, 1, micro, env.device)
-                record["val_loss"] = float(engine.evaluate(val))
-            if worker == 0:
-                reporter.emit(record)
-        client.done()
+            # bsp: the servers skipped the whole clock (any worker's gradient or the global norm
+            # not finite): every worker counts it; ssp/asp: this worker's own step
+            skipped, stop = _agree_in_worker(mesh, reply.skipped if bsp else out.skipped, reply.stop)
+            if skipped:
+                skipped_total, skipped_in_a_row = skipped_total + 1, skipped_in_a_row + 1
+                if env.is_main or (mesh.tp_rank == 0 and not bsp):
+                    print(
+                        f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm "
+                        f"({skipped_in_a_row} in a row, {skipped_total} in total)",
+                        flush=True,
+                    )
+                if skipped_in_a_row > t.max_skipped:
+                    aborted = (
+                        f"{skipped_in_a_row} consecutive steps had a non-finite loss or gradient norm "
+                        f"(trainer.max_skipped={t.max_skipped}); lower optim.lr or check the data "
+                        "(nothing was saved at this step)"
+                    )
+                    break
+            else:
+                skipped_in_a_row = 0
+            if reporter.log_due(step + 1):
+                record = _worker_record(run, engine, reporter, step, schedule(step), reply, share, own, total)
+                record["skipped_steps"] = skipped_total
+                if reporter.eval_due(step + 1) and worker == 0:  # worker 0's parameters on the whole held-out batches
+                    val = val_microbatches(dataset, t, 0, 1, micro, env.device)
+                    record["val_loss"] = float(engine.evaluate(val))
+                if worker == 0:
+                    reporter.emit(record)
+            if stop and hasattr(stopper, "disarm"):
+                stopper.disarm()  # agreed: the servers save once every worker is done
+            if stop and step + 1 < t.max_steps:  # SIGTERM (a worker's or a server's): the servers save
+                stopped_after = step + 1
+                break
+        client.done(abort=aborted is not None)
     finally:
+        stopper.close()
         reporter.close()
         engine.close()
-    summary = reporter.summary(t.max_steps, run_dir, model=engine.chunks)
+    if aborted is not None:
+        return {"aborted": aborted}
+    if stopped_after is not None and env.is_main:
+        print(
+            f"meshtron: SIGTERM: stopped after step {stopped_after}; the servers save ps_step_N; resume with "
+            "checkpoint.resume=auto",
+            flush=True,
+        )
+    steps = t.max_steps if stopped_after is None else stopped_after
+    summary = reporter.summary(steps, run_dir, model=engine.chunks, stopped_early=stopped_after is not None)
     if env.is_main and summary["history"]:
         print(
-            f"meshtron: done; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
+            f"meshtron: {'stopped' if stopped_after else 'done'}; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "
             f"metrics in {run_dir / 'metrics.jsonl'}",
             flush=True,
         )
     return summary
+
+
+def _agree_in_worker(mesh: Mesh, skipped: bool, stop: bool) -> tuple[bool, bool]:
+    """(skipped, stop) agreed by every rank of this worker (MAX over its tp ranks): replies
+    reach a worker's ranks at different moments, and they must leave the loop together."""
+    if mesh.tp_dp is None:
+        return skipped, stop
+    flags = torch.tensor([float(skipped), float(stop)], device=collective_device())
+    flags = all_reduce_stats(flags, mesh.tp_dp, "max")
+    return bool(flags[0]), bool(flags[1])
 
 
 def _worker_banner(run, roles: Roles, mesh: Mesh, start: int, run_dir: Path) -> str:
