@@ -33,6 +33,7 @@ from meshtron.errors import ConfigError
 
 __all__ = [
     "ByteTokenizer",
+    "DataError",
     "TokenDataset",
     "build_dataset",
     "default_corpus_files",
@@ -47,6 +48,12 @@ SEPARATOR = b"\n\n"
 _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
 
 SPLITS = ("train", "val")
+
+
+class DataError(ConfigError):
+    """Token data that cannot be trained on (an id outside the vocabulary); the message names the
+    file and the token offset. A ``ConfigError``, so the run's entry turns it into one line and
+    exit code 2."""
 
 
 def default_corpus_files() -> list[pathlib.Path]:
@@ -363,6 +370,33 @@ def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = Fal
     return tokens, dict(info, dir=str(root), max_token_id=max_token_id)
 
 
+# Prepared token files up to this many tokens (256 MiB of uint16) are scanned whole at startup,
+# before any process group (a fraction of a second); larger ones are checked per read only.
+STARTUP_SCAN_TOKENS = 1 << 27
+_SCAN_CHUNK = 1 << 24
+
+
+def first_id_at_or_above(tokens: np.ndarray, bound: int, chunk: int = _SCAN_CHUNK) -> tuple[int, int] | None:
+    """``(offset, id)`` of the first token of ``tokens`` at or above ``bound``, or None; reads
+    ``tokens`` (e.g. a memmap) ``chunk`` tokens at a time."""
+    for lo in range(0, len(tokens), chunk):
+        block = np.asarray(tokens[lo : lo + chunk])
+        if block.size and int(block.max()) >= bound:
+            at = int(np.argmax(block >= bound))
+            return lo + at, int(block[at])
+    return None
+
+
+def out_of_vocab_message(path: str, offset: int, token_id: int, vocab_size: int, where: str = "") -> str:
+    """The one-line error for token ``token_id`` at token ``offset`` of ``path``, not below ``vocab_size``."""
+    directory = pathlib.Path(path).parent
+    return (
+        f"{path} holds token id {token_id} at token offset {offset}{where}, but its {INDEX_FILE} says "
+        f"vocab_size={vocab_size}: the token file was changed after meshtron-prepare wrote it (an id at or "
+        f"above the vocabulary would index past the embedding); {_prepare_hint(directory)}"
+    )
+
+
 # ---------------------------------------------------------------- sampling
 
 
@@ -425,6 +459,9 @@ class TokenDataset:
         seq_len: int,
         seed: int,
         val_fraction: float = 0.01,
+        *,
+        vocab_size: int | None = None,
+        source: str | None = None,
     ) -> None:
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1:
@@ -444,9 +481,15 @@ class TokenDataset:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.val_fraction = float(val_fraction)
+        # Every window read is checked against this bound (max over the window: O(tokens read)),
+        # so an id the file gained after it was prepared never reaches the embedding.
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
+        self.source = source or "the token stream"
 
         n = len(tokens)
         n_val = int(round(n * val_fraction))
@@ -525,15 +568,39 @@ class TokenDataset:
             raise ValueError(f"step must be >= 0, got {step}")
         return self.sample_starts(step * global_batch_size, global_batch_size, split)
 
-    def _gather(self, starts: torch.Tensor, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, starts: torch.Tensor, split: str) -> np.ndarray | torch.Tensor:
+        """The windows at ``starts`` (``[len(starts), seq_len + 1]``, the stream's dtype), checked
+        against ``vocab_size``: DataError naming the file and the token offset of the first id
+        (in row order) at or above it."""
         data = self._splits[split]
         if isinstance(data, np.ndarray):
             # Fancy indexing a memmap reads only the pages of these windows.
-            index = starts.numpy()[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)
-            windows = torch.from_numpy(np.asarray(data[index], dtype=np.int64))
+            raw = data[starts.numpy()[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)]
         else:
-            index = starts[:, None] + torch.arange(self.seq_len + 1, dtype=torch.int64)
-            windows = data[index].to(torch.int64)
+            raw = data[starts[:, None] + torch.arange(self.seq_len + 1, dtype=torch.int64)]
+        if self.vocab_size is not None and raw.shape[0] and int(raw.max()) >= self.vocab_size:
+            bad = np.asarray(raw >= self.vocab_size).reshape(-1)
+            at = int(np.argmax(bad))
+            row, col = divmod(at, self.seq_len + 1)
+            split_start = self.train_range[0] if split == "train" else self.val_range[0]
+            offset = split_start + int(starts[row]) + col
+            raise DataError(
+                out_of_vocab_message(
+                    self.source, offset, int(raw.reshape(-1)[at]), self.vocab_size, f" (a window of the {split} split)"
+                )
+            )
+        return raw
+
+    def _gather(self, starts: torch.Tensor, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._batch(self._read(starts, split))
+
+    @staticmethod
+    def _batch(raw: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` int64 of windows ``raw`` (targets shifted by one)."""
+        if isinstance(raw, np.ndarray):
+            windows = torch.from_numpy(np.asarray(raw, dtype=np.int64))
+        else:
+            windows = raw.to(torch.int64)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def global_batch_at(
@@ -572,6 +639,12 @@ class TokenDataset:
                 f"size {dp_size}; set trainer.global_batch_size to a multiple of {dp_size}"
             )
         per_rank = global_batch_size // dp_size
+        if self.vocab_size is not None and dp_size > 1:
+            # Check every replica's rows, not only this rank's: all ranks then fail at the same
+            # step, before that step's collectives, instead of one rank leaving the others
+            # waiting in one (costs reading the global batch instead of 1/dp of it).
+            raw = self._read(self.sample_starts(first_sample, global_batch_size, split), split)
+            return self._batch(raw[dp_rank * per_rank : (dp_rank + 1) * per_rank])
         starts = self.sample_starts(first_sample + dp_rank * per_rank, per_rank, split)
         return self._gather(starts, split)
 
@@ -618,15 +691,19 @@ def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDa
     and ``max_bytes`` are ignored); otherwise the byte-level in-memory corpus of
     ``data_cfg.paths`` (None = the standard library sources) cut to ``max_bytes``. Every
     token id must be below ``vocab_size`` (ids at or above it, even inside the padded
-    vocabulary, would make the loss non-finite): ConfigError naming the file otherwise.
+    vocabulary, would make the loss non-finite): ConfigError naming the file otherwise. A
+    prepared file's ids are checked against its tokenizer's vocab_size from the tokens
+    themselves: the whole file here when it has at most ``STARTUP_SCAN_TOKENS`` tokens, and
+    every window as the dataset reads it (``DataError`` naming the file and the token offset).
     Also raises the errors of ``load_prepared``/``load_corpus``/``TokenDataset`` (OSError or
     ValueError).
     """
     prepared = getattr(data_cfg, "prepared", None)
+    bound, source = None, None
     if prepared:
         tokens, info = load_prepared(prepared)
         need = info["vocab_size"]
-        # load_prepared checked max_token_id < need, so need <= vocab_size bounds every id.
+        # need <= model.vocab_size: the tokenizer's ids all have embedding rows (not padded ones).
         if need > vocab_size:
             tokens_path = pathlib.Path(info["dir"]) / TOKENS_FILE
             raise ConfigError(
@@ -635,9 +712,19 @@ def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDa
                 f"meshtron-prepare with a smaller --vocab-size): {tokens_path} holds token ids up to "
                 f"{info['max_token_id']}"
             )
+        # index.json's max_token_id describes the file as prepared, not as it is now: the ids
+        # themselves are checked, against the tokenizer's vocab_size (<= model.vocab_size, so
+        # also below the padded rows). A small file whole, here, before any process group; a
+        # large one window by window as it is read (hashing or scanning a 1 TB corpus at every
+        # rank's startup would take minutes to hours).
+        bound, source = need, str(pathlib.Path(info["dir"]) / TOKENS_FILE)
+        if len(tokens) <= STARTUP_SCAN_TOKENS:
+            found = first_id_at_or_above(tokens, bound)
+            if found is not None:
+                raise DataError(out_of_vocab_message(source, found[0], found[1], bound))
     else:
-        tokens = load_corpus(data_cfg.paths, data_cfg.max_bytes, vocab_size=vocab_size)
-    return TokenDataset(tokens, seq_len, seed, data_cfg.val_fraction)
+        tokens = load_corpus(data_cfg.paths, data_cfg.max_bytes, vocab_size=vocab_size)  # every byte checked
+    return TokenDataset(tokens, seq_len, seed, data_cfg.val_fraction, vocab_size=bound, source=source)
 
 
 def document_end_id(data_cfg, vocab_size: int) -> int | None:

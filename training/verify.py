@@ -1026,6 +1026,20 @@ def verify(
     return EXIT_PASS
 
 
+def _bad_argument(args) -> str | None:
+    """What is wrong with verify's own options (counts positive, tolerances >= 0 and finite), or None."""
+    if args.steps < 1:
+        return f"--steps {args.steps}: give at least 1 training step to compare"
+    if args.world is not None and args.world < 1:
+        return f"--world {args.world}: the layout needs at least 1 process (leave --world out to use tp*cp*pp*dp)"
+    for name, value in (("--tol", args.tol), ("--atol", args.atol)):
+        if not math.isfinite(value) or value < 0:
+            return f"{name} {value:g}: a tolerance must be a finite number >= 0"
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        return f"--timeout {args.timeout:g}: give a positive number of seconds"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m meshtron.verify <train.py overrides> [--steps N] [--tol X] ...`; exits with
     verify's status (0 PASS, 1 FAIL, 2 bad configuration)."""
@@ -1064,6 +1078,10 @@ def main(argv: list[str] | None = None) -> None:
             f"meshtron verify: configuration error: unknown option {flags[0]}; options: --steps, --tol, "
             "--atol, --world, --timeout (the rest are train.py overrides)"
         )
+        sys.exit(EXIT_CONFIG)
+    bad = _bad_argument(args)
+    if bad:
+        say_one_line(f"meshtron verify: configuration error: {bad}")
         sys.exit(EXIT_CONFIG)
     sys.exit(
         verify(
