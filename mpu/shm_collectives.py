@@ -18,6 +18,13 @@ variable MESHTRON_SHM_COLLECTIVES not "0" (0 measures gloo instead, as
 bench/dense_vs_megatron.py --gloo does). Larger tensors go through gloo; an all-to-all, whose
 sizes differ per rank, first agrees on them. Waiting yields, then sleeps between checks, and
 raises after `TIMEOUT_S` naming the collective and the missing ranks.
+
+A dead peer is noticed in about a second, not after `TIMEOUT_S`: every rank publishes its
+process identity (pid, start time, pid namespace: `mpu.waits.process_identity`) in the
+segment, and a wait that has lasted `PROBE_S` checks every `PROBE_S` whether the ranks it
+still waits for are alive (`mpu.waits.process_gone`: all of a segment's ranks run on this
+host); one that exited (killed, crashed; a zombie not yet reaped counts) fails the wait with
+`PeerGoneError` naming its group and global rank, as gloo's "Connection closed by peer" does.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from meshtron.mpu.waits import wait_for
+from meshtron.mpu.waits import PeerGoneError, process_gone, process_identity, wait_for
 
 # Publishing relies on x86's in-order stores (data visible before the flag); elsewhere gloo.
 _ENV_ENABLED = os.environ.get("MESHTRON_SHM_COLLECTIVES", "1") != "0" and platform.machine() in ("x86_64", "AMD64")
@@ -41,6 +48,8 @@ ENABLED = _ENV_ENABLED
 TIMEOUT_S = 600.0  # a late peer fails the wait after this long; set_timeout() follows the process group's
 SLOT_BYTES = 4 << 20  # per rank and call parity; larger tensors go through gloo
 _FLAG_BYTES = 4096  # one int64 flag per rank, up to 512 ranks
+_INFO_BYTES = 3 * _FLAG_BYTES  # per rank (pid, start ticks, pid namespace), int64 each
+PROBE_S = 1.0  # a wait this long checks, every PROBE_S, that the ranks it waits for are alive
 _SPINS = 20  # yields (a few microseconds each) before sleeping between checks: a spinning
 # rank stays runnable and takes CPU from whatever else runs, the late peer included
 _SLEEP_S = 50e-6
@@ -75,7 +84,12 @@ class _Segment:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         raw = torch.from_file(path, shared=True, size=_segment_bytes(self.world), dtype=torch.uint8)
         self.flags = raw[:_FLAG_BYTES].view(torch.int64)[: self.world]
-        self.slots = raw[_FLAG_BYTES:].view(2, self.world, SLOT_BYTES)
+        # Who each rank is (written by each rank before the barrier that follows the mapping),
+        # so that a waiter can tell a dead peer from a late one.
+        self.info = raw[_FLAG_BYTES : _FLAG_BYTES + _INFO_BYTES].view(torch.int64).view(3, -1)[:, : self.world]
+        self.info[:, self.rank] = torch.tensor(process_identity(), dtype=torch.int64)
+        self.slots = raw[_FLAG_BYTES + _INFO_BYTES :].view(2, self.world, SLOT_BYTES)
+        self.global_ranks = dist.get_process_group_ranks(group)
         self.seq = 0
 
     def publish(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -88,8 +102,10 @@ class _Segment:
         return slots
 
     def wait(self) -> None:
-        """Return once every rank published the current call (a work handle for `wait_for`)."""
-        spins, deadline = 0, time.monotonic() + TIMEOUT_S
+        """Return once every rank published the current call (a work handle for `wait_for`);
+        raises PeerGoneError when a rank it waits for has exited, TimeoutError after TIMEOUT_S."""
+        spins, start = 0, time.monotonic()
+        deadline, probe_at = start + TIMEOUT_S, start + PROBE_S
         while int(self.flags.min()) < self.seq:
             spins += 1
             if spins < _SPINS:
@@ -98,16 +114,34 @@ class _Segment:
             # A peer is late (descheduled, or still computing): sleep so that it, and every
             # other process of an oversubscribed host, gets the core.
             time.sleep(_SLEEP_S)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > probe_at:
+                probe_at = now + PROBE_S
+                self._check_alive(now - start)
+            if now > deadline:
                 late = [r for r in range(self.world) if int(self.flags[r]) < self.seq]
                 raise TimeoutError(
                     f"shared-memory collective {self.seq} timed out: ranks {late} of the group "
                     f"did not arrive within {TIMEOUT_S:g} s"
                 )
 
+    def _check_alive(self, waited: float) -> None:
+        """Raise PeerGoneError if a rank that has not published the current call has exited."""
+        late = [r for r in range(self.world) if int(self.flags[r]) < self.seq]
+        dead = [r for r in late if process_gone(tuple(self.info[:, r].tolist()))]
+        if dead:
+            who = ", ".join(
+                f"rank {r} of the group (global rank {self.global_ranks[r]}, pid {int(self.info[0, r])})" for r in dead
+            )
+            raise PeerGoneError(
+                f"shared-memory collective {self.seq}: peer {who} is dead (killed or crashed) and will "
+                f"never arrive; noticed after {waited:.1f} s of waiting",
+                [self.global_ranks[r] for r in dead],
+            )
+
 
 def _segment_bytes(world: int) -> int:
-    return _FLAG_BYTES + 2 * world * SLOT_BYTES
+    return _FLAG_BYTES + _INFO_BYTES + 2 * world * SLOT_BYTES
 
 
 def _create(group) -> _Segment | None:

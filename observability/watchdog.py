@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import TextIO
 
-from meshtron.mpu.waits import current_wait, wait_label
+from meshtron.mpu.waits import PeerGoneError, current_wait, dead_peers, peers_registered, wait_label
 
 __all__ = [
     "StepWatchdog",
@@ -254,6 +254,8 @@ _FAILURE_MARKERS = (
 def is_collective_failure(err: BaseException) -> bool:
     """True for the errors a stuck or dead peer produces in a collective (gloo/NCCL timeouts,
     closed connections, ``torch.distributed`` ``DistError`` subclasses)."""
+    if isinstance(err, PeerGoneError):
+        return True
     try:
         import torch.distributed as dist
 
@@ -300,6 +302,20 @@ def _collective_in_frames(frames) -> str | None:
     return name
 
 
+def _safe_dead_peers(settle_s: float = 0.0) -> list[int]:
+    """`dead_peers()`, polled for up to `settle_s`: a peer's sockets close while its process is
+    still exiting, a moment before it shows as gone (a zombie)."""
+    deadline = time.monotonic() + (settle_s if peers_registered() else 0.0)
+    while True:
+        try:
+            dead = dead_peers()
+        except Exception:  # a report must not fail on the liveness probe
+            return []
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)
+
+
 def describe_collective_error(
     err: BaseException, rank: int, coords: str, phase: str, timeout_s: float | None = None
 ) -> str:
@@ -309,18 +325,31 @@ def describe_collective_error(
     Example: ``meshtron: rank 0 (tp=0, pp=0, dp=0) failed in collective all_reduce (from
     mpu/mappings.py:31 in _all_reduce) during step 12: forward/backward: a peer rank did
     not join in time (stuck, slower, or dead; see its watchdog report). Original error:
-    RuntimeError: [...] Timed out waiting 2000ms for recv operation to complete``.
+    RuntimeError: [...] Timed out waiting 2000ms for recv operation to complete``. When a peer
+    is known dead (``mpu.waits.PeerGoneError`` from a shared-memory wait, or a registered
+    rank of this host whose process is gone: ``mpu.waits.dead_peers``), the cause names it:
+    ``peer rank 1 died (killed or crashed; ...)``.
     """
     text = str(err).strip().replace("\n", " | ")
     lowered = text.lower()
     collective = collective_in_traceback(err) or wait_label(err)
     where = f"collective {collective}" if collective else "a collective"
-    if "timed out" in lowered or "timeout" in lowered:
+    # Ranks known dead: named by the shared-memory wait, else any registered rank of this host
+    # whose process is gone (training/distributed.py registers them; other hosts unknown).
+    closed = any(m in lowered for m in ("connection closed", "connection reset", "broken pipe", "peer"))
+    dead = err.ranks if isinstance(err, PeerGoneError) else _safe_dead_peers(2.0 if closed else 0.0)
+    if dead:
+        ranks = ", ".join(str(r) for r in dead)
+        cause = (
+            f"peer rank{'s' if len(dead) > 1 else ''} {ranks} died (killed or crashed; look for "
+            f"{'their' if len(dead) > 1 else 'its'} error above, or the launcher's report of {'their' if len(dead) > 1 else 'its'} exit)"
+        )
+    elif "timed out" in lowered or "timeout" in lowered:
         limit = f" within trainer.collective_timeout_s={timeout_s:g}" if timeout_s else ""
         cause = (
             f"a peer rank did not join{limit} (it is stuck, much slower, or dead; look for its 'stuck' watchdog report)"
         )
-    elif any(m in lowered for m in ("connection closed", "connection reset", "broken pipe", "peer")):
+    elif closed:
         cause = "a peer rank closed its connection (it crashed or exited; look for its error above)"
     else:
         cause = "the communication backend reported an error"

@@ -9,7 +9,13 @@ Hydra multirun under torchrun runs several jobs in one process, each with its ow
 process group. torch names every default group "0" under the prefix "default_pg" of the
 launcher's store, so a second group read the first one's stale gloo addresses ("Gloo
 connectFullMesh: connection refused"). `init_distributed` therefore opens the launcher's
-store once per process and gives each job a fresh key prefix over it.
+store once per process and gives each job a fresh key prefix over it, which also names
+torchrun's restart (TORCHELASTIC_RESTART_COUNT) and the world size: torchrun's store outlives
+the workers it restarts, and a restarted worker read the previous attempt's gloo addresses.
+
+At startup every rank's host and process identity are gathered (with the node list) and
+registered (`mpu.waits.register_peers`), so a collective failure can name the ranks of this
+host that died, whatever the transport (observability/watchdog.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch.distributed.rendezvous import rendezvous
 from meshtron.errors import ConfigError
 from meshtron.mpu import shm_collectives
 from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
+from meshtron.mpu.waits import process_identity, register_peers
 
 
 @dataclass
@@ -126,12 +133,15 @@ def init_distributed(device_preference: str, timeout_s: float = 300.0, num_threa
 def discover_nodes(local_rank: int, local_world: int) -> int:
     """Gather every rank's (node, local_rank, LOCAL_WORLD_SIZE) on rank 0 and broadcast the
     list over the default group, once at startup; return the number of nodes after
-    `check_nodes`. The node is torchrun's GROUP_RANK (the agent: two agents on one host are
+    `check_nodes`; registers every rank's host and process identity (`register_peers`). The
+    node is torchrun's GROUP_RANK (the agent: two agents on one host are
     two nodes), else the hostname."""
     node = os.environ.get("GROUP_RANK") or socket.gethostname()
     group = world_group()
-    members = broadcast_object(gather_object((node, local_rank, local_world), group, dst=0), group, src=0)
-    return check_nodes(members)
+    mine = (node, local_rank, local_world, socket.gethostname(), process_identity())
+    members = broadcast_object(gather_object(mine, group, dst=0), group, src=0)
+    register_peers([(host, identity) for _, _, _, host, identity in members])  # dead peers get named
+    return check_nodes([m[:3] for m in members])
 
 
 def check_nodes(members: list[tuple[str, int, int]]) -> int:
@@ -178,12 +188,17 @@ def _job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store
         _LAUNCHER_STORE, _, _ = next(rendezvous("env://", rank, world, timeout=timeout))
     _LAUNCHER_STORE.set_timeout(timeout)
     _JOBS_STARTED += 1
-    return dist.PrefixStore(f"meshtron/job{_JOBS_STARTED}", _LAUNCHER_STORE)
+    # torchrun keeps its store across the restarts of --max-restarts (and the membership
+    # changes of --nnodes=MIN:MAX, which change the world): a restarted worker must not read
+    # the gloo addresses the previous attempt's workers left under the same names
+    attempt = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-w{world}"
+    return dist.PrefixStore(f"meshtron/attempt{attempt}/job{_JOBS_STARTED}", _LAUNCHER_STORE)
 
 
 def teardown_distributed() -> None:
     """Destroy the default process group (between Hydra multirun jobs, and at exit)."""
     shm_collectives.reset()
+    register_peers([])
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

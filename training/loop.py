@@ -10,7 +10,10 @@ learning rate, metrics (training/reporting.py), checkpoints, SIGTERM, the hang w
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,9 +25,10 @@ from meshtron.kernels.backend import CHECKED, resolve_backend
 from meshtron.kernels.tf32 import set_tf32_mode
 from meshtron.models.config import ExecutionConfig
 from meshtron.mpu.mappings import gather_object, world_group
+from meshtron.mpu.waits import current_wait
 from meshtron.observability.memory import peak_memory_per_rank
 from meshtron.observability.metrics import ProgressBar
-from meshtron.observability.watchdog import StepWatchdog, is_collective_failure, mesh_coords
+from meshtron.observability.watchdog import StepWatchdog, collective_in_stack, is_collective_failure, mesh_coords
 from meshtron.pipeline.trace import measured_bubble, theoretical_bubble, write_trace
 from meshtron.planning.flops import model_flops_per_token
 from meshtron.planning.peak import peak_flops
@@ -34,6 +38,7 @@ from meshtron.training.checkpoint import (
     CheckpointError,
     TrainState,
     hold_checkpoint_dir,
+    list_checkpoints,
     new_checkpoint_group,
 )
 from meshtron.training.config import ConfigError, RunConfig
@@ -161,8 +166,23 @@ class Trainer:
             mesh_coords(engine.mesh),
             t.collective_timeout_s / 2 if t.watchdog_timeout_s is None else t.watchdog_timeout_s,
         )
-        self.stopper = StopRequest(enabled=ckpt.dir is not None)
+        self.stopper = StopRequest(
+            enabled=ckpt.dir is not None, rank=env.rank, where=self._blocked_in, newest=self._newest_checkpoint
+        )
         self.state, self.local_sgd, self.reporter, self.bar = TrainState(), None, None, None
+        self._collective_failed = False
+
+    def _blocked_in(self) -> str | None:
+        """What the main thread is doing, for the SIGTERM deadline's line: phase and wait."""
+        phase = self.watchdog.current_phase
+        waiting = current_wait() or collective_in_stack()
+        if phase and waiting:
+            return f"{phase}, waiting in {waiting}"
+        return phase or waiting
+
+    def _newest_checkpoint(self) -> str | None:
+        found = list_checkpoints(self.run.checkpoint.dir) if self.run.checkpoint.dir else []
+        return str(found[-1]) if found else None
 
     def train(self, start_from: tuple[str, Path] | None) -> dict:
         """Load `start_from` (("resume" | "init_from", path) or None), then step to
@@ -185,11 +205,9 @@ class Trainer:
             self.watchdog.idle()
         except Exception as err:
             if is_collective_failure(err):
-                print(
-                    self.watchdog.describe_error(err, timeout_s=self.run.trainer.collective_timeout_s),
-                    file=sys.stderr,
-                    flush=True,
-                )
+                say_one_line(self.watchdog.describe_error(err, timeout_s=self.run.trainer.collective_timeout_s))
+                err.meshtron_reported = True  # main_entry exits 1 on it without a traceback
+                self._collective_failed = True
             raise
         finally:
             self._close()
@@ -271,6 +289,7 @@ class Trainer:
         """Step index `step`: this rank's microbatches through the engine, the traces asked for,
         the kernel self-check agreement after the first step, local SGD's parameter sync."""
         engine, t, mesh, env = self.engine, self.run.trainer, self.engine.mesh, self.env
+        kill_if_asked(env.rank, step + 1)
         inputs, targets = self.dataset.local_batch_at(
             self.state.consumed_samples, t.global_batch_size, mesh.dp_rank, mesh.dp_size
         )
@@ -403,7 +422,7 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.close()  # an error on its way: still finish (or report) the write in flight
         self.watchdog.close()
-        self.stopper.close()
+        self.stopper.close(keep_handler=self._collective_failed)  # torchrun's SIGTERM: still exit 1, ours
         for closable in (self.reporter, self.bar):
             if closable is not None:
                 closable.close()
@@ -419,7 +438,8 @@ class Trainer:
                 )
             else:
                 print(
-                    f"meshtron: nothing to do: the run is already at step {self.state.step} = trainer.max_steps",
+                    f"meshtron: nothing to do: the checkpoint is at step {self.state.step} and trainer.max_steps="
+                    f"{self.run.trainer.max_steps}; to train further, raise trainer.max_steps above {self.state.step}",
                     flush=True,
                 )
         return summary
@@ -498,6 +518,25 @@ def moe_metrics(out: StepResult) -> dict:
     }
 
 
+KILL_ENV = "MESHTRON_TEST_KILL_AT_STEP"  # test hook: "RANK:STEP" SIGKILLs global rank RANK before step STEP
+
+
+def kill_if_asked(rank: int, step: int) -> None:
+    """The tests' fault hook (MESHTRON_TEST_KILL_AT_STEP="RANK:STEP", e.g. "1:4"): global rank
+    RANK SIGKILLs itself as step STEP (1-based) begins, i.e. after the checkpoint of step
+    STEP - 1. Only in a job's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT unset or 0),
+    so that an elastic restart runs on. Not a user setting."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    want_rank, want_step = (int(v) for v in spec.split(":"))
+    if (rank, step) == (want_rank, want_step):
+        say_one_line(f"meshtron: test hook {KILL_ENV}: rank {rank} SIGKILLs itself before step {step}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main_entry(tree: dict, run_dir: str) -> dict:
     """Entry for train.py: turn a config or checkpoint error into one clear line and exit code 2."""
     keep_freed_host_memory()  # CPU steps reuse the previous step's pages (training/host_malloc.py)
@@ -510,3 +549,11 @@ def main_entry(tree: dict, run_dir: str) -> dict:
     except CheckpointError as err:
         say_one_line(f"meshtron: checkpoint error: {err}")
         raise SystemExit(2) from None
+    except Exception as err:
+        if getattr(err, "meshtron_reported", False):  # a failed collective, already one line (Trainer.train)
+            # torchrun SIGTERMs the survivors of a dead rank: ignore it from here on, as the
+            # interpreter's shutdown restores the default action (death by -15), not SIG_IGN
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise SystemExit(1) from None
+        raise
