@@ -162,13 +162,28 @@ def build(cfg: GPTConfig, mesh: Mesh, execution: ExecutionConfig = ExecutionConf
     return model, reducer, optimizer
 
 
-def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: str = "torch") -> None:
-    """Compare one parallel layout (dp = world / tp), with `kernel_backend` kernels, against
-    the serial model with the torch kernels."""
-    cfg = model_config(arch)
+def check_layout(
+    arch: str,
+    tp: int,
+    sp: bool,
+    micro: int = 1,
+    kernel_backend: str = "torch",
+    *,
+    cfg: GPTConfig | None = None,
+    recompute: str = "none",
+    serial_micro: int = GLOBAL_BATCH,
+    eos_id: int | None = None,
+    keys: tuple[str, ...] = ("loss", "grad_norm"),
+) -> None:
+    """Compare one parallel layout (dp = world / tp), with `kernel_backend` kernels and
+    `recompute`, against the serial model with the torch kernels: logits of this rank's rows,
+    the StepResult `keys` of every step (the serial run takes microbatches of `serial_micro`
+    sequences: the MoE statistics are per microbatch), every gradient after the first step and
+    every weight after STEPS AdamW steps. `cfg`: the model (default `model_config(arch)`)."""
+    cfg = cfg or model_config(arch)
     mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
     serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend))
+    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(kernel_backend=kernel_backend, recompute=recompute))
     ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
 
     # Forward: logits of this rank's rows and loss of the global batch.
@@ -183,26 +198,14 @@ def check_layout(arch: str, tp: int, sp: bool, micro: int = 1, kernel_backend: s
     names = [n for n, _ in model.named_parameters()]
     assert names == [n for n, _ in ref.named_parameters()]
     for step in range(STEPS):
-        out = train_step(
-            model,
-            reducer,
-            optimizer,
-            microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro),
-            mesh,
-            lr=LR,
-            max_grad_norm=1.0,
-        )
+        mine = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro)
+        out = train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0, eos_id=eos_id)
+        serial = microbatches(cfg, step, 0, 1, serial_micro)
         ref_out = train_step(
-            ref,
-            ref_reducer,
-            ref_optimizer,
-            microbatches(cfg, step, 0, 1, GLOBAL_BATCH),
-            serial_mesh,
-            lr=LR,
-            max_grad_norm=1.0,
+            ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0, eos_id=eos_id
         )
-        assert_close(f"step {step} loss", out.loss, ref_out.loss)
-        assert_close(f"step {step} grad_norm", out.grad_norm, ref_out.grad_norm)
+        for key in keys:
+            assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
         if step == 0:
             # Gradients are post-clipping on both sides; same coefficient since norms match.
             compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")

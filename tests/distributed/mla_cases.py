@@ -12,22 +12,8 @@ gradients per rank that must be summed over tp (planted: dropping that tag fails
 
 from __future__ import annotations
 
-import torch
-
-from meshtron.models.config import ExecutionConfig, GPTConfig
-from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
-from meshtron.training.step import train_step
-from tests.distributed.dense_cases import (
-    GLOBAL_BATCH,
-    LR,
-    STEPS,
-    UNFUSED,
-    assert_close,
-    build,
-    compare_parameters,
-    global_batch,
-    microbatches,
-)
+from meshtron.models.config import GPTConfig
+from tests.distributed.dense_cases import check_layout
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 0.8}
 
@@ -55,32 +41,7 @@ def mla_model_config(q_lora_rank: int | None = 24) -> GPTConfig:
 
 def check_mla_layout(tp: int, sp: bool, micro: int = 1, q_lora_rank: int | None = 24, recompute: str = "none") -> None:
     """One layout (dp = world / tp) against the serial model, dense_cases.check_layout's checks."""
-    cfg = mla_model_config(q_lora_rank)
-    mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
-    serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(cfg, mesh, ExecutionConfig(recompute=recompute))
-    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
-
-    inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, GLOBAL_BATCH)[0]
-    full_inputs, _ = global_batch(cfg, 0)
-    with torch.no_grad():
-        got = model.full_logits(model(inputs))
-        want = ref.full_logits(ref(full_inputs))
-    rows = slice(mesh.dp_rank * inputs.shape[0], (mesh.dp_rank + 1) * inputs.shape[0])
-    assert_close("logits", got, want[rows])
-
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    for step in range(STEPS):
-        batches = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, micro)
-        out = train_step(model, reducer, optimizer, batches, mesh, lr=LR, max_grad_norm=1.0)
-        ref_batches = microbatches(cfg, step, 0, 1, GLOBAL_BATCH)
-        ref_out = train_step(ref, ref_reducer, ref_optimizer, ref_batches, serial_mesh, lr=LR, max_grad_norm=1.0)
-        assert_close(f"step {step} loss", out.loss, ref_out.loss)
-        assert_close(f"step {step} grad_norm", out.grad_norm, ref_out.grad_norm)
-        if step == 0:
-            compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
-    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, f"weight after {STEPS} steps")
-    reducer.remove_hooks()
+    check_layout("mla", tp, sp, micro, cfg=mla_model_config(q_lora_rank), recompute=recompute)
 
 
 def mla_tp2_nosp() -> None:

@@ -20,15 +20,14 @@ from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.training.step import pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
-    GLOBAL_BATCH,
     LR,
     STEPS,
     UNFUSED,
     assert_close,
     build,
+    check_layout,
     compare_parameters,
     global_batch,
-    microbatches,
 )
 
 
@@ -50,43 +49,22 @@ def mtp_model_config(tie: bool, moe: bool = False, num_layers: int = 2) -> GPTCo
     )
 
 
+def _keys(moe: bool) -> tuple[str, ...]:
+    return ("loss", "grad_norm", "mtp_loss", "mtp_depth_losses") + (("aux_loss", "z_loss") if moe else ())
+
+
 def _compare_step(step: int, out, ref_out, moe: bool) -> None:
-    for key in ("loss", "grad_norm", "mtp_loss", "mtp_depth_losses") + (("aux_loss", "z_loss") if moe else ()):
+    for key in _keys(moe):
         assert_close(f"step {step} {key}", getattr(out, key), getattr(ref_out, key))
 
 
 def check_mtp_layout(tp: int, sp: bool, tie: bool, moe: bool = False, packed: bool = False) -> None:
-    """One pp=1 layout (dp = world / tp) against the serial model."""
+    """One pp=1 layout (dp = world / tp) against the serial model (dense_cases.check_layout),
+    both on microbatches of one sequence (MoE statistics are per microbatch); `packed`: an id
+    of the first batch ends documents."""
     cfg = mtp_model_config(tie, moe)
-    mesh = build_mesh(ParallelConfig(tp=tp, sp=sp), cfg)
-    serial_mesh = single_process_mesh()
-    model, reducer, optimizer = build(cfg, mesh)
-    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
-    # packed documents: an id that occurs in the first batch ends documents
     eos_id = int(global_batch(cfg, 0)[0][0, 5]) if packed else None
-
-    inputs, _ = microbatches(cfg, 0, mesh.dp_rank, mesh.dp_size, GLOBAL_BATCH)[0]
-    full_inputs, _ = global_batch(cfg, 0)
-    with torch.no_grad():
-        got = model.full_logits(model(inputs))
-        want = ref.full_logits(ref(full_inputs))
-    rows = slice(mesh.dp_rank * inputs.shape[0], (mesh.dp_rank + 1) * inputs.shape[0])
-    assert_close("logits", got, want[rows])
-
-    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    for step in range(STEPS):
-        batches = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1)
-        out = train_step(model, reducer, optimizer, batches, mesh, lr=LR, max_grad_norm=1.0, eos_id=eos_id)
-        # the same microbatches of one sequence (MoE statistics are per microbatch)
-        ref_batches = microbatches(cfg, step, 0, 1, 1)
-        ref_out = train_step(
-            ref, ref_reducer, ref_optimizer, ref_batches, serial_mesh, lr=LR, max_grad_norm=1.0, eos_id=eos_id
-        )
-        _compare_step(step, out, ref_out, moe)
-        if step == 0:
-            compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, "grad")
-    compare_parameters(model.named_parameters(), dict(ref.named_parameters()), mesh, cfg, f"weight after {STEPS} steps")
-    reducer.remove_hooks()
+    check_layout("mtp", tp, sp, 1, cfg=cfg, serial_micro=1, eos_id=eos_id, keys=_keys(moe))
 
 
 def check_mtp_pipeline(tie: bool, schedule: str = "1f1b", micro: int = 4) -> None:
