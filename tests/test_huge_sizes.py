@@ -75,8 +75,12 @@ def test_dry_run_still_plans_models_bigger_than_the_machine():
 
 
 def test_global_batch_beyond_the_data_is_refused():
-    with pytest.raises(ConfigError, match=r"trainer.global_batch_size=100,000,000 .* exceeds the train split's"):
+    with pytest.raises(ConfigError, match=r"trainer.global_batch_size=100,000,000 .* tokens per step, over"):
         check_run_config(_cfg(trainer={"global_batch_size": 10**8, "micro_batch_size": 1}), 1)
+    tiny_corpus = {"max_bytes": 100_000}  # 703 training sequences of 128 bytes: 64 x 703 = 44,992 per step at most
+    with pytest.raises(ConfigError, match=r"trainer.global_batch_size=65,536 .* exceeds 64 times the train split's"):
+        check_run_config(_cfg(trainer={"global_batch_size": 2**16, "micro_batch_size": 1}, data=tiny_corpus), 1)
+    check_run_config(_cfg(trainer={"global_batch_size": 2**15, "micro_batch_size": 1}, data=tiny_corpus), 1)
     check_run_config(_cfg(trainer={"global_batch_size": 64}), 1)
 
 

@@ -137,21 +137,36 @@ def train_windows_at_most(run: RunConfig) -> tuple[int, str] | None:
     return max(0, (n_train - 1) // seq), where
 
 
+# A step reading the train split more than this many times over is a typo, not a plan (tiny
+# corpora in smoke runs and tests legitimately repeat their few sequences within a step).
+MAX_EPOCHS_PER_STEP = 64
+# Llama 3 trained on 16M tokens per step; 64 times that in one step is no real run.
+MAX_TOKENS_PER_STEP = 2**30
+
+
 def check_batch_against_data(run: RunConfig) -> None:
-    """Refuse a global batch larger than the train split's windows: one step would hold every
-    sequence of the data more than once (trainer.global_batch_size=1e8 otherwise reads and
-    tries to compute 1e8 sequences per step, silently, for hours)."""
+    """Refuse a global batch no run means: more than MAX_TOKENS_PER_STEP tokens per step, or
+    one step holding the train split's sequences more than MAX_EPOCHS_PER_STEP times over
+    (trainer.global_batch_size=1e8 otherwise reads and tries to compute 1e8 sequences per
+    step, silently, for hours)."""
+    t, seq = run.trainer, run.model.seq_len
+    tokens = t.global_batch_size * seq
+    if tokens > MAX_TOKENS_PER_STEP:
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size:,} sequences of model.seq_len={seq} is "
+            f"{tokens:,} tokens per step, over {MAX_TOKENS_PER_STEP:,} (64 x Llama 3's 16M): lower "
+            f"trainer.global_batch_size"
+        )
     bound = train_windows_at_most(run)
     if bound is None:
         return
     windows, where = bound
-    t, seq = run.trainer, run.model.seq_len
-    if windows >= 1 and t.global_batch_size > windows:
+    if windows >= 1 and t.global_batch_size > MAX_EPOCHS_PER_STEP * windows:
         raise ConfigError(
             f"trainer.global_batch_size={t.global_batch_size:,} sequences of model.seq_len={seq} "
-            f"({t.global_batch_size * seq:,} tokens per step) exceeds the train split's {windows:,} "
-            f"sequences ({where}): every step would repeat the whole data set; use "
-            f"trainer.global_batch_size <= {windows:,} or more data"
+            f"({tokens:,} tokens per step) exceeds {MAX_EPOCHS_PER_STEP} times the train split's "
+            f"{windows:,} sequences ({where}): every step would repeat the whole data set; use "
+            f"trainer.global_batch_size <= {MAX_EPOCHS_PER_STEP * windows:,} or more data"
         )
 
 
