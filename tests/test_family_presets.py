@@ -154,6 +154,28 @@ def preset(name: str) -> GPTConfig:
     return composed(f"+model={name}").model
 
 
+def node_plan(tmp_path, *overrides: str, world: int = 8) -> dict:
+    """plan.json of train.py's dry run (training/loop.py _dry_run) as rank 0 of `world` on one
+    node, as under torchrun --nproc_per_node=8 (its process group faked: the plan needs none),
+    micro batch 1, global batch 16, bf16 on CUDA, with `overrides`."""
+    from meshtron.training.distributed import DistEnv
+    from meshtron.training.loop import _dry_run
+    from meshtron.training.run_checks import check_run_config
+
+    run = composed(
+        *overrides,
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=16",
+        "trainer.precision=bf16",
+        "trainer.device=cuda",
+    )
+    run, _ = run.with_precision_for("cuda", True)
+    par, micro, _ = check_run_config(run, world, world)
+    env = DistEnv(world, 0, 0, world, torch.device("cuda", 0), 1)  # rank 0 plans every rank
+    _dry_run(run, par, env, tmp_path, micro, run.execution("torch"))
+    return json.loads((tmp_path / "plan.json").read_text())
+
+
 @pytest.mark.parametrize("name", REAL)
 def test_real_preset_is_the_published_architecture(name):
     """The published config.json imports as the preset (at the preset's training seq_len), and the
@@ -209,26 +231,10 @@ def test_real_preset_dry_run_plans_every_rank_of_a_node(name, tmp_path):
     under torchrun --nproc_per_node=8 (its process group faked: the plan needs none), bf16 on
     CUDA at tp 8 (qwen2_7b: tp 4, dp 2) with sequence parallelism and selective recompute: every
     rank is planned, holds 1/tp of the weights and fits an 80 GiB device."""
-    from meshtron.training.distributed import DistEnv
-    from meshtron.training.loop import _dry_run
-    from meshtron.training.run_checks import check_run_config
-
     tp, world = TP[name], 8
-    run = composed(
-        f"+model={name}",
-        f"parallel.tp={tp}",
-        "parallel.sp=true",
-        "trainer.micro_batch_size=1",
-        "trainer.global_batch_size=16",
-        "trainer.precision=bf16",
-        "trainer.recompute=selective",
-        "trainer.device=cuda",
+    plan = node_plan(
+        tmp_path, f"+model={name}", f"parallel.tp={tp}", "parallel.sp=true", "trainer.recompute=selective", world=world
     )
-    run, _ = run.with_precision_for("cuda", True)
-    par, micro, _ = check_run_config(run, world, world)
-    env = DistEnv(world, 0, 0, world, torch.device("cuda", 0), 1)  # rank 0 plans every rank and writes plan.json
-    _dry_run(run, par, env, tmp_path, micro, run.execution("torch"))
-    plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["layout"]["tp"] == tp and plan["layout"]["dp"] == world // tp and len(plan["ranks"]) == world
     assert plan["model"]["total_params"] == RELEASED_PARAMS[name]
     for r in plan["ranks"]:
@@ -329,10 +335,6 @@ def test_qwen3_moe_preset_is_qwen3_30b_a3b_and_plans_on_eight_gpus(tmp_path):
     transformers' parameter count (30,532,122,624, counted on the meta device) and exports as
     Qwen3MoeConfig; at tp=2 (SP) x ep=8 with ZeRO-1, bf16 and full recompute every rank of one
     node plans under 80 GiB (ep=8 alone: 81.1 GiB). The tiny twin keeps its shape: QK-norm, 128-wide attention, a dense layer."""
-    from meshtron.training.distributed import DistEnv
-    from meshtron.training.loop import _dry_run
-    from meshtron.training.run_checks import check_run_config
-
     cfg = preset("qwen3_moe_30b_a3b")
     imported = config_from_hf(QWEN3_MOE_30B, seq_len=cfg.seq_len)
     assert dataclasses.replace(imported, aux_loss_coef=0.001, aux_loss_layers="sum", hf_router_fields=None) == cfg
@@ -343,22 +345,10 @@ def test_qwen3_moe_preset_is_qwen3_30b_a3b_and_plans_on_eight_gpus(tmp_path):
     back = config_from_hf(hf.config, seq_len=cfg.seq_len)  # an import trains transformers' pooled aux
     assert type(hf.config).__name__ == "Qwen3MoeConfig"
     assert dataclasses.replace(back, aux_loss_layers="sum", hf_router_fields=None) == cfg
-    run = composed(
-        "+model=qwen3_moe_30b_a3b",
-        "parallel.tp=2",
-        "parallel.sp=true",
-        "parallel.ep=8",
-        "optim.zero=1",
-        "trainer.micro_batch_size=1",
-        "trainer.global_batch_size=16",
-        "trainer.precision=bf16",
+    plan = node_plan(
+        tmp_path, "+model=qwen3_moe_30b_a3b", "parallel.tp=2", "parallel.sp=true", "parallel.ep=8", "optim.zero=1",
         "trainer.recompute=full",
-        "trainer.device=cuda",
-    )
-    run, _ = run.with_precision_for("cuda", True)
-    par, micro, _ = check_run_config(run, 8, 8)
-    _dry_run(run, par, DistEnv(8, 0, 0, 8, torch.device("cuda", 0), 1), tmp_path, micro, run.execution("torch"))
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    )  # fmt: skip
     assert plan["layout"]["ep"] == 8 and len(plan["ranks"]) == 8
     for r in plan["ranks"]:
         assert 0 < r["memory"]["bytes"]["total"] < 80 * 2**30, r["memory"]["bytes"]["total"] / 2**30
@@ -384,10 +374,6 @@ def test_deepseek_v3_preset_exports_as_deepseek_v3_and_plans_on_eight_gpus(tmp_p
     transformers' own parameter count (its MTP depth aside: transformers builds none) and, at
     ep=8 with ZeRO-1, bf16 and selective recompute, every rank of one node plans under 80 GiB;
     the tiny twin keeps the shape."""
-    from meshtron.training.distributed import DistEnv
-    from meshtron.training.loop import _dry_run
-    from meshtron.training.run_checks import check_run_config
-
     transformers = pytest.importorskip("transformers")
     cfg = preset("deepseek_v3_16b")
     with torch.device("meta"):
@@ -398,20 +384,7 @@ def test_deepseek_v3_preset_exports_as_deepseek_v3_and_plans_on_eight_gpus(tmp_p
     back = config_from_hf(hf.config, seq_len=cfg.seq_len)
     assert back.attention == "mla" and (back.router_groups, back.router_topk_groups) == (8, 4)
     assert (back.num_experts, back.top_k, back.moe_first_dense, back.router_scaling_factor) == (64, 8, 1, 2.5)
-    run = composed(
-        "+model=deepseek_v3_16b",
-        "parallel.ep=8",
-        "optim.zero=1",
-        "trainer.micro_batch_size=1",
-        "trainer.global_batch_size=16",
-        "trainer.precision=bf16",
-        "trainer.recompute=selective",
-        "trainer.device=cuda",
-    )
-    run, _ = run.with_precision_for("cuda", True)
-    par, micro, _ = check_run_config(run, 8, 8)
-    _dry_run(run, par, DistEnv(8, 0, 0, 8, torch.device("cuda", 0), 1), tmp_path, micro, run.execution("torch"))
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan = node_plan(tmp_path, "+model=deepseek_v3_16b", "parallel.ep=8", "optim.zero=1", "trainer.recompute=selective")
     assert len(plan["ranks"]) == 8
     for r in plan["ranks"]:
         assert 0 < r["memory"]["bytes"]["total"] < 80 * 2**30, r["memory"]["bytes"]["total"] / 2**30
