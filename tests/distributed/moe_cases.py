@@ -175,14 +175,18 @@ def compare_expert_bias(chunks, ref) -> None:
             raise AssertionError(f"{name} {bias} != serial {ref_buffers[name]}")
 
 
-def train_against_serial(cfg: GPTConfig, mesh, scope: str, chunks, named, train, serial) -> None:
+def train_against_serial(
+    cfg: GPTConfig, mesh, scope: str, chunks, named, train, serial, *, bias_every_step: bool = False
+) -> list:
     """STEPS steps of `train` (this rank's microbatches -> the step's output) beside the serial
     model (`serial`: build()'s model, reducer and optimizer) taking the microbatches the scope
     names: each step's values (`compare_step`), every gradient after the first step, and the
-    weights and expert bias of `chunks` (their `named` parameters) after the last."""
+    weights and expert bias of `chunks` (their `named` parameters) after the last (the bias
+    after every step with `bias_every_step`). Returns every step's (output, serial output)."""
     ref, ref_reducer, ref_optimizer = serial
     ref_params = dict(ref.named_parameters())
     batch = mesh.dp_size * MICRO * MICRO_PER_RANK
+    results = []
     for step in range(STEPS):
         out = train(microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch))
         ref_out = train_step(
@@ -197,8 +201,15 @@ def train_against_serial(cfg: GPTConfig, mesh, scope: str, chunks, named, train,
         compare_step(step, out, ref_out)
         if step == 0:
             compare_parameters(named, ref_params, mesh, cfg, "grad")
+        if bias_every_step:
+            try:
+                compare_expert_bias(chunks, ref)
+            except AssertionError as err:
+                raise AssertionError(f"step {step}: {err}") from None
+        results.append((out, ref_out))
     compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
     compare_expert_bias(chunks, ref)
+    return results
 
 
 def check_moe_layout(layout, kernel_backend: str = "torch") -> None:

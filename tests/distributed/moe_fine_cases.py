@@ -22,21 +22,17 @@ from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.training.step import pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
     LR,
-    STEPS,
     UNFUSED,
     assert_close,
     build,
-    compare_parameters,
     global_batch,
     microbatches,
 )
 from tests.distributed.moe_cases import (
     MICRO,
     MICRO_PER_RANK,
-    compare_expert_bias,
-    compare_step,
     count_group_limited_choices,
-    serial_microbatches,
+    train_against_serial,
 )
 from tests.distributed.pipeline_cases import build_pipeline
 
@@ -133,33 +129,10 @@ def bias_snapshot(chunks) -> dict[str, torch.Tensor]:
 
 
 def train_fine(cfg: GPTConfig, mesh, scope: str, chunks, named, train, serial) -> list:
-    """moe_cases.train_against_serial with the expert bias compared after every step (and
-    proved to move when the config updates it). Returns every step's StepResult pair."""
-    ref, ref_reducer, ref_optimizer = serial
-    ref_params = dict(ref.named_parameters())
-    batch = mesh.dp_size * MICRO * MICRO_PER_RANK
-    results = []
-    for step in range(STEPS):
-        out = train(microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, MICRO, batch))
-        ref_out = train_step(
-            ref,
-            ref_reducer,
-            ref_optimizer,
-            serial_microbatches(cfg, step, mesh.dp_size, batch, scope),
-            single_process_mesh(),
-            lr=LR,
-            max_grad_norm=1.0,
-        )
-        compare_step(step, out, ref_out)
-        if step == 0:
-            compare_parameters(named, ref_params, mesh, cfg, "grad")
-        try:
-            compare_expert_bias(chunks, ref)
-        except AssertionError as err:
-            raise AssertionError(f"step {step}: {err}") from None
-        results.append((out, ref_out))
-    compare_parameters(named, ref_params, mesh, cfg, f"weight after {STEPS} steps")
-    if cfg.router_bias_update_rate > 0 and not any(bool(b.any()) for b in bias_snapshot([ref]).values()):
+    """moe_cases.train_against_serial with the expert bias compared after every step, and
+    proved to move when the config updates it. Returns every step's StepResult pair."""
+    results = train_against_serial(cfg, mesh, scope, chunks, named, train, serial, bias_every_step=True)
+    if cfg.router_bias_update_rate > 0 and not any(bool(b.any()) for b in bias_snapshot([serial[0]]).values()):
         raise AssertionError("the serial expert bias never moved: the case does not test its updates")
     return results
 
