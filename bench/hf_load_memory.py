@@ -217,18 +217,25 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory() as out:
             results = [measure_export(args.export, Path(out))]
-        args.layout = []
     else:
-        results = []
-    for layout in args.layout if args.export else args.layout or ["8x1:0"]:
-        cmd = [sys.executable, __file__, "--folder", str(args.folder), "--measure", layout]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        cmd = [sys.executable, __file__, "--folder", str(args.folder), "--measure"]
+        results = [measured_alone([*cmd, layout]) for layout in args.layout or ["8x1:0"]]
+    emit(results, args.json)
     return 0
+
+
+def measured_alone(cmd: list[str]) -> dict:
+    """The JSON object the last stdout line of `cmd` prints: one measurement in a fresh interpreter."""
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def emit(results: list, path: Path | None) -> None:
+    """Print `results` as JSON, and write them to `path` when given."""
+    print(json.dumps(results, indent=2))
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_load_memory import PeakSampler, rss_anon  # noqa: E402  (the bench folder's own helper)
+from hf_load_memory import PeakSampler, emit, measured_alone, rss_anon  # noqa: E402  (the bench folder's own helper)
 
 
 def _full_tensor_way(chunks, seed: int, mesh) -> None:
@@ -106,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for way in ("tiles", "full_tensors"):
         cmd = [sys.executable, __file__, "--model", args.model, "--way", way, "--rank", str(args.rank)]
         cmd += ["--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        results.append(measured_alone(cmd))
     tiles, full = results
     results.append(
         {
@@ -118,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         }
     )
-    print(json.dumps(results, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    emit(results, args.json)
     return 0
 
 

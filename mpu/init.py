@@ -18,6 +18,7 @@ expert mesh: gradient summed over the expert-data-parallel group).
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import itertools
 
@@ -43,15 +44,15 @@ def tile_shape(ndim: int) -> tuple[int, ...]:
     return (1,) * (ndim - 2) + TILE_2D
 
 
-class ParamInit:
+class ParamInit(abc.ABC):
     """A parameter's full value of `shape`, any block of which can be produced alone."""
 
     def __init__(self, shape: tuple[int, ...]):
         self.shape = tuple(int(n) for n in shape)
 
+    @abc.abstractmethod
     def fill_block(self, out: torch.Tensor, seed: int, name: str, offsets: tuple[int, ...]) -> None:
         """Write the block of the full value that starts at `offsets` (shaped like `out`) into `out`."""
-        raise NotImplementedError  # every subclass defines its values
 
     def __call__(self, seed: int = 0, name: str = "") -> torch.Tensor:
         """The full value (a standalone module's default; models fill blocks per rank)."""
