@@ -63,9 +63,12 @@ def test_first_id_at_or_above_scans_in_chunks():
     assert first_id_at_or_above(tokens, 6, chunk=64) == (900, 9)
 
 
-def test_startup_scan_names_the_file_and_offset(tmp_path: pathlib.Path):
+def test_startup_scan_names_the_file_and_offset(tmp_path: pathlib.Path, monkeypatch):
     good = _prepared(tmp_path / "good")
-    assert build_dataset(_Data(good), 16, 0, VOCAB).vocab_size == VOCAB
+    assert build_dataset(_Data(good), 16, 0, VOCAB).vocab_size is None  # scanned whole: no per-read check left
+    with monkeypatch.context() as m:
+        m.setattr(data_mod, "STARTUP_SCAN_TOKENS", 0)  # too large to scan: every read is checked
+        assert build_dataset(_Data(good), 16, 0, VOCAB).vocab_size == VOCAB
     edited = _prepared(tmp_path / "edited", {12_345: 350})  # inside the padded range (300 -> 384)
     assert load_prepared(edited)[1]["max_token_id"] < VOCAB  # the index still vouches for the file
     with pytest.raises(

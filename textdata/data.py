@@ -722,6 +722,7 @@ def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int) -> TokenDa
             found = first_id_at_or_above(tokens, bound)
             if found is not None:
                 raise DataError(out_of_vocab_message(source, found[0], found[1], bound))
+            bound = None  # every id is checked: no per-read check (nor the global batch's reads) needed
     else:
         tokens = load_corpus(data_cfg.paths, data_cfg.max_bytes, vocab_size=vocab_size)  # every byte checked
     return TokenDataset(tokens, seq_len, seed, data_cfg.val_fraction, vocab_size=bound, source=source)
