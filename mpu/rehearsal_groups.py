@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -209,33 +210,37 @@ class RehearsalGroup(_LoggingGroup):
         return torch.randn(like.shape, generator=gen, device=like.device, dtype=torch.float32).to(like.dtype)
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 class _SettlingWork(dist.Work):
     """A gloo call started on aliases of its tensors (`start(*aliases)`, `args` as the call
-    takes them, lists nested). `wait` waits for it, then until gloo has dropped the aliases
-    (their storage's use count is back): the work's last reference to a tensor then never goes
-    on gloo's worker thread, where the profiler would not see the tensor freed. Point-to-point
-    messages return this work unwaited (a send may need its peer's receive posted first)."""
+    takes them, lists nested). `wait` waits for it, then until gloo has dropped every alias (an
+    alias's Python object outlives the caller's references while gloo's C++ side holds it, so
+    a weak reference to it dies exactly when gloo lets go): the work's last reference to a
+    tensor then never goes on gloo's worker thread, where the profiler would not see the tensor
+    freed. Counting the storage's uses instead was racy: the caller dropping another view of the
+    same buffer meanwhile made the count look settled while gloo still held the alias.
+    Point-to-point messages return this work unwaited (a send may need its peer's receive
+    posted first)."""
+
+    SETTLE_S = 30.0
 
     def __init__(self, start, args):
         super().__init__()
         self.leaves = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-        self._aliases = tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) else t, args)
-        self._before = [_storage_uses(t) - 1 for t in self.leaves]  # less the alias just made
-        self._inner = start(*self._aliases)
+        aliases = tree_map(lambda t: t.view_as(t) if isinstance(t, torch.Tensor) else t, args)
+        self._alias_refs = [weakref.ref(a) for a in tree_leaves(aliases) if isinstance(a, torch.Tensor)]
+        self._inner = start(*aliases)
 
     def wait(self, timeout=None):
         if self._inner is None:
             return True
         self._inner.wait()
-        self._inner = self._aliases = None
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(
-            _storage_uses(t) > n for t, n in zip(self.leaves, self._before, strict=True)
-        ):
+        self._inner = None
+        deadline = time.monotonic() + self.SETTLE_S
+        while any(ref() is not None for ref in self._alias_refs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"recorded_gloo: gloo still holds a finished call's tensors after {self.SETTLE_S:.0f} s"
+                )
             time.sleep(0)
         return True
 

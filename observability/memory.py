@@ -9,6 +9,7 @@ one number per rank so rank 0 can log them all.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "peak_memory_per_rank",
     "format_bytes",
     "held_state_bytes",
+    "PeakMeter",
     "profiled_peak",
     "storage_bytes",
 ]
@@ -110,29 +112,98 @@ def held_state_bytes(chunks, reducer, optimizer) -> dict[str, int]:
     }
 
 
-def profiled_peak(fn, device: torch.device) -> int:
-    """High-water mark of tensor bytes allocated by `fn()` above those allocated when it starts:
-    CUDA from the caching allocator's peak; CPU from the profiler's memory events (every
-    allocation and free of `fn`, summed in time order)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
+class PeakMeter:
+    """Peak tensor bytes above the start of each call measured inside one `with` block
+    (`measure(fn)`; `peaks` in call order once the block ends).
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=False) as prof:
-        fn()
-    events = [
-        e
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    events.sort(key=lambda e: e.start_ns())
-    running = high = 0
-    for e in events:
-        running += e.nbytes()
-        high = max(high, running)
-    return high
+    CUDA: the caching allocator's peak per call. CPU: one profiler session spans the whole
+    block, and a call's peak is the running sum of the allocations and frees it makes, in
+    order; a free counts only when the block saw that address allocated. The profiler sizes a
+    free from a table that frees outside a session leave stale (an address allocated under an
+    earlier session, freed and reused without one, is reported freed at the old size: a CI run
+    measured one rank's peak 1.1 MB low that way), so frees of memory from before the block are
+    left out, and successive calls leave no gap in which their own frees go unseen. Python's
+    cycle collector is off inside the block: what a cycle holds is freed at a fixed point, not
+    whenever the collector happens to run."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.peaks: list[int] = []
+        self._marks: list[str] = []
+        self._profile = None
+        self._collector_was_on = False
+
+    def __enter__(self) -> PeakMeter:
+        self._collector_was_on = gc.isenabled()
+        gc.disable()
+        if self.device.type != "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=False)
+            self._profile.__enter__()
+        return self
+
+    def measure(self, fn) -> None:
+        """Call `fn()`, measuring its peak."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            fn()
+            torch.cuda.synchronize(self.device)
+            self.peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
+            return
+        mark = f"meshtron.measured.{len(self._marks)}"
+        self._marks.append(mark)
+        with torch.profiler.record_function(mark):
+            fn()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._profile is not None:
+                self._profile.__exit__(*exc)
+                if exc[0] is None:
+                    self.peaks = _peaks_per_mark(self._profile, self._marks)
+        finally:
+            if self._collector_was_on:
+                gc.enable()
+
+
+def _peaks_per_mark(prof, marks: list[str]) -> list[int]:
+    """Per `record_function` mark of `prof`, the high-water mark of the running sum of its
+    allocations and of its frees of addresses allocated earlier in the session."""
+    roots = prof.profiler.kineto_results.experimental_event_tree()
+    peaks = dict.fromkeys(marks, 0)
+    spans, allocations = {}, []
+    stack = list(roots)
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.name in peaks:
+            spans[e.name] = (e.start_time_ns, e.end_time_ns)
+        elif type(e.extra_fields).__name__ == "_ExtraFields_Allocation" and e.extra_fields.device.type == "cpu":
+            allocations.append(e)
+    allocations.sort(key=lambda e: e.start_time_ns)
+    live: dict[int, int] = {}
+    running = dict(peaks)
+    for e in allocations:
+        ptr, size = e.extra_fields.ptr, e.extra_fields.alloc_size
+        if size > 0:
+            live[ptr] = size
+        elif ptr in live:
+            size = -live.pop(ptr)
+        else:
+            continue  # memory from before the session (the profiler's size may be stale)
+        for mark, (start, end) in spans.items():
+            if start <= e.start_time_ns <= end:
+                running[mark] += size
+                peaks[mark] = max(peaks[mark], running[mark])
+    return [peaks[mark] for mark in marks]
+
+
+def profiled_peak(fn, device: torch.device) -> int:
+    """High-water mark of tensor bytes allocated by `fn()` above those allocated when it
+    starts (`PeakMeter` for one call)."""
+    with PeakMeter(device) as meter:
+        meter.measure(fn)
+    return meter.peaks[0]

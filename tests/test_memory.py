@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pathlib
@@ -11,7 +12,13 @@ import sys
 import pytest
 import torch
 
-from meshtron.observability.memory import format_bytes, peak_memory_bytes, peak_memory_per_rank
+from meshtron.observability.memory import (
+    PeakMeter,
+    format_bytes,
+    peak_memory_bytes,
+    peak_memory_per_rank,
+    profiled_peak,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -26,6 +33,68 @@ def test_cpu_peak_is_rss_in_bytes_and_grows():
     assert after >= before
     assert after >= 64 * 2**20
     del block
+
+
+MIB = 2**20
+CPU = torch.device("cpu")
+
+
+def _floats(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes // 4)
+
+
+def test_a_free_of_memory_from_before_the_measurement_is_not_counted():
+    """4 MiB allocated under an earlier profiler session (so the profiler knows a size for its
+    address, which a later free and reuse outside any session leave stale) and freed inside
+    the measured call: the call's peak is its own 2 MiB, exactly, not 4 MiB less."""
+    held = []
+    assert profiled_peak(lambda: held.append(_floats(4 * MIB)), CPU) == 4 * MIB
+
+    def two_mib():
+        first = _floats(MIB)
+        held.clear()
+        second = _floats(MIB)
+        del first, second
+
+    assert profiled_peak(two_mib, CPU) == 2 * MIB
+
+
+def test_each_measured_call_counts_its_own_frees_of_what_earlier_calls_allocated():
+    """A 4 MiB buffer replaced on every call, the new one allocated before the old goes, then a
+    1 MiB temporary: the first call peaks at 5 MiB above its start; a later one at 4 MiB (both
+    copies), its free of the previous call's copy counted, or it too would read 5 MiB."""
+    buffer = []
+
+    def replace():
+        new = _floats(4 * MIB)
+        buffer.clear()
+        buffer.append(new)
+        _floats(MIB)
+
+    with PeakMeter(CPU) as meter:
+        for _ in range(3):
+            meter.measure(replace)
+    assert meter.peaks == [5 * MIB, 4 * MIB, 4 * MIB]
+
+
+def test_the_cycle_collector_does_not_run_inside_a_measured_call():
+    """A cycle that becomes garbage inside the call keeps its tensor until the call ends,
+    wherever an enabled collector would have run (every container allocation here)."""
+
+    def cycle_then_more():
+        box = {"tensor": _floats(4 * MIB)}
+        box["self"] = box
+        del box
+        [[None] for _ in range(100)]
+        _floats(MIB)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        assert profiled_peak(cycle_then_more, CPU) == 5 * MIB
+    finally:
+        gc.set_threshold(*threshold)
+    assert gc.isenabled()
 
 
 def test_per_rank_without_process_group_is_own():

@@ -48,7 +48,7 @@ from meshtron.kernels.backend import resolve_backend
 from meshtron.kernels.tf32 import set_tf32_mode
 from meshtron.mpu import rehearsal_groups, shm_collectives
 from meshtron.mpu.mesh import Mesh
-from meshtron.observability.memory import held_state_bytes, profiled_peak
+from meshtron.observability.memory import PeakMeter, held_state_bytes
 from meshtron.planning.flops import model_flops_per_token
 from meshtron.planning.peak import peak_flops
 from meshtron.planning.plan import plan_rank
@@ -221,52 +221,55 @@ class PhaseClock:
 def run_steps(engine: Engine, run: RunConfig, dataset, steps: int) -> list[dict]:
     """`steps` training steps of this rank through `engine.step`, each with its data window,
     wall time, phases, pipeline actions, peak memory above the step's start and calls."""
-    t, mesh = run.trainer, engine.mesh
     lr_at = lr_schedule(run)
     clock = PhaseClock(engine)
     if engine.executor is not None:
         engine.executor.device_timed = True
     records = []
     try:
-        for step in range(steps):
-            inputs, targets = dataset.local_batch_at(
-                step * t.global_batch_size, t.global_batch_size, mesh.dp_rank, mesh.dp_size
-            )
-            micro = split_microbatches(
-                inputs.to(engine.device), targets.to(engine.device), engine.config.micro_batch_size
-            )
-            states = held_state_bytes(engine.chunks, engine.reducer, engine.optimizer)
-            cuda = engine.device.type == "cuda"
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(engine.device)
-            held = torch.cuda.memory_allocated(engine.device) if cuda else None
-            mark = len(rehearsal_groups.CALLS)
-            box = {}
-
-            def one_step(micro=micro, step=step, box=box):
-                start = clock.now()
-                box["out"] = engine.step(micro, lr_at(step))
-                box["seconds"] = clock.now() - start
-
-            above = profiled_peak(one_step, engine.device)
-            out = box["out"]
-            records.append(
-                {
-                    "seconds": box["seconds"],
-                    "phases": clock.take(),
-                    "actions": _actions(out.pipeline),
-                    "states": states,
-                    "held_at_start": held,  # CUDA: every tensor byte held when the step starts
-                    "peak_above_start": above,
-                    "reserved_peak": torch.cuda.max_memory_reserved(engine.device) if cuda else None,
-                    "calls": [c.as_dict() for c in rehearsal_groups.calls_since(mark)],
-                    "loss": float(out.loss),
-                    "skipped": bool(out.skipped),
-                }
-            )
+        with PeakMeter(engine.device) as meter:
+            for step in range(steps):
+                records.append(_measured_step(engine, run, dataset, step, clock, meter, lr_at))
     finally:
         clock.remove()
+    for record, above in zip(records, meter.peaks, strict=True):
+        record["peak_above_start"] = above
     return records
+
+
+def _measured_step(engine: Engine, run: RunConfig, dataset, step: int, clock: PhaseClock, meter, lr_at) -> dict:
+    """Step `step` of `run_steps`, its peak measured by `meter` (filled in once it ends)."""
+    t, mesh = run.trainer, engine.mesh
+    inputs, targets = dataset.local_batch_at(
+        step * t.global_batch_size, t.global_batch_size, mesh.dp_rank, mesh.dp_size
+    )
+    micro = split_microbatches(inputs.to(engine.device), targets.to(engine.device), engine.config.micro_batch_size)
+    states = held_state_bytes(engine.chunks, engine.reducer, engine.optimizer)
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    held = torch.cuda.memory_allocated(engine.device) if cuda else None
+    mark = len(rehearsal_groups.CALLS)
+    box = {}
+
+    def one_step():
+        start = clock.now()
+        box["out"] = engine.step(micro, lr_at(step))
+        box["seconds"] = clock.now() - start
+
+    meter.measure(one_step)
+    out = box["out"]
+    return {
+        "seconds": box["seconds"],
+        "phases": clock.take(),
+        "actions": _actions(out.pipeline),
+        "states": states,
+        "held_at_start": held,  # CUDA: every tensor byte held when the step starts
+        "reserved_peak": torch.cuda.max_memory_reserved(engine.device) if cuda else None,
+        "calls": [c.as_dict() for c in rehearsal_groups.calls_since(mark)],
+        "loss": float(out.loss),
+        "skipped": bool(out.skipped),
+    }
 
 
 def _actions(pipeline) -> list[dict]:
