@@ -15,6 +15,7 @@ import torch
 
 from meshtron.models.config import GPTConfig
 from meshtron.models.gpt import GPT
+from meshtron.mpu.init import initialize_parameters
 from meshtron.mpu.mesh import single_process_mesh
 
 transformers = pytest.importorskip("transformers")
@@ -280,3 +281,91 @@ def test_deepseek_v3_mtp_module_in_the_checkpoint_is_ignored():
     state["model.layers.1.surprise.weight"] = torch.zeros(2)
     with pytest.raises(mhf.HFConversionError, match="unexpected tensor model.layers.1.surprise.weight"):
         mhf.load_hf_state_dict(model, state)
+
+
+def _deepseek_with_mtp(depths: int, seed: int) -> GPT:
+    cfg = dataclasses.replace(mhf.config_from_hf(hc.hf_model("deepseek_v3").config), mtp_depths=depths)
+    model = GPT(cfg, single_process_mesh())
+    initialize_parameters(model, seed, model.mesh)
+    return model
+
+
+def _mtp_layer_keys(state: dict, index: int) -> set[str]:
+    prefix = f"model.layers.{index}."
+    return {k[len(prefix) :] for k in state if k.startswith(prefix)}
+
+
+def test_deepseek_v3_mtp_depths_export_in_its_layout_and_import_back_exactly():
+    """model.mtp_depths=2 exports as DeepSeek-V3's released checkpoint lays its MTP module out:
+    layers 3 and 4 (past the model's 3) each hold enorm, hnorm, eh_proj, shared_head.norm, the
+    copies of the embedding and head, and a whole (MoE) decoder layer; config.json says
+    num_nextn_predict_layers=2. Read back into a differently initialized model, every parameter
+    and buffer is equal."""
+    source = _deepseek_with_mtp(2, seed=1)
+    with torch.no_grad():  # norms told apart (all ones at initialization)
+        for depth in source.mtp:
+            for fill, norm in enumerate((depth.enorm, depth.hnorm, depth.norm), start=2):
+                norm.weight.fill_(fill + 10 * depth.depth)
+    state = mhf.export_hf_state_dict(source, single_process_mesh())
+    for index, depth in ((3, 12), (4, 22)):
+        assert [
+            state[f"model.layers.{index}.{n}.weight"][0].item() for n in ("enorm", "hnorm", "shared_head.norm")
+        ] == [
+            depth,
+            depth + 1,
+            depth + 2,
+        ]
+    main_layer = _mtp_layer_keys(state, 2)  # the last main layer, an MoE layer
+    mtp_own = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"}
+    copies = {"embed_tokens.weight", "shared_head.head.weight"}
+    for index in (3, 4):
+        assert _mtp_layer_keys(state, index) == main_layer | mtp_own | copies
+        assert torch.equal(state[f"model.layers.{index}.embed_tokens.weight"], state["model.embed_tokens.weight"])
+        assert torch.equal(state[f"model.layers.{index}.shared_head.head.weight"], state["lm_head.weight"])
+    assert torch.equal(state["model.layers.4.eh_proj.weight"], source.mtp[1].proj.detach())
+    assert mhf.hf_config_from_gpt(source.cfg).num_nextn_predict_layers == 2
+    target = _deepseek_with_mtp(2, seed=2)
+    mhf.load_hf_state_dict(target, state)
+    vocab = source.cfg.vocab_size  # the padding rows past it are not exported
+    for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items(), strict=True):
+        if name in ("embed.weight", "head.weight"):
+            a, b = a[:vocab], b[:vocab]
+        if not name.endswith("step_load"):
+            assert torch.equal(a, b), name
+
+
+def test_deepseek_v3_mtp_depths_the_checkpoint_lacks_start_fresh():
+    """A checkpoint with one MTP depth read into a model with two: depth 1 is the checkpoint's,
+    depth 2 keeps its initial values (and its router's expert bias starts at zero); a
+    checkpoint's depths past the model's are not read."""
+    one = mhf.export_hf_state_dict(_deepseek_with_mtp(1, seed=1), single_process_mesh())
+    fresh = _deepseek_with_mtp(2, seed=2)
+    initial = {k: v.clone() for k, v in fresh.mtp[1].state_dict().items()}
+    mhf.load_hf_state_dict(fresh, one)
+    assert torch.equal(fresh.mtp[0].proj.detach(), one["model.layers.3.eh_proj.weight"])
+    for name, value in fresh.mtp[1].state_dict().items():
+        if not name.endswith(("expert_bias", "step_load")):
+            assert torch.equal(value, initial[name]), name
+    without = _deepseek_with_mtp(0, seed=3)
+    mhf.load_hf_state_dict(without, one)  # layer 3 is skipped, as transformers skips it
+
+
+def test_mtp_weights_of_a_family_without_an_mtp_layout_are_refused_on_export():
+    hf = hc.hf_model("qwen3")
+    model = GPT(dataclasses.replace(mhf.config_from_hf(hf.config), mtp_depths=1), single_process_mesh())
+    with pytest.raises(mhf.HFConversionError, match="model.mtp_depths=1: .* deepseek_v3 only, not qwen3"):
+        mhf.export_hf_state_dict(model, single_process_mesh())
+    mhf.load_hf_state_dict(model, hf.state_dict())  # import: the depth starts fresh
+
+
+def test_training_from_a_deepseek_folder_chooses_its_mtp_depths(tmp_path):
+    """checkpoint.init_from=hf:FOLDER with model.mtp_depths=1: the depth is the run's choice
+    (not a contradiction of the folder's architecture), and a folder that holds no MTP layer
+    (transformers saves none) passes the weight check: the depth starts fresh."""
+    from meshtron.models.config import GPTConfig as Given
+    from meshtron.training.hf_start import check_hf_weights, model_from_hf_folder
+
+    hc.hf_model("deepseek_v3").save_pretrained(tmp_path)
+    cfg = model_from_hf_folder(tmp_path, dataclasses.replace(Given(), mtp_depths=1, mtp_loss_weight=0.3))
+    assert (cfg.mtp_depths, cfg.mtp_loss_weight, cfg.attention) == (1, 0.3, "mla")
+    check_hf_weights(tmp_path, cfg)

@@ -1,8 +1,8 @@
 """Training straight from a Hugging Face folder: `checkpoint.init_from=hf:FOLDER`.
 
 The folder's config.json is the model: its architecture replaces the run's `model` section,
-which keeps only what a run chooses (`RUN_CHOSEN_FIELDS`: the training sequence length and
-dropout). A `model` field the user set to something else than both meshtron's default and the
+which keeps only what a run chooses (`RUN_CHOSEN_FIELDS`: the training sequence length,
+dropout and multi-token prediction). A `model` field the user set to something else than both meshtron's default and the
 folder's value is a contradiction, refused naming the field (rather than training a model
 nobody asked for). Before any process group, every rank checks that the folder's safetensors
 headers hold exactly the tensors the model needs (`check_hf_weights`); each rank then reads
@@ -32,8 +32,10 @@ from meshtron.models.hf import (
 from meshtron.training.checkpoint import writable_weights
 
 HF_PREFIX = "hf:"
-# model fields a run chooses for itself, kept from the run's `model` section
-RUN_CHOSEN_FIELDS = ("seq_len", "dropout", "attention_dropout")
+# model fields a run chooses for itself, kept from the run's `model` section: multi-token
+# prediction is a training choice (transformers builds none; the depths the folder holds are
+# loaded, further ones start fresh: models/hf/weights.py held_mtp_depths)
+RUN_CHOSEN_FIELDS = ("seq_len", "dropout", "attention_dropout", "mtp_depths", "mtp_loss_weight")
 
 
 def hf_folder(init_from: str | None) -> Path | None:

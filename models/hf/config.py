@@ -569,6 +569,7 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
             v_head_dim=cfg.v_head_dim,
             rope_interleave=True,
             attention_bias=False,
+            num_nextn_predict_layers=cfg.mtp_depths,  # the MTP layers the exported weights hold
             architectures=["DeepseekV3ForCausalLM"],
         )
         return family, kw

@@ -107,8 +107,9 @@ def _qkv_unit(cfg: GPTConfig, mt: str, hf_keys: tuple[str, ...], is_bias: bool, 
     return _Unit((mt,), hf_keys, shapes, read_parts, lambda t: _qkv_split(t[0], cfg))
 
 
-def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
-    """Every meshtron parameter of `cfg`'s full model (unpadded vocabulary) with its HF source."""
+def _units(cfg: GPTConfig, moe_format: str = "fused", mtp_depths: int | None = None) -> list[_Unit]:
+    """Every meshtron parameter of `cfg`'s full model (unpadded vocabulary) with its HF source;
+    of the multi-token-prediction depths, the first `mtp_depths` (default: all of `cfg`'s)."""
     family = hf_family(cfg)
     h, f, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
     units: list[_Unit] = []
@@ -138,32 +139,68 @@ def _units(cfg: GPTConfig, moe_format: str = "fused") -> list[_Unit]:
     else:
         units.append(_same("embed.weight", "model.embed_tokens.weight", (V, h)))
         for i in range(cfg.num_layers):
-            L, m = f"model.layers.{i}.", f"layers.{i}."
-            a = L + "self_attn."
-            units += [
-                _same(m + "norm1.weight", L + "input_layernorm.weight", (h,)),
-                _same(m + "norm2.weight", L + "post_attention_layernorm.weight", (h,)),
-            ]
-            units += _mla_units(cfg, m + "attn.", a) if cfg.attention == "mla" else _attention_units(cfg, m, a)
-            if not cfg.is_moe_layer(i):  # Llama, Mistral, Qwen2, a Qwen-MoE's dense layers
-                units += [
-                    _same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
-                    _same(m + "mlp.up.weight", L + "mlp.up_proj.weight", (f, h)),
-                    _same(m + "mlp.down.weight", L + "mlp.down_proj.weight", (h, f)),
-                ]
-                if cfg.bias:
-                    units += [
-                        _same(m + "mlp.gate.bias", L + "mlp.gate_proj.bias", (f,)),
-                        _same(m + "mlp.up.bias", L + "mlp.up_proj.bias", (f,)),
-                        _same(m + "mlp.down.bias", L + "mlp.down_proj.bias", (h,)),
-                    ]
-            else:
-                units += _expert_units(cfg, m + "mlp.", L, moe_format, family)
-                units += _shared_units(cfg, m + "mlp.", L + "mlp.", family)
+            units += _layer_units(cfg, i, f"layers.{i}.", moe_format, family)
         units.append(_same("final_norm.weight", "model.norm.weight", (h,)))
     if not cfg.tie_embeddings:
         units.append(_same("head.weight", "lm_head.weight", (V, h)))
+    for k in range(1, (cfg.mtp_depths if mtp_depths is None else mtp_depths) + 1):
+        units += _mtp_units(cfg, k, moe_format, family)
     return units
+
+
+def _layer_units(cfg: GPTConfig, i: int, m: str, moe_format: str, family: str) -> list[_Unit]:
+    """Decoder layer `i` of a Llama-like family (HF model.layers.<i>.*) as meshtron's block `m`."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    L = f"model.layers.{i}."
+    a = L + "self_attn."
+    units = [
+        _same(m + "norm1.weight", L + "input_layernorm.weight", (h,)),
+        _same(m + "norm2.weight", L + "post_attention_layernorm.weight", (h,)),
+    ]
+    units += _mla_units(cfg, m + "attn.", a) if cfg.attention == "mla" else _attention_units(cfg, m, a)
+    if cfg.is_moe_layer(i):
+        return (
+            units
+            + _expert_units(cfg, m + "mlp.", L, moe_format, family)
+            + _shared_units(cfg, m + "mlp.", L + "mlp.", family)
+        )
+    units += [  # Llama, Mistral, Qwen2, a Qwen-MoE's dense layers
+        _same(m + "mlp.gate.weight", L + "mlp.gate_proj.weight", (f, h)),
+        _same(m + "mlp.up.weight", L + "mlp.up_proj.weight", (f, h)),
+        _same(m + "mlp.down.weight", L + "mlp.down_proj.weight", (h, f)),
+    ]
+    if cfg.bias:
+        units += [
+            _same(m + "mlp.gate.bias", L + "mlp.gate_proj.bias", (f,)),
+            _same(m + "mlp.up.bias", L + "mlp.up_proj.bias", (f,)),
+            _same(m + "mlp.down.bias", L + "mlp.down_proj.bias", (h,)),
+        ]
+    return units
+
+
+# The copies of the embedding and the output head that DeepSeek-V3's released checkpoint keeps
+# in each MTP layer (shared with the main model in training): written on export, not read.
+_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def _mtp_units(cfg: GPTConfig, k: int, moe_format: str, family: str) -> list[_Unit]:
+    """Multi-token-prediction depth k (models/mtp.py) in DeepSeek-V3's layout: HF layer
+    model.layers.<num_layers + k - 1> holds enorm, hnorm, eh_proj ([emb; hidden] columns, as
+    meshtron's proj), shared_head.norm (the depth's final norm) and a whole decoder layer."""
+    if family != "deepseek_v3":
+        raise HFConversionError(
+            f"model.mtp_depths={cfg.mtp_depths}: multi-token-prediction weights exist in the Hugging Face "
+            f"layout of deepseek_v3 only, not {family}: set model.mtp_depths=0 to export"
+        )
+    i, h = cfg.num_layers + k - 1, cfg.hidden_size
+    L, m = f"model.layers.{i}.", f"mtp.{k - 1}."
+    return [
+        _same(m + "enorm.weight", L + "enorm.weight", (h,)),
+        _same(m + "hnorm.weight", L + "hnorm.weight", (h,)),
+        _same(m + "proj", L + "eh_proj.weight", (h, 2 * h)),
+        *_layer_units(cfg, i, m + "block.", moe_format, family),
+        _same(m + "norm.weight", L + "shared_head.norm.weight", (h,)),
+    ]
 
 
 def _attention_units(cfg: GPTConfig, m: str, a: str) -> list[_Unit]:
@@ -329,7 +366,8 @@ def checked_units(cfg: GPTConfig, source: TensorSource) -> list[_Unit]:
     keys = set(source.keys())
     per_expert = any(".block_sparse_moe." in k or ".mlp.experts.0.gate_proj." in k for k in keys)
     moe_format = "per_expert" if per_expert else "fused"
-    units = _units(cfg, moe_format)
+    depths = held_mtp_depths(cfg, keys)
+    units = _units(cfg, moe_format, depths)
     expected = {key: shape for u in units for key, shape in zip(u.hf, u.hf_shapes)}
     optional = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_embeddings else {}
     missing = [k for k in expected if k not in keys]
@@ -338,7 +376,9 @@ def checked_units(cfg: GPTConfig, source: TensorSource) -> list[_Unit]:
             f"missing tensor {missing[0]} in the Hugging Face state dict"
             + (f" (and {len(missing) - 1} more: {missing[1:4]})" if len(missing) > 1 else "")
         )
-    unexpected = sorted(k for k in keys if k not in expected and k not in optional and not _mtp_key(k, cfg, family))
+    unexpected = sorted(
+        k for k in keys if k not in expected and k not in optional and not _skipped_mtp_key(k, cfg, family, depths)
+    )
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise HFConversionError(
@@ -356,14 +396,29 @@ def checked_units(cfg: GPTConfig, source: TensorSource) -> list[_Unit]:
     return units
 
 
-def _mtp_key(key: str, cfg: GPTConfig, family: str) -> bool:
-    """A DeepSeek-V3 checkpoint's multi-token-prediction module (model.layers.<i>.* for i >= the
-    model's layers): not imported, as transformers does not build it either (meshtron's
-    model.mtp_depths trains fresh depths)."""
+def held_mtp_depths(cfg: GPTConfig, keys) -> int:
+    """How many of `cfg`'s multi-token-prediction depths the HF tensor names `keys` hold
+    (DeepSeek-V3's model.layers.<num_layers + k - 1>.eh_proj.weight for k = 1, 2, ...): these
+    are imported, the model's further depths start fresh."""
+    if hf_family(cfg) != "deepseek_v3":
+        return 0
+    keys = set(keys)
+    held = 0
+    while held < cfg.mtp_depths and f"model.layers.{cfg.num_layers + held}.eh_proj.weight" in keys:
+        held += 1
+    return held
+
+
+def _skipped_mtp_key(key: str, cfg: GPTConfig, family: str, imported: int) -> bool:
+    """A DeepSeek-V3 checkpoint's multi-token-prediction tensor that is not read: a depth past
+    the `imported` ones (model.layers.<i>.* for i >= num_layers + imported; transformers does
+    not build any), or an imported depth's copy of the embedding or of the head."""
     if family != "deepseek_v3" or not key.startswith("model.layers."):
         return False
-    index = key.split(".")[2]
-    return index.isdigit() and int(index) >= cfg.num_layers
+    index, rest = key.split(".")[2], key.split(".", 3)[-1]
+    if not index.isdigit() or int(index) < cfg.num_layers:
+        return False
+    return int(index) >= cfg.num_layers + imported or rest in _MTP_COPIES
 
 
 def _check_tied(source: TensorSource, embed_key: str, rows: int) -> None:
@@ -398,7 +453,9 @@ def load_hf_weights(model, source: TensorSource, targets: dict | None = None) ->
     `model` is one `GPT` chunk or this rank's list of pipeline chunks. `targets` maps a
     parameter to the tensor its values go into (default: the parameter itself; the fp32 main
     weights of 16-bit resident parameters). Tied embedding copies on the last pipeline stage
-    get the embedding too. Router expert biases (aux-loss-free balancing state, not in HF) are
+    get the embedding too. Multi-token-prediction depths (DeepSeek-V3) are read from the
+    checkpoint's layers past the model's when it holds them (`held_mtp_depths`); further depths
+    keep their initial values. Router expert biases (aux-loss-free balancing state, not in HF) are
     reset to zero unless the checkpoint holds them (DeepSeek-V3's e_score_correction_bias).
     Missing, unexpected or wrongly shaped tensors raise HFConversionError naming the tensor (on
     every rank, before anything is copied)."""
@@ -406,11 +463,19 @@ def load_hf_weights(model, source: TensorSource, targets: dict | None = None) ->
     cfg: GPTConfig = chunks[0].cfg
     mesh: Mesh = chunks[0].mesh
     by_mt = {name: u for u in checked_units(cfg, source) for name in u.mt}
-    unmatched = [name for chunk in chunks for name, _ in chunk.named_parameters() if name not in by_mt]
+    fresh = tuple(f"mtp.{j}." for j in range(held_mtp_depths(cfg, source.keys()), cfg.mtp_depths))
+    unmatched = [
+        name
+        for chunk in chunks
+        for name, _ in chunk.named_parameters()
+        if name not in by_mt and not name.startswith(fresh)
+    ]
     if unmatched:
         raise HFConversionError(f"meshtron parameter {unmatched[0]} has no Hugging Face counterpart")
     for chunk in chunks:
         for name, param in chunk.named_parameters():
+            if name not in by_mt:
+                continue  # a multi-token-prediction depth the checkpoint does not hold: as initialized
             offsets = local_offsets(param, mesh)
             box = tuple(slice(o, o + n) for o, n in zip(offsets, param.shape))
             local = _read_local(by_mt[name], source, name, box, cfg.vocab_size if name in _VOCAB_PARAMS else None)
@@ -452,10 +517,7 @@ def export_hf_state_dict(model, mesh: Mesh, moe_format: str | None = None) -> di
     """
     chunks = _chunks(model)
     cfg: GPTConfig = chunks[0].cfg
-    moe_format = moe_format or _default_moe_format()
-    if moe_format not in ("fused", "per_expert"):
-        raise ValueError(f"moe_format={moe_format!r} must be 'fused' or 'per_expert'")
-    units = _units(cfg, moe_format)  # validates the family before any collective
+    units = _export_units(cfg, moe_format)  # validates the family before any collective
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
@@ -494,10 +556,19 @@ def export_hf_state_dict(model, mesh: Mesh, moe_format: str | None = None) -> di
 
 
 def _export_units(cfg: GPTConfig, moe_format: str | None) -> list[_Unit]:
+    """`_units` for writing: each multi-token-prediction layer also gets DeepSeek-V3's copies
+    of the embedding and the head (`_MTP_COPIES`), as its released checkpoint has them."""
     moe_format = moe_format or _default_moe_format()
     if moe_format not in ("fused", "per_expert"):
         raise ValueError(f"moe_format={moe_format!r} must be 'fused' or 'per_expert'")
-    return _units(cfg, moe_format)
+    h, V = cfg.hidden_size, cfg.vocab_size
+    head = "embed.weight" if cfg.tie_embeddings else "head.weight"
+    copies = [
+        _same(mt, f"model.layers.{cfg.num_layers + k - 1}.{key}", (V, h))
+        for k in range(1, cfg.mtp_depths + 1)
+        for mt, key in zip(("embed.weight", head), _MTP_COPIES, strict=True)
+    ]
+    return _units(cfg, moe_format) + copies
 
 
 def hf_tensor_shapes(cfg: GPTConfig, moe_format: str | None = None) -> dict[str, tuple[int, ...]]:
