@@ -48,9 +48,19 @@ tampering. Ranks send their files' sums to rank 0, which records them in `meshtr
 written last and published by the rename with the folder. `check_checkpoint_crcs` re-reads
 every file and compares; `resolve_resume` runs it (on every rank, before any process group,
 so all ranks take the same decision): an explicit path that fails is an error naming the
-file; `resume=auto` skips a corrupt newest checkpoint with a warning naming the file and
-takes the previous one (no intact one at all is an error, not a silent fresh start).
-Checkpoints of format version 1 (sizes only) still load, with the size check alone.
+file; `resume=auto` (and a checkpoint.dir given as `resume`) skips a corrupt newest checkpoint
+with a warning naming the file and takes the previous one (no intact one at all is an error,
+not a silent fresh start). Every `step_N` folder is a candidate there, not only those whose
+sizes match: a truncated file is warned about like a changed one. Checkpoints of format
+version 1 (sizes only) still load, with the size check alone.
+
+Same model: the manifest records the model config it was saved for. `check_compatible`
+compares it with the run's before any process group: first every tensor's name and global
+shape, then the fields themselves, since same shapes do not make the same model (hidden 64
+splits into 4 or 8 heads with every weight the same shape). A resume may change only
+`RESUME_MAY_CHANGE` (dropout, init_std, the MoE and MTP loss weights); `checkpoint.init_from` (weights
+only, for fine-tuning) only needs `WEIGHT_READING_FIELDS` (heads, norm, activation,
+positions) to match. A mismatch is one line naming the fields, saved and configured.
 
 One writer per folder: `hold_checkpoint_dir` takes `<checkpoint.dir>/.meshtron.lock`,
 created with O_EXCL and holding pid, host, the process's kernel start time and the wall
@@ -59,7 +69,8 @@ broadcast so every rank stops with the same CheckpointError instead of hanging i
 collective. Creating the lock is also the writability probe (checkpoint.dir created if
 needed, a file written and fsynced there) that rank 0 makes for all ranks (checkpoints need
 a filesystem shared by all ranks). A lock whose pid is dead on this host (or alive but with
-another start time: a reused pid) is stale and taken over with a warning; a lock held on
+another start time: a reused pid) is stale and taken over with a warning; a pid `kill(pid, 0)`
+may not signal (PermissionError: another user's process) is alive; a lock held on
 another host cannot be checked from here and is refused with the command that removes it.
 
 Failures: OSError during a save or load (disk full, file-size limit, permissions) and
@@ -698,21 +709,26 @@ def _write_json_durably(path: Path, obj: dict) -> None:
 # ------------------------------------------------------------------------ find / validate
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Valid checkpoints under `root`, oldest first (invalid or partial folders are left out)."""
+def step_folders(root: str | Path) -> list[Path]:
+    """Every `step_N` folder under `root`, oldest first, valid or not (`.tmp-step_N/` of a save
+    in flight is not one)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and path.is_dir():
-            try:
-                read_meta(path)
-            except CheckpointError:
-                continue
-            found.append((int(match.group(1)), path))
+    found = [(int(m.group(1)), path) for path in root.iterdir() if (m := _STEP_DIR.match(path.name)) and path.is_dir()]
     return [path for _, path in sorted(found)]
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Valid checkpoints under `root`, oldest first (invalid or partial folders are left out)."""
+    found = []
+    for path in step_folders(root):
+        try:
+            read_meta(path)
+        except CheckpointError:
+            continue
+        found.append(path)
+    return found
 
 
 def read_meta(path: str | Path) -> dict:
@@ -805,13 +821,19 @@ def warn_checkpoint(message: str) -> None:
 def resolve_resume(root: str | None, resume: str | None) -> Path | None:
     """The checkpoint to resume from, its files verified against their checksums: `resume` =
     None (fresh run), "auto" (the newest intact one in `root`, skipping corrupt ones with a
-    warning; a fresh run when there is none at all) or a path (which must be intact)."""
+    warning; a fresh run when there is none at all) or a path (which must be intact).
+
+    A path that is not a `step_N` folder but holds `step_N` folders (a checkpoint.dir) means
+    "the newest intact one in it", exactly as "auto" there: a corrupt newest one is skipped
+    with a warning naming the file, none intact is an error. The candidates are all `step_N`
+    folders, not only those that pass `read_meta`: a truncated file or a missing manifest is
+    corruption to warn about, never a folder to pass over silently."""
     if resume is None:
         return None
     if resume == "auto":
         if root is None:
             raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
-        found = list_checkpoints(root)
+        found = step_folders(root)
         ps = sorted(Path(root).glob("ps_step_*")) if not found and Path(root).is_dir() else []
         if ps:
             raise CheckpointError(
@@ -820,8 +842,8 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
             )
         return _newest_intact(found)
     path = Path(resume)
-    if _STEP_DIR.match(path.name) is None and path.is_dir():
-        found = list_checkpoints(path)  # a checkpoint.dir given as resume: take its newest
+    if _STEP_DIR.match(path.name) is None and path.is_dir() and not (path / META_FILE).exists():
+        found = step_folders(path)  # a checkpoint.dir given as resume: take its newest intact one
         if found:
             return _newest_intact(found)
     check_checkpoint_crcs(path)
@@ -829,8 +851,9 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
 
 
 def _newest_intact(found: list[Path]) -> Path | None:
-    """The newest of `found` (oldest first) whose files match their checksums, warning about
-    each newer corrupt one; None when `found` is empty; CheckpointError when none is intact."""
+    """The newest of `found` (`step_N` folders, oldest first) that is complete and whose files
+    match their checksums, warning (naming the file) about each newer one that is not; None
+    when `found` is empty; CheckpointError when none is intact."""
     problems = []
     for path in reversed(found):
         try:
@@ -872,9 +895,41 @@ def read_full_tensors(path: str | Path, names: tuple[str, ...], shapes: dict) ->
     return [state[f"model/{n}"] for n in names]
 
 
-def check_compatible(path: str | Path, model_cfg) -> dict:
+# Model fields a resumed run may set differently from its checkpoint: regularisation and the
+# initialisation (which a resume never runs). Every other model field must match, shapes or
+# not: the same tensors under another model.num_heads, num_kv_heads or kv_channels split into
+# other heads; norm, activation, position, rope_theta, rope_scaling, norm_eps, qk_norm,
+# sliding_window or the MoE routing fields compute another function of the same weights; the
+# loss weights (aux_loss_coef, z_loss_coef, mtp_loss_weight) are another objective than the one
+# the optimizer state was built on; and seq_len moves the data position (`consumed_samples`
+# counts windows of seq_len + 1 tokens). To start a changed model from a checkpoint's weights,
+# use checkpoint.init_from (no optimizer state, no data position).
+# What a resume may change: regularization and the objective's weights, which change neither
+# the function the weights compute nor the data position.
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "dropout",
+        "attention_dropout",
+        "init_std",
+        "aux_loss_coef",
+        "z_loss_coef",
+        "router_bias_update_rate",
+        "mtp_loss_weight",
+    }
+)
+# What checkpoint.init_from (weights only, for fine-tuning: seq_len, RoPE scaling or the MoE
+# loss weights may change) still needs to match: how the weights are read. The same shapes under
+# another head split, norm, activation or position scheme are silently another model.
+WEIGHT_READING_FIELDS = ("num_heads", "num_kv_heads", "kv_channels", "attention", "norm", "activation", "position")
+
+
+def check_compatible(path: str | Path, model_cfg, *, resume: bool = True) -> dict:
     """Check that the checkpoint at `path` holds exactly the tensors (names and global shapes)
-    the model needs; returns its meta. Rank-independent: run it before any process group."""
+    the model needs and was saved for the same model (`resume`: every model field but
+    RESUME_MAY_CHANGE; else, for checkpoint.init_from, the WEIGHT_READING_FIELDS), comparing
+    the model config recorded in its manifest; returns its meta. Rank-independent: run it
+    before any process group. A shape mismatch names the tensor (and the config fields that
+    differ); same shapes under a different model name the fields, saved and configured."""
     path = Path(path)
     meta = read_meta(path)
     try:
@@ -889,7 +944,8 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
         if k.startswith("model/") and hasattr(v, "size")
     }
     expected = expected_model_shapes(model_cfg)
-    differs = config_diff(meta.get("model", {}), dataclasses.asdict(model_cfg))
+    saved_model, current = meta.get("model", {}), dataclasses.asdict(model_cfg)
+    differs = config_diff(saved_model, current)
     hint = f" (model config differs from the checkpoint's: {differs})" if differs else ""
     for key, shape in expected.items():
         if key not in saved:
@@ -902,14 +958,43 @@ def check_compatible(path: str | Path, model_cfg) -> dict:
     extra = sorted(set(saved) - set(expected))
     if extra:
         raise CheckpointError(f"checkpoint {path} holds tensor {extra[0][6:]} that the model does not have{hint}")
+    fixed = [k for k in differing_model_fields(saved_model, current) if k not in RESUME_MAY_CHANGE]
+    if not resume:
+        fixed = [k for k in fixed if k in WEIGHT_READING_FIELDS]
+    if fixed:
+        raise CheckpointError(_another_model(path, fixed, saved_model, current, resume=resume))
     return meta
 
 
+def _another_model(path: Path, fields: list[str], saved: dict, current: dict, *, resume: bool) -> str:
+    """The one line refusing a checkpoint saved for another model with the same tensor shapes."""
+
+    def settings(values: dict) -> str:
+        return " ".join(f"model.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in values.items())
+
+    was, now = settings({k: saved[k] for k in fields}), settings({k: current[k] for k in fields})
+    head = f"checkpoint {path} was saved with {was} but this run configures {now}: same tensor shapes, another model"
+    if not resume:
+        return f"{head}; set {was} (checkpoint.init_from needs {', '.join(WEIGHT_READING_FIELDS)} to match)"
+    tail = f"; resume with {was} (a resume may change only model.{', model.'.join(sorted(RESUME_MAY_CHANGE))})"
+    if not set(fields) & set(WEIGHT_READING_FIELDS):
+        tail += f", or start a new run from its weights with checkpoint.init_from={path}"
+    return head + tail
+
+
+def differing_model_fields(saved: dict, current: dict) -> list[str]:
+    """The model fields, sorted, whose values differ between a checkpoint's recorded model
+    config `saved` and `current` (both `dataclasses.asdict` of a GPTConfig; compared as JSON,
+    the manifest's form: a tuple equals its list). Keys only one side has (fields added later,
+    or run settings older checkpoints saved with the model: recompute, kernel_backend) are
+    never a difference."""
+    as_saved = json.loads(json.dumps(current, default=str))
+    return [k for k in sorted(current) if k in saved and saved[k] != as_saved[k]]
+
+
 def config_diff(saved: dict, current: dict) -> str:
-    # Keys only one side has (fields added later, or run settings older checkpoints saved with
-    # the model: recompute, kernel_backend) are not shape: they never make a difference.
-    diffs = [f"{k} {saved[k]!r} -> {current[k]!r}" for k in sorted(current) if k in saved and saved[k] != current[k]]
-    return ", ".join(diffs)
+    """'field saved -> current, ...' of `differing_model_fields`; '' when none differ."""
+    return ", ".join(f"{k} {saved[k]!r} -> {current[k]!r}" for k in differing_model_fields(saved, current))
 
 
 # ---------------------------------------------------------------- one writer per checkpoint.dir

@@ -306,7 +306,9 @@ def compiled_block_checks(run: RunConfig, par) -> list[Check]:
 def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
     """("resume" | "init_from" | "init_from_hf", path) after checking the checkpoint is complete
     and holds the tensors this model needs (a Hugging Face folder: from its safetensors
-    headers), or None for a fresh start. With checkpoint.resume=auto a checkpoint in
+    headers) and was saved for this model (`check_compatible`: a resume changes no model field
+    but training/checkpoint.py RESUME_MAY_CHANGE, init_from none of WEIGHT_READING_FIELDS), or
+    None for a fresh start. With checkpoint.resume=auto a checkpoint in
     checkpoint.dir wins over checkpoint.init_from, which starts a run that has none. Runs
     before any process group, on every rank alike, so a bad checkpoint fails with one line
     instead of a hang."""
@@ -323,7 +325,7 @@ def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
             path = resolve_resume(None, c.init_from)
         if path is None:
             return None
-        meta = check_compatible(path, run.model)
+        meta = check_compatible(path, run.model, resume=kind == "resume")
         if kind == "resume" and meta.get("weights_only"):
             raise CheckpointError(
                 f"{path} holds weights only (no optimizer state or step); start from it with "
