@@ -242,3 +242,44 @@ def test_pooled_aux_needs_one_pipeline_stage():
         check_model_fits(ParallelConfig(pp=2, dp=1).resolved(2), cfg)
     with pytest.raises(ValueError, match="model.aux_loss_layers='mean'"):
         GPTConfig(num_experts=4, aux_loss_layers="mean")
+
+
+# Layer b of the pooled sequence-wise case: [s, b, h] probabilities, W = I.
+P_TOKENS_B = torch.tensor(
+    [
+        [[0.1, 0.9], [0.4, 0.6]],  # t=0: sequence 0 -> e1, sequence 1 -> e1
+        [[0.7, 0.3], [0.65, 0.35]],  # t=1: sequence 0 -> e0, sequence 1 -> e0
+    ]
+)
+
+
+def test_pooled_sequence_aux_by_hand():
+    """aux_loss_layers=pooled with aux_loss_scope=sequence: per sequence, the counts and
+    probabilities of both layers are pooled (L=2, T_set=2, k=1, E=2), then the per-sequence
+    losses are averaged. Exact value 1.025, distinct from pooling the sequences (1.028125) and
+    from the mean of the layers' own sequence-wise losses (1.1); the differentiable contribution
+    has the same value and the gradient of the formula."""
+    layers = [router_with_weight(torch.eye(2), top_k=1, pooled_aux=True, aux_loss_coef=1.0) for _ in range(2)]
+    inputs = [P_TOKENS.log().requires_grad_(True), P_TOKENS_B.log().requires_grad_(True)]
+    outs = [r(x, None, per_sequence=True) for r, x in zip(layers, inputs)]
+    assert [o.aux_loss.item() for o in outs] == [0.0, 0.0]  # no per-layer term when pooled
+    assert [o.aux_value.item() for o in outs] == pytest.approx([1.2, 1.0], abs=1e-6)  # the layers' own
+    assert outs[0].set_counts.tolist() == [[2.0, 0.0], [1.0, 1.0]]
+    assert outs[1].set_counts.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    contribution, value = router_module.pooled_aux_loss(outs, [o.set_prob_sum for o in outs], 2, 1)
+    # sequence 0: counts [2,0]+[1,1] -> f = [3,1]/4; probs [1.4,0.6]+[0.8,1.2] -> P = [2.2,1.8]/4
+    #   aux = 2 * (3 * 2.2 + 1 * 1.8) / 16 = 1.05
+    # sequence 1: counts [1,1]+[1,1] -> f = [2,2]/4; P sums to 1 -> aux = 2 * 0.5 * 1 = 1.0
+    # mean over the 2 sequences: 1.025
+    assert value.item() == pytest.approx(1.025, abs=1e-6)
+    assert contribution.item() == pytest.approx(1.025, abs=1e-6)
+    contribution.backward()
+    # gradient of the formula: d/dx of E * sum_s sum_i f_si * P_si / S, f fixed
+    refs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    f = torch.tensor([[3.0, 1.0], [2.0, 2.0]]) / 4  # [S, E]
+    P = sum(torch.softmax(x, -1).sum(0) for x in refs) / 4  # [S, E], pooled over layers and tokens
+    (2 * (f * P).sum() / 2).backward()
+    for r, ref in zip(layers, refs):
+        # W = I: the router's weight gradient is sum_t x_t^T dL/dlogits_t
+        want = torch.einsum("sbe,sbh->eh", ref.grad, inputs[layers.index(r)].detach())
+        assert torch.allclose(r.weight.grad, want, atol=1e-6)

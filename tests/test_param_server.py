@@ -200,3 +200,70 @@ def test_ps_dry_run_reports_per_role_memory(tmp_path):
         got = (s["params_and_moments_bytes"], s["buffered_gradient_bytes"], s["snapshot_bytes"])
         assert got == (12 * n, 8 * n, 4 * n), s
     assert "[dry run] server 0:" in out.stdout
+
+
+class _NoChannel:
+    """The server's P2P channel, for a server driven by hand: sends complete at once."""
+
+    class _Done:
+        def wait(self) -> None:
+            pass
+
+    def isend(self, tensor, rank, tag):
+        return self._Done()
+
+
+def test_asp_learning_rate_of_every_update_exactly():
+    """asp: the server applies each worker's gradient as its own AdamW step at
+    lr_at(updates // W) (module doc), whatever the order the W=3 workers' pushes arrive in.
+    One server driven by hand with 9 pushes in an uneven order, warm-up 4 of 8 steps (so the
+    learning rate changes every step index): the lr of every update equals the schedule at
+    update // 3, and the parameters equal the same AdamW stepped with exactly those lrs,
+    bit for bit."""
+    from meshtron.dp.adamw import adamw
+    from meshtron.training import param_server as ps
+    from meshtron.training.reporting import lr_schedule
+
+    run = _config(
+        parallel={"dp_mode": "ps", "servers": 1},
+        optim={"sync": "asp", "lr": 1e-2, "warmup_steps": 4, "weight_decay": 0.1},
+        trainer={"max_steps": 8, "max_grad_norm": 1.0},
+    )
+    schedule = lr_schedule(run)
+    W, n = 3, 5
+    server = ps.ParameterServer(run, ps.Roles(W, 1, 1), 0, None, schedule, _NoChannel())
+    init = torch.linspace(-1.0, 1.0, n)
+    server.params = [init.clone()]
+    view = torch.nn.Parameter(server.params[0][:])
+    server.pieces = [[(0, n, view)]]
+    server.optimizer = adamw([{"params": [view], "weight_decay": 0.1}], lr=run.optim.lr)
+    server.answered = [0] * W
+    ref = torch.nn.Parameter(init.clone())
+    ref_opt = adamw([{"params": [ref], "weight_decay": 0.1}], lr=run.optim.lr)
+
+    seen = []
+    step_of_optimizer = server.optimizer.step
+
+    def recording_step():
+        seen.append([g["lr"] for g in server.optimizer.param_groups])
+        return step_of_optimizer()
+
+    server.optimizer.step = recording_step
+    order = [0, 0, 1, 2, 0, 1, 1, 2, 0]  # worker 0 runs ahead, worker 2 lags
+    steps = [0] * W
+    for u, w in enumerate(order):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(u)) * 0.01
+        header = torch.zeros(ps.HEADER, dtype=torch.float64)
+        header[ps.P_KIND], header[ps.P_STEP], header[ps.P_VERSION] = ps.PUSH, steps[w], server.version
+        header[ps.P_FINITE], header[ps.P_NORM], header[ps.P_LOSS] = 1.0, 0.5, 1.0  # norm < max: no clipping
+        server._asp_push(w, 0, steps[w], header, grad.clone())
+        steps[w] += 1
+        want_lr = schedule(u // W)
+        assert seen[-1] == [want_lr], (u, seen[-1], want_lr)
+        for g in ref_opt.param_groups:
+            g["lr"] = want_lr
+        ref.grad = grad
+        ref_opt.step()
+        assert torch.equal(server.params[0], ref.detach()), u
+    assert server.version == len(order)
+    assert len({lr for (lr,) in seen}) == 3  # the schedule moved: the check can fail

@@ -113,3 +113,91 @@ def test_planner_bytes_per_parameter(zero: int, offload: bool, want: float) -> N
 @pytest.mark.parametrize("world_size,case", params("tests.distributed.resident_cases"))
 def test_resident_cases(world_size: int, case: str) -> None:
     assert_case_passed(world_size, case)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_resident_lr0_step_keeps_main_weights_bit_equal(offload: bool) -> None:
+    """One step at lr=0 (weight decay 0.1: decoupled, so also scaled by lr) leaves the fp32 main
+    weights bit-equal (torch.equal) to the fp32 initialisation, and the bf16 parameters equal
+    to its rounding: the main weights must come from the fp32 values before the cast, never
+    from the bf16 parameters (a re-read would round every weight). One process."""
+    cfg, mesh = model_config("gpt2"), single_process_mesh()
+    (model,) = init_model_chunks(cfg, mesh, SEED)
+    initial = {p: p.detach().clone() for p in model.parameters()}
+    assert all(t.dtype == torch.float32 for t in initial.values())
+    reducer, optimizer = build_reducer_and_optimizer(
+        OptimConfig(lr=1e-2, weight_decay=0.1, param_dtype="bf16", offload=offload), [model], mesh
+    )
+    result = train_step(
+        model,
+        reducer,
+        optimizer,
+        microbatches(cfg, 0, 0, 1, 2),
+        mesh,
+        lr=0.0,
+        max_grad_norm=1.0,
+        precision=Precision("bf16"),
+    )
+    assert not result.skipped and float(result.grad_norm) > 0  # gradients flowed: the update ran
+    shards = optimizer.main_weight_shards()
+    assert {id(p) for p, _, _ in shards} == {id(p) for p in initial}  # zero=0: every parameter whole
+    for p, first, main in shards:
+        assert first == 0 and main.dtype == torch.float32 and main.numel() == p.numel()
+        assert torch.equal(main.cpu().view(p.shape), initial[p]), tuple(p.shape)
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), initial[p].to(torch.bfloat16))
+    # the test can fail: the initial weights are not all bf16-representable
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in initial.values())
+    reducer.remove_hooks()
+
+
+def _three_linears():
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict(
+        {"a": torch.nn.Linear(5, 4), "b": torch.nn.Linear(4, 3), "unused": torch.nn.Linear(3, 2)}
+    )
+
+
+def test_resident_untouched_parameters_get_zero_gradients_and_no_update() -> None:
+    """bf16 resident weights, lr > 0, weight decay 0, three steps: `unused` never gets a
+    gradient, `b` gets one in step 0 only. After every step the fp32 `main_grad` of a parameter
+    without a gradient in that step is exactly zero (not stale from step 0, not the
+    uninitialised buffer), `unused` keeps its weights bit for bit (bf16 and fp32 main), and `b`'s
+    main weights follow AdamW fed its step-0 gradient, then zeros (its moments still move it)."""
+    from meshtron.dp.grad_reduce import DataParallelGradReducer
+    from meshtron.dp.resident import ResidentAdamW
+
+    model = _three_linears()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mesh = single_process_mesh()
+    reducer = DataParallelGradReducer(list(model.named_parameters()), mesh, main_grads=True)
+    for bucket in reducer.buckets:  # the first-touch buffers start as garbage, not zeros
+        bucket.buffer.fill_(float("nan"))
+    lr, betas, eps = 1e-2, (0.9, 0.95), 1e-8
+    optimizer = ResidentAdamW(reducer, lr=lr, weight_decay=0.0, betas=betas, eps=eps)
+    ref_b = {n: initial[n].clone().requires_grad_(True) for n in ("b.weight", "b.bias")}
+    ref_opt = torch.optim.AdamW(list(ref_b.values()), lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+    params = dict(model.named_parameters())
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for step in range(3):
+        use_b = step == 0
+        reducer.zero_grad()
+        h = model["a"](x).tanh()
+        (model["b"](h) if use_b else h).float().square().sum().backward()
+        reducer.finish()
+        untouched = ["unused.weight", "unused.bias"] + ([] if use_b else ["b.weight", "b.bias"])
+        for name in untouched:
+            assert params[name].grad is None
+            assert torch.equal(params[name].main_grad, torch.zeros_like(params[name].main_grad)), (step, name)
+        assert params["a.weight"].main_grad.abs().sum() > 0
+        for name, r in ref_b.items():
+            r.grad = params[name].main_grad.detach().clone()
+        optimizer.step()
+        ref_opt.step()
+        main = {id(p): m.view(p.shape) for p, _, m in optimizer.main_weight_shards()}
+        for name in ("unused.weight", "unused.bias"):
+            assert torch.equal(main[id(params[name])], initial[name]), (step, name)
+            assert torch.equal(params[name].detach(), initial[name].to(torch.bfloat16)), (step, name)
+        for name, r in ref_b.items():
+            torch.testing.assert_close(main[id(params[name])], r.detach(), rtol=1e-6, atol=1e-7, msg=f"{step} {name}")
+            assert not torch.equal(main[id(params[name])], initial[name])  # b moved: the check can fail
+    reducer.remove_hooks()

@@ -153,4 +153,43 @@ def cases_for_world(world_size: int) -> list[str]:
         "a2a_equals_full_attention",
         "ring_skips_invisible_blocks",
         "bad_shapes_raise_before_communicating",
+        "a2a_kv_heads_not_dividing_cp",
     ]
+
+
+def a2a_kv_heads_not_dividing_cp() -> None:
+    """Ulysses attention with kv heads that neither divide nor are a multiple of cp (supported:
+    each kv head is repeated cp / gcd(hkv, cp) times before the all-to-all; the module doc):
+    cp=2 with 3 kv heads of 6 query heads, cp=4 with 6 (and 3) kv heads of 12, equal to full
+    attention in one process, outputs and dq, dk, dv, causal and document masks."""
+    group = dist.group.WORLD
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    shapes = {2: [(6, 3, False), (6, 3, True)], 4: [(12, 6, True), (12, 3, False)]}[cp]
+    for i, (h, hkv, with_docs) in enumerate(shapes):
+        g = torch.Generator().manual_seed(50 + i)
+        q = torch.randn(B, h, S, D, generator=g, requires_grad=True)
+        k = torch.randn(B, hkv, S, D, generator=g, requires_grad=True)
+        v = torch.randn(B, hkv, S, D, generator=g, requires_grad=True)
+        dout = torch.randn(B, h, S, D, generator=g)
+        docs = None
+        if with_docs:
+            tokens = torch.randint(1, 50, (B, S), generator=g)
+            tokens[0, [3, 13, 20]] = 0
+            docs = document_ids(tokens, 0)[0]
+        pos = torch.arange(S)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(pos, pos, docs, docs), enable_gqa=True)
+        want_grads = torch.autograd.grad(want, (q, k, v), dout)
+        local = [shard_sequence(t.detach(), 2, cp, rank).requires_grad_() for t in (q, k, v)]
+        local_docs = None if docs is None else shard_sequence(docs, 1, cp, rank)
+        out = context_parallel_attention(*local, group, "a2a", doc_ids=local_docs)
+        assert out.shape == (B, h, S // cp, D), out.shape
+        grads = torch.autograd.grad(out, local, shard_sequence(dout, 2, cp, rank))
+        what = f"cp={cp} a2a h={h} hkv={hkv} docs={with_docs}"
+        torch.testing.assert_close(
+            gather_sequence(out.detach(), 2, group), want, **TOL, msg=lambda m: f"{what} out: {m}"
+        )
+        for name, got, ref in zip("qkv", grads, want_grads):
+            assert got.shape == local["qkv".index(name)].shape, (what, name, got.shape)
+            torch.testing.assert_close(
+                gather_sequence(got, 2, group), ref, **TOL, msg=lambda m, name=name: f"{what} d{name}: {m}"
+            )

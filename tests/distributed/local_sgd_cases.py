@@ -306,5 +306,69 @@ def cases_for_world(world_size: int) -> list[str]:
             "local_sgd_h1_equals_dp_pp2_tied",
             "local_sgd_h1_equals_dp_cp2",
             "hierarchical_equals_flat",
+            "hierarchical_one_rank_per_node",
         ]
+    if world_size == 8:
+        return ["local_sgd_h1_equals_dp_tp2_sp_cp2"]
     return []
+
+
+def local_sgd_h1_equals_dp_tp2_sp_cp2() -> None:
+    """tp=2 with SP x cp=2 (ring) x dp=2, all together: H=1 with plain averaging still gives
+    DP's losses and weights; the sequence-parallel (norm) gradients are summed over tp x cp
+    inside each replica, the others over cp (local_replica_groups), never over dp."""
+    _h1_equals_dp(model_config("llama"), ParallelConfig(tp=2, sp=True, cp=2))
+
+
+def hierarchical_one_rank_per_node() -> None:
+    """parallel.dp_hierarchical=true with one rank per node (4 nodes x 1): the intra-node
+    stages are of one rank (no group), the inter-node all-reduce is the whole sum; a tensor's
+    all-reduce and 2 AdamW steps (ZeRO 0) equal the flat all-reduce to 1e-6, and `auto`
+    stays flat (L = 1: the same collective)."""
+    cfg = model_config("gpt2")
+    hier = build_mesh(ParallelConfig(tp=1, dp_hierarchical=True), cfg, ranks_per_node=1)
+    flat_mesh = build_mesh(ParallelConfig(tp=1, dp_hierarchical=False), cfg, ranks_per_node=1)
+    h = dp_hierarchy(hier)
+    world = dist.get_world_size()
+    if (h.nodes, h.local) != (world, 1) or h.intra is not None:
+        raise AssertionError(f"hierarchy {h.nodes} nodes x {h.local}, intra {h.intra}")
+    if dist.get_process_group_ranks(h.inter) != list(range(world)):
+        raise AssertionError(f"inter group {dist.get_process_group_ranks(h.inter)}")
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(dist.get_rank())) * 10 ** dist.get_rank()
+    want = x.clone()
+    dist.all_reduce(want)
+    got = x.clone()
+    h.all_reduce(got)
+    assert_close("hierarchical all-reduce, one rank per node", got, want, rtol=1e-6)
+    results = []
+    for mesh in (hier, flat_mesh):
+        (model,) = init_model_chunks(cfg, mesh, SEED)
+        named = list(model.named_parameters())
+        reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
+        if (reducer.hierarchy is not None) != (mesh is hier):
+            raise AssertionError("parallel.dp_hierarchical did not select the all-reduce")
+        opt = build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+        for step in range(2):
+            train_step(
+                model,
+                reducer,
+                opt,
+                microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
+                mesh,
+                lr=LR,
+                max_grad_norm=1.0,
+            )
+        reducer.remove_hooks()
+        results.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
+    assert_close("weights after 2 steps, hierarchical (1 rank per node) vs flat", results[0], results[1], rtol=1e-6)
+    if torch.equal(
+        results[0], torch.cat([p.detach().reshape(-1) for p in init_model_chunks(cfg, hier, SEED)[0].parameters()])
+    ):
+        raise AssertionError("the weights did not change: the comparison proves nothing")
+    auto = build_mesh(ParallelConfig(tp=1), cfg, ranks_per_node=1)
+    (model,) = init_model_chunks(cfg, auto, SEED)
+    reducer = DataParallelGradReducer(list(model.named_parameters()), auto)
+    on = reducer.hierarchy is not None
+    reducer.remove_hooks()
+    if on:
+        raise AssertionError("parallel.dp_hierarchical=auto went hierarchical with one rank per node")

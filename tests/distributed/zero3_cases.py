@@ -388,6 +388,7 @@ def cases_for_world(world_size: int) -> list[str]:
             "zero3_eval_and_gathered",
             "zero3_memory",
             "zero3_checkpoint_roundtrip",
+            "zero3_gather_sequence",
         ]
     if world_size == 4:
         return [
@@ -400,3 +401,50 @@ def cases_for_world(world_size: int) -> list[str]:
             "zero3_llama_pp2_interleaved",
         ]
     return []
+
+
+def zero3_gather_sequence() -> None:
+    """The exact all-gathers a ZeRO-3 step issues (dp/zero3.py, recorded at the collective), for
+    Llama (untied) and GPT-2 (tied: the head gathers the embedding's buckets), 4 layers, one
+    microbatch: forward gathers embed, layers.0..3, head (+ the tied embedding) once each, in
+    order; backward gathers the head (+ tied embedding) and then layers.3..0, each bucket once,
+    and never the embedding unit on its own (its backward needs no weights: a prefetch of it
+    would be a wasted gather). The optimizer step gathers nothing."""
+    for arch in ("llama", "gpt2"):
+        cfg = dataclasses.replace(model_config(arch), num_layers=4)
+        calls: list[tuple[str, int]] = []  # (phase, id of the shard gathered)
+        original = zero3.all_gather_into
+
+        def recording(full, shard, group, async_op=False):
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            calls.append((phase, id(shard)))
+            return original(full, shard, group, async_op=async_op)
+
+        zero3.all_gather_into = recording
+        try:
+            (model,), reducer, _, _, _ = _run(cfg, ParallelConfig(tp=1), 3, steps=1)
+        finally:
+            zero3.all_gather_into = original
+        z = model._zero3
+        owner = {id(s.shard): u.name for u in z.units for s in u.slots}
+        units = {u.name: u for u in z.units}
+        layers = [f"layers.{i}" for i in range(cfg.num_layers)]
+
+        def names(unit_names):
+            return [owner[id(s.shard)] for n in unit_names for s in units[n].gathers]
+
+        want_forward = names(["embed", *layers, "head"])
+        want_backward = names(["head", *reversed(layers)])
+        got_forward = [owner[i] for phase, i in calls if phase == "forward"]
+        got_backward = [owner[i] for phase, i in calls if phase == "backward"]
+        if got_forward != want_forward:
+            raise AssertionError(f"zero=3 {arch}: forward gathers {got_forward}, want {want_forward}")
+        if got_backward != want_backward:
+            raise AssertionError(f"zero=3 {arch}: backward gathers {got_backward}, want {want_backward}")
+        if len(calls) != len(got_forward) + len(got_backward):
+            raise AssertionError(f"zero=3 {arch}: gathers outside forward and backward: {calls}")
+        if ("embed" in got_backward) != (arch == "gpt2"):  # tied: only as part of the head
+            raise AssertionError(f"zero=3 {arch}: backward gathers {got_backward}")
+        for z_ in zero3.sharders([model]):
+            z_.remove_hooks()
+        reducer.remove_hooks()
