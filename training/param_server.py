@@ -89,6 +89,7 @@ from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, collective_device, dim_groups
 from meshtron.training.checkpoint import (
+    RESUME_MAY_CHANGE,
     CheckpointError,
     config_diff,
     describe_os_error,
@@ -112,8 +113,6 @@ KILL_ENV = "MESHTRON_PS_TEST_KILL"  # test hook: "worker:step" SIGKILLs that wor
 KILL_SERVER_ENV = "MESHTRON_PS_TEST_KILL_SERVER"  # test hook: "server:version" SIGKILLs that server there
 PS_FORMAT = "meshtron-ps-checkpoint"
 _PS_FILE = re.compile(r"^server_(\d+)_of_(\d+)\.pt$")
-# model settings that change no parameter: a ps checkpoint resumes across them
-_RUN_ONLY_MODEL_KEYS = frozenset({"dropout", "attention_dropout", "init_std"})
 
 
 class PSPeerLost(RuntimeError):
@@ -854,7 +853,7 @@ def _check_for_run(folder: Path, run) -> Path:
             f"parallel.tp={run.parallel.tp}: the shards are per tp rank; resume with parallel.tp={saved['tp']}"
         )
     current = dataclasses.asdict(run.model)
-    changed = {k: v for k, v in saved.get("model", {}).items() if k not in _RUN_ONLY_MODEL_KEYS}
+    changed = {k: v for k, v in saved.get("model", {}).items() if k not in RESUME_MAY_CHANGE}  # as an all-reduce resume
     diff = config_diff(changed, current)
     if diff:
         raise CheckpointError(
