@@ -42,16 +42,24 @@ written, is at ``start - 1``).
 
 Everything is written into a hidden temporary directory beside ``--out`` which is renamed
 into place at the end, so an interrupted run never leaves a directory that looks valid.
+A write that fails (a full disk, or a file larger than the process's file-size limit,
+``ulimit -f``: Python ignores SIGXFSZ, so the write fails with EFBIG instead of killing the
+process) is one line naming the file being written and what to change, exit 2; the temporary
+directory is removed and ``--out`` is left as it was. With the byte tokenizer, whose
+``tokens.bin`` size is known from the sources' sizes, a file-size limit too small for it is
+refused before anything is read.
 Train on it with ``data.prepared=DIR``; ``load_prepared`` memory-maps it.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -73,6 +81,11 @@ from meshtron.textdata.data import (
     load_prepared,
     token_dtype_for_vocab,
 )
+
+try:
+    import resource  # the file-size limit (ulimit -f); POSIX only
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 __all__ = ["BPETokenizer", "HFTokenizer", "load_prepared", "load_tokenizer", "main", "prepare"]
 
@@ -318,13 +331,46 @@ def _documents_text(files: list[pathlib.Path], max_bytes: int | None) -> Iterato
 # ---------------------------------------------------------------- writing
 
 
-class _TokenWriter:
-    """Appends token ids to a file as a fixed dtype, hashing what it writes."""
+def write_failure(out: pathlib.Path, name: str, err: BaseException) -> OSError:
+    """The one-line error for a failed write of ``name`` (a file of ``--out``): what failed and
+    what to change; ``err`` is an OSError, or a tokenizers exception ending in "(os error N)"."""
+    code = getattr(err, "errno", None)
+    if code is None:
+        match = re.search(r"os error (\d+)", str(err))
+        code = int(match.group(1)) if match else None
+    reason = os.strerror(code) if code else " ".join(str(err).split())
+    if code == errno.EFBIG:
+        fix = (
+            f"this process may write files of at most {_file_size_limit()} bytes (the file-size limit, ulimit -f): "
+            f"raise it (ulimit -f unlimited) or read less with --max-bytes"
+        )
+    elif code == errno.ENOSPC:
+        fix = f"free space on the disk of {out.parent} or choose another --out"
+    else:
+        fix = "choose another --out"
+    return OSError(f"--out {str(out)!r}: writing {name} failed ({reason}); {fix}; --out was left as it was")
 
-    def __init__(self, path: pathlib.Path, dtype_name: str, vocab_size: int) -> None:
+
+def _file_size_limit() -> int | None:
+    """The soft RLIMIT_FSIZE in bytes, None when unlimited (or not known)."""
+    if resource is None:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
+
+
+class _TokenWriter:
+    """Appends token ids to a file as a fixed dtype, hashing what it writes; a failed write is
+    `write_failure` naming ``out``'s file."""
+
+    def __init__(self, path: pathlib.Path, dtype_name: str, vocab_size: int, out: pathlib.Path) -> None:
         self.dtype = PREPARED_DTYPES[dtype_name]
         self.vocab_size = vocab_size
-        self.file = open(path, "wb")
+        self.out = out
+        try:
+            self.file = open(path, "wb")
+        except OSError as err:
+            raise write_failure(out, path.name, err) from err
         self.sha = hashlib.sha256()
         self.n_tokens = 0
         self.max_id = 0
@@ -336,15 +382,25 @@ class _TokenWriter:
         if arr.size:
             self.max_id = max(self.max_id, int(arr.max()))
         data = arr.astype(self.dtype, copy=False).tobytes()
-        self.file.write(data)
+        try:
+            self.file.write(data)
+        except OSError as err:
+            raise write_failure(self.out, TOKENS_FILE, err) from err
         self.sha.update(data)
         self.n_tokens += arr.size
         return arr.size
 
     def close(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as err:
+            raise write_failure(self.out, TOKENS_FILE, err) from err
+        finally:
+            try:
+                self.file.close()
+            except OSError:
+                pass  # its buffer failed to flush just above: that error is the one to report
 
 
 def _write_byte_tokens(files, max_bytes, writer: _TokenWriter) -> list[dict]:
@@ -505,6 +561,16 @@ def prepare(
                 "or choose another directory"
             )
     files, sources = _source_files(None if src is None else [str(s) for s in src], out)
+    limit = _file_size_limit()
+    if limit is not None and tokenizer == "byte":  # tokens.bin holds >= one uint16 per source byte
+        sizes = sum(f.stat().st_size for f in files)
+        least = min(sizes, max_bytes if max_bytes is not None else sizes) * PREPARED_DTYPES["uint16"].itemsize
+        if least > limit:
+            raise OSError(
+                f"--out {str(out)!r}: {TOKENS_FILE} would be at least {least} bytes, over this process's "
+                f"file-size limit of {limit} bytes (ulimit -f); raise it (ulimit -f unlimited) or read "
+                f"less with --max-bytes (each source byte is 2 bytes of {TOKENS_FILE}); nothing was written"
+            )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -525,7 +591,7 @@ def prepare(
         else:
             eod_ids = list(SEPARATOR)
         dtype_name = token_dtype_for_vocab(vocab_size)
-        writer = _TokenWriter(tmp / TOKENS_FILE, dtype_name, vocab_size)
+        writer = _TokenWriter(tmp / TOKENS_FILE, dtype_name, vocab_size, out)
         try:
             if tok is None:
                 documents = _write_byte_tokens(files, max_bytes, writer)
@@ -544,8 +610,12 @@ def prepare(
         if writer.n_tokens == 0:
             raise ValueError(f"the corpus read from {', '.join(sources)} is empty (all files have 0 bytes)")
         hf_fields = {}
+        if tok is not None:
+            try:  # tokenizers (Rust) reports a failed write as a plain Exception "... (os error N)"
+                (hf_tok.backend if hf_tok is not None else tok).save(str(tmp / TOKENIZER_FILE))
+            except Exception as err:  # noqa: BLE001 -- any failure to save is one line naming the file
+                raise write_failure(out, TOKENIZER_FILE, err) from err
         if hf_tok is not None:
-            hf_tok.backend.save(str(tmp / TOKENIZER_FILE))
             tokenizer_sha = hashlib.sha256((tmp / TOKENIZER_FILE).read_bytes()).hexdigest()
             hf_fields = {
                 "tokenizer_source": hf_tok.source,
@@ -557,8 +627,6 @@ def prepare(
                 "bos_id": hf_tok.bos_id,
                 "bos_token": hf_tok.bos_token,
             }
-        elif tok is not None:
-            tok.save(str(tmp / TOKENIZER_FILE))
         info = {
             "format": PREPARED_FORMAT,
             "version": PREPARED_VERSION,
@@ -582,11 +650,14 @@ def prepare(
             "documents": documents,
         }
         index_tmp = tmp / (INDEX_FILE + ".part")
-        with open(index_tmp, "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(index_tmp, "w", encoding="utf-8") as f:
+                json.dump(info, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise write_failure(out, INDEX_FILE, err) from err
         os.rename(index_tmp, tmp / INDEX_FILE)  # written last: its presence marks a complete dir
         _install(tmp, out, overwrite)
     except BaseException:

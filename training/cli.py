@@ -14,6 +14,7 @@ import meshtron.configs
 from meshtron.errors import say_one_line
 from meshtron.schema import nearest_key
 from meshtron.training.config import unknown_override
+from meshtron.training.launcher_checks import launcher_override_error
 from meshtron.training.loop import main_entry
 
 
@@ -101,9 +102,11 @@ def compose_run(overrides: list[str]):
 
 
 def main() -> None:
-    """Refuse an override naming no config key, or a group selection Hydra would refuse, in
-    one line (exit 2) before Hydra composes the config, then run Hydra's entry."""
-    error = unknown_override(sys.argv[1:]) or group_selection_error(sys.argv[1:])
+    """Refuse an override naming no config key, a group selection Hydra would refuse, or a
+    launcher misuse (training/launcher_checks.py), in one line (exit 2)
+    before Hydra composes the config, then run Hydra's entry."""
+    args = sys.argv[1:]
+    error = unknown_override(args) or group_selection_error(args) or launcher_override_error(args)
     if error:
         say_one_line(f"meshtron: configuration error: {error}")
         sys.exit(2)

@@ -10,17 +10,25 @@ the search, everything else is searched (`planning.search`). Prints the top layo
 ready-to-paste overrides with the planned memory per device, modelled tokens/s and MFU;
 `--json` writes the fitting candidates, fastest first (memory is priced in order of modelled
 speed until --json-max of them fit; 0 prices every valid layout). Bad input (unknown --gpu, --gpus not divisible by
---gpus-per-node, a bad override or memory size) exits 2 with one line; no layout fitting
-exits 1 with one line.
+--gpus-per-node, a bad override or memory size, a --json path that cannot be written) exits 2
+with one line; no layout fitting exits 1 with one line.
+
+`--json PATH` is checked before the config is composed and the search starts (which can take
+a minute): its folder must exist (it is not created: a typo in it would otherwise leave the
+plan somewhere unexpected) and take a new file, and PATH must not be a folder. The file is
+written whole or not at all (a temporary file beside it, renamed over it).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +38,7 @@ from meshtron.planning.step_time import CLUSTER_PRESETS, Cluster, cluster_preset
 from meshtron.training.cli import compose_run
 from meshtron.training.config import RunConfig
 
-__all__ = ["main", "compose_run", "parse_bytes", "pinned_fields"]
+__all__ = ["main", "check_json_path", "compose_run", "parse_bytes", "pinned_fields", "write_json"]
 
 _UNITS = {
     "": 1,
@@ -140,6 +148,60 @@ def _cluster(args: argparse.Namespace, precision: str) -> Cluster:
     return cluster
 
 
+def check_json_path(text: str) -> Path:
+    """The --json path, refused (ConfigError, one line) unless a file can be written there:
+    its folder exists and takes a new file (probed with a temporary file, removed again), and
+    the path is not a folder nor an existing file this user cannot write."""
+    path = Path(text).expanduser()
+    folder = path.parent
+    if path.is_dir():
+        raise ConfigError(f"--json {text} is a folder; give a file path, e.g. --json {path / 'plan.json'}")
+    if not folder.is_dir():
+        if folder.exists():
+            raise ConfigError(f"--json {text}: {folder} is a file, not a folder; choose another path")
+        raise ConfigError(f"--json {text}: its folder {folder} does not exist; create it first or choose another path")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"--json {text} exists and is not writable; choose another path or change its permissions")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(
+            f"--json {text}: cannot write into its folder {folder} ({err.strerror}); choose a writable path"
+        ) from None
+    return path
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write `data` to `path` whole or not at all: a temporary file in the same folder, renamed
+    over `path`; ConfigError naming the path on failure (a full disk, a file-size limit)."""
+    text, tmp = json.dumps(data, indent=1) + "\n", None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the plan is an ordinary file
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as err:
+        if err.errno == errno.EFBIG:
+            import resource
+
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            fix = f"this process may write files of at most {limit} bytes (ulimit -f): raise it, or lower --json-max"
+        elif err.errno == errno.ENOSPC:
+            fix = f"free space on {path.parent}'s disk or choose another path"
+        else:
+            fix = "choose another path"
+        raise ConfigError(f"--json {path}: could not write the plan ({err.strerror}); {fix}") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)  # nothing half-written is left beside the plan
+
+
 def _flops(rate: float) -> str:
     return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
 
@@ -161,6 +223,7 @@ def run(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
     except _ArgumentError as err:
         raise ConfigError(str(err)) from err
+    json_path = check_json_path(args.json) if args.json else None  # before the (long) search
     run_cfg = compose_run(args.overrides)
     # trainer.precision=auto as the planned devices would pick it (every GPU preset has bf16)
     run_cfg, _ = run_cfg.with_precision_for("cpu" if args.gpu == "cpu" else "cuda", bf16_supported=True)
@@ -190,23 +253,18 @@ def run(argv: list[str]) -> int:
         f"{result.seconds:.1f} s"
     )
     print(head)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            json.dumps(
-                {
-                    "cluster": {k: v for k, v in vars(cluster).items()},
-                    "global_batch_size": t.global_batch_size,
-                    "precision": t.precision,
-                    "enumerated": result.enumerated,
-                    "priced": result.priced,
-                    "too_big": result.too_big,
-                    "candidates": [c.as_dict() for c in result.ranked],
-                },
-                indent=1,
-            )
-            + "\n"
+    if json_path is not None:
+        write_json(
+            json_path,
+            {
+                "cluster": {k: v for k, v in vars(cluster).items()},
+                "global_batch_size": t.global_batch_size,
+                "precision": t.precision,
+                "enumerated": result.enumerated,
+                "priced": result.priced,
+                "too_big": result.too_big,
+                "candidates": [c.as_dict() for c in result.ranked],
+            },
         )
     if not result.ranked:
         capped = (

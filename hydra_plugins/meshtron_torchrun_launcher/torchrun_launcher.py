@@ -80,10 +80,11 @@ class TorchrunLauncher(Launcher):
         torchrun_args: Sequence[str] = (),
         script: str | None = None,
     ) -> None:
-        if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-            raise ValueError(f"hydra.launcher.nproc_per_node={nproc_per_node!r} must be an integer >= 1")
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"hydra.launcher.timeout_s={timeout_s!r} must be > 0 or null")
+        # train.py refuses these in one line before Hydra builds the launcher (Hydra reports an
+        # error here in several lines); the script is checked by `setup`, in one line
+        error = option_error(nproc_per_node, timeout_s, torchrun_args)
+        if error:
+            raise ValueError(error)
         self.nproc_per_node = nproc_per_node
         self.timeout_s = timeout_s
         self.torchrun_args = [str(a) for a in torchrun_args]
@@ -94,19 +95,19 @@ class TorchrunLauncher(Launcher):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
         self.hydra_context = hydra_context
+        script = self.script or sys.argv[0]
+        if not os.path.isfile(script):  # before any point runs, not at the first point's torchrun
+            _refuse(_script_error(script, self.script is None))
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         """Run each point's torchrun to its end, append its record to the summary, and exit 1
         once all are done if any failed."""
         assert self.config is not None and self.hydra_context is not None
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would run the whole sweep
-            print(
-                "meshtron: configuration error: hydra/launcher=torchrun starts one torchrun per sweep point; "
-                "start the sweep with python, not under torchrun",
-                file=sys.stderr,
-                flush=True,
+            _refuse(
+                "hydra/launcher=torchrun starts one torchrun per sweep point; "
+                "start the sweep with python, not under torchrun"
             )
-            raise SystemExit(2)
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -191,8 +192,6 @@ class TorchrunLauncher(Launcher):
 
     def _command(self, overrides: list[str], run_dir: Path) -> list[str]:
         script = self.script or sys.argv[0]
-        if not os.path.isfile(script):
-            raise ValueError(f"hydra.launcher.script={script!r} is not a file; set it to the training script")
         hydra_overrides = [o for o in self.config.hydra.overrides.hydra if not o.startswith(_SWEEP_ONLY)]
         return [
             sys.executable,
@@ -229,6 +228,50 @@ class TorchrunLauncher(Launcher):
                 timed_out = True
             pump.join(timeout=10)
         return (None if timed_out else proc.returncode), timed_out
+
+
+def option_error(nproc_per_node: Any, timeout_s: Any = None, torchrun_args: Any = (), script: Any = None) -> str | None:
+    """The one-line error for the first bad option of configs/hydra/launcher/torchrun.yaml, None
+    if all are fine. train.py checks the command line with it before Hydra starts
+    (`launcher_override_error` in training/distributed.py); the launcher checks its options
+    again when Hydra builds it (ValueError) and the script when Hydra sets it up (one line)."""
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        return (
+            f"hydra.launcher.nproc_per_node={nproc_per_node!r} must be an integer >= 1 "
+            f"(the processes of each sweep point's torchrun), e.g. hydra.launcher.nproc_per_node=2"
+        )
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
+    ):
+        return f"hydra.launcher.timeout_s={timeout_s!r} must be > 0 or null (seconds a point may run; null: no limit)"
+    if isinstance(torchrun_args, (str, bytes)) or not isinstance(torchrun_args, Sequence):
+        return (
+            f"hydra.launcher.torchrun_args={torchrun_args!r} must be a list, "
+            f"e.g. hydra.launcher.torchrun_args=[--max-restarts=1]"
+        )
+    if script is not None and not os.path.isfile(str(script)):
+        return _script_error(str(script), False)
+    return None
+
+
+def _script_error(script: str, from_argv: bool) -> str:
+    if from_argv:
+        return (
+            f"hydra/launcher=torchrun runs the sweep's own script {script!r} under torchrun, but it is not a "
+            f"file; set hydra.launcher.script=PATH to the training script (e.g. train.py)"
+        )
+    return (
+        f"hydra.launcher.script={script!r} is not a file; set it to the training script, "
+        f"e.g. hydra.launcher.script=train.py"
+    )
+
+
+def _refuse(error: str) -> None:
+    """Exit 2 with one line, as meshtron's entries do for a configuration error (SystemExit
+    passes through Hydra's error reporting, which would add a traceback or a multi-line report)."""
+    sys.stderr.write(f"meshtron: configuration error: {error}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
 
 
 def _tee(stream, logfile) -> None:
