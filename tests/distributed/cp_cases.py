@@ -22,13 +22,13 @@ B, H, S, D = 2, 4, 32, 8
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _inputs(hkv: int, with_docs: bool, seed: int):
+def _inputs(hkv: int, with_docs: bool, seed: int, heads: int = H):
     """The same full q, k, v, dout and document ids on every rank."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, S, D, generator=g, requires_grad=True)
+    q = torch.randn(B, heads, S, D, generator=g, requires_grad=True)
     k = torch.randn(B, hkv, S, D, generator=g, requires_grad=True)
     v = torch.randn(B, hkv, S, D, generator=g, requires_grad=True)
-    dout = torch.randn(B, H, S, D, generator=g)
+    dout = torch.randn(B, heads, S, D, generator=g)
     docs = None
     if with_docs:
         tokens = torch.randint(1, 50, (B, S), generator=g)
@@ -166,16 +166,7 @@ def a2a_kv_heads_not_dividing_cp() -> None:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     shapes = {2: [(6, 3, False), (6, 3, True)], 4: [(12, 6, True), (12, 3, False)]}[cp]
     for i, (h, hkv, with_docs) in enumerate(shapes):
-        g = torch.Generator().manual_seed(50 + i)
-        q = torch.randn(B, h, S, D, generator=g, requires_grad=True)
-        k = torch.randn(B, hkv, S, D, generator=g, requires_grad=True)
-        v = torch.randn(B, hkv, S, D, generator=g, requires_grad=True)
-        dout = torch.randn(B, h, S, D, generator=g)
-        docs = None
-        if with_docs:
-            tokens = torch.randint(1, 50, (B, S), generator=g)
-            tokens[0, [3, 13, 20]] = 0
-            docs = document_ids(tokens, 0)[0]
+        q, k, v, dout, docs = _inputs(hkv, with_docs, 50 + i, heads=h)
         pos = torch.arange(S)
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(pos, pos, docs, docs), enable_gqa=True)
         want_grads = torch.autograd.grad(want, (q, k, v), dout)

@@ -263,30 +263,7 @@ def hierarchical_equals_flat() -> None:
     h.all_reduce(got)
     assert_close("hierarchical all-reduce of a tensor", got, want, rtol=1e-6)
     for zero in (0, 1):
-        results = []
-        for mesh in (hier, flat_mesh):
-            (model,) = init_model_chunks(cfg, mesh, SEED)
-            named = list(model.named_parameters())
-            reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
-            if (reducer.hierarchy is not None) != (mesh is hier):
-                raise AssertionError("parallel.dp_hierarchical did not select the all-reduce")
-            opt = (
-                ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-                if zero
-                else build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-            )
-            for step in range(3):
-                train_step(
-                    model,
-                    reducer,
-                    opt,
-                    microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
-                    mesh,
-                    lr=LR,
-                    max_grad_norm=1.0,
-                )
-            reducer.remove_hooks()
-            results.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
+        results = [_weights_after_steps(cfg, mesh, mesh is hier, 3, zero) for mesh in (hier, flat_mesh)]
         assert_close(f"zero={zero}: weights after 3 steps, hierarchical vs flat", results[0], results[1], rtol=1e-6)
     auto = build_mesh(ParallelConfig(tp=1), cfg, ranks_per_node=2)  # auto: dp spans 2 nodes with 2 ranks on each
     (model,) = init_model_chunks(cfg, auto, SEED)
@@ -320,6 +297,26 @@ def local_sgd_h1_equals_dp_tp2_sp_cp2() -> None:
     _h1_equals_dp(model_config("llama"), ParallelConfig(tp=2, sp=True, cp=2))
 
 
+def _weights_after_steps(cfg, mesh, hierarchical: bool, steps: int, zero: int) -> torch.Tensor:
+    """This rank's weights, flattened, after `steps` AdamW steps (ZeRO `zero`) of the model on
+    `mesh`, whose reducer must be hierarchical exactly when `hierarchical`."""
+    (model,) = init_model_chunks(cfg, mesh, SEED)
+    named = list(model.named_parameters())
+    reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
+    if (reducer.hierarchy is not None) != hierarchical:
+        raise AssertionError("parallel.dp_hierarchical did not select the all-reduce")
+    opt = (
+        ShardedAdamW(reducer, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+        if zero
+        else build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+    )
+    for step in range(steps):
+        batch = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1)
+        train_step(model, reducer, opt, batch, mesh, lr=LR, max_grad_norm=1.0)
+    reducer.remove_hooks()
+    return torch.cat([p.detach().reshape(-1) for _, p in named])
+
+
 def hierarchical_one_rank_per_node() -> None:
     """parallel.dp_hierarchical=true with one rank per node (4 nodes x 1): the intra-node
     stages are of one rank (no group), the inter-node all-reduce is the whole sum; a tensor's
@@ -340,26 +337,7 @@ def hierarchical_one_rank_per_node() -> None:
     got = x.clone()
     h.all_reduce(got)
     assert_close("hierarchical all-reduce, one rank per node", got, want, rtol=1e-6)
-    results = []
-    for mesh in (hier, flat_mesh):
-        (model,) = init_model_chunks(cfg, mesh, SEED)
-        named = list(model.named_parameters())
-        reducer = DataParallelGradReducer(named, mesh, bucket_mb=0.01)
-        if (reducer.hierarchy is not None) != (mesh is hier):
-            raise AssertionError("parallel.dp_hierarchical did not select the all-reduce")
-        opt = build_optimizer(model, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-        for step in range(2):
-            train_step(
-                model,
-                reducer,
-                opt,
-                microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1),
-                mesh,
-                lr=LR,
-                max_grad_norm=1.0,
-            )
-        reducer.remove_hooks()
-        results.append(torch.cat([p.detach().reshape(-1) for _, p in named]))
+    results = [_weights_after_steps(cfg, mesh, mesh is hier, 2, 0) for mesh in (hier, flat_mesh)]
     assert_close("weights after 2 steps, hierarchical (1 rank per node) vs flat", results[0], results[1], rtol=1e-6)
     if torch.equal(
         results[0], torch.cat([p.detach().reshape(-1) for p in init_model_chunks(cfg, hier, SEED)[0].parameters()])
