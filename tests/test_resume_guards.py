@@ -26,7 +26,7 @@ from meshtron.training.checkpoint import (
     resolve_resume,
 )
 from tests.test_checkpoint import _dead_pid
-from tests.test_checkpoint_faults_cli import _one_error_line, _train
+from tests.test_checkpoint_faults_cli import SHORT, _one_error_line, _train
 from tests.test_resume_cli import COMMON, _losses
 from tests.test_train_cli import run
 
@@ -159,3 +159,29 @@ def test_lock_of_another_users_process_is_refused(tmp_path, monkeypatch, capsys,
     assert json.loads((root / LOCK_FILE).read_text()) == record
     assert sorted(p.name for p in root.iterdir()) == [LOCK_FILE]
     assert "stale lock" not in capsys.readouterr().err
+
+
+def test_resume_naming_a_folder_with_no_checkpoint_says_so(tmp_path):
+    """checkpoint.resume=FOLDER where FOLDER holds neither meshtron.json nor step_N folders:
+    the line says what the folder is not and what to point at (not 'the save did not finish')."""
+
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"neither a checkpoint \(no meshtron.json\) nor a folder of step_N"):
+        resolve_resume(None, str(tmp_path))
+
+
+def test_resuming_weights_only_points_at_init_from_even_for_a_changed_model(tmp_path, two_checkpoints):
+    """A weights-only checkpoint given to checkpoint.resume, by a run whose model differs too: the
+    line is the weights-only one (start with init_from), not the model mismatch, which a resume
+    would refuse but init_from may allow."""
+    from meshtron.errors import ConfigError
+    from meshtron.training.cli import compose_run
+    from meshtron.training.run_checks import checkpoint_to_start_from
+
+    weights = tmp_path / "step_00000004"
+    shutil.copytree(two_checkpoints[0] / NEWEST, weights)
+    meta = json.loads((weights / "meshtron.json").read_text())
+    (weights / "meshtron.json").write_text(json.dumps({**meta, "weights_only": True}))
+    run = compose_run([*SHORT, f"checkpoint.resume={weights}", "model.num_heads=8"])
+    with pytest.raises(ConfigError, match=r"holds weights only .* checkpoint.init_from="):
+        checkpoint_to_start_from(run)

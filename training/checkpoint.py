@@ -846,6 +846,11 @@ def resolve_resume(root: str | None, resume: str | None) -> Path | None:
         found = step_folders(path)  # a checkpoint.dir given as resume: take its newest intact one
         if found:
             return _newest_intact(found)
+        if _ps_servers(path) is None and not any(path.glob("ps_step_*")):
+            raise CheckpointError(
+                f"{path} is neither a checkpoint (no {META_FILE}) nor a folder of step_N checkpoints; "
+                f"point checkpoint.resume at a step_N folder or at the checkpoint.dir that holds them"
+            )
     check_checkpoint_crcs(path)
     return path
 

@@ -28,7 +28,7 @@ from meshtron.rules import (
     raise_first,
 )
 from meshtron.textdata.data import INDEX_FILE, ByteTokenizer
-from meshtron.training.checkpoint import CheckpointError, check_compatible, resolve_resume
+from meshtron.training.checkpoint import CheckpointError, check_compatible, read_meta, resolve_resume
 from meshtron.training.config import RunConfig
 from meshtron.training.hf_start import check_hf_weights, hf_folder
 
@@ -325,12 +325,12 @@ def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
             path = resolve_resume(None, c.init_from)
         if path is None:
             return None
-        meta = check_compatible(path, run.model, resume=kind == "resume")
-        if kind == "resume" and meta.get("weights_only"):
+        if kind == "resume" and read_meta(path).get("weights_only"):  # before the model check: its hint is init_from's
             raise CheckpointError(
                 f"{path} holds weights only (no optimizer state or step); start from it with "
                 f"checkpoint.init_from={path}"
             )
+        check_compatible(path, run.model, resume=kind == "resume")
     except CheckpointError as err:
         raise ConfigError(f"checkpoint.{kind}: {err}") from err
     return kind, path
