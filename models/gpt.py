@@ -19,7 +19,6 @@ contiguous TP chunk holds whole query groups with their k and v (tp must divide 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -33,6 +32,7 @@ from meshtron.errors import ConfigError
 from meshtron.kernels import selfcheck
 from meshtron.kernels.backend import plain_gemm_backend
 from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
+from meshtron.models.attention_core import causal_attention
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.mla import MLAttention
 from meshtron.models.mtp import MTPDepth, depth_targets, shifted_ids
@@ -40,9 +40,9 @@ from meshtron.models.rope import apply_rope, rope_tables
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
 from meshtron.mpu import fp8
-from meshtron.mpu.context_parallel import context_parallel_attention, sequence_positions
+from meshtron.mpu.context_parallel import sequence_positions
 from meshtron.mpu.cross_entropy import vocab_parallel_cross_entropy
-from meshtron.mpu.document_attention import document_attention, sliding_window_checks
+from meshtron.mpu.document_attention import sliding_window_checks
 from meshtron.mpu.init import constant_init, initialize_parameters, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, enter_tp_region
 from meshtron.mpu.mappings import all_reduce_stats, column_parallel_linear, gather_from_region
@@ -222,28 +222,14 @@ class Attention(nn.Module):
     def _core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask) v over this rank's heads (dropout on the
-        probabilities from the tensor-parallel RNG stream). With context parallelism the
-        sequence is sharded over `mesh.cp` and the ring / all-to-all attention of
-        `mpu.context_parallel` runs (fp32 accumulation, no dropout); `doc_ids` [b, s] (the whole
-        sequence's, on every cp rank) restricts attention to each packed document, by the
-        backend `self.backend` picks (`mpu.document_attention`: no dense mask where it can).
-        A sliding window (`self.window`; any cp: the ring masks its tiles) limits query i to keys i - w < j <= i,
-        through `document_attention` too (dense mask on the CPU, FlexAttention on CUDA); a
-        sequence no longer than the window is plain causal attention."""
+        """softmax(q k^T / sqrt(d) + causal mask) v over this rank's heads (models/attention_core.py:
+        dropout, packed documents `doc_ids` [b, s], the sliding window `self.window` at any cp,
+        context parallelism over mesh.cp)."""
         p = self.cfg.attention_dropout_p if self.training else 0.0
-        if self.mesh.cp_size > 1:
-            window = self.window if self.window is not None and self.window < q.shape[2] * self.mesh.cp_size else None
-            out = context_parallel_attention(
-                q, k, v, self.mesh.cp, self.mesh.par.cp_comm, sequence_doc_ids=doc_ids, dropout_p=p,
-                attention_backend=self.backend, window=window,
-            )  # fmt: skip
-            return out.to(q.dtype)
-        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            window = self.window if self.window is not None and self.window < q.shape[2] else None
-            if doc_ids is not None or window is not None:
-                return document_attention(q, k, v, doc_ids, dropout_p=p, backend=self.backend, window=window)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1)
+        return causal_attention(
+            q, k, v, self.mesh, doc_ids=doc_ids, dropout_p=p, backend=self.backend, window=self.window,
+            enable_gqa=self.q_per_group > 1,
+        )  # fmt: skip
 
 
 class MLP(nn.Module):

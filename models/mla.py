@@ -34,7 +34,6 @@ heads, q/k norm, q/k/v biases and a sliding window with MLA (models/config.py).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -43,15 +42,13 @@ from einops import rearrange
 from torch import nn
 
 from meshtron.errors import ConfigError
+from meshtron.models.attention_core import causal_attention
 from meshtron.models.config import GPTConfig
 from meshtron.models.rope import apply_rope
 from meshtron.mpu import fp8
-from meshtron.mpu.context_parallel import context_parallel_attention
-from meshtron.mpu.document_attention import document_attention
 from meshtron.mpu.init import constant_init, normal_init, tag
 from meshtron.mpu.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region
 from meshtron.mpu.mesh import Mesh
-from meshtron.mpu.random import get_rng_tracker
 from meshtron.mpu.recompute import recompute
 from meshtron.rules import raise_first
 
@@ -194,28 +191,9 @@ class MLAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """softmax(q k^T * scale + causal mask) v over this rank's heads, q/k dq wide and v dv
-        wide (dropout on the probabilities from the tensor-parallel RNG stream); `doc_ids`
-        [b, s] restricts attention to each packed document (mpu.document_attention)."""
+        wide (models/attention_core.py: dropout, packed documents `doc_ids` [b, s], context
+        parallelism over mesh.cp)."""
         p = self.cfg.attention_dropout_p if self.training else 0.0
-        if self.mesh.cp_size > 1:
-            return self._context_parallel_core(q, k, v, doc_ids, p)
-        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            if doc_ids is not None:
-                return document_attention(q, k, v, doc_ids, dropout_p=p, backend=self.backend, scale=self.scale)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale)
-
-    def _context_parallel_core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None, p: float
-    ) -> torch.Tensor:
-        """The core over the cp group (`mpu.context_parallel`): all-to-all to whole sequences of
-        h/cp heads (v keeps its width), or the ring, whose blocks pass k and v as one message of
-        one shape: v is zero-padded to the q/k width there (dq / dv more ring traffic for v) and
-        the output cut back. Talks over mesh.cp."""
-        comm, dv = self.mesh.par.cp_comm, v.shape[-1]
-        if comm == "ring" and dv != q.shape[-1]:
-            v = F.pad(v, (0, q.shape[-1] - dv))
-        out = context_parallel_attention(
-            q, k, v, self.mesh.cp, comm, sequence_doc_ids=doc_ids, dropout_p=p, scale=self.scale,
-            attention_backend=self.backend,
-        )  # fmt: skip
-        return out[..., :dv].to(q.dtype)
+        return causal_attention(
+            q, k, v, self.mesh, doc_ids=doc_ids, dropout_p=p, backend=self.backend, scale=self.scale
+        )
