@@ -242,6 +242,17 @@ def diloco_outer_step_by_hand() -> None:
         raise AssertionError("the replicas do not agree on a skipped step")
 
 
+def _check_tensor_all_reduce(h, numel: int, what: str) -> None:
+    """The hierarchy `h` all-reduces a tensor of `numel` values of this rank's scale (10^rank)
+    to what the flat all-reduce gives, to 1e-6."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank())) * 10 ** dist.get_rank()
+    want = x.clone()
+    dist.all_reduce(want)
+    got = x.clone()
+    h.all_reduce(got)
+    assert_close(what, got, want, rtol=1e-6)
+
+
 def hierarchical_equals_flat() -> None:
     """4 ranks as 2 nodes x 2: the three-stage all-reduce of a tensor, and 3 AdamW steps at
     ZeRO 0 and 1 with hierarchically reduced buckets, equal the flat all-reduce to 1e-6."""
@@ -256,12 +267,7 @@ def hierarchical_equals_flat() -> None:
         raise AssertionError(
             f"hierarchy {h.nodes} nodes x {h.local}, inter group {dist.get_process_group_ranks(h.inter)}"
         )
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(dist.get_rank())) * 10 ** dist.get_rank()
-    want = x.clone()
-    dist.all_reduce(want)
-    got = x.clone()
-    h.all_reduce(got)
-    assert_close("hierarchical all-reduce of a tensor", got, want, rtol=1e-6)
+    _check_tensor_all_reduce(h, 1000, "hierarchical all-reduce of a tensor")
     for zero in (0, 1):
         results = [_weights_after_steps(cfg, mesh, mesh is hier, 3, zero) for mesh in (hier, flat_mesh)]
         assert_close(f"zero={zero}: weights after 3 steps, hierarchical vs flat", results[0], results[1], rtol=1e-6)
@@ -331,12 +337,7 @@ def hierarchical_one_rank_per_node() -> None:
         raise AssertionError(f"hierarchy {h.nodes} nodes x {h.local}, intra {h.intra}")
     if dist.get_process_group_ranks(h.inter) != list(range(world)):
         raise AssertionError(f"inter group {dist.get_process_group_ranks(h.inter)}")
-    x = torch.randn(1001, generator=torch.Generator().manual_seed(dist.get_rank())) * 10 ** dist.get_rank()
-    want = x.clone()
-    dist.all_reduce(want)
-    got = x.clone()
-    h.all_reduce(got)
-    assert_close("hierarchical all-reduce, one rank per node", got, want, rtol=1e-6)
+    _check_tensor_all_reduce(h, 1001, "hierarchical all-reduce, one rank per node")
     results = [_weights_after_steps(cfg, mesh, mesh is hier, 2, 0) for mesh in (hier, flat_mesh)]
     assert_close("weights after 2 steps, hierarchical (1 rank per node) vs flat", results[0], results[1], rtol=1e-6)
     if torch.equal(
