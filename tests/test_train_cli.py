@@ -360,6 +360,47 @@ def test_torchrun_zero1_logs_the_replicated_adamw_losses(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a, b)
 
 
+_EXIT_PROBE = """import atexit, os, sys
+
+def gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except OSError:
+            pass
+    return sum("gloo" in name for name in names)
+
+atexit.register(lambda: print(f"gloo threads at exit: {gloo_threads()}", flush=True))
+sys.argv = ["train.py", *sys.argv[1:]]
+from meshtron.training.cli import main
+main()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_no_gloo_worker_thread_outlives_a_finished_run(tmp_path):
+    """When the interpreter starts shutting down (atexit), every process group of the run is
+    gone with its gloo worker threads: a group left to the shutdown's collection had its workers
+    take the GIL after finalization began, and the rank died of SIGABRT ("terminate called
+    without an active exception") after a successful run. ZeRO-1's overlapped gathers: the
+    engine's reference cycles hold extra groups."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(_EXIT_PROBE)
+    run_dir = tmp_path / "run"
+    args = ["trainer.max_steps=2", "trainer.progress=false", "trainer.eval_every=0", "optim.zero=1"]
+    out = run(
+        [*TORCHRUN, "--nproc_per_node=2", str(probe), "model.num_layers=2", *args, f"hydra.run.dir={run_dir}"],
+        timeout=150,
+        threads=1,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = [line for line in out.stdout.splitlines() if line.startswith("gloo threads at exit")]
+    assert counts == ["gloo threads at exit: 0"] * 2, out.stdout[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_overflowing_update_is_not_saved_over_the_last_checkpoint(tmp_path):
     """Issue 14: a step whose update overflows the weights (lr beyond fp32's range) must not

@@ -21,6 +21,7 @@ host that died, whatever the transport (observability/watchdog.py).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import shutil
 import socket
@@ -201,6 +202,16 @@ def teardown_distributed() -> None:
     register_peers([])
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_process_groups() -> None:
+    """Collect the garbage cycles (a finished run's engine: model, hooks, buckets) that still
+    hold process groups after `teardown_distributed`, so each gloo group's destructor joins its
+    worker threads now. Left to the interpreter's shutdown, a worker dropping the last work it
+    ran (tensors owned by Python) takes the GIL after finalization began, and the process dies
+    of SIGABRT ("terminate called without an active exception") instead of exiting with its
+    code: seen at about 1 run in 100 on a loaded host. No communication."""
+    gc.collect()
 
 
 _HYDRA_ONLY = {".hydra", "train.log", "main.log"}

@@ -42,7 +42,13 @@ from meshtron.training.checkpoint import (
     new_checkpoint_group,
 )
 from meshtron.training.config import ConfigError, RunConfig
-from meshtron.training.distributed import agree_on_run_dir, init_distributed, launcher_env, teardown_distributed
+from meshtron.training.distributed import (
+    agree_on_run_dir,
+    init_distributed,
+    launcher_env,
+    release_process_groups,
+    teardown_distributed,
+)
 from meshtron.training.engine import Engine, EngineConfig
 from meshtron.training.host_malloc import keep_freed_host_memory
 from meshtron.training.local_sgd import build_local_sgd
@@ -538,22 +544,33 @@ def kill_if_asked(rank: int, step: int) -> None:
 
 
 def main_entry(tree: dict, run_dir: str) -> dict:
-    """Entry for train.py: turn a config or checkpoint error into one clear line and exit code 2."""
+    """Entry for train.py: turn a config or checkpoint error into one clear line and exit code 2
+    (1 for a failed collective, already reported in one line), after `release_process_groups`."""
     keep_freed_host_memory()  # CPU steps reuse the previous step's pages (training/host_malloc.py)
+    code, summary = _exit_code_of(tree, run_dir)
+    release_process_groups()  # the traceback's frames (and their engine) are gone by now
+    if code:
+        raise SystemExit(code)
+    return summary
+
+
+def _exit_code_of(tree: dict, run_dir: str) -> tuple[int, dict]:
+    """(0, summary) of the run, or (exit code, {}) for an error already reported in one line;
+    any other error propagates."""
     try:
         run = RunConfig.from_dict(tree)
-        return run_training(run, run_dir)
+        return 0, run_training(run, run_dir)
     except ConfigError as err:
         say_one_line(f"meshtron: configuration error: {err}")
-        raise SystemExit(2) from None
+        return 2, {}
     except CheckpointError as err:
         say_one_line(f"meshtron: checkpoint error: {err}")
-        raise SystemExit(2) from None
+        return 2, {}
     except Exception as err:
         if getattr(err, "meshtron_reported", False):  # a failed collective, already one line (Trainer.train)
             # torchrun SIGTERMs the survivors of a dead rank: ignore it from here on, as the
             # interpreter's shutdown restores the default action (death by -15), not SIG_IGN
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            raise SystemExit(1) from None
+            return 1, {}
         raise

@@ -1049,7 +1049,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--worker", required=True)
         parser.add_argument("--rank", type=int, required=True)
         args = parser.parse_args(argv)
-        sys.exit(worker_main(args.worker, args.rank))
+        from meshtron.training.distributed import release_process_groups
+
+        status = worker_main(args.worker, args.rank)
+        release_process_groups()  # gloo's workers end before the interpreter's shutdown
+        sys.exit(status)
     parser = argparse.ArgumentParser(
         prog="python -m meshtron.verify",
         description="Run a parallel layout of a shrunk copy of the model beside one process and compare "
