@@ -173,7 +173,8 @@ def measure(folder: Path, tp: int, pp: int, rank: int) -> dict:
 def measure_export(checkpoint: Path, out: Path) -> dict:
     """Peak anonymous memory of the streamed export of `checkpoint` into `out` (bf16)."""
     from meshtron.models.config import GPTConfig
-    from meshtron.training.checkpoint import expected_model_shapes, read_meta
+    from meshtron.training.checkpoint import expected_model_shapes
+    from meshtron.training.checkpoint_files import read_meta
     from meshtron.training.hf_cli import export_from_checkpoint
 
     saved = read_meta(sorted(checkpoint.glob("step_*"))[-1])["model"]

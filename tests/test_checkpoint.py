@@ -22,17 +22,19 @@ from meshtron.mpu.mesh import single_process_mesh
 from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     LOCK_FILE,
-    META_FILE,
-    CheckpointError,
     TrainState,
-    check_checkpoint_crcs,
     check_compatible,
     hold_checkpoint_dir,
-    list_checkpoints,
     load_checkpoint,
+    save_checkpoint,
+)
+from meshtron.training.checkpoint_files import (
+    META_FILE,
+    CheckpointError,
+    check_checkpoint_crcs,
+    list_checkpoints,
     read_meta,
     resolve_resume,
-    save_checkpoint,
 )
 from meshtron.training.step import train_step
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config

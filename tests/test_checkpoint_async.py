@@ -23,14 +23,11 @@ from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     WRITE_DELAY_ENV,
     AsyncCheckpointer,
-    CheckpointError,
     TrainState,
-    check_checkpoint_crcs,
-    list_checkpoints,
     load_checkpoint,
-    read_meta,
     save_checkpoint,
 )
+from meshtron.training.checkpoint_files import CheckpointError, check_checkpoint_crcs, list_checkpoints, read_meta
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.sharded_state import _boxes, flat_range_pieces
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, model_config

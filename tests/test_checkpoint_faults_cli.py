@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.training.checkpoint import LOCK_FILE, check_checkpoint_crcs, list_checkpoints
+from meshtron.training.checkpoint import LOCK_FILE
+from meshtron.training.checkpoint_files import check_checkpoint_crcs, list_checkpoints
 from tests.test_checkpoint import _corrupt, _dead_pid
 from tests.test_resume_cli import COMMON, _losses, _start, _wait_for
-from tests.test_train_cli import metrics, run
+from tests.test_train_cli import TORCHRUN, metrics, run
 
 SHORT = [*COMMON, "trainer.max_steps=4"]
 
@@ -72,7 +73,7 @@ def test_corrupt_shard_is_named(tmp_path, saved_run):
     _corrupt(shard)  # 64 KiB of random bytes, size unchanged
     assert shard.stat().st_size == size
     out = _train(ckpt, tmp_path / "run", f"checkpoint.resume={ckpt / 'step_00000004'}")
-    line = _one_error_line(out, "configuration")
+    line = _one_error_line(out, "checkpoint")  # found by the rank reading it, as it loads
     assert f"checkpoint file {shard} is corrupt: its CRC32 is" in line, line
     _no_step_ran(tmp_path / "run")
 
@@ -92,6 +93,47 @@ def test_resume_auto_skips_a_corrupt_newest(tmp_path, saved_run):
     resumed, uninterrupted = _losses(tmp_path / "run"), saved_run[1]
     assert sorted(resumed) == [3, 4] and all(resumed[s] == uninterrupted[s] for s in resumed), (resumed, uninterrupted)
     check_checkpoint_crcs(ckpt / "step_00000004")  # saved again over the corrupt one
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_torchrun_resume_auto_falls_back_when_one_rank_finds_its_shard_corrupt(tmp_path):
+    """tp=2, rank 1's shard file of step 4 corrupted: the ranks that read it find it as their
+    load begins (each rank verifies only the files it loads: tests/distributed/checkpoint_cases.py
+    each_rank_verifies_only_the_files_it_loads); both ranks skip step 4 together (DCP gathers
+    the failure), resume from step 2 and log the uninterrupted run's losses for steps 3 and 4."""
+    ckpt = tmp_path / "ckpt"
+    common = [*SHORT, "parallel.tp=2", f"checkpoint.dir={ckpt}"]
+    first = run(
+        [*TORCHRUN, "--nproc_per_node=2", "train.py", *common, "checkpoint.every=2", f"hydra.run.dir={tmp_path / 'a'}"],
+        timeout=200,
+        threads=1,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = ckpt / "step_00000004" / "__1_0.distcp"
+    _corrupt(shard)
+    resumed_dir = tmp_path / "b"
+    out = run(
+        [
+            *TORCHRUN,
+            "--nproc_per_node=2",
+            "train.py",
+            *common,
+            "checkpoint.resume=auto",
+            f"hydra.run.dir={resumed_dir}",
+        ],
+        timeout=200,
+        threads=1,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    warning = f"meshtron: warning: skipping checkpoint {ckpt / 'step_00000004'}: checkpoint file {shard} is corrupt"
+    assert out.stderr.count(warning) == 1 and "(found by rank " in out.stderr, out.stderr[-3000:]
+    assert f"resumed from {ckpt / 'step_00000002'} at step 2" in out.stdout, out.stdout[-2000:]
+    resumed, uninterrupted = _losses(resumed_dir), _losses(tmp_path / "a")
+    assert sorted(resumed) == [3, 4] and all(abs(resumed[s] - uninterrupted[s]) <= 1e-6 for s in resumed), (
+        resumed,
+        uninterrupted,
+    )
 
 
 @pytest.mark.slow

@@ -145,7 +145,8 @@ def _trained_model(finetuned):
     from meshtron.models.config import GPTConfig
     from meshtron.models.gpt import GPT
     from meshtron.mpu.mesh import single_process_mesh
-    from meshtron.training.checkpoint import load_checkpoint, read_meta, resolve_resume
+    from meshtron.training.checkpoint import load_checkpoint
+    from meshtron.training.checkpoint_files import read_meta, resolve_resume
 
     path = resolve_resume(None, str(finetuned["run"] / "ckpt"))
     assert path.name == "step_00000003"

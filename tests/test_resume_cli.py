@@ -237,7 +237,7 @@ def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path, background):
     checkpoint (both ranks' files) and stop (torchrun itself then reports the signal). With
     checkpoint.async=true (and a save every 2 steps, written while training goes on) the stop
     waits for the save in flight, then writes the last one."""
-    from meshtron.training.checkpoint import list_checkpoints, read_meta
+    from meshtron.training.checkpoint_files import list_checkpoints, read_meta
     from tests.test_train_cli import TORCHRUN
 
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"

@@ -18,13 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtron.training.checkpoint import (
-    LOCK_FILE,
-    CheckpointError,
-    check_checkpoint_crcs,
-    hold_checkpoint_dir,
-    resolve_resume,
-)
+from meshtron.training.checkpoint import LOCK_FILE, hold_checkpoint_dir
+from meshtron.training.checkpoint_files import CheckpointError, check_checkpoint_crcs, resolve_resume
 from tests.test_checkpoint import _dead_pid
 from tests.test_checkpoint_faults_cli import SHORT, _one_error_line, _train
 from tests.test_resume_cli import COMMON, _losses

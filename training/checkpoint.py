@@ -45,14 +45,13 @@ read back. CRC32 is the fastest whole-buffer check in the standard library (abou
 on one core, over 2x blake2b) and catches all accidental damage (overwritten blocks,
 truncation, another run's file of the same size) but is no defence against deliberate
 tampering. Ranks send their files' sums to rank 0, which records them in `meshtron.json`,
-written last and published by the rename with the folder. `check_checkpoint_crcs` re-reads
-every file and compares; `resolve_resume` runs it (on every rank, before any process group,
-so all ranks take the same decision): an explicit path that fails is an error naming the
-file; `resume=auto` (and a checkpoint.dir given as `resume`) skips a corrupt newest checkpoint
-with a warning naming the file and takes the previous one (no intact one at all is an error,
-not a silent fresh start). Every `step_N` folder is a candidate there, not only those whose
-sizes match: a truncated file is warned about like a changed one. Checkpoints of format
-version 1 (sizes only) still load, with the size check alone.
+written last and published by the rename with the folder. Verification on load is in
+training/checkpoint_files.py: before any process group every rank checks only the sizes and the
+DCP metadata; each rank then verifies the CRC32 of exactly the files its own load plan reads
+(`VerifyingReader`, inside `dcp.load`), DCP gathers a failure to every rank, and all raise the
+same CheckpointError, so `resume=auto` falls back to the previous checkpoint in lockstep
+(`load_newest_intact`). Checkpoints of format version 1 (sizes only) still load, with the size
+check alone.
 
 Same model: the manifest records the model config it was saved for. `check_compatible`
 compares it with the run's before any process group: first every tensor's name and global
@@ -88,7 +87,6 @@ import datetime
 import io
 import json
 import os
-import re
 import shutil
 import socket
 import sys
@@ -112,7 +110,17 @@ from meshtron.dp.param_gather import finish_param_gather
 from meshtron.mpu.mappings import broadcast_object, gather_object, world_group
 from meshtron.mpu.mesh import group_rank, single_process_mesh
 from meshtron.mpu.random import get_rng_tracker
-from meshtron.training.distributed import launcher_env
+from meshtron.training.checkpoint_files import (
+    FORMAT,
+    META_FILE,
+    STEP_DIR,
+    CheckpointError,
+    VerifyingReader,
+    checkpoint_error_in,
+    describe_os_error,
+    list_checkpoints,
+    read_meta,
+)
 from meshtron.training.sharded_state import (
     ShardLoadPlanner,
     ShardPiece,
@@ -122,23 +130,14 @@ from meshtron.training.sharded_state import (
     shard_piece,
 )
 
-FORMAT = "meshtron-checkpoint"
 VERSION = 2  # 2: files carry {"bytes", "crc32"}; 1: sizes only (still read)
-READABLE_VERSIONS = (1, 2)
-META_FILE = "meshtron.json"
 LOCK_FILE = ".meshtron.lock"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_READ_CHUNK = 8 << 20
 WRITE_DELAY_ENV = "MESHTRON_TEST_CHECKPOINT_WRITE_DELAY_S"  # test hook: seconds before each file's first write
 _SINGLE_PROCESS_WARNING = ".*assuming the intent is to .* in a single process.*"
 # DCP warns that it assumes a single process when no group is initialised: intended here. A
 # background save cannot use `warnings.catch_warnings` (not thread-safe), hence a filter for
 # that one message, process-wide.
 warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the path/tensor and what to do."""
 
 
 @dataclass
@@ -158,7 +157,7 @@ def step_dir_name(step: int) -> str:
 
 
 def _step_of(path: Path) -> int:
-    return int(_STEP_DIR.match(path.name).group(1))
+    return int(STEP_DIR.match(path.name).group(1))
 
 
 def _is_main() -> bool:
@@ -368,12 +367,6 @@ class _ChecksummingWriter(dcp.FileSystemWriter):
             if self.fs.write_error is None:
                 raise
             raise self.fs.write_error from None
-
-
-def describe_os_error(err: OSError) -> str:
-    """'<file>: <cause>' for an OSError (the cause alone when it names no file)."""
-    cause = err.strerror or str(err)
-    return f"{err.filename}: {cause}" if err.filename else cause
 
 
 def _os_error_in(err: CheckpointException) -> str | None:
@@ -706,176 +699,7 @@ def _write_json_durably(path: Path, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-# ------------------------------------------------------------------------ find / validate
-
-
-def step_folders(root: str | Path) -> list[Path]:
-    """Every `step_N` folder under `root`, oldest first, valid or not (`.tmp-step_N/` of a save
-    in flight is not one)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), path) for path in root.iterdir() if (m := _STEP_DIR.match(path.name)) and path.is_dir()]
-    return [path for _, path in sorted(found)]
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Valid checkpoints under `root`, oldest first (invalid or partial folders are left out)."""
-    found = []
-    for path in step_folders(root):
-        try:
-            read_meta(path)
-        except CheckpointError:
-            continue
-        found.append(path)
-    return found
-
-
-def read_meta(path: str | Path) -> dict:
-    """The checkpoint's `meshtron.json` after checking that every recorded file is complete.
-    Raises CheckpointError naming the problem."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
-    meta_path = path / META_FILE
-    if not meta_path.is_file() and _ps_servers(path) is not None:
-        raise CheckpointError(
-            f"{path} is a parameter-server checkpoint (ps_step_N of parallel.dp_mode=ps), not an "
-            f"all-reduce one; resume it with parallel.dp_mode=ps parallel.servers={_ps_servers(path)} "
-            f"checkpoint.resume={path}"
-        )
-    if not meta_path.is_file():
-        raise CheckpointError(
-            f"{path} is not a complete meshtron checkpoint (no {META_FILE}: the save did not "
-            f"finish); point checkpoint.resume at another step_N folder or delete it"
-        )
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{meta_path} is unreadable ({err}); the checkpoint is corrupt, use another") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path} is not a meshtron checkpoint description (format != {FORMAT!r})")
-    if meta.get("version") not in READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{path}: checkpoint format version {meta.get('version')} is not supported "
-            f"(this meshtron reads versions {', '.join(map(str, READABLE_VERSIONS))})"
-        )
-    for name, entry in meta.get("files", {}).items():
-        file = path / name
-        size = entry if isinstance(entry, int) else entry["bytes"]
-        if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint {path} is missing its file {name}; the checkpoint is corrupt, use another"
-            )
-        if file.stat().st_size != size:
-            raise CheckpointError(
-                f"checkpoint file {file} has {file.stat().st_size} bytes, {size} were written "
-                f"(truncated or modified); the checkpoint is corrupt, use another"
-            )
-    return meta
-
-
-def _ps_servers(path: Path) -> int | None:
-    """S when `path` holds a parameter-server checkpoint's `server_s_of_S.pt` files, else None."""
-    counts = [int(m.group(1)) for f in path.iterdir() if (m := re.match(r"^server_\d+_of_(\d+)\.pt$", f.name))]
-    return max(counts) if counts else None
-
-
-def file_crc32(path: Path) -> int:
-    """CRC32 of the file at `path`, read in 8 MiB chunks."""
-    crc, buffer = 0, bytearray(_READ_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
-
-
-def check_checkpoint_crcs(path: str | Path) -> dict:
-    """`read_meta`, then every file's CRC32 recomputed and compared with the manifest (format
-    version 1 has sizes only). Returns the meta; raises CheckpointError naming the first
-    corrupt file."""
-    path = Path(path)
-    meta = read_meta(path)
-    for name, entry in sorted(meta.get("files", {}).items()):
-        if isinstance(entry, int):
-            continue
-        try:
-            crc = file_crc32(path / name)
-        except OSError as err:
-            raise CheckpointError(f"checkpoint file {describe_os_error(err)}") from None
-        if f"{crc:08x}" != entry["crc32"]:
-            raise CheckpointError(
-                f"checkpoint file {path / name} is corrupt: its CRC32 is {crc:08x}, "
-                f"{entry['crc32']} was written; use another checkpoint"
-            )
-    return meta
-
-
-def warn_checkpoint(message: str) -> None:
-    """Print `meshtron: warning: <message>` on global rank 0 (ranks may not have a process group yet)."""
-    if launcher_env()[1] == 0:
-        print(f"meshtron: warning: {message}", file=sys.stderr, flush=True)
-
-
-def resolve_resume(root: str | None, resume: str | None) -> Path | None:
-    """The checkpoint to resume from, its files verified against their checksums: `resume` =
-    None (fresh run), "auto" (the newest intact one in `root`, skipping corrupt ones with a
-    warning; a fresh run when there is none at all) or a path (which must be intact).
-
-    A path that is not a `step_N` folder but holds `step_N` folders (a checkpoint.dir) means
-    "the newest intact one in it", exactly as "auto" there: a corrupt newest one is skipped
-    with a warning naming the file, none intact is an error. The candidates are all `step_N`
-    folders, not only those that pass `read_meta`: a truncated file or a missing manifest is
-    corruption to warn about, never a folder to pass over silently."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        if root is None:
-            raise CheckpointError("checkpoint.resume=auto needs checkpoint.dir (where to look for checkpoints)")
-        found = step_folders(root)
-        ps = sorted(Path(root).glob("ps_step_*")) if not found and Path(root).is_dir() else []
-        if ps:
-            raise CheckpointError(
-                f"{root} holds parameter-server checkpoints ({len(ps)} ps_step_N folder(s)) and no all-reduce one: resume "
-                "them with parallel.dp_mode=ps, or give this run another checkpoint.dir"
-            )
-        return _newest_intact(found)
-    path = Path(resume)
-    if _STEP_DIR.match(path.name) is None and path.is_dir() and not (path / META_FILE).exists():
-        found = step_folders(path)  # a checkpoint.dir given as resume: take its newest intact one
-        if found:
-            return _newest_intact(found)
-        if _ps_servers(path) is None and not any(path.glob("ps_step_*")):
-            raise CheckpointError(
-                f"{path} is neither a checkpoint (no {META_FILE}) nor a folder of step_N checkpoints; "
-                f"point checkpoint.resume at a step_N folder or at the checkpoint.dir that holds them"
-            )
-    check_checkpoint_crcs(path)
-    return path
-
-
-def _newest_intact(found: list[Path]) -> Path | None:
-    """The newest of `found` (`step_N` folders, oldest first) that is complete and whose files
-    match their checksums, warning (naming the file) about each newer one that is not; None
-    when `found` is empty; CheckpointError when none is intact."""
-    problems = []
-    for path in reversed(found):
-        try:
-            check_checkpoint_crcs(path)
-        except CheckpointError as err:
-            problems.append(str(err))
-            warn_checkpoint(f"skipping checkpoint {path}: {err}")
-            continue
-        if problems:
-            warn_checkpoint(f"resuming from the previous checkpoint {path}")
-        return path
-    if problems:
-        raise CheckpointError(
-            f"no intact checkpoint in {found[0].parent} (newest: {problems[0]}); delete the "
-            f"corrupt ones or start fresh without checkpoint.resume"
-        )
-    return None
+# ---------------------------------------------------------------- the model a checkpoint holds
 
 
 def expected_model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
@@ -1201,16 +1025,7 @@ def _load_checkpoint(
             state.update(opt)
         if same_layout and not weights_only:
             state[rng_key] = b""
-        try:
-            with torch.no_grad(), _single_process_quiet():
-                dcp.load(
-                    state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False)
-                )
-        except CheckpointException as err:
-            cause = _os_error_in(err)
-            if cause is None:
-                raise
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {cause}") from None
+        _read_verified(state, path, meta)
         for name, buf in _persistent_buffers(chunks):  # DCP may hand back new tensors for plain values
             loaded = state[f"model/{name}"]
             if loaded is not buf:
@@ -1221,3 +1036,21 @@ def _load_checkpoint(
     if same_layout:
         _restore_rng(state[rng_key])
     return TrainState(**meta["train_state"])
+
+
+def _read_verified(state: dict, path: Path, meta: dict) -> None:
+    """`dcp.load` of `state` from `path`, each rank first checking the CRC32 of exactly the
+    files its plan reads (`VerifyingReader`); a corrupt file or an I/O error on any rank is the
+    same CheckpointError on every rank (DCP gathers the failures over the default group)."""
+    reader = VerifyingReader(path, meta.get("files", {}))
+    try:
+        with torch.no_grad(), _single_process_quiet():
+            dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(flatten_state_dict=False))
+    except CheckpointException as err:
+        corrupt = checkpoint_error_in(err)
+        if corrupt is not None:
+            raise corrupt from None
+        cause = _os_error_in(err)
+        if cause is None:
+            raise
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {cause}") from None

@@ -29,15 +29,8 @@ from meshtron.models.hf import (
     stream_hf_tensors,
 )
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.training.checkpoint import (
-    CheckpointError,
-    TrainState,
-    expected_model_shapes,
-    read_full_tensors,
-    read_meta,
-    resolve_resume,
-    save_checkpoint,
-)
+from meshtron.training.checkpoint import TrainState, expected_model_shapes, read_full_tensors, save_checkpoint
+from meshtron.training.checkpoint_files import CheckpointError, read_meta, resolve_resume
 
 
 def import_to_checkpoint(src_dir, out_dir, seq_len: int | None = None) -> Path:

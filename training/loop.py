@@ -33,14 +33,8 @@ from meshtron.pipeline.trace import measured_bubble, theoretical_bubble, write_t
 from meshtron.planning.flops import model_flops_per_token
 from meshtron.planning.peak import peak_flops
 from meshtron.textdata.data import TokenDataset, build_dataset, document_end_id
-from meshtron.training.checkpoint import (
-    AsyncCheckpointer,
-    CheckpointError,
-    TrainState,
-    hold_checkpoint_dir,
-    list_checkpoints,
-    new_checkpoint_group,
-)
+from meshtron.training.checkpoint import AsyncCheckpointer, TrainState, hold_checkpoint_dir, new_checkpoint_group
+from meshtron.training.checkpoint_files import CheckpointError, list_checkpoints, load_newest_intact
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.distributed import (
     agree_on_run_dir,
@@ -56,7 +50,7 @@ from meshtron.training.param_server import run_parameter_server
 from meshtron.training.precision import LossScaler, Precision, device_has_fast_bf16
 from meshtron.training.preemption import StopRequest
 from meshtron.training.reporting import StepReporter, lr_schedule, split_microbatches, val_microbatches
-from meshtron.training.run_checks import check_run_config, checkpoint_to_start_from
+from meshtron.training.run_checks import StartPoint, check_run_config, check_start, checkpoint_to_start_from
 from meshtron.training.step import StepResult
 
 
@@ -190,8 +184,8 @@ class Trainer:
         found = list_checkpoints(self.run.checkpoint.dir) if self.run.checkpoint.dir else []
         return str(found[-1]) if found else None
 
-    def train(self, start_from: tuple[str, Path] | None) -> dict:
-        """Load `start_from` (("resume" | "init_from", path) or None), then step to
+    def train(self, start_from: StartPoint | None) -> dict:
+        """Load `start_from` (run_checks.StartPoint, or None for a fresh start), then step to
         trainer.max_steps or a SIGTERM; returns the summary (logged records in `history`)."""
         stopped_early = False
         try:
@@ -219,21 +213,33 @@ class Trainer:
             self._close()
         return self._summary(stopped_early)
 
-    def _load_start(self, kind: str, path: Path) -> str:
-        """Load the weights (and state, for "resume") to start from; returns what was loaded, for the log."""
-        if kind == "init_from_hf":
-            read = self.engine.load_hf(path)
-            return f"initial weights from the Hugging Face folder {path} (this rank read {read / 2**20:,.1f} MiB: its shards)"
-        self.state = self.engine.load(path, weights_only=kind == "init_from")
-        if kind == "init_from":
+    def _load_start(self, start: StartPoint) -> str:
+        """Load the weights (and state, for "resume") to start from; returns what was loaded, for
+        the log. A candidate whose files fail their checksums on any rank is skipped on every
+        rank alike for the one before it (resume=auto), an explicit path's failure is an error
+        (training/checkpoint_files.py `load_newest_intact`)."""
+        if start.kind == "init_from_hf":
+            read = self.engine.load_hf(start.paths[0])
+            return (
+                f"initial weights from the Hugging Face folder {start.paths[0]} "
+                f"(this rank read {read / 2**20:,.1f} MiB: its shards)"
+            )
+
+        def load(path: Path) -> TrainState:
+            if path != start.paths[0]:  # checked before any process group
+                check_start(path, self.run.model, start.kind)
+            return self.engine.load(path, weights_only=start.kind == "init_from")
+
+        path, self.state = load_newest_intact(list(start.paths), load, explicit=start.explicit)
+        if start.kind == "init_from":
             return f"initial weights from {path}"
         return f"resumed from {path} at step {self.state.step} ({self.state.consumed_samples:,} samples consumed)"
 
-    def _start(self, start_from: tuple[str, Path] | None) -> None:
+    def _start(self, start_from: StartPoint | None) -> None:
         """Load the checkpoint to start from, then build what depends on the loaded state."""
         run, engine, env, t = self.run, self.engine, self.env, self.run.trainer
         if start_from is not None:
-            loaded = self._load_start(*start_from)
+            loaded = self._load_start(start_from)
             if env.is_main:
                 print(f"meshtron: {loaded}", flush=True)
         # None unless optim.local_steps > 1 or an outer optimizer; after loading: DiLoCo keeps the start weights

@@ -88,15 +88,8 @@ from meshtron.errors import ConfigError, say_one_line
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, collective_device, dim_groups
-from meshtron.training.checkpoint import (
-    RESUME_MAY_CHANGE,
-    CheckpointError,
-    config_diff,
-    describe_os_error,
-    file_crc32,
-    hold_checkpoint_dir,
-    warn_checkpoint,
-)
+from meshtron.training.checkpoint import RESUME_MAY_CHANGE, config_diff, hold_checkpoint_dir
+from meshtron.training.checkpoint_files import CheckpointError, describe_os_error, file_crc32, warn_checkpoint
 from meshtron.training.preemption import StopRequest
 from meshtron.training.run_checks import check_run_config
 

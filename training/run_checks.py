@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +29,8 @@ from meshtron.rules import (
     raise_first,
 )
 from meshtron.textdata.data import INDEX_FILE, ByteTokenizer
-from meshtron.training.checkpoint import CheckpointError, check_compatible, read_meta, resolve_resume
+from meshtron.training.checkpoint import check_compatible
+from meshtron.training.checkpoint_files import CheckpointError, check_complete, load_newest_intact, start_folders
 from meshtron.training.config import RunConfig
 from meshtron.training.hf_start import check_hf_weights, hf_folder
 
@@ -303,34 +305,54 @@ def compiled_block_checks(run: RunConfig, par) -> list[Check]:
     )
 
 
-def checkpoint_to_start_from(run: RunConfig) -> tuple[str, Path] | None:
-    """("resume" | "init_from" | "init_from_hf", path) after checking the checkpoint is complete
-    and holds the tensors this model needs (a Hugging Face folder: from its safetensors
-    headers) and was saved for this model (`check_compatible`: a resume changes no model field
-    but training/checkpoint.py RESUME_MAY_CHANGE, init_from none of WEIGHT_READING_FIELDS), or
-    None for a fresh start. With checkpoint.resume=auto a checkpoint in
-    checkpoint.dir wins over checkpoint.init_from, which starts a run that has none. Runs
-    before any process group, on every rank alike, so a bad checkpoint fails with one line
-    instead of a hang."""
+class StartPoint(NamedTuple):
+    """What a run starts from: `kind` ("resume" | "init_from" | "init_from_hf"), the checkpoints
+    to try newest first (`paths`: the newest complete one and those before it under
+    resume=auto; one for an explicit path or a Hugging Face folder), and whether the path was
+    given explicitly (then its failure is an error, not a fallback to an older one)."""
+
+    kind: str
+    paths: tuple[Path, ...]
+    explicit: bool = True
+
+
+def check_start(path: Path, model_cfg, kind: str) -> dict:
+    """`check_complete` (files at their sizes, the DCP metadata's checksum), then that `kind`
+    can start from it: a resume needs the optimizer state (not a weights-only checkpoint) and
+    the same model (`check_compatible`: every field but RESUME_MAY_CHANGE), init_from the
+    WEIGHT_READING_FIELDS. Returns its meta; CheckpointError naming the problem."""
+    meta = check_complete(path)
+    if kind == "resume" and meta.get("weights_only"):  # before the model check: its hint is init_from's
+        raise CheckpointError(
+            f"{path} holds weights only (no optimizer state or step); start from it with checkpoint.init_from={path}"
+        )
+    check_compatible(path, model_cfg, resume=kind == "resume")
+    return meta
+
+
+def checkpoint_to_start_from(run: RunConfig) -> StartPoint | None:
+    """Where the run starts (`StartPoint`), or None for a fresh start, after checking the
+    newest candidate is complete (`check_complete`) and fits the run (`check_start`; a Hugging
+    Face folder: its safetensors headers hold the tensors this model needs). The data files'
+    checksums are verified by the ranks that read them, as they load (training/checkpoint_files.py).
+    With checkpoint.resume=auto a checkpoint in checkpoint.dir wins over checkpoint.init_from,
+    which starts a run that has none. Runs before any process group, on every rank alike, so a
+    bad checkpoint fails with one line instead of a hang."""
     c = run.checkpoint
     kind = "resume"
     try:
-        path = resolve_resume(c.dir, c.resume)
-        if path is None and c.init_from:
+        candidates, explicit = start_folders(c.dir, c.resume)
+        if not candidates and c.init_from:
             kind = "init_from"
             folder = hf_folder(c.init_from)
             if folder is not None:
                 check_hf_weights(folder, run.model)
-                return "init_from_hf", folder
-            path = resolve_resume(None, c.init_from)
-        if path is None:
+                return StartPoint("init_from_hf", (folder,))
+            candidates, explicit = start_folders(None, c.init_from)
+        if not candidates:
             return None
-        if kind == "resume" and read_meta(path).get("weights_only"):  # before the model check: its hint is init_from's
-            raise CheckpointError(
-                f"{path} holds weights only (no optimizer state or step); start from it with "
-                f"checkpoint.init_from={path}"
-            )
-        check_compatible(path, run.model, resume=kind == "resume")
+        newest, _ = load_newest_intact(candidates, check_complete, explicit=explicit)
+        check_start(newest, run.model, kind)
     except CheckpointError as err:
         raise ConfigError(f"checkpoint.{kind}: {err}") from err
-    return kind, path
+    return StartPoint(kind, tuple(candidates[candidates.index(newest) :]), explicit)

@@ -31,19 +31,22 @@ from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.pipeline.executor import PipelineExecutor, activation_shape
-from meshtron.training import checkpoint
+from meshtron.training import checkpoint, checkpoint_files
 from meshtron.training.checkpoint import (
     LOCK_FILE,
     WRITE_DELAY_ENV,
     AsyncCheckpointer,
-    CheckpointError,
     TrainState,
-    check_checkpoint_crcs,
     hold_checkpoint_dir,
-    list_checkpoints,
     load_checkpoint,
     new_checkpoint_group,
     save_checkpoint,
+)
+from meshtron.training.checkpoint_files import (
+    CheckpointError,
+    check_checkpoint_crcs,
+    list_checkpoints,
+    load_newest_intact,
 )
 from meshtron.training.optim import build_optimizer
 from meshtron.training.step import StepResult, pipeline_train_step, train_step
@@ -300,6 +303,87 @@ def locked_dir_is_refused_on_every_rank() -> None:
 
 
 @contextlib.contextmanager
+def _recorded_crc_reads():
+    """Yields the list of checkpoint file names whose CRC32 this rank computes inside the block."""
+    real, names = checkpoint_files.file_crc32, []
+
+    def recording(path):
+        names.append(Path(path).name)
+        return real(path)
+
+    checkpoint_files.file_crc32 = recording
+    try:
+        yield names
+    finally:
+        checkpoint_files.file_crc32 = real
+
+
+def _two_saved_steps(root: Path, cfg, par: ParallelConfig) -> list[Path]:
+    """Checkpoints of steps 1 and 2 of a run at `par`."""
+    run = _Run(cfg, par)
+    saved = []
+    for step in range(2):
+        run.step(step)
+        state = TrainState(step=step + 1, consumed_samples=(step + 1) * BATCH)
+        saved.append(
+            save_checkpoint(root, state, run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg))
+        )
+    run.close()
+    return saved
+
+
+def each_rank_verifies_only_the_files_it_loads() -> None:
+    """Resume at scale: loading a tp=2 x pp=2 checkpoint into the same layout, each rank checks
+    the CRC32 of only the data files its load plan reads (its own shard file and those holding
+    tensors deduplicated into another's, not all four), and together the ranks check every one.
+    A corrupt file that only some ranks read is the same CheckpointError on every rank, naming it; `load_newest_intact` then loads the
+    previous checkpoint on every rank alike, equal to a serial load of it."""
+    from tests.test_checkpoint import _corrupt
+
+    cfg, par = pipeline_config("gpt2", False), ParallelConfig(tp=2, pp=2)
+    root = shared_tmpdir()
+    try:
+        older, newest = _two_saved_steps(root, cfg, par)
+        data_files = sorted(p.name for p in newest.iterdir() if p.suffix == ".distcp")
+        assert len(data_files) == 4, data_files
+        target = _Run(cfg, par)
+        with _recorded_crc_reads() as verified:
+            load_checkpoint(newest, target.chunks, target.optimizer, target.mesh)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(set(verified)))
+        own = f"__{dist.get_rank()}_0.distcp"
+        assert own in verified and len(set(verified)) < len(data_files), verified
+        assert sorted({name for names in everyone for name in names}) == data_files, everyone
+        readers = {name: [r for r, names in enumerate(everyone) if name in names] for name in data_files}
+        corrupt = max(data_files, key=lambda name: (-len(readers[name]), name))  # the fewest readers
+        assert len(readers[corrupt]) < dist.get_world_size(), readers  # the others learn of it from DCP
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _corrupt(newest / corrupt)
+        dist.barrier()
+        with pytest.raises(CheckpointError, match=rf"checkpoint file {newest / corrupt} is corrupt") as failure:
+            load_checkpoint(newest, target.chunks, target.optimizer, target.mesh)
+        assert f"(found by rank {min(readers[corrupt])})" in str(failure.value), (failure.value, readers)
+        _same_on_every_rank(str(failure.value))
+
+        def load(path: Path) -> TrainState:
+            return load_checkpoint(path, target.chunks, target.optimizer, target.mesh)
+
+        path, state = load_newest_intact([newest, older], load, explicit=False)
+        assert path == older and state.step == 1, (path, state)
+        serial = _Run(cfg, None)
+        load_checkpoint(older, serial.chunks, serial.optimizer, serial.mesh)
+        reference = dict(serial.named)
+        for name, p in target.named:
+            got = trim_vocab(name, full_tensor(p, p.shards, target.mesh), cfg)
+            assert torch.equal(got, trim_vocab(name, reference[name].detach(), cfg)), name
+        target.close()
+        serial.close()
+    finally:
+        remove_shared_tmpdir(root)
+
+
+@contextlib.contextmanager
 def _no_moment_gather():
     """Any all-gather of ZeRO moments (or of anything in the distributed optimizer) raises."""
 
@@ -462,5 +546,6 @@ def cases_for_world(world_size: int) -> list[str]:
             "llama_cp2_zero_to_tp2_cp2_a2a_and_dp4",
             "save_failure_on_one_rank_reaches_every_rank",
             "locked_dir_is_refused_on_every_rank",
+            "each_rank_verifies_only_the_files_it_loads",
         ]
     return []
