@@ -530,23 +530,34 @@ def moe_metrics(out: StepResult) -> dict:
     }
 
 
-KILL_ENV = "MESHTRON_TEST_KILL_AT_STEP"  # test hook: "RANK:STEP" SIGKILLs global rank RANK before step STEP
+KILL_ENV = "MESHTRON_TEST_KILL_AT_STEP"  # test hook: "RANK:STEP" or "node:STEP" (module-level doc below)
 
 
 def kill_if_asked(rank: int, step: int) -> None:
-    """The tests' fault hook (MESHTRON_TEST_KILL_AT_STEP="RANK:STEP", e.g. "1:4"): global rank
-    RANK SIGKILLs itself as step STEP (1-based) begins, i.e. after the checkpoint of step
-    STEP - 1. Only in a job's first attempt (torchrun's TORCHELASTIC_RESTART_COUNT unset or 0),
-    so that an elastic restart runs on. Not a user setting."""
+    """The tests' fault hook (MESHTRON_TEST_KILL_AT_STEP): "RANK:STEP" (e.g. "1:4"): global
+    rank RANK SIGKILLs itself as step STEP (1-based) begins, i.e. after the checkpoint of step
+    STEP - 1; "node:STEP": the local rank 0 of every torchrun agent whose environment holds the
+    hook SIGKILLs its agent (its parent) and then itself, a lost node (the agent's other workers
+    then fail on the dead peer). Only in a job's first attempt (torchrun's
+    TORCHELASTIC_RESTART_COUNT unset or 0), so that an elastic restart runs on. Not a user setting."""
     spec = os.environ.get(KILL_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    want_rank, want_step = (int(v) for v in spec.split(":"))
-    if (rank, step) == (want_rank, want_step):
+    who, want_step = spec.split(":")
+    if step != int(want_step):
+        return
+    if who == "node" and os.environ.get("LOCAL_RANK") == "0":
+        say_one_line(
+            f"meshtron: test hook {KILL_ENV}: rank {rank} SIGKILLs its torchrun agent and itself before step {step}"
+        )
+        os.kill(os.getppid(), signal.SIGKILL)
+    elif who != str(rank):
+        return
+    else:
         say_one_line(f"meshtron: test hook {KILL_ENV}: rank {rank} SIGKILLs itself before step {step}")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main_entry(tree: dict, run_dir: str) -> dict:
