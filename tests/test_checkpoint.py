@@ -35,6 +35,7 @@ from meshtron.training.checkpoint_files import (
     list_checkpoints,
     read_meta,
     resolve_resume,
+    step_folders,
 )
 from meshtron.training.step import train_step
 from tests.distributed.dense_cases import ADAM_EPS, LR, build, microbatches, model_config
@@ -274,6 +275,22 @@ def test_keep_never_removes_the_checkpoint_just_saved(tmp_path):
         _save(tmp_path, model, optimizer, mesh, cfg, step)
     _save(tmp_path, model, optimizer, mesh, cfg, 3, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003", "step_00000005"]
+
+
+def test_keep_removes_incomplete_older_folders(tmp_path):
+    """An older step folder that can never load (a truncated file, or its manifest gone) is
+    removed by keep, whatever its age; a complete one within keep stays; a newer incomplete one
+    (left by an earlier run) is not this save's to judge."""
+    cfg = model_config("gpt2")
+    model, _, optimizer, mesh, _ = _trained(cfg, 1)
+    for step in (1, 2, 3, 6):
+        _save(tmp_path, model, optimizer, mesh, cfg, step)
+    shard = tmp_path / "step_00000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    (tmp_path / "step_00000006" / META_FILE).unlink()
+    _save(tmp_path, model, optimizer, mesh, cfg, 4, keep=3)
+    assert [p.name for p in step_folders(tmp_path)] == ["step_00000001", "step_00000003", "step_00000004", "step_00000006"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003", "step_00000004"]
 
 
 def _write_lock(root, **fields):
