@@ -36,6 +36,7 @@ __all__ = [
     "describe_collective_error",
     "is_collective_failure",
     "mesh_coords",
+    "who",
 ]
 
 
@@ -52,7 +53,8 @@ def mesh_coords(mesh) -> str:
     return ", ".join(parts)
 
 
-def _who(rank: int, coords: str) -> str:
+def who(rank: int, coords: str) -> str:
+    """'rank R (tp=.., pp=.., dp=..)', how every report names this process."""
     return f"rank {rank} ({coords})" if coords else f"rank {rank}"
 
 
@@ -127,6 +129,12 @@ class StepWatchdog:
         """The label of the armed phase, or None when idle."""
         return self._label
 
+    def armed(self) -> tuple[int, str] | None:
+        """(token, label) of the armed phase, None when idle; the token changes with every
+        `phase`/`idle`, so an unchanged token means the loop has not moved on."""
+        with self._cond:
+            return None if self._label is None else (self._token, self._label)
+
     def phase(self, label: str) -> _Phase:
         """Start timing a new phase called ``label`` (replaces the previous one)."""
         with self._cond:
@@ -193,7 +201,7 @@ class StepWatchdog:
             waiting = current_wait() or collective_in_stack()
             where = f"{label}, waiting in {waiting}" if waiting else label
             stream.write(
-                f"meshtron: {_who(self.rank, self.coords)} stuck for {elapsed:.1f} s in {where} "
+                f"meshtron: {who(self.rank, self.coords)} stuck for {elapsed:.1f} s in {where} "
                 f"(watchdog timeout {self.timeout_s:g} s); stacks of all threads follow\n"
             )
             _dump_stacks(stream, skip_thread=threading.get_ident())
@@ -354,6 +362,6 @@ def describe_collective_error(
     else:
         cause = "the communication backend reported an error"
     return (
-        f"meshtron: {_who(rank, coords)} failed in {where} during {phase}: {cause}. "
+        f"meshtron: {who(rank, coords)} failed in {where} during {phase}: {cause}. "
         f"Original error: {type(err).__name__}: {text}"
     )

@@ -289,7 +289,12 @@ def test_keep_removes_incomplete_older_folders(tmp_path):
     shard.write_bytes(shard.read_bytes()[:1000])
     (tmp_path / "step_00000006" / META_FILE).unlink()
     _save(tmp_path, model, optimizer, mesh, cfg, 4, keep=3)
-    assert [p.name for p in step_folders(tmp_path)] == ["step_00000001", "step_00000003", "step_00000004", "step_00000006"]
+    assert [p.name for p in step_folders(tmp_path)] == [
+        "step_00000001",
+        "step_00000003",
+        "step_00000004",
+        "step_00000006",
+    ]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003", "step_00000004"]
 
 

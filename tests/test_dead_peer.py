@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -137,6 +138,42 @@ def test_killed_rank_makes_the_survivor_exit_in_seconds_naming_it(tmp_path, shm)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))[-1] == "step_00000002"
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_rank_the_transport_never_wakes_is_ended_by_the_peer_monitor(tmp_path):
+    """Two ranks started as srun or mpirun start them (one process each, env:// rendezvous, no
+    torchrun agent to terminate the survivors). Rank 0 blocks outside any collective in step 3
+    (the hang hook: what NCCL within a host does, waiting in its kernel, unaware of a dead peer)
+    and rank 1 is killed as step 3 begins. No transport error can reach rank 0;
+    observability/peer_monitor.py sees rank 1's process gone, waits its grace (10 s) for the
+    loop to move on, then writes one line naming rank 1 and the phase and exits 1, long before
+    trainer.collective_timeout_s=300."""
+    args = [sys.executable, "train.py", *TINY, "trainer.max_steps=6", "trainer.collective_timeout_s=300"]
+    launch = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    hooks = {"MESHTRON_TEST_KILL_AT_STEP": "1:3", "MESHTRON_TEST_HANG_AT_STEP": "0:3"}
+    ranks = [
+        Streamed(
+            [*args, f"hydra.run.dir={tmp_path / f'run{rank}'}"],
+            torchrun_env(**launch, **hooks, RANK=str(rank), LOCAL_RANK=str(rank)),
+        )
+        for rank in (0, 1)
+    ]
+    assert ranks[1].wait(timeout=100) == -9, ranks[1].stderr[-3000:]
+    killed = time.monotonic()
+    assert ranks[0].wait(timeout=60) == 1, ranks[0].stderr[-3000:]
+    stops = ranks[0].first("meshtron: rank 0 (tp=0, pp=0, dp=0) stops: peer rank 1 died (killed or crashed")
+    assert stops is not None, ranks[0].stderr[-3000:]
+    assert "made no progress for 10 s since, in step 3: forward/backward/grad reduce/optimizer" in stops[1], stops
+    assert 9 <= stops[0] - killed < 25, f"ended {stops[0] - killed:.1f} s after the kill"
+    assert "Traceback" not in ranks[0].stderr, ranks[0].stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------ in-process
 
 
@@ -171,6 +208,56 @@ def test_process_of_another_user_is_alive(monkeypatch):
     identity = process_identity()
     monkeypatch.setattr(waits.os, "kill", denied)
     assert not process_gone(identity)
+
+
+class _Exits:
+    """A stand-in for os._exit that records the status instead of ending the test process."""
+
+    def __init__(self):
+        self.codes, self.done = [], threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+
+
+@pytest.mark.parametrize("loop", ["stuck", "idle", "moves_on"])
+def test_peer_monitor_ends_only_a_loop_stuck_in_a_phase(loop):
+    """A registered peer of this host is dead. The monitor ends the rank (status 1, one line)
+    only when an armed phase stays the same through its grace; an idle loop (a peer that
+    finished first) and a loop that moves to its next phase are left alone."""
+    import io
+
+    from meshtron.observability.peer_monitor import DeadPeerMonitor
+    from meshtron.observability.watchdog import StepWatchdog
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    waits.register_peers([(socket.gethostname(), process_identity()), (socket.gethostname(), (child.pid, 0, 0))])
+    watchdog, exits, stream = StepWatchdog(0, "tp=0", None), _Exits(), io.StringIO()
+    if loop != "idle":
+        watchdog.phase("step 3: forward")
+    monitor = DeadPeerMonitor(0, "tp=0", watchdog, poll_s=0.05, grace_s=0.5, exit=exits, stream=stream)
+    try:
+        if loop == "moves_on":
+            for step in range(4, 12):  # a new phase every 0.2 s: progress within every grace
+                time.sleep(0.2)
+                watchdog.phase(f"step {step}: forward")
+            ended = exits.done.is_set()
+        else:
+            ended = exits.done.wait(timeout=3.0 if loop == "stuck" else 1.0)
+    finally:
+        monitor.close()
+        waits.register_peers([])
+    if loop != "stuck":
+        assert not ended and stream.getvalue() == "", stream.getvalue()
+        return
+    assert ended and exits.codes == [1]
+    line = stream.getvalue()
+    assert (
+        line.startswith("meshtron: rank 0 (tp=0) stops: peer rank 1 died (killed or crashed") and line.count("\n") == 1
+    )
+    assert "no progress for 0.5 s since, in step 3: forward" in line, line
 
 
 def test_registered_dead_peers_are_named_in_any_transports_failure():

@@ -28,6 +28,7 @@ from meshtron.mpu.mappings import gather_object, world_group
 from meshtron.mpu.waits import current_wait
 from meshtron.observability.memory import peak_memory_per_rank
 from meshtron.observability.metrics import ProgressBar
+from meshtron.observability.peer_monitor import DeadPeerMonitor
 from meshtron.observability.watchdog import StepWatchdog, collective_in_stack, is_collective_failure, mesh_coords
 from meshtron.pipeline.trace import measured_bubble, theoretical_bubble, write_trace
 from meshtron.planning.flops import model_flops_per_token
@@ -166,6 +167,10 @@ class Trainer:
             mesh_coords(engine.mesh),
             t.collective_timeout_s / 2 if t.watchdog_timeout_s is None else t.watchdog_timeout_s,
         )
+        # a dead peer of this host ends this rank even where the transport never notices (NCCL)
+        self.peer_monitor = (
+            DeadPeerMonitor(env.rank, mesh_coords(engine.mesh), self.watchdog) if env.world_size > 1 else None
+        )
         self.stopper = StopRequest(
             enabled=ckpt.dir is not None, rank=env.rank, where=self._blocked_in, newest=self._newest_checkpoint
         )
@@ -204,6 +209,7 @@ class Trainer:
                 self.checkpointer.wait()  # its failure is this run's failure
             self.watchdog.idle()
         except Exception as err:
+            self._close_peer_monitor()  # this error is the one to report, not the monitor's line
             if is_collective_failure(err):
                 say_one_line(self.watchdog.describe_error(err, timeout_s=self.run.trainer.collective_timeout_s))
                 err.meshtron_reported = True  # main_entry exits 1 on it without a traceback
@@ -310,6 +316,7 @@ class Trainer:
             f"step {step + 1}: forward/backward/grad reduce/optimizer"
             + (f" ({mesh.par.schedule} pipeline)" if engine.executor is not None else "")
         )
+        hang_if_asked(env.rank, step + 1)
         gather = engine.param_gather
         traced = t.trace_step == step + 1
         if gather is not None and t.trace_step in (step + 1, step + 2) and not gather.recording:
@@ -430,7 +437,12 @@ class Trainer:
         if self.env.is_main:
             print(f"meshtron: checkpoint of step {int(path.name.split('_')[1])} saved to {path}", flush=True)
 
+    def _close_peer_monitor(self) -> None:
+        if self.peer_monitor is not None:
+            self.peer_monitor.close()
+
     def _close(self) -> None:
+        self._close_peer_monitor()
         if self.checkpointer is not None:
             self.checkpointer.close()  # an error on its way: still finish (or report) the write in flight
         self.watchdog.close()
@@ -558,6 +570,23 @@ def kill_if_asked(rank: int, step: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+HANG_ENV = "MESHTRON_TEST_HANG_AT_STEP"  # test hook: "RANK:STEP", the rank blocks forever in that step
+
+
+def hang_if_asked(rank: int, step: int) -> None:
+    """The tests' stand-in for a transport that never notices a dead peer (NCCL within a host):
+    with MESHTRON_TEST_HANG_AT_STEP="RANK:STEP", global rank RANK blocks forever at the start of
+    step STEP's forward, outside any collective (observability/peer_monitor.py must end it).
+    Only in a job's first attempt. Not a user setting."""
+    spec = os.environ.get(HANG_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if tuple(int(v) for v in spec.split(":")) == (rank, step):
+        say_one_line(f"meshtron: test hook {HANG_ENV}: rank {rank} blocks in step {step}")
+        while True:
+            time.sleep(1.0)
 
 
 def main_entry(tree: dict, run_dir: str) -> dict:
