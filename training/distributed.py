@@ -20,6 +20,7 @@ host that died, whatever the transport (observability/watchdog.py).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
@@ -121,6 +122,7 @@ def init_distributed(device_preference: str, timeout_s: float = 300.0, num_threa
         dist.init_process_group(
             backend, store=_job_store(rank, world, timeout), rank=rank, world_size=world, timeout=timeout, **kwargs
         )
+        _release_at_exit()
     num_nodes = 1
     if world > 1:
         try:
@@ -202,6 +204,19 @@ def teardown_distributed() -> None:
     register_peers([])
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_RELEASE_REGISTERED = False
+
+
+def _release_at_exit() -> None:
+    """Once per process: at interpreter exit (atexit, while the interpreter still lives), tear
+    down the process groups a caller left up and `release_process_groups`; the bench scripts
+    and other entries than train.py's, which releases them itself, get the same clean exit."""
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
+        _RELEASE_REGISTERED = True
+        atexit.register(lambda: (teardown_distributed(), release_process_groups()))
 
 
 def release_process_groups() -> None:
