@@ -211,8 +211,8 @@ def run(args: argparse.Namespace, world: int, rank: int, device: torch.device) -
         chunks[0].train()
         reducer.zero_grad()
         with reducer.sync(False), precision.autocast():
-            local = local_microbatch(*microbatches[0], mesh)  # this rank's cp shard
-            saved = saved_activation_bytes(chunks[0], local.inputs, local.targets)
+            local = local_microbatch(*microbatches[0], mesh, mtp_depths=cfg.mtp_depths)  # this rank's cp shard
+            saved = saved_activation_bytes(chunks[0], local.inputs, local.targets, **local.forward_kwargs)
     step()  # warm-up: AdamW state exists from here on
     states = held_state_bytes(chunks, reducer, optimizer)
     persistent = sum(states.values())

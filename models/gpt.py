@@ -35,7 +35,7 @@ from meshtron.kernels.linear_cross_entropy import linear_cross_entropy_sum
 from meshtron.models.attention_core import causal_attention
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.mla import MLAttention
-from meshtron.models.mtp import MTPDepth, depth_targets, shifted_ids
+from meshtron.models.mtp import MTPDepth, depth_batch
 from meshtron.models.rope import apply_rope, rope_tables
 from meshtron.moe.layer import MoELayer
 from meshtron.moe.router import pooled_aux_loss
@@ -419,11 +419,6 @@ class GPT(nn.Module):
         self.pooled_aux_value: torch.Tensor | None = None  # set by aux_loss() with aux_loss_layers=pooled
         self.padded_vocab_size = cfg.padded_vocab_size(mesh.tp_size)
         layers = range(cfg.num_layers) if layers is None else layers
-        if cfg.mtp_depths and mesh.cp_size > 1:
-            raise ConfigError(
-                f"model.mtp_depths={cfg.mtp_depths} is not supported with parallel.cp={mesh.cp_size} "
-                "(the shifted tokens cross cp shards)"
-            )
         # The MTP depths (last stage) embed shifted tokens: the embedding's copy is needed there too.
         needs_embedding = pre_process or (post_process and (cfg.tie_embeddings or cfg.mtp_depths > 0))
         self.embed = None
@@ -550,7 +545,8 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
-        mtp_ids: torch.Tensor | None = None,
+        mtp_inputs: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids [b, s/cp] (first chunk) or hidden [s/cp(/tp), b, h] -> logits [b, s/cp, V_pad/tp]
         (last chunk) or hidden [s/cp(/tp), b, h]. Packed sequences: `positions` [b, s/cp], this
@@ -563,11 +559,12 @@ class GPT(nn.Module):
         chunks ignore `targets`.
         Multi-token prediction (`model.mtp_depths`, models/mtp.py): in training mode with
         `targets`, the last chunk also runs its depths and keeps their summed cross-entropies
-        [D] in `last_mtp_sums` (`mtp_loss_sums`); they need the token ids [b, s]: `x` on a
-        chunk that embeds, else `mtp_ids` (pipeline stages get them with the targets)."""
+        [D] in `last_mtp_sums` (`mtp_loss_sums`); they read `mtp_inputs` / `mtp_labels`
+        [D, b, s/cp], each depth's shifted ids and labels cut from the full sequences
+        (training/packing.py `local_microbatch`; required under cp and on a last pipeline
+        stage), else shift the token ids `x` [b, s] themselves."""
         cp = self.mesh.cp_size
-        if self.pre_process and mtp_ids is None:
-            mtp_ids = x
+        ids = x if self.pre_process else None
         if self.pre_process:
             b, s = x.shape
             if s * cp > self.cfg.seq_len:
@@ -590,9 +587,9 @@ class GPT(nn.Module):
         x = self.final_norm(x)
         self.last_mtp_sums = None
         if self.mtp is not None and targets is not None and self.training:
-            if mtp_ids is None:
-                raise ValueError("multi-token prediction needs the token ids: pass mtp_ids to the last chunk")
-            self.last_mtp_sums = self._mtp_loss_sums(x, mtp_ids, targets, rope, doc_ids)
+            if mtp_inputs is None:
+                mtp_inputs, mtp_labels = self._mtp_batch(ids, targets, doc_ids)
+            self.last_mtp_sums = self._mtp_loss_sums(x, mtp_inputs, mtp_labels, rope, doc_ids)
         if targets is not None and self.execution.fused_lm_loss:
             return self.lm_loss_sum(x, targets)
         logits = self.logits_out(self._head_logits(x))
@@ -614,20 +611,35 @@ class GPT(nn.Module):
                 logits = column_parallel_linear(x.transpose(0, 1).contiguous(), weight, None, self.mesh.tp)
         return logits
 
-    def _mtp_loss_sums(self, hidden, ids, targets, rope, doc_ids) -> torch.Tensor:
+    def _mtp_batch(self, ids, targets, doc_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """The depths' inputs and labels [D, b, s] from whole-sequence token ids and targets
+        [b, s] (no cp: under cp the shift crosses shards, so they come cut from the step)."""
+        if ids is None:
+            raise ValueError(
+                "multi-token prediction needs the token ids: pass mtp_inputs and mtp_labels to the last chunk"
+            )
+        if self.mesh.cp_size > 1:
+            raise ValueError(
+                f"model.mtp_depths under parallel.cp={self.mesh.cp_size} needs mtp_inputs and mtp_labels "
+                "cut from the full sequences (training/packing.py local_microbatch)"
+            )
+        return depth_batch(ids.to(targets.device), targets, self.cfg.mtp_depths, doc_ids)
+
+    def _mtp_loss_sums(self, hidden, inputs, labels, rope, doc_ids) -> torch.Tensor:
         """Summed cross-entropy [D] of each MTP depth (models/mtp.py) from the final norm's
-        output `hidden` [s(/tp), b, h], token ids [b, s] and the main targets [b, s]."""
+        output `hidden` [s(/cp)(/tp), b, h] and the depths' shifted ids and labels
+        [D, b, s(/cp)]; the blocks see this rank's positions (`rope`) and `doc_ids` as the
+        main blocks do (cp attention over mesh.cp)."""
         sums = []
         for depth in self.mtp:
             k = depth.depth
-            embedded = self.embed(shifted_ids(ids.to(targets.device), k).t())  # [s(/tp), b, h]
+            embedded = self.embed(inputs[k - 1].to(labels.device).t())  # [s(/tp), b, h]
             hidden = depth(hidden, embedded, rope, doc_ids)
-            labels = depth_targets(targets, k, doc_ids)
             normed = depth.norm(hidden)
             if self.execution.fused_lm_loss:
-                sums.append(self.lm_loss_sum(normed, labels))
+                sums.append(self.lm_loss_sum(normed, labels[k - 1]))
             else:
-                sums.append(self.loss_per_token(self._head_logits(normed), labels).sum())
+                sums.append(self.loss_per_token(self._head_logits(normed), labels[k - 1]).sum())
         return torch.stack(sums)
 
     def mtp_loss_sums(self) -> torch.Tensor | None:

@@ -39,7 +39,14 @@ Reference points, stated where the sources differ:
 
 The projection M_k is replicated over tp (fed [s/tp, b, 2h] sequence shards under SP, so its
 gradient is summed over tp like the norms'; without SP every rank computes the same rows):
-no collective of its own. Context parallelism is refused (the shift crosses cp shards).
+no collective of its own.
+
+Context parallelism: the shift crosses cp shards, so a training step computes every depth's
+shifted ids and labels on the full sequences before the cp split (`depth_batch`, called by
+training/packing.py `local_microbatch`) and cuts them like the tokens; the depths' blocks run
+the model's cp attention with this rank's positions and the whole sequence's document ids, as
+the main blocks do, and each rank's depth loss covers its own positions (`depth_target_counts`
+counts the sharded labels, so the sum over dp x cp is the global count).
 """
 
 from __future__ import annotations
@@ -75,17 +82,33 @@ def depth_targets(targets: torch.Tensor, k: int, doc_ids: torch.Tensor | None = 
     return out
 
 
+def depth_batch(
+    ids: torch.Tensor, targets: torch.Tensor, depths: int, doc_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and labels of depths 1..`depths` from whole sequences: `shifted_ids` of `ids` and
+    `depth_targets` of `targets` (with `doc_ids`), each [b, s], stacked to [depths, b, s]."""
+    inputs = torch.stack([shifted_ids(ids, k) for k in range(1, depths + 1)])
+    labels = torch.stack([depth_targets(targets, k, doc_ids) for k in range(1, depths + 1)])
+    return inputs, labels
+
+
+def _microbatch_labels(mb, depths: int) -> torch.Tensor:
+    """[depths, b, s(/cp)] labels of one LocalMicrobatch: the `mtp_labels` cut before the cp
+    split when it carries them, else computed from its (whole-sequence) targets."""
+    labels = mb.forward_kwargs.get("mtp_labels")
+    if labels is not None:
+        return labels
+    doc_ids = mb.forward_kwargs.get("doc_ids")
+    return torch.stack([depth_targets(mb.targets, k, doc_ids) for k in range(1, depths + 1)])
+
+
 def depth_target_counts(microbatches, depths: int) -> torch.Tensor:
     """Counted labels of each depth 1..`depths` over `microbatches` (LocalMicrobatch: targets
     and forward_kwargs), fp32 [depths], this rank's share (the caller sums it over dp x cp)."""
-    counts = [
-        sum(
-            (depth_targets(mb.targets, k, mb.forward_kwargs.get("doc_ids")) != IGNORE_INDEX).sum()
-            for mb in microbatches
-        )
-        for k in range(1, depths + 1)
-    ]
-    return torch.stack([torch.as_tensor(c) for c in counts]).to(torch.float32)
+    counts = [(_microbatch_labels(mb, depths) != IGNORE_INDEX).sum(dim=(1, 2)) for mb in microbatches]
+    if not counts:
+        return torch.zeros(depths, dtype=torch.float32)
+    return torch.stack(counts).sum(0).to(torch.float32)
 
 
 class MTPDepth(nn.Module):

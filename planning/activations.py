@@ -108,12 +108,14 @@ def _storage_ids(tensors) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors}
 
 
-def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+def saved_activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, **forward_kwargs) -> int:
     """Bytes of the distinct storages autograd saves for backward during one forward and loss
-    of a real model (parameters excluded); runs the backward afterwards to free them."""
+    of a real model (parameters excluded; `forward_kwargs`: a LocalMicrobatch's, e.g. the MTP
+    depths' cut inputs under cp); runs the backward afterwards to free them."""
     saved = _SavedStorages(_storage_ids(model.parameters()))
     with saved.hooks():
-        loss = model(inputs, targets=targets)  # the summed loss, fused with the head per the model's execution
+        # the summed loss, fused with the head per the model's execution
+        loss = model(inputs, targets=targets, **forward_kwargs)
         aux = model.aux_loss()
     (loss if aux is None else loss + aux).backward()
     return sum(saved.terms.values())
@@ -454,9 +456,11 @@ def trace_post(
         targets = torch.zeros(micro_batch_size, cfg.seq_len // cp, dtype=torch.long)
         saved.term = "loss" if fused_lm_loss else "head"
         with saved.hooks():
-            if fused_lm_loss:  # with the MTP depths (model.mtp_depths), which need the token ids
+            if fused_lm_loss:  # with the MTP depths (model.mtp_depths): their ids and labels per depth
+                depths = (cfg.mtp_depths, *targets.shape)
+                inputs, labels = (torch.zeros(depths, dtype=torch.long) for _ in range(2))
                 with saved.children_as_terms(model):
-                    model(x, targets=targets, mtp_ids=targets if cfg.mtp_depths else None)
+                    model(x, targets=targets, mtp_inputs=inputs, mtp_labels=labels)
             else:
                 with saved.children_as_terms(model):
                     logits = model(x)

@@ -2,7 +2,8 @@
 written out by hand from the module's own weights (each depth on the truncated sequence, so the
 shift and the ignored tail are checked independently of the implementation), the objective's
 gradient reaches the shared embedding / head and every MTP weight, packed documents mask the
-labels that cross a boundary, and the planner counts the MTP parameters and FLOPs exactly."""
+labels that cross a boundary, the cp cut shifts the full sequence before splitting it, and the
+planner counts the MTP parameters and FLOPs exactly."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import torch.nn.functional as F
 
 from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.models.gpt import init_model_chunks
-from meshtron.models.mtp import depth_targets, shifted_ids
+from meshtron.models.mtp import depth_target_counts, depth_targets, shifted_ids
 from meshtron.moe.layer import MoELayer
+from meshtron.mpu.context_parallel import shard_sequence
 from meshtron.mpu.cross_entropy import IGNORE_INDEX
-from meshtron.mpu.mesh import single_process_mesh
+from meshtron.mpu.mesh import Mesh, ParallelConfig, single_process_mesh
 from meshtron.planning.flops import model_flops_per_token, param_count, params_per_rank
 from meshtron.training.packing import local_microbatches
 from meshtron.training.step import MTPObjective
@@ -156,6 +158,28 @@ def test_shifts_and_document_masks() -> None:
     masked = targets.clone()
     masked[0, 3] = IGNORE_INDEX  # an ignored main target stays ignored at the depth that reads it
     assert depth_targets(masked, 1).tolist() == [[2, 3, IGNORE_INDEX, 5, 6, IGNORE_INDEX]]
+
+
+def test_cp_cut_shifts_the_full_sequence_and_keeps_label_counts() -> None:
+    """Under cp=2 every rank's depth inputs and labels are the load-balanced shard of those of
+    the full sequence (the shift reaches into the other rank's chunks), and the label counts
+    over the cp ranks sum to the full sequence's (packed documents included)."""
+    tok = torch.tensor([[5, 6, 9, 7, 8, 5, 6, 9, 7, 8, 5, 6, 9, 10, 11, 12, 13]])
+    inputs, targets = tok[:, :-1], tok[:, 1:]
+    par = ParallelConfig(cp=2).resolved(2)
+    full = local_microbatches([(inputs, targets)], single_process_mesh(), eos_id=7, mtp_depths=DEPTHS)
+    counts = torch.zeros(DEPTHS)
+    for rank in range(2):
+        mesh = Mesh(par, 2, rank, create_groups=False)
+        (mb,) = local_microbatches([(inputs, targets)], mesh, eos_id=7, mtp_depths=DEPTHS)
+        for key in ("mtp_inputs", "mtp_labels"):
+            assert torch.equal(mb.forward_kwargs[key], shard_sequence(full[0].forward_kwargs[key], 2, 2, rank))
+        if rank == 0:  # position 3 (chunk 0) embeds at depth 2 the token at 5 (chunk 1, rank 1's)
+            assert mb.forward_kwargs["mtp_inputs"][1, 0, 3] == inputs[0, 5]
+        counts += depth_target_counts([mb], DEPTHS)
+    doc_ids = full[0].forward_kwargs["doc_ids"]
+    want = [float((depth_targets(targets, k, doc_ids) != IGNORE_INDEX).sum()) for k in range(1, DEPTHS + 1)]
+    assert counts.tolist() == depth_target_counts(full, DEPTHS).tolist() == want
 
 
 def test_packed_documents_equal_the_hand_formula_per_document() -> None:

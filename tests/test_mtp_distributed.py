@@ -1,7 +1,9 @@
 """Multi-token prediction across processes: tp=2 with and without sequence parallelism, dp=2
-with packed documents, a MoE model at tp=2 SP and pp=2 (the depths on the last stage, tied and
-untied embeddings) equal the single-process model in logits, loss, MTP losses, gradients and
-weights after 3 AdamW steps; cp=2 is refused in one line (tests/distributed/mtp_cases.py)."""
+with packed documents, a MoE model at tp=2 SP, pp=2 (the depths on the last stage, tied and
+untied embeddings) and cp=2 (ring and a2a, with and without packed documents; at world 4 with
+tp=2 SP) equal the single-process model in loss, MTP losses, gradients and weights after 3
+AdamW steps; a direct forward under cp without the step's cut depths is refused in one line
+(tests/distributed/mtp_cases.py)."""
 
 from __future__ import annotations
 

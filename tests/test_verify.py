@@ -52,6 +52,7 @@ def loss_rows(stdout: str) -> list[list[str]]:
                 "model.num_kv_heads=2",  # ring attention over packed documents
                 "data.reset_at_eos=true",
                 "data.eos_id=3",
+                "+model.mtp_depths=2",  # the depths' shifted ids and labels cut from full sequences
             ],
             2,
         ),

@@ -95,13 +95,12 @@ def global_token_count(microbatches: list[LocalMicrobatch], mesh: Mesh) -> torch
     return all_reduce_stats(count, mesh.dp_cp).clamp(min=1.0)
 
 
-def loss_forward_kwargs(microbatches: list[LocalMicrobatch], mtp: bool = False) -> list[dict]:
+def loss_forward_kwargs(microbatches: list[LocalMicrobatch]) -> list[dict]:
     """Each microbatch's forward keywords with its targets: the last model chunk then returns
     its summed LM loss (fused with the head under trainer.fused_lm_loss), the others ignore them.
-    `mtp`: the token ids go along too (`mtp_ids`: the last stage's MTP depths embed them)."""
-    return [
-        dict(mb.forward_kwargs, targets=mb.targets, **({"mtp_ids": mb.inputs} if mtp else {})) for mb in microbatches
-    ]
+    The MTP depths' inputs and labels (`mtp_inputs`, `mtp_labels`) are among the keywords when
+    the microbatches were cut with mtp_depths (the last stage's depths read them)."""
+    return [dict(mb.forward_kwargs, targets=mb.targets) for mb in microbatches]
 
 
 def train_step(
@@ -142,7 +141,7 @@ def train_step(
     caller) and have the aux objective averaged over the replicas outside the mesh too.
     """
     model.train()
-    microbatches = local_microbatches(microbatches, mesh, eos_id)
+    microbatches = local_microbatches(microbatches, mesh, eos_id, model.cfg.mtp_depths)
     tokens = global_token_count(microbatches, mesh) if token_count is None else token_count
     reducer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float32, device=tokens.device)
@@ -194,7 +193,7 @@ def pipeline_train_step(
     """
     for chunk in chunks:
         chunk.train()
-    microbatches = local_microbatches(microbatches, mesh, eos_id)
+    microbatches = local_microbatches(microbatches, mesh, eos_id, chunks[0].cfg.mtp_depths)
     tokens = global_token_count(microbatches, mesh)
     reducer.zero_grad()
     n_micro = len(microbatches)
@@ -231,7 +230,7 @@ def pipeline_train_step(
             loss_fn,
             extra_fn,
             before_backward,
-            forward_kwargs=loss_forward_kwargs(microbatches, mtp=mtp.depths > 0),
+            forward_kwargs=loss_forward_kwargs(microbatches),
         )
     reducer.finish()  # also sums the tied embedding's two copies over the first and last stage
     loss_sum = torch.stack(result.losses).sum() / scale if result.losses else torch.zeros((), device=tokens.device)

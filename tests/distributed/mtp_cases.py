@@ -5,14 +5,15 @@ and every weight after 3 AdamW steps agree with the single-process model to 1e-5
 
 Layouts: tp=2 with and without sequence parallelism (the replicated projection's gradient is
 summed over tp under SP), dp=2 with packed documents (the per-depth label counts are global),
-a MoE main model at tp=2 SP (the depths are MoE blocks), and pp=2 with the depths on the last
+a MoE main model at tp=2 SP (the depths are MoE blocks), pp=2 with the depths on the last
 stage, untied (the last stage holds a copy of the embedding for the shifted tokens, summed
-with the first stage's like a tied embedding) and tied.
+with the first stage's like a tied embedding) and tied, and context parallelism: cp=2 ring and
+a2a, tied and untied, with and without packed documents, and (world 4) cp=2 x tp=2 with SP
+and cp=2 x pp=2 (the depths' shifted ids and labels cut from the full sequences before the cp
+split).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -28,6 +29,7 @@ from tests.distributed.dense_cases import (
     check_layout,
     compare_parameters,
     global_batch,
+    microbatches,
 )
 
 
@@ -67,13 +69,14 @@ def check_mtp_layout(tp: int, sp: bool, tie: bool, moe: bool = False, packed: bo
     check_layout("mtp", tp, sp, 1, cfg=cfg, serial_micro=1, eos_id=eos_id, keys=_keys(moe))
 
 
-def check_mtp_pipeline(tie: bool, schedule: str = "1f1b", micro: int = 4) -> None:
-    """pp = world size: the MTP depths on the last stage; `micro` microbatches of one sequence."""
+def check_mtp_pipeline(tie: bool, schedule: str = "1f1b", micro: int = 4, cp: int = 1) -> None:
+    """pp = world size / `cp`: the MTP depths on the last stage (under cp their cut inputs and
+    labels reach it with the forward keywords); `micro` microbatches of one sequence."""
     from tests.distributed.pipeline_cases import build_pipeline
 
     cfg = mtp_model_config(tie, num_layers=4)
-    pp = torch.distributed.get_world_size()
-    mesh = build_mesh(ParallelConfig(pp=pp, schedule=schedule), cfg)
+    pp = torch.distributed.get_world_size() // cp
+    mesh = build_mesh(ParallelConfig(pp=pp, schedule=schedule, cp=cp), cfg)
     chunks, named, reducer, optimizer, executor = build_pipeline(cfg, mesh, 1)
     last = chunks[-1]
     if mesh.pp_rank == pp - 1:
@@ -121,22 +124,81 @@ def mtp_tied_pp2() -> None:
     check_mtp_pipeline(tie=True)
 
 
-def mtp_cp2_refused() -> None:
-    """Context parallelism is refused in one line (the shifted tokens cross cp shards)."""
-    from meshtron.errors import ConfigError
+def check_mtp_cp(comm: str, *, tie: bool = False, docs: bool = False, tp: int = 1, sp: bool = False) -> None:
+    """cp=2 over `comm` (x `tp`, dp = the rest of the world) against the serial model, both on
+    microbatches of one sequence: the StepResult keys of every step (loss, grad norm, the MTP
+    loss and each depth's), every gradient after the first step and every weight after STEPS
+    AdamW steps; `docs`: an id of the first batch ends documents (position 5: the depths' label
+    chains cross the cp chunk border at 4 and stop at the document's end)."""
+    cfg = mtp_model_config(tie)
+    mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, cp=2, cp_comm=comm), cfg)
+    assert mesh.cp_size == 2 and mesh.tp_size == tp
+    eos_id = int(global_batch(cfg, 0)[0][0, 5]) if docs else None
+    model, reducer, optimizer = build(cfg, mesh)
+    serial_mesh = single_process_mesh()
+    ref, ref_reducer, ref_optimizer = build(cfg, serial_mesh, UNFUSED)
+    ref_params = dict(ref.named_parameters())
+    for step in range(STEPS):
+        mine = microbatches(cfg, step, mesh.dp_rank, mesh.dp_size, 1)
+        out = train_step(model, reducer, optimizer, mine, mesh, lr=LR, max_grad_norm=1.0, eos_id=eos_id)
+        serial = microbatches(cfg, step, 0, 1, 1)
+        ref_out = train_step(
+            ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0, eos_id=eos_id
+        )
+        _compare_step(step, out, ref_out, False)
+        if step == 0:
+            compare_parameters(model.named_parameters(), ref_params, mesh, cfg, "grad")
+    compare_parameters(model.named_parameters(), ref_params, mesh, cfg, f"weight after {STEPS} steps")
+    reducer.remove_hooks()
+
+
+def mtp_untied_cp2_ring_pp2() -> None:
+    check_mtp_pipeline(tie=False, cp=2)
+
+
+def mtp_untied_cp2_ring() -> None:
+    check_mtp_cp("ring")
+
+
+def mtp_untied_cp2_ring_docs() -> None:
+    check_mtp_cp("ring", docs=True)
+
+
+def mtp_tied_cp2_a2a() -> None:
+    check_mtp_cp("a2a", tie=True)
+
+
+def mtp_untied_cp2_a2a_docs() -> None:
+    check_mtp_cp("a2a", docs=True)
+
+
+def mtp_untied_cp2_ring_tp2_sp_docs() -> None:
+    check_mtp_cp("ring", docs=True, tp=2, sp=True)
+
+
+def mtp_tied_cp2_a2a_tp2_sp() -> None:
+    check_mtp_cp("a2a", tie=True, tp=2, sp=True)
+
+
+def mtp_cp2_needs_the_step_cut() -> None:
+    """A direct forward under cp without the depths' full-sequence cut (`mtp_inputs`,
+    `mtp_labels`) is refused in one line naming the fields."""
     from meshtron.models.gpt import GPT
 
-    cfg = dataclasses.replace(mtp_model_config(False), sliding_window=None)
-    mesh = build_mesh(ParallelConfig(cp=2), cfg)
+    cfg = mtp_model_config(False)
+    model = GPT(cfg, build_mesh(ParallelConfig(cp=2), cfg), execution=ExecutionConfig())
+    ids = global_batch(cfg, 0, 1)[0][:, : cfg.seq_len // 2]
     try:
-        GPT(cfg, mesh, execution=ExecutionConfig())
-    except ConfigError as err:
-        assert "mtp_depths" in str(err) and "\n" not in str(err), err
+        model(ids, targets=ids)
+    except ValueError as err:
+        assert "mtp_depths" in str(err) and "parallel.cp" in str(err) and "\n" not in str(err), err
     else:
-        raise AssertionError("MTP with cp=2 was not refused")
+        raise AssertionError("MTP under cp=2 without mtp_inputs was not refused")
 
 
 def cases_for_world(world_size: int) -> list[str]:
+    if world_size == 4:
+        return ["mtp_untied_cp2_ring_tp2_sp_docs", "mtp_tied_cp2_a2a_tp2_sp", "mtp_untied_cp2_ring_pp2"]
     if world_size != 2:
         return []
     return [
@@ -146,5 +208,9 @@ def cases_for_world(world_size: int) -> list[str]:
         "mtp_moe_tp2_sp",
         "mtp_untied_pp2",
         "mtp_tied_pp2",
-        "mtp_cp2_refused",
+        "mtp_untied_cp2_ring",
+        "mtp_untied_cp2_ring_docs",
+        "mtp_tied_cp2_a2a",
+        "mtp_untied_cp2_a2a_docs",
+        "mtp_cp2_needs_the_step_cut",
     ]
