@@ -138,7 +138,8 @@ def test_killed_rank_makes_the_survivor_exit_in_seconds_naming_it(tmp_path, shm)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))[-1] == "step_00000002"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of this host that nothing listens on now (for a rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -155,7 +156,7 @@ def test_a_rank_the_transport_never_wakes_is_ended_by_the_peer_monitor(tmp_path)
     loop to move on, then writes one line naming rank 1 and the phase and exits 1, long before
     trainer.collective_timeout_s=300."""
     args = [sys.executable, "train.py", *TINY, "trainer.max_steps=6", "trainer.collective_timeout_s=300"]
-    launch = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    launch = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     hooks = {"MESHTRON_TEST_KILL_AT_STEP": "1:3", "MESHTRON_TEST_HANG_AT_STEP": "0:3"}
     ranks = [
         Streamed(

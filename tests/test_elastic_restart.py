@@ -8,14 +8,13 @@ losses of an uninterrupted run, bit for bit (metrics.jsonl holds both attempts' 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_dead_peer import ROOT, TINY, TORCHRUN, Streamed, torchrun_env
+from tests.test_dead_peer import ROOT, TINY, TORCHRUN, Streamed, free_port, torchrun_env
 
 STEPS = 6
 
@@ -74,12 +73,6 @@ def test_max_restarts_resumes_a_sigkilled_rank_with_the_uninterrupted_losses(tmp
     assert sys.executable  # (the same interpreter ran both jobs)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def _agent(port: int, is_host: bool, args: list[str], **env: str) -> subprocess.Popen:
     """One torchrun agent ("node") of 2 ranks in an elastic job of 1 to 2 nodes on this host,
     rendezvousing through `port` (the host agent serves the store). A node that vanishes is
@@ -108,7 +101,7 @@ def test_lost_node_restarts_at_the_smaller_world_with_the_same_global_batch(tmp_
     global batch of 8 made of 4 microbatches per rank instead of 2, resumed from step 3 (the
     checkpoints are layout-free), and finishes. Every step's loss equals the uninterrupted world-2
     run's within float summation order (dp 4 and its two-level all-reduce vs dp 2)."""
-    ckpt, run_dir, port = tmp_path / "ckpt", tmp_path / "run", _free_port()
+    ckpt, run_dir, port = tmp_path / "ckpt", tmp_path / "run", free_port()
     args = [
         *TINY,
         f"trainer.max_steps={STEPS}",
