@@ -76,7 +76,8 @@ def test_max_restarts_resumes_a_sigkilled_rank_with_the_uninterrupted_losses(tmp
 def _agent(port: int, is_host: bool, args: list[str], **env: str) -> subprocess.Popen:
     """One torchrun agent ("node") of 2 ranks in an elastic job of 1 to 2 nodes on this host,
     rendezvousing through `port` (the host agent serves the store). A node that vanishes is
-    declared dead after 2 s of missed keep-alives; a round closes 5 s after its first node."""
+    declared dead after 2 s of missed keep-alives; a round closes 10 s after its first node
+    (time for the other agent to start and join under a loaded host)."""
     rdzv = [
         "--nnodes=1:2",
         "--nproc_per_node=2",
@@ -85,7 +86,7 @@ def _agent(port: int, is_host: bool, args: list[str], **env: str) -> subprocess.
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=localhost:{port}",
         "--rdzv-id=meshtron-elastic-test",
-        f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2",
+        f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2",
     ]
     command = [sys.executable, "-m", "torch.distributed.run", *rdzv, "train.py", *args]
     return subprocess.Popen(
