@@ -8,9 +8,9 @@ summed over tp under SP), dp=2 with packed documents (the per-depth label counts
 a MoE main model at tp=2 SP (the depths are MoE blocks), pp=2 with the depths on the last
 stage, untied (the last stage holds a copy of the embedding for the shifted tokens, summed
 with the first stage's like a tied embedding) and tied, and context parallelism: cp=2 ring and
-a2a, tied and untied, with and without packed documents, and (world 4) cp=2 x tp=2 with SP
-and cp=2 x pp=2 (the depths' shifted ids and labels cut from the full sequences before the cp
-split).
+a2a, tied and untied, with and without packed documents, and (world 4) cp=2 x tp=2 with SP,
+cp=2 x pp=2 and a DeepSeek-shaped model (latent attention, MoE with ep=2) at cp=2 with packed
+documents (the depths' shifted ids and labels cut from the full sequences before the cp split).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from meshtron.models.config import ExecutionConfig, GPTConfig
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.training.step import pipeline_train_step, train_step
 from tests.distributed.dense_cases import (
+    FAMILIES,
     LR,
     STEPS,
     UNFUSED,
@@ -33,9 +34,11 @@ from tests.distributed.dense_cases import (
 )
 
 
-def mtp_model_config(tie: bool, moe: bool = False, num_layers: int = 2) -> GPTConfig:
+def mtp_model_config(tie: bool, moe: bool = False, num_layers: int = 2, mla: bool = False) -> GPTConfig:
     extra = dict(num_experts=4, top_k=2, moe_ffn_hidden_size=16, aux_loss_coef=0.01, z_loss_coef=0.001) if moe else {}
-    return GPTConfig(
+    if mla:  # DeepSeek's latent attention (dense_cases.FAMILIES["mla"])
+        extra.update(FAMILIES["mla"])
+    base = dict(
         arch="llama",
         num_layers=num_layers,
         hidden_size=32,
@@ -47,8 +50,8 @@ def mtp_model_config(tie: bool, moe: bool = False, num_layers: int = 2) -> GPTCo
         tie_embeddings=tie,
         mtp_depths=2,
         mtp_loss_weight=0.3,
-        **extra,
     )
+    return GPTConfig(**{**base, **extra})
 
 
 def _keys(moe: bool) -> tuple[str, ...]:
@@ -124,14 +127,25 @@ def mtp_tied_pp2() -> None:
     check_mtp_pipeline(tie=True)
 
 
-def check_mtp_cp(comm: str, *, tie: bool = False, docs: bool = False, tp: int = 1, sp: bool = False) -> None:
+def check_mtp_cp(
+    comm: str,
+    *,
+    tie: bool = False,
+    docs: bool = False,
+    tp: int = 1,
+    sp: bool = False,
+    moe: bool = False,
+    mla: bool = False,
+    ep: int = 1,
+) -> None:
     """cp=2 over `comm` (x `tp`, dp = the rest of the world) against the serial model, both on
     microbatches of one sequence: the StepResult keys of every step (loss, grad norm, the MTP
     loss and each depth's), every gradient after the first step and every weight after STEPS
     AdamW steps; `docs`: an id of the first batch ends documents (position 5: the depths' label
-    chains cross the cp chunk border at 4 and stop at the document's end)."""
-    cfg = mtp_model_config(tie)
-    mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, cp=2, cp_comm=comm), cfg)
+    chains cross the cp chunk border at 4 and stop at the document's end); `moe`, `mla`, `ep`:
+    a DeepSeek-shaped model (MoE blocks, experts over `ep`; latent attention)."""
+    cfg = mtp_model_config(tie, moe=moe, mla=mla)
+    mesh = build_mesh(ParallelConfig(tp=tp, sp=sp, cp=2, cp_comm=comm, ep=ep), cfg)
     assert mesh.cp_size == 2 and mesh.tp_size == tp
     eos_id = int(global_batch(cfg, 0)[0][0, 5]) if docs else None
     model, reducer, optimizer = build(cfg, mesh)
@@ -145,7 +159,7 @@ def check_mtp_cp(comm: str, *, tie: bool = False, docs: bool = False, tp: int = 
         ref_out = train_step(
             ref, ref_reducer, ref_optimizer, serial, serial_mesh, lr=LR, max_grad_norm=1.0, eos_id=eos_id
         )
-        _compare_step(step, out, ref_out, False)
+        _compare_step(step, out, ref_out, moe)
         if step == 0:
             compare_parameters(model.named_parameters(), ref_params, mesh, cfg, "grad")
     compare_parameters(model.named_parameters(), ref_params, mesh, cfg, f"weight after {STEPS} steps")
@@ -180,6 +194,12 @@ def mtp_tied_cp2_a2a_tp2_sp() -> None:
     check_mtp_cp("a2a", tie=True, tp=2, sp=True)
 
 
+def mtp_deepseek_like_cp2_ring_ep2_docs() -> None:
+    """Latent attention, MoE blocks with their experts over ep=2 (dp=2) and MTP depths, under
+    cp=2 ring with packed documents: the layout DeepSeek-V3-shaped runs combine."""
+    check_mtp_cp("ring", docs=True, moe=True, mla=True, ep=2)
+
+
 def mtp_cp2_needs_the_step_cut() -> None:
     """A direct forward under cp without the depths' full-sequence cut (`mtp_inputs`,
     `mtp_labels`) is refused in one line naming the fields."""
@@ -198,7 +218,12 @@ def mtp_cp2_needs_the_step_cut() -> None:
 
 def cases_for_world(world_size: int) -> list[str]:
     if world_size == 4:
-        return ["mtp_untied_cp2_ring_tp2_sp_docs", "mtp_tied_cp2_a2a_tp2_sp", "mtp_untied_cp2_ring_pp2"]
+        return [
+            "mtp_untied_cp2_ring_tp2_sp_docs",
+            "mtp_tied_cp2_a2a_tp2_sp",
+            "mtp_untied_cp2_ring_pp2",
+            "mtp_deepseek_like_cp2_ring_ep2_docs",
+        ]
     if world_size != 2:
         return []
     return [
