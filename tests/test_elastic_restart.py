@@ -1,9 +1,15 @@
-"""Elastic restarts: `torchrun --max-restarts=1` with `checkpoint.resume=auto` survives a
-SIGKILLed rank, and with `--nnodes=1:2` the loss of a whole node (two agents on this host). The test hook MESHTRON_TEST_KILL_AT_STEP=1:4 kills rank 1 as step 4 begins
-(after the checkpoint of step 3; only in the first attempt, TORCHELASTIC_RESTART_COUNT=0);
-rank 0 fails its collective within seconds naming rank 1 (tests/test_dead_peer.py), torchrun
-restarts both ranks, resume=auto picks step 3, and the job finishes (exit 0) with the
-losses of an uninterrupted run, bit for bit (metrics.jsonl holds both attempts' records)."""
+"""Elastic restarts (hooks: training/fault_hooks.py).
+
+`torchrun --max-restarts=1` with `checkpoint.resume=auto` survives a SIGKILLed rank: the hook
+MESHTRON_TEST_KILL_AT_STEP=1:4 kills rank 1 as step 4 begins (after the checkpoint of step 3;
+only in the first attempt, TORCHELASTIC_RESTART_COUNT=0); rank 0 fails its collective within
+seconds naming rank 1 (tests/test_dead_peer.py), torchrun restarts both ranks, resume=auto
+picks step 3, and the job finishes (exit 0) with the losses of an uninterrupted run, bit for
+bit (metrics.jsonl holds both attempts' records).
+
+With `--nnodes=1:2` the job survives the loss of a whole node (two agents on this host, the
+hook's `node:4` form): the other agent restarts alone at the smaller world.
+"""
 
 from __future__ import annotations
 

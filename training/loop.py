@@ -10,9 +10,7 @@ learning rate, metrics (training/reporting.py), checkpoints, SIGTERM, the hang w
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ from meshtron.training.distributed import (
     teardown_distributed,
 )
 from meshtron.training.engine import Engine, EngineConfig
+from meshtron.training.fault_hooks import hang_if_asked, kill_if_asked
 from meshtron.training.host_malloc import keep_freed_host_memory
 from meshtron.training.local_sgd import build_local_sgd
 from meshtron.training.param_server import run_parameter_server
@@ -540,53 +539,6 @@ def moe_metrics(out: StepResult) -> dict:
         "dropped_fraction": sum(layer["dropped_fraction"] for layer in layers) / len(layers),
         "moe": layers,
     }
-
-
-KILL_ENV = "MESHTRON_TEST_KILL_AT_STEP"  # test hook: "RANK:STEP" or "node:STEP" (module-level doc below)
-
-
-def kill_if_asked(rank: int, step: int) -> None:
-    """The tests' fault hook (MESHTRON_TEST_KILL_AT_STEP): "RANK:STEP" (e.g. "1:4"): global
-    rank RANK SIGKILLs itself as step STEP (1-based) begins, i.e. after the checkpoint of step
-    STEP - 1; "node:STEP": the local rank 0 of every torchrun agent whose environment holds the
-    hook SIGKILLs its agent (its parent) and then itself, a lost node (the agent's other workers
-    then fail on the dead peer). Only in a job's first attempt (torchrun's
-    TORCHELASTIC_RESTART_COUNT unset or 0), so that an elastic restart runs on. Not a user setting."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    who, want_step = spec.split(":")
-    if step != int(want_step):
-        return
-    if who == "node" and os.environ.get("LOCAL_RANK") == "0":
-        say_one_line(
-            f"meshtron: test hook {KILL_ENV}: rank {rank} SIGKILLs its torchrun agent and itself before step {step}"
-        )
-        os.kill(os.getppid(), signal.SIGKILL)
-    elif who != str(rank):
-        return
-    else:
-        say_one_line(f"meshtron: test hook {KILL_ENV}: rank {rank} SIGKILLs itself before step {step}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-HANG_ENV = "MESHTRON_TEST_HANG_AT_STEP"  # test hook: "RANK:STEP", the rank blocks forever in that step
-
-
-def hang_if_asked(rank: int, step: int) -> None:
-    """The tests' stand-in for a transport that never notices a dead peer (NCCL within a host):
-    with MESHTRON_TEST_HANG_AT_STEP="RANK:STEP", global rank RANK blocks forever at the start of
-    step STEP's forward, outside any collective (observability/peer_monitor.py must end it).
-    Only in a job's first attempt. Not a user setting."""
-    spec = os.environ.get(HANG_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if tuple(int(v) for v in spec.split(":")) == (rank, step):
-        say_one_line(f"meshtron: test hook {HANG_ENV}: rank {rank} blocks in step {step}")
-        while True:
-            time.sleep(1.0)
 
 
 def main_entry(tree: dict, run_dir: str) -> dict:
