@@ -6,7 +6,7 @@ socket; `mpu/waits.py`'s liveness check) and the loop reports it in one line. A 
 that does not (NCCL between GPUs of one host keeps waiting in its kernel until the process
 group's timeout, `trainer.collective_timeout_s`, 300 s by default; so would any rank blocked
 outside a collective) would leave the survivors hanging until then and torchrun's SIGKILL.
-The monitor, a daemon thread, polls `mpu.waits.dead_peers()` (the registered ranks of this
+The monitor, a daemon thread, polls `mpu.waits.dead_peers()` (through the watchdog's `safe_dead_peers`) (the registered ranks of this
 host whose process is gone: a few /proc reads) every `poll_s`; once one is dead, if the loop's
 armed phase (`StepWatchdog.armed`) is still the same `grace_s` later, it writes one line naming
 the dead ranks, this rank, the phase and what it waits in, and exits the process with status 1
@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import TextIO
 
-from meshtron.mpu.waits import current_wait, dead_peers, peers_registered
-from meshtron.observability.watchdog import StepWatchdog, collective_in_stack, who
+from meshtron.mpu.waits import current_wait
+from meshtron.observability.watchdog import StepWatchdog, collective_in_stack, safe_dead_peers, who
 
 GRACE_S = 10.0  # after a death is seen: gloo/shared memory report theirs within ~2 s
 POLL_S = 1.0
@@ -62,7 +62,7 @@ class DeadPeerMonitor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            dead = _dead_now()
+            dead = safe_dead_peers()
             phase = self.watchdog.armed()
             if not dead or phase is None:
                 continue
@@ -86,13 +86,3 @@ class DeadPeerMonitor:
             f"trainer.collective_timeout_s); exiting with status 1\n"
         )
         stream.flush()
-
-
-def _dead_now() -> list[int]:
-    """`dead_peers()` while a job's ranks are registered; [] when the probe itself fails."""
-    if not peers_registered():
-        return []
-    try:
-        return dead_peers()
-    except Exception:  # noqa: BLE001 - a liveness probe must never end the run by itself
-        return []

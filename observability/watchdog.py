@@ -36,6 +36,7 @@ __all__ = [
     "describe_collective_error",
     "is_collective_failure",
     "mesh_coords",
+    "safe_dead_peers",
     "who",
 ]
 
@@ -310,9 +311,10 @@ def _collective_in_frames(frames) -> str | None:
     return name
 
 
-def _safe_dead_peers(settle_s: float = 0.0) -> list[int]:
-    """`dead_peers()`, polled for up to `settle_s`: a peer's sockets close while its process is
-    still exiting, a moment before it shows as gone (a zombie)."""
+def safe_dead_peers(settle_s: float = 0.0) -> list[int]:
+    """`dead_peers()` ([] when the probe itself fails), polled for up to `settle_s`: a peer's
+    sockets close while its process is still exiting, a moment before it shows as gone (a
+    zombie)."""
     deadline = time.monotonic() + (settle_s if peers_registered() else 0.0)
     while True:
         try:
@@ -345,7 +347,7 @@ def describe_collective_error(
     # Ranks known dead: named by the shared-memory wait, else any registered rank of this host
     # whose process is gone (training/distributed.py registers them; other hosts unknown).
     closed = any(m in lowered for m in ("connection closed", "connection reset", "broken pipe", "peer"))
-    dead = err.ranks if isinstance(err, PeerGoneError) else _safe_dead_peers(2.0 if closed else 0.0)
+    dead = err.ranks if isinstance(err, PeerGoneError) else safe_dead_peers(2.0 if closed else 0.0)
     if dead:
         ranks = ", ".join(str(r) for r in dead)
         cause = (

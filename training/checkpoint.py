@@ -118,6 +118,7 @@ from meshtron.training.checkpoint_files import (
     VerifyingReader,
     checkpoint_error_in,
     describe_os_error,
+    list_checkpoints,
     read_meta,
     step_folders,
 )
@@ -519,20 +520,11 @@ def _remove_older(root: Path, step: int, keep: int) -> None:
     """Rank 0: remove the checkpoints older than `step` beyond the newest `keep` (counting it),
     and every incomplete `step_N` folder older than `step` (a file missing or truncated, no
     manifest: never loadable, and `resume=auto` would warn about it on every start)."""
-    older = [p for p in step_folders(root) if _step_of(p) < step]
-    complete = [p for p in older if _is_complete(p)]
-    incomplete = [p for p in older if p not in complete]
+    complete = [p for p in list_checkpoints(root) if _step_of(p) < step]
+    incomplete = [p for p in step_folders(root) if _step_of(p) < step and p not in complete]
     for old in complete[: max(0, len(complete) - (keep - 1))] + incomplete:
         (old / META_FILE).unlink(missing_ok=True)
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _is_complete(path: Path) -> bool:
-    try:
-        read_meta(path)
-    except CheckpointError:
-        return False
-    return True
 
 
 def _write_checkpoint(

@@ -89,7 +89,7 @@ from meshtron.mpu.cross_entropy import IGNORE_INDEX
 from meshtron.mpu.mappings import all_reduce_stats, barrier, world_group
 from meshtron.mpu.mesh import Mesh, ParallelConfig, ParallelConfigError, collective_device, dim_groups
 from meshtron.training.checkpoint import RESUME_MAY_CHANGE, config_diff, hold_checkpoint_dir
-from meshtron.training.checkpoint_files import CheckpointError, describe_os_error, file_crc32, warn_checkpoint
+from meshtron.training.checkpoint_files import CheckpointError, check_file_crc, warn_checkpoint
 from meshtron.training.preemption import StopRequest
 from meshtron.training.run_checks import check_run_config
 
@@ -742,15 +742,7 @@ def check_ps_folder(folder: Path, servers: int | None = None) -> list[dict]:
                 f"checkpoint file {path} has {size} bytes, {entry['bytes']} were written (truncated or "
                 "modified); the checkpoint is corrupt, use another"
             )
-        try:
-            crc = file_crc32(path)
-        except OSError as err:
-            raise CheckpointError(f"checkpoint file {describe_os_error(err)}") from None
-        if f"{crc:08x}" != entry["crc32"]:
-            raise CheckpointError(
-                f"checkpoint file {path} is corrupt: its CRC32 is {crc:08x}, {entry['crc32']} was written; "
-                "use another checkpoint"
-            )
+        check_file_crc(folder, path.name, entry)
         descriptions.append(description)
     return descriptions
 

@@ -316,12 +316,13 @@ class StartPoint(NamedTuple):
     explicit: bool = True
 
 
-def check_start(path: Path, model_cfg, kind: str) -> dict:
-    """`check_complete` (files at their sizes, the DCP metadata's checksum), then that `kind`
-    can start from it: a resume needs the optimizer state (not a weights-only checkpoint) and
-    the same model (`check_compatible`: every field but RESUME_MAY_CHANGE), init_from the
-    WEIGHT_READING_FIELDS. Returns its meta; CheckpointError naming the problem."""
-    meta = check_complete(path)
+def check_start(path: Path, model_cfg, kind: str, meta: dict | None = None) -> dict:
+    """`check_complete` (files at their sizes, the DCP metadata's checksum; skipped when its
+    `meta` is given), then that `kind` can start from it: a resume needs the optimizer state
+    (not a weights-only checkpoint) and the same model (`check_compatible`: every field but
+    RESUME_MAY_CHANGE), init_from the WEIGHT_READING_FIELDS. Returns its meta;
+    CheckpointError naming the problem."""
+    meta = check_complete(path) if meta is None else meta
     if kind == "resume" and meta.get("weights_only"):  # before the model check: its hint is init_from's
         raise CheckpointError(
             f"{path} holds weights only (no optimizer state or step); start from it with checkpoint.init_from={path}"
@@ -351,8 +352,8 @@ def checkpoint_to_start_from(run: RunConfig) -> StartPoint | None:
             candidates, explicit = start_folders(None, c.init_from)
         if not candidates:
             return None
-        newest, _ = load_newest_intact(candidates, check_complete, explicit=explicit)
-        check_start(newest, run.model, kind)
+        newest, meta = load_newest_intact(candidates, check_complete, explicit=explicit)
+        check_start(newest, run.model, kind, meta)
     except CheckpointError as err:
         raise ConfigError(f"checkpoint.{kind}: {err}") from err
     return StartPoint(kind, tuple(candidates[candidates.index(newest) :]), explicit)
