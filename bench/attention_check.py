@@ -15,7 +15,7 @@ target, met, device, date, torch, triton, plus better, unit, shape):
   path in bf16, the same figure. Met at <= ERROR_TARGET (bf16 rounding of long sums).
 * "<backend> peak memory vs dense s<s>": peak bytes one forward + backward allocates above its
   inputs; ratio dense / backend, met at >= 1.
-* "<backend> device time vs dense s<s>": forward + backward device time (bench/kernels.py
+* "<backend> device time vs dense s<s>": forward + backward device time (bench/kernel_speed.py
   `measure`: CUDA-graph replays, else the profiler); ratio dense / backend, met at >= 1.
 
 The CPU rehearsal proves the code paths at b 2, s 67 and 130, 4/2 heads, head dim 16 in fp32:
@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.kernel_records import current_env, met_of  # noqa: E402
-from bench.kernels import Plan, Side, fwd_bwd, measure, peak_bytes  # noqa: E402
+from bench.kernel_speed import Plan, Side, fwd_bwd, measure, peak_bytes  # noqa: E402
 from meshtron.mpu.document_attention import dense_document_attention, document_attention  # noqa: E402
 
 BACKENDS = ("varlen", "flex")

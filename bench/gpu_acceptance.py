@@ -19,7 +19,7 @@ failure with its error text, never skipped silently):
   parallel.tp=4 parallel.ep=8` shrunk to the GPUs present (tp = largest of 4, 2, 1 dividing the
   GPU count, ep = gcd(GPUs, 8); 4 layers, hidden 1024, seq 512, 10 steps, bf16) over NCCL,
   kernels.backend=auto; the loss must be finite and fall, and no kernel may fail its self-check.
-* bench: bench/kernels.py at the gpt_1b tp=4 shapes (bf16 and fp32: issue 36's records per
+* bench: bench/kernel_speed.py at the gpt_1b tp=4 shapes (bf16 and fp32: issue 36's records per
   kernel, meshtron vs its torch baseline in device time, with host and wall time; summarised by
   bench/kernel_records.py `summary`), bench/throughput.py
   (one GPU, bf16, kernels torch vs auto, and auto with whole logits: tokens/s and MFU) and bench/moe_layer.py (issue 12:
@@ -402,13 +402,13 @@ def _bench_json(args: list[str], timeout: float) -> dict:
 
 
 def run_bench(timeout: float) -> dict:
-    """bench/kernels.py in bf16 and fp32, bench/throughput.py with torch vs auto kernels (bf16)."""
+    """bench/kernel_speed.py in bf16 and fp32, bench/throughput.py with torch vs auto kernels (bf16)."""
     from bench.kernel_records import summary
 
     out: dict = {"ok": True, "kernels": {}, "throughput": {}}
     for name in DTYPES:
         records = _bench_json(
-            ["bench/kernels.py", "--device", "cuda", "--shapes", "gpt_1b_tp4", "--dtype", name, "--rounds", "1"],
+            ["bench/kernel_speed.py", "--device", "cuda", "--shapes", "gpt_1b_tp4", "--dtype", name, "--rounds", "1"],
             timeout,
         )
         out["kernels"][name] = summary(records)

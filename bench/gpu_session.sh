@@ -53,11 +53,11 @@
 #
 # kernels: issue 36's measurements within GPU_SESSION_BUDGET seconds (default 470: under 8
 # minutes with the install), each part under `timeout` with its own cap, most wanted first:
-#   gpt_1b_tp4   bench/kernels.py --shapes gpt_1b_tp4 (norms, cross-entropy, linear+act, GEMMs, grouped)
-#   8b           bench/kernels.py --shapes 8b (the same at 8,192 tokens / h 4096, the LM head + loss)
-#   e2e_llama    bench/kernels.py --e2e llama_8l_h1024 (bench/throughput.py, kernels torch vs auto)
-#   e2e_gpt_1b   bench/kernels.py --e2e gpt_1b_4l
-#   e2e_fp8      bench/kernels.py --e2e fp8_loss (bench/throughput.py, trainer.precision bf16 vs fp8, 200 steps)
+#   gpt_1b_tp4   bench/kernel_speed.py --shapes gpt_1b_tp4 (norms, cross-entropy, linear+act, GEMMs, grouped)
+#   8b           bench/kernel_speed.py --shapes 8b (the same at 8,192 tokens / h 4096, the LM head + loss)
+#   e2e_llama    bench/kernel_speed.py --e2e llama_8l_h1024 (bench/throughput.py, kernels torch vs auto)
+#   e2e_gpt_1b   bench/kernel_speed.py --e2e gpt_1b_4l
+#   e2e_fp8      bench/kernel_speed.py --e2e fp8_loss (bench/throughput.py, trainer.precision bf16 vs fp8, 200 steps)
 # then bench/kernel_records.py merge, which always runs: every target of the issue gets a record
 # (a part that ran out of time leaves its targets "not measured"), in
 #   $OUT/results/gpu/<UTC date>-<device>-kernels.json  -> copy into bench/results/gpu/ and commit
@@ -295,9 +295,9 @@ kernels() {
         local -n args="args_$name"
         local extra=()
         [ "${args[0]}" = --e2e ] && extra=(--e2e-timeout $((limit - 10)))
-        echo "== $name (up to ${limit}s): bench/kernels.py ${args[*]}" | tee -a "$log"
+        echo "== $name (up to ${limit}s): bench/kernel_speed.py ${args[*]}" | tee -a "$log"
         local t0=$SECONDS
-        timeout --kill-after=5 "$limit" python3 bench/kernels.py --device "$device" --out "$partdir/$name.json" \
+        timeout --kill-after=5 "$limit" python3 bench/kernel_speed.py --device "$device" --out "$partdir/$name.json" \
             "${args[@]}" "${extra[@]}" >/dev/null 2>>"$log"
         rc=$?
         unset -n args

@@ -36,7 +36,7 @@ backward (kernels/linear_act.py: dX = G W, dW = G^T X) and the benchmarks call:
   timings); later calls launch the jitted kernel with the cached config directly.
 
 Which engine runs a plain GEMM under kernels.backend=auto is `kernels.backend.auto_runs_torch
-("gemm", ...)`'s call, from GPU measurements (bench/kernels.py). No communication.
+("gemm", ...)`'s call, from GPU measurements (bench/kernel_speed.py). No communication.
 
 The tile configs (`gpu_configs`) and the jitted helpers `tile_ids` and `dot` are shared with
 the fused GEMM kernels of kernels/linear_act_kernels.py; `persistent_configs` adds the Hopper-sized

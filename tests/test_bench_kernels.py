@@ -1,4 +1,4 @@
-"""bench/kernels.py's measurement machinery, bench/kernel_records.py's targets, schema and merge,
+"""bench/kernel_speed.py's measurement machinery, bench/kernel_records.py's targets, schema and merge,
 and bench/results_table.py's generated table in docs/kernels.md, all on the CPU. The whole
 prepared GPU run (`bench/gpu_session.sh kernels`) is rehearsed in tests/test_gpu_session.py."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import kernel_records as kr
-from bench import kernels as bk
+from bench import kernel_speed as bk
 from bench import results_table as rt
 
 ENV = {"device": "NVIDIA H200", "date": "2026-11-28", "torch": "2.11.0+cu130", "triton": "3.6.0"}

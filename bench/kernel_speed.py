@@ -1,9 +1,9 @@
 """Each meshtron kernel beside its torch baseline: device, host and wall time, as issue 36's records.
 
-    python bench/kernels.py --device cuda                       # both shapes, bf16: JSON list on stdout
-    python bench/kernels.py --device cuda --shapes 8b --out r.json   # one shape; records written after each case
-    python bench/kernels.py --device cuda --e2e llama_8l_h1024  # bench/throughput.py, kernels auto vs torch
-    python bench/kernels.py                                     # no GPU: a rehearsal at tiny sizes
+    python bench/kernel_speed.py --device cuda                       # both shapes, bf16: JSON list on stdout
+    python bench/kernel_speed.py --device cuda --shapes 8b --out r.json   # one shape; records written after each case
+    python bench/kernel_speed.py --device cuda --e2e llama_8l_h1024  # bench/throughput.py, kernels auto vs torch
+    python bench/kernel_speed.py                                     # no GPU: a rehearsal at tiny sizes
 
 The records (one per target of issue 36, schema and target list: bench/kernel_records.py)
 come out as ONE JSON list on stdout, a table on stderr. `bench/gpu_session.sh kernels` runs the
