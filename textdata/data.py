@@ -272,22 +272,9 @@ def _file_sha256(path: pathlib.Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = False) -> tuple[np.memmap, dict]:
-    """Memory-map a directory written by ``python -m meshtron.textdata.prepare``.
-
-    Returns ``(tokens, info)``: ``tokens`` a read-only 1-D ``np.memmap`` over ``tokens.bin``
-    (uint16 or uint32, little-endian; nothing is read until a window is gathered) and
-    ``info`` the parsed ``index.json`` plus ``"dir"`` and ``"max_token_id"`` (the largest id
-    in ``tokens.bin``: recorded by prepare, computed here for directories written before it
-    was). ``tokens.bin`` is checked against the index (byte size == ``n_tokens`` * item size,
-    every id below ``vocab_size``; the SHA-256 too when ``verify_checksum``, which reads the
-    whole file). A missing directory or file raises
-    FileNotFoundError, anything else wrong (bad JSON, unknown format or dtype, an empty,
-    truncated or wrongly typed token file) ValueError; every message names the file and
-    says how to fix it.
-    """
-    root = pathlib.Path(directory).expanduser()
-    hint = _prepare_hint(root)
+def _read_index(root: pathlib.Path, hint: str) -> tuple[pathlib.Path, dict]:
+    """The path and parsed contents of ``root``'s ``index.json``, checked to be a directory's
+    index of this meshtron's format and version."""
     if not root.exists():
         raise FileNotFoundError(
             f"prepared data directory {str(root)!r} does not exist; create it with "
@@ -318,6 +305,12 @@ def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = Fal
             f"{index_path} has format version {info.get('version')!r} but this meshtron reads "
             f"version {PREPARED_VERSION}; {hint}"
         )
+    return index_path, info
+
+
+def _check_index_fields(index_path: pathlib.Path, info: dict, hint: str) -> None:
+    """Check the index's ``dtype``/``n_tokens``/``vocab_size``/``tokenizer`` fields: their types,
+    a known dtype, a non-empty corpus and a vocabulary whose ids fit the dtype."""
     for key, kind in (("dtype", str), ("n_tokens", int), ("vocab_size", int), ("tokenizer", str)):
         value = info.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
@@ -336,7 +329,11 @@ def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = Fal
             f"{index_path}: vocab_size={vocab_size} does not fit dtype {dtype_name} "
             f"(at most {np.iinfo(dtype).max + 1}); {hint}"
         )
-    tokens_path = root / TOKENS_FILE
+
+
+def _check_tokens_file(tokens_path: pathlib.Path, dtype_name: str, n_tokens: int, hint: str) -> None:
+    """Check that ``tokens.bin`` exists and its byte size is ``n_tokens`` items of ``dtype_name``."""
+    dtype = PREPARED_DTYPES[dtype_name]
     if not tokens_path.is_file():
         raise FileNotFoundError(f"{tokens_path} is missing; {hint}")
     size = tokens_path.stat().st_size
@@ -353,10 +350,14 @@ def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = Fal
             f"{INDEX_FILE} says n_tokens={n_tokens} ({n_tokens * dtype.itemsize} bytes): the "
             f"file is truncated, was overwritten or has a different dtype; {hint}"
         )
-    expected_sha = info.get("sha256")
-    if verify_checksum and expected_sha is not None and _file_sha256(tokens_path) != expected_sha:
-        raise ValueError(f"{tokens_path} does not match the SHA-256 in {INDEX_FILE} (corrupted?); {hint}")
-    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(n_tokens,))
+
+
+def _checked_max_token_id(
+    info: dict, tokens: np.memmap, index_path: pathlib.Path, tokens_path: pathlib.Path, hint: str
+) -> int:
+    """The largest token id: the index's ``max_token_id`` (checked), or computed from ``tokens``
+    for directories written before prepare recorded it; it must be below ``vocab_size``."""
+    vocab_size = info["vocab_size"]
     max_token_id = info.get("max_token_id")
     if max_token_id is None:  # written before prepare recorded it: one pass over the file
         max_token_id = int(tokens.max())
@@ -367,6 +368,35 @@ def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = Fal
             f"{tokens_path} holds token ids up to {max_token_id} but {INDEX_FILE} says vocab_size={vocab_size}: "
             f"the token file was not written with this index's tokenizer; {hint}"
         )
+    return max_token_id
+
+
+def load_prepared(directory: str | os.PathLike[str], verify_checksum: bool = False) -> tuple[np.memmap, dict]:
+    """Memory-map a directory written by ``python -m meshtron.textdata.prepare``.
+
+    Returns ``(tokens, info)``: ``tokens`` a read-only 1-D ``np.memmap`` over ``tokens.bin``
+    (uint16 or uint32, little-endian; nothing is read until a window is gathered) and
+    ``info`` the parsed ``index.json`` plus ``"dir"`` and ``"max_token_id"`` (the largest id
+    in ``tokens.bin``: recorded by prepare, computed here for directories written before it
+    was). ``tokens.bin`` is checked against the index (byte size == ``n_tokens`` * item size,
+    every id below ``vocab_size``; the SHA-256 too when ``verify_checksum``, which reads the
+    whole file). A missing directory or file raises
+    FileNotFoundError, anything else wrong (bad JSON, unknown format or dtype, an empty,
+    truncated or wrongly typed token file) ValueError; every message names the file and
+    says how to fix it.
+    """
+    root = pathlib.Path(directory).expanduser()
+    hint = _prepare_hint(root)
+    index_path, info = _read_index(root, hint)
+    _check_index_fields(index_path, info, hint)
+    dtype_name, n_tokens = info["dtype"], info["n_tokens"]
+    tokens_path = root / TOKENS_FILE
+    _check_tokens_file(tokens_path, dtype_name, n_tokens, hint)
+    expected_sha = info.get("sha256")
+    if verify_checksum and expected_sha is not None and _file_sha256(tokens_path) != expected_sha:
+        raise ValueError(f"{tokens_path} does not match the SHA-256 in {INDEX_FILE} (corrupted?); {hint}")
+    tokens = np.memmap(tokens_path, dtype=PREPARED_DTYPES[dtype_name], mode="r", shape=(n_tokens,))
+    max_token_id = _checked_max_token_id(info, tokens, index_path, tokens_path, hint)
     return tokens, dict(info, dir=str(root), max_token_id=max_token_id)
 
 

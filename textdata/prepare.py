@@ -170,35 +170,9 @@ class HFTokenizer:
     unknown token), or no end-of-document token can be chosen (it says what to set)."""
 
     def __init__(self, folder: str | os.PathLike[str], eos: str | None = None) -> None:
-        root = pathlib.Path(folder).expanduser()
         where = f"--tokenizer hf:{folder}"
-        if not root.is_dir():
-            raise FileNotFoundError(
-                f"{where}: {str(root)!r} is not a directory (give a Hugging Face model folder with "
-                f"tokenizer.json, or vocab.json + merges.txt)"
-            )
-        if not any(all((root / name).is_file() for name in group) for group in HF_TOKENIZER_FILES):
-            raise ValueError(
-                f"{where}: the folder has no tokenizer files (tokenizer.json, vocab.json + merges.txt, "
-                f"or tokenizer.model); copy them from the model's Hugging Face repository into it"
-            )
-        try:
-            import transformers
-        except ImportError as err:
-            raise ImportError(f"{where} needs `transformers`; pip install 'meshtron[hf]'") from err
-        verbosity = transformers.logging.get_verbosity()
-        transformers.logging.set_verbosity_error()  # its load-time advice is not ours to print
-        try:
-            tok = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-        except Exception as err:  # noqa: BLE001 -- any failure to load is one line naming the folder
-            raise ValueError(f"{where}: transformers cannot load a tokenizer from it ({_one_line(err)})") from None
-        finally:
-            transformers.logging.set_verbosity(verbosity)
-        if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
-            raise ValueError(
-                f"{where}: {type(tok).__name__} is not a fast tokenizer; save the folder with a "
-                f"tokenizer.json (a *TokenizerFast)"
-            )
+        root = pathlib.Path(folder).expanduser()
+        tok = _load_fast_tokenizer(root, where)
         self.source = str(root.resolve())
         self.class_name = type(tok).__name__
         # A copy: transformers resets its backend's encode_special_tokens on every call.
@@ -207,61 +181,108 @@ class HFTokenizer:
             self.backend.encode_special_tokens = True  # a literal "<|endoftext|>" in a file is just text
         vocab = tok.get_vocab()
         self.vocab_size = max(len(tok), max(vocab.values(), default=-1) + 1)
-
-        probe = self.backend.encode(PROBE_TEXT, add_special_tokens=False).ids
-        if not probe:
-            raise ValueError(
-                f"{where}: its tokenizer maps text to no tokens (vocabulary of {self.vocab_size}): "
-                f"the tokenizer files are empty or not the model's; copy them from the model's repository"
-            )
-        if tok.unk_token_id is not None and all(i == tok.unk_token_id for i in probe):
-            raise ValueError(
-                f"{where}: its tokenizer maps every word of a test sentence to its unknown token "
-                f"{tok.unk_token!r} (vocabulary of {self.vocab_size}); copy the tokenizer files from the model's repository"
-            )
+        probe = _probe_ids(tok, self.backend, self.vocab_size, where)
 
         declared = tok.eos_token
         self.tokenizer_eos_token = None if declared is None else str(declared)
-        if eos is not None:
-            if eos not in vocab:
-                raise ValueError(f"{where}: --eos {eos!r} is not a token of its tokenizer; give one of its tokens")
-            self.eos_token, self.eos_rule = eos, "--eos"
-        elif declared is None:
-            raise ValueError(
-                f"{where}: the tokenizer has no eos_token, which prepare writes after every document; "
-                f"set eos_token in its tokenizer_config.json or pass --eos TOKEN"
-            )
-        elif str(declared) in CHAT_TURN_ENDS:
-            ends = [t for t in DOCUMENT_ENDS if t in vocab]
-            if len(ends) != 1:
-                raise ValueError(
-                    f"{where}: the tokenizer's eos_token {str(declared)!r} ends a chat turn, and its vocabulary "
-                    f"holds {' and '.join(ends) or f'neither of {DOCUMENT_ENDS[0]}, {DOCUMENT_ENDS[1]}'}; pass "
-                    f"--eos TOKEN (the base model's end of text)"
-                )
-            self.eos_token = ends[0]
-            self.eos_rule = f"end of text; the tokenizer's eos_token {str(declared)} ends a chat turn"
-        else:
-            self.eos_token, self.eos_rule = str(declared), "the tokenizer's eos_token"
+        self.eos_token, self.eos_rule = _end_of_document(declared, eos, vocab, where)
         if self.eos_token not in vocab:
             raise ValueError(f"{where}: its eos_token {self.eos_token!r} is not in its vocabulary; pass --eos TOKEN")
         self.eod_id = int(vocab[self.eos_token])
-
-        # BOS: written first in every document when the tokenizer itself puts it first.
-        with_special = list(tok(PROBE_TEXT, add_special_tokens=True)["input_ids"])
-        bos_id = tok.bos_token_id
-        adds_bos = (
-            bos_id is not None
-            and int(bos_id) != self.eod_id  # GPT-2 style: bos is eos, the separator already marks the start
-            and with_special[:1] == [bos_id]
-            and probe[:1] != [bos_id]
-        )
-        self.bos_id = int(bos_id) if adds_bos else None
-        self.bos_token = str(tok.bos_token) if adds_bos else None
+        self.bos_id, self.bos_token = _bos_written(tok, probe, self.eod_id)
 
     def encode_batch(self, texts: list[str]):
         """Ids of each text, without special tokens."""
         return self.backend.encode_batch(texts, add_special_tokens=False)
+
+
+def _load_fast_tokenizer(root: pathlib.Path, where: str):
+    """The fast ``transformers.AutoTokenizer`` of the Hugging Face folder ``root`` (local files
+    only); ``where`` (``--tokenizer hf:FOLDER``) starts every error message."""
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{where}: {str(root)!r} is not a directory (give a Hugging Face model folder with "
+            f"tokenizer.json, or vocab.json + merges.txt)"
+        )
+    if not any(all((root / name).is_file() for name in group) for group in HF_TOKENIZER_FILES):
+        raise ValueError(
+            f"{where}: the folder has no tokenizer files (tokenizer.json, vocab.json + merges.txt, "
+            f"or tokenizer.model); copy them from the model's Hugging Face repository into it"
+        )
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(f"{where} needs `transformers`; pip install 'meshtron[hf]'") from err
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load-time advice is not ours to print
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 -- any failure to load is one line naming the folder
+        raise ValueError(f"{where}: transformers cannot load a tokenizer from it ({_one_line(err)})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
+        raise ValueError(
+            f"{where}: {type(tok).__name__} is not a fast tokenizer; save the folder with a "
+            f"tokenizer.json (a *TokenizerFast)"
+        )
+    return tok
+
+
+def _probe_ids(tok, backend, vocab_size: int, where: str) -> list[int]:
+    """The ids ``backend`` encodes PROBE_TEXT to (without special tokens), checked to be some
+    tokens other than ``tok``'s unknown token."""
+    probe = backend.encode(PROBE_TEXT, add_special_tokens=False).ids
+    if not probe:
+        raise ValueError(
+            f"{where}: its tokenizer maps text to no tokens (vocabulary of {vocab_size}): "
+            f"the tokenizer files are empty or not the model's; copy them from the model's repository"
+        )
+    if tok.unk_token_id is not None and all(i == tok.unk_token_id for i in probe):
+        raise ValueError(
+            f"{where}: its tokenizer maps every word of a test sentence to its unknown token "
+            f"{tok.unk_token!r} (vocabulary of {vocab_size}); copy the tokenizer files from the model's repository"
+        )
+    return probe
+
+
+def _end_of_document(declared, eos: str | None, vocab: dict, where: str) -> tuple[str, str]:
+    """``(eos_token, eos_rule)``: the end-of-document token and why: ``eos`` (``--eos``), else
+    the tokenizer's ``declared`` eos_token, or its vocabulary's one end of text when that
+    eos_token ends a chat turn."""
+    if eos is not None:
+        if eos not in vocab:
+            raise ValueError(f"{where}: --eos {eos!r} is not a token of its tokenizer; give one of its tokens")
+        return eos, "--eos"
+    if declared is None:
+        raise ValueError(
+            f"{where}: the tokenizer has no eos_token, which prepare writes after every document; "
+            f"set eos_token in its tokenizer_config.json or pass --eos TOKEN"
+        )
+    if str(declared) in CHAT_TURN_ENDS:
+        ends = [t for t in DOCUMENT_ENDS if t in vocab]
+        if len(ends) != 1:
+            raise ValueError(
+                f"{where}: the tokenizer's eos_token {str(declared)!r} ends a chat turn, and its vocabulary "
+                f"holds {' and '.join(ends) or f'neither of {DOCUMENT_ENDS[0]}, {DOCUMENT_ENDS[1]}'}; pass "
+                f"--eos TOKEN (the base model's end of text)"
+            )
+        return ends[0], f"end of text; the tokenizer's eos_token {str(declared)} ends a chat turn"
+    return str(declared), "the tokenizer's eos_token"
+
+
+def _bos_written(tok, probe: list[int], eod_id: int) -> tuple[int | None, str | None]:
+    """``(bos_id, bos_token)`` written first in every document when the tokenizer itself puts
+    BOS first (and BOS is not the end-of-document token), else ``(None, None)``."""
+    with_special = list(tok(PROBE_TEXT, add_special_tokens=True)["input_ids"])
+    bos_id = tok.bos_token_id
+    adds_bos = (
+        bos_id is not None
+        and int(bos_id) != eod_id  # GPT-2 style: bos is eos, the separator already marks the start
+        and with_special[:1] == [bos_id]
+        and probe[:1] != [bos_id]
+    )
+    return (int(bos_id) if adds_bos else None), (str(tok.bos_token) if adds_bos else None)
 
 
 def load_tokenizer(directory: str | os.PathLike[str]) -> ByteTokenizer | BPETokenizer:
@@ -508,19 +529,53 @@ def prepare(
     ``eos`` (hf only) names the end-of-document token instead of the one ``HFTokenizer`` picks.
     Raises ValueError/FileNotFoundError/ImportError with a clear message.
     """
+    hf_tok, vocab_size = _checked_tokenizer_options(tokenizer, vocab_size, max_bytes, min_frequency, eos)
+    out = _checked_out(pathlib.Path(out).expanduser(), overwrite)
+    files, sources = _source_files(None if src is None else [str(s) for s in src], out)
+    _check_file_size_limit(files, max_bytes, out, tokenizer)
+    tmp = _make_temp_dir(out)
+    try:
+        _make_ordinary(tmp)
+        tok, vocab_size, eod_ids = _corpus_tokenizer(hf_tok, tokenizer, files, max_bytes, vocab_size, min_frequency)
+        dtype_name = token_dtype_for_vocab(vocab_size)
+        writer = _TokenWriter(tmp / TOKENS_FILE, dtype_name, vocab_size, out)
+        try:
+            documents = _write_documents(tok, hf_tok, tokenizer, files, max_bytes, writer, eod_ids)
+        finally:
+            writer.close()
+        if writer.n_tokens == 0:
+            raise ValueError(f"the corpus read from {', '.join(sources)} is empty (all files have 0 bytes)")
+        hf_fields = _save_tokenizer(tmp, out, tok, hf_tok)
+        info = _index_info(
+            writer,
+            dtype_name,
+            vocab_size,
+            documents,
+            tokenizer=tokenizer,
+            tok=tok,
+            hf_tok=hf_tok,
+            eod_ids=eod_ids,
+            hf_fields=hf_fields,
+            sources=sources,
+            max_bytes=max_bytes,
+        )
+        _write_index(tmp, out, info)
+        _install(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
+
+
+def _checked_tokenizer_options(
+    tokenizer: str, vocab_size: int | None, max_bytes: int | None, min_frequency: int, eos: str | None
+) -> tuple[HFTokenizer | None, int]:
+    """``(hf_tok, vocab_size)``: the loaded ``HFTokenizer`` for ``hf:FOLDER`` (else None) and the
+    vocabulary size to write with, after checking prepare's tokenizer options; nothing is read."""
     hf_tok = None
     if tokenizer.startswith(HF_PREFIX):
-        if not tokenizer[len(HF_PREFIX) :]:
-            raise ValueError("--tokenizer hf:FOLDER needs a folder after 'hf:'")
-        if vocab_size is not None:
-            raise ValueError(
-                f"--vocab-size {vocab_size} does not apply to --tokenizer {tokenizer} (its vocabulary "
-                f"is the tokenizer's own); leave it out"
-            )
-        hf_tok = HFTokenizer(tokenizer[len(HF_PREFIX) :], eos=eos)  # fails before reading anything
+        hf_tok = _load_hf_tokenizer(tokenizer, vocab_size, eos)
         vocab_size = hf_tok.vocab_size
-        if vocab_size > 1 << 32:
-            raise ValueError(f"--tokenizer {tokenizer}: vocabulary of {vocab_size} does not fit uint32 token ids")
     elif tokenizer not in TOKENIZERS[:2]:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {', '.join(TOKENIZERS)}")
     elif eos is not None:
@@ -537,21 +592,45 @@ def prepare(
             )
         vocab_size = ByteTokenizer.vocab_size
     else:
-        vocab_size = DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size
-        if vocab_size < MIN_BPE_VOCAB:
-            raise ValueError(
-                f"--vocab-size {vocab_size} is too small for a byte-level BPE: it needs at least "
-                f"{MIN_BPE_VOCAB} (256 bytes + the end-of-document token)"
-            )
-        if vocab_size > 1 << 32:
-            raise ValueError(
-                f"--vocab-size {vocab_size} is too large: token ids are stored as uint32 (at most {1 << 32})"
-            )
-        if min_frequency < 0:
-            raise ValueError(f"--min-frequency must be >= 0, got {min_frequency}")
-        _import_tokenizers()  # fail before reading anything
+        vocab_size = _checked_bpe_options(vocab_size, min_frequency)
+    return hf_tok, vocab_size
 
-    out = pathlib.Path(out).expanduser()
+
+def _load_hf_tokenizer(tokenizer: str, vocab_size: int | None, eos: str | None) -> HFTokenizer:
+    """The ``HFTokenizer`` of ``tokenizer`` (``hf:FOLDER``), whose vocabulary must fit uint32 ids;
+    ``vocab_size`` must be unset."""
+    if not tokenizer[len(HF_PREFIX) :]:
+        raise ValueError("--tokenizer hf:FOLDER needs a folder after 'hf:'")
+    if vocab_size is not None:
+        raise ValueError(
+            f"--vocab-size {vocab_size} does not apply to --tokenizer {tokenizer} (its vocabulary "
+            f"is the tokenizer's own); leave it out"
+        )
+    hf_tok = HFTokenizer(tokenizer[len(HF_PREFIX) :], eos=eos)  # fails before reading anything
+    if hf_tok.vocab_size > 1 << 32:
+        raise ValueError(f"--tokenizer {tokenizer}: vocabulary of {hf_tok.vocab_size} does not fit uint32 token ids")
+    return hf_tok
+
+
+def _checked_bpe_options(vocab_size: int | None, min_frequency: int) -> int:
+    """The BPE target vocabulary size (default DEFAULT_BPE_VOCAB), checked with ``min_frequency``
+    and the ``tokenizers`` package being installed."""
+    vocab_size = DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size
+    if vocab_size < MIN_BPE_VOCAB:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small for a byte-level BPE: it needs at least "
+            f"{MIN_BPE_VOCAB} (256 bytes + the end-of-document token)"
+        )
+    if vocab_size > 1 << 32:
+        raise ValueError(f"--vocab-size {vocab_size} is too large: token ids are stored as uint32 (at most {1 << 32})")
+    if min_frequency < 0:
+        raise ValueError(f"--min-frequency must be >= 0, got {min_frequency}")
+    _import_tokenizers()  # fail before reading anything
+    return vocab_size
+
+
+def _checked_out(out: pathlib.Path, overwrite: bool) -> pathlib.Path:
+    """``out``, checked to be absent, an empty directory, or a directory ``overwrite`` replaces."""
     if out.exists():
         if not out.is_dir():
             raise ValueError(f"--out {str(out)!r} exists and is not a directory")
@@ -560,7 +639,12 @@ def prepare(
                 f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it "
                 "or choose another directory"
             )
-    files, sources = _source_files(None if src is None else [str(s) for s in src], out)
+    return out
+
+
+def _check_file_size_limit(files: list[pathlib.Path], max_bytes: int | None, out: pathlib.Path, tokenizer: str) -> None:
+    """Refuse, before anything is read, a byte-tokenizer ``tokens.bin`` that would exceed the
+    process's file-size limit (``ulimit -f``)."""
     limit = _file_size_limit()
     if limit is not None and tokenizer == "byte":  # tokens.bin holds >= one uint16 per source byte
         sizes = sum(f.stat().st_size for f in files)
@@ -571,99 +655,135 @@ def prepare(
                 f"file-size limit of {limit} bytes (ulimit -f); raise it (ulimit -f unlimited) or read "
                 f"less with --max-bytes (each source byte is 2 bytes of {TOKENS_FILE}); nothing was written"
             )
+
+
+def _make_temp_dir(out: pathlib.Path) -> pathlib.Path:
+    """A new hidden temporary directory beside ``out`` (creating ``out``'s parent)."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        return pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as err:
         raise OSError(f"--out {str(out)!r}: cannot write into {str(out.parent)!r} ({err.strerror})") from err
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary dir
-        tok = None
-        if hf_tok is not None:
-            tok = hf_tok
-            eod_ids = [hf_tok.eod_id]
-        elif tokenizer == "bpe":
-            tok = _train_bpe(files, max_bytes, vocab_size, min_frequency)
-            vocab_size = tok.get_vocab_size()
-            eod_ids = [tok.token_to_id(EOD_TOKEN)]
-        else:
-            eod_ids = list(SEPARATOR)
-        dtype_name = token_dtype_for_vocab(vocab_size)
-        writer = _TokenWriter(tmp / TOKENS_FILE, dtype_name, vocab_size, out)
-        try:
-            if tok is None:
-                documents = _write_byte_tokens(files, max_bytes, writer)
-            else:
-                documents = _write_bpe_tokens(
-                    tok,
-                    files,
-                    max_bytes,
-                    writer,
-                    eod_ids[0],
-                    bos_id=hf_tok.bos_id if hf_tok is not None else None,
-                    name=tokenizer,
-                )
-        finally:
-            writer.close()
-        if writer.n_tokens == 0:
-            raise ValueError(f"the corpus read from {', '.join(sources)} is empty (all files have 0 bytes)")
-        hf_fields = {}
-        if tok is not None:
-            try:  # tokenizers (Rust) reports a failed write as a plain Exception "... (os error N)"
-                (hf_tok.backend if hf_tok is not None else tok).save(str(tmp / TOKENIZER_FILE))
-            except Exception as err:  # noqa: BLE001 -- any failure to save is one line naming the file
-                raise write_failure(out, TOKENIZER_FILE, err) from err
-        if hf_tok is not None:
-            tokenizer_sha = hashlib.sha256((tmp / TOKENIZER_FILE).read_bytes()).hexdigest()
-            hf_fields = {
-                "tokenizer_source": hf_tok.source,
-                "tokenizer_class": hf_tok.class_name,
-                "tokenizer_sha256": tokenizer_sha,
-                "eos_id": hf_tok.eod_id,
-                "eos_rule": hf_tok.eos_rule,
-                "tokenizer_eos_token": hf_tok.tokenizer_eos_token,
-                "bos_id": hf_tok.bos_id,
-                "bos_token": hf_tok.bos_token,
-            }
-        info = {
-            "format": PREPARED_FORMAT,
-            "version": PREPARED_VERSION,
-            "dtype": dtype_name,
-            "byte_order": "little",
-            "n_tokens": writer.n_tokens,
-            "bytes": writer.n_tokens * PREPARED_DTYPES[dtype_name].itemsize,
-            "sha256": writer.sha.hexdigest(),
-            "tokenizer": "hf" if hf_tok is not None else tokenizer,
-            "vocab_size": vocab_size,
-            "max_token_id": writer.max_id,
-            "tokenizer_file": TOKENIZER_FILE if tok is not None else None,
-            "eod_ids": eod_ids,
-            "eod_token": (
-                hf_tok.eos_token if hf_tok is not None else EOD_TOKEN if tok is not None else SEPARATOR.decode()
-            ),
-            **hf_fields,
-            "sources": sources,
-            "max_bytes": max_bytes,
-            "n_documents": len(documents),
-            "documents": documents,
+
+
+def _make_ordinary(tmp: pathlib.Path) -> None:
+    """Give ``tmp`` an ordinary directory's permissions (0o777 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary dir
+
+
+def _corpus_tokenizer(
+    hf_tok: HFTokenizer | None,
+    tokenizer: str,
+    files: list[pathlib.Path],
+    max_bytes: int | None,
+    vocab_size: int,
+    min_frequency: int,
+) -> tuple:
+    """``(tok, vocab_size, eod_ids)``: the tokenizer to encode with (``hf_tok``, a BPE trained on
+    the corpus, or None for bytes), its vocabulary size and its end-of-document ids."""
+    tok = None
+    if hf_tok is not None:
+        tok = hf_tok
+        eod_ids = [hf_tok.eod_id]
+    elif tokenizer == "bpe":
+        tok = _train_bpe(files, max_bytes, vocab_size, min_frequency)
+        vocab_size = tok.get_vocab_size()
+        eod_ids = [tok.token_to_id(EOD_TOKEN)]
+    else:
+        eod_ids = list(SEPARATOR)
+    return tok, vocab_size, eod_ids
+
+
+def _write_documents(tok, hf_tok, tokenizer: str, files, max_bytes, writer: _TokenWriter, eod_ids: list) -> list[dict]:
+    """Write every document's tokens with ``tok`` (None: bytes); the documents' records."""
+    if tok is None:
+        return _write_byte_tokens(files, max_bytes, writer)
+    return _write_bpe_tokens(
+        tok,
+        files,
+        max_bytes,
+        writer,
+        eod_ids[0],
+        bos_id=hf_tok.bos_id if hf_tok is not None else None,
+        name=tokenizer,
+    )
+
+
+def _save_tokenizer(tmp: pathlib.Path, out: pathlib.Path, tok, hf_tok: HFTokenizer | None) -> dict:
+    """Save ``tok``'s ``tokenizer.json`` into ``tmp`` (none for bytes); the index fields of an
+    ``hf_tok`` (its source, class, file SHA-256, eos and bos), else ``{}``."""
+    hf_fields = {}
+    if tok is not None:
+        try:  # tokenizers (Rust) reports a failed write as a plain Exception "... (os error N)"
+            (hf_tok.backend if hf_tok is not None else tok).save(str(tmp / TOKENIZER_FILE))
+        except Exception as err:  # noqa: BLE001 -- any failure to save is one line naming the file
+            raise write_failure(out, TOKENIZER_FILE, err) from err
+    if hf_tok is not None:
+        tokenizer_sha = hashlib.sha256((tmp / TOKENIZER_FILE).read_bytes()).hexdigest()
+        hf_fields = {
+            "tokenizer_source": hf_tok.source,
+            "tokenizer_class": hf_tok.class_name,
+            "tokenizer_sha256": tokenizer_sha,
+            "eos_id": hf_tok.eod_id,
+            "eos_rule": hf_tok.eos_rule,
+            "tokenizer_eos_token": hf_tok.tokenizer_eos_token,
+            "bos_id": hf_tok.bos_id,
+            "bos_token": hf_tok.bos_token,
         }
-        index_tmp = tmp / (INDEX_FILE + ".part")
-        try:
-            with open(index_tmp, "w", encoding="utf-8") as f:
-                json.dump(info, f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as err:
-            raise write_failure(out, INDEX_FILE, err) from err
-        os.rename(index_tmp, tmp / INDEX_FILE)  # written last: its presence marks a complete dir
-        _install(tmp, out, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return info
+    return hf_fields
+
+
+def _index_info(
+    writer: _TokenWriter,
+    dtype_name: str,
+    vocab_size: int,
+    documents: list[dict],
+    *,
+    tokenizer: str,
+    tok,
+    hf_tok: HFTokenizer | None,
+    eod_ids: list,
+    hf_fields: dict,
+    sources: list[str],
+    max_bytes: int | None,
+) -> dict:
+    """The ``index.json`` contents of a finished ``tokens.bin`` written by ``writer``."""
+    return {
+        "format": PREPARED_FORMAT,
+        "version": PREPARED_VERSION,
+        "dtype": dtype_name,
+        "byte_order": "little",
+        "n_tokens": writer.n_tokens,
+        "bytes": writer.n_tokens * PREPARED_DTYPES[dtype_name].itemsize,
+        "sha256": writer.sha.hexdigest(),
+        "tokenizer": "hf" if hf_tok is not None else tokenizer,
+        "vocab_size": vocab_size,
+        "max_token_id": writer.max_id,
+        "tokenizer_file": TOKENIZER_FILE if tok is not None else None,
+        "eod_ids": eod_ids,
+        "eod_token": (hf_tok.eos_token if hf_tok is not None else EOD_TOKEN if tok is not None else SEPARATOR.decode()),
+        **hf_fields,
+        "sources": sources,
+        "max_bytes": max_bytes,
+        "n_documents": len(documents),
+        "documents": documents,
+    }
+
+
+def _write_index(tmp: pathlib.Path, out: pathlib.Path, info: dict) -> None:
+    """Write ``info`` as ``tmp``'s ``index.json`` (via a ``.part`` file renamed into place)."""
+    index_tmp = tmp / (INDEX_FILE + ".part")
+    try:
+        with open(index_tmp, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise write_failure(out, INDEX_FILE, err) from err
+    os.rename(index_tmp, tmp / INDEX_FILE)  # written last: its presence marks a complete dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:

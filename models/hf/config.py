@@ -304,111 +304,132 @@ def _gpt_config_from_hf(hf, model_type: str) -> GPTConfig:
         raise _fail(model_type, "add_cross_attention", True, "decoder-only models only")
     tie = bool(_get(hf, "tie_word_embeddings", model_type == "gpt2"))
     if model_type == "gpt2":
-        act = _get(hf, "activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise _fail(
-                model_type,
-                "activation_function",
-                act,
-                "meshtron's GPT-2 MLP uses tanh-approximate GeLU (gelu_new / gelu_pytorch_tanh)",
-            )
-        if not _get(hf, "scale_attn_weights", True):
-            raise _fail(model_type, "scale_attn_weights", False, "attention is always scaled by 1/sqrt(head_dim)")
-        if _get(hf, "scale_attn_by_inverse_layer_idx", False):
-            raise _fail(model_type, "scale_attn_by_inverse_layer_idx", True, "no per-layer attention scaling")
-        h = _get(hf, "n_embd")
-        cfg = GPTConfig(
-            arch="gpt2",
-            num_layers=_get(hf, "n_layer"),
-            hidden_size=h,
-            num_heads=_get(hf, "n_head"),
-            ffn_hidden_size=_get(hf, "n_inner") or 4 * h,
-            vocab_size=_get(hf, "vocab_size"),
-            seq_len=_get(hf, "n_positions"),
-            dropout=0.0,
-            tie_embeddings=tie,
-            init_std=float(_get(hf, "initializer_range", 0.02)),
-            norm_eps=float(_get(hf, "layer_norm_epsilon", 1e-5)),
+        return _gpt2_config(hf, tie)
+    return _llama_like_config(hf, model_type, tie)
+
+
+def _gpt2_config(hf, tie: bool) -> GPTConfig:
+    """The GPTConfig of a GPT-2 config (tanh GeLU, attention scaled by 1/sqrt(head_dim) only);
+    `tie` is its tie_word_embeddings."""
+    model_type = "gpt2"
+    act = _get(hf, "activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise _fail(
+            model_type,
+            "activation_function",
+            act,
+            "meshtron's GPT-2 MLP uses tanh-approximate GeLU (gelu_new / gelu_pytorch_tanh)",
         )
-    else:
-        act = _get(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise _fail(model_type, "hidden_act", act, "meshtron's Llama MLP is SwiGLU (silu)")
-        h, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
-        head_dim = _get(hf, "head_dim")
-        # a head width of its own (Qwen3's 128 at hidden 1024 / 16 heads): model.kv_channels
-        kv_channels = head_dim if head_dim is not None and head_dim * heads != h else None
-        attn_bias = bool(_get(hf, "attention_bias", False))
-        mlp_bias = bool(_get(hf, "mlp_bias", False))
-        if attn_bias != mlp_bias:
-            raise _fail(
-                model_type,
-                "attention_bias",
-                attn_bias,
-                f"meshtron has one bias switch for attention and MLP, and mlp_bias={mlp_bias}",
-            )
-        seq_len = _get(hf, "max_position_embeddings")
-        theta, scaling = _rope(hf, model_type)
-        extra = {}
-        if model_type == "mixtral":
-            if _get(hf, "router_jitter_noise", 0.0):
-                raise _fail(
-                    model_type,
-                    "router_jitter_noise",
-                    _get(hf, "router_jitter_noise"),
-                    "meshtron's router has no input jitter",
-                )
-            if attn_bias:
-                raise _fail(model_type, "attention_bias", attn_bias, "meshtron's experts have no biases")
-            top_k = _get(hf, "num_experts_per_tok")
-            router = {
-                "router_aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001)),
-                "output_router_logits": bool(_get(hf, "output_router_logits", False)),
-            }
-            extra = dict(
-                num_experts=_get(hf, "num_local_experts"),
-                top_k=top_k,
-                moe_every=1,
-                moe_ffn_hidden_size=_get(hf, "intermediate_size"),
-                capacity_factor=None,
-                aux_loss_coef=aux_loss_coef_from_hf(router, top_k),
-                z_loss_coef=0.0,
-                router_score="softmax",
-                router_renormalize=True,
-                router_bias_update_rate=0.0,
-                shared_experts=0,
-                aux_loss_scope="microbatch",
-                aux_loss_layers="pooled",
-                hf_router_fields=router,
-            )
-        if model_type in QWEN_MOE:
-            extra = _qwen_moe_fields(hf, model_type)
-        cfg = GPTConfig(
-            arch="llama",
-            num_layers=_get(hf, "num_hidden_layers"),
-            hidden_size=h,
-            num_heads=heads,
-            num_kv_heads=_get(hf, "num_key_value_heads") or heads,
-            ffn_hidden_size=_get(hf, "intermediate_size"),
-            vocab_size=_get(hf, "vocab_size"),
-            seq_len=seq_len,
-            dropout=0.0,
-            bias=attn_bias,
-            tie_embeddings=tie,
-            init_std=float(_get(hf, "initializer_range", 0.02)),
-            norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
-            # Qwen2 (and Qwen2-MoE, its own qkv_bias field): q/k/v biases only
-            qkv_bias=attn_bias
-            or model_type == "qwen2"
-            or (model_type == "qwen2_moe" and bool(_get(hf, "qkv_bias", True))),
-            kv_channels=kv_channels,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            hf_model_type="mistral" if model_type == "mistral" else None,
-            **extra,
+    if not _get(hf, "scale_attn_weights", True):
+        raise _fail(model_type, "scale_attn_weights", False, "attention is always scaled by 1/sqrt(head_dim)")
+    if _get(hf, "scale_attn_by_inverse_layer_idx", False):
+        raise _fail(model_type, "scale_attn_by_inverse_layer_idx", True, "no per-layer attention scaling")
+    h = _get(hf, "n_embd")
+    return GPTConfig(
+        arch="gpt2",
+        num_layers=_get(hf, "n_layer"),
+        hidden_size=h,
+        num_heads=_get(hf, "n_head"),
+        ffn_hidden_size=_get(hf, "n_inner") or 4 * h,
+        vocab_size=_get(hf, "vocab_size"),
+        seq_len=_get(hf, "n_positions"),
+        dropout=0.0,
+        tie_embeddings=tie,
+        init_std=float(_get(hf, "initializer_range", 0.02)),
+        norm_eps=float(_get(hf, "layer_norm_epsilon", 1e-5)),
+    )
+
+
+def _llama_bias(hf, model_type: str) -> bool:
+    """The config's attention_bias, which must equal its mlp_bias (meshtron has one switch)."""
+    attn_bias = bool(_get(hf, "attention_bias", False))
+    mlp_bias = bool(_get(hf, "mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise _fail(
+            model_type,
+            "attention_bias",
+            attn_bias,
+            f"meshtron has one bias switch for attention and MLP, and mlp_bias={mlp_bias}",
         )
-    return cfg
+    return attn_bias
+
+
+def _mixtral_fields(hf, model_type: str, attn_bias: bool) -> dict:
+    """The MoE fields of a Mixtral config: every layer MoE, softmax top-k routing renormalized,
+    no router jitter nor expert biases, the router losses pooled across layers."""
+    if _get(hf, "router_jitter_noise", 0.0):
+        raise _fail(
+            model_type,
+            "router_jitter_noise",
+            _get(hf, "router_jitter_noise"),
+            "meshtron's router has no input jitter",
+        )
+    if attn_bias:
+        raise _fail(model_type, "attention_bias", attn_bias, "meshtron's experts have no biases")
+    top_k = _get(hf, "num_experts_per_tok")
+    router = {
+        "router_aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001)),
+        "output_router_logits": bool(_get(hf, "output_router_logits", False)),
+    }
+    return dict(
+        num_experts=_get(hf, "num_local_experts"),
+        top_k=top_k,
+        moe_every=1,
+        moe_ffn_hidden_size=_get(hf, "intermediate_size"),
+        capacity_factor=None,
+        aux_loss_coef=aux_loss_coef_from_hf(router, top_k),
+        z_loss_coef=0.0,
+        router_score="softmax",
+        router_renormalize=True,
+        router_bias_update_rate=0.0,
+        shared_experts=0,
+        aux_loss_scope="microbatch",
+        aux_loss_layers="pooled",
+        hf_router_fields=router,
+    )
+
+
+def _llama_like_config(hf, model_type: str, tie: bool) -> GPTConfig:
+    """The GPTConfig of a Llama, Mistral, Qwen2/Qwen3 or Mixtral / Qwen-MoE config (SwiGLU,
+    RMSNorm, RoPE); `tie` is its tie_word_embeddings."""
+    act = _get(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise _fail(model_type, "hidden_act", act, "meshtron's Llama MLP is SwiGLU (silu)")
+    h, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
+    head_dim = _get(hf, "head_dim")
+    # a head width of its own (Qwen3's 128 at hidden 1024 / 16 heads): model.kv_channels
+    kv_channels = head_dim if head_dim is not None and head_dim * heads != h else None
+    attn_bias = _llama_bias(hf, model_type)
+    seq_len = _get(hf, "max_position_embeddings")
+    theta, scaling = _rope(hf, model_type)
+    extra = {}
+    if model_type == "mixtral":
+        extra = _mixtral_fields(hf, model_type, attn_bias)
+    if model_type in QWEN_MOE:
+        extra = _qwen_moe_fields(hf, model_type)
+    return GPTConfig(
+        arch="llama",
+        num_layers=_get(hf, "num_hidden_layers"),
+        hidden_size=h,
+        num_heads=heads,
+        num_kv_heads=_get(hf, "num_key_value_heads") or heads,
+        ffn_hidden_size=_get(hf, "intermediate_size"),
+        vocab_size=_get(hf, "vocab_size"),
+        seq_len=seq_len,
+        dropout=0.0,
+        bias=attn_bias,
+        tie_embeddings=tie,
+        init_std=float(_get(hf, "initializer_range", 0.02)),
+        norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+        # Qwen2 (and Qwen2-MoE, its own qkv_bias field): q/k/v biases only
+        qkv_bias=attn_bias or model_type == "qwen2" or (model_type == "qwen2_moe" and bool(_get(hf, "qkv_bias", True))),
+        kv_channels=kv_channels,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        hf_model_type="mistral" if model_type == "mistral" else None,
+        **extra,
+    )
 
 
 def hf_family(cfg: GPTConfig) -> str:
@@ -499,20 +520,7 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
     family = hf_family(cfg)
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std)
     if family == "gpt2":
-        return family, dict(
-            n_positions=cfg.seq_len,
-            n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers,
-            n_head=cfg.num_heads,
-            n_inner=cfg.ffn_hidden_size,
-            activation_function="gelu_new",
-            layer_norm_epsilon=cfg.norm_eps,
-            resid_pdrop=cfg.dropout,
-            embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.attention_dropout_p,
-            architectures=["GPT2LMHeadModel"],
-            **common,
-        )
+        return family, _gpt2_hf_fields(cfg, common)
     kw = dict(
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
@@ -524,77 +532,126 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
         attention_dropout=cfg.attention_dropout_p,
         **common,
     )
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        kw["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
-    else:
-        kw["rope_theta"] = cfg.rope_theta
-        kw["rope_scaling"] = None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+    kw.update(_hf_rope_fields(cfg, transformers))
     if family in ("mistral", "qwen2", "qwen3"):
-        kw.update(
-            intermediate_size=cfg.ffn_hidden_size,
-            head_dim=cfg.head_dim,
-            sliding_window=cfg.sliding_window,
-            architectures=[_CONFIG_CLASSES[family].replace("Config", "ForCausalLM")],
-        )
-        if family == "qwen3":
-            kw.update(attention_bias=False)
-        if family in ("qwen2", "qwen3"):
-            kw.update(use_sliding_window=cfg.sliding_window is not None, max_window_layers=0)
-        return family, kw
-    if family == "llama":
-        kw.update(
-            intermediate_size=cfg.ffn_hidden_size,
-            attention_bias=cfg.bias,
-            mlp_bias=cfg.bias,
-            head_dim=cfg.head_dim,
-            architectures=["LlamaForCausalLM"],
-        )
-        return family, kw
-    if family == "deepseek_v3":
-        kw.update(
-            intermediate_size=cfg.ffn_hidden_size,
-            moe_intermediate_size=cfg.moe_ffn_hidden_size,
-            n_routed_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.top_k,
-            n_shared_experts=cfg.shared_experts,
-            routed_scaling_factor=cfg.router_scaling_factor,
-            n_group=cfg.router_groups or 1,
-            topk_group=cfg.router_topk_groups or 1,
-            first_k_dense_replace=cfg.moe_first_dense,
-            norm_topk_prob=True,
-            q_lora_rank=cfg.q_lora_rank,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            rope_interleave=True,
-            attention_bias=False,
-            num_nextn_predict_layers=cfg.mtp_depths,  # the MTP layers the exported weights hold
-            architectures=["DeepseekV3ForCausalLM"],
-        )
-        return family, kw
-    if family in QWEN_MOE:
-        kw.update(
-            intermediate_size=cfg.ffn_hidden_size,
-            moe_intermediate_size=cfg.moe_ffn_hidden_size,
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.top_k,
-            norm_topk_prob=cfg.router_renormalize,
-            decoder_sparse_step=cfg.moe_every,
-            mlp_only_layers=list(cfg.moe_dense_layers or []),
-            head_dim=cfg.head_dim,
-            sliding_window=cfg.sliding_window,
-            use_sliding_window=cfg.sliding_window is not None,
-            max_window_layers=0,
-            architectures=[_CONFIG_CLASSES[family].replace("Config", "ForCausalLM")],
-            **hf_router_fields(cfg),
-        )
-        if family == "qwen2_moe":
-            kw.update(shared_expert_intermediate_size=cfg.moe().shared_width, qkv_bias=bool(cfg.qkv_bias))
-        else:
-            kw.update(attention_bias=False)
-        return family, kw
-    kw.update(
+        kw.update(_dense_hf_fields(cfg, family))
+    elif family == "llama":
+        kw.update(_llama_hf_fields(cfg))
+    elif family == "deepseek_v3":
+        kw.update(_deepseek_v3_hf_fields(cfg))
+    elif family in QWEN_MOE:
+        kw.update(_qwen_moe_hf_fields(cfg, family))
+    else:
+        kw.update(_mixtral_hf_fields(cfg))
+    return family, kw
+
+
+def _gpt2_hf_fields(cfg: GPTConfig, common: dict) -> dict:
+    """The GPT2Config fields of `cfg`, `common` (vocabulary, tying, init) included."""
+    return dict(
+        n_positions=cfg.seq_len,
+        n_embd=cfg.hidden_size,
+        n_layer=cfg.num_layers,
+        n_head=cfg.num_heads,
+        n_inner=cfg.ffn_hidden_size,
+        activation_function="gelu_new",
+        layer_norm_epsilon=cfg.norm_eps,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.attention_dropout_p,
+        architectures=["GPT2LMHeadModel"],
+        **common,
+    )
+
+
+def _hf_rope_fields(cfg: GPTConfig, transformers) -> dict:
+    """The RoPE fields of `cfg`: rope_parameters for transformers 5, rope_theta + rope_scaling
+    for 4.x."""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling is None else dict(cfg.rope_scaling)}
+
+
+def _dense_hf_fields(cfg: GPTConfig, family: str) -> dict:
+    """The Mistral / Qwen2 / Qwen3 fields of `cfg` beyond the Llama-style common ones."""
+    kw = dict(
+        intermediate_size=cfg.ffn_hidden_size,
+        head_dim=cfg.head_dim,
+        sliding_window=cfg.sliding_window,
+        architectures=[_CONFIG_CLASSES[family].replace("Config", "ForCausalLM")],
+    )
+    if family == "qwen3":
+        kw.update(attention_bias=False)
+    if family in ("qwen2", "qwen3"):
+        kw.update(use_sliding_window=cfg.sliding_window is not None, max_window_layers=0)
+    return kw
+
+
+def _llama_hf_fields(cfg: GPTConfig) -> dict:
+    """The Llama fields of `cfg` beyond the Llama-style common ones."""
+    return dict(
+        intermediate_size=cfg.ffn_hidden_size,
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
+        head_dim=cfg.head_dim,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _deepseek_v3_hf_fields(cfg: GPTConfig) -> dict:
+    """The DeepSeek-V3 fields of `cfg` beyond the Llama-style common ones: MoE routing,
+    latent-attention (MLA) widths and the multi-token-prediction depth."""
+    return dict(
+        intermediate_size=cfg.ffn_hidden_size,
+        moe_intermediate_size=cfg.moe_ffn_hidden_size,
+        n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        n_shared_experts=cfg.shared_experts,
+        routed_scaling_factor=cfg.router_scaling_factor,
+        n_group=cfg.router_groups or 1,
+        topk_group=cfg.router_topk_groups or 1,
+        first_k_dense_replace=cfg.moe_first_dense,
+        norm_topk_prob=True,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_interleave=True,
+        attention_bias=False,
+        num_nextn_predict_layers=cfg.mtp_depths,  # the MTP layers the exported weights hold
+        architectures=["DeepseekV3ForCausalLM"],
+    )
+
+
+def _qwen_moe_hf_fields(cfg: GPTConfig, family: str) -> dict:
+    """The Qwen2-MoE / Qwen3-MoE fields of `cfg` beyond the Llama-style common ones (Qwen2-MoE:
+    its shared expert and q/k/v bias switch)."""
+    kw = dict(
+        intermediate_size=cfg.ffn_hidden_size,
+        moe_intermediate_size=cfg.moe_ffn_hidden_size,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        norm_topk_prob=cfg.router_renormalize,
+        decoder_sparse_step=cfg.moe_every,
+        mlp_only_layers=list(cfg.moe_dense_layers or []),
+        head_dim=cfg.head_dim,
+        sliding_window=cfg.sliding_window,
+        use_sliding_window=cfg.sliding_window is not None,
+        max_window_layers=0,
+        architectures=[_CONFIG_CLASSES[family].replace("Config", "ForCausalLM")],
+        **hf_router_fields(cfg),
+    )
+    if family == "qwen2_moe":
+        kw.update(shared_expert_intermediate_size=cfg.moe().shared_width, qkv_bias=bool(cfg.qkv_bias))
+    else:
+        kw.update(attention_bias=False)
+    return kw
+
+
+def _mixtral_hf_fields(cfg: GPTConfig) -> dict:
+    """The Mixtral fields of `cfg` beyond the Llama-style common ones."""
+    return dict(
         intermediate_size=cfg.moe_ffn_hidden_size,
         num_local_experts=cfg.num_experts,
         num_experts_per_tok=cfg.top_k,
@@ -603,7 +660,6 @@ def _hf_fields(cfg: GPTConfig) -> tuple[str, dict]:
         **hf_router_fields(cfg),
         **({"head_dim": cfg.head_dim} if cfg.kv_channels else {}),  # else transformers' own (None)
     )
-    return family, kw
 
 
 _CONFIG_CLASSES = {
