@@ -1071,37 +1071,89 @@ def train_ps(run, env, run_dir, dataset) -> dict:
     return out
 
 
+@dataclass
+class _WorkerRun:
+    """What a worker rank's step loop uses: the run, this rank's place in it (mesh, roles,
+    worker index), its data, and what was built for it (the Engine, whose optimizer is the
+    parameter-server client, the step reporter, the SIGTERM stopper). `bsp`: bsp, or ssp with
+    staleness 0 (the servers' global loss and norm, and skips of a whole clock)."""
+
+    run: object
+    env: object
+    dataset: object
+    mesh: Mesh
+    roles: Roles
+    worker: int
+    micro: int
+    eos_id: int | None
+    schedule: object
+    engine: object
+    reporter: object
+    stopper: object
+    bsp: bool
+
+
 def _train_worker(
     run, env, run_dir: Path, dataset, mesh: Mesh, roles: Roles, micro: int, schedule, channel: PSChannel
 ) -> dict:
     """A worker rank's steps: its slice of each global batch through the Engine (with the
     parameter-server client as its optimizer), metrics from worker 0 (training/reporting.py)."""
-    from meshtron.planning.flops import model_flops_per_token
-    from meshtron.planning.peak import peak_flops
     from meshtron.textdata.data import document_end_id
+
+    worker, _ = roles.peer_of(env.rank)
+    eos_id = document_end_id(run.data, run.model.vocab_size)
+    engine = _build_worker_engine(run, env, mesh, roles, worker, micro, eos_id, channel)
+    client = engine.optimizer
+    start = client.hello().start
+    reporter = _worker_reporter(run, env, run_dir, roles, start)
+    if env.is_main:
+        print(_worker_banner(run, roles, mesh, start, run_dir), flush=True)
+    stopper = StopRequest(enabled=run.checkpoint.dir is not None)
+    bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
+    loop = _WorkerRun(run, env, dataset, mesh, roles, worker, micro, eos_id, schedule, engine, reporter, stopper, bsp)
+    try:
+        stopped_after, aborted = _worker_steps(loop, start)
+        client.done(abort=aborted is not None)
+    finally:
+        stopper.close()
+        reporter.close()
+        engine.close()
+    if aborted is not None:
+        return {"aborted": aborted}
+    return _worker_summary(loop, run_dir, stopped_after)
+
+
+def _build_worker_engine(run, env, mesh: Mesh, roles: Roles, worker: int, micro: int, eos_id, channel: PSChannel):
+    """This worker rank's Engine on the worker's own mesh (dp=1), with the parameter-server
+    client (talking to the servers over `channel`) as its optimizer. Whatever building
+    communicates stays inside the worker's mesh groups; nothing is sent to the servers yet."""
     from meshtron.training.engine import Engine, EngineConfig
     from meshtron.training.precision import Precision
-    from meshtron.training.reporting import StepReporter, split_microbatches, val_microbatches
-
-    cfg, t = run.model, run.trainer
-    worker, _ = roles.peer_of(env.rank)
-    eos_id = document_end_id(run.data, cfg.vocab_size)
 
     def reducer_and_client(chunks, mesh_):
         reducer = DataParallelGradReducer([(n, p) for c in chunks for n, p in c.named_parameters()], mesh_)
         return reducer, ParameterServerClient(chunks, mesh_, roles, worker, channel)
 
-    engine = Engine.build(
+    return Engine.build(
         EngineConfig.from_run(run, run.execution("torch"), micro, eos_id),
         mesh,
         env.device,
-        precision=Precision(t.precision, env.device.type, None),
+        precision=Precision(run.trainer.precision, env.device.type, None),
         optimizer_factory=reducer_and_client,
     )
-    client = engine.optimizer
-    start = client.hello().start
+
+
+def _worker_reporter(run, env, run_dir: Path, roles: Roles, start: int):
+    """The worker rank's StepReporter: throughput against the peak of all the workers' ranks
+    (the peak as loop.py takes it), records from step `start + 1`, written and shown by global
+    rank 0 only. No communication."""
+    from meshtron.planning.flops import model_flops_per_token
+    from meshtron.planning.peak import peak_flops
+    from meshtron.training.reporting import StepReporter
+
+    cfg, t = run.model, run.trainer
     peak, _ = peak_flops(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32)  # as loop.py
-    reporter = StepReporter(
+    return StepReporter(
         run_dir,
         t,
         tokens_per_step=t.global_batch_size * cfg.seq_len,
@@ -1111,65 +1163,98 @@ def _train_worker(
         write=env.is_main,
         show=env.is_main,
     )
-    if env.is_main:
-        print(_worker_banner(run, roles, mesh, start, run_dir), flush=True)
-    stopper = StopRequest(enabled=run.checkpoint.dir is not None)
-    bsp = run.optim.sync == "bsp" or (run.optim.sync == "ssp" and run.optim.staleness == 0)
+
+
+def _worker_steps(loop: _WorkerRun, start: int) -> tuple[int | None, str | None]:
+    """Steps `start` .. trainer.max_steps of this worker rank; returns (stopped_after: the step
+    after which a SIGTERM stopped the run, or None; aborted: the trainer.max_skipped message, or
+    None). Per step: collectives over the worker's own mesh groups, P2P with every server."""
+    t = loop.run.trainer
     skipped_total = skipped_in_a_row = 0
-    stopped_after, aborted = None, None
-    try:
-        for step in range(start, t.max_steps):
-            _test_hooks(worker, step)
-            inputs, targets = dataset.local_batch_at(
-                step * t.global_batch_size, t.global_batch_size, worker, roles.workers
-            )
-            microbatches = split_microbatches(inputs.to(env.device), targets.to(env.device), micro)
-            own = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
-            total = _global_tokens(dataset, step, t.global_batch_size, micro, mesh, eos_id).to(env.device)
-            out = engine.step(microbatches, schedule(step), token_count=total, outer_replicas=roles.workers)
-            share = float(out.loss)  # this worker's share of the global batch's mean loss
-            reply = client.exchange(step, own, share, finite=not out.skipped, stop=stopper.requested)
-            reporter.tick()
-            # bsp: the servers skipped the whole clock (any worker's gradient or the global norm
-            # not finite): every worker counts it; ssp/asp: this worker's own step
-            skipped, stop = _agree_in_worker(mesh, reply.skipped if bsp else out.skipped, reply.stop)
-            if skipped:
-                skipped_total, skipped_in_a_row = skipped_total + 1, skipped_in_a_row + 1
-                if env.is_main or (mesh.tp_rank == 0 and not bsp):
-                    print(
-                        f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm "
-                        f"({skipped_in_a_row} in a row, {skipped_total} in total)",
-                        flush=True,
-                    )
-                if skipped_in_a_row > t.max_skipped:
-                    aborted = (
-                        f"{skipped_in_a_row} consecutive steps had a non-finite loss or gradient norm "
-                        f"(trainer.max_skipped={t.max_skipped}); lower optim.lr or check the data "
-                        "(nothing was saved at this step)"
-                    )
-                    break
-            else:
-                skipped_in_a_row = 0
-            if reporter.log_due(step + 1):
-                record = _worker_record(run, engine, reporter, step, schedule(step), reply, share, own, total)
-                record["skipped_steps"] = skipped_total
-                if reporter.eval_due(step + 1) and worker == 0:  # worker 0's parameters on the whole held-out batches
-                    val = val_microbatches(dataset, t, 0, 1, micro, env.device)
-                    record["val_loss"] = float(engine.evaluate(val))
-                if worker == 0:
-                    reporter.emit(record)
-            if stop and hasattr(stopper, "disarm"):
-                stopper.disarm()  # agreed: the servers save once every worker is done
-            if stop and step + 1 < t.max_steps:  # SIGTERM (a worker's or a server's): the servers save
-                stopped_after = step + 1
-                break
-        client.done(abort=aborted is not None)
-    finally:
-        stopper.close()
-        reporter.close()
-        engine.close()
-    if aborted is not None:
-        return {"aborted": aborted}
+    for step in range(start, t.max_steps):
+        _test_hooks(loop.worker, step)
+        out, reply, share, own, total = _worker_step(loop, step)
+        loop.reporter.tick()
+        # bsp: the servers skipped the whole clock (any worker's gradient or the global norm
+        # not finite): every worker counts it; ssp/asp: this worker's own step
+        skipped, stop = _agree_in_worker(loop.mesh, reply.skipped if loop.bsp else out.skipped, reply.stop)
+        if skipped:
+            skipped_total, skipped_in_a_row = skipped_total + 1, skipped_in_a_row + 1
+            aborted = _report_skip(loop, step, skipped_in_a_row, skipped_total)
+            if aborted is not None:
+                return None, aborted
+        else:
+            skipped_in_a_row = 0
+        if loop.reporter.log_due(step + 1):
+            _log_worker_step(loop, step, reply, share, own, total, skipped_total)
+        if stop and hasattr(loop.stopper, "disarm"):
+            loop.stopper.disarm()  # agreed: the servers save once every worker is done
+        if stop and step + 1 < t.max_steps:  # SIGTERM (a worker's or a server's): the servers save
+            return step + 1, None
+    return None, None
+
+
+def _worker_step(loop: _WorkerRun, step: int):
+    """Train this worker's slice of global batch `step`, then exchange with the servers; returns
+    (the Engine's step output, the servers' reply, this worker's share of the global batch's
+    mean loss, its own token count, the global batch's token count). The step communicates over
+    the worker's own mesh groups; the exchange is P2P with every server (PSChannel)."""
+    from meshtron.training.reporting import split_microbatches
+
+    t, device = loop.run.trainer, loop.env.device
+    inputs, targets = loop.dataset.local_batch_at(
+        step * t.global_batch_size, t.global_batch_size, loop.worker, loop.roles.workers
+    )
+    microbatches = split_microbatches(inputs.to(device), targets.to(device), loop.micro)
+    own = float(sum((y != IGNORE_INDEX).sum() for _, y in microbatches))
+    total = _global_tokens(loop.dataset, step, t.global_batch_size, loop.micro, loop.mesh, loop.eos_id).to(device)
+    out = loop.engine.step(microbatches, loop.schedule(step), token_count=total, outer_replicas=loop.roles.workers)
+    share = float(out.loss)  # this worker's share of the global batch's mean loss
+    reply = loop.engine.optimizer.exchange(step, own, share, finite=not out.skipped, stop=loop.stopper.requested)
+    return out, reply, share, own, total
+
+
+def _report_skip(loop: _WorkerRun, step: int, in_a_row: int, total: int) -> str | None:
+    """Print a skipped step's line (global rank 0; under ssp/asp also each worker's tp rank 0);
+    returns the abort message once more than trainer.max_skipped steps in a row were skipped,
+    else None. No communication."""
+    max_skipped = loop.run.trainer.max_skipped
+    if loop.env.is_main or (loop.mesh.tp_rank == 0 and not loop.bsp):
+        print(
+            f"meshtron: step {step + 1} skipped: non-finite loss or gradient norm "
+            f"({in_a_row} in a row, {total} in total)",
+            flush=True,
+        )
+    if in_a_row > max_skipped:
+        return (
+            f"{in_a_row} consecutive steps had a non-finite loss or gradient norm "
+            f"(trainer.max_skipped={max_skipped}); lower optim.lr or check the data "
+            "(nothing was saved at this step)"
+        )
+    return None
+
+
+def _log_worker_step(
+    loop: _WorkerRun, step: int, reply, share: float, own: float, total: torch.Tensor, skipped_total: int
+) -> None:
+    """A logged step's record, with worker 0's held-out loss when evaluation is due, emitted by
+    worker 0. The evaluation communicates over worker 0's own mesh groups."""
+    from meshtron.training.reporting import val_microbatches
+
+    engine, reporter = loop.engine, loop.reporter
+    record = _worker_record(loop.run, engine, reporter, step, loop.schedule(step), reply, share, own, total)
+    record["skipped_steps"] = skipped_total
+    if reporter.eval_due(step + 1) and loop.worker == 0:  # worker 0's parameters on the whole held-out batches
+        val = val_microbatches(loop.dataset, loop.run.trainer, 0, 1, loop.micro, loop.env.device)
+        record["val_loss"] = float(engine.evaluate(val))
+    if loop.worker == 0:
+        reporter.emit(record)
+
+
+def _worker_summary(loop: _WorkerRun, run_dir: Path, stopped_after: int | None) -> dict:
+    """Rank 0's closing lines and the worker's summary (history of logged records), after the
+    loop (the reporter and the Engine closed). No communication."""
+    env, t = loop.env, loop.run.trainer
     if stopped_after is not None and env.is_main:
         print(
             f"meshtron: SIGTERM: stopped after step {stopped_after}; the servers save ps_step_N; resume with "
@@ -1177,7 +1262,7 @@ def _train_worker(
             flush=True,
         )
     steps = t.max_steps if stopped_after is None else stopped_after
-    summary = reporter.summary(steps, run_dir, model=engine.chunks, stopped_early=stopped_after is not None)
+    summary = loop.reporter.summary(steps, run_dir, model=loop.engine.chunks, stopped_early=stopped_after is not None)
     if env.is_main and summary["history"]:
         print(
             f"meshtron: {'stopped' if stopped_after else 'done'}; loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; "

@@ -415,26 +415,10 @@ def summarize(records: list[dict], warmup: int, engine: Engine, run: RunConfig, 
     """The report of the measured steps (the records after `warmup`)."""
     measured = records[warmup:]
     last = measured[-1]
-    states = last["states"]
-    model_states = states["weights"] + states["grads"] + states["optimizer"] + states["main_params"]
-    # the step's start: CUDA knows every byte held then (model states and anything else kept
-    # between steps: gathered-parameter buffers, caches); the CPU profiler sees only the step,
-    # so there the model states stand for it
-    held = model_states if last["held_at_start"] is None else last["held_at_start"]
-    peak = held + max(r["peak_above_start"] for r in measured)
+    memory = _measured_memory(measured)
+    peak = memory["total"]
     seconds = sum(r["seconds"] for r in measured) / len(measured)
-    phases: dict[str, float] = defaultdict(float)
-    for r in measured:
-        for name, s in r["phases"].items():
-            phases[name] += s / len(measured)
-    if engine.executor is None:
-        phases["backward_and_reduce"] = seconds - sum(phases.values())
-    else:
-        for r in measured:
-            for a in r["actions"]:
-                if a["name"] in ("F", "B"):
-                    key = "forward" if a["name"] == "F" else "backward"
-                    phases[key] += a["seconds"] / len(measured)
+    phases = _mean_phases(measured, seconds, engine)
     cluster, plan = ctx["cluster"], ctx["plan"]
     rows = traffic(last["calls"], engine.mesh, cluster, ctx["gpus_per_node"])
     compute_s = seconds if engine.executor is None else phases["forward"] + phases["backward"] + phases["optimizer"]
@@ -443,16 +427,6 @@ def summarize(records: list[dict], warmup: int, engine: Engine, run: RunConfig, 
     peak_flops_s, peak_source = peak_flops(
         engine.device, torch.bfloat16 if engine.device.type == "cuda" else torch.float32
     )
-    memory = {
-        "weights": states["weights"],
-        "grads": states["grads"],
-        "optimizer": states["optimizer"] + states["main_params"],
-    }
-    memory["other_held"] = held - model_states
-    memory["activations"] = peak - held
-    memory["total"] = peak
-    if last["reserved_peak"] is not None:
-        memory["allocator_reserved"] = max(r["reserved_peak"] for r in measured)
     return {
         "rank": ctx["rank"],
         "world": ctx["world"],
@@ -486,6 +460,49 @@ def summarize(records: list[dict], warmup: int, engine: Engine, run: RunConfig, 
         "assumption": "every peer holds and routes what this rank does, its expert traffic scaled by "
         "expert_load (mpu/rehearsal_groups.py)",
     }
+
+
+def _measured_memory(measured: list[dict]) -> dict:
+    """The step's peak memory split into weights, gradients, optimizer state, other tensors held
+    between steps and activations (the rest), with its total (and the allocator's reserved peak
+    on CUDA), from the measured records (the model states of the last)."""
+    last = measured[-1]
+    states = last["states"]
+    model_states = states["weights"] + states["grads"] + states["optimizer"] + states["main_params"]
+    # the step's start: CUDA knows every byte held then (model states and anything else kept
+    # between steps: gathered-parameter buffers, caches); the CPU profiler sees only the step,
+    # so there the model states stand for it
+    held = model_states if last["held_at_start"] is None else last["held_at_start"]
+    peak = held + max(r["peak_above_start"] for r in measured)
+    memory = {
+        "weights": states["weights"],
+        "grads": states["grads"],
+        "optimizer": states["optimizer"] + states["main_params"],
+    }
+    memory["other_held"] = held - model_states
+    memory["activations"] = peak - held
+    memory["total"] = peak
+    if last["reserved_peak"] is not None:
+        memory["allocator_reserved"] = max(r["reserved_peak"] for r in measured)
+    return memory
+
+
+def _mean_phases(measured: list[dict], seconds: float, engine: Engine) -> defaultdict:
+    """Seconds per measured step by phase: the recorded phases, plus backward and reduction (the
+    rest of `seconds`) at pp = 1, or the pipeline's forward and backward actions at pp > 1."""
+    phases: dict[str, float] = defaultdict(float)
+    for r in measured:
+        for name, s in r["phases"].items():
+            phases[name] += s / len(measured)
+    if engine.executor is None:
+        phases["backward_and_reduce"] = seconds - sum(phases.values())
+    else:
+        for r in measured:
+            for a in r["actions"]:
+                if a["name"] in ("F", "B"):
+                    key = "forward" if a["name"] == "F" else "backward"
+                    phases[key] += a["seconds"] / len(measured)
+    return phases
 
 
 def measure_rank(

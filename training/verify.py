@@ -263,6 +263,18 @@ def _shrink_experts(cfg: GPTConfig, par: ParallelConfig) -> dict:
 def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, ParallelConfig]:
     """A small model of the same structure for layout `par` (resolved), and `par` with its
     stage_layers scaled alike (module doc, step 2)."""
+    changes = _shrunk_shape(cfg, par)
+    changes.update(_shrunk_features(cfg, par, changes))
+    small, stage_layers = _shrunk_layers(cfg, par, changes)
+    small = dataclasses.replace(small, rope_scaling=_shrink_rope_scaling(cfg, small))
+    return small, dataclasses.replace(par, stage_layers=stage_layers)
+
+
+def _shrunk_shape(cfg: GPTConfig, par: ParallelConfig) -> dict:
+    """The shrunk model's shape fields for layout `par`: kv heads a multiple of tp (the GQA
+    ratio kept; cp | heads per tp rank under cp_comm=a2a), hidden = heads * HEAD_DIM, the ffn
+    ratio kept (a multiple of tp), the vocabulary and seq_len (module doc, step 2), dropout 0,
+    MTP depths up to 2 and the head-dim fields (`_head_changes`)."""
     tp, cp = par.tp, par.cp
     ratio = cfg.num_heads // cfg.num_kv_heads
     m = 1  # kv heads = tp * m: tp divides them; a2a also needs cp | heads per tp rank = m * ratio
@@ -273,13 +285,12 @@ def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, Parall
     hidden = heads * HEAD_DIM
     width = hidden / cfg.hidden_size
     ffn = _round_up(max(1, round(cfg.ffn_hidden_size * width)), tp)
-    stages = par.pp * par.vpp
     vocab = min(cfg.vocab_size, SHRUNK_VOCAB)
     if vocab % 128 == 0:  # keep vocab % (128*tp) != 0: the padded rows must be exercised
         vocab -= 1
     seq_multiple = math.lcm(tp if par.sp else 1, 2 * cp if cp > 1 else 1)
     seq = _round_up(min(cfg.seq_len, SHRUNK_SEQ), seq_multiple)
-    changes = dict(
+    return dict(
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=kv,
@@ -292,6 +303,15 @@ def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, Parall
         mtp_depths=min(cfg.mtp_depths, 2),
         **_head_changes(cfg, cfg.rope_scaling is not None),
     )
+
+
+def _shrunk_features(cfg: GPTConfig, par: ParallelConfig, shape: dict) -> dict:
+    """The feature fields scaled to the shrunk `shape` (`_shrunk_shape`'s): MLA latent ranks,
+    a sliding window (shorter than seq_len when it restricts attention), MoE expert and shared
+    widths (multiples of etp / tp) and the expert count (`_shrink_experts`)."""
+    width = shape["hidden_size"] / cfg.hidden_size
+    seq = shape["seq_len"]
+    changes = {}
     if cfg.attention == "mla":
         changes["kv_lora_rank"] = max(HEAD_DIM, round(cfg.kv_lora_rank * width))
         if cfg.q_lora_rank is not None:
@@ -301,14 +321,20 @@ def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, Parall
     elif cfg.sliding_window is not None:
         changes["sliding_window"] = seq
     if cfg.is_moe:
-        multiple = math.lcm(par.etp, tp) if cfg.shared_experts else par.etp
+        multiple = math.lcm(par.etp, par.tp) if cfg.shared_experts else par.etp
         changes["moe_ffn_hidden_size"] = _round_up(max(1, round(cfg.moe_ffn_hidden_size * width)), multiple)
         if cfg.shared_ffn_hidden_size is not None:
-            changes["shared_ffn_hidden_size"] = _round_up(max(1, round(cfg.shared_ffn_hidden_size * width)), tp)
+            changes["shared_ffn_hidden_size"] = _round_up(max(1, round(cfg.shared_ffn_hidden_size * width)), par.tp)
         changes.update(_shrink_experts(cfg, par))
-    # Layers: the fewest that keep the MoE / dense mix (moe_every, moe_first_dense,
-    # moe_dense_layers) on whole stages; given stage_layers are divided by their gcd, then
-    # multiplied until the mix is kept.
+    return changes
+
+
+def _shrunk_layers(cfg: GPTConfig, par: ParallelConfig, changes: dict) -> tuple[GPTConfig, list[int] | None]:
+    """`cfg` with `changes` on the fewest layers that keep the MoE / dense mix (moe_every,
+    moe_first_dense, moe_dense_layers) on whole stages, and the shrunk stage_layers (None when
+    `par` gives none): given stage_layers are divided by their gcd, then multiplied until the
+    mix is kept."""
+    stages = par.pp * par.vpp
     kinds = _layer_kinds(cfg)
     wanted = min(cfg.num_layers, max(2, cfg.moe_every if cfg.is_moe else 1))
     base = None if par.stage_layers is None else [n // math.gcd(*par.stage_layers) for n in par.stage_layers]
@@ -322,8 +348,7 @@ def shrink_model(cfg: GPTConfig, par: ParallelConfig) -> tuple[GPTConfig, Parall
         small = dataclasses.replace(cfg, num_layers=layers, **changes, **_dense_pattern(cfg, layers))
         if _layer_kinds(small) >= kinds:
             break
-    small = dataclasses.replace(small, rope_scaling=_shrink_rope_scaling(cfg, small))
-    return small, dataclasses.replace(par, stage_layers=stage_layers)
+    return small, stage_layers
 
 
 def describe_model(cfg: GPTConfig, par: ParallelConfig) -> str:
@@ -415,52 +440,17 @@ def make_job(run: RunConfig, world: int | None, steps: int, fault: str | None) -
     from meshtron.kernels.backend import resolve_backend
     from meshtron.rules import batch_checks, raise_first
 
-    # Loops other than the all-reduce step depart from one process by design or are not driven here
-    # (getattr: keys newer than this module read as their defaults when absent).
-    raise_first(
-        [
-            (
-                getattr(run.parallel, "dp_mode", "allreduce") == "allreduce",
-                f"parallel.dp_mode={getattr(run.parallel, 'dp_mode', None)}: the verifier drives the all-reduce training "
-                "step (training/step.py), not the parameter-server loop; verify the layout with parallel.dp_mode=allreduce",
-            ),
-            (
-                getattr(run.optim, "local_steps", 1) == 1 and getattr(run.optim, "outer_optimizer", "none") == "none",
-                "optim.local_steps/outer_optimizer: local SGD lets each data replica step alone, which departs from one "
-                "process by design; verify the layout with optim.local_steps=1 optim.outer_optimizer=none",
-            ),
-        ],
-        ConfigError,
-    )
+    _refuse_other_loops(run)
     world = world or layout_world(run.parallel)
-    try:
-        par = run.parallel.resolved(world)
-        check_model_fits(par, run.model)
-    except ParallelConfigError as err:
-        raise ConfigError(str(err)) from err
-    model, small_par = shrink_model(run.model, par)
-    try:
-        check_model_fits(small_par, model)
-    except ParallelConfigError as err:  # a shrink rule missed a constraint: say so, do not guess
-        raise ConfigError(
-            f"the shrunk model does not fit the layout ({err}); run the verifier on a smaller model config"
-        ) from err
+    model, small_par = _shrunk_layout(run, world)
     try:
         backend = resolve_backend(run.kernels.backend, "cpu")
     except (RuntimeError, ValueError) as err:
         raise ConfigError(str(err)) from err
-    if fault is not None and fault not in FAULTS:
-        raise ConfigError(f"--inject-fault {fault}: choose one of {', '.join(FAULTS)}")
-    if fault == "grad-skip" and run.optim.zero >= 2:
-        raise ConfigError("--inject-fault grad-skip works on unsharded gradients: use optim.zero<=1")
+    _check_fault(run, fault)
     optim = dataclasses.replace(run.optim, lr=LR, eps=ADAM_EPS, grad_comm_dtype="fp32", param_dtype="fp32")
     n_micro = 2 * small_par.pp if small_par.pp > 1 else 2
-    eos_id = None
-    if getattr(run.data, "reset_at_eos", False):
-        from meshtron.textdata.data import document_end_id
-
-        document_end_id(run.data, run.model.vocab_size)  # the run's own check (ConfigError)
-        eos_id = PACKED_EOS  # in the shrunk vocabulary; step_batches places it in every sequence
+    eos_id = _packed_eos_id(run)
     job = VerifyJob(
         model=model,
         par=small_par,
@@ -481,6 +471,67 @@ def make_job(run: RunConfig, world: int | None, steps: int, fault: str | None) -
         batch_checks(job.global_batch, MICRO, small_par.dp, pp=small_par.pp, schedule=small_par.schedule), ConfigError
     )
     return job
+
+
+def _refuse_other_loops(run: RunConfig) -> None:
+    """Raise ConfigError (one line) for the loops other than the all-reduce step, which depart
+    from one process by design or are not driven here."""
+    from meshtron.rules import raise_first
+
+    # (getattr: keys newer than this module read as their defaults when absent).
+    raise_first(
+        [
+            (
+                getattr(run.parallel, "dp_mode", "allreduce") == "allreduce",
+                f"parallel.dp_mode={getattr(run.parallel, 'dp_mode', None)}: the verifier drives the all-reduce training "
+                "step (training/step.py), not the parameter-server loop; verify the layout with parallel.dp_mode=allreduce",
+            ),
+            (
+                getattr(run.optim, "local_steps", 1) == 1 and getattr(run.optim, "outer_optimizer", "none") == "none",
+                "optim.local_steps/outer_optimizer: local SGD lets each data replica step alone, which departs from one "
+                "process by design; verify the layout with optim.local_steps=1 optim.outer_optimizer=none",
+            ),
+        ],
+        ConfigError,
+    )
+
+
+def _shrunk_layout(run: RunConfig, world: int) -> tuple[GPTConfig, ParallelConfig]:
+    """The shrunk model and its layout (`shrink_model`) after checking the user's model against
+    the layout resolved for `world`, and the shrunk model against the shrunk layout. Raises
+    ConfigError (one line)."""
+    try:
+        par = run.parallel.resolved(world)
+        check_model_fits(par, run.model)
+    except ParallelConfigError as err:
+        raise ConfigError(str(err)) from err
+    model, small_par = shrink_model(run.model, par)
+    try:
+        check_model_fits(small_par, model)
+    except ParallelConfigError as err:  # a shrink rule missed a constraint: say so, do not guess
+        raise ConfigError(
+            f"the shrunk model does not fit the layout ({err}); run the verifier on a smaller model config"
+        ) from err
+    return model, small_par
+
+
+def _check_fault(run: RunConfig, fault: str | None) -> None:
+    """Raise ConfigError (one line) for an unknown `--inject-fault`, or grad-skip on sharded gradients."""
+    if fault is not None and fault not in FAULTS:
+        raise ConfigError(f"--inject-fault {fault}: choose one of {', '.join(FAULTS)}")
+    if fault == "grad-skip" and run.optim.zero >= 2:
+        raise ConfigError("--inject-fault grad-skip works on unsharded gradients: use optim.zero<=1")
+
+
+def _packed_eos_id(run: RunConfig) -> int | None:
+    """PACKED_EOS under data.reset_at_eos (after the run's own end-of-document check, which may
+    raise ConfigError), else None."""
+    if not getattr(run.data, "reset_at_eos", False):
+        return None
+    from meshtron.textdata.data import document_end_id
+
+    document_end_id(run.data, run.model.vocab_size)  # the run's own check (ConfigError)
+    return PACKED_EOS  # in the shrunk vocabulary; step_batches places it in every sequence
 
 
 # ------------------------------------------------------------------------------- recording
@@ -965,6 +1016,30 @@ def verify(
     except ConfigError as err:
         say_one_line(f"meshtron verify: configuration error: {err}")
         return EXIT_CONFIG
+    _print_plan(job, steps, tol, atol, fault)
+    start = time.monotonic()
+    results = _run_layouts(job, start, timeout_s)
+    if results is None:
+        return EXIT_FAIL
+    serial, ranks = results
+    departures, stats = compare(serial, ranks, tol, atol)
+    print("\n".join(loss_table(serial, ranks, stats, steps)), flush=True)
+    elapsed = time.monotonic() - start
+    if departures:
+        _print_departures(departures, tol, elapsed)
+        return EXIT_FAIL
+    checked = sum(s["checked"] for s in stats.values())
+    print(
+        f"PASS: {checked} tensors (activations, loss, gradients, weights; every rank) within tolerance of the "
+        f"serial run over {steps} step(s) ({elapsed:.1f} s)",
+        flush=True,
+    )
+    return EXIT_PASS
+
+
+def _print_plan(job: VerifyJob, steps: int, tol: float, atol: float, fault: str | None) -> None:
+    """The report's first lines: the layout and its processes, the shrunk model, the batch,
+    steps and tolerance."""
     p = job.par
     print(
         f"meshtron verify: layout tp={p.tp} cp={p.cp} pp={p.pp} dp={p.dp} ep={p.ep} etp={p.etp} sp={p.sp} "
@@ -983,7 +1058,14 @@ def verify(
         ),
         flush=True,
     )
-    start = time.monotonic()
+
+
+def _run_layouts(job: VerifyJob, start: float, timeout_s: float) -> tuple[list, dict] | None:
+    """Run the layout in `job.world` worker processes (which communicate among themselves over
+    their own gloo world, rendezvous through a FileStore in a temporary directory) and,
+    meanwhile, the serial reference in this process (a world of one); returns (serial records,
+    {rank: records}), or None after printing FAIL when a rank raised, hung past `start +
+    timeout_s` or died without a result."""
     with tempfile.TemporaryDirectory(prefix="meshtron-verify-") as tmpdir:
         tmp = Path(tmpdir)
         procs = _spawn_workers(job, tmp)
@@ -997,33 +1079,27 @@ def verify(
         failure = _rank_failure(tmp, job.world, in_time, timeout_s)
         if failure is not None:
             print(f"FAIL: {failure}", flush=True)
-            return EXIT_FAIL
+            return None
         ranks = {r: torch.load(tmp / f"rank{r}.pt") for r in range(job.world)}
-    departures, stats = compare(serial, ranks, tol, atol)
-    print("\n".join(loss_table(serial, ranks, stats, steps)), flush=True)
-    elapsed = time.monotonic() - start
-    if departures:
-        first = departures[0]
-        print(
-            f"FAIL: first departure at {first.describe()} (tolerance {tol:g}); "
-            f"{len(departures)} tensor(s) departed in all ({elapsed:.1f} s)",
-            flush=True,
-        )
-        shown = {(first.step, first.what, first.name)}
-        for d in departures[1:]:
-            if len(shown) > 5:
-                break
-            if (d.step, d.what, d.name) not in shown:  # one line per tensor, not per rank holding it
-                shown.add((d.step, d.what, d.name))
-                print(f"  then {d.describe()}", flush=True)
-        return EXIT_FAIL
-    checked = sum(s["checked"] for s in stats.values())
+    return serial, ranks
+
+
+def _print_departures(departures: list, tol: float, elapsed: float) -> None:
+    """The FAIL report: the first departing tensor, the count of all, then up to 5 more
+    departing tensors (one line per tensor, not per rank holding it)."""
+    first = departures[0]
     print(
-        f"PASS: {checked} tensors (activations, loss, gradients, weights; every rank) within tolerance of the "
-        f"serial run over {steps} step(s) ({elapsed:.1f} s)",
+        f"FAIL: first departure at {first.describe()} (tolerance {tol:g}); "
+        f"{len(departures)} tensor(s) departed in all ({elapsed:.1f} s)",
         flush=True,
     )
-    return EXIT_PASS
+    shown = {(first.step, first.what, first.name)}
+    for d in departures[1:]:
+        if len(shown) > 5:
+            break
+        if (d.step, d.what, d.name) not in shown:  # one line per tensor, not per rank holding it
+            shown.add((d.step, d.what, d.name))
+            print(f"  then {d.describe()}", flush=True)
 
 
 def _bad_argument(args) -> str | None:
