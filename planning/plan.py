@@ -435,6 +435,189 @@ def fused_lm_loss_forward_bytes(
     return math.ceil(tokens * 4 * h + casts + chunk)
 
 
+def _check_precision_and_device(precision: str, device: str) -> None:
+    """Raise on an unknown compute precision (trainer.precision) or training device."""
+    raise_first([compute_precision_check(precision)])
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
+
+
+def _add_term(terms: dict[str, float], name: str, value: float) -> None:
+    """Add `value` bytes to the activation term `name` (created at 0)."""
+    terms[name] = terms.get(name, 0.0) + value
+
+
+def _add_layer_terms(
+    terms: dict[str, float],
+    cfg: GPTConfig,
+    layers,
+    trace: dict[str, Any],
+    execution: ExecutionConfig,
+    *,
+    tokens: int,
+    ep: int,
+    etp: int,
+) -> float:
+    """Add the saved bytes of the blocks `layers` (traced with `trace`'s shape: "layer_<part>",
+    the MoE rows gathered over etp, "rope_tables") to `terms`; returns the largest transient of
+    one block's backward (`_layer_backward`)."""
+    layer_backward = 0.0
+    for i in layers:
+        mode, is_moe = execution.layer_mode(i), cfg.is_moe_layer(i)
+        saved_none = trace_layer(cfg, i, "none", **trace)
+        saved = trace_layer(cfg, i, mode, **trace)
+        for name, value in saved.terms.items():
+            _add_term(terms, f"layer_{name}", value)
+        if is_moe and etp > 1 and mode != "full":
+            rows = etp_row_bytes(
+                cfg,
+                micro_batch_size=trace["micro_batch_size"],
+                tp=trace["tp"],
+                etp=etp,
+                precision=trace["precision"],
+                cp=trace["cp"],
+            )
+            _add_term(terms, "layer_mlp", rows)
+        transient = _layer_backward(
+            cfg,
+            saved_none,
+            saved,
+            mode,
+            is_moe=is_moe,
+            tokens=tokens,
+            tp=trace["tp"],
+            ep=ep,
+            etp=etp,
+            precision=trace["precision"],
+            device=trace["device"],
+            cp=trace["cp"],
+        )
+        layer_backward = max(layer_backward, transient)
+    if len(layers) and cfg.position == "rope":
+        _add_term(terms, "rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
+    return layer_backward
+
+
+def _saved_terms(
+    cfg: GPTConfig,
+    layers,
+    trace: dict[str, Any],
+    execution: ExecutionConfig,
+    pre_process: bool,
+    post_process: bool,
+    tp_rank: int,
+    ep: int,
+    etp: int,
+    tokens: int,
+    stage_tokens: float,
+) -> tuple[dict[str, float], float, SavedTrace | None]:
+    """The chunk's saved bytes by term (unrounded: embedding, layers, final norm + LM head +
+    loss, or the stage output of `stage_tokens` rows), the largest transient of one block's
+    backward, and the head's trace (None without `post_process`)."""
+    terms: dict[str, float] = {}
+    if pre_process:
+        _add_term(terms, "embedding", trace_pre(cfg, tp_rank=tp_rank, **trace).total)
+    layer_backward = _add_layer_terms(terms, cfg, layers, trace, execution, tokens=tokens, ep=ep, etp=etp)
+    head_trace = None
+    if post_process:
+        head_trace = trace_post(cfg, tp_rank=tp_rank, fused_lm_loss=execution.fused_lm_loss, **trace)
+        for name, value in head_trace.terms.items():
+            _add_term(terms, name, value)
+    else:
+        _add_term(terms, "stage_output", stage_tokens * 4 * cfg.hidden_size)
+    return terms, layer_backward, head_trace
+
+
+def _last_chunk_transients(
+    cfg: GPTConfig,
+    execution: ExecutionConfig,
+    head_saved: float,
+    layer_backward: float,
+    tokens: int,
+    c: int,
+    tp: int,
+    tp_rank: int,
+    device: str,
+    pre_process: bool,
+) -> tuple[int, int, float, float]:
+    """(logits held, the loss forward's extra buffers, the loss backward's transient, the rest
+    of the backward's transient) of the chunk holding the LM head and loss, for `tokens` rows in
+    `c`-byte compute (`head_saved`: the saved bytes of the final norm, head and loss)."""
+    h, T = cfg.hidden_size, tokens
+    vocab_l = cfg.padded_vocab_size(tp) // tp
+    # The LM head's backward: the weight gradient [V/tp, h] and the input gradient.
+    head = 4 * vocab_l * h + T * 4 * h
+    logits = 0
+    if execution.fused_lm_loss:
+        forward_extra = fused_lm_loss_forward_bytes(cfg, T, tp, tp_rank, c, device, execution.lm_loss_chunk_rows)
+        # Both gradients were built in forward; backward scales them: one new copy of each.
+        ce_grad = head
+    else:
+        logits = math.ceil(T * c * vocab_l)
+        # The cross-entropy's masked copy (a shard holding vocabulary padding) and the fp32
+        # copy of 16-bit logits exist only inside the loss's forward, beside the shifted
+        # logits it keeps as its softmax.
+        holds_padding = (tp_rank + 1) * vocab_l > cfg.vocab_size
+        forward_extra = math.ceil(T * 4 * vocab_l * ((1 if holds_padding else 0) + (1 if c != 4 else 0)))
+        # Loss backward: the fp32 gradient (a clone of the softmax, plus its 16-bit cast under
+        # autocast); then the LM head's backward holds a contiguous copy of it while the
+        # softmax is already freed, and builds `head`.
+        ce_grad = T * 4 * vocab_l + (T * c * vocab_l if c != 4 else 0)
+    # The layers' backward starts once the loss, LM head and final norm released their saved
+    # tensors. A tied embedding used by the head and the lookup of the same chunk gets ONE
+    # AccumulateGrad: the head's weight gradient [V/tp, h] waits in autograd's input buffer
+    # until the embedding backward adds its own.
+    tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0
+    rest_backward = max(head, layer_backward - head_saved + tied_wait)
+    return logits, forward_extra, ce_grad, rest_backward
+
+
+def _embedding_backward_bytes(cfg: GPTConfig, terms: dict[str, float], tp: int, post_process: bool) -> float:
+    """Transient of the dense embedding's backward beyond the chunk's other saved tensors."""
+    # The dense embedding backward builds two [V/tp, h] fp32 tensors (zeros + index_add) before
+    # AccumulateGrad, when the chunk's other saved tensors are already freed; with a tied
+    # head in the same chunk, the head's weight gradient is still waiting beside them.
+    saved_total = sum(terms.values())
+    tables = 3 if (cfg.tie_embeddings and post_process) else 2
+    return tables * 4 * (cfg.padded_vocab_size(tp) // tp) * cfg.hidden_size - (saved_total - terms["embedding"])
+
+
+def _chunk_transients(
+    cfg: GPTConfig,
+    execution: ExecutionConfig,
+    terms: dict[str, float],
+    layer_backward: float,
+    head_trace: SavedTrace | None,
+    tokens: int,
+    c: int,
+    tp: int,
+    tp_rank: int,
+    device: str,
+    pre_process: bool,
+) -> dict[str, int]:
+    """`ChunkActivations`' step transients (logits, forward_extra, backward_extra,
+    loss_backward_extra, rest_backward_extra) of a chunk with saved `terms`; `head_trace`: the
+    last chunk's head trace, None on other chunks."""
+    logits = forward_extra = ce_grad = 0
+    backward_extra = rest_backward = layer_backward
+    if head_trace is not None:
+        logits, forward_extra, ce_grad, rest_backward = _last_chunk_transients(
+            cfg, execution, head_trace.total, layer_backward, tokens, c, tp, tp_rank, device, pre_process
+        )
+        backward_extra = max(ce_grad, rest_backward)
+    if pre_process:
+        tables_bytes = _embedding_backward_bytes(cfg, terms, tp, head_trace is not None)
+        backward_extra = max(backward_extra, tables_bytes)
+        rest_backward = max(rest_backward, tables_bytes)
+    return {
+        "logits": logits,
+        "forward_extra": forward_extra,
+        "backward_extra": math.ceil(backward_extra),
+        "loss_backward_extra": math.ceil(ce_grad),
+        "rest_backward_extra": math.ceil(rest_backward),
+    }
+
+
 def chunk_activations(
     cfg: GPTConfig,
     micro_batch_size: int,
@@ -467,100 +650,26 @@ def chunk_activations(
     one place: MoE rows gathered over etp (`planning.activations.etp_row_bytes`), and the step
     transients below (logits held, the loss's copies, backward working sets).
     """
-    raise_first([compute_precision_check(precision)])
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
-    h, b = cfg.hidden_size, micro_batch_size
-    T = cfg.seq_len // cp * b  # this rank's tokens: its cp shard of each sequence
+    _check_precision_and_device(precision, device)
+    T = cfg.seq_len // cp * micro_batch_size  # this rank's tokens: its cp shard of each sequence
     T_sp = T / tp if sp else T
+    trace = dict(
+        micro_batch_size=micro_batch_size, tp=tp, sp=sp, precision=precision, device=device, cp=cp, cp_comm=cp_comm
+    )
+    terms, layer_backward, head_trace = _saved_terms(
+        cfg, layers, trace, execution, pre_process, post_process, tp_rank, ep, etp, T, T_sp
+    )
     c = 4 if precision == "fp32" else 2
-    trace = dict(micro_batch_size=b, tp=tp, sp=sp, precision=precision, device=device, cp=cp, cp_comm=cp_comm)
-    terms: dict[str, float] = {}
-
-    def add(name: str, value: float) -> None:
-        terms[name] = terms.get(name, 0.0) + value
-
-    if pre_process:
-        add("embedding", trace_pre(cfg, tp_rank=tp_rank, **trace).total)
-    layer_backward = 0.0
-    for i in layers:
-        mode, is_moe = execution.layer_mode(i), cfg.is_moe_layer(i)
-        saved_none = trace_layer(cfg, i, "none", **trace)
-        saved = trace_layer(cfg, i, mode, **trace)
-        for name, value in saved.terms.items():
-            add(f"layer_{name}", value)
-        if is_moe and etp > 1 and mode != "full":
-            add("layer_mlp", etp_row_bytes(cfg, micro_batch_size=b, tp=tp, etp=etp, precision=precision, cp=cp))
-        transient = _layer_backward(
-            cfg,
-            saved_none,
-            saved,
-            mode,
-            is_moe=is_moe,
-            tokens=T,
-            tp=tp,
-            ep=ep,
-            etp=etp,
-            precision=precision,
-            device=device,
-            cp=cp,
-        )
-        layer_backward = max(layer_backward, transient)
-    if len(layers) and cfg.position == "rope":
-        add("rope_tables", trace_layer(cfg, layers[0], execution.layer_mode(layers[0]), **trace).shared)
-    logits = forward_extra = ce_grad = 0
-    backward_extra = rest_backward = layer_backward
-    if post_process:
-        vocab_l = cfg.padded_vocab_size(tp) // tp
-        head_trace = trace_post(cfg, tp_rank=tp_rank, fused_lm_loss=execution.fused_lm_loss, **trace)
-        for name, value in head_trace.terms.items():
-            add(name, value)
-        # The LM head's backward: the weight gradient [V/tp, h] and the input gradient.
-        head = 4 * vocab_l * h + T * 4 * h
-        if execution.fused_lm_loss:
-            forward_extra = fused_lm_loss_forward_bytes(cfg, T, tp, tp_rank, c, device, execution.lm_loss_chunk_rows)
-            # Both gradients were built in forward; backward scales them: one new copy of each.
-            ce_grad = head
-        else:
-            logits = math.ceil(T * c * vocab_l)
-            # The cross-entropy's masked copy (a shard holding vocabulary padding) and the fp32
-            # copy of 16-bit logits exist only inside the loss's forward, beside the shifted
-            # logits it keeps as its softmax.
-            holds_padding = (tp_rank + 1) * vocab_l > cfg.vocab_size
-            forward_extra = math.ceil(T * 4 * vocab_l * ((1 if holds_padding else 0) + (1 if c != 4 else 0)))
-            # Loss backward: the fp32 gradient (a clone of the softmax, plus its 16-bit cast under
-            # autocast); then the LM head's backward holds a contiguous copy of it while the
-            # softmax is already freed, and builds `head`.
-            ce_grad = T * 4 * vocab_l + (T * c * vocab_l if c != 4 else 0)
-        # The layers' backward starts once the loss, LM head and final norm released their saved
-        # tensors. A tied embedding used by the head and the lookup of the same chunk gets ONE
-        # AccumulateGrad: the head's weight gradient [V/tp, h] waits in autograd's input buffer
-        # until the embedding backward adds its own.
-        tied_wait = 4 * vocab_l * h if (cfg.tie_embeddings and pre_process) else 0
-        rest_backward = max(head, layer_backward - head_trace.total + tied_wait)
-        backward_extra = max(ce_grad, rest_backward)
-    else:
-        add("stage_output", T_sp * 4 * h)
-    saved_total = sum(terms.values())
-    if pre_process:
-        # The dense embedding backward builds two [V/tp, h] fp32 tensors (zeros + index_add) before
-        # AccumulateGrad, when the chunk's other saved tensors are already freed; with a tied
-        # head in the same chunk, the head's weight gradient is still waiting beside them.
-        tables = 3 if (cfg.tie_embeddings and post_process) else 2
-        tables_bytes = tables * 4 * (cfg.padded_vocab_size(tp) // tp) * h - (saved_total - terms["embedding"])
-        backward_extra = max(backward_extra, tables_bytes)
-        rest_backward = max(rest_backward, tables_bytes)
+    transients = _chunk_transients(
+        cfg, execution, terms, layer_backward, head_trace, T, c, tp, tp_rank, device, pre_process
+    )
     rounded = {k: math.ceil(v) for k, v in terms.items()}
     return ChunkActivations(
         saved=sum(rounded.values()),
-        logits=logits,
-        forward_extra=forward_extra,
-        backward_extra=math.ceil(backward_extra),
-        loss_backward_extra=math.ceil(ce_grad),
-        rest_backward_extra=math.ceil(rest_backward),
+        **transients,
         pre=pre_process,
         post=post_process,
-        pipeline_recv=math.ceil(T_sp * 4 * h),
+        pipeline_recv=math.ceil(T_sp * 4 * cfg.hidden_size),
         terms=rounded,
     )
 
@@ -576,6 +685,100 @@ def _chunk_layout(cfg: GPTConfig, res: ParallelConfig, pp_rank: int) -> list[tup
         layers = virtual_stage_layers(cfg.num_layers, res.pp, res.vpp, stage, res.stage_layers)
         out.append((layers, stage == 0, stage == res.pp * res.vpp - 1))
     return out
+
+
+def _rank_chunks(
+    cfg: GPTConfig,
+    res: ParallelConfig,
+    micro_batch_size: int,
+    *,
+    pp_rank: int,
+    tp_rank: int,
+    precision: str,
+    device: str,
+    execution: ExecutionConfig,
+) -> list[ChunkActivations]:
+    """`ChunkActivations` of each model chunk of pipeline rank `pp_rank`, for one microbatch."""
+    sp = bool(res.sp and res.tp > 1)
+    return [
+        chunk_activations(
+            cfg,
+            micro_batch_size,
+            layers=layers,
+            pre_process=pre,
+            post_process=post,
+            tp=res.tp,
+            sp=sp,
+            ep=res.ep,
+            etp=res.etp,
+            tp_rank=tp_rank,
+            precision=precision,
+            device=device,
+            execution=execution,
+            cp=res.cp,
+            cp_comm=res.cp_comm,
+        )
+        for layers, pre, post in _chunk_layout(cfg, res, pp_rank)
+    ]
+
+
+def _rank_actions(res: ParallelConfig, pp_rank: int, num_microbatches: int) -> list[tuple[str, int, int]]:
+    """(kind, microbatch, chunk) of each action of this rank's step: its pipeline schedule
+    (`build_schedule`), or at pp = 1 the forward and backward of each microbatch."""
+    if res.pp == 1:
+        return [(kind, m, 0) for m in range(num_microbatches) for kind in ("F", "B")]
+    return [
+        (a.kind, a.microbatch, a.chunk)
+        for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)
+    ]
+
+
+def _backward_candidates(live: int, ch: ChunkActivations, extra: dict[str, int]) -> tuple[int, int]:
+    """(bytes with the phase extras, bytes without them) during the backward of chunk `ch`
+    with `live` saved bytes: the loss's backward, then the head and layers' (with ZeRO-3's
+    buffers) on the last chunk; elsewhere the backward's transient and the received gradient."""
+    if ch.post:
+        transient = max(ch.loss_backward_extra + extra["loss_backward"], ch.rest_backward_extra + extra["backward"])
+        plain = live + ch.backward_extra
+    else:
+        transient = ch.backward_extra + extra["backward"] + ch.pipeline_recv
+        plain = live + ch.backward_extra + ch.pipeline_recv
+    return live + transient, plain
+
+
+def _replay_peak(
+    chunks: list[ChunkActivations], actions: list[tuple[str, int, int]], extra: dict[str, int]
+) -> tuple[int, int, str, int]:
+    """Replay `actions` over `chunks`: a forward adds a chunk's saved bytes, a backward removes
+    them. Returns (peak with the phase `extra`s, peak without them, where the first peaks, most
+    microbatch-chunks in flight)."""
+    live = peak = plain_peak = 0
+    in_flight = max_in_flight = 0
+    phase = "none"
+    for kind, m, c in actions:
+        ch = chunks[c]
+        if kind == "F":
+            live += ch.saved
+            in_flight += 1
+            # The loss runs inside the last chunk's forward, beside its logits (none when fused).
+            plain = live + ch.logits + ch.forward_extra
+            now = plain + extra["forward"]
+            where = f"forward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
+        else:
+            now, plain = _backward_candidates(live, ch, extra)
+            live -= ch.saved
+            if not ch.pre:
+                # The input gradient sent to the previous stage, and the input buffer the pending
+                # send still references, stay alive until the send completes (the executor polls
+                # sends between actions): counted as pending until the end of the step.
+                live += 2 * ch.pipeline_recv
+            in_flight -= 1
+            where = f"backward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
+        max_in_flight = max(max_in_flight, in_flight)
+        plain_peak = max(plain_peak, plain)
+        if now > peak:
+            peak, phase = now, where
+    return peak, plain_peak, phase, max_in_flight
 
 
 def activation_estimate(
@@ -609,69 +812,19 @@ def activation_estimate(
     activation-side bytes, phase extras included), "activations_peak" (the same without the
     phase extras), "peak_phase", "max_in_flight", "chunks"}.
     """
-    sp = bool(res.sp and res.tp > 1)
-    chunks = [
-        chunk_activations(
-            cfg,
-            micro_batch_size,
-            layers=layers,
-            pre_process=pre,
-            post_process=post,
-            tp=res.tp,
-            sp=sp,
-            ep=res.ep,
-            etp=res.etp,
-            tp_rank=tp_rank,
-            precision=precision,
-            device=device,
-            execution=execution,
-            cp=res.cp,
-            cp_comm=res.cp_comm,
-        )
-        for layers, pre, post in _chunk_layout(cfg, res, pp_rank)
-    ]
-    if res.pp == 1:
-        actions = [(kind, m, 0) for m in range(num_microbatches) for kind in ("F", "B")]
-    else:
-        actions = [
-            (a.kind, a.microbatch, a.chunk)
-            for a in build_schedule(res.schedule, res.pp, pp_rank, num_microbatches, res.vpp)
-        ]
+    chunks = _rank_chunks(
+        cfg,
+        res,
+        micro_batch_size,
+        pp_rank=pp_rank,
+        tp_rank=tp_rank,
+        precision=precision,
+        device=device,
+        execution=execution,
+    )
+    actions = _rank_actions(res, pp_rank, num_microbatches)
     extra = {"forward": 0, "loss_backward": 0, "backward": 0, **(phase_extras or {})}
-    live = peak = plain_peak = 0
-    in_flight = max_in_flight = 0
-    phase = "none"
-    for kind, m, c in actions:
-        ch = chunks[c]
-        if kind == "F":
-            live += ch.saved
-            in_flight += 1
-            # The loss runs inside the last chunk's forward, beside its logits (none when fused).
-            plain = live + ch.logits + ch.forward_extra
-            now = plain + extra["forward"]
-            where = f"forward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
-        else:
-            if ch.post:  # the loss's backward, then the head and layers' (with ZeRO-3's buffers)
-                transient = max(
-                    ch.loss_backward_extra + extra["loss_backward"], ch.rest_backward_extra + extra["backward"]
-                )
-                plain = live + ch.backward_extra
-            else:
-                transient = ch.backward_extra + extra["backward"] + ch.pipeline_recv
-                plain = live + ch.backward_extra + ch.pipeline_recv
-            now = live + transient
-            live -= ch.saved
-            if not ch.pre:
-                # The input gradient sent to the previous stage, and the input buffer the pending
-                # send still references, stay alive until the send completes (the executor polls
-                # sends between actions): counted as pending until the end of the step.
-                live += 2 * ch.pipeline_recv
-            in_flight -= 1
-            where = f"backward of microbatch {m}" + (f" chunk {c}" if len(chunks) > 1 else "")
-        max_in_flight = max(max_in_flight, in_flight)
-        plain_peak = max(plain_peak, plain)
-        if now > peak:
-            peak, phase = now, where
+    peak, plain_peak, phase, max_in_flight = _replay_peak(chunks, actions, extra)
     return {
         "saved_per_microbatch": sum(ch.saved for ch in chunks),
         "peak": peak,
@@ -722,6 +875,205 @@ def _resolve_zero(zero: int | None, zero_dp: int | None) -> int:
     return 1 if zero_dp is not None and zero_dp > 1 else 0
 
 
+def _check_and_resolve(
+    model_cfg: GPTConfig,
+    par: ParallelConfig,
+    world_size: int,
+    rank: int,
+    precision: str,
+    device: str,
+    zero: int | None,
+    zero_dp: int | None,
+    global_batch_size: int,
+    micro_batch_size: int,
+):
+    """`plan_rank`'s argument checks, in order, and what they resolve: (the ZeRO stage, the
+    resolved layout, microbatches per rank, `rank`'s virtual mesh)."""
+    _check_precision_and_device(precision, device)
+    zero = _resolve_zero(zero, zero_dp)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size {world_size} must be a positive integer")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
+    res = par.resolved(world_size)
+    check_model_fits(res, model_cfg)
+    num_microbatches = _check_batch(global_batch_size, micro_batch_size, res.dp)
+    return zero, res, num_microbatches, virtual_mesh(res, world_size, rank)
+
+
+def _plan_params(
+    model_cfg: GPTConfig, res: ParallelConfig, world_size: int, rank: int, execution: ExecutionConfig
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """(`meta_param_counts` of `rank`, where the count comes from, the plan's "params"); at
+    pp = 1 RuntimeError when the meta count disagrees with `params_per_rank`."""
+    tp, pp, ep, etp = res.tp, res.pp, res.ep, res.etp
+    analytic = params_per_rank(model_cfg, tp=tp, ep=ep, etp=etp, pp=pp)
+    meta = meta_param_counts(model_cfg, res, world_size, rank, execution)
+    if pp > 1:
+        # The analytic count is the most loaded stage's; the meta build is this rank's own
+        # (its stage's layers, plus the tied embedding's copy on the last stage).
+        source = "meta (this rank's pipeline chunks built on the meta device)"
+    else:
+        if meta["total"] != analytic:
+            raise RuntimeError(
+                f"planner bug: rank {rank} builds {meta['total']} parameters on the meta device but "
+                f"meshtron.planning.flops.params_per_rank(tp={tp}, ep={ep}, etp={etp}, pp={pp}) says {analytic}; "
+                "the model and the analytic count disagree"
+            )
+        source = "meta (built on the meta device, matches planning.flops.params_per_rank)"
+    padded = model_cfg.padded_vocab_size(tp)
+    params = {
+        "count": meta["total"],
+        "analytic": analytic,
+        "meta": meta["total"],
+        "tp_sharded": meta["tp_sharded"],
+        "replicated": meta["replicated"],
+        "by_replica_group": {"dp": meta["group_dp"], "tp_dp": meta["group_tp_dp"], "edp": meta["group_edp"]},
+        "matmul": meta["matmul"],
+        "vocab_size": model_cfg.vocab_size,
+        "padded_vocab_size": padded,
+        "vocab_per_rank": padded // tp,
+    }
+    return meta, source, params
+
+
+def _phase_extras(zero: int, states: dict[str, int], meta: dict[str, Any]) -> dict[str, int]:
+    """Bytes beyond the activations in each phase of the step (`activation_estimate`)."""
+    # ZeRO-2's full gradient buckets live from zero_grad() to the end of backward; ZeRO-3 gathers
+    # units in forward and backward, and its per-unit gradient buffers exist only once the
+    # head's backward starts (after the loss's; the tied copies of a pipeline stage throughout).
+    if zero == 3:
+        tied = meta.get("zero3_tied_grad_buffers", 0)
+        return {
+            "forward": states["weights_gathered"] + tied,
+            "loss_backward": tied,
+            "backward": states["weights_gathered"] + states["grad_buffers_backward"],
+        }
+    return dict.fromkeys(("forward", "loss_backward", "backward"), states["grad_buffers_backward"])
+
+
+def _activation_note(res: ParallelConfig, pp_rank: int, in_flight: int) -> str:
+    """How many microbatches the activation estimate holds at once, in words."""
+    if res.pp == 1:
+        return "one microbatch in flight (no pipeline parallelism)"
+    return f"{res.schedule} schedule replayed for pp_rank {pp_rank}: up to {in_flight} microbatch-chunks in flight"
+
+
+def _memory_bytes(states: dict[str, int], act: dict[str, Any], opt_tmp: int, total: int) -> dict[str, int]:
+    """The plan's memory["bytes"]: model states, activations, transients and the step's peak
+    `total` (activations = total - model_states: everything above the persistent states)."""
+    return {
+        "weights": states["weights"],
+        "grads": states["grads"],
+        "main_params": states["main_params"],
+        "optimizer": states["optimizer"],
+        "model_states": states["total"],
+        "grad_buffers_backward": states["grad_buffers_backward"],
+        "weights_gathered": states["weights_gathered"],
+        "autocast_weight_copies": states["autocast_weight_copies"],
+        "activations_per_microbatch": act["saved_per_microbatch"],
+        "activations_peak": act["activations_peak"],
+        "optimizer_transient": opt_tmp,
+        "activations": total - states["total"],  # everything above the persistent states at the peak
+        "total": total,
+        "host": states["host"],
+    }
+
+
+def _plan_memory(
+    model_cfg: GPTConfig,
+    res: ParallelConfig,
+    mesh,
+    meta: dict[str, Any],
+    batch: dict[str, int],
+    precision: str,
+    zero: int,
+    offload: bool,
+    param_dtype: str,
+    device: str,
+    execution: ExecutionConfig,
+) -> dict[str, Any]:
+    """The plan's "memory" of the rank at `mesh` (`meta`: its `meta_param_counts`, `batch`: the
+    plan's "batch"): model states, activations and the step's peak."""
+    replicas = _replicas(res)
+    states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision, param_dtype=param_dtype)
+    act = activation_estimate(
+        model_cfg,
+        res,
+        micro_batch_size=batch["micro_batch_size"],
+        num_microbatches=batch["num_microbatches"],
+        pp_rank=mesh.pp_rank,
+        tp_rank=mesh.tp_rank,
+        precision=precision,
+        device=device,
+        execution=execution,
+        phase_extras=_phase_extras(zero, states, meta),
+    )
+    # Peak of the step: during forward/backward (persistent states + autocast's weight copies +
+    # activations with each phase's ZeRO extras, `_phase_extras`), or during the optimizer step
+    # (states + AdamW temporaries).
+    fwd_bwd = states["total"] + states["autocast_weight_copies"] + act["peak"]
+    opt_tmp = _optimizer_transient(meta, replicas, zero, offload, device)
+    opt_phase = states["total"] + opt_tmp
+    mem_bytes = _memory_bytes(states, act, opt_tmp, max(fwd_bwd, opt_phase))
+    return {
+        "precision": precision,
+        "zero": zero,
+        "offload": offload,
+        "param_dtype": param_dtype,
+        "device": device,
+        "recompute": execution.recompute,
+        "microbatches_in_flight": act["max_in_flight"],
+        "activation_note": _activation_note(res, mesh.pp_rank, act["max_in_flight"]),
+        "peak_phase": "optimizer step" if opt_phase > fwd_bwd else act["peak_phase"],
+        "bytes": mem_bytes,
+        "gib": {k: _gib(v) for k, v in mem_bytes.items()},
+        "activation_terms": [ch["terms"] for ch in act["chunks"]],
+    }
+
+
+def _plan_flops(model_cfg: GPTConfig, global_batch_size: int, world_size: int) -> dict[str, Any]:
+    """The plan's "flops": model FLOPs of one global step and this rank's even share."""
+    per_token = model_flops_per_token(model_cfg)
+    tokens = global_batch_size * model_cfg.seq_len
+    flops_global = per_token * tokens
+    flops_rank = flops_global / world_size
+    return {
+        "convention": FLOPS_CONVENTION,
+        "model_flops_per_token": per_token,
+        "tokens_per_step": tokens,
+        "global_per_step": flops_global,
+        "rank_per_step": flops_rank,
+        "rank_tflop_per_step": flops_rank / 1e12,
+    }
+
+
+def _plan_batch(
+    model_cfg: GPTConfig, global_batch_size: int, micro_batch_size: int, num_microbatches: int
+) -> dict[str, int]:
+    """The plan's "batch": global and micro batch, microbatches per rank and their tokens."""
+    return {
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "num_microbatches": num_microbatches,
+        "seq_len": model_cfg.seq_len,
+        "tokens_per_microbatch": micro_batch_size * model_cfg.seq_len,
+    }
+
+
+def _coords(mesh) -> dict[str, int]:
+    """This rank's coordinates in the dense and the expert mesh."""
+    return {
+        "pp_rank": mesh.pp_rank,
+        "dp_rank": mesh.dp_rank,
+        "cp_rank": mesh.cp_rank,
+        "tp_rank": mesh.tp_rank,
+        "edp_rank": mesh.edp_rank,
+        "ep_rank": mesh.ep_rank,
+        "etp_rank": mesh.etp_rank,
+    }
+
+
 def plan_rank(
     model_cfg: GPTConfig,
     par: ParallelConfig,
@@ -760,162 +1112,22 @@ def plan_rank(
     model_states: everything above the persistent states at the peak), total (the step's
     peak) and host (offload). `bench/memory.py` measures the same categories.
     """
-    raise_first([compute_precision_check(precision)])
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r} is unknown; use one of {list(DEVICES)}")
-    zero = _resolve_zero(zero, zero_dp)
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size {world_size} must be a positive integer")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
-    res = par.resolved(world_size)
-    check_model_fits(res, model_cfg)
-    num_microbatches = _check_batch(global_batch_size, micro_batch_size, res.dp)
-    mesh = virtual_mesh(res, world_size, rank)
-    tp, pp, ep, etp = res.tp, res.pp, res.ep, res.etp
-
-    # ---- parameters
-    analytic = params_per_rank(model_cfg, tp=tp, ep=ep, etp=etp, pp=pp)
-    meta = meta_param_counts(model_cfg, res, world_size, rank, execution)
-    if pp > 1:
-        # The analytic count is the most loaded stage's; the meta build is this rank's own
-        # (its stage's layers, plus the tied embedding's copy on the last stage).
-        source = "meta (this rank's pipeline chunks built on the meta device)"
-    else:
-        if meta["total"] != analytic:
-            raise RuntimeError(
-                f"planner bug: rank {rank} builds {meta['total']} parameters on the meta device but "
-                f"meshtron.planning.flops.params_per_rank(tp={tp}, ep={ep}, etp={etp}, pp={pp}) says {analytic}; "
-                "the model and the analytic count disagree"
-            )
-        source = "meta (built on the meta device, matches planning.flops.params_per_rank)"
-    count = meta["total"]
-    padded = model_cfg.padded_vocab_size(tp)
-    params = {
-        "count": count,
-        "analytic": analytic,
-        "meta": meta["total"],
-        "tp_sharded": meta["tp_sharded"],
-        "replicated": meta["replicated"],
-        "by_replica_group": {"dp": meta["group_dp"], "tp_dp": meta["group_tp_dp"], "edp": meta["group_edp"]},
-        "matmul": meta["matmul"],
-        "vocab_size": model_cfg.vocab_size,
-        "padded_vocab_size": padded,
-        "vocab_per_rank": padded // tp,
-    }
-
-    # ---- memory
-    replicas = _replicas(res)
-    states = model_state_bytes(meta, replicas, zero=zero, offload=offload, precision=precision, param_dtype=param_dtype)
-    # ZeRO-2's full gradient buckets live from zero_grad() to the end of backward; ZeRO-3 gathers
-    # units in forward and backward, and its per-unit gradient buffers exist only once the
-    # head's backward starts (after the loss's; the tied copies of a pipeline stage throughout).
-    if zero == 3:
-        tied = meta.get("zero3_tied_grad_buffers", 0)
-        phase_extras = {
-            "forward": states["weights_gathered"] + tied,
-            "loss_backward": tied,
-            "backward": states["weights_gathered"] + states["grad_buffers_backward"],
-        }
-    else:
-        phase_extras = dict.fromkeys(("forward", "loss_backward", "backward"), states["grad_buffers_backward"])
-    act = activation_estimate(
-        model_cfg,
-        res,
-        micro_batch_size=micro_batch_size,
-        num_microbatches=num_microbatches,
-        pp_rank=mesh.pp_rank,
-        tp_rank=mesh.tp_rank,
-        precision=precision,
-        device=device,
-        execution=execution,
-        phase_extras=phase_extras,
+    zero, res, num_microbatches, mesh = _check_and_resolve(
+        model_cfg, par, world_size, rank, precision, device, zero, zero_dp, global_batch_size, micro_batch_size
     )
-    # Peak of the step: during forward/backward (persistent states + autocast's weight copies +
-    # activations with each phase's ZeRO extras, see above), or during the optimizer step
-    # (states + AdamW temporaries).
-    fwd_bwd = states["total"] + states["autocast_weight_copies"] + act["peak"]
-    opt_tmp = _optimizer_transient(meta, replicas, zero, offload, device)
-    opt_phase = states["total"] + opt_tmp
-    total = max(fwd_bwd, opt_phase)
-    activations = total - states["total"]  # everything above the persistent states at the peak
-    in_flight = act["max_in_flight"]
-    if pp == 1:
-        act_note = "one microbatch in flight (no pipeline parallelism)"
-    else:
-        act_note = (
-            f"{res.schedule} schedule replayed for pp_rank {mesh.pp_rank}: up to {in_flight} "
-            f"microbatch-chunks in flight"
-        )
-    mem_bytes = {
-        "weights": states["weights"],
-        "grads": states["grads"],
-        "main_params": states["main_params"],
-        "optimizer": states["optimizer"],
-        "model_states": states["total"],
-        "grad_buffers_backward": states["grad_buffers_backward"],
-        "weights_gathered": states["weights_gathered"],
-        "autocast_weight_copies": states["autocast_weight_copies"],
-        "activations_per_microbatch": act["saved_per_microbatch"],
-        "activations_peak": act["activations_peak"],
-        "optimizer_transient": opt_tmp,
-        "activations": activations,
-        "total": total,
-        "host": states["host"],
-    }
-    memory = {
-        "precision": precision,
-        "zero": zero,
-        "offload": offload,
-        "param_dtype": param_dtype,
-        "device": device,
-        "recompute": execution.recompute,
-        "microbatches_in_flight": in_flight,
-        "activation_note": act_note,
-        "peak_phase": "optimizer step" if opt_phase > fwd_bwd else act["peak_phase"],
-        "bytes": mem_bytes,
-        "gib": {k: _gib(v) for k, v in mem_bytes.items()},
-        "activation_terms": [ch["terms"] for ch in act["chunks"]],
-    }
-
-    # ---- FLOPs
-    per_token = model_flops_per_token(model_cfg)
-    tokens = global_batch_size * model_cfg.seq_len
-    flops_global = per_token * tokens
-    flops_rank = flops_global / world_size
-    flops = {
-        "convention": FLOPS_CONVENTION,
-        "model_flops_per_token": per_token,
-        "tokens_per_step": tokens,
-        "global_per_step": flops_global,
-        "rank_per_step": flops_rank,
-        "rank_tflop_per_step": flops_rank / 1e12,
-    }
-
+    meta, source, params = _plan_params(model_cfg, res, world_size, rank, execution)
+    batch = _plan_batch(model_cfg, global_batch_size, micro_batch_size, num_microbatches)
+    memory = _plan_memory(model_cfg, res, mesh, meta, batch, precision, zero, offload, param_dtype, device, execution)
     return {
         "rank": rank,
         "world_size": world_size,
-        "coords": {
-            "pp_rank": mesh.pp_rank,
-            "dp_rank": mesh.dp_rank,
-            "cp_rank": mesh.cp_rank,
-            "tp_rank": mesh.tp_rank,
-            "edp_rank": mesh.edp_rank,
-            "ep_rank": mesh.ep_rank,
-            "etp_rank": mesh.etp_rank,
-        },
+        "coords": _coords(mesh),
         "layout": _layout(res, world_size),
         "param_source": source,
         "params": params,
-        "batch": {
-            "global_batch_size": global_batch_size,
-            "micro_batch_size": micro_batch_size,
-            "num_microbatches": num_microbatches,
-            "seq_len": model_cfg.seq_len,
-            "tokens_per_microbatch": micro_batch_size * model_cfg.seq_len,
-        },
+        "batch": batch,
         "memory": memory,
-        "flops": flops,
+        "flops": _plan_flops(model_cfg, global_batch_size, world_size),
     }
 
 

@@ -26,7 +26,7 @@ import copy
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,82 @@ def _shape_ok(cfg: GPTConfig, par: ParallelConfig) -> bool:
     return True
 
 
+def _choices(fixed: dict[str, Any], name: str, values: Iterable) -> list:
+    """The values of Layout field `name` to try: the pinned one, else `values`."""
+    return [fixed[name]] if name in fixed else list(values)
+
+
+def _sizes(
+    world: int, gpus_per_node: int, fixed: dict[str, Any], param_dtype: str, precision: str
+) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) of `world` ranks in enumeration order: tp at most a node, pinned sizes
+    that divide what is left, and the parameter dtype's rules passed."""
+    for tp in _choices(fixed, "tp", [d for d in divisors(world) if d <= gpus_per_node]):
+        for cp in _choices(fixed, "cp", divisors(world // tp)):
+            for pp in _choices(fixed, "pp", divisors(world // (tp * cp))):
+                if world % (tp * cp * pp):  # a pinned size that does not divide what is left
+                    continue
+                dp = world // (tp * cp * pp)
+                if fixed.get("dp", dp) != dp or first_failure(param_dtype_checks(param_dtype, precision, 0, pp)):
+                    continue
+                yield tp, cp, pp, dp
+
+
+def _expert_sizes(
+    cfg: GPTConfig, world: int, gpus_per_node: int, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int
+) -> Iterator[tuple[int, int, ParallelConfig]]:
+    """(ep, etp, the resolved ParallelConfig) of each expert split whose sizes pass
+    ParallelConfig's own rules (etp at most a node; 1 and 1 for a dense model)."""
+    experts = cfg.num_experts if cfg.is_moe else 0
+    for ep, etp in itertools.product(
+        _choices(fixed, "ep", divisors(experts) if experts else [1]),
+        _choices(
+            fixed, "etp", [d for d in divisors(cfg.moe_ffn_hidden_size) if d <= gpus_per_node] if experts else [1]
+        ),
+    ):
+        try:  # the sizes' own rules, once per shape; the variants below only change vpp, sp, cp_comm
+            base = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp).resolved(world)
+        except ParallelConfigError:
+            continue
+        yield ep, etp, base
+
+
+def _variants(
+    cfg: GPTConfig, fixed: dict[str, Any], base: ParallelConfig, tp: int, cp: int, pp: int
+) -> Iterator[ParallelConfig]:
+    """Copies of `base` with each vpp, sp and cp_comm the model's shape accepts."""
+    for vpp, sp, cp_comm in itertools.product(
+        _choices(fixed, "vpp", divisors(cfg.num_layers // pp) if pp > 1 else [1]),
+        _choices(fixed, "sp", [True, False] if tp > 1 and cfg.seq_len % tp == 0 else [False]),
+        _choices(fixed, "cp_comm", CP_COMMS if cp > 1 else ["ring"]),
+    ):
+        par = copy.copy(base)  # ParallelConfig's field checks cost ~1 ms; the sizes passed them
+        par.vpp, par.sp, par.cp_comm = vpp, sp, cp_comm
+        par.schedule = "interleaved" if vpp > 1 else "1f1b"
+        if _shape_ok(cfg, par):
+            yield par
+
+
+def _batch_layouts(
+    fixed: dict[str, Any], par: ParallelConfig, sizes: dict[str, int], global_batch_size: int, experts: int
+) -> Iterator[Layout]:
+    """Layouts of the parallel config `par` (of `sizes`): each micro batch the batch rules
+    accept, each ZeRO stage (0 only where ZeRO has no replicas) and each recompute mode."""
+    tp, pp, dp, cp, ep, etp = (sizes[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp"))
+    per_rank = global_batch_size // dp if global_batch_size % dp == 0 else 0
+    shards = dp * cp > 1 or (experts and dp * cp * tp // (ep * etp) > 1)  # ZeRO has replicas
+    zeros = ZERO_STAGES if shards else (0,)
+    for mbs in _choices(fixed, "micro_batch_size", divisors(per_rank) if per_rank else []):
+        if first_failure(batch_checks(global_batch_size, mbs, dp, pp=pp, schedule=par.schedule)):
+            continue
+        for zero, rec in itertools.product(
+            _choices(fixed, "zero", zeros), _choices(fixed, "recompute", RECOMPUTE_MODES)
+        ):
+            yield Layout(
+                **sizes, vpp=par.vpp, sp=par.sp, cp_comm=par.cp_comm, zero=zero, recompute=rec, micro_batch_size=mbs
+            )
+
+
 def enumerate_layouts(
     cfg: GPTConfig,
     world: int,
@@ -104,65 +180,13 @@ def enumerate_layouts(
     unknown = set(fixed) - {f.name for f in dataclasses.fields(Layout)}
     if unknown:
         raise ValueError(f"cannot pin {sorted(unknown)}: not a layout field")
-
-    def choices(name: str, values: Iterable) -> list:
-        return [fixed[name]] if name in fixed else list(values)
-
     experts = cfg.num_experts if cfg.is_moe else 0
     out: list[Layout] = []
-    for tp in choices("tp", [d for d in divisors(world) if d <= gpus_per_node]):
-        for cp in choices("cp", divisors(world // tp)):
-            for pp in choices("pp", divisors(world // (tp * cp))):
-                if world % (tp * cp * pp):  # a pinned size that does not divide what is left
-                    continue
-                dp = world // (tp * cp * pp)
-                if fixed.get("dp", dp) != dp or first_failure(param_dtype_checks(param_dtype, precision, 0, pp)):
-                    continue
-                per_rank = global_batch_size // dp if global_batch_size % dp == 0 else 0
-                for ep, etp in itertools.product(
-                    choices("ep", divisors(experts) if experts else [1]),
-                    choices(
-                        "etp", [d for d in divisors(cfg.moe_ffn_hidden_size) if d <= gpus_per_node] if experts else [1]
-                    ),
-                ):
-                    try:  # the sizes' own rules, once per shape; the variants below only change vpp, sp, cp_comm
-                        base = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp).resolved(world)
-                    except ParallelConfigError:
-                        continue
-                    for vpp, sp, cp_comm in itertools.product(
-                        choices("vpp", divisors(cfg.num_layers // pp) if pp > 1 else [1]),
-                        choices("sp", [True, False] if tp > 1 and cfg.seq_len % tp == 0 else [False]),
-                        choices("cp_comm", CP_COMMS if cp > 1 else ["ring"]),
-                    ):
-                        par = copy.copy(base)  # ParallelConfig's field checks cost ~1 ms; the sizes passed them
-                        par.vpp, par.sp, par.cp_comm = vpp, sp, cp_comm
-                        par.schedule = "interleaved" if vpp > 1 else "1f1b"
-                        if not _shape_ok(cfg, par):
-                            continue
-                        shards = dp * cp > 1 or (experts and dp * cp * tp // (ep * etp) > 1)  # ZeRO has replicas
-                        zeros = ZERO_STAGES if shards else (0,)
-                        for mbs in choices("micro_batch_size", divisors(per_rank) if per_rank else []):
-                            if first_failure(batch_checks(global_batch_size, mbs, dp, pp=pp, schedule=par.schedule)):
-                                continue
-                            for zero, rec in itertools.product(
-                                choices("zero", zeros), choices("recompute", RECOMPUTE_MODES)
-                            ):
-                                out.append(
-                                    Layout(
-                                        tp=tp,
-                                        pp=pp,
-                                        dp=dp,
-                                        cp=cp,
-                                        ep=ep,
-                                        etp=etp,
-                                        vpp=vpp,
-                                        sp=sp,
-                                        cp_comm=cp_comm,
-                                        zero=zero,
-                                        recompute=rec,
-                                        micro_batch_size=mbs,
-                                    )
-                                )
+    for tp, cp, pp, dp in _sizes(world, gpus_per_node, fixed, param_dtype, precision):
+        for ep, etp, base in _expert_sizes(cfg, world, gpus_per_node, fixed, tp, cp, pp, dp):
+            sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp)
+            for par in _variants(cfg, fixed, base, tp, cp, pp):
+                out.extend(_batch_layouts(fixed, par, sizes, global_batch_size, experts))
     return out
 
 
@@ -229,6 +253,57 @@ class SearchResult:
     seconds: float
 
 
+def _time_layouts(cfg: GPTConfig, cluster: Cluster, layouts: list[Layout], timing: dict[str, Any]) -> list[Candidate]:
+    """A `Candidate` of each layout with its step time from the analytic parameter count
+    (`timing`: step_time's keyword arguments), fastest first."""
+    grads: dict[tuple, dict[str, int]] = {}
+    timed = []
+    for lay in layouts:
+        key = (lay.tp, lay.ep, lay.etp, lay.pp)
+        if key not in grads:
+            grads[key] = _analytic_grad_elements(cfg, lay)
+        timed.append(Candidate(lay, step_time(cfg, lay, cluster, grad_elements=grads[key], **timing)))
+    timed.sort(key=lambda c: -c.tokens_per_s)
+    return timed
+
+
+def _price_memory(
+    cfg: GPTConfig,
+    cluster: Cluster,
+    timed: list[Candidate],
+    timing: dict[str, Any],
+    memory: dict[str, Any],
+    limit: int | None,
+    max_priced: int | None,
+) -> tuple[list[Candidate], int, int]:
+    """Price `timed` candidates' memory in order (`memory`: layout_memory's keyword arguments),
+    skipping those a variant needing no more memory already ruled out, and retime each that fits
+    from the planner's parameter counts. Returns (the fitting candidates, priced, too big)."""
+    fitting: list[Candidate] = []
+    priced = too_big = 0
+    failed: dict[Layout, list[tuple[int, int]]] = {}  # layout sans recompute/micro batch -> (rank, mbs)
+    order = {mode: i for i, mode in enumerate(RECOMPUTE_MODES)}
+    for cand in timed:
+        if (limit is not None and len(fitting) >= limit) or (max_priced is not None and priced >= max_priced):
+            break
+        lay = cand.layout
+        base = dataclasses.replace(lay, recompute="none", micro_batch_size=0)
+        if any(r >= order[lay.recompute] and mbs <= lay.micro_batch_size for r, mbs in failed.get(base, [])):
+            too_big += 1
+            continue
+        mem = layout_memory(cfg, cand.layout, **memory)
+        priced += 1
+        cand.memory_bytes, cand.memory_source = mem["bytes"], mem["source"]
+        cand.fits = mem["bytes"] <= cluster.gpu_memory_bytes
+        if not cand.fits:
+            too_big += 1
+            failed.setdefault(base, []).append((order[lay.recompute], lay.micro_batch_size))
+            continue
+        cand.time = step_time(cfg, cand.layout, cluster, grad_elements=mem["grad_elements"], **timing)
+        fitting.append(cand)
+    return fitting, priced, too_big
+
+
 def search(
     cfg: GPTConfig,
     cluster: Cluster,
@@ -268,64 +343,18 @@ def search(
             f"no valid layout of {cluster.gpus} devices for this model and global batch "
             f"{global_batch_size}" + (f" with {fixed}" if fixed else "")
         )
-    costs = ModelCosts.of(cfg)
-    grads: dict[tuple, dict[str, int]] = {}
-    timed = []
-    for lay in layouts:
-        key = (lay.tp, lay.ep, lay.etp, lay.pp)
-        if key not in grads:
-            grads[key] = _analytic_grad_elements(cfg, lay)
-        t = step_time(
-            cfg,
-            lay,
-            cluster,
-            global_batch_size=global_batch_size,
-            costs=costs,
-            grad_elements=grads[key],
-            precision=precision,
-            param_dtype=param_dtype,
-        )
-        timed.append(Candidate(lay, t))
-    timed.sort(key=lambda c: -c.tokens_per_s)
-    fitting: list[Candidate] = []
-    priced = too_big = 0
-    failed: dict[Layout, list[tuple[int, int]]] = {}  # layout sans recompute/micro batch -> (rank, mbs)
-    order = {mode: i for i, mode in enumerate(RECOMPUTE_MODES)}
-    for cand in timed:
-        if (limit is not None and len(fitting) >= limit) or (max_priced is not None and priced >= max_priced):
-            break
-        lay = cand.layout
-        base = dataclasses.replace(lay, recompute="none", micro_batch_size=0)
-        if any(r >= order[lay.recompute] and mbs <= lay.micro_batch_size for r, mbs in failed.get(base, [])):
-            too_big += 1
-            continue
-        mem = layout_memory(
-            cfg,
-            cand.layout,
-            global_batch_size=global_batch_size,
-            precision=precision,
-            device=cluster.device,
-            offload=offload,
-            param_dtype=param_dtype,
-            fused_lm_loss=fused_lm_loss,
-        )
-        priced += 1
-        cand.memory_bytes, cand.memory_source = mem["bytes"], mem["source"]
-        cand.fits = mem["bytes"] <= cluster.gpu_memory_bytes
-        if not cand.fits:
-            too_big += 1
-            failed.setdefault(base, []).append((order[lay.recompute], lay.micro_batch_size))
-            continue
-        cand.time = step_time(
-            cfg,
-            cand.layout,
-            cluster,
-            global_batch_size=global_batch_size,
-            costs=costs,
-            grad_elements=mem["grad_elements"],
-            precision=precision,
-            param_dtype=param_dtype,
-        )
-        fitting.append(cand)
+    timing = dict(
+        global_batch_size=global_batch_size, costs=ModelCosts.of(cfg), precision=precision, param_dtype=param_dtype
+    )
+    timed = _time_layouts(cfg, cluster, layouts, timing)
+    memory = dict(
+        global_batch_size=global_batch_size,
+        precision=precision,
+        device=cluster.device,
+        offload=offload,
+        param_dtype=param_dtype,
+        fused_lm_loss=fused_lm_loss,
+    )
+    fitting, priced, too_big = _price_memory(cfg, cluster, timed, timing, memory, limit, max_priced)
     fitting.sort(key=lambda c: (-c.tokens_per_s, c.memory_bytes))
     return SearchResult(fitting, len(layouts), priced, too_big, time.perf_counter() - start)

@@ -404,6 +404,60 @@ def _count_nodes(first: int, count: int, gpus_per_node: int) -> dict[int, int]:
     return out
 
 
+def _action_work(
+    actions: list, i: int, q: int, pp: int, fwd_work: tuple[float, ...], bwd_work: tuple[float, ...], tail: float
+) -> float:
+    """Seconds of one core that action `i` of stage q's list `actions` takes: its virtual
+    stage's forward or backward work, or the `tail` once the list is done."""
+    if i == len(actions):
+        return tail
+    a = actions[i]
+    v = a.chunk * pp + q
+    return fwd_work[v] if a.kind == "F" else bwd_work[v]
+
+
+def _runnable_stages(
+    lists: list, pos: list[int], finished: list[bool], done: set[tuple[str, int, int]], pp: int, last: int
+) -> list[int]:
+    """The stages that can run now: unfinished, and either in their tail (it needs no peer) or
+    at an action whose input is done (F(v, j) after F(v-1, j), B(v, j) after B(v+1, j))."""
+    runnable = []
+    for q in range(pp):
+        if finished[q]:
+            continue
+        if pos[q] == len(lists[q]):
+            runnable.append(q)  # the tail needs no peer
+            continue
+        a = lists[q][pos[q]]
+        v = a.chunk * pp + q
+        if a.kind == "F":
+            ready = v == 0 or ("F", a.microbatch, v - 1) in done
+        else:
+            ready = v == last or ("B", a.microbatch, v + 1) in done
+        if ready:
+            runnable.append(q)
+    return runnable
+
+
+def _core_rates(
+    runnable: list[int],
+    pp: int,
+    nodes: tuple[tuple[tuple[int, int], ...], ...],
+    cores: int,
+    wait_cpu_share: float,
+) -> dict[int, float]:
+    """{stage: fraction of a core it runs at} of the runnable stages: a node's load is its
+    runnable processes plus `wait_cpu_share` times the others, each stage runs at min(1, cores
+    / load) of its slowest node."""
+    load: dict[int, float] = {}
+    running = set(runnable)
+    for q in range(pp):
+        share = 1.0 if q in running else wait_cpu_share
+        for node, procs in nodes[q]:
+            load[node] = load.get(node, 0.0) + share * procs
+    return {q: min(min(1.0, cores / load[node]) for node, _ in nodes[q]) for q in runnable}
+
+
 @functools.lru_cache(maxsize=4096)
 def shared_core_makespan(
     schedule: str,
@@ -434,45 +488,15 @@ def shared_core_makespan(
     lists = build_all_ranks(schedule, pp, m, vpp)
     last = pp * vpp - 1
     pos = [0] * pp
-    left = [0.0] * pp
+    left = [_action_work(lists[q], 0, q, pp, fwd_work, bwd_work, tail) for q in range(pp)]
     done: set[tuple[str, int, int]] = set()
-
-    def work(q: int) -> float:
-        if pos[q] == len(lists[q]):
-            return tail
-        a = lists[q][pos[q]]
-        v = a.chunk * pp + q
-        return fwd_work[v] if a.kind == "F" else bwd_work[v]
-
-    for q in range(pp):
-        left[q] = work(q)
     clock = 0.0
     finished = [False] * pp
     while not all(finished):
-        runnable = []
-        for q in range(pp):
-            if finished[q]:
-                continue
-            if pos[q] == len(lists[q]):
-                runnable.append(q)  # the tail needs no peer
-                continue
-            a = lists[q][pos[q]]
-            v = a.chunk * pp + q
-            if a.kind == "F":
-                ready = v == 0 or ("F", a.microbatch, v - 1) in done
-            else:
-                ready = v == last or ("B", a.microbatch, v + 1) in done
-            if ready:
-                runnable.append(q)
+        runnable = _runnable_stages(lists, pos, finished, done, pp, last)
         if not runnable:
             raise RuntimeError(f"{schedule} schedule of pp={pp}, m={m}, vpp={vpp} deadlocks in the model")
-        load: dict[int, float] = {}
-        running = set(runnable)
-        for q in range(pp):
-            share = 1.0 if q in running else wait_cpu_share
-            for node, procs in nodes[q]:
-                load[node] = load.get(node, 0.0) + share * procs
-        rate = {q: min(min(1.0, cores / load[node]) for node, _ in nodes[q]) for q in runnable}
+        rate = _core_rates(runnable, pp, nodes, cores, wait_cpu_share)
         dt = min(left[q] / rate[q] for q in runnable)
         clock += dt
         for q in runnable:
@@ -485,7 +509,7 @@ def shared_core_makespan(
             a = lists[q][pos[q]]
             done.add((a.kind, a.microbatch, a.chunk * pp + q))
             pos[q] += 1
-            left[q] = work(q)
+            left[q] = _action_work(lists[q], pos[q], q, pp, fwd_work, bwd_work, tail)
     return clock
 
 
@@ -536,6 +560,290 @@ def _act_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def _exposed(comm: float, compute: float, cluster: Cluster) -> float:
+    """What of `comm` the overlapped `compute` does not hide (all of it without overlap)."""
+    return max(0.0, comm - compute) if cluster.overlap else comm
+
+
+def _microbatch_count(global_batch_size: int, layout: Layout) -> int:
+    """Microbatches per rank; ValueError when the global batch does not split over dp."""
+    dp, mbs = layout.dp, layout.micro_batch_size
+    if global_batch_size % (dp * mbs):
+        raise ValueError(f"global batch {global_batch_size} does not split into dp={dp} x micro batches of {mbs}")
+    return global_batch_size // (dp * mbs)
+
+
+class _Compute(typing.NamedTuple):
+    """Compute of one microbatch on one rank (seconds unless said): `stage` the bottleneck
+    (last) stage's forward and backward with recomputation and the LM head, `layer` one
+    layer's, `layer_fwd` one layer's forward, `head` the LM head's; `core` the attention core's
+    forward FLOPs per token, `tokens` a stage's tokens of the microbatch, `stage_layers` L / pp."""
+
+    core: float
+    tokens: int
+    stage_layers: float
+    stage: float
+    layer: float
+    layer_fwd: float
+    head: float
+
+
+def _compute_times(cfg: GPTConfig, layout: Layout, cluster: Cluster, costs: ModelCosts) -> _Compute:
+    """Compute of one microbatch (per rank): a layer's forward, its backward (2x the forward,
+    plus recomputation), the LM head on the last stage, split over the tp*cp ranks of a stage."""
+    L, s = cfg.num_layers, cfg.seq_len
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    per_token, head = costs.per_token, costs.head
+    layer = (per_token - head) / L
+    core = attention_core_flops_per_token(cfg)  # 4*s*a*d: a*d = h unless model.kv_channels
+    recompute = {"none": 0.0, "selective": core, "full": layer / 3}[layout.recompute]
+    tokens = layout.micro_batch_size * s  # one microbatch's tokens of the stage, split over tp*cp ranks
+    stage_layers = L / pp
+    stage = stage_layers * (layer + recompute) + head  # the last stage (the bottleneck) holds the LM head
+    return _Compute(
+        core=core,
+        tokens=tokens,
+        stage_layers=stage_layers,
+        stage=compute_time(stage * tokens / (tp * cp), cluster),
+        layer=compute_time((layer + recompute) * tokens / (tp * cp), cluster),
+        layer_fwd=compute_time(layer / 3 * tokens / (tp * cp), cluster),
+        head=compute_time(head * tokens / (tp * cp), cluster),
+    )
+
+
+class _TensorParallel(typing.NamedTuple):
+    """Tensor-parallel seconds: `fwd` and `bwd` (exposed) of one layer per microbatch, the
+    (forward, backward) exchanges of the first stage's embedding (`first_edge`) and the last
+    stage's LM head input (`last_edge`), and `per_microbatch` of the bottleneck stage."""
+
+    fwd: float
+    bwd: float
+    first_edge: tuple[float, float]
+    last_edge: tuple[float, float]
+    per_microbatch: float
+
+
+def _tensor_parallel_times(
+    layout: Layout, cluster: Cluster, bw: dict[str, float], act: float, compute: _Compute
+) -> _TensorParallel:
+    """Tensor-parallel communication per layer per microbatch, forward and backward, of the
+    [mbs, s/cp, h] activation (`act` bytes). A TP region's exchange: one all-reduce, or under SP
+    an all-gather in and a reduce-scatter out, each with its own latencies (on one CPU host all
+    three through shared memory: mpu/shm_collectives)."""
+    tp, lat = layout.tp, cluster.latency_s
+    ar = all_reduce_time(act, tp, bw["tp"], lat)
+    ag = all_gather_time(act, tp, bw["tp"], lat)
+    rs = all_gather_time(act, tp, bw["tp"], lat)  # ring reduce-scatter: the all-gather's steps
+    region = ag + rs if layout.sp else ar
+    wgrad = compute.layer / 3  # the weight-gradient GEMMs the backward collectives overlap
+    full = layout.recompute == "full"
+    tp_fwd = 2 * region
+    tp_bwd = _exposed(2 * region, wgrad, cluster) + (2 * region if full else 0.0)  # recomputed forward's
+    # edges: the first stage's vocab-parallel embedding (forward all-reduce; SP: reduce-scatter,
+    # its backward an all-gather) and the last stage's LM head input (backward all-reduce of its
+    # gradient; SP: all-gather forward, reduce-scatter backward)
+    first_edge = (rs, ag) if layout.sp else (ar, 0.0)
+    last_edge = (ag, rs) if layout.sp else (0.0, ar)
+    tp_edges = sum(last_edge) + (sum(first_edge) if layout.pp == 1 else 0.0)
+    tp_mb = compute.stage_layers * (tp_fwd + tp_bwd) + tp_edges
+    return _TensorParallel(tp_fwd, tp_bwd, first_edge, last_edge, tp_mb)
+
+
+def _context_parallel_times(
+    cfg: GPTConfig, layout: Layout, cluster: Cluster, bw: dict[str, float], ab: int, compute: _Compute
+) -> tuple[float, float]:
+    """Exposed context-parallel communication per layer per microbatch, (forward, backward):
+    ring KV passes overlapped with the attention core, or a2a's four exposed all-to-alls."""
+    mbs, s, tp, cp = layout.micro_batch_size, cfg.seq_len, layout.tp, layout.cp
+    kv = 2 * mbs * (s / cp) * cfg.num_kv_heads * cfg.head_dim / tp * ab
+    if cp <= 1:
+        return 0.0, 0.0
+    if layout.cp_comm == "ring":
+        chunk = kv / 2  # one of this rank's two load-balanced chunks
+        pass_t = chunk / bw["cp"] + cluster.torch_latency_s  # batched isend/irecv (gloo on a CPU)
+        fwd, bwd = 2 * (cp - 1) * pass_t, 2 * 2 * (cp - 1) * pass_t
+        attn_fwd = compute_time(compute.core * compute.tokens / (tp * cp), cluster)  # the attention core's forward
+        return _exposed(fwd, attn_fwd, cluster), _exposed(bwd, 2 * attn_fwd, cluster)
+    q = mbs * (s / cp) * attention_width(cfg) / tp * ab  # q and out: a*d wide
+    a2a = sum(all_to_all_time(x, cp, bw["cp"], cluster.latency_s) for x in (q, kv / 2, kv / 2, q))
+    return a2a, a2a
+
+
+def _expert_parallel_time(cfg: GPTConfig, layout: Layout, bw: dict[str, float], lat: float, ab: int) -> float:
+    """Expert-parallel communication per MoE layer per microbatch in each direction: dispatch
+    and combine all-to-alls over ep (+ the etp gather and scatter); 0 without ep or etp."""
+    if not (cfg.is_moe and (layout.ep > 1 or layout.etp > 1)):
+        return 0.0
+    # this rank's tokens' (token, choice) rows
+    rows = layout.micro_batch_size * (cfg.seq_len / layout.cp) / layout.tp * cfg.top_k * cfg.hidden_size * ab
+    a2a = all_to_all_time(rows, layout.ep, bw["ep"], lat)
+    etp_t = all_gather_time(rows * layout.etp, layout.etp, bw["etp"], lat)
+    return 2 * a2a + 2 * etp_t  # dispatch + combine (+ etp gather/scatter)
+
+
+def _p2p_time(layout: Layout, act: float, bw: dict[str, float], slow_lat: float) -> float:
+    """Pipeline p2p per microbatch: the activation out and its gradient back, per virtual stage."""
+    if layout.pp <= 1:
+        return 0.0
+    boundary = act / (layout.tp if layout.sp else 1)
+    return layout.vpp * 2 * (boundary / bw["pp"] + slow_lat)
+
+
+class _Microbatch(typing.NamedTuple):
+    """One microbatch's terms on one rank (seconds): `compute`, tensor parallelism `tp`,
+    context parallelism per layer (`cp_fwd`, `cp_bwd`) and per microbatch (`cp`), expert
+    parallelism per MoE layer and direction (`ep_dir`, over `moe_layers` MoE layers of a stage)
+    and per microbatch (`ep`), and the pipeline's `p2p`."""
+
+    compute: _Compute
+    tp: _TensorParallel
+    cp_fwd: float
+    cp_bwd: float
+    cp: float
+    moe_layers: float
+    ep_dir: float
+    ep: float
+    p2p: float
+
+
+def _microbatch_times(
+    cfg: GPTConfig, layout: Layout, cluster: Cluster, bw: dict[str, float], costs: ModelCosts, ab: int
+) -> _Microbatch:
+    """Compute and communication of one microbatch on one rank (`ab` bytes per activation
+    element)."""
+    compute = _compute_times(cfg, layout, cluster, costs)
+    act = layout.micro_batch_size * (cfg.seq_len / layout.cp) * cfg.hidden_size * ab
+    tp = _tensor_parallel_times(layout, cluster, bw, act, compute)
+    cp_fwd, cp_bwd = _context_parallel_times(cfg, layout, cluster, bw, ab, compute)
+    cp_mb = compute.stage_layers * (cp_fwd + cp_bwd)
+    moe_layers = costs.moe_layers / layout.pp
+    ep_dir = _expert_parallel_time(cfg, layout, bw, cluster.latency_s, ab)
+    ep_mb = moe_layers * 2 * ep_dir
+    p2p = _p2p_time(layout, act, bw, cluster.torch_latency_s)
+    return _Microbatch(compute, tp, cp_fwd, cp_bwd, cp_mb, moe_layers, ep_dir, ep_mb, p2p)
+
+
+def _grad_replicas(layout: Layout) -> dict[str, int]:
+    """Replicas of each gradient-reduction group: dense dp*cp, sequence-parallel replicated
+    tp*dp*cp, experts edp."""
+    dp, cp, tp = layout.dp, layout.cp, layout.tp
+    return {"dp": dp * cp, "tp_dp": tp * dp * cp, "edp": dp * cp * tp // (layout.ep * layout.etp)}
+
+
+def _grad_collectives(
+    layout: Layout,
+    cluster: Cluster,
+    bw: dict[str, float],
+    grad_elements: dict[str, int],
+    replicas: dict[str, int],
+    param_dtype: str,
+) -> tuple[float, float, float]:
+    """(gradient reduction, ZeRO-1/2 parameter all-gather, ZeRO-3 parameter gathers per
+    microbatch) seconds over each gradient group's replicas (reduce-scatters and gathers
+    through torch.distributed)."""
+    bws = {"dp": bw["dp_cp"], "tp_dp": bw["tp_dp"], "edp": bw["edp"]}
+    pbytes = 2 if param_dtype == "bf16" else 4
+    lat, slow_lat = cluster.latency_s, cluster.torch_latency_s
+    reduce = gather = zero3 = 0.0
+    for g, n in grad_elements.items():
+        r = replicas[g]
+        if r <= 1 or not n:
+            continue
+        if layout.zero <= 1:  # plain fp32 all-reduce: shared memory on one CPU host, like TP's
+            reduce += all_reduce_time(4 * n, r, bws[g], lat)
+        else:
+            reduce += all_gather_time(4 * n, r, bws[g], slow_lat)  # reduce-scatter
+        if layout.zero in (1, 2):
+            gather += all_gather_time(pbytes * n, r, bws[g], slow_lat)
+        if layout.zero == 3:
+            zero3 += 2 * all_gather_time(pbytes * n, r, bws[g], slow_lat)
+    return reduce, gather, zero3
+
+
+def _exposed_dp_zero(
+    layout: Layout, cluster: Cluster, m: int, comp: float, reduce: float, gather: float, zero3: float
+) -> tuple[float, float]:
+    """(dp_exposed, zero_exposed): what the data-parallel and ZeRO collectives leave exposed."""
+    if layout.zero == 3:
+        # per microbatch: parameters gathered for forward and backward, gradients reduce-scattered,
+        # prefetched behind that microbatch's compute
+        return 0.0, m * _exposed(zero3 + reduce, comp, cluster)
+    backward_last = comp * 2 / 3
+    # optim.overlap_param_gather: each bucket's all-gather runs behind the next forward
+    return _exposed(reduce, backward_last, cluster), _exposed(gather, comp / 3, cluster)
+
+
+def _optimizer_time(layout: Layout, cluster: Cluster, grad_elements: dict[str, int], replicas: dict[str, int]) -> float:
+    """AdamW's step: 28 bytes per parameter of this rank's share streamed at `mem_bw`."""
+    total_params = sum(grad_elements.values())
+    share = total_params if layout.zero == 0 else sum(math.ceil(n / replicas[g]) for g, n in grad_elements.items())
+    return 28 * share / cluster.mem_bw
+
+
+def _virtual_stage_work(
+    stages: int,
+    nl: float,
+    f_layer: float,
+    b_layer: float,
+    half_p2p: float,
+    tp: _TensorParallel,
+    head_time: float,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(forward, backward) seconds of one core of each of the `stages` virtual stages for one
+    microbatch: `nl` layers, half the p2p, the embedding's edge on the first, the LM head and
+    its edge on the last."""
+    last = stages - 1
+    fwd_work = tuple(
+        nl * f_layer
+        + half_p2p
+        + (tp.first_edge[0] if v == 0 else 0.0)
+        + (head_time / 3 + tp.last_edge[0] if v == last else 0.0)
+        for v in range(last + 1)
+    )
+    bwd_work = tuple(
+        nl * b_layer
+        + half_p2p
+        + (tp.first_edge[1] if v == 0 else 0.0)
+        + (2 * head_time / 3 + tp.last_edge[1] if v == last else 0.0)
+        for v in range(last + 1)
+    )
+    return fwd_work, bwd_work
+
+
+def _stage_nodes(layout: Layout, cluster: Cluster) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """((node, processes), ...) of each pipeline stage's ranks; stage q holds ranks q*ranks ..
+    (q+1)*ranks-1 (a stage's tp*cp*dp ranks)."""
+    pp = layout.pp
+    ranks = layout.world // pp
+    gpn = cluster.gpus_per_node if layout.world % cluster.gpus_per_node == 0 else layout.world
+    return tuple(tuple(sorted(_count_nodes(q * ranks, ranks, gpn).items())) for q in range(pp))
+
+
+def _shared_core_total(cfg: GPTConfig, layout: Layout, cluster: Cluster, m: int, mb: _Microbatch, tail: float) -> float:
+    """CPU: the processes of a node share its cores; the step is the makespan of the pipeline
+    schedule's tasks run under processor sharing (`shared_core_makespan`), each virtual stage's
+    forward and backward of one microbatch priced on one core."""
+    pp, vpp, c = layout.pp, layout.vpp, mb.compute
+    nl = cfg.num_layers / (pp * vpp)
+    ep_layer = mb.moe_layers / c.stage_layers * mb.ep_dir
+    f_layer = c.layer_fwd + mb.tp.fwd + mb.cp_fwd + ep_layer + cluster.overhead_s / 3
+    b_layer = c.layer - c.layer_fwd + mb.tp.bwd + mb.cp_bwd + ep_layer + 2 * cluster.overhead_s / 3
+    fwd_work, bwd_work = _virtual_stage_work(pp * vpp, nl, f_layer, b_layer, mb.p2p / (2 * vpp), mb.tp, c.head)
+    nodes = _stage_nodes(layout, cluster)
+    return shared_core_makespan(
+        layout.schedule, pp, m, vpp, fwd_work, bwd_work, tail, nodes, cluster.cores_per_node, cluster.wait_cpu_share
+    )
+
+
+def _mfu_devices(layout: Layout, cluster: Cluster) -> float:
+    """What MFU divides by: the processes, or the cores they share (CPU, more processes than
+    cores on a node)."""
+    per_node = min(cluster.gpus_per_node, layout.world)
+    if cluster.cores_per_node and per_node > cluster.cores_per_node:
+        return layout.world * cluster.cores_per_node / per_node
+    return layout.world
+
+
 def step_time(
     cfg: GPTConfig,
     layout: Layout,
@@ -556,173 +864,33 @@ def step_time(
     gathered in fp32 (bf16 with `param_dtype="bf16"`). `costs`: `ModelCosts.of(cfg)` when the
     caller has it already (a search over many layouts). No communication.
     """
-    L, h, s = cfg.num_layers, cfg.hidden_size, cfg.seq_len
-    tp, pp, dp, cp, vpp = layout.tp, layout.pp, layout.dp, layout.cp, layout.vpp
-    mbs = layout.micro_batch_size
-    if global_batch_size % (dp * mbs):
-        raise ValueError(f"global batch {global_batch_size} does not split into dp={dp} x micro batches of {mbs}")
-    m = global_batch_size // (dp * mbs)
-    lat = cluster.latency_s
-    slow_lat = cluster.torch_latency_s  # pipeline p2p, ring-CP sends, ZeRO collectives
-
-    def exposed(comm: float, compute: float) -> float:
-        """What of `comm` the overlapped `compute` does not hide (all of it without overlap)."""
-        return max(0.0, comm - compute) if cluster.overlap else comm
-
-    bw = _bandwidths(tp, pp, dp, cp, layout.ep, layout.etp, cluster)
+    pp, vpp = layout.pp, layout.vpp
+    m = _microbatch_count(global_batch_size, layout)
+    bw = _bandwidths(layout.tp, pp, layout.dp, layout.cp, layout.ep, layout.etp, cluster)
     costs = ModelCosts.of(cfg) if costs is None else costs
-    ab = _act_bytes(precision)
-
-    # ---- compute of one microbatch (per rank): a layer's forward, its backward (2x the forward,
-    # plus recomputation), the LM head on the last stage
-    per_token, head = costs.per_token, costs.head
-    layer = (per_token - head) / L
-    core = attention_core_flops_per_token(cfg)  # 4*s*a*d: a*d = h unless model.kv_channels
-    recompute = {"none": 0.0, "selective": core, "full": layer / 3}[layout.recompute]
-    tokens = mbs * s  # one microbatch's tokens of the stage, split over tp*cp ranks
-    stage_layers = L / pp
-    stage = stage_layers * (layer + recompute) + head  # the last stage (the bottleneck) holds the LM head
-    comp = compute_time(stage * tokens / (tp * cp), cluster)
-    layer_time = compute_time((layer + recompute) * tokens / (tp * cp), cluster)
-    layer_fwd = compute_time(layer / 3 * tokens / (tp * cp), cluster)
-    head_time = compute_time(head * tokens / (tp * cp), cluster)
-
-    # ---- tensor parallelism (per layer per microbatch, forward and backward). A TP region's
-    # exchange: one all-reduce, or under SP an all-gather in and a reduce-scatter out, each with
-    # its own latencies (on one CPU host all three through shared memory: mpu/shm_collectives).
-    act = mbs * (s / cp) * h * ab
-    ar = all_reduce_time(act, tp, bw["tp"], lat)
-    ag = all_gather_time(act, tp, bw["tp"], lat)
-    rs = all_gather_time(act, tp, bw["tp"], lat)  # ring reduce-scatter: the all-gather's steps
-    region = ag + rs if layout.sp else ar
-    wgrad = layer_time / 3  # the weight-gradient GEMMs the backward collectives overlap
-    full = layout.recompute == "full"
-    tp_fwd = 2 * region
-    tp_bwd = exposed(2 * region, wgrad) + (2 * region if full else 0.0)  # recomputed forward's
-    # edges: the first stage's vocab-parallel embedding (forward all-reduce; SP: reduce-scatter,
-    # its backward an all-gather) and the last stage's LM head input (backward all-reduce of its
-    # gradient; SP: all-gather forward, reduce-scatter backward)
-    first_edge = (rs, ag) if layout.sp else (ar, 0.0)
-    last_edge = (ag, rs) if layout.sp else (0.0, ar)
-    tp_edges = sum(last_edge) + (sum(first_edge) if pp == 1 else 0.0)
-    tp_mb = stage_layers * (tp_fwd + tp_bwd) + tp_edges
-
-    # ---- context parallelism (per layer per microbatch, forward and backward)
-    kv = 2 * mbs * (s / cp) * cfg.num_kv_heads * cfg.head_dim / tp * ab
-    cp_fwd = cp_bwd = 0.0
-    if cp > 1:
-        if layout.cp_comm == "ring":
-            chunk = kv / 2  # one of this rank's two load-balanced chunks
-            pass_t = chunk / bw["cp"] + slow_lat  # batched isend/irecv (gloo on a CPU)
-            fwd, bwd = 2 * (cp - 1) * pass_t, 2 * 2 * (cp - 1) * pass_t
-            attn_fwd = compute_time(core * tokens / (tp * cp), cluster)  # the attention core's forward
-            cp_fwd, cp_bwd = exposed(fwd, attn_fwd), exposed(bwd, 2 * attn_fwd)
-        else:
-            q = mbs * (s / cp) * attention_width(cfg) / tp * ab  # q and out: a*d wide
-            cp_fwd = cp_bwd = sum(all_to_all_time(x, cp, bw["cp"], lat) for x in (q, kv / 2, kv / 2, q))
-    cp_mb = stage_layers * (cp_fwd + cp_bwd)
-
-    # ---- expert parallelism (per MoE layer per microbatch, each direction)
-    moe_layers = costs.moe_layers / pp
-    ep_dir = 0.0
-    if cfg.is_moe and (layout.ep > 1 or layout.etp > 1):
-        rows = mbs * (s / cp) / tp * cfg.top_k * h * ab  # this rank's tokens' (token, choice) rows
-        a2a = all_to_all_time(rows, layout.ep, bw["ep"], lat)
-        etp_t = all_gather_time(rows * layout.etp, layout.etp, bw["etp"], lat)
-        ep_dir = 2 * a2a + 2 * etp_t  # dispatch + combine (+ etp gather/scatter)
-    ep_mb = moe_layers * 2 * ep_dir
-
-    # ---- pipeline
-    p2p = 0.0
-    if pp > 1:
-        boundary = act / (tp if layout.sp else 1)
-        p2p = vpp * 2 * (boundary / bw["pp"] + slow_lat)  # activation out, its gradient back, per virtual stage
-    per_mb = comp + tp_mb + cp_mb + ep_mb + p2p + stage_layers * cluster.overhead_s
-    bubble = bubble_fraction(pp, m, vpp)
+    mb = _microbatch_times(cfg, layout, cluster, bw, costs, _act_bytes(precision))
+    comp, stage_layers = mb.compute.stage, mb.compute.stage_layers
+    per_mb = comp + mb.tp.per_microbatch + mb.cp + mb.ep + mb.p2p + stage_layers * cluster.overhead_s
     pipeline = per_mb * (m + (pp - 1) / vpp)
-
-    # ---- data parallelism and ZeRO (reduce-scatters and gathers through torch.distributed)
-    replicas = {"dp": dp * cp, "tp_dp": tp * dp * cp, "edp": dp * cp * tp // (layout.ep * layout.etp)}
-    bws = {"dp": bw["dp_cp"], "tp_dp": bw["tp_dp"], "edp": bw["edp"]}
-    pbytes = 2 if param_dtype == "bf16" else 4
-    backward_last = comp * 2 / 3
-    reduce = gather = zero3 = 0.0
-    for g, n in grad_elements.items():
-        r = replicas[g]
-        if r <= 1 or not n:
-            continue
-        if layout.zero <= 1:  # plain fp32 all-reduce: shared memory on one CPU host, like TP's
-            reduce += all_reduce_time(4 * n, r, bws[g], lat)
-        else:
-            reduce += all_gather_time(4 * n, r, bws[g], slow_lat)  # reduce-scatter
-        if layout.zero in (1, 2):
-            gather += all_gather_time(pbytes * n, r, bws[g], slow_lat)
-        if layout.zero == 3:
-            zero3 += 2 * all_gather_time(pbytes * n, r, bws[g], slow_lat)
-    if layout.zero == 3:
-        # per microbatch: parameters gathered for forward and backward, gradients reduce-scattered,
-        # prefetched behind that microbatch's compute
-        zero_exposed = m * exposed(zero3 + reduce, comp)
-        dp_exposed = 0.0
-    else:
-        dp_exposed = exposed(reduce, backward_last)
-        # optim.overlap_param_gather: each bucket's all-gather runs behind the next forward
-        zero_exposed = exposed(gather, comp / 3)
-
-    # ---- optimizer
-    total_params = sum(grad_elements.values())
-    share = total_params if layout.zero == 0 else sum(math.ceil(n / replicas[g]) for g, n in grad_elements.items())
-    optimizer = 28 * share / cluster.mem_bw
-
+    replicas = _grad_replicas(layout)
+    reduce, gather, zero3 = _grad_collectives(layout, cluster, bw, grad_elements, replicas, param_dtype)
+    dp_exposed, zero_exposed = _exposed_dp_zero(layout, cluster, m, comp, reduce, gather, zero3)
+    optimizer = _optimizer_time(layout, cluster, grad_elements, replicas)
     total = pipeline + dp_exposed + zero_exposed + optimizer
-    per_node = min(cluster.gpus_per_node, layout.world)
-    devices = layout.world  # what MFU divides by: the processes, or the cores they share
     terms = {"bandwidths": bw, "replicas": replicas, "dp_reduce": reduce, "zero3_per_microbatch": zero3}
     if cluster.cores_per_node:
-        if per_node > cluster.cores_per_node:
-            devices = layout.world * cluster.cores_per_node / per_node
-        # CPU: the processes of a node share its cores; the step is the makespan of the pipeline
-        # schedule's tasks run under processor sharing (`shared_core_makespan`). One virtual
-        # stage's forward and backward of one microbatch, on one core:
-        nl = L / (pp * vpp)
-        f_layer = layer_fwd + tp_fwd + cp_fwd + moe_layers / stage_layers * ep_dir + cluster.overhead_s / 3
-        b_layer = (
-            layer_time - layer_fwd + tp_bwd + cp_bwd + moe_layers / stage_layers * ep_dir + 2 * cluster.overhead_s / 3
-        )
-        half_p2p = p2p / (2 * vpp)
-        last = pp * vpp - 1
-        fwd_work = tuple(
-            nl * f_layer
-            + half_p2p
-            + (first_edge[0] if v == 0 else 0.0)
-            + (head_time / 3 + last_edge[0] if v == last else 0.0)
-            for v in range(last + 1)
-        )
-        bwd_work = tuple(
-            nl * b_layer
-            + half_p2p
-            + (first_edge[1] if v == 0 else 0.0)
-            + (2 * head_time / 3 + last_edge[1] if v == last else 0.0)
-            for v in range(last + 1)
-        )
-        tail = dp_exposed + zero_exposed + optimizer  # every stage's, as the bottleneck rank's
-        ranks = layout.world // pp  # a stage's tp*cp*dp ranks; stage q holds ranks q*ranks .. (q+1)*ranks-1
-        gpn = cluster.gpus_per_node if layout.world % cluster.gpus_per_node == 0 else layout.world
-        nodes = tuple(tuple(sorted(_count_nodes(q * ranks, ranks, gpn).items())) for q in range(pp))
         terms["dedicated_core_total"] = total
-        total = shared_core_makespan(
-            layout.schedule, pp, m, vpp, fwd_work, bwd_work, tail, nodes, cluster.cores_per_node, cluster.wait_cpu_share
-        )
-    tokens_per_s = global_batch_size * s / total
-    mfu = per_token * tokens_per_s / (devices * cluster.peak_flops)
+        total = _shared_core_total(cfg, layout, cluster, m, mb, dp_exposed + zero_exposed + optimizer)
+    tokens_per_s = global_batch_size * cfg.seq_len / total
+    mfu = costs.per_token * tokens_per_s / (_mfu_devices(layout, cluster) * cluster.peak_flops)
     return StepTime(
         microbatches=m,
         compute_per_microbatch=comp,
-        tp_per_microbatch=tp_mb,
-        cp_per_microbatch=cp_mb,
-        ep_per_microbatch=ep_mb,
-        p2p_per_microbatch=p2p,
-        bubble_fraction=bubble,
+        tp_per_microbatch=mb.tp.per_microbatch,
+        cp_per_microbatch=mb.cp,
+        ep_per_microbatch=mb.ep,
+        p2p_per_microbatch=mb.p2p,
+        bubble_fraction=bubble_fraction(pp, m, vpp),
         pipeline=pipeline,
         dp_exposed=dp_exposed,
         zero_exposed=zero_exposed,
