@@ -421,21 +421,7 @@ class GPT(nn.Module):
         layers = range(cfg.num_layers) if layers is None else layers
         # The MTP depths (last stage) embed shifted tokens: the embedding's copy is needed there too.
         needs_embedding = pre_process or (post_process and (cfg.tie_embeddings or cfg.mtp_depths > 0))
-        self.embed = None
-        if needs_embedding:
-            self.embed = VocabParallelEmbedding(
-                cfg.vocab_size,
-                self.padded_vocab_size,
-                cfg.hidden_size,
-                mesh,
-                init_std=cfg.init_std,
-                device=device,
-                dtype=dtype,
-            )
-            self.embed.weight.tied_embedding_copy = not pre_process
-            # Shared with the LM head: under pp the first and last stage hold a copy each,
-            # whose gradients the reducer sums over `mesh.embedding`.
-            self.embed.weight.tied_across_stages = cfg.tie_embeddings or cfg.mtp_depths > 0
+        self.embed = self._embedding(device, dtype) if needs_embedding else None
         self.pos_embed = None
         if pre_process and cfg.position == "learned":
             self.pos_embed = tag(
@@ -451,44 +437,73 @@ class GPT(nn.Module):
             # a hook point for tools that watch logits (meshtron.verify).
             self.logits_out = nn.Identity()
             if not cfg.tie_embeddings:
-                self.head = ColumnParallelLinear(
-                    cfg.hidden_size,
-                    self.padded_vocab_size,
-                    mesh,
-                    bias=False,
-                    init_std=cfg.init_std,
-                    device=device,
-                    dtype=dtype,
-                )
-                self.head.weight.init_fn = normal_init(
-                    (self.padded_vocab_size, cfg.hidden_size), cfg.init_std, valid_rows=cfg.vocab_size
-                )
-                self.head.weight.valid_rows = cfg.vocab_size
+                self.head = self._untied_head(device, dtype)
         # Multi-token prediction (models/mtp.py): the depths after the final norm, last stage only.
-        self.mtp = None
+        self.mtp = self._mtp_depths(device, dtype) if post_process and cfg.mtp_depths else None
         self.last_mtp_sums: torch.Tensor | None = None  # [D] summed CE per depth of the last forward
-        if post_process and cfg.mtp_depths:
-            backend = "torch" if execution.compile else execution.kernel_backend
 
-            def norm():
-                return Norm(cfg, mesh, device, dtype, backend=backend)
+    def _embedding(self, device, dtype) -> VocabParallelEmbedding:
+        """The vocab-parallel token embedding (rows split over TP), marked as the LM head's tied
+        copy on a stage that does not embed the input."""
+        cfg = self.cfg
+        embed = VocabParallelEmbedding(
+            cfg.vocab_size,
+            self.padded_vocab_size,
+            cfg.hidden_size,
+            self.mesh,
+            init_std=cfg.init_std,
+            device=device,
+            dtype=dtype,
+        )
+        embed.weight.tied_embedding_copy = not self.pre_process
+        # Shared with the LM head: under pp the first and last stage hold a copy each,
+        # whose gradients the reducer sums over `mesh.embedding`.
+        embed.weight.tied_across_stages = cfg.tie_embeddings or cfg.mtp_depths > 0
+        return embed
 
-            self.mtp = nn.ModuleList(
-                MTPDepth(
-                    cfg,
-                    mesh,
-                    k,
-                    enorm=norm(),
-                    hnorm=norm(),
-                    # global index past the main layers: MoE or dense by cfg.is_moe_layer, as
-                    # DeepSeek-V3's MTP layer (index num_hidden_layers) is an MoE layer
-                    block=Block(cfg, mesh, cfg.num_layers + k - 1, device, dtype, execution=execution),
-                    norm=Norm(cfg, mesh, device, dtype, backend=execution.kernel_backend),
-                    device=device,
-                    dtype=dtype,
-                )
-                for k in range(1, cfg.mtp_depths + 1)
+    def _untied_head(self, device, dtype) -> ColumnParallelLinear:
+        """The LM head of untied embeddings: vocab rows split over TP, padding rows zero."""
+        cfg = self.cfg
+        head = ColumnParallelLinear(
+            cfg.hidden_size,
+            self.padded_vocab_size,
+            self.mesh,
+            bias=False,
+            init_std=cfg.init_std,
+            device=device,
+            dtype=dtype,
+        )
+        head.weight.init_fn = normal_init(
+            (self.padded_vocab_size, cfg.hidden_size), cfg.init_std, valid_rows=cfg.vocab_size
+        )
+        head.weight.valid_rows = cfg.vocab_size
+        return head
+
+    def _mtp_depths(self, device, dtype) -> nn.ModuleList:
+        """The multi-token prediction depths 1..cfg.mtp_depths (models/mtp.py), each with its
+        own norms and one transformer block."""
+        cfg, mesh, execution = self.cfg, self.mesh, self.execution
+        backend = "torch" if execution.compile else execution.kernel_backend
+
+        def norm():
+            return Norm(cfg, mesh, device, dtype, backend=backend)
+
+        return nn.ModuleList(
+            MTPDepth(
+                cfg,
+                mesh,
+                k,
+                enorm=norm(),
+                hnorm=norm(),
+                # global index past the main layers: MoE or dense by cfg.is_moe_layer, as
+                # DeepSeek-V3's MTP layer (index num_hidden_layers) is an MoE layer
+                block=Block(cfg, mesh, cfg.num_layers + k - 1, device, dtype, execution=execution),
+                norm=Norm(cfg, mesh, device, dtype, backend=execution.kernel_backend),
+                device=device,
+                dtype=dtype,
             )
+            for k in range(1, cfg.mtp_depths + 1)
+        )
 
     def _rope(self, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for `seq` positions, computed once per (length, device)."""
