@@ -60,6 +60,18 @@ def activation_shape(mesh: Mesh, seq_len: int, micro_batch: int, hidden: int) ->
     return (local // mesh.tp_size if mesh.sequence_parallel else local, micro_batch, hidden)
 
 
+@dataclass
+class _RunState:
+    """One `PipelineExecutor.run`: its result so far, the forwards kept for backward by
+    (microbatch, chunk), and the messages produced but not yet sent (`outbox`) or received but
+    not yet used (`inbox`)."""
+
+    result: PipelineResult
+    saved: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    outbox: dict[Message, torch.Tensor] = field(default_factory=dict)
+    inbox: dict[Message, torch.Tensor] = field(default_factory=dict)
+
+
 class PipelineExecutor:
     """Runs schedules over `chunks` (this rank's model chunks; chunk c is virtual stage
     c * pp + pp_rank), exchanging activations and gradients with the neighbouring stages by
@@ -158,59 +170,87 @@ class PipelineExecutor:
         positions and document ids of packed sequences)."""
         actions = schedules[self.rank]
         batches = self.plan(schedules)
-        result = PipelineResult()
-        saved: dict[tuple[int, int], tuple] = {}
-        outbox: dict[Message, torch.Tensor] = {}  # produced, waiting for their batch
-        inbox: dict[Message, torch.Tensor] = {}  # received, waiting for their action
+        run = _RunState(PipelineResult())
         next_batch = 0
         for index, action in enumerate(actions):
             m, c = action.microbatch, action.chunk
             while next_batch < len(batches) and batches[next_batch].before == index:
-                self._exchange(batches[next_batch], outbox, inbox, result, f"recv_{action.kind}", m, c)
+                self._exchange(batches[next_batch], run.outbox, run.inbox, run.result, f"recv_{action.kind}", m, c)
                 next_batch += 1
-            chunk = self.chunks[c]
-            need = needed_message(action, self.rank, self.pp, self.v)
-            produced = produced_message(action, self.rank, self.pp, self.v)
             if action.kind == "F":
-                if need is None:
-                    x = inputs[m]
-                else:
-                    x = inbox.pop(need)
-                    x.requires_grad_(not forward_only)
-                start = self._clock()
-                out = chunk(x, **(forward_kwargs[m] if forward_kwargs else {}))
-                extra = extra_fn(chunk) if extra_fn is not None else None
-                if produced is None:
-                    loss = loss_fn(chunk, out, m)
-                    result.losses.append(loss.detach())
-                    objective = loss if extra is None else loss + extra
-                    if not forward_only:
-                        saved[(m, c)] = (x, objective, None)
-                else:
-                    # Activations travel in the executor's dtype (autocast may hand back 16-bit ones).
-                    outbox[produced] = out.detach().to(self.dtype).contiguous()
-                    if not forward_only:
-                        saved[(m, c)] = (x, out, extra)
-                result.timeline.append(TimelineEvent("F", m, c, start, self._clock()))
-                result.peak_live_activations = max(result.peak_live_activations, len(saved))
+                kwargs = forward_kwargs[m] if forward_kwargs else {}
+                self._forward(action, run, inputs, kwargs, loss_fn, extra_fn, forward_only)
             else:
-                x, out, extra = saved.pop((m, c))
-                grad = None if need is None else inbox.pop(need)
-                start = self._clock()
-                with before_backward(index, action) if before_backward else contextlib.nullcontext():
-                    if grad is None:
-                        out.backward()
-                    elif extra is None:
-                        torch.autograd.backward(out, grad.to(out.dtype))
-                    else:
-                        torch.autograd.backward([out, extra], [grad.to(out.dtype), torch.ones_like(extra)])
-                if produced is not None:
-                    outbox[produced] = x.grad.contiguous()
-                result.timeline.append(TimelineEvent("B", m, c, start, self._clock()))
+                self._backward(index, action, run, before_backward)
         for batch in batches[next_batch:]:  # the last action's message
-            self._exchange(batch, outbox, inbox, result, "send", actions[-1].microbatch, actions[-1].chunk)
-        if saved:
-            raise RuntimeError(f"pipeline schedule left {len(saved)} forward(s) without backward: {sorted(saved)}")
-        if outbox or inbox:
-            raise RuntimeError(f"pipeline messages left unsent or unused: {sorted(map(str, {**outbox, **inbox}))}")
-        return result
+            self._exchange(batch, run.outbox, run.inbox, run.result, "send", actions[-1].microbatch, actions[-1].chunk)
+        if run.saved:
+            raise RuntimeError(
+                f"pipeline schedule left {len(run.saved)} forward(s) without backward: {sorted(run.saved)}"
+            )
+        if run.outbox or run.inbox:
+            raise RuntimeError(
+                f"pipeline messages left unsent or unused: {sorted(map(str, {**run.outbox, **run.inbox}))}"
+            )
+        return run.result
+
+    def _forward(
+        self,
+        action: Action,
+        run: _RunState,
+        inputs: list[torch.Tensor],
+        kwargs: dict,
+        loss_fn: LossFn,
+        extra_fn: ExtraFn | None,
+        forward_only: bool,
+    ) -> None:
+        """Forward of `action`'s chunk (keyword arguments `kwargs`) on the received activation, or
+        on `inputs[microbatch]` at virtual stage 0: the last stage's loss is recorded, any other output goes to the outbox, and
+        what backward needs is kept in `run.saved` (nothing with `forward_only`). No
+        communication."""
+        m, c = action.microbatch, action.chunk
+        chunk = self.chunks[c]
+        need = needed_message(action, self.rank, self.pp, self.v)
+        produced = produced_message(action, self.rank, self.pp, self.v)
+        if need is None:
+            x = inputs[m]
+        else:
+            x = run.inbox.pop(need)
+            x.requires_grad_(not forward_only)
+        start = self._clock()
+        out = chunk(x, **kwargs)
+        extra = extra_fn(chunk) if extra_fn is not None else None
+        if produced is None:
+            loss = loss_fn(chunk, out, m)
+            run.result.losses.append(loss.detach())
+            objective = loss if extra is None else loss + extra
+            if not forward_only:
+                run.saved[(m, c)] = (x, objective, None)
+        else:
+            # Activations travel in the executor's dtype (autocast may hand back 16-bit ones).
+            run.outbox[produced] = out.detach().to(self.dtype).contiguous()
+            if not forward_only:
+                run.saved[(m, c)] = (x, out, extra)
+        run.result.timeline.append(TimelineEvent("F", m, c, start, self._clock()))
+        run.result.peak_live_activations = max(run.result.peak_live_activations, len(run.saved))
+
+    def _backward(self, index: int, action: Action, run: _RunState, before_backward) -> None:
+        """Backward of `action`'s chunk from the received output gradient (the loss on the last
+        stage), inside `before_backward(index, action)` when given; the input's gradient goes to
+        the outbox. No communication here (gradient reduction hooks may start some)."""
+        m, c = action.microbatch, action.chunk
+        need = needed_message(action, self.rank, self.pp, self.v)
+        produced = produced_message(action, self.rank, self.pp, self.v)
+        x, out, extra = run.saved.pop((m, c))
+        grad = None if need is None else run.inbox.pop(need)
+        start = self._clock()
+        with before_backward(index, action) if before_backward else contextlib.nullcontext():
+            if grad is None:
+                out.backward()
+            elif extra is None:
+                torch.autograd.backward(out, grad.to(out.dtype))
+            else:
+                torch.autograd.backward([out, extra], [grad.to(out.dtype), torch.ones_like(extra)])
+        if produced is not None:
+            run.outbox[produced] = x.grad.contiguous()
+        run.result.timeline.append(TimelineEvent("B", m, c, start, self._clock()))
