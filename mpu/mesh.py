@@ -345,14 +345,7 @@ class Mesh:
             raise ParallelConfigError(f"{self.ranks_per_node} ranks per node do not divide world size {world_size}")
         self.num_nodes = world_size // self.ranks_per_node
         self.node = rank // self.ranks_per_node
-        pp, dp, cp, tp = par.pp, par.dp, par.cp, par.tp
-        ep, etp, edp = par.ep, par.etp, par.edp
-        self.pp_rank, rem = divmod(rank, dp * cp * tp)
-        self.dp_rank, rem = divmod(rem, cp * tp)
-        self.cp_rank, self.tp_rank = divmod(rem, tp)
-        _, rem = divmod(rank, edp * ep * etp)
-        self.edp_rank, rem = divmod(rem, ep * etp)
-        self.ep_rank, self.etp_rank = divmod(rem, etp)
+        self._set_coordinates()
         self.dense_mesh: DeviceMesh | None = None
         self.expert_mesh: DeviceMesh | None = None
         self.tp = self.dp = self.pp = self.ep = self.etp = self.edp = self.tp_dp = self.ep_etp = None
@@ -360,7 +353,29 @@ class Mesh:
         self.embedding = None
         if world_size == 1 or not create_groups:
             return
-        ranks = torch.arange(world_size)
+        self._create_groups()
+
+    def _set_coordinates(self) -> None:
+        """This rank's coordinates on the dense (pp, dp, cp, tp) and expert (pp, edp, ep, etp)
+        grids, tp and etp fastest-varying. No communication."""
+        par = self.par
+        dp, cp, tp = par.dp, par.cp, par.tp
+        ep, etp, edp = par.ep, par.etp, par.edp
+        self.pp_rank, rem = divmod(self.rank, dp * cp * tp)
+        self.dp_rank, rem = divmod(rem, cp * tp)
+        self.cp_rank, self.tp_rank = divmod(rem, tp)
+        _, rem = divmod(self.rank, edp * ep * etp)
+        self.edp_rank, rem = divmod(rem, ep * etp)
+        self.ep_rank, self.etp_rank = divmod(rem, etp)
+
+    def _create_groups(self) -> None:
+        """Every process group of the layout, created by every rank in the same order (torch
+        requires it), keeping the ones that hold this rank: the two device meshes' dims, then
+        the flattened groups (`_create_flattened_groups`)."""
+        par, device_type = self.par, self.device_type
+        pp, dp, cp, tp = par.pp, par.dp, par.cp, par.tp
+        ep, etp, edp = par.ep, par.etp, par.edp
+        ranks = torch.arange(self.world_size)
         self.dense_mesh = DeviceMesh(device_type, ranks.view(pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
         self.expert_mesh = DeviceMesh(
             device_type, ranks.view(pp, edp, ep, etp), mesh_dim_names=("pp", "edp", "ep", "etp")
@@ -373,6 +388,15 @@ class Mesh:
         self.ep = expert.get_group("ep") if ep > 1 else None
         self.etp = expert.get_group("etp") if etp > 1 else None
         self.edp = expert.get_group("edp") if edp > 1 else None
+        self._create_flattened_groups(ranks)
+
+    def _create_flattened_groups(self, ranks: torch.Tensor) -> None:
+        """The groups across mesh dims: a pipeline stage's ranks (`tp_dp`), dp x cp and cp x tp,
+        the first and last stage's tied-embedding pairs, and ep x etp. Every rank creates all
+        of them, in this order."""
+        par, rank = self.par, self.rank
+        pp, dp, cp, tp = par.pp, par.dp, par.cp, par.tp
+        ep, etp, edp = par.ep, par.etp, par.edp
         # dp x cp x tp flattened: every rank of a pipeline stage.
         self.tp_dp = None
         if tp * cp * dp > 1:
