@@ -157,6 +157,15 @@ def test_checked_block_runs_the_fused_residual_norm_and_equals_torch(name, monke
         selfcheck.reset()
     for run in (first, got):
         assert torch.allclose(run[0], want[0], rtol=1e-5, atol=1e-5)
-        assert torch.allclose(run[1], want[1], rtol=1e-4, atol=1e-5)
+        _assert_fp32_close(run[1], want[1], "input gradient")
         for param, g in want[2].items():
-            assert torch.allclose(run[2][param], g, rtol=1e-4, atol=1e-5), param
+            _assert_fp32_close(run[2][param], g, param)
+
+
+def _assert_fp32_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Equal up to fp32 summation order: within 1e-4 relative, or 4e-6 of the tensor's largest
+    magnitude (a few ulps there; a gradient reduced over the batch's tokens in another order,
+    as the fused norm's backward does, differs by that much where it is near zero)."""
+    atol = 4e-6 * float(want.abs().max())
+    worst = float(((got - want).abs() - 1e-4 * want.abs()).max())
+    assert worst <= atol, f"{what}: off by {worst:.2e} beyond 1e-4 relative (allowed {atol:.2e})"
