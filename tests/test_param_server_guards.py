@@ -44,8 +44,12 @@ NO_GROUP = {  # three ranks announced, no process group can form (port 1): check
 }
 
 
-def _torchrun(args: list[str], tmp: Path, env: dict | None = None, nproc: int = 3):
-    return run([*TORCHRUN, f"--nproc_per_node={nproc}", "train.py", *COMMON, *args, f"hydra.run.dir={tmp}"], 60, env, 1)
+def _torchrun(args: list[str], tmp: Path, env: dict | None = None, nproc: int = 3, monitor_s: float | None = None):
+    """torchrun of train.py; `monitor_s`: how often the agent looks for dead ranks (torch's
+    default is 0.1 s, which can SIGTERM the survivors before they report a dead peer)."""
+    monitor = [] if monitor_s is None else [f"--monitor-interval={monitor_s}"]
+    cmd = [*TORCHRUN, *monitor, f"--nproc_per_node={nproc}", "train.py", *COMMON, *args, f"hydra.run.dir={tmp}"]
+    return run(cmd, 60, env, 1)
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -217,7 +221,8 @@ def test_second_run_on_a_locked_dir_is_refused(tmp_path, stopped):
 
 @pytest.mark.timeout(60)
 def test_dead_server_is_one_line_naming_it(tmp_path):
-    out = _torchrun(["trainer.max_steps=6"], tmp_path, env={KILL_SERVER_ENV: "0:2"}, nproc=2)  # 1 worker
+    # the agent looks every 3 s, as one on another node would learn late: the worker must report first
+    out = _torchrun(["trainer.max_steps=6"], tmp_path, env={KILL_SERVER_ENV: "0:2"}, nproc=2, monitor_s=3)  # 1 worker
     assert out.returncode != 0, out.stdout[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("meshtron: parameter server")]
     assert len(lines) == 1, out.stderr[-3000:]
