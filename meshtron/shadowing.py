@@ -33,13 +33,10 @@ def import_installed_instead(name: str, init_file: str) -> None:
     if spec is None or spec.loader is None:
         return
     module = importlib.util.module_from_spec(spec)
-    ours = sys.modules.get(name)
+    ours = sys.modules[name]  # the folder's module, whose import is in progress
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        if ours is not None:
-            sys.modules[name] = ours
-        else:
-            sys.modules.pop(name, None)
+        sys.modules[name] = ours
         raise
