@@ -145,7 +145,7 @@ def test_add_counts_counts_every_index():
 def _train(compile_moe: bool, steps: int = 2):
     """`steps` bf16 training steps of a tiny llama MoE (2 layers, the second MoE) with the MoE
     layer compiled or not; returns the per-step outputs, the weights and the routers' loads."""
-    from torch._dynamo.utils import counters  # imported here: importing dynamo at collection imports
+    from torch._dynamo.utils import counters  # imported here: dynamo imports triton, kept out of collection
 
     from meshtron.dp.grad_reduce import DataParallelGradReducer
     from meshtron.models.config import ExecutionConfig
@@ -153,7 +153,6 @@ def _train(compile_moe: bool, steps: int = 2):
     from meshtron.training.optim import build_optimizer
     from meshtron.training.precision import Precision
     from meshtron.training.step import train_step
-    # triton before the kernel tests set TRITON_INTERPRET, which breaks them when collected later
 
     torch._dynamo.reset()
     counters.clear()
