@@ -431,7 +431,6 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     if arch not in KERNEL_ARCHS.get(kernel, ARCHS):
         return []
     compute = {**{lbl: ctype for lbl, ctype, _ in PRECISIONS}, "fp8": "fp8"}[label]
-    fn = _kernel_fns()[kernel]
     candidates, shape = _candidates(kernel, launch)
     if shape is None:
         label = compute  # no dot: the fp32 launches are one whatever the TF32 policy
@@ -443,56 +442,18 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
     gemm_args = elem = None
     if shape is not None:
         elem = {"fp32": 4, "fp8": 1}.get(compute, 2)
-        factor = 2 if shape["dual"] and base.get(shape["dual"]) else 1
-        gemm_args = dict(
-            a_tiles=shape["a_tiles"] * factor,
-            b_tiles=shape["b_tiles"] * factor,
-            accumulators=shape["accumulators"],
-            dims=shape["dims"],
-        )
-        try:
-            candidates = cfgs.prune_gemm_configs(
-                candidates, cfgs.ARCH_LIMITS[arch], elem, **gemm_args, fma=label == "fp32-ieee"
-            )
-        except RuntimeError:
-            candidates = []
+        gemm_args = _gemm_prune_args(shape, base)
+        candidates = _prune_for_arch(candidates, arch, elem, gemm_args, fma=label == "fp32-ieee")
     if not candidates:
         return [Case(kernel, label, arch, {}, {}, {}, variant=variant)]  # reported as "no config"
     cases = []
     for config in candidates:
         constexprs = {**base, **config.kwargs}
-        signature, divisible = {}, []
-        # `do_not_specialize` arguments: never constexpr 1 nor hinted divisible (an interpreted
-        # function, when the capture runs in this process, does not say: none then)
-        generic = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ()) or ()}
-        for i, name in enumerate(fn.arg_names):
-            desc = launch["args"].get(name)
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif desc is None:
-                raise RuntimeError(f"{kernel}: argument {name} was not captured")
-            elif desc["type"] == "constexpr":  # None (an unused operand) or a bool passed positionally
-                signature[name] = "constexpr"
-                constexprs[name] = desc["value"]
-            elif desc["type"] == "tensordesc":  # block shape of this config (kernels/gemm.py)
-                block = gemm_blocks(kernel, constexprs)[name]
-                signature[name] = f"tensordesc<{desc['dtype']}[{', '.join(map(str, block))}]>"
-            elif name in generic:
-                signature[name] = desc["type"]
-            elif desc["type"] == "i32" and desc["one"]:
-                signature[name] = "constexpr"
-                constexprs[name] = 1  # Triton specialises ints equal to 1
-            else:
-                signature[name] = desc["type"]
-                if desc.get("aligned") or desc.get("div16"):
-                    divisible.append(i)
+        signature, divisible = _specialise(kernel, launch, constexprs)
         gemm = None
         if gemm_args is not None:
-            gemm = {
-                "estimate": cfgs.config_shared_bytes(
-                    config, elem, gemm_args["a_tiles"], gemm_args["b_tiles"], gemm_args["dims"]
-                )
-            }
+            dims = (gemm_args["a_tiles"], gemm_args["b_tiles"], gemm_args["dims"])
+            gemm = {"estimate": cfgs.config_shared_bytes(config, elem, *dims)}
         cases.append(
             Case(
                 kernel,
@@ -507,6 +468,61 @@ def _cases_of(launch: dict, arch: int) -> list[Case]:
             )
         )
     return cases
+
+
+def _gemm_prune_args(shape: dict, constexprs: dict) -> dict:
+    """`prune_gemm_configs`' operand description of a GEMM kernel's launch: its A/B tile counts
+    (doubled when the launch's dual-operand flag is on), accumulators and dims."""
+    factor = 2 if shape["dual"] and constexprs.get(shape["dual"]) else 1
+    return dict(
+        a_tiles=shape["a_tiles"] * factor,
+        b_tiles=shape["b_tiles"] * factor,
+        accumulators=shape["accumulators"],
+        dims=shape["dims"],
+    )
+
+
+def _prune_for_arch(candidates: list, arch: int, elem: int, gemm_args: dict, fma: bool) -> list:
+    """The GEMM configs that fit `arch`'s shared memory and registers; none when the pruning
+    refuses every one (reported as "no config")."""
+    from meshtron.kernels import configs as cfgs
+
+    try:
+        return cfgs.prune_gemm_configs(candidates, cfgs.ARCH_LIMITS[arch], elem, **gemm_args, fma=fma)
+    except RuntimeError:
+        return []
+
+
+def _specialise(kernel: str, launch: dict, constexprs: dict) -> tuple[dict, list]:
+    """(signature, divisible argument indices) of a launch under one config, as Triton
+    specialises at run time; adds the arguments it turns constexpr to `constexprs`."""
+    fn = _kernel_fns()[kernel]
+    signature, divisible = {}, []
+    # `do_not_specialize` arguments: never constexpr 1 nor hinted divisible (an interpreted
+    # function, when the capture runs in this process, does not say: none then)
+    generic = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ()) or ()}
+    for i, name in enumerate(fn.arg_names):
+        desc = launch["args"].get(name)
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif desc is None:
+            raise RuntimeError(f"{kernel}: argument {name} was not captured")
+        elif desc["type"] == "constexpr":  # None (an unused operand) or a bool passed positionally
+            signature[name] = "constexpr"
+            constexprs[name] = desc["value"]
+        elif desc["type"] == "tensordesc":  # block shape of this config (kernels/gemm.py)
+            block = gemm_blocks(kernel, constexprs)[name]
+            signature[name] = f"tensordesc<{desc['dtype']}[{', '.join(map(str, block))}]>"
+        elif name in generic:
+            signature[name] = desc["type"]
+        elif desc["type"] == "i32" and desc["one"]:
+            signature[name] = "constexpr"
+            constexprs[name] = 1  # Triton specialises ints equal to 1
+        else:
+            signature[name] = desc["type"]
+            if desc.get("aligned") or desc.get("div16"):
+                divisible.append(i)
+    return signature, divisible
 
 
 def gemm_blocks(kernel: str, constexprs: dict) -> dict:
