@@ -315,61 +315,51 @@ def trace_layer(
     (none | selective | full) for one microbatch on a tp (x sp) x cp rank (seq_len / cp tokens). Terms: norm1, attn,
     norm2, mlp and "block" (the block's own ops: residual dropout masks; its input under full
     recompute); `after_mark` is what the MLP half (from norm2 on) saves."""
-    from meshtron.models.gpt import Block
-    from meshtron.models.rope import rope_tables
-
-    traced_cfg = dataclasses.replace(cfg, **({"capacity_factor": None} if cfg.is_moe_layer(index) else {}))
-    key = (
-        "layer",
-        repr(traced_cfg),
-        mode,
-        cfg.is_moe_layer(index),
-        micro_batch_size,
-        tp,
-        sp,
-        precision,
-        device,
-        cp,
-        cp_comm,
-    )
+    is_moe = cfg.is_moe_layer(index)
+    traced_cfg = dataclasses.replace(cfg, **({"capacity_factor": None} if is_moe else {}))
+    key = ("layer", repr(traced_cfg), mode, is_moe, micro_batch_size, tp, sp, precision, device, cp, cp_comm)
 
     def measure() -> SavedTrace:
-        block = Block(
-            traced_cfg,
-            _mesh(cfg, tp, sp, cp=cp, cp_comm=cp_comm),
-            index,
-            device="meta",
-            execution=ExecutionConfig(recompute=mode),
-        )
+        from meshtron.models.gpt import Block
+
+        mesh = _mesh(cfg, tp, sp, cp=cp, cp_comm=cp_comm)
+        block = Block(traced_cfg, mesh, index, device="meta", execution=ExecutionConfig(recompute=mode))
         block.train()
         with _traced(block, precision, device) as saved:
             x = torch.empty(_tokens_sp(cfg, tp, sp, cp), micro_batch_size, cfg.hidden_size, requires_grad=True)
-            rope = (
-                rope_tables(cfg.seq_len // cp, cfg.rope_dim, cfg.rope_theta, x.device, cfg.rope_scaling)
-                if cfg.position == "rope"
-                else ()
-            )
-            rope_ids = _storage_ids(rope)
-            saved.excluded |= rope_ids
-            saved.term = "block"
-            marked = {}
-
-            def mark(_m, _args):
-                marked["before"] = sum(saved.terms.values())
-
-            handle = block.norm2.register_forward_pre_hook(mark)
-            with saved.hooks(), saved.children_as_terms(block):
-                block(x, rope or None)
-            handle.remove()
-            shared = sum(
-                t.untyped_storage().nbytes() for t in rope if t.untyped_storage()._cdata in saved.saved_excluded
-            )
-            total = sum(saved.terms.values())
-            # Under full recompute the first pass runs without grad: nothing is saved after norm2.
-            after = total - marked.get("before", total)
-            return SavedTrace(total, dict(saved.terms), after, shared)
+            return _saved_by_block(block, x, _rope_of(cfg, cp, x.device), saved)
 
     return _cached(key, measure)
+
+
+def _rope_of(cfg: GPTConfig, cp: int, device: torch.device) -> tuple:
+    """The rotary tables a block of a cp rank receives (seq_len / cp positions); () without RoPE."""
+    from meshtron.models.rope import rope_tables
+
+    if cfg.position != "rope":
+        return ()
+    return rope_tables(cfg.seq_len // cp, cfg.rope_dim, cfg.rope_theta, device, cfg.rope_scaling)
+
+
+def _saved_by_block(block, x: torch.Tensor, rope: tuple, saved) -> SavedTrace:
+    """Run `block` once under the `saved` tracer (its children as terms, the block's own ops
+    as "block", the shared rope tables excluded) and split the bytes at norm2."""
+    saved.excluded |= _storage_ids(rope)
+    saved.term = "block"
+    marked = {}
+
+    def mark(_m, _args):
+        marked["before"] = sum(saved.terms.values())
+
+    handle = block.norm2.register_forward_pre_hook(mark)
+    with saved.hooks(), saved.children_as_terms(block):
+        block(x, rope or None)
+    handle.remove()
+    shared = sum(t.untyped_storage().nbytes() for t in rope if t.untyped_storage()._cdata in saved.saved_excluded)
+    total = sum(saved.terms.values())
+    # Under full recompute the first pass runs without grad: nothing is saved after norm2.
+    after = total - marked.get("before", total)
+    return SavedTrace(total, dict(saved.terms), after, shared)
 
 
 def _trace_end_chunk(
