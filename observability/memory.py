@@ -124,7 +124,10 @@ class PeakMeter:
     measured one rank's peak 1.1 MB low that way), so frees of memory from before the block are
     left out, and successive calls leave no gap in which their own frees go unseen. Python's
     cycle collector is off inside the block: what a cycle holds is freed at a fixed point, not
-    whenever the collector happens to run."""
+    whenever the collector happens to run. Frees made on threads the profiler does not record
+    are never seen, so with a gloo process group a CPU reading can only be high: a tensor whose
+    last reference a gloo worker drops with its finished Work stays counted (seen: +32-128 KiB
+    a step on random ranks of a world of 4; tests/distributed/rehearse_cases.py)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
