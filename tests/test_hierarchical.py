@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,6 +20,7 @@ from meshtron.mpu.mesh import ParallelConfig, ParallelConfigError
 from meshtron.training.config import ConfigError, RunConfig
 from meshtron.training.run_checks import check_run_config
 from tests.distributed.registry import WORLD_TIMEOUT_S, assert_case_passed, params
+from tests.test_dead_peer import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,12 +73,6 @@ def test_forced_hierarchical_refuses_what_it_cannot_do():
         check_run_config(run, 3, ranks_per_node=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_two_agent_bench_counts_the_inter_node_bytes_of_the_formulas():
@@ -86,7 +80,7 @@ def test_two_agent_bench_counts_the_inter_node_bytes_of_the_formulas():
     ring sends 2(n-1)/n x B across nodes from each node's last rank, the hierarchical one
     2(N-1)/N x B/L from every rank (3x less at the busiest rank, 1.5x less in total), with the
     same reduced gradients."""
-    port, job = _free_port(), f"meshtron-hier-{uuid.uuid4().hex[:8]}"
+    port, job = free_port(), f"meshtron-hier-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
@@ -158,7 +152,7 @@ def test_two_agent_training_selects_it_and_gives_the_single_process_losses(tmp_p
         timeout=120,
     )
     assert serial.returncode == 0, serial.stderr[-3000:]
-    port, job = _free_port(), f"meshtron-hier-{uuid.uuid4().hex[:8]}"
+    port, job = free_port(), f"meshtron-hier-{uuid.uuid4().hex[:8]}"
     procs = [
         subprocess.Popen(
             [

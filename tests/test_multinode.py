@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.test_dead_peer import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -29,12 +30,6 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -43,7 +38,7 @@ def two_agents(args: list[str], timeout: float, nproc: tuple[int, int] = (1, 1))
     """Run `train.py args` under two torchrun agents on this host forming one 2-node job
     (`nproc` ranks on each); returns both agents' results. c10d, not start order (and not
     --node_rank, which it ignores), decides which agent is node 0 and runs rank 0."""
-    port, job = _free_port(), f"meshtron-test-{uuid.uuid4().hex[:8]}"
+    port, job = free_port(), f"meshtron-test-{uuid.uuid4().hex[:8]}"
     procs = [
         subprocess.Popen(
             [

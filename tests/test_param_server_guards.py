@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from meshtron.training.param_server import KILL_SERVER_ENV
+from tests.test_dead_peer import free_port
 from tests.test_train_cli import ROOT, TORCHRUN, metrics, run
 
 COMMON = [
@@ -217,17 +218,11 @@ def test_second_run_on_a_locked_dir_is_refused(tmp_path, stopped):
     assert _snapshot(mine) == before and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _one_rank_per_node(args: list[str], tmp: Path, env: dict, world: int, timeout: float) -> list[tuple[int, str]]:
     """train.py with each rank its own "node" (no torchrun agent that would SIGTERM the
     survivors when one rank dies, as an agent on another node would not): (returncode,
     stderr) per rank; ranks still alive after `timeout` are killed and reported as -9."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         rank_env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1", **env)

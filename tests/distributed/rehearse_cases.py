@@ -123,14 +123,14 @@ def _check(layout: str) -> None:
 
 
 def _any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is true on one (an all-reduce over the world): the ranks
-    measure again together, or not at all."""
+    """True on every rank when `flag` is true on one (a max over the world): the ranks measure
+    again together, or not at all."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    from meshtron.mpu.mappings import all_reduce_stats
+
+    return bool(all_reduce_stats(torch.tensor([float(flag)]), dist.group.WORLD, op="max").item())
 
 
 def _case(layout: str):
