@@ -35,6 +35,8 @@ from tests.test_checkpoint import _FillingDisk, _step, _trained
 from tests.test_resume_cli import COMMON, _losses, _start, _wait_for, reference  # noqa: F401 (fixture)
 from tests.test_train_cli import metrics, run
 
+pytestmark = pytest.mark.serial  # staging is bounded in seconds and a slowed write must overlap two steps
+
 
 def _params_and_moments(model, optimizer) -> dict[str, torch.Tensor]:
     moments, step = optimizer.param_moments()

@@ -29,6 +29,8 @@ from meshtron.mpu import waits
 from meshtron.mpu.waits import PeerGoneError, process_gone, process_identity
 from meshtron.observability.watchdog import describe_collective_error, is_collective_failure
 
+pytestmark = pytest.mark.serial  # a dead peer must be noticed within seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY = [

@@ -224,7 +224,10 @@ def test_readme_test_command_is_what_ci_runs():
     """.ci/run takes the first non-fence line after the marker as the suite's command."""
     after = README.read_text().split("<!-- test-command -->", 1)[1].splitlines()
     command = next(line for line in after if line.strip() and not line.startswith("```"))
-    assert command == ".venv/bin/python -m pytest -q -p no:cacheprovider"
+    assert command == (
+        '.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial" && '
+        ".venv/bin/python -m pytest -q -p no:cacheprovider -m serial"
+    )
 
 
 # The checkers themselves: each must fail on what it exists to catch.

@@ -262,6 +262,7 @@ def test_strict_triton_backend_raises(monkeypatch):
         two_steps("triton")
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_ranks_agree_on_every_kernel():
     cases = [

@@ -24,6 +24,8 @@ from meshtron.training.param_server import KILL_SERVER_ENV
 from tests.test_dead_peer import free_port
 from tests.test_train_cli import ROOT, TORCHRUN, metrics, run
 
+pytestmark = pytest.mark.serial  # servers and workers race against deadlines and signals
+
 COMMON = [
     "parallel.dp_mode=ps",
     "parallel.servers=1",

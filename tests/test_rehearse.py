@@ -114,6 +114,7 @@ def _real_world_results() -> dict:
     return run_world(rehearse_cases.WORLD, cases, timeout=280.0, collective_timeout=60.0, backend="recorded_gloo")
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", rehearse_cases.CASES)
 def test_every_rank_rehearsed_issues_the_real_runs_calls_and_peak(layout):

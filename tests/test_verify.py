@@ -38,6 +38,7 @@ def loss_rows(stdout: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines() if line.strip()[:1].isdigit()]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "overrides, world",
@@ -95,6 +96,7 @@ DEEPSEEK_OVERRIDES = [
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "overrides, kept",
@@ -126,6 +128,7 @@ def test_model_families_pass(overrides, kept):
     assert "PASS:" in out.stdout.splitlines()[-1]
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_injected_fault_is_named():
     """Norm weights' gradients summed over the wrong group (tp instead of their data replicas):

@@ -15,6 +15,8 @@ import pytest
 
 from meshtron.observability.watchdog import StepWatchdog, describe_collective_error, is_collective_failure, mesh_coords
 
+pytestmark = pytest.mark.serial  # a watchdog's firing time is bounded (1.5-10 s)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
