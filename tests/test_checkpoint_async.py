@@ -19,9 +19,8 @@ from torch import nn
 
 from meshtron.dp.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.training import checkpoint
+from meshtron.training import dcp_io
 from meshtron.training.checkpoint import (
-    WRITE_DELAY_ENV,
     AsyncCheckpointer,
     TrainState,
     load_checkpoint,
@@ -137,7 +136,7 @@ def test_async_save_writes_the_same_checkpoint(tmp_path, zero):
 def test_training_goes_on_while_a_slowed_writer_runs(tmp_path, monkeypatch):
     """With a writer slowed by the test hook, steps run while the save is in flight; the
     checkpoint holds the state at the save (staged copy), not the weights trained after it."""
-    monkeypatch.setenv(WRITE_DELAY_ENV, "1.0")
+    monkeypatch.setenv(dcp_io.WRITE_DELAY_ENV, "1.0")
     cfg = model_config("gpt2")
     model, reducer, optimizer, mesh, _ = _trained(cfg, 2)
     at_save = _params_and_moments(model, optimizer)
@@ -172,9 +171,9 @@ def test_background_failure_surfaces_at_the_next_save_and_wait(tmp_path, monkeyp
     args = ([model], optimizer, mesh)
     saver.save(tmp_path, TrainState(step=1), *args, model_config=dataclasses.asdict(cfg))
     previous = saver.wait()
-    real_init = checkpoint._ChecksummedFile.__init__
+    real_init = dcp_io.ChecksummedFile.__init__
     monkeypatch.setattr(
-        checkpoint._ChecksummedFile,
+        dcp_io.ChecksummedFile,
         "__init__",
         lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error),
     )
@@ -237,7 +236,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous(tmp_path, r
         "checkpoint.every=2",
         "checkpoint.keep=null",
         "checkpoint.async=true",
-        env={WRITE_DELAY_ENV: "1.5"},
+        env={dcp_io.WRITE_DELAY_ENV: "1.5"},
     )
 
     def mid_write() -> bool:
