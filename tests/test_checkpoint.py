@@ -19,7 +19,7 @@ import torch
 
 from meshtron.dp.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.training import checkpoint, dcp_io
+from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
     LOCK_FILE,
     TrainState,
@@ -248,9 +248,9 @@ def test_failed_save_names_the_file_and_keeps_the_previous(tmp_path, monkeypatch
     cfg = model_config("gpt2")
     model, _, optimizer, mesh, _ = _trained(cfg, 1)
     previous = _save(tmp_path, model, optimizer, mesh, cfg, 1)
-    real_init = dcp_io.ChecksummedFile.__init__
+    real_init = checkpoint._ChecksummedFile.__init__
     monkeypatch.setattr(
-        dcp_io.ChecksummedFile,
+        checkpoint._ChecksummedFile,
         "__init__",
         lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error),
     )
@@ -370,23 +370,3 @@ def test_unwritable_checkpoint_dir_is_refused(tmp_path, monkeypatch):
     ):
         with hold_checkpoint_dir(tmp_path):
             pass
-
-
-def test_dcp_is_imported_only_when_a_checkpoint_is_read_or_written(tmp_path):
-    """train.py's imports leave `torch.distributed.checkpoint` out (about 0.7 s per process);
-    a save brings it in through training/dcp_io.py."""
-    code = (
-        "import sys\n"
-        "import train\n"
-        "print('torch.distributed.checkpoint' in sys.modules)\n"
-        "from meshtron.training.checkpoint import TrainState, save_checkpoint\n"
-        "from meshtron.mpu.mesh import single_process_mesh\n"
-        "import torch\n"
-        f"save_checkpoint({str(tmp_path)!r}, TrainState(step=1), [torch.nn.Linear(2, 2)], None,"
-        " single_process_mesh(), model_config={})\n"
-        "print('torch.distributed.checkpoint' in sys.modules)\n"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["False", "True"]

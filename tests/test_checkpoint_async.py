@@ -19,8 +19,9 @@ from torch import nn
 
 from meshtron.dp.distributed_optimizer import ShardedAdamW
 from meshtron.mpu.mesh import single_process_mesh
-from meshtron.training import dcp_io
+from meshtron.training import checkpoint
 from meshtron.training.checkpoint import (
+    WRITE_DELAY_ENV,
     AsyncCheckpointer,
     TrainState,
     load_checkpoint,
@@ -136,7 +137,7 @@ def test_async_save_writes_the_same_checkpoint(tmp_path, zero):
 def test_training_goes_on_while_a_slowed_writer_runs(tmp_path, monkeypatch):
     """With a writer slowed by the test hook, steps run while the save is in flight; the
     checkpoint holds the state at the save (staged copy), not the weights trained after it."""
-    monkeypatch.setenv(dcp_io.WRITE_DELAY_ENV, "1.0")
+    monkeypatch.setenv(WRITE_DELAY_ENV, "1.0")
     cfg = model_config("gpt2")
     model, reducer, optimizer, mesh, _ = _trained(cfg, 2)
     at_save = _params_and_moments(model, optimizer)
@@ -171,9 +172,9 @@ def test_background_failure_surfaces_at_the_next_save_and_wait(tmp_path, monkeyp
     args = ([model], optimizer, mesh)
     saver.save(tmp_path, TrainState(step=1), *args, model_config=dataclasses.asdict(cfg))
     previous = saver.wait()
-    real_init = dcp_io.ChecksummedFile.__init__
+    real_init = checkpoint._ChecksummedFile.__init__
     monkeypatch.setattr(
-        dcp_io.ChecksummedFile,
+        checkpoint._ChecksummedFile,
         "__init__",
         lambda self, file, path, on_error: real_init(self, _FillingDisk(file), path, on_error),
     )
@@ -236,7 +237,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous(tmp_path, r
         "checkpoint.every=2",
         "checkpoint.keep=null",
         "checkpoint.async=true",
-        env={dcp_io.WRITE_DELAY_ENV: "1.5"},
+        env={WRITE_DELAY_ENV: "1.5"},
     )
 
     def mid_write() -> bool:

@@ -17,10 +17,6 @@ of the global moment tensors it covers (`training.sharded_state.flat_range_piece
 names and global shapes as unsharded moments, so the optimizer layout does not matter either:
 a load reads each rank's local moments from whichever boxes overlap them.
 
-Everything that subclasses or imports DCP is in training/dcp_io.py, imported by the functions
-here that write or read a checkpoint: a run that never checkpoints does not pay DCP's import
-(about 0.7 s per process).
-
 Asynchronous saves (`checkpoint.async=true`, `AsyncCheckpointer`): the state is copied to host
 memory on the training thread, then written by a background thread with the very same code
 (`_write_checkpoint`), so atomicity, checksums, the manifest and `keep` are unchanged; one
@@ -44,7 +40,7 @@ half-deleted folder is invalid too); later steps (left by an earlier run, perhap
 are kept until this run saves the same step over them.
 
 Checksums: zlib's CRC32 of every file, computed while DCP writes it: the writer's file
-streams hash each buffer on its way to the file (`ChecksummingFileSystem` in training/dcp_io.py), so no byte is
+streams hash each buffer on its way to the file (`_ChecksummingFileSystem`), so no byte is
 read back. CRC32 is the fastest whole-buffer check in the standard library (about 3 GB/s
 on one core, over 2x blake2b) and catches all accidental damage (overwritten blocks,
 truncation, another run's file of the same size) but is no defence against deliberate
@@ -97,12 +93,16 @@ import sys
 import threading
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from meshtron.dp import zero3
 from meshtron.dp.adamw import TrainingOptimizer
@@ -115,6 +115,7 @@ from meshtron.training.checkpoint_files import (
     META_FILE,
     STEP_DIR,
     CheckpointError,
+    VerifyingReader,
     checkpoint_error_in,
     describe_os_error,
     list_checkpoints,
@@ -122,7 +123,9 @@ from meshtron.training.checkpoint_files import (
     step_folders,
 )
 from meshtron.training.sharded_state import (
+    ShardLoadPlanner,
     ShardPiece,
+    ShardSavePlanner,
     flat_range_pieces,
     global_shape,
     shard_piece,
@@ -130,6 +133,7 @@ from meshtron.training.sharded_state import (
 
 VERSION = 2  # 2: files carry {"bytes", "crc32"}; 1: sizes only (still read)
 LOCK_FILE = ".meshtron.lock"
+WRITE_DELAY_ENV = "MESHTRON_TEST_CHECKPOINT_WRITE_DELAY_S"  # test hook: seconds before each file's first write
 _SINGLE_PROCESS_WARNING = ".*assuming the intent is to .* in a single process.*"
 # DCP warns that it assumes a single process when no group is initialised: intended here. A
 # background save cannot use `warnings.catch_warnings` (not thread-safe), hence a filter for
@@ -275,7 +279,98 @@ def _restore_rng(blob: bytes) -> None:
 # ---------------------------------------------------------------------------------- save
 
 
-def _os_error_in(err: BaseException) -> str | None:
+class _ChecksummedFile:
+    """A binary file being written that keeps the CRC32 and byte count of what went into
+    it; an OSError from the file is re-raised naming its path and reported to `on_error`."""
+
+    def __init__(self, file, path: Path, on_error):
+        self._file, self.path, self._on_error = file, path, on_error
+        self.crc, self.size = 0, 0
+
+    def write(self, data) -> int:
+        if self.size == 0 and os.environ.get(WRITE_DELAY_ENV):  # tests: a writer slow enough to interrupt
+            time.sleep(float(os.environ[WRITE_DELAY_ENV]))
+        written = self._io(self._file.write, data)
+        self.crc = zlib.crc32(memoryview(data).cast("B")[:written], self.crc)
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def flush(self) -> None:
+        self._io(self._file.flush)
+
+    def close(self) -> None:
+        self._io(self._file.close)
+
+    def _io(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as err:
+            named = OSError(err.errno, err.strerror, str(self.path))
+            self._on_error(named)
+            raise named from err
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local filesystem, recording {file name: (crc32, bytes)} of every file written
+    through it (`.metadata` under its final name after DCP's rename from `.metadata.tmp`) and
+    the first OSError of a write."""
+
+    def __init__(self):
+        super().__init__()
+        self.sums: dict[str, tuple[int, int]] = {}
+        self.write_error: OSError | None = None
+
+    def _record_error(self, err: OSError) -> None:
+        self.write_error = self.write_error or err
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        path = Path(path)
+        try:
+            file = path.open("wb")
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        stream = _ChecksummedFile(file, path, self._record_error)
+        try:
+            yield stream
+        finally:
+            stream.close()
+        self.sums[path.name] = (stream.crc, stream.size)
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        self.sums[Path(new_path).name] = self.sums.pop(Path(path).name)
+
+
+class _ChecksummingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter through a `_ChecksummingFileSystem` (`fs.sums`: this rank's file
+    checksums). torch.save hides a failed write behind its own RuntimeError ('unexpected pos'
+    from closing the zip container): the write's OSError, naming the file, is raised instead."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.fs = _ChecksummingFileSystem()
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except RuntimeError:
+            if self.fs.write_error is None:
+                raise
+            raise self.fs.write_error from None
+
+
+def _os_error_in(err: CheckpointException) -> str | None:
     """'rank R: <file>: <cause>' of the first rank whose DCP step failed with an OSError, or None
     when the failures are not I/O errors (programming errors: they keep their traceback)."""
     for rank, (failure, _) in sorted(err.failures.items()):
@@ -457,22 +552,20 @@ def _write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
 
     _on_main_agreed(prepare, failed, coordination)
-    from meshtron.training import dcp_io  # imports DCP: only where a checkpoint is written or read
-
-    writer = dcp_io.ChecksummingWriter(tmp)
+    writer = _ChecksummingWriter(tmp)
     try:
         if group == "world":
             with _single_process_quiet():
-                dcp_io.dcp.save(state, storage_writer=writer, planner=dcp_io.ShardSavePlanner(flatten_state_dict=False))
+                dcp.save(state, storage_writer=writer, planner=ShardSavePlanner(flatten_state_dict=False))
         else:  # a background thread: an explicit group; DCP's single-process warning is filtered for good below
-            dcp_io.dcp.save(
+            dcp.save(
                 state,
                 storage_writer=writer,
-                planner=dcp_io.ShardSavePlanner(flatten_state_dict=False),
+                planner=ShardSavePlanner(flatten_state_dict=False),
                 process_group=group,
                 no_dist=group is None,
             )
-    except dcp_io.CheckpointException as err:
+    except CheckpointException as err:
         cause = _os_error_in(err)
         if cause is None:
             raise
@@ -599,7 +692,7 @@ class AsyncCheckpointer:
 def _single_process_quiet():
     """DCP warns that it assumes a single process when no group is initialised: that is intended."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process.*")
         yield
 
 
@@ -629,12 +722,9 @@ def read_full_tensors(path: str | Path, names: tuple[str, ...], shapes: dict) ->
     in the checkpoint at `path`, whatever layout saved them (`shapes`: `expected_model_shapes`
     of its model): only those tensors are read. One process, no group (export reads a model one
     conversion unit at a time)."""
-    from meshtron.training import dcp_io  # imports DCP: only where a checkpoint is written or read
-
     state = {f"model/{n}": torch.empty(shapes[f"model/{n}"]) for n in names}
-    reader, planner = dcp_io.dcp.FileSystemReader(path), dcp_io.ShardLoadPlanner(flatten_state_dict=False)
     with _single_process_quiet():
-        dcp_io.dcp.load(state, storage_reader=reader, planner=planner)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(flatten_state_dict=False))
     return [state[f"model/{n}"] for n in names]
 
 
@@ -673,12 +763,10 @@ def check_compatible(path: str | Path, model_cfg, *, resume: bool = True) -> dic
     the model config recorded in its manifest; returns its meta. Rank-independent: run it
     before any process group. A shape mismatch names the tensor (and the config fields that
     differ); same shapes under a different model name the fields, saved and configured."""
-    from meshtron.training import dcp_io  # imports DCP: only where a checkpoint is written or read
-
     path = Path(path)
     meta = read_meta(path)
     try:
-        metadata = dcp_io.dcp.FileSystemReader(path).read_metadata()
+        metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as err:  # noqa: BLE001 (any read error means the same thing here)
         raise CheckpointError(
             f"checkpoint {path}: cannot read the DCP metadata ({err}); the checkpoint is corrupt"
@@ -958,13 +1046,11 @@ def _read_verified(state: dict, path: Path, meta: dict) -> None:
     """`dcp.load` of `state` from `path`, each rank first checking the CRC32 of exactly the
     files its plan reads (`VerifyingReader`); a corrupt file or an I/O error on any rank is the
     same CheckpointError on every rank (DCP gathers the failures over the default group)."""
-    from meshtron.training import dcp_io  # imports DCP: only where a checkpoint is written or read
-
-    reader = dcp_io.VerifyingReader(path, meta.get("files", {}))
+    reader = VerifyingReader(path, meta.get("files", {}))
     try:
         with torch.no_grad(), _single_process_quiet():
-            dcp_io.dcp.load(state, storage_reader=reader, planner=dcp_io.ShardLoadPlanner(flatten_state_dict=False))
-    except dcp_io.CheckpointException as err:
+            dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(flatten_state_dict=False))
+    except CheckpointException as err:
         corrupt = checkpoint_error_in(err)
         if corrupt is not None:
             raise corrupt from None

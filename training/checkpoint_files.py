@@ -24,6 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
 from meshtron.training.distributed import launcher_env
 
 FORMAT = "meshtron-checkpoint"
@@ -165,7 +168,26 @@ def check_complete(path: str | Path) -> dict:
     return meta
 
 
-def checkpoint_error_in(err: BaseException) -> CheckpointError | None:
+class VerifyingReader(dcp.FileSystemReader):
+    """DCP's file reader that first checks the CRC32 of every file this rank's load plan reads
+    against `files` (the manifest's {name: {"bytes", "crc32"}}), raising CheckpointError naming
+    the first corrupt one before reading any. `verified`: the names checked, in order."""
+
+    def __init__(self, path: str | Path, files: dict):
+        super().__init__(path)
+        self.files = files
+        self.verified: list[str] = []
+
+    def read_data(self, plan, planner):
+        names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        for name in names:
+            if name in self.files:
+                check_file_crc(Path(self.path), name, self.files[name])
+                self.verified.append(name)
+        return super().read_data(plan, planner)
+
+
+def checkpoint_error_in(err: CheckpointException) -> CheckpointError | None:
     """The CheckpointError of the lowest rank whose DCP step raised one (DCP gathers every
     rank's failure to every rank: all ranks get the same one), or None."""
     for rank, (failure, _) in sorted(err.failures.items()):

@@ -7,10 +7,10 @@ global tensor. DCP writes every piece once (replicas of the same block, e.g. ove
 de-duplicated) and on load each rank reads exactly the block it owns from whichever files
 hold it, so a checkpoint saved under one layout loads under any other (tp, pp, ep, etp, dp).
 
-Pieces are described to DCP with its own chunk metadata (`ChunkStorageMetadata`), so no DTensor
+Pieces are described with DCP's own chunk metadata (`ChunkStorageMetadata`), so no DTensor
 or DeviceMesh is needed and uneven blocks (a TP rank whose vocabulary slice is partly or
-wholly padding) are fine. `ShardSavePlanner` / `ShardLoadPlanner` (training/dcp_io.py, where
-everything that imports DCP lives) teach DCP's default planners about pieces; everything else in a state dict (plain tensors = replicated values,
+wholly padding) are fine. `ShardSavePlanner` / `ShardLoadPlanner` teach DCP's default
+planners about pieces; everything else in a state dict (plain tensors = replicated values,
 other objects = pickled bytes) keeps DCP's default handling.
 
 A value may also be a list of pieces of one tensor (saving only): `flat_range_pieces` turns a
@@ -25,11 +25,20 @@ saved boxes overlap it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from meshtron.mpu.init import local_offsets
 
@@ -41,6 +50,9 @@ class ShardPiece:
     local: torch.Tensor
     offsets: tuple[int, ...]
     global_shape: tuple[int, ...]
+
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.local.shape)
 
 
 def _mesh_size(mesh, axis: str) -> int:
@@ -113,3 +125,87 @@ def flat_range_pieces(param: nn.Parameter, first: int, values: torch.Tensor, mes
         pieces.append(ShardPiece(local, tuple(o + s for o, s in zip(whole.offsets, start)), whole.global_shape))
         at += n
     return pieces
+
+
+def _as_pieces(value) -> list[ShardPiece] | None:
+    if isinstance(value, ShardPiece):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, ShardPiece) for v in value):
+        return value
+    return None
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """DCP save planner that writes `ShardPiece` values (or lists of pieces of one tensor) as
+    chunks of their global tensor."""
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self._pieces = {k: p for k, v in state_dict.items() if (p := _as_pieces(v)) is not None}
+        self._by_index = {MetadataIndex(k, torch.Size(p.offsets)): p for k, ps in self._pieces.items() for p in ps}
+        plain = {
+            k: (self._pieces[k][0].local if k in self._pieces else v)
+            for k, v in state_dict.items()
+            if k in self._pieces or not isinstance(v, list) or v
+        }
+        super().set_up_planner(plain, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            for piece in self._pieces.get(item.index.fqn, [None]):
+                if piece is not None:
+                    offsets = torch.Size(piece.offsets)
+                    tensor_data = dataclasses.replace(
+                        item.tensor_data, chunk=piece.chunk(), size=torch.Size(piece.global_shape)
+                    )
+                    item = dataclasses.replace(
+                        item,
+                        index=MetadataIndex(item.index.fqn, offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=tensor_data,
+                    )
+                items.append(item)
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self._pieces:
+            return self._by_index[MetadataIndex(index.fqn, index.offset)].local
+        return super().lookup_object(index)
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """DCP load planner that fills `ShardPiece` values with their block of the global tensor
+    (reading it from however the checkpoint was split). Shapes are checked beforehand by the
+    caller (a mismatch is reported by name there)."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self._pieces = {k: v for k, v in state_dict.items() if isinstance(v, ShardPiece)}
+        self._caller_state = state_dict
+        plain = {k: v for k, v in state_dict.items() if not isinstance(v, ShardPiece)}
+        super().set_up_planner(plain, metadata, is_coordinator)
+
+    def load_bytes(self, read_item, value) -> None:
+        """Non-tensor values are handed back in the caller's dict (not a private copy)."""
+        super().load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        self._caller_state[fqn] = self.state_dict[fqn]
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+        items = list(plan.items)
+        for fqn, piece in self._pieces.items():
+            md = self.metadata.state_dict_metadata.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                raise KeyError(f"tensor {fqn} is missing from the checkpoint")
+            if tuple(md.size) != tuple(piece.global_shape):
+                raise ValueError(f"tensor {fqn}: checkpoint shape {tuple(md.size)} != expected {piece.global_shape}")
+            items += create_read_items_for_chunk_list(fqn, md, [piece.chunk()])
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in self._pieces:
+            return self._pieces[index.fqn].local
+        return super().lookup_tensor(index)

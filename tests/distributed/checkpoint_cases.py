@@ -31,9 +31,10 @@ from meshtron.dp.grad_reduce import DataParallelGradReducer
 from meshtron.models.gpt import init_model_chunks
 from meshtron.mpu.mesh import ParallelConfig, build_mesh, single_process_mesh
 from meshtron.pipeline.executor import PipelineExecutor, activation_shape
-from meshtron.training import checkpoint, checkpoint_files, dcp_io
+from meshtron.training import checkpoint, checkpoint_files
 from meshtron.training.checkpoint import (
     LOCK_FILE,
+    WRITE_DELAY_ENV,
     AsyncCheckpointer,
     TrainState,
     hold_checkpoint_dir,
@@ -252,8 +253,8 @@ def save_failure_on_one_rank_reaches_every_rank() -> None:
             root, TrainState(step=1), run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg)
         )
         if dist.get_rank() == 1:
-            real_init = dcp_io.ChecksummedFile.__init__
-            dcp_io.ChecksummedFile.__init__ = lambda self, file, path, on_error: real_init(
+            real_init = checkpoint._ChecksummedFile.__init__
+            checkpoint._ChecksummedFile.__init__ = lambda self, file, path, on_error: real_init(
                 self, _FillingDisk(file), path, on_error
             )
         try:
@@ -263,7 +264,7 @@ def save_failure_on_one_rank_reaches_every_rank() -> None:
                 )
         finally:
             if dist.get_rank() == 1:
-                dcp_io.ChecksummedFile.__init__ = real_init
+                checkpoint._ChecksummedFile.__init__ = real_init
         message = str(failure.value)
         assert (
             f"could not save the checkpoint of step 2 (earlier checkpoints are intact): rank 1: "
@@ -486,14 +487,14 @@ def async_save_while_training_in_a_world() -> None:
         sync = save_checkpoint(
             root / "sync", state, run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg)
         )
-        os.environ[dcp_io.WRITE_DELAY_ENV] = "0.5"
+        os.environ[WRITE_DELAY_ENV] = "0.5"
         try:
             saver.save(root / "async", state, run.chunks, run.optimizer, run.mesh, model_config=dataclasses.asdict(cfg))
             for step in (2, 3):
                 run.step(step)
             assert saver.in_flight, "the background write ended before two steps ran"
         finally:
-            del os.environ[dcp_io.WRITE_DELAY_ENV]
+            del os.environ[WRITE_DELAY_ENV]
         background = saver.wait()
         check_checkpoint_crcs(background)
         for name in checkpoint.read_meta(sync)["files"]:
@@ -501,8 +502,8 @@ def async_save_while_training_in_a_world() -> None:
                 assert (sync / name).read_bytes() == (background / name).read_bytes(), name
 
         if dist.get_rank() == 1:
-            real_init = dcp_io.ChecksummedFile.__init__
-            dcp_io.ChecksummedFile.__init__ = lambda self, file, path, on_error: real_init(
+            real_init = checkpoint._ChecksummedFile.__init__
+            checkpoint._ChecksummedFile.__init__ = lambda self, file, path, on_error: real_init(
                 self, _FillingDisk(file), path, on_error
             )
         try:
@@ -518,7 +519,7 @@ def async_save_while_training_in_a_world() -> None:
                 saver.wait()
         finally:
             if dist.get_rank() == 1:
-                dcp_io.ChecksummedFile.__init__ = real_init
+                checkpoint._ChecksummedFile.__init__ = real_init
         message = str(failure.value)
         partial = root / "async" / ".tmp-step_00000004" / "__1_0.distcp"
         assert message == (
